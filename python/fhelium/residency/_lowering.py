@@ -1,0 +1,93 @@
+"""Lowering of plan records into the Rust core's plan IR, once per plan.
+
+Handles are interned into a per-plan table and value types get process-wide integer
+keys, so the core can tell apart handles that differ only in their value type.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from fhelium import _core
+
+if TYPE_CHECKING:
+    from fhelium.residency.location import ResidencyLocation
+    from fhelium.residency.model import ResidencyHandle
+    from fhelium.residency.plan import ResidencyAction, ResidencyPlan
+
+__all__ = ["location_code", "lower_plan", "type_key"]
+
+_ENSURE, _MOVE, _DROP, _DISCARD = 0, 1, 2, 3
+_NO_LOCATION = -1
+
+_type_keys: dict[type, int] = {}
+_type_keys_lock = threading.Lock()
+
+
+def type_key(value_type: type) -> int:
+    """A stable process-wide integer for `value_type` (the class object stays alive)."""
+    key = _type_keys.get(value_type)
+    if key is None:
+        with _type_keys_lock:
+            key = _type_keys.setdefault(value_type, len(_type_keys) + 1)
+    return key
+
+
+def location_code(location: ResidencyLocation) -> int:
+    """The core's location code: 0 pageable host, 1 pinned host, 2 + CUDA index."""
+    kind = location.kind
+    if kind == "pageable-host":
+        return 0
+    if kind == "pinned-host":
+        return 1
+    index = location.device.index
+    assert index is not None  # ResidencyLocation guarantees an indexed CUDA device.
+    return 2 + index
+
+
+def _encode_actions(
+    actions: Iterable[ResidencyAction],
+    slots: dict[ResidencyHandle[object], int],
+) -> list[tuple[int, int, int, int]]:
+    from fhelium.residency.plan import DiscardValue, DropResident, EnsureResident, MoveResident
+
+    encoded: list[tuple[int, int, int, int]] = []
+    for action in actions:
+        slot = slots.setdefault(action.handle, len(slots))
+        if isinstance(action, EnsureResident):
+            encoded.append((_ENSURE, slot, location_code(action.location), _NO_LOCATION))
+        elif isinstance(action, MoveResident):
+            source = action.from_location
+            encoded.append(
+                (
+                    _MOVE,
+                    slot,
+                    location_code(action.to),
+                    _NO_LOCATION if source is None else location_code(source),
+                )
+            )
+        elif isinstance(action, DropResident):
+            encoded.append((_DROP, slot, location_code(action.location), _NO_LOCATION))
+        elif isinstance(action, DiscardValue):
+            encoded.append((_DISCARD, slot, _NO_LOCATION, _NO_LOCATION))
+        else:  # pragma: no cover - ResidencyPlan validates element types first.
+            raise TypeError(f"not a residency action: {action!r}")
+    return encoded
+
+
+def lower_plan(plan: ResidencyPlan) -> _core.PlanIR:
+    """Lowers a validated plan in one call into the core."""
+    slots: dict[ResidencyHandle[object], int] = {}
+    reclaim = _encode_actions(plan.reclaim, slots)
+    enter = _encode_actions(plan.enter, slots)
+    exit_ = _encode_actions(plan.exit, slots)
+    handles = [
+        (handle.manager_id, handle.handle_id, type_key(handle.value_type)) for handle in slots
+    ]
+    reservations = [
+        (location_code(reservation.location), reservation.nbytes, reservation.label)
+        for reservation in plan.reservations
+    ]
+    return _core.lower_plan(plan.name, handles, reclaim, enter, exit_, reservations)

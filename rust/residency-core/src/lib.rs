@@ -1,0 +1,16 @@
+//! The residency core: the state machine behind `fhelium.residency`.
+//!
+//! It knows handles as integers, locations as a small enum and values as byte
+//! counts plus flags. It never sees a tensor, a stream or a Python object; the
+//! Python glue measures values and performs the copies this crate admits.
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod location;
+pub mod plan;
+pub mod value;
+
+pub use error::{CoreError, CoreResult, PlanPhase};
+pub use location::{Location, MAX_CUDA_INDEX};
+pub use plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
+pub use value::{Recoverability, ReplicaMode, ValueSpec};

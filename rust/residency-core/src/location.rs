@@ -1,0 +1,137 @@
+//! Where a materialisation lives: pageable host, pinned host or an indexed CUDA device.
+//!
+//! The derived ordering is the contract's canonical source order (pageable, pinned,
+//! then CUDA by ascending index), so `min()` over candidate locations picks a source.
+
+use std::fmt;
+
+use crate::error::{CoreError, CoreResult};
+
+/// The highest CUDA device index a location may name.
+pub const MAX_CUDA_INDEX: u8 = 127;
+
+/// A residency location. The variant order is the canonical order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Location {
+    PageableHost,
+    PinnedHost,
+    Cuda(u8),
+}
+
+impl Location {
+    /// Builds a CUDA location, rejecting indices above [`MAX_CUDA_INDEX`].
+    pub fn cuda(index: u32) -> CoreResult<Self> {
+        match u8::try_from(index) {
+            Ok(index) if index <= MAX_CUDA_INDEX => Ok(Self::Cuda(index)),
+            _ => Err(CoreError::InvalidArgument {
+                message: format!("CUDA device index {index} exceeds the maximum {MAX_CUDA_INDEX}"),
+            }),
+        }
+    }
+
+    /// The compact code used across the language boundary: 0 pageable, 1 pinned, 2 + index.
+    pub fn code(self) -> u32 {
+        match self {
+            Self::PageableHost => 0,
+            Self::PinnedHost => 1,
+            Self::Cuda(index) => 2 + u32::from(index),
+        }
+    }
+
+    /// Inverse of [`Location::code`].
+    pub fn from_code(code: u32) -> CoreResult<Self> {
+        match code {
+            0 => Ok(Self::PageableHost),
+            1 => Ok(Self::PinnedHost),
+            other => Self::cuda(other - 2),
+        }
+    }
+
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Self::Cuda(_))
+    }
+
+    pub fn cuda_index(self) -> Option<u8> {
+        match self {
+            Self::Cuda(index) => Some(index),
+            _ => None,
+        }
+    }
+
+    /// The location name: `pageable-host`, `pinned-host` or `cuda:N`.
+    pub fn name(self) -> String {
+        self.to_string()
+    }
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::PageableHost => f.write_str("pageable-host"),
+            Self::PinnedHost => f.write_str("pinned-host"),
+            Self::Cuda(index) => write!(f, "cuda:{index}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn canonical_order_is_pageable_pinned_then_cuda_by_index() {
+        let mut locations = vec![
+            Location::Cuda(3),
+            Location::PinnedHost,
+            Location::Cuda(0),
+            Location::PageableHost,
+            Location::Cuda(1),
+        ];
+        locations.sort();
+        assert_eq!(
+            locations,
+            vec![
+                Location::PageableHost,
+                Location::PinnedHost,
+                Location::Cuda(0),
+                Location::Cuda(1),
+                Location::Cuda(3),
+            ]
+        );
+    }
+
+    #[test]
+    fn codes_round_trip_and_follow_canonical_order() {
+        let all: Vec<Location> = [Location::PageableHost, Location::PinnedHost]
+            .into_iter()
+            .chain((0..=MAX_CUDA_INDEX).map(Location::Cuda))
+            .collect();
+        for window in all.windows(2) {
+            assert!(window[0] < window[1]);
+            assert!(window[0].code() < window[1].code());
+        }
+        for location in all {
+            assert_eq!(Location::from_code(location.code()), Ok(location));
+        }
+    }
+
+    #[test]
+    fn cuda_index_above_maximum_is_rejected() {
+        assert_eq!(Location::cuda(127), Ok(Location::Cuda(127)));
+        assert!(matches!(
+            Location::cuda(128),
+            Err(CoreError::InvalidArgument { .. })
+        ));
+        assert!(Location::from_code(2 + 128).is_err());
+        assert!(Location::from_code(u32::MAX).is_err());
+    }
+
+    #[test]
+    fn names_match_the_python_location_names() {
+        assert_eq!(Location::PageableHost.name(), "pageable-host");
+        assert_eq!(Location::PinnedHost.name(), "pinned-host");
+        assert_eq!(Location::Cuda(12).name(), "cuda:12");
+        assert!(Location::Cuda(0).is_cuda());
+        assert_eq!(Location::PinnedHost.cuda_index(), None);
+    }
+}

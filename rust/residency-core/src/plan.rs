@@ -1,0 +1,208 @@
+//! The ordered plan IR: actions over interned handles, reservations, and phases.
+//!
+//! A plan is lowered from Python once, when it is built. Handles are interned into a
+//! per-plan table so the manager resolves each distinct handle once per execution.
+
+use std::sync::Arc;
+
+use crate::error::{CoreError, CoreResult, PlanPhase};
+use crate::location::Location;
+
+/// A handle as the caller wrote it. The manager resolves it against its own records;
+/// `type_key` identifies the handle's value type, interned by the glue.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HandleRef {
+    pub manager_id: Arc<str>,
+    pub handle_id: Arc<str>,
+    pub type_key: u64,
+}
+
+/// An index into a plan's handle table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HandleSlot(pub u32);
+
+impl HandleSlot {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// One primitive transition request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    Ensure {
+        handle: HandleSlot,
+        location: Location,
+    },
+    Move {
+        handle: HandleSlot,
+        to: Location,
+        from: Option<Location>,
+    },
+    Drop {
+        handle: HandleSlot,
+        location: Location,
+    },
+    Discard {
+        handle: HandleSlot,
+    },
+}
+
+impl Action {
+    pub fn handle(&self) -> HandleSlot {
+        match *self {
+            Self::Ensure { handle, .. }
+            | Self::Move { handle, .. }
+            | Self::Drop { handle, .. }
+            | Self::Discard { handle } => handle,
+        }
+    }
+
+    /// The destination a transfer stream is looked up by (ensure and move only).
+    pub fn transfer_destination(&self) -> Option<Location> {
+        match *self {
+            Self::Ensure { location, .. } => Some(location),
+            Self::Move { to, .. } => Some(to),
+            Self::Drop { .. } | Self::Discard { .. } => None,
+        }
+    }
+}
+
+/// Named accounting headroom held for a scope's lifetime. It allocates nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Reservation {
+    pub location: Location,
+    pub nbytes: u64,
+    pub label: Arc<str>,
+}
+
+/// A frozen, validated plan: reclaim, then reservations, then enter; exit on close.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    name: Arc<str>,
+    handles: Vec<HandleRef>,
+    reclaim: Vec<Action>,
+    enter: Vec<Action>,
+    exit: Vec<Action>,
+    reservations: Vec<Reservation>,
+}
+
+impl Plan {
+    /// Validates the IR's internal consistency. Cross-field semantics (duplicate
+    /// actions, foreign handles) are deliberately allowed; the manager judges them.
+    pub fn new(
+        name: impl Into<Arc<str>>,
+        handles: Vec<HandleRef>,
+        reclaim: Vec<Action>,
+        enter: Vec<Action>,
+        exit: Vec<Action>,
+        reservations: Vec<Reservation>,
+    ) -> CoreResult<Self> {
+        let name = name.into();
+        if name.trim().is_empty() {
+            return Err(CoreError::invalid("plan name must be a non-empty string"));
+        }
+        for handle in &handles {
+            if handle.manager_id.trim().is_empty() || handle.handle_id.trim().is_empty() {
+                return Err(CoreError::invalid(
+                    "handle manager_id and handle_id must be non-empty strings",
+                ));
+            }
+        }
+        let plan = Self {
+            name,
+            handles,
+            reclaim,
+            enter,
+            exit,
+            reservations,
+        };
+        for (phase, index, action) in plan.ordered_actions() {
+            if action.handle().index() >= plan.handles.len() {
+                return Err(CoreError::invalid(format!(
+                    "{phase} action {index} refers to handle slot {} of {}",
+                    action.handle().0,
+                    plan.handles.len()
+                )));
+            }
+        }
+        if let Some(reservation) = plan
+            .reservations
+            .iter()
+            .find(|reservation| reservation.label.trim().is_empty())
+        {
+            return Err(CoreError::invalid(format!(
+                "reservation at {} must have a non-empty label",
+                reservation.location
+            )));
+        }
+        Ok(plan)
+    }
+
+    /// A plan of one `execute` phase: the IR of `execute_actions`.
+    pub fn from_actions(
+        name: impl Into<Arc<str>>,
+        handles: Vec<HandleRef>,
+        actions: Vec<Action>,
+    ) -> CoreResult<Self> {
+        Self::new(name, handles, Vec::new(), actions, Vec::new(), Vec::new())
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn handles(&self) -> &[HandleRef] {
+        &self.handles
+    }
+
+    pub fn handle(&self, slot: HandleSlot) -> &HandleRef {
+        &self.handles[slot.index()]
+    }
+
+    pub fn reclaim(&self) -> &[Action] {
+        &self.reclaim
+    }
+
+    pub fn enter(&self) -> &[Action] {
+        &self.enter
+    }
+
+    pub fn exit(&self) -> &[Action] {
+        &self.exit
+    }
+
+    pub fn reservations(&self) -> &[Reservation] {
+        &self.reservations
+    }
+
+    pub fn action_count(&self) -> usize {
+        self.reclaim.len() + self.enter.len() + self.exit.len()
+    }
+
+    /// Every action in simulation order with its phase and phase-local index.
+    pub fn ordered_actions(&self) -> impl Iterator<Item = (PlanPhase, usize, &Action)> + '_ {
+        tagged(PlanPhase::Reclaim, &self.reclaim)
+            .chain(tagged(PlanPhase::Enter, &self.enter))
+            .chain(tagged(PlanPhase::Exit, &self.exit))
+    }
+
+    /// Total bytes the plan's reservations charge at `location`.
+    pub fn reserved_at(&self, location: Location) -> u64 {
+        self.reservations
+            .iter()
+            .filter(|reservation| reservation.location == location)
+            .map(|reservation| reservation.nbytes)
+            .sum()
+    }
+}
+
+fn tagged(
+    phase: PlanPhase,
+    actions: &[Action],
+) -> impl Iterator<Item = (PlanPhase, usize, &Action)> {
+    actions
+        .iter()
+        .enumerate()
+        .map(move |(index, action)| (phase, index, action))
+}

@@ -1,0 +1,19 @@
+//! `fhelium._core`: thin conversions between Python and `residency-core`.
+//!
+//! Argument schema errors are raised by the Python glue before anything reaches this
+//! crate; what arrives here is already well-typed, so conversions stay mechanical.
+
+mod errors;
+mod plan;
+
+use pyo3::prelude::*;
+
+#[pymodule(gil_used = false)]
+fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    module.add("MAX_CUDA_INDEX", u32::from(residency_core::MAX_CUDA_INDEX))?;
+    module.add_class::<plan::PlanIr>()?;
+    module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
+    module.add_function(wrap_pyfunction!(errors::error_table_probe, module)?)?;
+    Ok(())
+}

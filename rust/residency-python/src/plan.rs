@@ -1,0 +1,180 @@
+//! Lowering of `ResidencyPlan` into the core's plan IR, once per plan.
+//!
+//! The glue interns handles into a table and encodes each action as a small tuple;
+//! this keeps the conversion to one boundary crossing per plan, not per action.
+
+use std::sync::Arc;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use residency_core::{Action, HandleRef, HandleSlot, Location, Plan, Reservation};
+
+use crate::errors::to_py_err;
+
+/// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent.
+/// Kinds: 0 ensure, 1 move, 2 drop, 3 discard.
+type ActionTuple = (u8, u32, i64, i64);
+
+fn location(code: i64) -> PyResult<Location> {
+    let code = u32::try_from(code)
+        .map_err(|_| PyValueError::new_err(format!("invalid location code {code}")))?;
+    Location::from_code(code).map_err(|err| PyValueError::new_err(err.to_string()))
+}
+
+fn action((kind, slot, code, from_code): ActionTuple) -> PyResult<Action> {
+    let handle = HandleSlot(slot);
+    Ok(match kind {
+        0 => Action::Ensure {
+            handle,
+            location: location(code)?,
+        },
+        1 => Action::Move {
+            handle,
+            to: location(code)?,
+            from: if from_code < 0 {
+                None
+            } else {
+                Some(location(from_code)?)
+            },
+        },
+        2 => Action::Drop {
+            handle,
+            location: location(code)?,
+        },
+        3 => Action::Discard { handle },
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "invalid action kind {other}"
+            )));
+        }
+    })
+}
+
+fn actions(tuples: Vec<ActionTuple>) -> PyResult<Vec<Action>> {
+    tuples.into_iter().map(action).collect()
+}
+
+/// A lowered, validated plan. Immutable and shareable across threads.
+#[pyclass(frozen, module = "fhelium._core", name = "PlanIR")]
+#[derive(Debug)]
+pub struct PlanIr {
+    plan: Arc<Plan>,
+}
+
+impl PlanIr {
+    #[allow(dead_code)] // The manager consumes plans from the next issue on.
+    pub fn plan(&self) -> &Arc<Plan> {
+        &self.plan
+    }
+}
+
+#[pymethods]
+impl PlanIr {
+    #[getter]
+    fn name(&self) -> &str {
+        self.plan.name()
+    }
+
+    #[getter]
+    fn handle_count(&self) -> usize {
+        self.plan.handles().len()
+    }
+
+    /// `(reclaim, enter, exit, reservations)` lengths.
+    #[getter]
+    fn shape(&self) -> (usize, usize, usize, usize) {
+        (
+            self.plan.reclaim().len(),
+            self.plan.enter().len(),
+            self.plan.exit().len(),
+            self.plan.reservations().len(),
+        )
+    }
+
+    /// The handle slots of every action in simulation order (reclaim, enter, exit).
+    fn action_slots(&self) -> Vec<u32> {
+        self.plan
+            .ordered_actions()
+            .map(|(_, _, action)| action.handle().0)
+            .collect()
+    }
+
+    /// Location codes each action's transfer stream is looked up by (-1 for none).
+    fn transfer_destinations(&self) -> Vec<i64> {
+        self.plan
+            .ordered_actions()
+            .map(|(_, _, action)| {
+                action
+                    .transfer_destination()
+                    .map_or(-1, |location| i64::from(location.code()))
+            })
+            .collect()
+    }
+
+    /// Total reserved bytes per location code, in first-appearance order.
+    fn reserved_by_location(&self) -> Vec<(u32, u64)> {
+        let mut totals: Vec<(u32, u64)> = Vec::new();
+        for reservation in self.plan.reservations() {
+            let code = reservation.location.code();
+            match totals.iter_mut().find(|(seen, _)| *seen == code) {
+                Some((_, total)) => *total += reservation.nbytes,
+                None => totals.push((code, reservation.nbytes)),
+            }
+        }
+        totals
+    }
+
+    fn __repr__(&self) -> String {
+        let (reclaim, enter, exit, reservations) = self.shape();
+        format!(
+            "PlanIR(name={:?}, handles={}, reclaim={reclaim}, enter={enter}, exit={exit}, reservations={reservations})",
+            self.plan.name(),
+            self.plan.handles().len(),
+        )
+    }
+}
+
+/// Lowers one plan. The glue has already validated every field's type and value.
+#[pyfunction]
+#[pyo3(signature = (name, handles, reclaim, enter, exit, reservations, /))]
+#[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
+pub fn lower_plan(
+    py: Python<'_>,
+    name: String,
+    handles: Vec<(String, String, u64)>,
+    reclaim: Vec<ActionTuple>,
+    enter: Vec<ActionTuple>,
+    exit: Vec<ActionTuple>,
+    reservations: Vec<(i64, u64, String)>,
+) -> PyResult<PlanIr> {
+    let handles = handles
+        .into_iter()
+        .map(|(manager_id, handle_id, type_key)| HandleRef {
+            manager_id: Arc::from(manager_id),
+            handle_id: Arc::from(handle_id),
+            type_key,
+        })
+        .collect();
+    let reservations = reservations
+        .into_iter()
+        .map(|(code, nbytes, label)| {
+            Ok(Reservation {
+                location: location(code)?,
+                nbytes,
+                label: Arc::from(label),
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let plan = Plan::new(
+        name,
+        handles,
+        actions(reclaim)?,
+        actions(enter)?,
+        actions(exit)?,
+        reservations,
+    )
+    .map_err(|err| to_py_err(py, err))?;
+    Ok(PlanIr {
+        plan: Arc::new(plan),
+    })
+}
