@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fhelium import _core
 
@@ -49,7 +49,7 @@ def location_code(location: ResidencyLocation) -> int:
 
 def _encode_actions(
     actions: Iterable[ResidencyAction],
-    slots: dict[ResidencyHandle[object], int],
+    slots: dict[ResidencyHandle[Any], int],
 ) -> list[tuple[int, int, int, int]]:
     from fhelium.residency.plan import DiscardValue, DropResident, EnsureResident, MoveResident
 
@@ -79,7 +79,7 @@ def _encode_actions(
 
 def lower_plan(plan: ResidencyPlan) -> _core.PlanIR:
     """Lowers a validated plan in one call into the core."""
-    slots: dict[ResidencyHandle[object], int] = {}
+    slots: dict[ResidencyHandle[Any], int] = {}
     reclaim = _encode_actions(plan.reclaim, slots)
     enter = _encode_actions(plan.enter, slots)
     exit_ = _encode_actions(plan.exit, slots)

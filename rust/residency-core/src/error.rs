@@ -121,6 +121,10 @@ pub enum CoreError {
     /// The manager is closed.
     #[error("{message}")]
     Closed { message: String },
+
+    /// A broken internal invariant, unreachable through the public API (`RuntimeError`).
+    #[error("internal error: {message}")]
+    Internal { message: String },
 }
 
 impl CoreError {
@@ -141,6 +145,7 @@ impl CoreError {
             Self::PlanExecution { .. } => "ResidencyPlanExecutionError",
             Self::Reentrancy { .. } => "ResidencyReentrancyError",
             Self::Closed { .. } => "ResidencyClosedError",
+            Self::Internal { .. } => "RuntimeError",
         }
     }
 

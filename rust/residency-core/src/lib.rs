@@ -6,11 +6,16 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod gate;
 pub mod location;
+pub mod manager;
 pub mod plan;
+pub mod state;
 pub mod value;
 
 pub use error::{CoreError, CoreResult, PlanPhase};
 pub use location::{Location, MAX_CUDA_INDEX};
+pub use manager::{EnsurePlan, Manager, MovePlan, OpenLifetimes, StorageKey};
 pub use plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
+pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
 pub use value::{Recoverability, ReplicaMode, ValueSpec};

@@ -65,6 +65,7 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
         CoreError::Plan { .. } => ResidencyPlanError::new_err(message),
         CoreError::Reentrancy { .. } => ResidencyReentrancyError::new_err(message),
         CoreError::Closed { .. } => ResidencyClosedError::new_err(message),
+        CoreError::Internal { .. } => PyRuntimeError::new_err(message),
         CoreError::Budget {
             location,
             budget_bytes,
@@ -186,6 +187,7 @@ fn sample(kind: &str) -> Option<CoreError> {
         },
         "reentrancy" => CoreError::Reentrancy { message },
         "closed" => CoreError::Closed { message },
+        "internal" => CoreError::Internal { message },
         _ => return None,
     })
 }

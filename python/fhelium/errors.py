@@ -1,0 +1,286 @@
+"""The documented exception hierarchy of fhelium.
+
+Plain Python classes so users, type checkers and pickle see ordinary exceptions; the Rust
+core maps each of its error kinds onto exactly one class here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fhelium.residency.plan import MemoryReservation, ResidencyAction
+    from fhelium.residency.snapshot import ResidencyPlanReport
+
+__all__ = [
+    "FHEliumError",
+    "ResidencyError",
+    "ResidencyBudgetError",
+    "ResidencyHandleError",
+    "ResidencyUnavailableError",
+    "ResidencyInUseError",
+    "ResidencyLifetimeClosedError",
+    "ResidencyMaterializationError",
+    "ResidencyOwnershipError",
+    "ResidencyPlanError",
+    "ResidencyStaleStateError",
+    "ResidencySearchLimitError",
+    "ResidencyPlanExecutionError",
+    "ResidencyClosedError",
+    "ResidencyReentrancyError",
+    "ConfigurationError",
+    "StateError",
+    "ExecutionError",
+    "ArtifactError",
+]
+
+
+def _rebuild(cls: Callable[..., BaseException], kwargs: Mapping[str, Any]) -> BaseException:
+    # Keyword-only constructors cannot be replayed from `args`, which is what
+    # BaseException.__reduce__ hands to pickle.
+    return cls(**kwargs)
+
+
+class FHEliumError(Exception):
+    """Base class of every error raised by fhelium itself."""
+
+
+class ConfigurationError(FHEliumError, ValueError):
+    """An invalid configuration value."""
+
+
+class StateError(FHEliumError, RuntimeError):
+    """An operation that the current object state does not allow."""
+
+
+class ExecutionError(FHEliumError):
+    """A failure while executing a computation."""
+
+
+class ArtifactError(FHEliumError):
+    """A missing, corrupt or incompatible stored artifact."""
+
+
+class ResidencyError(FHEliumError, RuntimeError):
+    """Base class of residency failures; every one is also a ``RuntimeError``.
+
+    Argument-shape mistakes are never residency errors: they raise plain ``TypeError`` or
+    ``ValueError`` before any state is consulted.
+    """
+
+
+class ResidencyBudgetError(ResidencyError):
+    """Admitting a charge would take a location past its strict byte budget."""
+
+    location: str
+    budget_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+    requested_bytes: int
+
+    def __init__(
+        self,
+        *,
+        location: str,
+        budget_bytes: int,
+        used_bytes: int,
+        reserved_bytes: int,
+        requested_bytes: int,
+    ) -> None:
+        self.location = location
+        self.budget_bytes = int(budget_bytes)
+        self.used_bytes = int(used_bytes)
+        self.reserved_bytes = int(reserved_bytes)
+        self.requested_bytes = int(requested_bytes)
+        super().__init__(
+            f"residency budget exceeded at {location!r}: "
+            f"budget_bytes={self.budget_bytes}, used_bytes={self.used_bytes}, "
+            f"reserved_bytes={self.reserved_bytes}, requested_bytes={self.requested_bytes}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {
+            "location": self.location,
+            "budget_bytes": self.budget_bytes,
+            "used_bytes": self.used_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "requested_bytes": self.requested_bytes,
+        }
+        return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+class ResidencyHandleError(ResidencyError):
+    """A foreign, unknown or discarded handle, or a decision from another manager."""
+
+
+class ResidencyUnavailableError(ResidencyError):
+    """A missing endpoint or reconstruction path, or a value that is not resident."""
+
+
+class ResidencyInUseError(ResidencyError):
+    """A removal or close blocked by active leases, holds, reservations or pending events.
+
+    The message is free text. The optional keyword attributes say what blocked the
+    operation, so callers can act without parsing the message; each is ``None`` when the
+    raiser did not supply it.
+    """
+
+    handle_id: str | None
+    location: str | None
+    active_reads: int | None
+    holds: int | None
+    pending_events: int | None
+
+    def __init__(
+        self,
+        *args: object,
+        handle_id: str | None = None,
+        location: str | None = None,
+        active_reads: int | None = None,
+        holds: int | None = None,
+        pending_events: int | None = None,
+    ) -> None:
+        super().__init__(*args)
+        self.handle_id = handle_id
+        self.location = location
+        self.active_reads = None if active_reads is None else int(active_reads)
+        self.holds = None if holds is None else int(holds)
+        self.pending_events = None if pending_events is None else int(pending_events)
+
+    # BaseException.__reduce__ replays `args` and restores `__dict__`, which already
+    # carries the keyword attributes, so no custom __reduce__ is needed here.
+
+
+class ResidencyLifetimeClosedError(ResidencyError):
+    """Reuse of a released lease, hold or reservation."""
+
+
+class ResidencyMaterializationError(ResidencyError):
+    """A value with the wrong type, device, pinning, logical bytes or storage ceiling."""
+
+
+class ResidencyOwnershipError(ResidencyError):
+    """A replica or recoverability invariant would be violated."""
+
+
+class ResidencyPlanError(ResidencyError):
+    """A plan or request is infeasible before anything has executed."""
+
+
+class ResidencyStaleStateError(ResidencyPlanError):
+    """The manager state changed after the version a plan or decision was made against."""
+
+    expected_version: int
+    actual_version: int
+
+    def __init__(self, *, expected_version: int, actual_version: int) -> None:
+        self.expected_version = int(expected_version)
+        self.actual_version = int(actual_version)
+        super().__init__(
+            "residency state changed since the plan was made: "
+            f"expected_version={self.expected_version}, actual_version={self.actual_version}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {
+            "expected_version": self.expected_version,
+            "actual_version": self.actual_version,
+        }
+        return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+class ResidencySearchLimitError(ResidencyPlanError):
+    """The controller's bounded search ran out of states before reaching a verdict."""
+
+    request_name: str
+    state_limit: int
+    explored_states: int
+    detail: str
+
+    def __init__(
+        self, *, request_name: str, state_limit: int, explored_states: int, detail: str
+    ) -> None:
+        self.request_name = str(request_name)
+        self.state_limit = int(state_limit)
+        self.explored_states = int(explored_states)
+        self.detail = str(detail)
+        super().__init__(
+            f"residency search for request {self.request_name!r} is inconclusive: "
+            f"state_limit={self.state_limit}, explored_states={self.explored_states}: "
+            f"{self.detail}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {
+            "request_name": self.request_name,
+            "state_limit": self.state_limit,
+            "explored_states": self.explored_states,
+            "detail": self.detail,
+        }
+        return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+class ResidencyPlanExecutionError(ResidencyError):
+    """A runtime failure after a successful preflight; earlier transitions stay committed.
+
+    A sibling of ``ResidencyPlanError``, not a subclass: catching that one keeps the
+    nothing-happened guarantee, while this one requires inspecting ``partial_report``.
+    The original failure is the ``__cause__``.
+    """
+
+    plan_name: str
+    phase: str
+    partial_report: ResidencyPlanReport
+    failed_action: ResidencyAction | None
+    failed_action_index: int | None
+    detail: str
+    failed_reservation: MemoryReservation | None
+    failed_reservation_index: int | None
+
+    def __init__(
+        self,
+        *,
+        plan_name: str,
+        phase: str,
+        partial_report: ResidencyPlanReport,
+        failed_action: ResidencyAction | None,
+        failed_action_index: int | None,
+        detail: str,
+        failed_reservation: MemoryReservation | None = None,
+        failed_reservation_index: int | None = None,
+    ) -> None:
+        self.plan_name = plan_name
+        self.phase = phase
+        self.partial_report = partial_report
+        self.failed_action = failed_action
+        self.failed_action_index = failed_action_index
+        self.detail = detail
+        self.failed_reservation = failed_reservation
+        self.failed_reservation_index = failed_reservation_index
+        completed = len(partial_report.transitions)
+        super().__init__(
+            f"residency plan {plan_name!r} failed in phase {phase!r} after "
+            f"{completed} completed transitions: {detail}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {
+            "plan_name": self.plan_name,
+            "phase": self.phase,
+            "partial_report": self.partial_report,
+            "failed_action": self.failed_action,
+            "failed_action_index": self.failed_action_index,
+            "detail": self.detail,
+            "failed_reservation": self.failed_reservation,
+            "failed_reservation_index": self.failed_reservation_index,
+        }
+        return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+class ResidencyClosedError(ResidencyError):
+    """Use of a closed manager."""
+
+
+class ResidencyReentrancyError(ResidencyError):
+    """Manager access while a source callback runs, or same-thread transition re-entry."""

@@ -1,0 +1,84 @@
+"""Managed residency of tensor-backed values across pageable host, pinned host and CUDA.
+
+Every public name is re-exported from the submodule that defines it.
+"""
+
+from fhelium.residency.location import (
+    PAGEABLE_HOST,
+    PINNED_HOST,
+    ResidencyLocation,
+    ResidencyLocationKind,
+    cuda_location,
+)
+from fhelium.residency.model import (
+    Recoverability,
+    ReplicaMode,
+    ResidencyHandle,
+    ResidencySource,
+    ResidencyValueSpec,
+)
+from fhelium.residency.plan import (
+    DiscardValue,
+    DropResident,
+    EnsureResident,
+    MemoryReservation,
+    MoveResident,
+    ResidencyAction,
+    ResidencyPlan,
+)
+from fhelium.residency.policy import (
+    DeterministicTieredLRU,
+    ResidencyEvictionCandidate,
+    ResidencyPolicy,
+    ResidencyPolicyMetadata,
+)
+from fhelium.residency.request import (
+    ResidencyRequest,
+    ResidencyRequirement,
+)
+from fhelium.residency.snapshot import (
+    MaterializationSnapshot,
+    ResidencyActionExplanation,
+    ResidencyLocationSnapshot,
+    ResidencyPlanExplanation,
+    ResidencyPlanReport,
+    ResidencyReservationSnapshot,
+    ResidencySnapshot,
+    ResidencyTransitionReport,
+    ResidencyValueSnapshot,
+)
+
+__all__ = [
+    "PAGEABLE_HOST",
+    "PINNED_HOST",
+    "DeterministicTieredLRU",
+    "DiscardValue",
+    "DropResident",
+    "EnsureResident",
+    "MaterializationSnapshot",
+    "MemoryReservation",
+    "MoveResident",
+    "Recoverability",
+    "ReplicaMode",
+    "ResidencyAction",
+    "ResidencyActionExplanation",
+    "ResidencyEvictionCandidate",
+    "ResidencyHandle",
+    "ResidencyLocation",
+    "ResidencyLocationKind",
+    "ResidencyLocationSnapshot",
+    "ResidencyPlan",
+    "ResidencyPlanExplanation",
+    "ResidencyPlanReport",
+    "ResidencyPolicy",
+    "ResidencyPolicyMetadata",
+    "ResidencyRequest",
+    "ResidencyRequirement",
+    "ResidencyReservationSnapshot",
+    "ResidencySnapshot",
+    "ResidencySource",
+    "ResidencyTransitionReport",
+    "ResidencyValueSnapshot",
+    "ResidencyValueSpec",
+    "cuda_location",
+]

@@ -1,0 +1,78 @@
+"""Argument checks shared by the residency records.
+
+Each helper raises ``TypeError`` for the wrong kind of value and ``ValueError`` for a wrong
+value and names the argument, so a record's ``__post_init__`` reads as its check order.
+"""
+
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def require_instance(value: object, cls: type[T], name: str) -> T:
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+    return value
+
+
+def require_optional_instance(value: object, cls: type[T], name: str) -> T | None:
+    if value is None:
+        return None
+    return require_instance(value, cls, name)
+
+
+def require_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def require_strict_int(value: object, name: str) -> int:
+    # bool is an int subclass but never a meaningful count, priority or version.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def require_count(value: object, name: str) -> int:
+    """A strict int that is at least 0."""
+    count = require_strict_int(value, name)
+    if count < 0:
+        raise ValueError(f"{name} must be >= 0, got {count}")
+    return count
+
+
+def require_optional_count(value: object, name: str) -> int | None:
+    if value is None:
+        return None
+    return require_count(value, name)
+
+
+def require_non_empty_str(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    # Same verdict as `not value.strip()`, without building the stripped copy.
+    if not value or value.isspace():
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def require_optional_non_empty_str(value: object, name: str) -> str | None:
+    if value is None:
+        return None
+    return require_non_empty_str(value, name)
+
+
+def to_torch_device(value: object, name: str) -> torch.device:
+    """``torch.device(value)``, reporting an unparsable spelling as ``ValueError``."""
+    if isinstance(value, torch.device):
+        return value
+    try:
+        # Unsupported input types raise torch's own TypeError, which is the right kind.
+        device: torch.device = torch.device(value)  # type: ignore[call-overload]
+    except RuntimeError as exc:
+        # torch reports unknown device strings as RuntimeError; here it is a bad value.
+        raise ValueError(f"{name} is not a valid torch.device: {value!r}") from exc
+    return device

@@ -1,0 +1,309 @@
+"""TensorResident: a value whose declared tensor fields move between devices together.
+
+Also the two ready-made residents (one tensor, named tensors) and the measurement helpers
+the residency manager uses for alias rejection and pinning checks.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import itertools
+from collections.abc import Iterator, Mapping
+from typing import Self
+
+import torch
+
+__all__ = ["TensorResident", "ResidentTensor", "TensorBundle"]
+
+_PINNED_UNAVAILABLE = (
+    "pinned host storage is unavailable in this PyTorch runtime; use pageable CPU storage "
+    "or an accelerator-enabled PyTorch build"
+)
+
+
+class TensorResident(abc.ABC):
+    """A value made of tensor fields that always share one device.
+
+    Subclasses implement ``_resident_tensors`` and ``_with_resident_tensors``; everything
+    else (device, byte measurements, movement and pinning) is derived from those two.
+    """
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The value's direct tensor fields, in a fixed order."""
+
+    @abc.abstractmethod
+    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
+        """A new value of the same kind around ``tensors``, keeping all other metadata.
+
+        The metadata is not re-validated: the tensors are replacements for the current
+        fields, in the same order.
+        """
+
+    @property
+    def device(self) -> torch.device:
+        """The device shared by every tensor field.
+
+        Raises ``RuntimeError`` when the value has no tensors or its tensors disagree.
+        """
+        tensors = self._resident_tensors
+        if not tensors:
+            raise RuntimeError(f"{type(self).__name__} has no tensor fields, so no device")
+        device = tensors[0].device
+        for tensor in tensors[1:]:
+            if tensor.device != device:
+                raise RuntimeError(
+                    f"{type(self).__name__} spans several devices ({device} and "
+                    f"{tensor.device}); every tensor field must share one device"
+                )
+        return device
+
+    @property
+    def nbytes(self) -> int:
+        """Logical payload bytes; fields that share storage are each counted in full."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in self._resident_tensors)
+
+    @property
+    def storage_nbytes(self) -> int:
+        """Bytes of unique backing storage, counting each whole allocation once.
+
+        Exceeds ``nbytes`` for a view into a larger allocation and falls below it for
+        fields sharing storage.
+        """
+        sizes: dict[tuple[torch.device, int], int] = {}
+        for tensor in self._resident_tensors:
+            storage = tensor.untyped_storage()
+            size = storage.nbytes()
+            if size == 0:
+                continue
+            key = (tensor.device, storage.data_ptr())
+            known = sizes.setdefault(key, size)
+            if known != size:
+                raise RuntimeError(
+                    f"{type(self).__name__} has two tensors on {key[0]} at storage address "
+                    f"{key[1]:#x} reporting different storage sizes ({known} and {size})"
+                )
+        return sum(sizes.values())
+
+    @property
+    def is_cpu(self) -> bool:
+        """Whether the value lives in host memory (pageable or pinned)."""
+        return self.device.type == "cpu"
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the value lives on a CUDA device."""
+        return self.device.type == "cuda"
+
+    @property
+    def is_pinned(self) -> bool:
+        """True only for a CPU value whose every tensor is in page-locked memory."""
+        if self.device.type != "cpu":
+            return False
+        return all(tensor.is_pinned() for tensor in self._resident_tensors)
+
+    def to(
+        self, device: torch.device | str | int, *, non_blocking: bool = False, copy: bool = False
+    ) -> Self:
+        """Move every tensor to ``device``; returns ``self`` when nothing had to change.
+
+        With ``copy=True`` the result always owns new, independent storage. Host copies
+        made from CPU are pageable.
+        """
+        target = torch.device(device)
+        tensors = self._resident_tensors
+        moved = tuple(tensor.to(target, non_blocking=non_blocking, copy=copy) for tensor in tensors)
+        if all(new is old for new, old in zip(moved, tensors, strict=True)):
+            return self
+        return self._with_resident_tensors(moved)
+
+    def cpu(self, *, copy: bool = False) -> Self:
+        """The value in pageable host memory; a pinned value is always copied out."""
+        return self.to("cpu", copy=copy or self.is_pinned)
+
+    def pin_memory(self, *, copy: bool = False) -> Self:
+        """The value in new pinned host storage, or ``self`` if already pinned and no copy.
+
+        Raises ``RuntimeError`` when this PyTorch runtime cannot allocate pinned memory.
+        """
+        if not copy and self.is_pinned:
+            return self
+        with torch.no_grad():
+            pinned = tuple(_pinned_clone(tensor) for tensor in self._resident_tensors)
+        return self._with_resident_tensors(pinned)
+
+
+def _pinned_clone(tensor: torch.Tensor) -> torch.Tensor:
+    try:
+        pinned = torch.empty_strided(
+            tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu", pin_memory=True
+        )
+    except RuntimeError as exc:
+        raise RuntimeError(_PINNED_UNAVAILABLE) from exc
+    # A build without a pinned allocator may silently hand back pageable memory.
+    if pinned.device.type != "cpu" or not pinned.is_pinned():
+        raise RuntimeError(_PINNED_UNAVAILABLE)
+    pinned.copy_(tensor, non_blocking=False)
+    pinned.requires_grad_(tensor.requires_grad)
+    return pinned
+
+
+def _storage_keys(value: TensorResident) -> frozenset[tuple[torch.device, int]]:
+    """The ``(device, storage address)`` of every non-empty backing storage of ``value``.
+
+    Two values whose key sets intersect alias each other's memory.
+    """
+    keys: set[tuple[torch.device, int]] = set()
+    for tensor in value._resident_tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() > 0:
+            keys.add((tensor.device, storage.data_ptr()))
+    return frozenset(keys)
+
+
+def _cpu_pinning_is_uniform(value: TensorResident) -> bool:
+    """False only for a host value that mixes pinned and pageable tensors."""
+    pinning = {
+        tensor.is_pinned() for tensor in value._resident_tensors if tensor.device.type == "cpu"
+    }
+    return len(pinning) <= 1
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"shape={tuple(tensor.shape)}, dtype={tensor.dtype}, device={tensor.device}"
+
+
+class ResidentTensor(TensorResident):
+    """A single tensor managed as a residency value.
+
+    >>> value = ResidentTensor(torch.zeros(2, 3))
+    >>> value.tensor.shape
+    torch.Size([2, 3])
+    """
+
+    __slots__ = ("_tensor",)
+
+    _tensor: torch.Tensor
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        self._tensor = tensor
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The wrapped tensor."""
+        return self._tensor
+
+    @property
+    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self._tensor,)
+
+    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
+        (tensor,) = tensors
+        # A shallow copy rather than a constructor call: subclasses keep their own
+        # metadata and constructor signature, and nothing is re-validated.
+        clone = copy.copy(self)
+        object.__setattr__(clone, "_tensor", tensor)
+        return clone
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({_describe(self._tensor)})"
+
+
+class TensorBundle(TensorResident):
+    """Named tensors, in insertion order, that move between devices together.
+
+    Build it from a mapping, from keywords, or both (a name may appear only once):
+
+    >>> bundle = TensorBundle({"weight": torch.zeros(4, 4)}, bias=torch.zeros(4))
+    >>> bundle.names
+    ('weight', 'bias')
+    >>> bundle["bias"].shape
+    torch.Size([4])
+    """
+
+    __slots__ = ("_index", "_names", "_tensors")
+
+    _index: dict[str, int]
+    _names: tuple[str, ...]
+    _tensors: tuple[torch.Tensor, ...]
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor] | None = None, /, **named: torch.Tensor
+    ) -> None:
+        if tensors is not None and not isinstance(tensors, Mapping):
+            raise TypeError(
+                f"tensors must be a Mapping of names to tensors, got {type(tensors).__name__}"
+            )
+        index: dict[str, int] = {}
+        fields: list[torch.Tensor] = []
+        items = (
+            named.items() if tensors is None else itertools.chain(tensors.items(), named.items())
+        )
+        for name, tensor in items:
+            if not isinstance(name, str):
+                raise TypeError(f"tensor names must be str, got {type(name).__name__}")
+            if not name or name.isspace():
+                raise ValueError(f"tensor names must be non-empty, got {name!r}")
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
+                )
+            if name in index:
+                raise ValueError(f"tensor name {name!r} is given more than once")
+            index[name] = len(fields)
+            fields.append(tensor)
+        if not fields:
+            raise ValueError("TensorBundle needs at least one tensor")
+        self._index = index
+        self._names = tuple(index)
+        self._tensors = tuple(fields)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tensor names, in order."""
+        return self._names
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """A new dict of name to tensor, in order."""
+        return dict(zip(self._names, self._tensors, strict=True))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[self._index[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self._tensors
+
+    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
+        if len(tensors) != len(self._tensors):
+            raise ValueError(
+                f"{type(self).__name__} has {len(self._tensors)} tensors, "
+                f"got {len(tensors)} replacements"
+            )
+        # The shallow copy shares the never-mutated names and index with the original.
+        clone = copy.copy(self)
+        object.__setattr__(clone, "_tensors", tuple(tensors))
+        return clone
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{name}=<{_describe(tensor)}>"
+            for name, tensor in zip(self._names, self._tensors, strict=True)
+        )
+        return f"{type(self).__name__}({fields})"

@@ -1,0 +1,972 @@
+//! The manager core: records, books, protections, the alias index and versions.
+//!
+//! Every method that reads or changes mutable state expects the caller to hold the
+//! gate (`enter`/`exit`); the inner mutex only guards against lock-free readers and
+//! is never held across a call back into the glue. Each transition is split into a
+//! `plan_*` step that validates and decides, the glue's copy, and `install`/`remove`
+//! steps that commit. The state is published for lock-free readers when the
+//! outermost gate holder exits, so readers only ever see whole operations.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+
+use crate::error::{CoreError, CoreResult};
+use crate::gate::Gate;
+use crate::location::Location;
+use crate::state::{HandleId, ReservationRecord, State, TokenKind, ValueRecord};
+use crate::value::{Recoverability, ValueSpec};
+
+/// A backing storage identity: (device code, data pointer). Device code is -1 for
+/// host memory and the CUDA index otherwise.
+pub type StorageKey = (i64, u64);
+
+/// What an ensure needs from the glue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnsurePlan {
+    /// Already resident at the destination.
+    NoOp,
+    /// Copy from this materialisation; the destination budget has been admitted.
+    Copy { source: Location },
+    /// Reconstruct through the registered source at this location first.
+    Reconstruct { source_location: Location },
+}
+
+/// What a move needs from the glue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MovePlan {
+    /// Nothing to do; `source` is what the report names.
+    NoOp { source: Option<Location> },
+    /// The destination is already resident: the source replica was removed.
+    RemovedSource { source: Location },
+    /// Copy from this materialisation, install, then remove the source. The source
+    /// is removable and the destination budget has been admitted.
+    Copy { source: Location },
+    /// No materialisation: reconstruct at this location; nothing is removed after.
+    Reconstruct { source_location: Location },
+}
+
+#[derive(Debug, Clone)]
+struct LeaseRecord {
+    handles: Vec<HandleId>,
+    location: Location,
+    pending: bool,
+}
+
+#[derive(Debug, Clone)]
+struct HoldRecord {
+    handles: Vec<HandleId>,
+    location: Location,
+}
+
+/// How many lifetimes of each kind are still open (for `close`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OpenLifetimes {
+    pub active_leases: u64,
+    pub pending_leases: u64,
+    pub holds: u64,
+    pub reservations: u64,
+}
+
+impl OpenLifetimes {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    state: State,
+    handles: HashMap<Arc<str>, HandleId>,
+    storage_owners: HashMap<StorageKey, (HandleId, Location)>,
+    materialization_keys: HashMap<(HandleId, Location), Vec<StorageKey>>,
+    leases: HashMap<u64, LeaseRecord>,
+    holds: HashMap<u64, HoldRecord>,
+    next_token: u64,
+    /// Published state is stale once a mutation happened since the last publish.
+    dirty: bool,
+}
+
+#[derive(Debug)]
+pub struct Manager {
+    manager_id: Arc<str>,
+    gate: Gate,
+    published: ArcSwap<State>,
+    inner: Mutex<Inner>,
+}
+
+fn new_uuid() -> Arc<str> {
+    Arc::from(uuid::Uuid::new_v4().to_string())
+}
+
+fn handle_error(message: String) -> CoreError {
+    CoreError::Handle { message }
+}
+
+fn in_use(
+    handle_id: &str,
+    location: Location,
+    use_count: u32,
+    holds: u32,
+    pending: u32,
+) -> CoreError {
+    CoreError::InUse {
+        message: format!(
+            "materialization of value {handle_id:?} at {location} is protected \
+             (active_reads={use_count}, holds={holds}, pending_events={pending}); release its \
+             leases and holds (and let CUDA consumers finish) before removing it"
+        ),
+        location: Some(location),
+        active_reads: u64::from(use_count),
+        holds: u64::from(holds),
+        pending_events: u64::from(pending),
+    }
+}
+
+impl Inner {
+    fn record(&self, handle: HandleId) -> CoreResult<&Arc<ValueRecord>> {
+        self.state
+            .record(handle)
+            .ok_or_else(|| CoreError::Internal {
+                message: format!("handle index {handle} is not issued by this manager"),
+            })
+    }
+
+    fn live_record(&self, handle: HandleId) -> CoreResult<&Arc<ValueRecord>> {
+        let record = self.record(handle)?;
+        if record.discarded {
+            return Err(handle_error(format!(
+                "Value {:?} is discarded",
+                &*record.handle_id
+            )));
+        }
+        Ok(record)
+    }
+
+    fn check_removable(&self, handle: HandleId, location: Location) -> CoreResult<()> {
+        let record = self.record(handle)?;
+        if let Some(materialization) = record.materialization(location)
+            && materialization.is_protected()
+        {
+            return Err(in_use(
+                &record.handle_id,
+                location,
+                materialization.use_count,
+                materialization.hold_count,
+                materialization.pending_count,
+            ));
+        }
+        Ok(())
+    }
+
+    fn remove(&mut self, handle: HandleId, location: Location) {
+        if self.state.remove(handle, location).is_some() {
+            if let Some(keys) = self.materialization_keys.remove(&(handle, location)) {
+                for key in keys {
+                    if self.storage_owners.get(&key) == Some(&(handle, location)) {
+                        self.storage_owners.remove(&key);
+                    }
+                }
+            }
+            self.dirty = true;
+        }
+    }
+
+    fn next_token(&mut self) -> u64 {
+        self.next_token += 1;
+        self.next_token
+    }
+
+    fn tokens(&mut self, handles: &[HandleId], location: Location, kind: TokenKind, add: bool) {
+        for &handle in handles {
+            self.state.adjust_tokens(handle, location, kind, add);
+        }
+    }
+
+    fn open_lifetimes(&self) -> OpenLifetimes {
+        let pending = self.leases.values().filter(|lease| lease.pending).count() as u64;
+        OpenLifetimes {
+            active_leases: self.leases.len() as u64 - pending,
+            pending_leases: pending,
+            holds: self.holds.len() as u64,
+            reservations: self.state.reservations.len() as u64,
+        }
+    }
+}
+
+impl Manager {
+    /// A new open manager with strict budgets at the listed locations, registered in
+    /// order without advancing the version.
+    pub fn new(budgets: &[(Location, u64)]) -> Self {
+        let mut state = State::default();
+        for &(location, budget) in budgets {
+            state.register_budget(location, budget);
+        }
+        Self {
+            manager_id: new_uuid(),
+            gate: Gate::new(),
+            published: ArcSwap::from_pointee(state.clone()),
+            inner: Mutex::new(Inner {
+                state,
+                ..Inner::default()
+            }),
+        }
+    }
+
+    pub fn manager_id(&self) -> &Arc<str> {
+        &self.manager_id
+    }
+
+    pub fn gate(&self) -> &Gate {
+        &self.gate
+    }
+
+    fn inner(&self) -> MutexGuard<'_, Inner> {
+        // Inner is only mutated through methods that keep it consistent step by step.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The last published state: O(1), never waits for a writer.
+    pub fn published(&self) -> Arc<State> {
+        self.published.load_full()
+    }
+
+    // ----- the gate -------------------------------------------------------------
+
+    /// Passes the gate and the requested guards, in the contract's order: callback,
+    /// lock, closed, re-entrancy. On a guard failure the lock is released again.
+    pub fn enter(
+        &self,
+        poll: Duration,
+        check_closed: bool,
+        check_reentrant: bool,
+    ) -> CoreResult<()> {
+        self.gate.enter(poll)?;
+        self.guards(check_closed, check_reentrant)
+    }
+
+    /// Non-blocking variant of [`Manager::enter`]: `Ok(false)` if another thread holds
+    /// the lock (nothing is held then).
+    pub fn try_enter(&self, check_closed: bool, check_reentrant: bool) -> CoreResult<bool> {
+        if !self.gate.try_enter()? {
+            return Ok(false);
+        }
+        self.guards(check_closed, check_reentrant).map(|()| true)
+    }
+
+    fn guards(&self, check_closed: bool, check_reentrant: bool) -> CoreResult<()> {
+        let result = if check_closed && self.inner().state.closed {
+            Err(CoreError::Closed {
+                message: format!("residency manager {:?} is closed", &*self.manager_id),
+            })
+        } else if check_reentrant {
+            self.gate.check_reentrant()
+        } else {
+            Ok(())
+        };
+        if result.is_err() {
+            self.exit();
+        }
+        result
+    }
+
+    /// Releases one gate level; the outermost exit publishes the state.
+    pub fn exit(&self) {
+        {
+            let mut inner = self.inner();
+            if inner.dirty && self.gate.held_by_me() {
+                self.published.store(Arc::new(inner.state.clone()));
+                inner.dirty = false;
+            }
+        }
+        self.gate.exit();
+    }
+
+    pub fn begin_transition(&self) {
+        self.gate.begin_transition();
+    }
+
+    pub fn end_transition(&self) {
+        self.gate.end_transition();
+    }
+
+    pub fn set_callback_active(&self, active: bool) {
+        self.gate.set_callback_active(active);
+    }
+
+    // ----- observations -------------------------------------------------------
+
+    pub fn version(&self) -> u64 {
+        self.inner().state.version
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.inner().state.closed
+    }
+
+    pub fn locations(&self) -> Vec<Location> {
+        self.inner()
+            .state
+            .locations
+            .iter()
+            .map(|books| books.location)
+            .collect()
+    }
+
+    /// The working state (inside the gate), for snapshots taken under the lock.
+    pub fn current(&self) -> Arc<State> {
+        let mut inner = self.inner();
+        let state = Arc::new(inner.state.clone());
+        if inner.dirty {
+            self.published.store(Arc::clone(&state));
+            inner.dirty = false;
+        }
+        state
+    }
+
+    pub fn materialization_locations(&self, handle: HandleId) -> CoreResult<Vec<Location>> {
+        let inner = self.inner();
+        Ok(inner
+            .record(handle)?
+            .materializations
+            .iter()
+            .map(|materialization| materialization.location)
+            .collect())
+    }
+
+    pub fn source_location(&self, handle: HandleId) -> CoreResult<Option<Location>> {
+        Ok(self.inner().record(handle)?.source)
+    }
+
+    pub fn spec(&self, handle: HandleId) -> CoreResult<ValueSpec> {
+        Ok(self.inner().record(handle)?.spec)
+    }
+
+    // ----- handles --------------------------------------------------------------
+
+    /// Resolves a caller's handle: foreign, unknown, type-inconsistent and discarded
+    /// handles are handle errors.
+    pub fn resolve(
+        &self,
+        manager_id: &str,
+        handle_id: &str,
+        type_key: u64,
+    ) -> CoreResult<HandleId> {
+        if manager_id != &*self.manager_id {
+            return Err(handle_error(format!(
+                "handle {handle_id:?} belongs to manager {manager_id:?}, not {:?}",
+                &*self.manager_id
+            )));
+        }
+        let inner = self.inner();
+        let handle = *inner.handles.get(handle_id).ok_or_else(|| {
+            handle_error(format!(
+                "unknown handle {handle_id:?} for manager {manager_id:?}"
+            ))
+        })?;
+        let record = inner.record(handle)?;
+        if record.type_key != type_key {
+            return Err(handle_error(format!(
+                "handle {handle_id:?} names a different value type than the managed value"
+            )));
+        }
+        inner.live_record(handle)?;
+        Ok(handle)
+    }
+
+    /// Resolves a handle index known to be issued here, failing for a discarded one.
+    pub fn check_live(&self, handle: HandleId) -> CoreResult<()> {
+        self.inner().live_record(handle).map(|_| ())
+    }
+
+    // ----- registration ---------------------------------------------------------
+
+    /// Registers a reconstructible value with no materialisation.
+    pub fn register_source(
+        &self,
+        type_key: u64,
+        spec: ValueSpec,
+        source_location: Location,
+    ) -> CoreResult<(HandleId, Arc<str>)> {
+        if spec.recoverability() != Recoverability::Reconstructible {
+            return Err(CoreError::invalid(
+                "register_source requires a RECONSTRUCTIBLE spec; adopt values that must be preserved",
+            ));
+        }
+        let mut inner = self.inner();
+        inner.state.register_location(source_location);
+        let handle_id = new_uuid();
+        let handle = inner.state.push_record(ValueRecord {
+            handle_id: Arc::clone(&handle_id),
+            type_key,
+            spec,
+            source: Some(source_location),
+            discarded: false,
+            materializations: Vec::new(),
+        });
+        inner.state.bump();
+        inner.handles.insert(Arc::clone(&handle_id), handle);
+        inner.dirty = true;
+        Ok((handle, handle_id))
+    }
+
+    /// Adopts a measured value as a new `MUST_PRESERVE` record installed at `location`.
+    /// A failed install leaves no record behind.
+    pub fn adopt(
+        &self,
+        type_key: u64,
+        spec: ValueSpec,
+        location: Location,
+        storage_nbytes: u64,
+        keys: &[StorageKey],
+    ) -> CoreResult<(HandleId, Arc<str>)> {
+        let mut inner = self.inner();
+        let handle_id = new_uuid();
+        let handle = inner.state.push_record(ValueRecord {
+            handle_id: Arc::clone(&handle_id),
+            type_key,
+            spec,
+            source: None,
+            discarded: false,
+            materializations: Vec::new(),
+        });
+        let logical = spec.logical_nbytes();
+        if let Err(err) = Self::install_locked(
+            &mut inner,
+            handle,
+            location,
+            logical,
+            storage_nbytes,
+            keys,
+            false,
+        ) {
+            inner.state.pop_record();
+            return Err(err);
+        }
+        inner.handles.insert(Arc::clone(&handle_id), handle);
+        Ok((handle, handle_id))
+    }
+
+    // ----- transitions ------------------------------------------------------------
+
+    /// Validates a measured candidate's byte counts against the value's spec.
+    pub fn check_materialization(
+        &self,
+        handle: HandleId,
+        logical_nbytes: u64,
+        storage_nbytes: u64,
+    ) -> CoreResult<()> {
+        let inner = self.inner();
+        Self::check_bytes(inner.record(handle)?, logical_nbytes, storage_nbytes)
+    }
+
+    fn check_bytes(
+        record: &ValueRecord,
+        logical_nbytes: u64,
+        storage_nbytes: u64,
+    ) -> CoreResult<()> {
+        let spec = record.spec;
+        if logical_nbytes != spec.logical_nbytes() {
+            return Err(CoreError::Materialization {
+                message: format!(
+                    "value {:?} has logical_nbytes={logical_nbytes}, but its spec declares {}",
+                    &*record.handle_id,
+                    spec.logical_nbytes()
+                ),
+            });
+        }
+        let occupied = logical_nbytes.max(storage_nbytes);
+        if occupied > spec.storage_nbytes() {
+            return Err(CoreError::Materialization {
+                message: format!(
+                    "value {:?} occupies {occupied} storage bytes, above its charge of {}",
+                    &*record.handle_id,
+                    spec.storage_nbytes()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Decides an ensure: no-op, copy from a materialisation (destination admitted),
+    /// or reconstruction.
+    pub fn plan_ensure(&self, handle: HandleId, at: Location) -> CoreResult<EnsurePlan> {
+        let inner = self.inner();
+        let record = inner.live_record(handle)?;
+        if record.is_resident(at) {
+            return Ok(EnsurePlan::NoOp);
+        }
+        if record.spec.is_exclusive() && !record.materializations.is_empty() {
+            return Err(CoreError::Ownership {
+                message: format!(
+                    "value {:?} is EXCLUSIVE and already materialized at {}; use move() to relocate it",
+                    &*record.handle_id,
+                    record
+                        .best_source(None)
+                        .map_or_else(String::new, Location::name)
+                ),
+            });
+        }
+        match (record.best_source(None), record.source) {
+            (Some(source), _) => {
+                inner.state.admit(at, record.spec.storage_nbytes())?;
+                Ok(EnsurePlan::Copy { source })
+            }
+            (None, Some(source_location)) => Ok(EnsurePlan::Reconstruct { source_location }),
+            (None, None) => Err(Self::unavailable(record)),
+        }
+    }
+
+    fn unavailable(record: &ValueRecord) -> CoreError {
+        CoreError::Unavailable {
+            message: format!(
+                "value {:?} has no materialization and no reconstruction source",
+                &*record.handle_id
+            ),
+        }
+    }
+
+    /// Decides a move. A `RemovedSource` outcome has already committed the removal.
+    pub fn plan_move(
+        &self,
+        handle: HandleId,
+        to: Location,
+        from: Option<Location>,
+    ) -> CoreResult<MovePlan> {
+        let mut inner = self.inner();
+        let record = Arc::clone(inner.live_record(handle)?);
+        let source = match from {
+            Some(explicit) => {
+                if !record.is_resident(explicit) {
+                    return Err(CoreError::Unavailable {
+                        message: format!(
+                            "explicit source {explicit} of value {:?} is not resident",
+                            &*record.handle_id
+                        ),
+                    });
+                }
+                Some(explicit)
+            }
+            None => record.best_source(Some(to)),
+        };
+        if record.is_resident(to) {
+            return match source {
+                None => Ok(MovePlan::NoOp { source: None }),
+                Some(source) if source == to => Ok(MovePlan::NoOp { source: Some(to) }),
+                Some(source) => {
+                    inner.check_removable(handle, source)?;
+                    inner.remove(handle, source);
+                    Ok(MovePlan::RemovedSource { source })
+                }
+            };
+        }
+        match (source, record.source) {
+            (Some(source), _) => {
+                inner.check_removable(handle, source)?;
+                inner.state.admit(to, record.spec.storage_nbytes())?;
+                Ok(MovePlan::Copy { source })
+            }
+            (None, Some(source_location)) => Ok(MovePlan::Reconstruct { source_location }),
+            (None, None) => Err(Self::unavailable(&record)),
+        }
+    }
+
+    /// Checks the destination budget before a copy (no charge).
+    pub fn admit(&self, handle: HandleId, location: Location) -> CoreResult<()> {
+        let inner = self.inner();
+        let charge = inner.record(handle)?.spec.storage_nbytes();
+        inner.state.admit(location, charge)
+    }
+
+    /// Charges the temporary reconstruction at the value's source location: budget
+    /// checked, counted as reserved, peak raised, no version step.
+    pub fn charge_temporary(&self, handle: HandleId) -> CoreResult<Location> {
+        let mut inner = self.inner();
+        let record = inner.live_record(handle)?;
+        let Some(source_location) = record.source else {
+            return Err(Self::unavailable(record));
+        };
+        let charge = record.spec.storage_nbytes();
+        inner.state.admit(source_location, charge)?;
+        inner.state.add_reserved(source_location, charge);
+        Ok(source_location)
+    }
+
+    /// Returns a temporary charge taken by [`Manager::charge_temporary`].
+    pub fn release_temporary(&self, handle: HandleId, source_location: Location) -> CoreResult<()> {
+        let mut inner = self.inner();
+        let charge = inner.record(handle)?.spec.storage_nbytes();
+        inner.state.remove_reserved(source_location, charge);
+        Ok(())
+    }
+
+    /// Validates and installs a measured materialisation (contract 3.14, steps 1-8).
+    #[allow(clippy::too_many_arguments)] // The measured facts travel together.
+    pub fn install(
+        &self,
+        handle: HandleId,
+        location: Location,
+        logical_nbytes: u64,
+        storage_nbytes: u64,
+        keys: &[StorageKey],
+        exclusive_transition: bool,
+    ) -> CoreResult<()> {
+        let mut inner = self.inner();
+        Self::install_locked(
+            &mut inner,
+            handle,
+            location,
+            logical_nbytes,
+            storage_nbytes,
+            keys,
+            exclusive_transition,
+        )
+    }
+
+    fn install_locked(
+        inner: &mut Inner,
+        handle: HandleId,
+        location: Location,
+        logical_nbytes: u64,
+        storage_nbytes: u64,
+        keys: &[StorageKey],
+        exclusive_transition: bool,
+    ) -> CoreResult<()> {
+        let record = inner.record(handle)?;
+        if record.is_resident(location) {
+            return Err(CoreError::Internal {
+                message: format!(
+                    "value {:?} is already installed at {location}",
+                    &*record.handle_id
+                ),
+            });
+        }
+        if record.spec.is_exclusive()
+            && !record.materializations.is_empty()
+            && !exclusive_transition
+        {
+            return Err(CoreError::Ownership {
+                message: format!(
+                    "value {:?} is EXCLUSIVE and already materialized; it cannot be replicated",
+                    &*record.handle_id
+                ),
+            });
+        }
+        Self::check_bytes(record, logical_nbytes, storage_nbytes)?;
+        inner.state.admit(location, record.spec.storage_nbytes())?;
+        if let Some(&(owner, owner_location)) =
+            keys.iter().find_map(|key| inner.storage_owners.get(key))
+        {
+            let owner_id = &inner.record(owner)?.handle_id;
+            return Err(CoreError::Ownership {
+                message: format!(
+                    "storage of the value being installed for {:?} at {location} aliases the \
+                     managed materialization of {:?} at {owner_location}; pass an independent copy",
+                    &*inner.record(handle)?.handle_id,
+                    &**owner_id
+                ),
+            });
+        }
+        inner.state.install(handle, location, storage_nbytes);
+        for &key in keys {
+            inner.storage_owners.insert(key, (handle, location));
+        }
+        inner
+            .materialization_keys
+            .insert((handle, location), keys.to_vec());
+        inner.dirty = true;
+        Ok(())
+    }
+
+    /// Removes a materialisation after the glue has committed the move's install.
+    pub fn remove(&self, handle: HandleId, location: Location) -> CoreResult<()> {
+        let mut inner = self.inner();
+        inner.check_removable(handle, location)?;
+        inner.remove(handle, location);
+        Ok(())
+    }
+
+    /// Drops one materialisation. `Ok(false)` is the no-op (already absent).
+    pub fn drop_materialization(&self, handle: HandleId, at: Location) -> CoreResult<bool> {
+        let mut inner = self.inner();
+        let record = Arc::clone(inner.live_record(handle)?);
+        if !record.is_resident(at) {
+            return Ok(false);
+        }
+        inner.check_removable(handle, at)?;
+        if record.materializations.len() == 1 && record.source.is_none() {
+            return Err(CoreError::Ownership {
+                message: format!(
+                    "cannot drop the final MUST_PRESERVE materialization of value {:?} at {at}; \
+                     move it elsewhere or discard the value",
+                    &*record.handle_id
+                ),
+            });
+        }
+        inner.remove(handle, at);
+        Ok(true)
+    }
+
+    /// Ends a value: every materialisation removed (all must be unprotected, else
+    /// nothing changes), the source cleared, the record marked discarded.
+    pub fn discard(&self, handle: HandleId) -> CoreResult<Vec<Location>> {
+        let mut inner = self.inner();
+        let record = Arc::clone(inner.live_record(handle)?);
+        for materialization in &record.materializations {
+            inner.check_removable(handle, materialization.location)?;
+        }
+        let removed: Vec<Location> = record
+            .materializations
+            .iter()
+            .map(|materialization| materialization.location)
+            .collect();
+        for &location in &removed {
+            inner.remove(handle, location);
+        }
+        inner.state.mark_discarded(handle);
+        inner.dirty = true;
+        Ok(removed)
+    }
+
+    // ----- protections and lifetimes ----------------------------------------------
+
+    /// Checks that every handle is live and resident at `location` (no side effect).
+    pub fn check_resident(&self, handles: &[HandleId], location: Location) -> CoreResult<()> {
+        let inner = self.inner();
+        for &handle in handles {
+            let record = inner.live_record(handle)?;
+            if !record.is_resident(location) {
+                return Err(CoreError::Unavailable {
+                    message: format!(
+                        "value {:?} is not resident at {location}; ensure or move it there first \
+                         (acquire and hold never materialize)",
+                        &*record.handle_id
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Installs use tokens on every materialisation atomically (one version step).
+    pub fn acquire(&self, handles: &[HandleId], location: Location) -> CoreResult<u64> {
+        self.check_resident(handles, location)?;
+        let mut inner = self.inner();
+        inner.tokens(handles, location, TokenKind::Use, true);
+        let token = inner.next_token();
+        inner.leases.insert(
+            token,
+            LeaseRecord {
+                handles: handles.to_vec(),
+                location,
+                pending: false,
+            },
+        );
+        inner.state.bump();
+        inner.dirty = true;
+        Ok(token)
+    }
+
+    /// Installs hold tokens atomically (one version step).
+    pub fn hold(&self, handles: &[HandleId], location: Location) -> CoreResult<u64> {
+        self.check_resident(handles, location)?;
+        let mut inner = self.inner();
+        inner.tokens(handles, location, TokenKind::Hold, true);
+        let token = inner.next_token();
+        inner.holds.insert(
+            token,
+            HoldRecord {
+                handles: handles.to_vec(),
+                location,
+            },
+        );
+        inner.state.bump();
+        inner.dirty = true;
+        Ok(token)
+    }
+
+    /// True while the lease record exists, is active and `handle` is one of its
+    /// handles (borrowed lookups check this).
+    pub fn lease_covers(&self, token: u64, handle: HandleId) -> bool {
+        self.inner()
+            .leases
+            .get(&token)
+            .is_some_and(|lease| !lease.pending && lease.handles.contains(&handle))
+    }
+
+    /// Releases an active lease's use tokens (one version step). `false` if the
+    /// lease is unknown or not active.
+    pub fn release_lease(&self, token: u64) -> bool {
+        let mut inner = self.inner();
+        match inner.leases.get(&token) {
+            Some(lease) if !lease.pending => {}
+            _ => return false,
+        }
+        let lease = inner.leases.remove(&token).expect("checked above");
+        inner.tokens(&lease.handles, lease.location, TokenKind::Use, false);
+        inner.state.bump();
+        inner.dirty = true;
+        true
+    }
+
+    /// Turns an active lease's use tokens into pending-event tokens (one step).
+    pub fn lease_to_pending(&self, token: u64) -> bool {
+        let mut inner = self.inner();
+        let Some(lease) = inner.leases.get_mut(&token).filter(|lease| !lease.pending) else {
+            return false;
+        };
+        lease.pending = true;
+        let (handles, location) = (lease.handles.clone(), lease.location);
+        inner.tokens(&handles, location, TokenKind::Use, false);
+        inner.tokens(&handles, location, TokenKind::Pending, true);
+        inner.state.pending_leases += 1;
+        inner.state.bump();
+        inner.dirty = true;
+        true
+    }
+
+    /// Releases a pending lease whose events completed (one version step).
+    pub fn release_pending(&self, token: u64) -> bool {
+        let mut inner = self.inner();
+        if !inner.leases.get(&token).is_some_and(|lease| lease.pending) {
+            return false;
+        }
+        let lease = inner.leases.remove(&token).expect("checked above");
+        inner.tokens(&lease.handles, lease.location, TokenKind::Pending, false);
+        inner.state.pending_leases -= 1;
+        inner.state.bump();
+        inner.dirty = true;
+        true
+    }
+
+    /// Tokens of the leases currently pending on CUDA events, in token order.
+    pub fn pending_lease_tokens(&self) -> Vec<u64> {
+        let inner = self.inner();
+        let mut tokens: Vec<u64> = inner
+            .leases
+            .iter()
+            .filter(|(_, lease)| lease.pending)
+            .map(|(&token, _)| token)
+            .collect();
+        tokens.sort_unstable();
+        tokens
+    }
+
+    pub fn pending_leases(&self) -> u64 {
+        self.inner().state.pending_leases
+    }
+
+    /// Releases a hold (one version step). `false` if unknown.
+    pub fn release_hold(&self, token: u64) -> bool {
+        let mut inner = self.inner();
+        let Some(hold) = inner.holds.remove(&token) else {
+            return false;
+        };
+        inner.tokens(&hold.handles, hold.location, TokenKind::Hold, false);
+        inner.state.bump();
+        inner.dirty = true;
+        true
+    }
+
+    /// Admits and records a reservation (one version step, plus one for a new location).
+    pub fn reserve(&self, location: Location, nbytes: u64, label: &str) -> CoreResult<u64> {
+        let mut inner = self.inner();
+        inner.state.admit(location, nbytes)?;
+        let index = inner.state.register_location(location);
+        inner.state.add_reserved(location, nbytes);
+        inner.state.locations[index].reservation_count += 1;
+        let token = inner.next_token();
+        inner.state.reservations.insert(
+            token,
+            ReservationRecord {
+                location,
+                nbytes,
+                label: Arc::from(label),
+            },
+        );
+        inner.state.bump();
+        inner.dirty = true;
+        Ok(token)
+    }
+
+    /// Releases a reservation (one version step). `false` if unknown.
+    pub fn release_reservation(&self, token: u64) -> bool {
+        let mut inner = self.inner();
+        let Some(reservation) = inner.state.reservations.remove(&token) else {
+            return false;
+        };
+        inner
+            .state
+            .remove_reserved(reservation.location, reservation.nbytes);
+        if let Some(books) = inner
+            .state
+            .locations
+            .iter_mut()
+            .find(|books| books.location == reservation.location)
+        {
+            books.reservation_count -= 1;
+        }
+        inner.state.bump();
+        inner.dirty = true;
+        true
+    }
+
+    pub fn open_lifetimes(&self) -> OpenLifetimes {
+        self.inner().open_lifetimes()
+    }
+
+    /// Closes the manager. Without `force`, open lifetimes refuse the close.
+    pub fn close(&self, force: bool) -> CoreResult<()> {
+        let mut inner = self.inner();
+        if inner.state.closed {
+            return Ok(());
+        }
+        let open = inner.open_lifetimes();
+        if !force && !open.is_empty() {
+            return Err(CoreError::InUse {
+                message: format!(
+                    "residency manager {:?} still has open lifetimes (active_leases={}, \
+                     pending_leases={}, holds={}, reservations={}); release them or close(force=True)",
+                    &*self.manager_id,
+                    open.active_leases,
+                    open.pending_leases,
+                    open.holds,
+                    open.reservations
+                ),
+                location: None,
+                active_reads: open.active_leases,
+                holds: open.holds,
+                pending_events: open.pending_leases,
+            });
+        }
+        inner.leases.clear();
+        inner.holds.clear();
+        inner.storage_owners.clear();
+        inner.materialization_keys.clear();
+        inner.handles.clear();
+        let state = &mut inner.state;
+        state.values = imbl::Vector::new();
+        state.reservations = imbl::OrdMap::new();
+        state.pending_leases = 0;
+        for books in &mut state.locations {
+            books.used_bytes = 0;
+            books.reserved_bytes = 0;
+            books.value_count = 0;
+            books.reservation_count = 0;
+            books.use_count = 0;
+            books.hold_count = 0;
+            books.pending_count = 0;
+        }
+        state.closed = true;
+        state.bump();
+        inner.dirty = true;
+        Ok(())
+    }
+
+    /// Checks the balance invariants of the working state (tests, debug builds).
+    pub fn check_books(&self) -> Result<(), String> {
+        self.inner().state.books_balance()
+    }
+}

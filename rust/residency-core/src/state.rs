@@ -1,0 +1,397 @@
+//! The published manager state: value records, per-location books and reservations.
+//!
+//! A `State` is an immutable value built from persistent collections, so cloning it
+//! is O(1) and a published copy can be read by any number of threads without a lock.
+//! Every mutation goes through the accounting helpers here, which keep the books
+//! balanced: a location's `used_bytes` is always the sum of its materialisations'
+//! charges, and a budgeted location never exceeds `used + reserved <= budget`.
+
+use std::sync::Arc;
+
+use imbl::{OrdMap, Vector};
+
+use crate::error::{CoreError, CoreResult};
+use crate::location::Location;
+use crate::value::ValueSpec;
+
+/// A value's position in issue order; stable until the manager closes.
+pub type HandleId = u32;
+
+/// One installed materialisation of a value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Materialization {
+    pub location: Location,
+    /// The actual unique storage measured at install time.
+    pub storage_nbytes: u64,
+    /// The fixed admission charge: the spec's `storage_nbytes`.
+    pub charged_nbytes: u64,
+    pub use_count: u32,
+    pub hold_count: u32,
+    pub pending_count: u32,
+}
+
+impl Materialization {
+    pub fn is_protected(&self) -> bool {
+        self.use_count > 0 || self.hold_count > 0 || self.pending_count > 0
+    }
+}
+
+/// Everything the core knows about one issued handle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValueRecord {
+    pub handle_id: Arc<str>,
+    pub type_key: u64,
+    pub spec: ValueSpec,
+    /// The reconstruction source's location, while a source is registered.
+    pub source: Option<Location>,
+    pub discarded: bool,
+    /// Materialisations in install order.
+    pub materializations: Vec<Materialization>,
+}
+
+impl ValueRecord {
+    pub fn materialization(&self, location: Location) -> Option<&Materialization> {
+        self.materializations
+            .iter()
+            .find(|materialization| materialization.location == location)
+    }
+
+    pub fn is_resident(&self, location: Location) -> bool {
+        self.materialization(location).is_some()
+    }
+
+    /// The canonical-order first materialisation, optionally excluding one location.
+    pub fn best_source(&self, excluding: Option<Location>) -> Option<Location> {
+        self.materializations
+            .iter()
+            .map(|materialization| materialization.location)
+            .filter(|location| Some(*location) != excluding)
+            .min()
+    }
+
+    fn materialization_mut(&mut self, location: Location) -> Option<&mut Materialization> {
+        self.materializations
+            .iter_mut()
+            .find(|materialization| materialization.location == location)
+    }
+}
+
+/// The books of one registered location.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocationState {
+    pub location: Location,
+    pub budget_bytes: Option<u64>,
+    pub used_bytes: u64,
+    pub reserved_bytes: u64,
+    pub peak_used_bytes: u64,
+    pub peak_charged_bytes: u64,
+    pub value_count: u64,
+    pub reservation_count: u64,
+    pub use_count: u64,
+    pub hold_count: u64,
+    pub pending_count: u64,
+}
+
+impl LocationState {
+    pub fn new(location: Location, budget_bytes: Option<u64>) -> Self {
+        Self {
+            location,
+            budget_bytes,
+            used_bytes: 0,
+            reserved_bytes: 0,
+            peak_used_bytes: 0,
+            peak_charged_bytes: 0,
+            value_count: 0,
+            reservation_count: 0,
+            use_count: 0,
+            hold_count: 0,
+            pending_count: 0,
+        }
+    }
+
+    /// `budget - used - reserved`, or `None` when unbudgeted.
+    pub fn remaining_budget_bytes(&self) -> Option<u64> {
+        self.budget_bytes
+            .map(|budget| budget.saturating_sub(self.charged_bytes()))
+    }
+
+    pub fn charged_bytes(&self) -> u64 {
+        self.used_bytes + self.reserved_bytes
+    }
+
+    /// The strict admission rule: `used + reserved + incoming <= budget`.
+    pub fn admit(&self, incoming: u64) -> CoreResult<()> {
+        match self.budget_bytes {
+            Some(budget)
+                if u128::from(self.charged_bytes()) + u128::from(incoming) > u128::from(budget) =>
+            {
+                Err(CoreError::Budget {
+                    location: self.location,
+                    budget_bytes: budget,
+                    used_bytes: self.used_bytes,
+                    reserved_bytes: self.reserved_bytes,
+                    requested_bytes: incoming,
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn note_peaks(&mut self) {
+        self.peak_used_bytes = self.peak_used_bytes.max(self.used_bytes);
+        self.peak_charged_bytes = self.peak_charged_bytes.max(self.charged_bytes());
+    }
+}
+
+/// An active reservation, in creation (token) order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReservationRecord {
+    pub location: Location,
+    pub nbytes: u64,
+    pub label: Arc<str>,
+}
+
+/// Which protection token a count refers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenKind {
+    Use,
+    Hold,
+    Pending,
+}
+
+/// One immutable, self-consistent observation of a manager.
+#[derive(Debug, Clone, Default)]
+pub struct State {
+    pub version: u64,
+    pub closed: bool,
+    pub values: Vector<Arc<ValueRecord>>,
+    /// Registered locations in registration order.
+    pub locations: Vector<LocationState>,
+    /// Active reservations keyed by their token (creation order).
+    pub reservations: OrdMap<u64, ReservationRecord>,
+    /// Released CUDA leases whose completion events have not been reaped yet.
+    pub pending_leases: u64,
+}
+
+impl State {
+    pub fn location(&self, location: Location) -> Option<&LocationState> {
+        self.locations
+            .iter()
+            .find(|state| state.location == location)
+    }
+
+    fn location_index(&self, location: Location) -> Option<usize> {
+        self.locations
+            .iter()
+            .position(|state| state.location == location)
+    }
+
+    pub fn record(&self, handle: HandleId) -> Option<&Arc<ValueRecord>> {
+        self.values.get(handle as usize)
+    }
+
+    /// The books of `location`, or those of a fresh unbudgeted location.
+    pub fn books(&self, location: Location) -> LocationState {
+        self.location(location)
+            .cloned()
+            .unwrap_or_else(|| LocationState::new(location, None))
+    }
+
+    /// Checks admission of `incoming` bytes at `location` without charging.
+    pub fn admit(&self, location: Location, incoming: u64) -> CoreResult<()> {
+        match self.location(location) {
+            Some(books) => books.admit(incoming),
+            None => Ok(()),
+        }
+    }
+
+    pub fn bump(&mut self) {
+        self.version += 1;
+    }
+
+    /// Registers `location` if it is new (one version step); returns its index.
+    pub fn register_location(&mut self, location: Location) -> usize {
+        if let Some(index) = self.location_index(location) {
+            return index;
+        }
+        self.locations.push_back(LocationState::new(location, None));
+        self.bump();
+        self.locations.len() - 1
+    }
+
+    /// Registers a budgeted location at construction (no version step).
+    pub fn register_budget(&mut self, location: Location, budget: u64) {
+        match self.location_index(location) {
+            Some(index) => self.locations[index].budget_bytes = Some(budget),
+            None => self
+                .locations
+                .push_back(LocationState::new(location, Some(budget))),
+        }
+    }
+
+    fn books_mut(&mut self, location: Location) -> &mut LocationState {
+        let index = self.register_location(location);
+        &mut self.locations[index]
+    }
+
+    fn record_mut(&mut self, handle: HandleId) -> &mut ValueRecord {
+        Arc::make_mut(&mut self.values[handle as usize])
+    }
+
+    /// Adds a charge that is not a materialisation (reservation or temporary load).
+    /// Admission must have been checked; the caller decides about version steps.
+    pub fn add_reserved(&mut self, location: Location, nbytes: u64) {
+        let books = self.books_mut(location);
+        books.reserved_bytes += nbytes;
+        books.note_peaks();
+    }
+
+    pub fn remove_reserved(&mut self, location: Location, nbytes: u64) {
+        if let Some(index) = self.location_index(location) {
+            let books = &mut self.locations[index];
+            books.reserved_bytes = books.reserved_bytes.saturating_sub(nbytes);
+        }
+    }
+
+    /// Appends a new value record; returns its handle.
+    pub fn push_record(&mut self, record: ValueRecord) -> HandleId {
+        let handle = HandleId::try_from(self.values.len()).unwrap_or(HandleId::MAX);
+        self.values.push_back(Arc::new(record));
+        handle
+    }
+
+    /// Removes the most recently pushed record (a failed adopt); no version step.
+    pub fn pop_record(&mut self) {
+        self.values.pop_back();
+    }
+
+    /// Records an installed materialisation and charges it (one version step, plus
+    /// one if the location is new). Every validation has happened before.
+    pub fn install(&mut self, handle: HandleId, location: Location, storage_nbytes: u64) {
+        let charged_nbytes = self.values[handle as usize].spec.storage_nbytes();
+        let books = self.books_mut(location);
+        books.used_bytes += charged_nbytes;
+        books.value_count += 1;
+        books.note_peaks();
+        self.record_mut(handle)
+            .materializations
+            .push(Materialization {
+                location,
+                storage_nbytes,
+                charged_nbytes,
+                use_count: 0,
+                hold_count: 0,
+                pending_count: 0,
+            });
+        self.bump();
+    }
+
+    /// Removes a materialisation and its charge (one version step). Peaks stay.
+    pub fn remove(&mut self, handle: HandleId, location: Location) -> Option<Materialization> {
+        let record = self.record_mut(handle);
+        let position = record
+            .materializations
+            .iter()
+            .position(|materialization| materialization.location == location)?;
+        let removed = record.materializations.remove(position);
+        if let Some(index) = self.location_index(location) {
+            let books = &mut self.locations[index];
+            books.used_bytes -= removed.charged_nbytes;
+            books.value_count -= 1;
+            books.use_count -= u64::from(removed.use_count);
+            books.hold_count -= u64::from(removed.hold_count);
+            books.pending_count -= u64::from(removed.pending_count);
+        }
+        self.bump();
+        Some(removed)
+    }
+
+    /// Ends a value's identity: clears its source and marks it discarded (one step).
+    pub fn mark_discarded(&mut self, handle: HandleId) {
+        let record = self.record_mut(handle);
+        record.source = None;
+        record.discarded = true;
+        self.bump();
+    }
+
+    /// Adds (`delta > 0`) or removes protection tokens; no version step here.
+    pub fn adjust_tokens(
+        &mut self,
+        handle: HandleId,
+        location: Location,
+        kind: TokenKind,
+        add: bool,
+    ) {
+        let Some(materialization) = self.record_mut(handle).materialization_mut(location) else {
+            return;
+        };
+        let count = match kind {
+            TokenKind::Use => &mut materialization.use_count,
+            TokenKind::Hold => &mut materialization.hold_count,
+            TokenKind::Pending => &mut materialization.pending_count,
+        };
+        let changed = if add {
+            *count += 1;
+            true
+        } else if *count > 0 {
+            *count -= 1;
+            true
+        } else {
+            false
+        };
+        if !changed {
+            return;
+        }
+        if let Some(index) = self.location_index(location) {
+            let books = &mut self.locations[index];
+            let total = match kind {
+                TokenKind::Use => &mut books.use_count,
+                TokenKind::Hold => &mut books.hold_count,
+                TokenKind::Pending => &mut books.pending_count,
+            };
+            if add {
+                *total += 1;
+            } else {
+                *total -= 1;
+            }
+        }
+    }
+
+    /// Checks the books: every location's charges equal its materialisations'.
+    /// Used by tests and debug assertions; O(values).
+    pub fn books_balance(&self) -> Result<(), String> {
+        for books in &self.locations {
+            let mut used = 0u64;
+            let mut count = 0u64;
+            for record in &self.values {
+                if let Some(materialization) = record.materialization(books.location) {
+                    used += materialization.charged_nbytes;
+                    count += 1;
+                }
+            }
+            if used != books.used_bytes || count != books.value_count {
+                return Err(format!(
+                    "{}: used_bytes={} value_count={} but materialisations sum to {used} over {count}",
+                    books.location, books.used_bytes, books.value_count
+                ));
+            }
+            if let Some(budget) = books.budget_bytes
+                && books.charged_bytes() > budget
+            {
+                return Err(format!(
+                    "{}: used {} + reserved {} exceeds budget {budget}",
+                    books.location, books.used_bytes, books.reserved_bytes
+                ));
+            }
+            if books.peak_used_bytes < books.used_bytes
+                || books.peak_charged_bytes < books.charged_bytes()
+            {
+                return Err(format!(
+                    "{}: a peak is below its current value",
+                    books.location
+                ));
+            }
+        }
+        Ok(())
+    }
+}
