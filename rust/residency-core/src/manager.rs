@@ -258,9 +258,7 @@ impl Manager {
 
     fn guards(&self, check_closed: bool, check_reentrant: bool) -> CoreResult<()> {
         let result = if check_closed && self.inner().state.closed {
-            Err(CoreError::Closed {
-                message: format!("residency manager {:?} is closed", &*self.manager_id),
-            })
+            Err(self.closed_error())
         } else if check_reentrant {
             self.gate.check_reentrant()
         } else {
@@ -313,6 +311,28 @@ impl Manager {
             .iter()
             .map(|books| books.location)
             .collect()
+    }
+
+    /// The lock-free snapshot path: applies the snapshot guards (callback, closed,
+    /// same-thread transition) to the published state. `Ok(None)` means pending CUDA
+    /// leases must be reaped first, which needs the lock.
+    pub fn try_published_snapshot(&self) -> CoreResult<Option<Arc<State>>> {
+        self.gate.check_callback()?;
+        self.gate.check_reentrant()?;
+        let state = self.published.load_full();
+        if state.closed {
+            return Err(self.closed_error());
+        }
+        if state.pending_leases > 0 {
+            return Ok(None);
+        }
+        Ok(Some(state))
+    }
+
+    fn closed_error(&self) -> CoreError {
+        CoreError::Closed {
+            message: format!("residency manager {:?} is closed", &*self.manager_id),
+        }
     }
 
     /// The working state (inside the gate), for snapshots taken under the lock.
@@ -591,6 +611,8 @@ impl Manager {
         let charge = record.spec.storage_nbytes();
         inner.state.admit(source_location, charge)?;
         inner.state.add_reserved(source_location, charge);
+        // The raised peak outlives a failed load, so it must be published.
+        inner.dirty = true;
         Ok(source_location)
     }
 
@@ -599,6 +621,7 @@ impl Manager {
         let mut inner = self.inner();
         let charge = inner.record(handle)?.spec.storage_nbytes();
         inner.state.remove_reserved(source_location, charge);
+        inner.dirty = true;
         Ok(())
     }
 

@@ -4,6 +4,7 @@
 //! crate; what arrives here is already well-typed, so conversions stay mechanical.
 
 mod errors;
+mod manager;
 mod plan;
 
 use pyo3::prelude::*;
@@ -13,6 +14,8 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     module.add("MAX_CUDA_INDEX", u32::from(residency_core::MAX_CUDA_INDEX))?;
     module.add_class::<plan::PlanIr>()?;
+    module.add_class::<manager::CoreManager>()?;
+    module.add_class::<manager::StateView>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(errors::error_table_probe, module)?)?;
     Ok(())

@@ -1,0 +1,867 @@
+"""`ResidencyManager`: the facade over the Rust core that owns residency state.
+
+The core holds every record, charge, protection, version and the alias index. This
+module validates arguments, measures values, moves them through the device runtime
+and asks the core to decide, commit or abort each step of a transition. It also
+keeps what the core must never see: the concrete values, sources and CUDA events.
+"""
+
+from __future__ import annotations
+
+import gc
+import operator
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Final, TypeVar, cast
+
+import torch
+
+from fhelium import _core
+from fhelium.errors import ResidencyHandleError, ResidencyMaterializationError
+from fhelium.residency import _lowering
+from fhelium.residency._records import trusted_builder
+from fhelium.residency._runtime import DeviceRuntime, current_runtime
+from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
+from fhelium.residency.model import (
+    Recoverability,
+    ReplicaMode,
+    ResidencyHandle,
+    ResidencySource,
+    ResidencyValueSpec,
+)
+from fhelium.residency.plan import (
+    DiscardValue,
+    DropResident,
+    EnsureResident,
+    MoveResident,
+    ResidencyAction,
+)
+from fhelium.residency.snapshot import (
+    MaterializationSnapshot,
+    ResidencyLocationSnapshot,
+    ResidencyReservationSnapshot,
+    ResidencySnapshot,
+    ResidencyTransitionReport,
+    ResidencyValueSnapshot,
+)
+from fhelium.values.tensor_resident import TensorResident
+
+__all__ = ["ResidencyManager"]
+
+ValueT = TypeVar("ValueT", bound=TensorResident)
+
+_PAGEABLE: Final = 0
+_PINNED: Final = 1
+_CUDA_BASE: Final = 2
+
+_REASON_ENSURE_NOOP: Final = "destination already resident"
+_REASON_MOVE_NOOP: Final = "destination already owns the selected replica"
+_REASON_DROP_NOOP: Final = "materialization already absent"
+
+_new_handle = trusted_builder(ResidencyHandle)
+_new_spec = trusted_builder(ResidencyValueSpec)
+_new_report = trusted_builder(ResidencyTransitionReport)
+_new_value_snapshot = trusted_builder(ResidencyValueSnapshot)
+_new_materialization_snapshot = trusted_builder(MaterializationSnapshot)
+_new_location_snapshot = trusted_builder(ResidencyLocationSnapshot)
+_new_reservation_snapshot = trusted_builder(ResidencyReservationSnapshot)
+
+_CPU = torch.device("cpu")
+_LOCATIONS: dict[int, ResidencyLocation] = {_PAGEABLE: PAGEABLE_HOST, _PINNED: PINNED_HOST}
+
+
+def _location_of(code: int) -> ResidencyLocation:
+    """The shared location record for a core location code."""
+    location = _LOCATIONS.get(code)
+    if location is None:
+        location = ResidencyLocation("cuda", torch.device("cuda", code - _CUDA_BASE))
+        _LOCATIONS[code] = location
+    return location
+
+
+def _index_int(value: object, name: str) -> int:
+    """The contract's lenient 'index int': bool is a TypeError, __index__ is accepted."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        result = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if result < 0:
+        raise ValueError(f"{name} must be >= 0, got {result}")
+    return result
+
+
+def _device_code(device: torch.device) -> int:
+    return -1 if device.type == "cpu" else (device.index or 0)
+
+
+class ResidencyManager:
+    """Owns where managed values live, under strict per-location byte budgets.
+
+    Every value gets an opaque `ResidencyHandle`. The four primitives (`ensure`/`copy`,
+    `move`, `drop`, `discard`) change where its materialisations live, with exact
+    accounting at every location and optional strict budgets.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_core",
+        "_cuda_count",
+        "_discarded",
+        "_handles",
+        "_index",
+        "_manager_id",
+        "_materializations",
+        "_pending_events",
+        "_runtime",
+        "_sources",
+        "_specs",
+        "_trace",
+    )
+
+    def __init__(
+        self,
+        budgets: Mapping[ResidencyLocation, int] | None = None,
+        *,
+        trace_capacity: int = 4096,
+    ) -> None:
+        if budgets is not None and not isinstance(budgets, Mapping):
+            raise TypeError(f"budgets must be a Mapping or None, got {type(budgets).__name__}")
+        capacity = _index_int(trace_capacity, "trace_capacity")
+        self._runtime: DeviceRuntime = current_runtime()
+        runtime = self._runtime
+        self._cuda_count = runtime.device_count() if runtime.cuda_available() else 0
+        entries: list[tuple[int, int]] = []
+        for location, budget in (budgets or {}).items():
+            code = self._location_code(location)
+            entries.append((code, _index_int(budget, f"budget for {location}")))
+        self._core = _core.CoreManager(entries)
+        self._manager_id: str = self._core.manager_id
+        # Indexed by the core's handle index (issue order); never shrink before close.
+        self._handles: list[ResidencyHandle[Any]] = []
+        self._specs: list[ResidencyValueSpec[Any]] = []
+        self._materializations: list[dict[int, TensorResident]] = []
+        self._sources: dict[int, ResidencySource[Any]] = {}
+        # Live handles only; discarded ones move to `_discarded` for precise errors.
+        self._index: dict[ResidencyHandle[Any], int] = {}
+        self._discarded: set[ResidencyHandle[Any]] = set()
+        # Pending CUDA lease token -> the events recorded at its release.
+        self._pending_events: dict[int, list[Any]] = {}
+        self._trace: deque[ResidencyTransitionReport] | None = (
+            deque(maxlen=capacity) if capacity else None
+        )
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def manager_id(self) -> str:
+        """The process-unique id carried by every handle this manager issues."""
+        return self._manager_id
+
+    @property
+    def state_version(self) -> int:
+        """The monotonic state version. Reading it reaps completed CUDA leases."""
+        core = self._core
+        core.enter(True, True)
+        try:
+            self._reap()
+            return core.version
+        finally:
+            core.exit()
+
+    @property
+    def locations(self) -> tuple[ResidencyLocation, ...]:
+        """Registered locations: budgeted ones first, then in first-use order."""
+        core = self._core
+        core.enter(False, False)
+        try:
+            return tuple(_location_of(code) for code in core.locations())
+        finally:
+            core.exit()
+
+    def __repr__(self) -> str:
+        return f"ResidencyManager(manager_id={self._manager_id!r}, runtime={self._runtime.name!r})"
+
+    # ------------------------------------------------------------------ validation
+
+    def _location_code(self, location: object) -> int:
+        """Contract 3.3: TypeError for a non-location, ValueError for unusable CUDA."""
+        if not isinstance(location, ResidencyLocation):
+            raise TypeError(f"expected a ResidencyLocation, got {type(location).__name__}")
+        kind = location.kind
+        if kind == "pageable-host":
+            return _PAGEABLE
+        if kind == "pinned-host":
+            return _PINNED
+        index: int = location.device.index
+        if self._cuda_count == 0:
+            raise ValueError(f"{location} is not usable: CUDA is not available")
+        if index >= self._cuda_count:
+            raise ValueError(
+                f"{location} is not usable: only {self._cuda_count} CUDA device(s) present"
+            )
+        return _CUDA_BASE + index
+
+    def _check_stream(self, stream: object, location: ResidencyLocation) -> None:
+        runtime = self._runtime
+        if not runtime.is_stream(stream):
+            raise TypeError(f"stream must be a CUDA stream, got {type(stream).__name__}")
+        if location.kind != "cuda":
+            raise ValueError(f"a stream was given for host location {location}")
+        if runtime.stream_device(stream) != location.device:
+            raise ValueError(
+                f"stream is on {runtime.stream_device(stream)}, but the location is {location}"
+            )
+
+    def _resolve(self, handle: ResidencyHandle[Any]) -> int:
+        index = self._index.get(handle)
+        if index is not None:
+            return index
+        if handle.manager_id != self._manager_id:
+            raise ResidencyHandleError(
+                f"handle {handle.handle_id!r} belongs to manager {handle.manager_id!r}, "
+                f"not {self._manager_id!r}"
+            )
+        if handle in self._discarded:
+            raise ResidencyHandleError(f"Value {handle.handle_id!r} is discarded")
+        raise ResidencyHandleError(
+            f"unknown handle {handle.handle_id!r} (value type {handle.value_type.__name__}) "
+            f"for manager {self._manager_id!r}"
+        )
+
+    def _check_placement(self, value: TensorResident, location: ResidencyLocation) -> None:
+        """Contract 3.4 step 5: the value's device and pinning match the location."""
+        runtime = self._runtime
+        device = runtime.value_device(value)
+        if device != location.device:
+            raise ResidencyMaterializationError(
+                f"{type(value).__name__} is on {device}, but the location is {location}"
+            )
+        if device.type != "cpu":
+            return
+        if not runtime.pinning_is_uniform(value):
+            raise ResidencyMaterializationError(
+                f"{type(value).__name__} mixes pinned and pageable host tensors"
+            )
+        pinned = runtime.value_is_pinned(value)
+        if location.kind == "pinned-host" and not pinned:
+            raise ResidencyMaterializationError(
+                f"{type(value).__name__} is not in pinned memory, but the location is {location}"
+            )
+        if location.kind == "pageable-host" and pinned:
+            raise ResidencyMaterializationError(
+                f"{type(value).__name__} is in pinned memory, but the location is {location}"
+            )
+
+    def _measure_keys(self, value: TensorResident) -> list[tuple[int, int]]:
+        return [(_device_code(device), ptr) for device, ptr in self._runtime.storage_keys(value)]
+
+    # ------------------------------------------------------------------ registration
+
+    def adopt(
+        self,
+        value: ValueT,
+        *,
+        at: ResidencyLocation | None = None,
+        replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE,
+    ) -> ResidencyHandle[ValueT]:
+        """Take ownership of an existing value as a MUST_PRESERVE managed value."""
+        if not isinstance(value, TensorResident):
+            raise TypeError(f"value must be a TensorResident, got {type(value).__name__}")
+        core = self._core
+        core.enter_transition()
+        try:
+            self._reap()
+            runtime = self._runtime
+            if at is None:
+                device = runtime.value_device(value)
+                if device.type == "cuda":
+                    at = _location_of(_CUDA_BASE + (device.index or 0))
+                elif not runtime.pinning_is_uniform(value):
+                    raise ResidencyMaterializationError(
+                        f"{type(value).__name__} mixes pinned and pageable host tensors"
+                    )
+                elif runtime.value_is_pinned(value):
+                    at = PINNED_HOST
+                else:
+                    at = PAGEABLE_HOST
+            code = self._location_code(at)
+            self._check_placement(value, at)
+            if not isinstance(replica_mode, ReplicaMode):
+                raise TypeError(
+                    f"replica_mode must be a ReplicaMode, got {type(replica_mode).__name__}"
+                )
+            value_type = type(value)
+            logical = value.nbytes
+            storage = value.storage_nbytes
+            charge = max(logical, storage)
+            index, handle_id = core.adopt(
+                _lowering.type_key(value_type),
+                logical,
+                charge,
+                replica_mode is ReplicaMode.EXCLUSIVE,
+                code,
+                storage,
+                self._measure_keys(value),
+            )
+            handle: ResidencyHandle[ValueT] = _new_handle(self._manager_id, handle_id, value_type)
+            self._register(
+                index,
+                handle,
+                _new_spec(value_type, logical, charge, replica_mode, Recoverability.MUST_PRESERVE),
+            )
+            self._materializations[index][code] = value
+            return handle
+        finally:
+            core.exit_transition()
+
+    def register_source(
+        self,
+        spec: ResidencyValueSpec[ValueT],
+        source: ResidencySource[ValueT],
+        *,
+        source_location: ResidencyLocation = PAGEABLE_HOST,
+    ) -> ResidencyHandle[ValueT]:
+        """Register a reconstructible value; `source.load()` runs only when needed."""
+        if not isinstance(spec, ResidencyValueSpec):
+            raise TypeError(f"spec must be a ResidencyValueSpec, got {type(spec).__name__}")
+        if not callable(getattr(source, "load", None)):
+            raise TypeError("source must have a callable load() method")
+        core = self._core
+        core.enter_transition()
+        try:
+            self._reap()
+            code = self._location_code(source_location)
+            if spec.recoverability is not Recoverability.RECONSTRUCTIBLE:
+                raise ValueError(
+                    "register_source requires Recoverability.RECONSTRUCTIBLE; "
+                    "use adopt() for values that must be preserved"
+                )
+            index, handle_id = core.register_source(
+                _lowering.type_key(spec.value_type),
+                spec.logical_nbytes,
+                spec.storage_nbytes,
+                spec.replica_mode is ReplicaMode.EXCLUSIVE,
+                code,
+            )
+            handle: ResidencyHandle[ValueT] = _new_handle(
+                self._manager_id, handle_id, spec.value_type
+            )
+            self._register(index, handle, spec)
+            self._sources[index] = source
+            return handle
+        finally:
+            core.exit_transition()
+
+    def _register(
+        self, index: int, handle: ResidencyHandle[Any], spec: ResidencyValueSpec[Any]
+    ) -> None:
+        assert index == len(self._handles), "core and facade disagree on issue order"
+        self._handles.append(handle)
+        self._specs.append(spec)
+        self._materializations.append({})
+        self._index[handle] = index
+
+    # ------------------------------------------------------------------ primitives
+
+    def ensure(
+        self, handle: ResidencyHandle[Any], at: ResidencyLocation, *, stream: Any = None
+    ) -> ResidencyTransitionReport:
+        """Install the value at `at`, keeping existing replicas (no-op if resident)."""
+        return self._primitive(EnsureResident(handle, at), stream)
+
+    def copy(
+        self, handle: ResidencyHandle[Any], to: ResidencyLocation, *, stream: Any = None
+    ) -> ResidencyTransitionReport:
+        """Exactly `ensure` under another parameter name."""
+        return self._primitive(EnsureResident(handle, to), stream)
+
+    def move(
+        self,
+        handle: ResidencyHandle[Any],
+        to: ResidencyLocation,
+        *,
+        from_location: ResidencyLocation | None = None,
+        stream: Any = None,
+    ) -> ResidencyTransitionReport:
+        """Install at `to`, then remove the selected source materialisation."""
+        return self._primitive(MoveResident(handle, to, from_location), stream)
+
+    def drop(
+        self, handle: ResidencyHandle[Any], at: ResidencyLocation
+    ) -> ResidencyTransitionReport:
+        """Remove one unprotected materialisation, keeping the managed value."""
+        return self._primitive(DropResident(handle, at), None)
+
+    def discard(self, handle: ResidencyHandle[Any]) -> ResidencyTransitionReport:
+        """End the managed value: remove every materialisation and its source."""
+        return self._primitive(DiscardValue(handle), None)
+
+    def _primitive(self, action: ResidencyAction, stream: Any) -> ResidencyTransitionReport:
+        core = self._core
+        core.enter_transition()
+        try:
+            self._reap()
+            return self._execute(action, stream)
+        finally:
+            core.exit_transition()
+
+    def _execute(self, action: ResidencyAction, stream: Any) -> ResidencyTransitionReport:
+        """Runs one action inside a transition (contract 3.6); the caller holds the gate."""
+        self._reap()
+        started = time.time_ns()
+        index = self._resolve(action.handle)
+        spec = self._specs[index]
+        action_type = type(action)
+        if action_type is EnsureResident:
+            ensure = cast(EnsureResident[Any], action)
+            code = self._location_code(ensure.location)
+            if stream is not None:
+                self._check_stream(stream, ensure.location)
+            device = self._sample_device((code,))
+            before = self._sample(device)
+            no_op, source, reason = self._ensure(index, code, stream)
+            destination: ResidencyLocation | None = ensure.location
+        elif action_type is MoveResident:
+            move = cast(MoveResident[Any], action)
+            code = self._location_code(move.to)
+            from_code = (
+                None if move.from_location is None else self._location_code(move.from_location)
+            )
+            if stream is not None:
+                self._check_stream(stream, move.to)
+            relevant = (
+                (code, from_code)
+                if from_code is not None
+                else (code, *self._materializations[index])
+            )
+            device = self._sample_device(relevant)
+            before = self._sample(device)
+            no_op, source, reason = self._move(index, code, from_code, stream)
+            destination = move.to
+        elif action_type is DropResident:
+            drop = cast(DropResident[Any], action)
+            code = self._location_code(drop.location)
+            if stream is not None:
+                raise ValueError("DropResident does not take a transfer stream")
+            device = self._sample_device((code,))
+            before = self._sample(device)
+            no_op = not self._core.drop_materialization(index, code)
+            if not no_op:
+                self._materializations[index].pop(code, None)
+            source, reason, destination = (
+                drop.location,
+                (_REASON_DROP_NOOP if no_op else None),
+                None,
+            )
+        else:
+            if stream is not None:
+                raise ValueError("DiscardValue does not take a transfer stream")
+            device = self._sample_device(tuple(self._materializations[index]))
+            before = self._sample(device)
+            self._core.discard(index)
+            self._materializations[index].clear()
+            self._sources.pop(index, None)
+            handle = self._handles[index]
+            del self._index[handle]
+            self._discarded.add(handle)
+            no_op, source, reason, destination = False, None, None, None
+        after = self._sample(device)
+        report: ResidencyTransitionReport = _new_report(
+            action,
+            no_op,
+            source,
+            destination,
+            spec.logical_nbytes,
+            spec.storage_nbytes,
+            started,
+            time.time_ns(),
+            device,
+            before[0],
+            before[1],
+            after[0],
+            after[1],
+            reason,
+        )
+        if self._trace is not None:
+            self._trace.append(report)
+        return report
+
+    def _ensure(
+        self, index: int, code: int, stream: Any
+    ) -> tuple[bool, ResidencyLocation | None, str | None]:
+        kind, source = self._core.plan_ensure(index, code)
+        if kind == 0:
+            return True, None, _REASON_ENSURE_NOOP
+        if kind == 1:
+            value = self._materializations[index][source]
+            self._install(index, code, self._copy(value, source, code, stream), False)
+        else:
+            self._reconstruct_into(index, code, stream, exclusive_transition=False)
+        return False, _location_of(source), None
+
+    def _move(
+        self, index: int, code: int, from_code: int | None, stream: Any
+    ) -> tuple[bool, ResidencyLocation | None, str | None]:
+        kind, source = self._core.plan_move(index, code, from_code)
+        materializations = self._materializations[index]
+        if kind == 0:
+            return True, (None if source < 0 else _location_of(source)), _REASON_MOVE_NOOP
+        if kind == 1:
+            materializations.pop(source, None)
+        elif kind == 2:
+            copied = self._copy(materializations[source], source, code, stream)
+            self._install(index, code, copied, True)
+            self._core.remove(index, source)
+            materializations.pop(source, None)
+        else:
+            self._reconstruct_into(index, code, stream, exclusive_transition=True)
+        return False, _location_of(source), None
+
+    def _reconstruct_into(
+        self, index: int, code: int, stream: Any, *, exclusive_transition: bool
+    ) -> None:
+        """Contract 3.12: temporary charge, load, validate, then install or copy."""
+        core = self._core
+        source_code = core.charge_temporary(index)
+        charged = True
+        try:
+            loaded = self._load(index, source_code)
+            if source_code == code:
+                core.release_temporary(index, source_code)
+                charged = False
+                self._install(index, code, loaded, exclusive_transition)
+            else:
+                core.admit(index, code)
+                copied = self._copy(loaded, source_code, code, stream)
+                self._install(index, code, copied, exclusive_transition)
+        finally:
+            if charged:
+                core.release_temporary(index, source_code)
+
+    def _load(self, index: int, source_code: int) -> TensorResident:
+        core = self._core
+        source = self._sources[index]
+        core.set_callback_active(True)
+        try:
+            loaded: object = source.load()
+        finally:
+            core.set_callback_active(False)
+        return self._validate(index, source_code, loaded)
+
+    def _validate(self, index: int, code: int, value: object) -> TensorResident:
+        """Contract 3.14 step 3: type, placement, logical bytes and storage ceiling."""
+        value_type = self._specs[index].value_type
+        if not isinstance(value, value_type):
+            raise ResidencyMaterializationError(
+                f"expected a {value_type.__name__} for value "
+                f"{self._handles[index].handle_id!r}, got {type(value).__name__}"
+            )
+        self._check_placement(value, _location_of(code))
+        self._core.check_materialization(index, value.nbytes, value.storage_nbytes)
+        return cast(TensorResident, value)
+
+    def _install(
+        self, index: int, code: int, value: TensorResident, exclusive_transition: bool
+    ) -> None:
+        self._validate(index, code, value)
+        self._core.install(
+            index,
+            code,
+            value.nbytes,
+            value.storage_nbytes,
+            self._measure_keys(value),
+            exclusive_transition,
+        )
+        self._materializations[index][code] = value
+
+    def _copy(
+        self, value: TensorResident, source_code: int, code: int, stream: Any
+    ) -> TensorResident:
+        """Contract 3.13 and 4.1: host copies are synchronous; CUDA copies are
+        enqueued on the transfer stream and synchronised through an event."""
+        runtime = self._runtime
+        if code == _PAGEABLE:
+            return runtime.copy_to_pageable(value)
+        if code == _PINNED:
+            return runtime.copy_to_pinned(value)
+        device = _location_of(code).device
+        copy_stream = stream if stream is not None else runtime.current_stream(device)
+        try:
+            copied = runtime.copy_to_cuda(
+                value, device, copy_stream, non_blocking=source_code != _PAGEABLE
+            )
+            runtime.synchronize_event(runtime.record_event(copy_stream))
+        except Exception as error:
+            try:
+                runtime.synchronize_stream(copy_stream)
+            except Exception as cleanup:
+                error.add_note(
+                    f"cleanup after the failed transfer to {device} also failed: "
+                    f"copy stream synchronize raised {cleanup!r}"
+                )
+            raise
+        return copied
+
+    # ------------------------------------------------------------------ telemetry
+
+    def _sample_device(self, codes: Any) -> torch.device | None:
+        for code in codes:
+            if code >= _CUDA_BASE:
+                return _location_of(code).device
+        return None
+
+    def _sample(self, device: torch.device | None) -> tuple[int | None, int | None]:
+        if device is None:
+            return None, None
+        runtime = self._runtime
+        try:
+            return runtime.memory_allocated(device), runtime.memory_reserved(device)
+        except Exception:
+            return None, None
+
+    # ------------------------------------------------------------------ lifetimes
+
+    def _reap(self) -> None:
+        """Contract 4.4: release pending CUDA leases whose events all completed."""
+        if not self._pending_events:
+            return
+        query = self._runtime.event_query
+        for token, events in list(self._pending_events.items()):
+            if all(query(event) for event in events):
+                self._core.release_pending(token)
+                del self._pending_events[token]
+
+    # ------------------------------------------------------------------ observations
+
+    def snapshot(self) -> ResidencySnapshot[Any]:
+        """One atomic, tensor-free observation. O(1) to capture; entries build lazily."""
+        core = self._core
+        view = core.try_published()
+        if view is None:
+            core.enter(True, True)
+            try:
+                self._reap()
+                view = core.current()
+                captured = time.time_ns()
+            finally:
+                core.exit()
+        else:
+            captured = time.time_ns()
+        return _ManagerSnapshot(self, view, captured)
+
+    def trace(self) -> tuple[ResidencyTransitionReport, ...]:
+        """The retained transition reports, oldest first."""
+        core = self._core
+        core.enter(False, False)
+        try:
+            return tuple(self._trace) if self._trace is not None else ()
+        finally:
+            core.exit()
+
+    def clear_trace(self) -> None:
+        """Empty the trace; residency state and the version are unchanged."""
+        core = self._core
+        core.enter(False, False)
+        try:
+            if self._trace is not None:
+                self._trace.clear()
+        finally:
+            core.exit()
+
+    # ------------------------------------------------------------------ close
+
+    def close(self, *, wait: bool = True, force: bool = False) -> None:
+        """Close the manager (contract 3.19); a closed manager returns silently."""
+        core = self._core
+        core.enter(False, False)
+        try:
+            if core.closed:
+                return
+            core.check_reentrant()
+            if wait:
+                self._synchronize_pending()
+            else:
+                self._reap()
+            if force:
+                runtime = self._runtime
+                for code in core.locations():
+                    if code >= _CUDA_BASE and self._cuda_count:
+                        runtime.synchronize_device(_location_of(code).device)
+            core.close(force)
+            self._pending_events.clear()
+            self._sources.clear()
+            self._materializations = [{} for _ in self._materializations]
+            self._index.clear()
+        finally:
+            core.exit()
+
+    def _synchronize_pending(self) -> None:
+        synchronize = self._runtime.synchronize_event
+        for token, events in list(self._pending_events.items()):
+            for event in events:
+                synchronize(event)
+            self._core.release_pending(token)
+            del self._pending_events[token]
+
+    def __enter__(self) -> ResidencyManager:
+        core = self._core
+        core.enter(True, False)
+        core.exit()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _ManagerSnapshot(ResidencySnapshot[Any]):
+    """A `ResidencySnapshot` over a published core state whose entries are built on
+    first access, once. It compares, hashes and pickles like the plain record."""
+
+    __slots__ = ("_built", "_handles", "_specs", "_view")
+    __qualname__ = "ResidencySnapshot"
+
+    _built: dict[str, tuple[Any, ...]]
+    _handles: list[ResidencyHandle[Any]]
+    _specs: list[ResidencyValueSpec[Any]]
+    _view: _core.StateView
+
+    def __init__(
+        self, manager: ResidencyManager, view: _core.StateView, captured_at_ns: int
+    ) -> None:
+        setter = ResidencySnapshot.__dict__
+        setter["manager_id"].__set__(self, manager._manager_id)
+        setter["state_version"].__set__(self, view.version)
+        setter["captured_at_ns"].__set__(self, captured_at_ns)
+        # The facade's lists only grow, so the view's prefix of them stays valid.
+        # The frozen record's __setattr__ refuses every assignment, ours included.
+        init = object.__setattr__
+        init(self, "_view", view)
+        init(self, "_handles", manager._handles)
+        init(self, "_specs", manager._specs)
+        # Locations are few and carry allocator readings that belong to capture time.
+        init(self, "_built", {"locations": _location_entries(view, manager._runtime)})
+
+    def _field(self, name: str) -> tuple[Any, ...]:
+        built = self._built.get(name)
+        if built is None:
+            # Building allocates many small records; a collection pass in the middle
+            # would scan the whole heap for nothing, so collect after instead.
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                built = cast(tuple[Any, ...], getattr(self, f"_build_{name}")())
+            finally:
+                if collecting:
+                    gc.enable()
+            self._built[name] = built
+        return built
+
+    @property
+    def values(self) -> tuple[ResidencyValueSnapshot[Any], ...]:
+        return self._field("values")
+
+    @property
+    def locations(self) -> tuple[ResidencyLocationSnapshot, ...]:
+        return self._field("locations")
+
+    @property
+    def reservations(self) -> tuple[ResidencyReservationSnapshot, ...]:
+        return self._field("reservations")
+
+    def _build_values(self) -> tuple[ResidencyValueSnapshot[Any], ...]:
+        handles, specs = self._handles, self._specs
+        entries = []
+        for index, (source, discarded, rows) in enumerate(self._view.value_rows()):
+            materializations = tuple(
+                _new_materialization_snapshot(
+                    _location_of(code),
+                    specs[index].logical_nbytes,
+                    storage,
+                    charged,
+                    uses,
+                    holds,
+                    pending,
+                )
+                for code, storage, charged, uses, holds, pending in rows
+            )
+            entries.append(
+                _new_value_snapshot(
+                    handles[index],
+                    specs[index],
+                    materializations,
+                    source >= 0,
+                    _location_of(source) if source >= 0 else None,
+                    discarded,
+                )
+            )
+        return tuple(entries)
+
+    def _build_reservations(self) -> tuple[ResidencyReservationSnapshot, ...]:
+        return tuple(
+            _new_reservation_snapshot(_location_of(code), nbytes, label)
+            for code, nbytes, label in self._view.reservation_rows()
+        )
+
+    def _plain(self) -> ResidencySnapshot[Any]:
+        return ResidencySnapshot(
+            self.manager_id,
+            self.state_version,
+            self.values,
+            self.locations,
+            self.reservations,
+            self.captured_at_ns,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ResidencySnapshot):
+            return NotImplemented
+        return _fields(self) == _fields(other)
+
+    def __hash__(self) -> int:
+        return hash(_fields(self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ResidencySnapshot, _fields(self))
+
+
+def _fields(snapshot: ResidencySnapshot[Any]) -> tuple[Any, ...]:
+    return (
+        snapshot.manager_id,
+        snapshot.state_version,
+        snapshot.values,
+        snapshot.locations,
+        snapshot.reservations,
+        snapshot.captured_at_ns,
+    )
+
+
+def _location_entries(
+    view: _core.StateView, runtime: DeviceRuntime
+) -> tuple[ResidencyLocationSnapshot, ...]:
+    entries = []
+    for row in view.location_rows():
+        code, budget, used, reserved = row[0], row[1], row[2], row[3]
+        location = _location_of(code)
+        allocated = allocator_reserved = None
+        if code >= _CUDA_BASE:
+            try:
+                allocated = runtime.memory_allocated(location.device)
+                allocator_reserved = runtime.memory_reserved(location.device)
+            except Exception:
+                allocated = allocator_reserved = None
+        entries.append(
+            _new_location_snapshot(
+                location,
+                budget,
+                used,
+                reserved,
+                None if budget is None else budget - used - reserved,
+                *row[4:],
+                allocated,
+                allocator_reserved,
+            )
+        )
+    return tuple(entries)

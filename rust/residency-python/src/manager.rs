@@ -1,0 +1,479 @@
+//! `CoreManager` and `StateView`: the manager core as the Python facade sees it.
+//!
+//! Locations cross the boundary as codes (0 pageable, 1 pinned, 2 + CUDA index) and
+//! handles as their issue index. The gate's blocking wait releases the interpreter,
+//! so a thread waiting for the manager lock never holds the GIL.
+
+// pyo3 extracts sequence arguments as owned vectors.
+#![allow(clippy::needless_pass_by_value)]
+
+use std::sync::Arc;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use residency_core::gate::DEFAULT_POLL;
+use residency_core::{
+    CoreError, EnsurePlan, HandleId, Location, Manager, MovePlan, Recoverability, ReplicaMode,
+    State, StorageKey, ValueSpec,
+};
+
+use crate::errors::to_py_err;
+
+fn location(code: u32) -> PyResult<Location> {
+    Location::from_code(code).map_err(|err| PyValueError::new_err(err.to_string()))
+}
+
+fn codes(locations: &[Location]) -> Vec<u32> {
+    locations.iter().map(|location| location.code()).collect()
+}
+
+fn spec(logical: u64, storage: u64, exclusive: bool, reconstructible: bool) -> PyResult<ValueSpec> {
+    ValueSpec::new(
+        logical,
+        storage,
+        if exclusive {
+            ReplicaMode::Exclusive
+        } else {
+            ReplicaMode::Replicable
+        },
+        if reconstructible {
+            Recoverability::Reconstructible
+        } else {
+            Recoverability::MustPreserve
+        },
+    )
+    .map_err(|err| PyValueError::new_err(err.to_string()))
+}
+
+/// One manager's core state, shared by the facade and its lifetime objects.
+#[pyclass(frozen, module = "fhelium._core", name = "CoreManager")]
+#[derive(Debug)]
+pub struct CoreManager {
+    core: Arc<Manager>,
+}
+
+impl CoreManager {
+    fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
+        result.map_err(|err| to_py_err(py, err))
+    }
+}
+
+#[pymethods]
+impl CoreManager {
+    #[new]
+    fn new(budgets: Vec<(u32, u64)>) -> PyResult<Self> {
+        let budgets = budgets
+            .into_iter()
+            .map(|(code, budget)| Ok((location(code)?, budget)))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(Self {
+            core: Arc::new(Manager::new(&budgets)),
+        })
+    }
+
+    #[getter]
+    fn manager_id(&self) -> &str {
+        self.core.manager_id()
+    }
+
+    // ----- the gate -------------------------------------------------------------
+
+    /// Passes the gate and the requested guards; waits (without the GIL) for another
+    /// thread's operation, failing fast if a source callback starts meanwhile.
+    fn enter(&self, py: Python<'_>, check_closed: bool, check_reentrant: bool) -> PyResult<()> {
+        let entered = Self::lift(py, self.core.try_enter(check_closed, check_reentrant))?;
+        if entered {
+            return Ok(());
+        }
+        let core = Arc::clone(&self.core);
+        let result = py.detach(move || core.enter(DEFAULT_POLL, check_closed, check_reentrant));
+        Self::lift(py, result)
+    }
+
+    fn exit(&self) {
+        self.core.exit();
+    }
+
+    /// `enter(closed, reentrant)` and mark this thread as the transition owner.
+    fn enter_transition(&self, py: Python<'_>) -> PyResult<()> {
+        self.enter(py, true, true)?;
+        self.core.begin_transition();
+        Ok(())
+    }
+
+    fn exit_transition(&self) {
+        self.core.end_transition();
+        self.core.exit();
+    }
+
+    /// Fails when this thread is executing a transition on this manager.
+    fn check_reentrant(&self, py: Python<'_>) -> PyResult<()> {
+        Self::lift(py, self.core.gate().check_reentrant())
+    }
+
+    fn set_callback_active(&self, active: bool) {
+        self.core.set_callback_active(active);
+    }
+
+    // ----- observations -------------------------------------------------------
+
+    #[getter]
+    fn version(&self) -> u64 {
+        self.core.version()
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.core.is_closed()
+    }
+
+    #[getter]
+    fn pending_leases(&self) -> u64 {
+        self.core.pending_leases()
+    }
+
+    fn locations(&self) -> Vec<u32> {
+        codes(&self.core.locations())
+    }
+
+    /// The lock-free snapshot, or `None` when pending leases must be reaped first.
+    fn try_published(&self, py: Python<'_>) -> PyResult<Option<StateView>> {
+        let state = Self::lift(py, self.core.try_published_snapshot())?;
+        Ok(state.map(|state| StateView { state }))
+    }
+
+    /// The working state, inside the gate.
+    fn current(&self) -> StateView {
+        StateView {
+            state: self.core.current(),
+        }
+    }
+
+    fn materialization_locations(&self, py: Python<'_>, handle: HandleId) -> PyResult<Vec<u32>> {
+        Ok(codes(&Self::lift(
+            py,
+            self.core.materialization_locations(handle),
+        )?))
+    }
+
+    /// `None` when balanced, else a description of the first imbalance.
+    fn check_books(&self) -> Option<String> {
+        self.core.check_books().err()
+    }
+
+    // ----- registration ---------------------------------------------------------
+
+    #[allow(clippy::too_many_arguments)]
+    fn adopt(
+        &self,
+        py: Python<'_>,
+        type_key: u64,
+        logical: u64,
+        charge: u64,
+        exclusive: bool,
+        at: u32,
+        storage: u64,
+        keys: Vec<StorageKey>,
+    ) -> PyResult<(HandleId, String)> {
+        let spec = spec(logical, charge, exclusive, false)?;
+        let (handle, handle_id) = Self::lift(
+            py,
+            self.core
+                .adopt(type_key, spec, location(at)?, storage, &keys),
+        )?;
+        Ok((handle, handle_id.to_string()))
+    }
+
+    fn register_source(
+        &self,
+        py: Python<'_>,
+        type_key: u64,
+        logical: u64,
+        storage: u64,
+        exclusive: bool,
+        source_location: u32,
+    ) -> PyResult<(HandleId, String)> {
+        let spec = spec(logical, storage, exclusive, true)?;
+        let (handle, handle_id) = Self::lift(
+            py,
+            self.core
+                .register_source(type_key, spec, location(source_location)?),
+        )?;
+        Ok((handle, handle_id.to_string()))
+    }
+
+    // ----- transitions ------------------------------------------------------------
+
+    /// `(0, -1)` no-op, `(1, source)` copy, `(2, source_location)` reconstruct.
+    fn plan_ensure(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<(u8, i64)> {
+        Ok(
+            match Self::lift(py, self.core.plan_ensure(handle, location(at)?))? {
+                EnsurePlan::NoOp => (0, -1),
+                EnsurePlan::Copy { source } => (1, i64::from(source.code())),
+                EnsurePlan::Reconstruct { source_location } => {
+                    (2, i64::from(source_location.code()))
+                }
+            },
+        )
+    }
+
+    /// `(0, source|-1)` no-op, `(1, source)` source removed, `(2, source)` copy then
+    /// remove, `(3, source_location)` reconstruct.
+    #[pyo3(signature = (handle, to, from_location=None))]
+    fn plan_move(
+        &self,
+        py: Python<'_>,
+        handle: HandleId,
+        to: u32,
+        from_location: Option<u32>,
+    ) -> PyResult<(u8, i64)> {
+        let from = from_location.map(location).transpose()?;
+        let code = |location: Location| i64::from(location.code());
+        Ok(
+            match Self::lift(py, self.core.plan_move(handle, location(to)?, from))? {
+                MovePlan::NoOp { source } => (0, source.map_or(-1, code)),
+                MovePlan::RemovedSource { source } => (1, code(source)),
+                MovePlan::Copy { source } => (2, code(source)),
+                MovePlan::Reconstruct { source_location } => (3, code(source_location)),
+            },
+        )
+    }
+
+    fn admit(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<()> {
+        Self::lift(py, self.core.admit(handle, location(at)?))
+    }
+
+    fn charge_temporary(&self, py: Python<'_>, handle: HandleId) -> PyResult<u32> {
+        Ok(Self::lift(py, self.core.charge_temporary(handle))?.code())
+    }
+
+    fn release_temporary(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<()> {
+        Self::lift(py, self.core.release_temporary(handle, location(at)?))
+    }
+
+    fn check_materialization(
+        &self,
+        py: Python<'_>,
+        handle: HandleId,
+        logical: u64,
+        storage: u64,
+    ) -> PyResult<()> {
+        Self::lift(
+            py,
+            self.core.check_materialization(handle, logical, storage),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn install(
+        &self,
+        py: Python<'_>,
+        handle: HandleId,
+        at: u32,
+        logical: u64,
+        storage: u64,
+        keys: Vec<StorageKey>,
+        exclusive_transition: bool,
+    ) -> PyResult<()> {
+        Self::lift(
+            py,
+            self.core.install(
+                handle,
+                location(at)?,
+                logical,
+                storage,
+                &keys,
+                exclusive_transition,
+            ),
+        )
+    }
+
+    fn remove(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<()> {
+        Self::lift(py, self.core.remove(handle, location(at)?))
+    }
+
+    fn drop_materialization(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<bool> {
+        Self::lift(py, self.core.drop_materialization(handle, location(at)?))
+    }
+
+    fn discard(&self, py: Python<'_>, handle: HandleId) -> PyResult<Vec<u32>> {
+        Ok(codes(&Self::lift(py, self.core.discard(handle))?))
+    }
+
+    // ----- protections and lifetimes ----------------------------------------------
+
+    fn acquire(&self, py: Python<'_>, handles: Vec<HandleId>, at: u32) -> PyResult<u64> {
+        Self::lift(py, self.core.acquire(&handles, location(at)?))
+    }
+
+    fn hold(&self, py: Python<'_>, handles: Vec<HandleId>, at: u32) -> PyResult<u64> {
+        Self::lift(py, self.core.hold(&handles, location(at)?))
+    }
+
+    fn lease_covers(&self, token: u64, handle: HandleId) -> bool {
+        self.core.lease_covers(token, handle)
+    }
+
+    fn release_lease(&self, token: u64) -> bool {
+        self.core.release_lease(token)
+    }
+
+    fn lease_to_pending(&self, token: u64) -> bool {
+        self.core.lease_to_pending(token)
+    }
+
+    fn release_pending(&self, token: u64) -> bool {
+        self.core.release_pending(token)
+    }
+
+    fn pending_lease_tokens(&self) -> Vec<u64> {
+        self.core.pending_lease_tokens()
+    }
+
+    fn release_hold(&self, token: u64) -> bool {
+        self.core.release_hold(token)
+    }
+
+    fn reserve(&self, py: Python<'_>, at: u32, nbytes: u64, label: &str) -> PyResult<u64> {
+        Self::lift(py, self.core.reserve(location(at)?, nbytes, label))
+    }
+
+    fn release_reservation(&self, token: u64) -> bool {
+        self.core.release_reservation(token)
+    }
+
+    /// `(active_leases, pending_leases, holds, reservations)`.
+    fn open_lifetimes(&self) -> (u64, u64, u64, u64) {
+        let open = self.core.open_lifetimes();
+        (
+            open.active_leases,
+            open.pending_leases,
+            open.holds,
+            open.reservations,
+        )
+    }
+
+    fn close(&self, py: Python<'_>, force: bool) -> PyResult<()> {
+        Self::lift(py, self.core.close(force))
+    }
+}
+
+/// An immutable published state. Rows are produced on demand, once per call.
+#[pyclass(frozen, module = "fhelium._core", name = "StateView")]
+#[derive(Debug)]
+pub struct StateView {
+    state: Arc<State>,
+}
+
+#[pymethods]
+impl StateView {
+    #[getter]
+    fn version(&self) -> u64 {
+        self.state.version
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.state.closed
+    }
+
+    #[getter]
+    fn value_count(&self) -> usize {
+        self.state.values.len()
+    }
+
+    /// Per value in issue order: `(source_code | -1, discarded, materialisations)`
+    /// where each materialisation is
+    /// `(location, storage, charged, use, hold, pending)`.
+    fn value_rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let rows = PyList::empty(py);
+        for record in &self.state.values {
+            let materializations = PyList::empty(py);
+            for materialization in &record.materializations {
+                materializations.append((
+                    materialization.location.code(),
+                    materialization.storage_nbytes,
+                    materialization.charged_nbytes,
+                    materialization.use_count,
+                    materialization.hold_count,
+                    materialization.pending_count,
+                ))?;
+            }
+            rows.append(PyTuple::new(
+                py,
+                [
+                    record
+                        .source
+                        .map_or(-1, |location| i64::from(location.code()))
+                        .into_pyobject(py)?
+                        .into_any(),
+                    pyo3::types::PyBool::new(py, record.discarded)
+                        .to_owned()
+                        .into_any(),
+                    materializations.into_any(),
+                ],
+            )?)?;
+        }
+        Ok(rows)
+    }
+
+    /// Per location in registration order: `(code, budget | None, used, reserved,
+    /// peak_used, peak_charged, value_count, reservation_count, use, hold, pending)`.
+    #[allow(clippy::type_complexity)]
+    fn location_rows(
+        &self,
+    ) -> Vec<(
+        u32,
+        Option<u64>,
+        u64,
+        u64,
+        u64,
+        u64,
+        u64,
+        u64,
+        u64,
+        u64,
+        u64,
+    )> {
+        self.state
+            .locations
+            .iter()
+            .map(|books| {
+                (
+                    books.location.code(),
+                    books.budget_bytes,
+                    books.used_bytes,
+                    books.reserved_bytes,
+                    books.peak_used_bytes,
+                    books.peak_charged_bytes,
+                    books.value_count,
+                    books.reservation_count,
+                    books.use_count,
+                    books.hold_count,
+                    books.pending_count,
+                )
+            })
+            .collect()
+    }
+
+    /// Active reservations in creation order: `(code, nbytes, label)`.
+    fn reservation_rows(&self) -> Vec<(u32, u64, String)> {
+        self.state
+            .reservations
+            .values()
+            .map(|reservation| {
+                (
+                    reservation.location.code(),
+                    reservation.nbytes,
+                    reservation.label.to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// `None` when every location's books balance, else the first imbalance.
+    fn check_books(&self) -> Option<String> {
+        self.state.books_balance().err()
+    }
+}
