@@ -10,6 +10,7 @@ from fhelium.residency.location import (
     ResidencyLocationKind,
     cuda_location,
 )
+from fhelium.residency.manager import ResidencyManager
 from fhelium.residency.model import (
     Recoverability,
     ReplicaMode,
@@ -67,6 +68,7 @@ __all__ = [
     "ResidencyLocation",
     "ResidencyLocationKind",
     "ResidencyLocationSnapshot",
+    "ResidencyManager",
     "ResidencyPlan",
     "ResidencyPlanExplanation",
     "ResidencyPlanReport",

@@ -17,13 +17,31 @@ if TYPE_CHECKING:
     from fhelium.residency.model import ResidencyHandle
     from fhelium.residency.plan import ResidencyAction, ResidencyPlan
 
-__all__ = ["location_code", "lower_plan", "type_key"]
+__all__ = ["U64_MAX", "diagnostic_text", "location_code", "lower_plan", "saturate", "type_key"]
 
 _ENSURE, _MOVE, _DROP, _DISCARD = 0, 1, 2, 3
 _NO_LOCATION = -1
 
 _type_keys: dict[type, int] = {}
 _type_keys_lock = threading.Lock()
+
+
+# The core keeps byte counts as u64; larger Python ints saturate (no machine has 16 EiB).
+U64_MAX = (1 << 64) - 1
+
+
+def saturate(nbytes: int) -> int:
+    return nbytes if nbytes <= U64_MAX else U64_MAX
+
+
+def diagnostic_text(text: str) -> str:
+    """`text` as the core's UTF-8 diagnostics; lone surrogates become U+FFFD.
+
+    The core identifies handles by their slot in the plan, never by these strings.
+    """
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def type_key(value_type: type) -> int:
@@ -84,10 +102,21 @@ def lower_plan(plan: ResidencyPlan) -> _core.PlanIR:
     enter = _encode_actions(plan.enter, slots)
     exit_ = _encode_actions(plan.exit, slots)
     handles = [
-        (handle.manager_id, handle.handle_id, type_key(handle.value_type)) for handle in slots
+        (
+            diagnostic_text(handle.manager_id),
+            diagnostic_text(handle.handle_id),
+            type_key(handle.value_type),
+        )
+        for handle in slots
     ]
     reservations = [
-        (location_code(reservation.location), reservation.nbytes, reservation.label)
+        (
+            location_code(reservation.location),
+            saturate(reservation.nbytes),
+            diagnostic_text(reservation.label),
+        )
         for reservation in plan.reservations
     ]
-    return _core.lower_plan(plan.name, handles, reclaim, enter, exit_, reservations)
+    return _core.lower_plan(
+        diagnostic_text(plan.name), handles, reclaim, enter, exit_, reservations
+    )

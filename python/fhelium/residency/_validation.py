@@ -4,6 +4,7 @@ Each helper raises ``TypeError`` for the wrong kind of value and ``ValueError`` 
 value and names the argument, so a record's ``__post_init__`` reads as its check order.
 """
 
+from dataclasses import FrozenInstanceError
 from typing import TypeVar
 
 import torch
@@ -76,3 +77,24 @@ def to_torch_device(value: object, name: str) -> torch.device:
         # torch reports unknown device strings as RuntimeError; here it is a bad value.
         raise ValueError(f"{name} is not a valid torch.device: {value!r}") from exc
     return device
+
+
+def _refuse_setattr(self: object, name: str, value: object) -> None:
+    raise FrozenInstanceError(f"cannot assign to field {name!r} of {type(self).__name__}")
+
+
+def _refuse_delattr(self: object, name: str) -> None:
+    raise FrozenInstanceError(f"cannot delete field {name!r} of {type(self).__name__}")
+
+
+def seal(*classes: type) -> None:
+    """Make every attribute assignment on these frozen slots records raise
+    ``FrozenInstanceError``.
+
+    On Python 3.11, ``dataclass(frozen=True, slots=True)`` only refuses declared field
+    names; any other name reaches a ``super()`` call bound to the pre-slots class and
+    fails with an unrelated ``TypeError``.
+    """
+    for cls in classes:
+        cls.__setattr__ = _refuse_setattr  # type: ignore[assignment]
+        cls.__delattr__ = _refuse_delattr  # type: ignore[assignment]

@@ -10,7 +10,7 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from fhelium.residency._validation import to_torch_device
+from fhelium.residency._validation import seal, to_torch_device
 
 __all__ = [
     "ResidencyLocationKind",
@@ -103,3 +103,6 @@ PINNED_HOST = ResidencyLocation("pinned-host", _CPU)
 def cuda_location(device: torch.device | str) -> ResidencyLocation:
     """The location of CUDA device ``device`` (``"cuda:N"`` or an indexed device)."""
     return ResidencyLocation("cuda", _validate_cuda_device(device))
+
+
+seal(ResidencyLocation)

@@ -21,7 +21,7 @@ from fhelium import _core
 from fhelium.errors import ResidencyHandleError, ResidencyMaterializationError
 from fhelium.residency import _lowering
 from fhelium.residency._records import trusted_builder
-from fhelium.residency._runtime import DeviceRuntime, current_runtime
+from fhelium.residency._runtime import DeviceRuntime, ValueFacts, current_runtime
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
 from fhelium.residency.model import (
     Recoverability,
@@ -93,10 +93,6 @@ def _index_int(value: object, name: str) -> int:
     return result
 
 
-def _device_code(device: torch.device) -> int:
-    return -1 if device.type == "cpu" else (device.index or 0)
-
-
 class ResidencyManager:
     """Owns where managed values live, under strict per-location byte budgets.
 
@@ -136,7 +132,7 @@ class ResidencyManager:
         entries: list[tuple[int, int]] = []
         for location, budget in (budgets or {}).items():
             code = self._location_code(location)
-            entries.append((code, _index_int(budget, f"budget for {location}")))
+            entries.append((code, _lowering.saturate(_index_int(budget, f"budget for {location}"))))
         self._core = _core.CoreManager(entries)
         self._manager_id: str = self._core.manager_id
         # Indexed by the core's handle index (issue order); never shrink before close.
@@ -231,32 +227,27 @@ class ResidencyManager:
             f"for manager {self._manager_id!r}"
         )
 
-    def _check_placement(self, value: TensorResident, location: ResidencyLocation) -> None:
+    def _check_placement(
+        self, facts: ValueFacts, location: ResidencyLocation, value: TensorResident
+    ) -> None:
         """Contract 3.4 step 5: the value's device and pinning match the location."""
-        runtime = self._runtime
-        device = runtime.value_device(value)
-        if device != location.device:
+        name = type(value).__name__
+        if facts.device != location.device:
             raise ResidencyMaterializationError(
-                f"{type(value).__name__} is on {device}, but the location is {location}"
+                f"{name} is on {facts.device}, but the location is {location}"
             )
-        if device.type != "cpu":
+        if facts.device.type != "cpu":
             return
-        if not runtime.pinning_is_uniform(value):
+        if facts.pinned is None:
+            raise ResidencyMaterializationError(f"{name} mixes pinned and pageable host tensors")
+        if location.kind == "pinned-host" and not facts.pinned:
             raise ResidencyMaterializationError(
-                f"{type(value).__name__} mixes pinned and pageable host tensors"
+                f"{name} is not in pinned memory, but the location is {location}"
             )
-        pinned = runtime.value_is_pinned(value)
-        if location.kind == "pinned-host" and not pinned:
+        if location.kind == "pageable-host" and facts.pinned:
             raise ResidencyMaterializationError(
-                f"{type(value).__name__} is not in pinned memory, but the location is {location}"
+                f"{name} is in pinned memory, but the location is {location}"
             )
-        if location.kind == "pageable-host" and pinned:
-            raise ResidencyMaterializationError(
-                f"{type(value).__name__} is in pinned memory, but the location is {location}"
-            )
-
-    def _measure_keys(self, value: TensorResident) -> list[tuple[int, int]]:
-        return [(_device_code(device), ptr) for device, ptr in self._runtime.storage_keys(value)]
 
     # ------------------------------------------------------------------ registration
 
@@ -274,28 +265,29 @@ class ResidencyManager:
         core.enter_transition()
         try:
             self._reap()
-            runtime = self._runtime
             if at is None:
-                device = runtime.value_device(value)
+                facts = self._runtime.measure(value)
+                device = facts.device
                 if device.type == "cuda":
                     at = _location_of(_CUDA_BASE + (device.index or 0))
-                elif not runtime.pinning_is_uniform(value):
+                elif facts.pinned is None:
                     raise ResidencyMaterializationError(
                         f"{type(value).__name__} mixes pinned and pageable host tensors"
                     )
-                elif runtime.value_is_pinned(value):
-                    at = PINNED_HOST
                 else:
-                    at = PAGEABLE_HOST
-            code = self._location_code(at)
-            self._check_placement(value, at)
+                    at = PINNED_HOST if facts.pinned else PAGEABLE_HOST
+                code = self._location_code(at)
+            else:
+                code = self._location_code(at)
+                facts = self._runtime.measure(value)
+            self._check_placement(facts, at, value)
             if not isinstance(replica_mode, ReplicaMode):
                 raise TypeError(
                     f"replica_mode must be a ReplicaMode, got {type(replica_mode).__name__}"
                 )
             value_type = type(value)
-            logical = value.nbytes
-            storage = value.storage_nbytes
+            logical = facts.logical_nbytes
+            storage = facts.storage_nbytes
             charge = max(logical, storage)
             index, handle_id = core.adopt(
                 _lowering.type_key(value_type),
@@ -304,7 +296,7 @@ class ResidencyManager:
                 replica_mode is ReplicaMode.EXCLUSIVE,
                 code,
                 storage,
-                self._measure_keys(value),
+                facts.storage_keys,
             )
             handle: ResidencyHandle[ValueT] = _new_handle(self._manager_id, handle_id, value_type)
             self._register(
@@ -341,8 +333,8 @@ class ResidencyManager:
                 )
             index, handle_id = core.register_source(
                 _lowering.type_key(spec.value_type),
-                spec.logical_nbytes,
-                spec.storage_nbytes,
+                _lowering.saturate(spec.logical_nbytes),
+                _lowering.saturate(spec.storage_nbytes),
                 spec.replica_mode is ReplicaMode.EXCLUSIVE,
                 code,
             )
@@ -528,11 +520,11 @@ class ResidencyManager:
         source_code = core.charge_temporary(index)
         charged = True
         try:
-            loaded = self._load(index, source_code)
+            loaded, facts = self._load(index, source_code)
             if source_code == code:
                 core.release_temporary(index, source_code)
                 charged = False
-                self._install(index, code, loaded, exclusive_transition)
+                self._install(index, code, loaded, exclusive_transition, facts)
             else:
                 core.admit(index, code)
                 copied = self._copy(loaded, source_code, code, stream)
@@ -541,7 +533,7 @@ class ResidencyManager:
             if charged:
                 core.release_temporary(index, source_code)
 
-    def _load(self, index: int, source_code: int) -> TensorResident:
+    def _load(self, index: int, source_code: int) -> tuple[TensorResident, ValueFacts]:
         core = self._core
         source = self._sources[index]
         core.set_callback_active(True)
@@ -551,7 +543,7 @@ class ResidencyManager:
             core.set_callback_active(False)
         return self._validate(index, source_code, loaded)
 
-    def _validate(self, index: int, code: int, value: object) -> TensorResident:
+    def _validate(self, index: int, code: int, value: object) -> tuple[TensorResident, ValueFacts]:
         """Contract 3.14 step 3: type, placement, logical bytes and storage ceiling."""
         value_type = self._specs[index].value_type
         if not isinstance(value, value_type):
@@ -559,20 +551,29 @@ class ResidencyManager:
                 f"expected a {value_type.__name__} for value "
                 f"{self._handles[index].handle_id!r}, got {type(value).__name__}"
             )
-        self._check_placement(value, _location_of(code))
-        self._core.check_materialization(index, value.nbytes, value.storage_nbytes)
-        return cast(TensorResident, value)
+        resident = cast(TensorResident, value)
+        facts = self._runtime.measure(resident)
+        self._check_placement(facts, _location_of(code), resident)
+        self._core.check_materialization(index, facts.logical_nbytes, facts.storage_nbytes)
+        return resident, facts
 
     def _install(
-        self, index: int, code: int, value: TensorResident, exclusive_transition: bool
+        self,
+        index: int,
+        code: int,
+        value: TensorResident,
+        exclusive_transition: bool,
+        facts: ValueFacts | None = None,
     ) -> None:
-        self._validate(index, code, value)
+        """Validates (unless `facts` are already validated for `code`) and installs."""
+        if facts is None:
+            value, facts = self._validate(index, code, value)
         self._core.install(
             index,
             code,
-            value.nbytes,
-            value.storage_nbytes,
-            self._measure_keys(value),
+            facts.logical_nbytes,
+            facts.storage_nbytes,
+            facts.storage_keys,
             exclusive_transition,
         )
         self._materializations[index][code] = value

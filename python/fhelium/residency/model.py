@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
-from fhelium.residency._validation import require_count, require_non_empty_str
+from fhelium.residency._validation import require_count, require_non_empty_str, seal
 from fhelium.values.tensor_resident import TensorResident
 
 __all__ = [
@@ -98,3 +98,6 @@ class ResidencySource(Protocol[ValueT_co]):
     """
 
     def load(self) -> ValueT_co: ...
+
+
+seal(ResidencyHandle, ResidencyValueSpec)

@@ -14,6 +14,7 @@ from fhelium.residency._validation import (
     require_instance,
     require_non_empty_str,
     require_optional_instance,
+    seal,
 )
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
@@ -172,3 +173,6 @@ class ResidencyPlan(_LoweredPlanSlot):
             lowered = _lowering.lower_plan(self)
             object.__setattr__(self, "_ir", lowered)
             return lowered
+
+
+seal(EnsureResident, MoveResident, DropResident, DiscardValue, MemoryReservation, ResidencyPlan)

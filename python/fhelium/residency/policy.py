@@ -14,6 +14,7 @@ from fhelium.residency._validation import (
     require_optional_count,
     require_optional_non_empty_str,
     require_strict_int,
+    seal,
 )
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
@@ -184,3 +185,6 @@ class DeterministicTieredLRU:
             f"{source}: [{', '.join(str(t) for t in targets)}]" for source, targets in self._tiers
         )
         return f"{type(self).__name__}(fallback_tiers={{{tiers}}})"
+
+
+seal(ResidencyPolicyMetadata, ResidencyEvictionCandidate)

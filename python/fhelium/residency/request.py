@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fhelium.residency._validation import require_instance, require_non_empty_str
+from fhelium.residency._validation import require_instance, require_non_empty_str, seal
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
 from fhelium.residency.plan import MemoryReservation
@@ -67,3 +67,6 @@ class ResidencyRequest:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "requirements", required)
         object.__setattr__(self, "reservations", reserved)
+
+
+seal(ResidencyRequirement, ResidencyRequest)

@@ -18,6 +18,7 @@ from fhelium.residency._validation import (
     require_optional_count,
     require_optional_instance,
     require_optional_non_empty_str,
+    seal,
     to_torch_device,
 )
 from fhelium.residency.location import ResidencyLocation
@@ -353,3 +354,16 @@ class ResidencyPlanReport:
         started = require_count(self.started_at_ns, "started_at_ns")
         completed = require_count(self.completed_at_ns, "completed_at_ns")
         _require_at_least(completed, started, "completed_at_ns must be >= started_at_ns")
+
+
+seal(
+    MaterializationSnapshot,
+    ResidencyValueSnapshot,
+    ResidencyReservationSnapshot,
+    ResidencyLocationSnapshot,
+    ResidencySnapshot,
+    ResidencyTransitionReport,
+    ResidencyActionExplanation,
+    ResidencyPlanExplanation,
+    ResidencyPlanReport,
+)

@@ -1,0 +1,90 @@
+"""The device seam and the process-wide choice of runtime.
+
+Managers capture `current_runtime()` when they are constructed. The default is one shared
+`TorchCudaRuntime`; any other runtime is installed explicitly with `set_runtime` or
+`use_runtime`, never picked silently.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fhelium.residency._runtime.base import DeviceRuntime, StorageKey, ValueFacts
+from fhelium.residency._runtime.simulated import (
+    SimulatedCopy,
+    SimulatedEvent,
+    SimulatedRuntime,
+    SimulatedStream,
+)
+from fhelium.residency._runtime.torch_runtime import TorchCudaRuntime
+
+__all__ = [
+    "DeviceRuntime",
+    "SimulatedCopy",
+    "SimulatedEvent",
+    "SimulatedRuntime",
+    "SimulatedStream",
+    "StorageKey",
+    "TorchCudaRuntime",
+    "ValueFacts",
+    "current_runtime",
+    "set_runtime",
+    "use_runtime",
+]
+
+_DEFAULT_RUNTIME = TorchCudaRuntime()
+
+
+class _Slot:
+    """The installed runtime; a holder object rather than a rebound module global."""
+
+    __slots__ = ("runtime",)
+
+    def __init__(self) -> None:
+        self.runtime: DeviceRuntime | None = None
+
+
+# Writers take the lock so that a swap and the capture of what it replaced are one step;
+# readers need not, as reading one attribute is atomic.
+_lock = threading.Lock()
+_slot = _Slot()
+
+
+def current_runtime() -> DeviceRuntime:
+    """The installed runtime, or the process-wide `TorchCudaRuntime` when none is."""
+    installed = _slot.runtime
+    return _DEFAULT_RUNTIME if installed is None else installed
+
+
+def set_runtime(runtime: DeviceRuntime | None) -> DeviceRuntime | None:
+    """Install ``runtime`` process-wide (None: back to the default); returns the previous one.
+
+    The previous value is what was installed, None when the default was in effect, so
+    ``set_runtime(previous)`` restores the exact earlier state. Managers that already exist
+    keep the runtime they captured.
+    """
+    if runtime is not None and not isinstance(runtime, DeviceRuntime):
+        raise TypeError(f"runtime must implement DeviceRuntime, got {type(runtime).__name__}")
+    with _lock:
+        previous = _slot.runtime
+        _slot.runtime = runtime
+    return previous
+
+
+@contextmanager
+def use_runtime(runtime: DeviceRuntime) -> Iterator[DeviceRuntime]:
+    """Install ``runtime`` process-wide for the block, then restore what was installed before.
+
+    Nested blocks restore in LIFO order. The installation is process-wide, not per thread:
+    blocks on several threads that overlap without nesting restore in whatever order they
+    exit.
+    """
+    if not isinstance(runtime, DeviceRuntime):
+        raise TypeError(f"runtime must implement DeviceRuntime, got {type(runtime).__name__}")
+    previous = set_runtime(runtime)
+    try:
+        yield runtime
+    finally:
+        set_runtime(previous)

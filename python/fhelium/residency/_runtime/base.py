@@ -1,0 +1,109 @@
+"""The device seam: everything the manager needs to know or do about devices.
+
+The manager never touches CUDA directly; it asks the installed runtime. The real
+`TorchCudaRuntime` is the default; `SimulatedRuntime` is installed explicitly by tests
+and dry runs so that CI, which has no GPU, exercises every CUDA path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from fhelium.values.tensor_resident import TensorResident
+
+__all__ = ["DeviceRuntime", "StorageKey", "ValueFacts"]
+
+# (device, untyped_storage().data_ptr()) of one non-empty backing storage.
+StorageKey = tuple[torch.device, int]
+
+
+class ValueFacts(NamedTuple):
+    """Everything the manager measures about a value, gathered in one pass."""
+
+    device: torch.device
+    # True: every tensor pinned; False: none pinned (always False off the host);
+    # None: a host value mixing pinned and pageable tensors.
+    pinned: bool | None
+    logical_nbytes: int
+    storage_nbytes: int
+    # (device code, data pointer) per unique non-empty storage: -1 for host memory,
+    # the CUDA index otherwise. This is the form the core's alias index takes.
+    storage_keys: list[tuple[int, int]]
+
+
+@runtime_checkable
+class DeviceRuntime(Protocol):
+    """Facts about values and devices, copies, streams and events."""
+
+    @property
+    def name(self) -> str:
+        """A short diagnostic name, such as ``"torch-cuda"`` or ``"simulated"``."""
+        ...
+
+    # --- availability -------------------------------------------------------------
+    def cuda_available(self) -> bool: ...
+    def device_count(self) -> int: ...
+
+    # --- facts about values -------------------------------------------------------
+    def measure(self, value: TensorResident) -> ValueFacts:
+        """Device, pinning, byte counts and storage keys in one pass over the tensors.
+
+        Raises RuntimeError where ``value.device`` or ``value.storage_nbytes`` would.
+        """
+        ...
+
+    def value_device(self, value: TensorResident) -> torch.device:
+        """The device the value lives on (raises RuntimeError like ``value.device``)."""
+        ...
+
+    def value_is_pinned(self, value: TensorResident) -> bool:
+        """True when every tensor is in pinned host memory (false for CUDA values)."""
+        ...
+
+    def pinning_is_uniform(self, value: TensorResident) -> bool:
+        """``fhelium.values.tensor_resident._cpu_pinning_is_uniform`` for this runtime."""
+        ...
+
+    def storage_keys(self, value: TensorResident) -> frozenset[StorageKey]:
+        """Identities of the value's non-empty backing storages."""
+        ...
+
+    # --- movement -----------------------------------------------------------------
+    def copy_to_pageable(self, value: TensorResident) -> TensorResident:
+        """A synchronous copy into new, independent pageable host storage."""
+        ...
+
+    def copy_to_pinned(self, value: TensorResident) -> TensorResident:
+        """A synchronous copy into new pinned host storage (RuntimeError if unavailable)."""
+        ...
+
+    def copy_to_cuda(
+        self, value: TensorResident, device: torch.device, stream: Any, *, non_blocking: bool
+    ) -> TensorResident:
+        """Enqueues a copy onto ``stream`` with ``device`` current; does not synchronise."""
+        ...
+
+    # --- streams and events -------------------------------------------------------
+    def is_stream(self, obj: object) -> bool:
+        """True for the runtime's CUDA stream type (``torch.cuda.Stream`` for torch)."""
+        ...
+
+    def stream_device(self, stream: Any) -> torch.device: ...
+    def current_stream(self, device: torch.device) -> Any: ...
+    def synchronize_stream(self, stream: Any) -> None: ...
+    def synchronize_device(self, device: torch.device) -> None: ...
+    def record_event(self, stream: Any) -> Any:
+        """Records a new event on ``stream`` (with the stream's device current)."""
+        ...
+
+    def event_query(self, event: Any) -> bool: ...
+    def synchronize_event(self, event: Any) -> None: ...
+
+    # --- observations ---------------------------------------------------------------
+    def memory_allocated(self, device: torch.device) -> int | None:
+        """Process-wide allocator reading, or None when unavailable."""
+        ...
+
+    def memory_reserved(self, device: torch.device) -> int | None: ...

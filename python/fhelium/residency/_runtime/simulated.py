@@ -1,0 +1,575 @@
+"""`SimulatedRuntime`: pinned host and CUDA devices simulated with ordinary CPU tensors.
+
+It lets CI, which has no GPU, drive every CUDA path of the manager: copies land in storages
+the runtime registers as "on cuda:N" or "pinned", streams and events are plain objects whose
+completion the test controls, and every call is counted and can be made to fail.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fhelium.residency._runtime.base import DeviceRuntime, ValueFacts
+from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
+from fhelium.values.tensor_resident import TensorResident
+
+__all__ = ["SimulatedCopy", "SimulatedEvent", "SimulatedRuntime", "SimulatedStream"]
+
+_V = TypeVar("_V", bound=TensorResident)
+
+_CPU: Final = torch.device("cpu")
+
+# Every method of the seam, i.e. what `calls` counts and `fail_next` accepts. Derived from the
+# Protocol so that a method added there is instrumented here without a second list to forget.
+_SEAM_METHODS: Final = frozenset(
+    name
+    for name, member in vars(DeviceRuntime).items()
+    if not name.startswith("_") and inspect.isfunction(member)
+)
+
+_PINNED_UNAVAILABLE: Final = (
+    "pinned host storage is unavailable in this simulated runtime (built with pinned=False); "
+    "use pageable CPU storage"
+)
+
+# The CUDA caching allocator rounds every block up to 512 bytes; reserved bytes do the same
+# so that reserved >= allocated holds the way it does on a real device.
+_BLOCK: Final = 512
+
+
+class SimulatedCopy(NamedTuple):
+    """One copy the runtime performed, in call order (``SimulatedRuntime.copies``)."""
+
+    destination: ResidencyLocation
+    stream: SimulatedStream | None
+    non_blocking: bool
+
+
+class SimulatedStream:
+    """A simulated CUDA stream on one simulated device.
+
+    It deliberately has no ``synchronize``/``query`` of its own: code under test must go
+    through the runtime, which is what `SimulatedRuntime.calls` observes.
+    """
+
+    __slots__ = ("__weakref__", "_device", "_runtime")
+
+    def __init__(self, runtime: SimulatedRuntime, device: torch.device | str | int) -> None:
+        if not isinstance(runtime, SimulatedRuntime):
+            raise TypeError(f"runtime must be a SimulatedRuntime, got {type(runtime).__name__}")
+        self._runtime = runtime
+        self._device = runtime._cuda_device(device)
+
+    @property
+    def device(self) -> torch.device:
+        """The simulated CUDA device the stream belongs to."""
+        return self._device
+
+    @property
+    def runtime(self) -> SimulatedRuntime:
+        return self._runtime
+
+    def __repr__(self) -> str:
+        return f"SimulatedStream({self._device}, id={id(self):#x})"
+
+
+class SimulatedEvent:
+    """An event recorded on a `SimulatedStream`; incomplete until something completes it.
+
+    Completed by `complete()`, by the runtime's `complete_events()`, or by the runtime's
+    event, stream or device synchronisation.
+    """
+
+    __slots__ = ("__weakref__", "_completed", "_stream")
+
+    def __init__(self, stream: SimulatedStream, *, completed: bool = False) -> None:
+        self._stream = stream
+        self._completed = completed
+
+    @property
+    def stream(self) -> SimulatedStream:
+        return self._stream
+
+    @property
+    def device(self) -> torch.device:
+        return self._stream.device
+
+    @property
+    def completed(self) -> bool:
+        """Whether the simulated work before the event has finished (not counted)."""
+        return self._completed
+
+    def complete(self) -> None:
+        """Finish the simulated work before this event."""
+        self._completed = True
+        self._stream.runtime._forget_event(self)
+
+    def __repr__(self) -> str:
+        state = "complete" if self._completed else "pending"
+        return f"SimulatedEvent({self._stream.device}, {state})"
+
+
+class _Entry:
+    """Where one registered storage lives; the weak reference keeps its identity unique."""
+
+    __slots__ = ("device", "nbytes", "pinned", "ref")
+
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device, pinned: bool) -> None:
+        self.ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        self.device = device
+        self.pinned = pinned
+        self.nbytes = storage.nbytes()
+
+    def alive(self) -> bool:
+        return not self.ref.expired()  # type: ignore[no-untyped-call]
+
+
+class _Fault:
+    __slots__ = ("exc", "remaining")
+
+    def __init__(self, exc: BaseException | type[BaseException], remaining: int) -> None:
+        self.exc = exc
+        self.remaining = remaining
+
+
+class SimulatedRuntime:
+    """Simulated pinned host and ``device_count`` CUDA devices backed by CPU tensors.
+
+    Placement is a registry of the storages the runtime's own copies created. It is keyed by
+    storage identity (the ``StorageImpl`` address) and holds a weak reference to each storage:
+    the weak reference keeps that address from being handed to another storage while the
+    entry exists, so neither a freed storage whose data address is reused nor two storages
+    sharing one address can be mistaken for a registered one. Storages the runtime did not
+    create report their real torch placement.
+
+    Test instrumentation: `calls` counts every seam method called; `fail_next` makes the
+    next call(s) of a method raise; `copies` logs every copy. The test helpers `to_device`,
+    `pin`, `placement` and `complete_events` are neither counted nor fault-injected.
+    """
+
+    def __init__(
+        self, device_count: int = 2, *, pinned: bool = True, auto_complete: bool = False
+    ) -> None:
+        if not isinstance(device_count, int) or isinstance(device_count, bool):
+            raise TypeError(f"device_count must be an int, got {type(device_count).__name__}")
+        if device_count < 0:
+            raise ValueError(f"device_count must be >= 0, got {device_count}")
+        if not isinstance(pinned, bool) or not isinstance(auto_complete, bool):
+            raise TypeError("pinned and auto_complete must be bools")
+        self._device_count = device_count
+        self._pinned = pinned
+        self._auto_complete = auto_complete
+        self._devices = tuple(torch.device("cuda", index) for index in range(device_count))
+        self._lock = threading.Lock()
+        self._registry: dict[int, _Entry] = {}
+        self._sweep_at = 64
+        self._pending: weakref.WeakSet[SimulatedEvent] = weakref.WeakSet()
+        self._faults: dict[str, collections.deque[_Fault]] = {}
+        self._default_streams = tuple(SimulatedStream(self, device) for device in self._devices)
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.copies: list[SimulatedCopy] = []
+
+    @property
+    def name(self) -> str:
+        return "simulated"
+
+    @property
+    def pinned_available(self) -> bool:
+        return self._pinned
+
+    @property
+    def auto_complete(self) -> bool:
+        return self._auto_complete
+
+    def __repr__(self) -> str:
+        return (
+            f"SimulatedRuntime(device_count={self._device_count}, pinned={self._pinned}, "
+            f"auto_complete={self._auto_complete})"
+        )
+
+    # --- instrumentation ------------------------------------------------------------
+    def fail_next(
+        self,
+        method_name: str,
+        exc: BaseException | type[BaseException] | None = None,
+        count: int = 1,
+    ) -> None:
+        """Make the next ``count`` calls of seam method ``method_name`` raise ``exc``.
+
+        ``exc`` may be an instance (re-raised each time) or a class (instantiated with a
+        message each time); it defaults to ``RuntimeError``. Successive `fail_next` calls
+        for one method queue up in order. The failing call is still counted in `calls`.
+        """
+        if method_name not in _SEAM_METHODS:
+            raise ValueError(
+                f"{method_name!r} is not a seam method; expected one of {sorted(_SEAM_METHODS)}"
+            )
+        if not isinstance(count, int) or isinstance(count, bool):
+            raise TypeError(f"count must be an int, got {type(count).__name__}")
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if exc is None:
+            exc = RuntimeError
+        elif not isinstance(exc, BaseException) and not (
+            isinstance(exc, type) and issubclass(exc, BaseException)
+        ):
+            raise TypeError(f"exc must be an exception or exception class, got {exc!r}")
+        with self._lock:
+            self._faults.setdefault(method_name, collections.deque()).append(_Fault(exc, count))
+
+    def clear_faults(self) -> None:
+        """Drop every pending injected failure."""
+        with self._lock:
+            self._faults.clear()
+
+    def _enter(self, name: str) -> None:
+        """Count a seam call and raise an injected failure if one is due."""
+        with self._lock:
+            self.calls[name] += 1
+            queue = self._faults.get(name)
+            if not queue:
+                return
+            fault = queue[0]
+            fault.remaining -= 1
+            if fault.remaining == 0:
+                queue.popleft()
+                if not queue:
+                    del self._faults[name]
+        exc = fault.exc
+        if isinstance(exc, BaseException):
+            # Re-raising one instance would otherwise grow its traceback on every call.
+            raise exc.with_traceback(None)
+        raise exc(f"injected failure in SimulatedRuntime.{name}")
+
+    # --- availability -------------------------------------------------------------
+    def cuda_available(self) -> bool:
+        self._enter("cuda_available")
+        return self._device_count > 0
+
+    def device_count(self) -> int:
+        self._enter("device_count")
+        return self._device_count
+
+    # --- facts about values -------------------------------------------------------
+    def measure(self, value: TensorResident) -> ValueFacts:
+        self._enter("measure")
+        device = self._value_device(value)
+        on_host = device.type == "cpu"
+        code = -1 if on_host else (device.index or 0)
+        pinning: set[bool] = set()
+        logical = 0
+        sizes: dict[int, int] = {}
+        for tensor in value._resident_tensors:
+            logical += tensor.nbytes
+            storage = tensor.untyped_storage()
+            size = storage.nbytes()
+            if size and sizes.setdefault(storage.data_ptr(), size) != size:
+                _ = value.storage_nbytes  # raises the documented RuntimeError
+            if on_host:
+                pinning.add(self._tensor_facts(tensor)[1])
+        pinned: bool | None = (True in pinning) if len(pinning) <= 1 else None
+        return ValueFacts(
+            device, pinned, logical, sum(sizes.values()), [(code, ptr) for ptr in sizes]
+        )
+
+    def value_device(self, value: TensorResident) -> torch.device:
+        self._enter("value_device")
+        return self._value_device(value)
+
+    def value_is_pinned(self, value: TensorResident) -> bool:
+        self._enter("value_is_pinned")
+        # Like TensorResident.is_pinned: the device check comes first and raises the same way.
+        if self._value_device(value).type != "cpu":
+            return False
+        return all(self._tensor_facts(tensor)[1] for tensor in value._resident_tensors)
+
+    def pinning_is_uniform(self, value: TensorResident) -> bool:
+        self._enter("pinning_is_uniform")
+        pinning = set()
+        for tensor in value._resident_tensors:
+            device, pinned = self._tensor_facts(tensor)
+            if device.type == "cpu":
+                pinning.add(pinned)
+        return len(pinning) <= 1
+
+    def storage_keys(self, value: TensorResident) -> frozenset[tuple[torch.device, int]]:
+        self._enter("storage_keys")
+        keys: set[tuple[torch.device, int]] = set()
+        for tensor in value._resident_tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() > 0:
+                entry = self._registry.get(storage._cdata)
+                device = tensor.device if entry is None else entry.device
+                keys.add((device, storage.data_ptr()))
+        return frozenset(keys)
+
+    # --- movement -----------------------------------------------------------------
+    def copy_to_pageable(self, value: TensorResident) -> TensorResident:
+        self._enter("copy_to_pageable")
+        # Fresh CPU storage is unregistered, hence pageable, whatever the source was.
+        result = value.to("cpu", copy=True, non_blocking=False)
+        self._log(PAGEABLE_HOST, None, non_blocking=False)
+        return result
+
+    def copy_to_pinned(self, value: TensorResident) -> TensorResident:
+        self._enter("copy_to_pinned")
+        result = self._pinned_copy(value)
+        self._log(PINNED_HOST, None, non_blocking=False)
+        return result
+
+    def copy_to_cuda(
+        self, value: TensorResident, device: torch.device, stream: Any, *, non_blocking: bool
+    ) -> TensorResident:
+        """Copies into new storage registered on simulated ``device``.
+
+        ``stream`` None means the device's default stream; a stream of another device raises
+        ``ValueError``, as a misplaced real copy would be unordered with the caller's work.
+        """
+        self._enter("copy_to_cuda")
+        index = self._cuda_index(device)
+        target = self._devices[index]
+        if stream is None:
+            stream = self._default_streams[index]
+        elif not isinstance(stream, SimulatedStream):
+            raise TypeError(f"expected a SimulatedStream, got {type(stream).__name__}")
+        if stream.device != target:
+            raise ValueError(f"stream {stream!r} is on {stream.device}, not on {target}")
+        result = self._cuda_copy(value, target)
+        self._log(cuda_location(target), stream, non_blocking=non_blocking)
+        return result
+
+    # --- streams and events -------------------------------------------------------
+    def is_stream(self, obj: object) -> bool:
+        self._enter("is_stream")
+        return isinstance(obj, SimulatedStream)
+
+    def stream_device(self, stream: Any) -> torch.device:
+        self._enter("stream_device")
+        return _check_stream(stream).device
+
+    def current_stream(self, device: torch.device) -> SimulatedStream:
+        self._enter("current_stream")
+        return self._default_streams[self._cuda_index(device)]
+
+    def synchronize_stream(self, stream: Any) -> None:
+        self._enter("synchronize_stream")
+        _check_stream(stream)
+        self._complete_where(lambda event: event.stream is stream)
+
+    def synchronize_device(self, device: torch.device) -> None:
+        self._enter("synchronize_device")
+        target = self._cuda_device(device)
+        self._complete_where(lambda event: event.device == target)
+
+    def record_event(self, stream: Any) -> SimulatedEvent:
+        self._enter("record_event")
+        event = SimulatedEvent(_check_stream(stream), completed=self._auto_complete)
+        if not self._auto_complete:
+            with self._lock:
+                self._pending.add(event)
+        return event
+
+    def event_query(self, event: Any) -> bool:
+        self._enter("event_query")
+        return _check_event(event).completed
+
+    def synchronize_event(self, event: Any) -> None:
+        self._enter("synchronize_event")
+        _check_event(event).complete()
+
+    # --- observations ---------------------------------------------------------------
+    def memory_allocated(self, device: torch.device) -> int | None:
+        self._enter("memory_allocated")
+        index = self._device_index(device)
+        if index is None:
+            return None
+        return sum(entry.nbytes for entry in self._live_entries(self._devices[index]))
+
+    def memory_reserved(self, device: torch.device) -> int | None:
+        self._enter("memory_reserved")
+        index = self._device_index(device)
+        if index is None:
+            return None
+        return sum(
+            -(-entry.nbytes // _BLOCK) * _BLOCK
+            for entry in self._live_entries(self._devices[index])
+        )
+
+    # --- test helpers (not counted, never fault-injected) ---------------------------
+    def to_device(self, value: _V, device: torch.device | str | int) -> _V:
+        """A copy of ``value`` in new storage on simulated CUDA ``device``."""
+        return self._cuda_copy(value, self._cuda_device(device))
+
+    def pin(self, value: _V) -> _V:
+        """A copy of ``value`` in new simulated pinned host storage."""
+        return self._pinned_copy(value)
+
+    def placement(self, value: TensorResident | torch.Tensor) -> ResidencyLocation:
+        """Where a value (or one tensor) lives in this simulation, as a location.
+
+        Raises ``RuntimeError`` for a value with no tensors, spanning devices, or mixing
+        pinned and pageable host tensors.
+        """
+        tensors = (value,) if isinstance(value, torch.Tensor) else value._resident_tensors
+        facts = {self._tensor_facts(tensor) for tensor in tensors}
+        if not facts:
+            raise RuntimeError(f"{type(value).__name__} has no tensor fields, so no placement")
+        if len(facts) > 1:
+            raise RuntimeError(
+                f"{type(value).__name__} has mixed placements: {sorted(map(str, facts))}"
+            )
+        ((device, pinned),) = facts
+        if device.type == "cuda":
+            return cuda_location(device)
+        if device.type != "cpu":
+            raise RuntimeError(f"{device} is not a residency location")
+        return PINNED_HOST if pinned else PAGEABLE_HOST
+
+    def complete_events(self) -> int:
+        """Complete every pending event; returns how many were completed."""
+        return self._complete_where(lambda event: True)
+
+    def pending_event_count(self) -> int:
+        """Events recorded by this runtime that are still incomplete (not counted)."""
+        with self._lock:
+            return len(self._pending)
+
+    # --- internals --------------------------------------------------------------------
+    def _cuda_index(self, device: torch.device | str | int) -> int:
+        """The index of the simulated CUDA device named by ``device`` (else ``ValueError``)."""
+        try:
+            normalized = (
+                torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+            )
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"{device!r} is not a simulated CUDA device") from exc
+        index = self._device_index(normalized)
+        if index is None:
+            raise ValueError(
+                f"{normalized} is not a simulated CUDA device "
+                f"(this runtime has {self._device_count})"
+            )
+        return index
+
+    def _cuda_device(self, device: torch.device | str | int) -> torch.device:
+        return self._devices[self._cuda_index(device)]
+
+    def _device_index(self, device: torch.device) -> int | None:
+        if not isinstance(device, torch.device) or device.type != "cuda":
+            return None
+        # An unindexed "cuda" means the current device, which the simulation fixes at 0.
+        index = 0 if device.index is None else device.index
+        return index if index < self._device_count else None
+
+    def _tensor_facts(self, tensor: torch.Tensor) -> tuple[torch.device, bool]:
+        """(simulated device, simulated pinning) of one tensor."""
+        # A lock-free read: dict lookups are atomic, and a live storage's identity cannot be
+        # re-registered while we hold it.
+        entry = self._registry.get(tensor.untyped_storage()._cdata)
+        if entry is not None:
+            return entry.device, entry.pinned
+        device = tensor.device
+        return device, device.type == "cpu" and tensor.is_pinned()
+
+    def _value_device(self, value: TensorResident) -> torch.device:
+        tensors = value._resident_tensors
+        if not tensors:
+            raise RuntimeError(f"{type(value).__name__} has no tensor fields, so no device")
+        device = self._tensor_facts(tensors[0])[0]
+        for tensor in tensors[1:]:
+            other = self._tensor_facts(tensor)[0]
+            if other != device:
+                raise RuntimeError(
+                    f"{type(value).__name__} spans several devices ({device} and {other}); "
+                    "every tensor field must share one device"
+                )
+        return device
+
+    def _cuda_copy(self, value: _V, target: torch.device) -> _V:
+        # `to(copy=True)` always clones, so even a CPU source gets new, independent storage,
+        # exactly like a real host-to-device copy.
+        result = value.to("cpu", copy=True, non_blocking=False)
+        self._register(result._resident_tensors, target, pinned=False)
+        return result
+
+    def _pinned_copy(self, value: _V) -> _V:
+        if not self._pinned:
+            raise RuntimeError(_PINNED_UNAVAILABLE)
+        # Mirrors TensorResident.pin_memory: same size and strides, synchronous copy, the
+        # source's requires_grad, no autograd tracking.
+        with torch.no_grad():
+            clones = tuple(_strided_clone(tensor) for tensor in value._resident_tensors)
+        self._register(clones, _CPU, pinned=True)
+        return value._with_resident_tensors(clones)
+
+    def _register(
+        self, tensors: Iterable[torch.Tensor], device: torch.device, *, pinned: bool
+    ) -> None:
+        with self._lock:
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                self._registry[storage._cdata] = _Entry(storage, device, pinned)
+            # Amortised sweep of dead entries, so a long test run does not grow the registry.
+            if len(self._registry) >= self._sweep_at:
+                self._sweep_locked()
+                self._sweep_at = max(64, 2 * len(self._registry))
+
+    def _sweep_locked(self) -> None:
+        dead = [key for key, entry in self._registry.items() if not entry.alive()]
+        for key in dead:
+            del self._registry[key]
+
+    def _live_entries(self, device: torch.device) -> list[_Entry]:
+        with self._lock:
+            self._sweep_locked()
+            return [entry for entry in self._registry.values() if entry.device == device]
+
+    def _complete_where(self, predicate: Callable[[SimulatedEvent], bool]) -> int:
+        with self._lock:
+            done = [event for event in self._pending if predicate(event)]
+            for event in done:
+                event._completed = True
+                self._pending.discard(event)
+        return len(done)
+
+    def _forget_event(self, event: SimulatedEvent) -> None:
+        with self._lock:
+            self._pending.discard(event)
+
+    def _log(
+        self, destination: ResidencyLocation, stream: SimulatedStream | None, *, non_blocking: bool
+    ) -> None:
+        with self._lock:
+            self.copies.append(SimulatedCopy(destination, stream, non_blocking))
+
+
+def _strided_clone(tensor: torch.Tensor) -> torch.Tensor:
+    clone = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
+    clone.copy_(tensor, non_blocking=False)
+    clone.requires_grad_(tensor.requires_grad)
+    return clone
+
+
+def _check_stream(stream: object) -> SimulatedStream:
+    if not isinstance(stream, SimulatedStream):
+        raise TypeError(f"expected a SimulatedStream, got {type(stream).__name__}")
+    return stream
+
+
+def _check_event(event: object) -> SimulatedEvent:
+    if not isinstance(event, SimulatedEvent):
+        raise TypeError(f"expected a SimulatedEvent, got {type(event).__name__}")
+    return event
+
+
+if TYPE_CHECKING:
+    # Static proof that the simulation satisfies the seam it stands in for.
+    _conforms: DeviceRuntime = SimulatedRuntime()

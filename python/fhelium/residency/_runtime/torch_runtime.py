@@ -1,0 +1,292 @@
+"""`TorchCudaRuntime`: the default device seam, backed by real torch CUDA and pinned memory.
+
+Movement goes through `TensorResident` (contract 3.13 and 4.1); streams are
+`torch.cuda.Stream` or any object exposing the CUDA stream protocol (`__cuda_stream__`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, NoReturn
+
+import torch
+
+from fhelium.residency._runtime.base import ValueFacts
+from fhelium.values.tensor_resident import (
+    TensorResident,
+    _cpu_pinning_is_uniform,
+    _storage_keys,
+)
+
+__all__ = ["TorchCudaRuntime"]
+
+# Module-level aliases: the manager calls these on every transition and lease, so one global
+# lookup each beats walking `torch.cuda.<name>` every time.
+_Stream: Final = torch.cuda.Stream
+_ExternalStream: Final = torch.cuda.ExternalStream
+_Event: Final = torch.cuda.Event
+_device_guard: Final = torch.cuda.device
+_stream_guard: Final = torch.cuda.stream
+
+# Special handles of the protocol: the legacy default stream (0 and CU_STREAM_LEGACY) and the
+# per-thread default stream. They name "the default stream of the current context", so they
+# belong to whichever device is current, and the driver cannot be asked about them.
+_DEFAULT_STREAM_HANDLES: Final = frozenset({0, 1, 2})
+
+
+class TorchCudaRuntime:
+    """The real runtime: torch tensors, torch CUDA streams and ``torch.cuda.Event``.
+
+    Stateless, so one process-wide instance serves every manager.
+    """
+
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        return "torch-cuda"
+
+    def __repr__(self) -> str:
+        return "TorchCudaRuntime()"
+
+    # --- availability -------------------------------------------------------------
+    def cuda_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    # --- facts about values -------------------------------------------------------
+    def measure(self, value: TensorResident) -> ValueFacts:
+        tensors = value._resident_tensors
+        if not tensors:
+            return _raise_like(value)
+        device = tensors[0].device
+        on_host = device.type == "cpu"
+        all_pinned = on_host
+        any_pinned = False
+        logical = 0
+        sizes: dict[int, int] = {}
+        for tensor in tensors:
+            if tensor.device != device:
+                return _raise_like(value)
+            logical += tensor.nbytes
+            storage = tensor.untyped_storage()
+            size = storage.nbytes()
+            if size and sizes.setdefault(storage.data_ptr(), size) != size:
+                return _raise_like(value)
+            if on_host:
+                pinned = tensor.is_pinned()
+                all_pinned = all_pinned and pinned
+                any_pinned = any_pinned or pinned
+        code = -1 if on_host else (device.index or 0)
+        return ValueFacts(
+            device,
+            all_pinned if all_pinned or not any_pinned else None,
+            logical,
+            sum(sizes.values()),
+            [(code, pointer) for pointer in sizes],
+        )
+
+    def value_device(self, value: TensorResident) -> torch.device:
+        return value.device
+
+    def value_is_pinned(self, value: TensorResident) -> bool:
+        return value.is_pinned
+
+    def pinning_is_uniform(self, value: TensorResident) -> bool:
+        return _cpu_pinning_is_uniform(value)
+
+    def storage_keys(self, value: TensorResident) -> frozenset[tuple[torch.device, int]]:
+        return _storage_keys(value)
+
+    # --- movement -----------------------------------------------------------------
+    def copy_to_pageable(self, value: TensorResident) -> TensorResident:
+        return value.to("cpu", copy=True, non_blocking=False)
+
+    def copy_to_pinned(self, value: TensorResident) -> TensorResident:
+        # TensorResident.pin_memory raises the contract's RuntimeError when pinning is
+        # unavailable; it propagates unchanged (3.13).
+        return value.pin_memory(copy=True)
+
+    def copy_to_cuda(
+        self, value: TensorResident, device: torch.device, stream: Any, *, non_blocking: bool
+    ) -> TensorResident:
+        """Enqueues ``value.to(device, copy=True)`` on ``stream`` (None: the current stream).
+
+        Raises ``ValueError`` when the stream belongs to another device: enqueuing there
+        would make the copy unordered with the work the caller synchronises on.
+        """
+        cuda_stream = torch.cuda.current_stream(device) if stream is None else _as_stream(stream)
+        if cuda_stream.device_index != device.index:
+            raise ValueError(f"stream {stream!r} is on {cuda_stream.device}, not on {device}")
+        with _device_guard(device), _stream_guard(cuda_stream):
+            return value.to(device, copy=True, non_blocking=non_blocking)
+
+    # --- streams and events -------------------------------------------------------
+    def is_stream(self, obj: object) -> bool:
+        # torch streams first (the common case); they also implement the protocol.
+        # The protocol is looked up on the type, as Python does for special methods.
+        return isinstance(obj, _Stream) or hasattr(type(obj), "__cuda_stream__")
+
+    def stream_device(self, stream: Any) -> torch.device:
+        if isinstance(stream, _Stream):
+            return stream.device
+        return _protocol_stream_device(stream, _protocol_handle(stream))
+
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
+
+    def synchronize_stream(self, stream: Any) -> None:
+        _as_stream(stream).synchronize()
+
+    def synchronize_device(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def record_event(self, stream: Any) -> torch.cuda.Event:
+        cuda_stream = _as_stream(stream)
+        event = _Event()  # type: ignore[no-untyped-call]
+        # The contract records with the stream's device current (4.3 step 2), so the event is
+        # created on that device whatever the calling thread has current.
+        with _device_guard(cuda_stream.device_index):
+            event.record(cuda_stream)
+        return event
+
+    def event_query(self, event: torch.cuda.Event) -> bool:
+        return bool(event.query())  # type: ignore[no-untyped-call]
+
+    def synchronize_event(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    # --- observations ---------------------------------------------------------------
+    def memory_allocated(self, device: torch.device) -> int | None:
+        # Sampling never fails a transition (6.5): any failure reads as "no reading".
+        try:
+            if device.type != "cuda" or not torch.cuda.is_available():
+                return None
+            return torch.cuda.memory_allocated(device)
+        except Exception:
+            return None
+
+    def memory_reserved(self, device: torch.device) -> int | None:
+        try:
+            if device.type != "cuda" or not torch.cuda.is_available():
+                return None
+            return torch.cuda.memory_reserved(device)
+        except Exception:
+            return None
+
+
+def _raise_like(value: TensorResident) -> NoReturn:
+    """Raises exactly what the TensorResident measurement properties raise."""
+    _ = value.device
+    _ = value.storage_nbytes
+    raise AssertionError("measure() found an inconsistency the properties did not")
+
+
+def _as_stream(stream: object) -> torch.cuda.Stream:
+    """``stream`` itself when it is a torch stream, else a torch view of a protocol stream."""
+    if isinstance(stream, _Stream):
+        return stream
+    handle = _protocol_handle(stream)
+    device = _protocol_stream_device(stream, handle)
+    # ExternalStream only wraps the handle; it neither owns nor destroys the stream, so a
+    # fresh wrapper per call is correct and costs no CUDA work.
+    return _ExternalStream(handle, device=device)  # type: ignore[no-untyped-call]
+
+
+def _protocol_handle(stream: object) -> int:
+    """The ``cudaStream_t`` address from the CUDA stream protocol (version 0)."""
+    if not hasattr(type(stream), "__cuda_stream__"):
+        raise TypeError(
+            "expected a torch.cuda.Stream or an object implementing __cuda_stream__, "
+            f"got {type(stream).__name__}"
+        )
+    protocol = stream.__cuda_stream__  # type: ignore[attr-defined]
+    # The protocol is a method; early adopters exposed the tuple as a property.
+    described = protocol() if callable(protocol) else protocol
+    if (
+        not isinstance(described, tuple)
+        or len(described) != 2
+        or not all(isinstance(part, int) and not isinstance(part, bool) for part in described)
+    ):
+        raise TypeError(
+            f"{type(stream).__name__}.__cuda_stream__ must give a (version, handle) tuple "
+            f"of ints, got {described!r}"
+        )
+    version, handle = described
+    if version != 0:
+        raise TypeError(f"unsupported CUDA stream protocol version {version}")
+    return int(handle)
+
+
+def _protocol_stream_device(stream: object, handle: int) -> torch.device:
+    """The device a foreign stream was created on.
+
+    The driver is authoritative; the object's own ``device`` / ``device_id`` (as CuPy and
+    cuda.core expose them) is the fallback for drivers older than ``cuStreamGetDevice``.
+    """
+    if handle in _DEFAULT_STREAM_HANDLES:
+        return torch.device("cuda", torch.cuda.current_device())
+    index = _driver_stream_device(handle)
+    if index is None:
+        index = _declared_device_index(stream)
+    if index is None:
+        raise ValueError(
+            f"cannot determine the CUDA device of {type(stream).__name__} stream {handle:#x}"
+        )
+    return torch.device("cuda", index)
+
+
+def _driver_stream_device(handle: int) -> int | None:
+    """Ask the CUDA driver which device ``handle`` was created on; None if it cannot say."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # cuda-python before 12.6
+        except ImportError:
+            return None
+    success = driver.CUresult.CUDA_SUCCESS
+    try:
+        cu_stream = driver.CUstream(handle)
+    except Exception:
+        return None
+    try:
+        error, device = driver.cuStreamGetDevice(cu_stream)
+        if error == success:
+            return int(device)
+    except Exception:
+        # No driver library, or a driver / bindings older than cuStreamGetDevice (12.8).
+        pass
+    try:
+        # The older route: the stream's context knows its device.
+        error, context = driver.cuStreamGetCtx(cu_stream)
+        if error != success:
+            return None
+        (error,) = driver.cuCtxPushCurrent(context)
+        if error != success:
+            return None
+        try:
+            error, device = driver.cuCtxGetDevice()
+        finally:
+            driver.cuCtxPopCurrent()
+        if error == success:
+            return int(device)
+    except Exception:
+        pass
+    return None
+
+
+def _declared_device_index(stream: object) -> int | None:
+    declared = getattr(stream, "device", None)
+    if declared is None:
+        declared = getattr(stream, "device_id", None)
+    if isinstance(declared, torch.device):
+        return declared.index if declared.type == "cuda" else None
+    if isinstance(declared, int) and not isinstance(declared, bool):
+        return declared
+    # cuda.core's Device object carries its ordinal as `device_id`.
+    nested = getattr(declared, "device_id", None)
+    if isinstance(nested, int) and not isinstance(nested, bool):
+        return nested
+    return None
