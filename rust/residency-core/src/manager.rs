@@ -858,7 +858,7 @@ impl Manager {
         }
         let lease = inner.leases.remove(&token).expect("checked above");
         inner.tokens(&lease.handles, lease.location, TokenKind::Pending, false);
-        inner.state.pending_leases -= 1;
+        inner.state.pending_leases = inner.state.pending_leases.saturating_sub(1);
         inner.state.bump();
         inner.dirty = true;
         true
@@ -929,7 +929,7 @@ impl Manager {
             .iter_mut()
             .find(|books| books.location == reservation.location)
         {
-            books.reservation_count -= 1;
+            books.reservation_count = books.reservation_count.saturating_sub(1);
         }
         inner.state.bump();
         inner.dirty = true;

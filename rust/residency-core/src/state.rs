@@ -116,7 +116,7 @@ impl LocationState {
     }
 
     pub fn charged_bytes(&self) -> u64 {
-        self.used_bytes + self.reserved_bytes
+        self.used_bytes.saturating_add(self.reserved_bytes)
     }
 
     /// The strict admission rule: `used + reserved + incoming <= budget`.
@@ -242,7 +242,7 @@ impl State {
     /// Admission must have been checked; the caller decides about version steps.
     pub fn add_reserved(&mut self, location: Location, nbytes: u64) {
         let books = self.books_mut(location);
-        books.reserved_bytes += nbytes;
+        books.reserved_bytes = books.reserved_bytes.saturating_add(nbytes);
         books.note_peaks();
     }
 
@@ -270,7 +270,7 @@ impl State {
     pub fn install(&mut self, handle: HandleId, location: Location, storage_nbytes: u64) {
         let charged_nbytes = self.values[handle as usize].spec.storage_nbytes();
         let books = self.books_mut(location);
-        books.used_bytes += charged_nbytes;
+        books.used_bytes = books.used_bytes.saturating_add(charged_nbytes);
         books.value_count += 1;
         books.note_peaks();
         self.record_mut(handle)
@@ -296,11 +296,15 @@ impl State {
         let removed = record.materializations.remove(position);
         if let Some(index) = self.location_index(location) {
             let books = &mut self.locations[index];
-            books.used_bytes -= removed.charged_nbytes;
-            books.value_count -= 1;
-            books.use_count -= u64::from(removed.use_count);
-            books.hold_count -= u64::from(removed.hold_count);
-            books.pending_count -= u64::from(removed.pending_count);
+            books.used_bytes = books.used_bytes.saturating_sub(removed.charged_nbytes);
+            books.value_count = books.value_count.saturating_sub(1);
+            books.use_count = books.use_count.saturating_sub(u64::from(removed.use_count));
+            books.hold_count = books
+                .hold_count
+                .saturating_sub(u64::from(removed.hold_count));
+            books.pending_count = books
+                .pending_count
+                .saturating_sub(u64::from(removed.pending_count));
         }
         self.bump();
         Some(removed)
@@ -334,7 +338,7 @@ impl State {
             *count += 1;
             true
         } else if *count > 0 {
-            *count -= 1;
+            *count = count.saturating_sub(1);
             true
         } else {
             false
@@ -352,7 +356,7 @@ impl State {
             if add {
                 *total += 1;
             } else {
-                *total -= 1;
+                *total = total.saturating_sub(1);
             }
         }
     }
@@ -365,7 +369,7 @@ impl State {
             let mut count = 0u64;
             for record in &self.values {
                 if let Some(materialization) = record.materialization(books.location) {
-                    used += materialization.charged_nbytes;
+                    used = used.saturating_add(materialization.charged_nbytes);
                     count += 1;
                 }
             }
