@@ -7,7 +7,9 @@ strict int / non-empty str rejects, and a tiny concrete `TensorResident`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +21,15 @@ from hypothesis import HealthCheck, settings
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
 from fhelium.residency.model import ResidencyHandle
 from fhelium.values import TensorResident
+
+# When a Hypothesis test fails, its pytest plugin imports hypothesis.extra._patching, which
+# imports libcst, which touches the deprecated mypy_extensions.TypedDict. Under
+# filterwarnings = ["error"] that DeprecationWarning turns every Hypothesis failure into an
+# INTERNALERROR that aborts the session. Import it once here, with the warning silenced.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    with contextlib.suppress(ImportError):  # libcst is optional for Hypothesis
+        import hypothesis.extra._patching  # noqa: F401
 
 settings.register_profile(
     "fhelium",

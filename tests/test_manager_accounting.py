@@ -405,3 +405,45 @@ def test_source_location_budget_and_destination_budget_both_apply(sim: object) -
     assert used(snap, PINNED_HOST) == 0
     assert loc_snap(snap, PINNED_HOST).peak_charged_bytes == 16
     assert used(snap, CUDA0) == 16
+
+
+# --------------------------------------------------------------------------------------------
+# Byte counts are Python ints (section 0). The core accounts them exactly up to 2**64 - 1
+# (16 EiB); anything larger is refused with a ValueError, never silently saturated.
+# --------------------------------------------------------------------------------------------
+
+LARGEST = 2**64 - 1
+HUGE = 2**64 + 5
+
+
+def test_a_budget_beyond_64_bits_is_refused_not_saturated() -> None:
+    with pytest.raises(ValueError, match="2\\*\\*64 - 1"):
+        ResidencyManager({PAGEABLE_HOST: HUGE})
+    manager = ResidencyManager({PAGEABLE_HOST: LARGEST})
+    manager.adopt(tensor_value(4))
+    entry = loc_snap(manager.snapshot(), PAGEABLE_HOST)
+    assert entry.budget_bytes == LARGEST
+    assert entry.remaining_budget_bytes == LARGEST - 16
+
+
+def test_a_charge_beyond_64_bits_is_refused_and_the_largest_is_charged_exactly() -> None:
+    manager = ResidencyManager({PINNED_HOST: 10})
+    before = manager.state_version
+    with pytest.raises(ValueError, match="storage_nbytes"):
+        manager.register_source(spec(4, storage=2**65), Source(fresh(4)))
+    assert manager.state_version == before, "a refused registration changes nothing"
+    refused = manager.register_source(
+        spec(4, storage=LARGEST), Source(fresh(4)), source_location=PINNED_HOST
+    )
+    with pytest.raises(ResidencyBudgetError) as info:
+        manager.ensure(refused, PINNED_HOST)
+    assert info.value.requested_bytes == LARGEST
+    # Unbudgeted: admitted and charged the exact spec storage.
+    handle = manager.register_source(spec(4, storage=LARGEST), Source(fresh(4)))
+    report = manager.ensure(handle, PAGEABLE_HOST)
+    assert report.storage_nbytes == LARGEST
+    snap = manager.snapshot()
+    (mat,) = val_snap(snap, handle).materializations
+    assert mat.charged_nbytes == LARGEST
+    assert loc_snap(snap, PAGEABLE_HOST).used_bytes == LARGEST
+    assert loc_snap(snap, PAGEABLE_HOST).peak_used_bytes == LARGEST

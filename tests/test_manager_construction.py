@@ -193,6 +193,14 @@ def test_trace_capacity_accepts_index_ints() -> None:
     assert len(manager.trace()) == 1
 
 
+def test_trace_capacity_has_no_upper_bound() -> None:
+    # An index int >= 0 keeps the last N reports (2.8); 2**63 does not fit a C ssize_t.
+    manager = ResidencyManager(trace_capacity=2**63)
+    handle = manager.adopt(tensor_value())
+    manager.ensure(handle, PAGEABLE_HOST)
+    assert len(manager.trace()) == 1
+
+
 def test_construction_check_order() -> None:
     # 1. budgets kind, before trace_capacity.
     with pytest.raises(TypeError):

@@ -524,3 +524,29 @@ def test_pinning_unavailable_in_the_runtime_is_a_runtime_error_that_changes_noth
         )
         assert loc_snap(after, PINNED_HOST) is None
         assert manager.trace() == ()
+
+
+class Interrupt(BaseException):
+    """A non-`Exception` failure, such as an interrupt, during the copy submission."""
+
+
+def test_submission_interrupted_by_a_base_exception_is_still_cleaned_up(
+    rt: tuple[Any, Spy],
+) -> None:
+    # 4.1 step 6 covers any submission failure: the copy stream is synchronised before the
+    # failure propagates, and nothing is installed.
+    runtime, spy = rt
+    manager = ResidencyManager()
+    handle = manager.register_source(spec(4), Source(fresh(4)))
+    before = manager.snapshot()
+    runtime.fail_next("copy_to_cuda", exc=Interrupt("stop"))
+    with pytest.raises(Interrupt):
+        manager.ensure(handle, CUDA1)
+    assert len(spy.calls("synchronize_stream")) == 1
+    after = manager.snapshot()
+    assert state_key(after, ignore_peak_charged=(PAGEABLE_HOST,)) == state_key(
+        before, ignore_peak_charged=(PAGEABLE_HOST,)
+    )
+    assert loc_snap(after, PAGEABLE_HOST).reserved_bytes == 0
+    manager.ensure(handle, CUDA1)
+    assert mat_locs(manager.snapshot(), handle) == (CUDA1,)

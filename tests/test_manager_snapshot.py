@@ -224,6 +224,39 @@ def test_snapshot_equality_and_hash_follow_the_record_rules() -> None:
     assert pickle.loads(pickle.dumps(snap)) == plain
 
 
+def test_snapshot_is_a_constructible_frozen_record() -> None:
+    """Section 0: fields are set at construction, positionally or by keyword, so the
+    dataclass tools that rebuild a record work on the snapshot `snapshot()` returns."""
+    import dataclasses
+
+    manager = ResidencyManager()
+    manager.adopt(tensor_value())
+    snap = manager.snapshot()
+    fields = (
+        snap.manager_id,
+        snap.state_version,
+        snap.values,
+        snap.locations,
+        snap.reservations,
+        snap.captured_at_ns,
+    )
+    names = [f.name for f in dataclasses.fields(snap)]
+    assert names == [
+        "manager_id",
+        "state_version",
+        "values",
+        "locations",
+        "reservations",
+        "captured_at_ns",
+    ]
+    assert type(snap)(*fields) == snap
+    assert type(snap)(**dict(zip(names, fields, strict=True))) == snap
+    replaced = dataclasses.replace(snap, captured_at_ns=0)
+    assert replaced.captured_at_ns == 0
+    assert replaced.values == snap.values
+    assert isinstance(replaced, ResidencySnapshot)
+
+
 def test_snapshot_is_frozen() -> None:
     import dataclasses
 
@@ -371,3 +404,20 @@ def test_snapshot_capture_cost_does_not_grow_with_the_entries() -> None:
     full_time = best(lambda: (manager.snapshot().values, manager.snapshot().locations))
     assert capture_time * 5 < full_time, (capture_time, full_time)
     assert len(manager.snapshot().values) == 3_000
+
+
+def test_a_snapshot_can_be_read_after_close_and_after_the_manager_is_gone() -> None:
+    manager = ResidencyManager()
+    handle = manager.adopt(tensor_value(4))
+    early = manager.snapshot()
+    kept = manager.snapshot()
+    _ = kept.values  # built before close
+    manager.close()
+    assert mat_locs(early, handle) == (PAGEABLE_HOST,)
+    assert loc_snap(early, PAGEABLE_HOST).used_bytes == 16
+    assert state_key(early) == state_key(kept)
+    orphan = ResidencyManager()
+    other = orphan.adopt(tensor_value(2))
+    snap = orphan.snapshot()
+    del orphan
+    assert mat_locs(snap, other) == (PAGEABLE_HOST,)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 __all__ = ["trusted_builder"]
 
@@ -17,18 +17,20 @@ R = TypeVar("R")
 
 
 def trusted_builder(cls: type[R]) -> Callable[..., R]:
-    """A positional constructor for frozen slots dataclass ``cls`` that skips checks."""
-    setters: list[Callable[[Any, Any], None]] = [
-        cls.__dict__[field.name].__set__
-        for field in dataclasses.fields(cls)  # type: ignore[arg-type]
-    ]
-    new = object.__new__
+    """A positional constructor for frozen slots dataclass ``cls`` that skips checks.
 
-    def build(*values: object) -> R:
-        record = new(cls)
-        for setter, value in zip(setters, values, strict=True):
-            setter(record, value)
-        return record
-
-    build.__name__ = f"trusted_{cls.__name__}"
-    return build
+    The body is generated once per class (as dataclasses does for ``__init__``): one
+    slot-descriptor call per field, no loop, no validation.
+    """
+    names = [field.name for field in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    for name in names:
+        namespace[f"_set_{name}"] = cls.__dict__[name].__set__
+    body = "".join(f"    _set_{name}(record, {name})\n" for name in names)
+    source = (
+        f"def trusted_{cls.__name__}({', '.join(names)}):\n"
+        f"    record = _new(_cls)\n{body}    return record\n"
+    )
+    # Field names are identifiers taken from the class itself.
+    exec(source, namespace)
+    return cast(Callable[..., R], namespace[f"trusted_{cls.__name__}"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import operator
+import sys
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -80,6 +81,13 @@ def _location_of(code: int) -> ResidencyLocation:
     return location
 
 
+def _byte_count(value: int, name: str) -> int:
+    """Byte counts the core can account exactly: at most 2**64 - 1 (16 EiB)."""
+    if value > _lowering.U64_MAX:
+        raise ValueError(f"{name} of {value} bytes exceeds the supported maximum of 2**64 - 1")
+    return value
+
+
 def _index_int(value: object, name: str) -> int:
     """The contract's lenient 'index int': bool is a TypeError, __index__ is accepted."""
     if isinstance(value, bool):
@@ -132,7 +140,8 @@ class ResidencyManager:
         entries: list[tuple[int, int]] = []
         for location, budget in (budgets or {}).items():
             code = self._location_code(location)
-            entries.append((code, _lowering.saturate(_index_int(budget, f"budget for {location}"))))
+            name = f"budget for {location}"
+            entries.append((code, _byte_count(_index_int(budget, name), name)))
         self._core = _core.CoreManager(entries)
         self._manager_id: str = self._core.manager_id
         # Indexed by the core's handle index (issue order); never shrink before close.
@@ -145,8 +154,9 @@ class ResidencyManager:
         self._discarded: set[ResidencyHandle[Any]] = set()
         # Pending CUDA lease token -> the events recorded at its release.
         self._pending_events: dict[int, list[Any]] = {}
+        # deque needs a C ssize_t; no trace could ever hold more than that anyway.
         self._trace: deque[ResidencyTransitionReport] | None = (
-            deque(maxlen=capacity) if capacity else None
+            deque(maxlen=min(capacity, sys.maxsize)) if capacity else None
         )
 
     # ------------------------------------------------------------------ identity
@@ -333,8 +343,8 @@ class ResidencyManager:
                 )
             index, handle_id = core.register_source(
                 _lowering.type_key(spec.value_type),
-                _lowering.saturate(spec.logical_nbytes),
-                _lowering.saturate(spec.storage_nbytes),
+                _byte_count(spec.logical_nbytes, "spec.logical_nbytes"),
+                _byte_count(spec.storage_nbytes, "spec.storage_nbytes"),
                 spec.replica_mode is ReplicaMode.EXCLUSIVE,
                 code,
             )
@@ -491,7 +501,7 @@ class ResidencyManager:
             value = self._materializations[index][source]
             self._install(index, code, self._copy(value, source, code, stream), False)
         else:
-            self._reconstruct_into(index, code, stream, exclusive_transition=False)
+            self._reconstruct_into(index, source, code, stream, exclusive_transition=False)
         return False, _location_of(source), None
 
     def _move(
@@ -509,15 +519,15 @@ class ResidencyManager:
             self._core.remove(index, source)
             materializations.pop(source, None)
         else:
-            self._reconstruct_into(index, code, stream, exclusive_transition=True)
+            self._reconstruct_into(index, source, code, stream, exclusive_transition=True)
         return False, _location_of(source), None
 
     def _reconstruct_into(
-        self, index: int, code: int, stream: Any, *, exclusive_transition: bool
+        self, index: int, source_code: int, code: int, stream: Any, *, exclusive_transition: bool
     ) -> None:
-        """Contract 3.12: temporary charge, load, validate, then install or copy."""
+        """Contract 3.12: load (the core already took the temporary charge at
+        `source_code`), validate, then install there or copy to `code`."""
         core = self._core
-        source_code = core.charge_temporary(index)
         charged = True
         try:
             loaded, facts = self._load(index, source_code)
@@ -543,8 +553,13 @@ class ResidencyManager:
             core.set_callback_active(False)
         return self._validate(index, source_code, loaded)
 
-    def _validate(self, index: int, code: int, value: object) -> tuple[TensorResident, ValueFacts]:
-        """Contract 3.14 step 3: type, placement, logical bytes and storage ceiling."""
+    def _validate(
+        self, index: int, code: int, value: object, *, check_bytes: bool = True
+    ) -> tuple[TensorResident, ValueFacts]:
+        """Contract 3.14 step 3: type, placement, logical bytes and storage ceiling.
+
+        `check_bytes=False` leaves the byte checks to the core's install, which makes
+        them in the same order right after."""
         value_type = self._specs[index].value_type
         if not isinstance(value, value_type):
             raise ResidencyMaterializationError(
@@ -554,7 +569,8 @@ class ResidencyManager:
         resident = cast(TensorResident, value)
         facts = self._runtime.measure(resident)
         self._check_placement(facts, _location_of(code), resident)
-        self._core.check_materialization(index, facts.logical_nbytes, facts.storage_nbytes)
+        if check_bytes:
+            self._core.check_materialization(index, facts.logical_nbytes, facts.storage_nbytes)
         return resident, facts
 
     def _install(
@@ -567,7 +583,7 @@ class ResidencyManager:
     ) -> None:
         """Validates (unless `facts` are already validated for `code`) and installs."""
         if facts is None:
-            value, facts = self._validate(index, code, value)
+            value, facts = self._validate(index, code, value, check_bytes=False)
         self._core.install(
             index,
             code,
@@ -595,7 +611,8 @@ class ResidencyManager:
                 value, device, copy_stream, non_blocking=source_code != _PAGEABLE
             )
             runtime.synchronize_event(runtime.record_event(copy_stream))
-        except Exception as error:
+        except BaseException as error:
+            # Interrupts too: the copy may still be reading the source on the stream.
             try:
                 runtime.synchronize_stream(copy_stream)
             except Exception as cleanup:
@@ -651,7 +668,7 @@ class ResidencyManager:
                 core.exit()
         else:
             captured = time.time_ns()
-        return _ManagerSnapshot(self, view, captured)
+        return _ManagerSnapshot._capture(self, view, captured)
 
     def trace(self) -> tuple[ResidencyTransitionReport, ...]:
         """The retained transition reports, oldest first."""
@@ -727,23 +744,48 @@ class _ManagerSnapshot(ResidencySnapshot[Any]):
     _built: dict[str, tuple[Any, ...]]
     _handles: list[ResidencyHandle[Any]]
     _specs: list[ResidencyValueSpec[Any]]
-    _view: _core.StateView
+    _view: _core.StateView | None
 
-    def __init__(
-        self, manager: ResidencyManager, view: _core.StateView, captured_at_ns: int
-    ) -> None:
-        setter = ResidencySnapshot.__dict__
-        setter["manager_id"].__set__(self, manager._manager_id)
-        setter["state_version"].__set__(self, view.version)
-        setter["captured_at_ns"].__set__(self, captured_at_ns)
-        # The facade's lists only grow, so the view's prefix of them stays valid.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Called as the record's own constructor (`type(snapshot)(...)`,
+        # `dataclasses.replace`): validate like ResidencySnapshot and keep the fields.
+        plain = ResidencySnapshot(*args, **kwargs)
+        self._set_scalars(plain.manager_id, plain.state_version, plain.captured_at_ns)
+        init = object.__setattr__
+        init(self, "_view", None)
+        init(self, "_handles", [])
+        init(self, "_specs", [])
+        init(
+            self,
+            "_built",
+            {
+                "values": plain.values,
+                "locations": plain.locations,
+                "reservations": plain.reservations,
+            },
+        )
+
+    @classmethod
+    def _capture(
+        cls, manager: ResidencyManager, view: _core.StateView, captured_at_ns: int
+    ) -> _ManagerSnapshot:
+        snapshot = object.__new__(cls)
+        snapshot._set_scalars(manager._manager_id, view.version, captured_at_ns)
         # The frozen record's __setattr__ refuses every assignment, ours included.
         init = object.__setattr__
-        init(self, "_view", view)
-        init(self, "_handles", manager._handles)
-        init(self, "_specs", manager._specs)
+        init(snapshot, "_view", view)
+        # The facade's lists only grow, so the view's prefix of them stays valid.
+        init(snapshot, "_handles", manager._handles)
+        init(snapshot, "_specs", manager._specs)
         # Locations are few and carry allocator readings that belong to capture time.
-        init(self, "_built", {"locations": _location_entries(view, manager._runtime)})
+        init(snapshot, "_built", {"locations": _location_entries(view, manager._runtime)})
+        return snapshot
+
+    def _set_scalars(self, manager_id: str, state_version: int, captured_at_ns: int) -> None:
+        slots = ResidencySnapshot.__dict__
+        slots["manager_id"].__set__(self, manager_id)
+        slots["state_version"].__set__(self, state_version)
+        slots["captured_at_ns"].__set__(self, captured_at_ns)
 
     def _field(self, name: str) -> tuple[Any, ...]:
         built = self._built.get(name)
@@ -775,6 +817,7 @@ class _ManagerSnapshot(ResidencySnapshot[Any]):
     def _build_values(self) -> tuple[ResidencyValueSnapshot[Any], ...]:
         handles, specs = self._handles, self._specs
         entries = []
+        assert self._view is not None  # Fields given at construction are never rebuilt.
         for index, (source, discarded, rows) in enumerate(self._view.value_rows()):
             materializations = tuple(
                 _new_materialization_snapshot(
@@ -803,7 +846,7 @@ class _ManagerSnapshot(ResidencySnapshot[Any]):
     def _build_reservations(self) -> tuple[ResidencyReservationSnapshot, ...]:
         return tuple(
             _new_reservation_snapshot(_location_of(code), nbytes, label)
-            for code, nbytes, label in self._view.reservation_rows()
+            for code, nbytes, label in cast(_core.StateView, self._view).reservation_rows()
         )
 
     def _plain(self) -> ResidencySnapshot[Any]:

@@ -6,7 +6,7 @@
 //! fail too instead of blocking behind the callback. The lock never waits forever
 //! on a single condition: waiters wake at least every `poll` interval.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, ThreadId};
 use std::time::Duration;
@@ -28,6 +28,8 @@ pub struct Gate {
     state: Mutex<GateState>,
     released: Condvar,
     callback_active: AtomicBool,
+    /// Threads blocked in `enter`; wake-ups (a syscall) are skipped when none wait.
+    waiters: AtomicUsize,
 }
 
 fn callback_error() -> CoreError {
@@ -99,11 +101,15 @@ impl Gate {
                     return Ok(());
                 }
                 Some(_) => {
+                    // Registered under the state mutex, so an exit that releases the
+                    // lock after this point sees the waiter and wakes it.
+                    self.waiters.fetch_add(1, Ordering::SeqCst);
                     state = self
                         .released
                         .wait_timeout(state, poll)
                         .unwrap_or_else(PoisonError::into_inner)
                         .0;
+                    self.waiters.fetch_sub(1, Ordering::SeqCst);
                 }
             }
         }
@@ -111,16 +117,26 @@ impl Gate {
 
     /// Releases one level of the lock held by this thread.
     pub fn exit(&self) {
+        self.exit_with(|| {});
+    }
+
+    /// Releases one level of the lock; when that releases it entirely, runs
+    /// `on_release` first, while no other thread can enter.
+    pub fn exit_with(&self, on_release: impl FnOnce()) {
         let me = thread::current().id();
         let mut state = self.lock();
         if state.owner != Some(me) {
             return;
         }
-        state.depth -= 1;
+        state.depth = state.depth.saturating_sub(1);
         if state.depth == 0 {
+            on_release();
             state.owner = None;
+            let wake = self.waiters.load(Ordering::SeqCst) > 0;
             drop(state);
-            self.released.notify_all();
+            if wake {
+                self.released.notify_all();
+            }
         }
     }
 
@@ -157,8 +173,10 @@ impl Gate {
     /// waiters fail immediately instead of after their next poll.
     pub fn set_callback_active(&self, active: bool) {
         self.callback_active.store(active, Ordering::Release);
-        let _state = self.lock();
-        self.released.notify_all();
+        if active && self.waiters.load(Ordering::SeqCst) > 0 {
+            let _state = self.lock();
+            self.released.notify_all();
+        }
     }
 }
 

@@ -30,7 +30,8 @@ pub enum EnsurePlan {
     NoOp,
     /// Copy from this materialisation; the destination budget has been admitted.
     Copy { source: Location },
-    /// Reconstruct through the registered source at this location first.
+    /// Reconstruct through the registered source at this location first. The
+    /// temporary charge there is already taken; the glue must release it.
     Reconstruct { source_location: Location },
 }
 
@@ -44,7 +45,8 @@ pub enum MovePlan {
     /// Copy from this materialisation, install, then remove the source. The source
     /// is removable and the destination budget has been admitted.
     Copy { source: Location },
-    /// No materialisation: reconstruct at this location; nothing is removed after.
+    /// No materialisation: reconstruct at this location (temporary charge taken, the
+    /// glue releases it); nothing is removed after.
     Reconstruct { source_location: Location },
 }
 
@@ -270,16 +272,17 @@ impl Manager {
         result
     }
 
-    /// Releases one gate level; the outermost exit publishes the state.
+    /// Releases one gate level; the outermost exit publishes the state, so readers
+    /// never see the middle of an operation.
     pub fn exit(&self) {
-        {
+        // Lock order: gate, then inner. Nothing takes them the other way round.
+        self.gate.exit_with(|| {
             let mut inner = self.inner();
-            if inner.dirty && self.gate.held_by_me() {
+            if inner.dirty {
                 self.published.store(Arc::new(inner.state.clone()));
                 inner.dirty = false;
             }
-        }
-        self.gate.exit();
+        });
     }
 
     pub fn begin_transition(&self) {
@@ -534,7 +537,11 @@ impl Manager {
                 inner.state.admit(at, record.spec.storage_nbytes())?;
                 Ok(EnsurePlan::Copy { source })
             }
-            (None, Some(source_location)) => Ok(EnsurePlan::Reconstruct { source_location }),
+            (None, Some(_)) => {
+                drop(inner);
+                let source_location = self.charge_temporary(handle)?;
+                Ok(EnsurePlan::Reconstruct { source_location })
+            }
             (None, None) => Err(Self::unavailable(record)),
         }
     }
@@ -588,7 +595,11 @@ impl Manager {
                 inner.state.admit(to, record.spec.storage_nbytes())?;
                 Ok(MovePlan::Copy { source })
             }
-            (None, Some(source_location)) => Ok(MovePlan::Reconstruct { source_location }),
+            (None, Some(_)) => {
+                drop(inner);
+                let source_location = self.charge_temporary(handle)?;
+                Ok(MovePlan::Reconstruct { source_location })
+            }
             (None, None) => Err(Self::unavailable(&record)),
         }
     }

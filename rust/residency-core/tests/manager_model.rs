@@ -214,15 +214,12 @@ fn apply(manager: &Manager, model: &mut Model, budgets: &BTreeMap<Location, u64>
                         .expect("admitted by plan_ensure");
                     entry.at.insert(location);
                 }
-                Ok(EnsurePlan::Reconstruct { .. }) => {
+                Ok(EnsurePlan::Reconstruct {
+                    source_location: source,
+                }) => {
                     assert!(entry.at.is_empty() && entry.has_source);
                     let handle = entry.handle;
                     let charge = entry.charge;
-                    let source = match manager.charge_temporary(handle) {
-                        Ok(source) => source,
-                        Err(CoreError::Budget { .. }) => return,
-                        Err(other) => panic!("unexpected {other:?}"),
-                    };
                     let installed = if source == location {
                         manager.release_temporary(handle, source).expect("charged");
                         manager.install(handle, location, charge, charge, &[], false)
@@ -243,8 +240,11 @@ fn apply(manager: &Manager, model: &mut Model, budgets: &BTreeMap<Location, u64>
                 Err(CoreError::Ownership { .. }) => {
                     assert!(entry.exclusive && !entry.at.is_empty());
                 }
-                Err(CoreError::Budget { .. }) => {
-                    assert!(!model.fits(budgets, location, model.values[value].charge));
+                Err(CoreError::Budget {
+                    location: refused, ..
+                }) => {
+                    // Either the destination, or the source location of a reconstruction.
+                    assert!(!model.fits(budgets, refused, model.values[value].charge));
                 }
                 Err(other) => panic!("unexpected {other:?}"),
             }
@@ -277,7 +277,13 @@ fn apply(manager: &Manager, model: &mut Model, budgets: &BTreeMap<Location, u64>
                     entry.at.insert(location);
                     entry.at.remove(&source);
                 }
-                Ok(MovePlan::Reconstruct { .. }) | Err(CoreError::Budget { .. }) => {}
+                Ok(MovePlan::Reconstruct { source_location }) => {
+                    // The glue's failure path: the load failed, the charge comes back.
+                    manager
+                        .release_temporary(handle, source_location)
+                        .expect("charged by plan_move");
+                }
+                Err(CoreError::Budget { .. }) => {}
                 Err(CoreError::InUse { .. }) => {
                     assert!(entry.uses.values().any(|&count| count > 0));
                 }
