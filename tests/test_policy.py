@@ -287,11 +287,17 @@ def test_lru_is_isolated_from_input_mutation() -> None:
     assert policy.config_identity == (("fallback_tiers", (("cuda:0", ("pinned-host",)),)),)
 
 
-def test_lru_name_is_read_only() -> None:
-    policy = DeterministicTieredLRU()
+def test_lru_is_immutable() -> None:
+    policy = DeterministicTieredLRU({CUDA0: [PINNED_HOST]})
     with pytest.raises(AttributeError):
         policy.name = "other"  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        policy.config_identity = ()  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        policy.fallback_tiers = {}  # type: ignore[attr-defined]
     assert policy.name == "deterministic-tiered-lru"
+    assert policy.fallback_locations(CUDA0) == (PINNED_HOST,)
+    assert policy.config_identity == (("fallback_tiers", (("cuda:0", ("pinned-host",)),)),)
 
 
 class _CustomMapping(Mapping[Any, Any]):

@@ -1,6 +1,6 @@
 """Typing for the compiled extension `fhelium._core` (Rust, PyO3)."""
 
-from typing import Final, NoReturn, final
+from typing import Any, Final, NoReturn, final
 
 __all__ = [
     "__version__",
@@ -10,6 +10,7 @@ __all__ = [
     "StateView",
     "error_table_probe",
     "lower_plan",
+    "measure_tensors",
 ]
 
 __version__: Final[str]
@@ -39,6 +40,9 @@ def lower_plan(
     /,
 ) -> PlanIR: ...
 def error_table_probe(kind: str, /) -> NoReturn: ...
+def measure_tensors(
+    tensors: tuple[Any, ...], /
+) -> tuple[Any, int, bool | None, int, int, list[tuple[int, int]]] | None: ...
 
 @final
 class CoreManager:
@@ -59,6 +63,7 @@ class CoreManager:
     def exit_transition(self) -> None: ...
     def check_reentrant(self) -> None: ...
     def set_callback_active(self, active: bool) -> None: ...
+    def load_source(self, source: Any) -> Any: ...
     def locations(self) -> list[int]: ...
     def try_published(self) -> StateView | None: ...
     def current(self) -> StateView: ...

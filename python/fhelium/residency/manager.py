@@ -61,6 +61,12 @@ _REASON_MOVE_NOOP: Final = "destination already owns the selected replica"
 _REASON_DROP_NOOP: Final = "materialization already absent"
 
 _new_handle = trusted_builder(ResidencyHandle)
+_new_ensure = trusted_builder(EnsureResident)
+_new_move = trusted_builder(MoveResident)
+_new_drop = trusted_builder(DropResident)
+_MUST_PRESERVE: Final = Recoverability.MUST_PRESERVE
+# Spec records of adopted values by shape; bounded by the program's value shapes.
+_ADOPTED_SPECS: dict[tuple[type, int, int, ReplicaMode], ResidencyValueSpec[Any]] = {}
 _new_spec = trusted_builder(ResidencyValueSpec)
 _new_report = trusted_builder(ResidencyTransitionReport)
 _new_value_snapshot = trusted_builder(ResidencyValueSnapshot)
@@ -69,7 +75,15 @@ _new_location_snapshot = trusted_builder(ResidencyLocationSnapshot)
 _new_reservation_snapshot = trusted_builder(ResidencyReservationSnapshot)
 
 _CPU = torch.device("cpu")
+_NO_SAMPLE: Final[tuple[None, None]] = (None, None)
+_time_ns = time.time_ns
 _LOCATIONS: dict[int, ResidencyLocation] = {_PAGEABLE: PAGEABLE_HOST, _PINNED: PINNED_HOST}
+# The (device code, pinning) a correctly placed value measures at each location code.
+_PLACEMENT: Final[dict[int, tuple[int, bool]]] = {
+    _PAGEABLE: (-1, False),
+    _PINNED: (-1, True),
+    **{_CUDA_BASE + index: (index, False) for index in range(128)},
+}
 
 
 def _location_of(code: int) -> ResidencyLocation:
@@ -290,7 +304,8 @@ class ResidencyManager:
             else:
                 code = self._location_code(at)
                 facts = self._runtime.measure(value)
-            self._check_placement(facts, at, value)
+            if (facts.device_code, facts.pinned) != _PLACEMENT[code]:
+                self._check_placement(facts, at, value)
             if not isinstance(replica_mode, ReplicaMode):
                 raise TypeError(
                     f"replica_mode must be a ReplicaMode, got {type(replica_mode).__name__}"
@@ -309,11 +324,13 @@ class ResidencyManager:
                 facts.storage_keys,
             )
             handle: ResidencyHandle[ValueT] = _new_handle(self._manager_id, handle_id, value_type)
-            self._register(
-                index,
-                handle,
-                _new_spec(value_type, logical, charge, replica_mode, Recoverability.MUST_PRESERVE),
-            )
+            shape = (value_type, logical, charge, replica_mode)
+            spec = _ADOPTED_SPECS.get(shape)
+            if spec is None:
+                # Specs are immutable, and values of one shape share one spec record.
+                spec = _new_spec(value_type, logical, charge, replica_mode, _MUST_PRESERVE)
+                _ADOPTED_SPECS[shape] = spec
+            self._register(index, handle, spec)
             self._materializations[index][code] = value
             return handle
         finally:
@@ -372,13 +389,15 @@ class ResidencyManager:
         self, handle: ResidencyHandle[Any], at: ResidencyLocation, *, stream: Any = None
     ) -> ResidencyTransitionReport:
         """Install the value at `at`, keeping existing replicas (no-op if resident)."""
+        if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
+            return self._primitive(_new_ensure(handle, at), stream)
         return self._primitive(EnsureResident(handle, at), stream)
 
     def copy(
         self, handle: ResidencyHandle[Any], to: ResidencyLocation, *, stream: Any = None
     ) -> ResidencyTransitionReport:
         """Exactly `ensure` under another parameter name."""
-        return self._primitive(EnsureResident(handle, to), stream)
+        return self.ensure(handle, to, stream=stream)
 
     def move(
         self,
@@ -389,12 +408,20 @@ class ResidencyManager:
         stream: Any = None,
     ) -> ResidencyTransitionReport:
         """Install at `to`, then remove the selected source materialisation."""
+        if (
+            type(handle) is ResidencyHandle
+            and type(to) is ResidencyLocation
+            and (from_location is None or type(from_location) is ResidencyLocation)
+        ):
+            return self._primitive(_new_move(handle, to, from_location), stream)
         return self._primitive(MoveResident(handle, to, from_location), stream)
 
     def drop(
         self, handle: ResidencyHandle[Any], at: ResidencyLocation
     ) -> ResidencyTransitionReport:
         """Remove one unprotected materialisation, keeping the managed value."""
+        if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
+            return self._primitive(_new_drop(handle, at), None)
         return self._primitive(DropResident(handle, at), None)
 
     def discard(self, handle: ResidencyHandle[Any]) -> ResidencyTransitionReport:
@@ -405,64 +432,73 @@ class ResidencyManager:
         core = self._core
         core.enter_transition()
         try:
-            self._reap()
+            # _execute reaps first thing, which covers the operation's own reap.
             return self._execute(action, stream)
         finally:
             core.exit_transition()
 
     def _execute(self, action: ResidencyAction, stream: Any) -> ResidencyTransitionReport:
-        """Runs one action inside a transition (contract 3.6); the caller holds the gate."""
-        self._reap()
-        started = time.time_ns()
-        index = self._resolve(action.handle)
+        """Runs one action inside a transition (contract 3.6); the caller holds the gate.
+
+        This is the hot path of every primitive and plan step, so host-only actions
+        skip the allocator sampling calls entirely.
+        """
+        if self._pending_events:
+            self._reap()
+        started = _time_ns()
+        index = self._index.get(action.handle)
+        if index is None:
+            index = self._resolve(action.handle)
         spec = self._specs[index]
         action_type = type(action)
+        device: torch.device | None = None
+        before: tuple[int | None, int | None] = _NO_SAMPLE
         if action_type is EnsureResident:
-            ensure = cast(EnsureResident[Any], action)
-            code = self._location_code(ensure.location)
+            location: ResidencyLocation = action.location  # type: ignore[union-attr]
+            code = self._location_code(location)
             if stream is not None:
-                self._check_stream(stream, ensure.location)
-            device = self._sample_device((code,))
-            before = self._sample(device)
+                self._check_stream(stream, location)
+            if code >= _CUDA_BASE:
+                device = location.device
+                before = self._sample(device)
             no_op, source, reason = self._ensure(index, code, stream)
-            destination: ResidencyLocation | None = ensure.location
+            destination: ResidencyLocation | None = location
         elif action_type is MoveResident:
-            move = cast(MoveResident[Any], action)
+            move: MoveResident[Any] = action  # type: ignore[assignment]
             code = self._location_code(move.to)
             from_code = (
                 None if move.from_location is None else self._location_code(move.from_location)
             )
             if stream is not None:
                 self._check_stream(stream, move.to)
-            relevant = (
+            device = self._sample_device(
                 (code, from_code)
                 if from_code is not None
                 else (code, *self._materializations[index])
             )
-            device = self._sample_device(relevant)
-            before = self._sample(device)
+            if device is not None:
+                before = self._sample(device)
             no_op, source, reason = self._move(index, code, from_code, stream)
             destination = move.to
         elif action_type is DropResident:
-            drop = cast(DropResident[Any], action)
-            code = self._location_code(drop.location)
+            location = action.location  # type: ignore[union-attr]
+            code = self._location_code(location)
             if stream is not None:
                 raise ValueError("DropResident does not take a transfer stream")
-            device = self._sample_device((code,))
-            before = self._sample(device)
+            if code >= _CUDA_BASE:
+                device = location.device
+                before = self._sample(device)
             no_op = not self._core.drop_materialization(index, code)
             if not no_op:
-                self._materializations[index].pop(code, None)
-            source, reason, destination = (
-                drop.location,
-                (_REASON_DROP_NOOP if no_op else None),
-                None,
-            )
+                del self._materializations[index][code]
+            source, destination = location, None
+            reason = _REASON_DROP_NOOP if no_op else None
         else:
             if stream is not None:
                 raise ValueError("DiscardValue does not take a transfer stream")
             device = self._sample_device(tuple(self._materializations[index]))
-            before = self._sample(device)
+            if device is not None:
+                before = self._sample(device)
             self._core.discard(index)
             self._materializations[index].clear()
             self._sources.pop(index, None)
@@ -470,7 +506,7 @@ class ResidencyManager:
             del self._index[handle]
             self._discarded.add(handle)
             no_op, source, reason, destination = False, None, None, None
-        after = self._sample(device)
+        after = _NO_SAMPLE if device is None else self._sample(device)
         report: ResidencyTransitionReport = _new_report(
             action,
             no_op,
@@ -479,7 +515,7 @@ class ResidencyManager:
             spec.logical_nbytes,
             spec.storage_nbytes,
             started,
-            time.time_ns(),
+            _time_ns(),
             device,
             before[0],
             before[1],
@@ -544,13 +580,7 @@ class ResidencyManager:
                 core.release_temporary(index, source_code)
 
     def _load(self, index: int, source_code: int) -> tuple[TensorResident, ValueFacts]:
-        core = self._core
-        source = self._sources[index]
-        core.set_callback_active(True)
-        try:
-            loaded: object = source.load()
-        finally:
-            core.set_callback_active(False)
+        loaded: object = self._core.load_source(self._sources[index])
         return self._validate(index, source_code, loaded)
 
     def _validate(
@@ -568,7 +598,8 @@ class ResidencyManager:
             )
         resident = cast(TensorResident, value)
         facts = self._runtime.measure(resident)
-        self._check_placement(facts, _location_of(code), resident)
+        if (facts.device_code, facts.pinned) != _PLACEMENT[code]:
+            self._check_placement(facts, _location_of(code), resident)
         if check_bytes:
             self._core.check_materialization(index, facts.logical_nbytes, facts.storage_nbytes)
         return resident, facts

@@ -5,6 +5,7 @@
 
 mod errors;
 mod manager;
+mod measure;
 mod plan;
 
 use pyo3::prelude::*;
@@ -17,6 +18,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<manager::CoreManager>()?;
     module.add_class::<manager::StateView>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
+    module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;
     module.add_function(wrap_pyfunction!(errors::error_table_probe, module)?)?;
     Ok(())
 }

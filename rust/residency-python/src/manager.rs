@@ -116,6 +116,19 @@ impl CoreManager {
         self.core.set_callback_active(active);
     }
 
+    /// Calls `source.load()` with the manager-wide callback flag set for exactly the
+    /// duration of the call, whatever it returns or raises.
+    fn load_source<'py>(
+        &self,
+        py: Python<'py>,
+        source: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.core.set_callback_active(true);
+        let loaded = source.call_method0(pyo3::intern!(py, "load"));
+        self.core.set_callback_active(false);
+        loaded
+    }
+
     // ----- observations -------------------------------------------------------
 
     #[getter]

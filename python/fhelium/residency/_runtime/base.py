@@ -23,6 +23,8 @@ class ValueFacts(NamedTuple):
     """Everything the manager measures about a value, gathered in one pass."""
 
     device: torch.device
+    # -1 on the host, the CUDA index otherwise.
+    device_code: int
     # True: every tensor pinned; False: none pinned (always False off the host);
     # None: a host value mixing pinned and pageable tensors.
     pinned: bool | None

@@ -277,7 +277,7 @@ class SimulatedRuntime:
                 pinning.add(self._tensor_facts(tensor)[1])
         pinned: bool | None = (True in pinning) if len(pinning) <= 1 else None
         return ValueFacts(
-            device, pinned, logical, sum(sizes.values()), [(code, ptr) for ptr in sizes]
+            device, code, pinned, logical, sum(sizes.values()), [(code, ptr) for ptr in sizes]
         )
 
     def value_device(self, value: TensorResident) -> torch.device:

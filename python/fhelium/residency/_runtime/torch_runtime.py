@@ -10,6 +10,7 @@ from typing import Any, Final, NoReturn
 
 import torch
 
+from fhelium._core import measure_tensors as _measure_tensors
 from fhelium.residency._runtime.base import ValueFacts
 from fhelium.values.tensor_resident import (
     TensorResident,
@@ -57,35 +58,10 @@ class TorchCudaRuntime:
 
     # --- facts about values -------------------------------------------------------
     def measure(self, value: TensorResident) -> ValueFacts:
-        tensors = value._resident_tensors
-        if not tensors:
+        facts = _measure_tensors(value._resident_tensors)
+        if facts is None:
             return _raise_like(value)
-        device = tensors[0].device
-        on_host = device.type == "cpu"
-        all_pinned = on_host
-        any_pinned = False
-        logical = 0
-        sizes: dict[int, int] = {}
-        for tensor in tensors:
-            if tensor.device != device:
-                return _raise_like(value)
-            logical += tensor.nbytes
-            storage = tensor.untyped_storage()
-            size = storage.nbytes()
-            if size and sizes.setdefault(storage.data_ptr(), size) != size:
-                return _raise_like(value)
-            if on_host:
-                pinned = tensor.is_pinned()
-                all_pinned = all_pinned and pinned
-                any_pinned = any_pinned or pinned
-        code = -1 if on_host else (device.index or 0)
-        return ValueFacts(
-            device,
-            all_pinned if all_pinned or not any_pinned else None,
-            logical,
-            sum(sizes.values()),
-            [(code, pointer) for pointer in sizes],
-        )
+        return _facts(ValueFacts, facts)
 
     def value_device(self, value: TensorResident) -> torch.device:
         return value.device
@@ -174,6 +150,10 @@ class TorchCudaRuntime:
             return torch.cuda.memory_reserved(device)
         except Exception:
             return None
+
+
+# Builds the NamedTuple from the core's plain tuple without re-packing the fields.
+_facts = tuple.__new__
 
 
 def _raise_like(value: TensorResident) -> NoReturn:

@@ -1,0 +1,85 @@
+//! One pass over a value's tensors: the facts the manager needs to admit it.
+//!
+//! This is the manager's hottest Python-facing loop (every adopt and install), so it
+//! lives here: the same torch calls the Python version makes, without interpreter
+//! overhead between them. Inconsistent values (no tensors, mixed devices, one storage
+//! reporting two sizes) return `None`; the glue then raises the documented error.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use pyo3::{intern, IntoPyObjectExt};
+
+/// `(first_device, device_code, pinned, logical, storage, keys)` or `None`.
+///
+/// `device_code` is -1 on the host, the CUDA index on CUDA, -2 elsewhere; `pinned` is
+/// `True`/`False`, or `None` for a host value mixing pinned and pageable tensors.
+#[pyfunction]
+#[pyo3(signature = (tensors, /))]
+pub fn measure_tensors<'py>(
+    py: Python<'py>,
+    tensors: &Bound<'py, PyTuple>,
+) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    let Ok(first) = tensors.get_item(0) else {
+        return Ok(None);
+    };
+    let device = first.getattr(intern!(py, "device"))?;
+    let on_host = first.getattr(intern!(py, "is_cpu"))?.is_truthy()?;
+    // -2 marks a device that is neither the host nor CUDA (meta, mps, ...): it never
+    // matches a residency location's code.
+    let device_code: i64 = if on_host {
+        -1
+    } else if first.getattr(intern!(py, "is_cuda"))?.is_truthy()? {
+        first.call_method0(intern!(py, "get_device"))?.extract()?
+    } else {
+        -2
+    };
+    let mut all_pinned = on_host;
+    let mut any_pinned = false;
+    let mut logical: u64 = 0;
+    let mut storages: Vec<(u64, u64)> = Vec::with_capacity(tensors.len());
+    for (position, tensor) in tensors.iter().enumerate() {
+        if position > 0 && !tensor.getattr(intern!(py, "device"))?.eq(&device)? {
+            return Ok(None);
+        }
+        let nbytes: u64 = tensor.getattr(intern!(py, "nbytes"))?.extract()?;
+        logical = logical.saturating_add(nbytes);
+        let storage = tensor.call_method0(intern!(py, "untyped_storage"))?;
+        let size: u64 = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
+        if size > 0 {
+            let pointer: u64 = storage.call_method0(intern!(py, "data_ptr"))?.extract()?;
+            match storages.iter().find(|(known, _)| *known == pointer) {
+                Some(&(_, known_size)) if known_size != size => return Ok(None),
+                Some(_) => {}
+                None => storages.push((pointer, size)),
+            }
+        }
+        if on_host {
+            let pinned = tensor.call_method0(intern!(py, "is_pinned"))?.is_truthy()?;
+            all_pinned &= pinned;
+            any_pinned |= pinned;
+        }
+    }
+    let pinned = if all_pinned || !any_pinned {
+        all_pinned.into_bound_py_any(py)?
+    } else {
+        py.None().into_bound(py)
+    };
+    let storage_total: u64 = storages
+        .iter()
+        .fold(0u64, |total, (_, size)| total.saturating_add(*size));
+    let keys = PyList::empty(py);
+    for (pointer, _) in &storages {
+        keys.append((device_code, *pointer))?;
+    }
+    Ok(Some(PyTuple::new(
+        py,
+        [
+            device,
+            device_code.into_bound_py_any(py)?,
+            pinned,
+            logical.into_bound_py_any(py)?,
+            storage_total.into_bound_py_any(py)?,
+            keys.into_any(),
+        ],
+    )?))
+}
