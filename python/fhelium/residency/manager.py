@@ -78,6 +78,8 @@ _CPU = torch.device("cpu")
 _NO_SAMPLE: Final[tuple[None, None]] = (None, None)
 _time_ns = time.time_ns
 _LOCATIONS: dict[int, ResidencyLocation] = {_PAGEABLE: PAGEABLE_HOST, _PINNED: PINNED_HOST}
+# Host kinds need no availability check, so hot paths map them without a call.
+_HOST_CODES: Final[dict[str, int]] = {"pageable-host": _PAGEABLE, "pinned-host": _PINNED}
 # The (device code, pinning) a correctly placed value measures at each location code.
 _PLACEMENT: Final[dict[int, tuple[int, bool]]] = {
     _PAGEABLE: (-1, False),
@@ -390,8 +392,15 @@ class ResidencyManager:
     ) -> ResidencyTransitionReport:
         """Install the value at `at`, keeping existing replicas (no-op if resident)."""
         if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
-            return self._primitive(_new_ensure(handle, at), stream)
-        return self._primitive(EnsureResident(handle, at), stream)
+            action = _new_ensure(handle, at)
+        else:
+            action = EnsureResident(handle, at)
+        core = self._core
+        core.enter_transition()
+        try:
+            return self._execute(action, stream)
+        finally:
+            core.exit_transition()
 
     def copy(
         self, handle: ResidencyHandle[Any], to: ResidencyLocation, *, stream: Any = None
@@ -421,8 +430,15 @@ class ResidencyManager:
     ) -> ResidencyTransitionReport:
         """Remove one unprotected materialisation, keeping the managed value."""
         if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
-            return self._primitive(_new_drop(handle, at), None)
-        return self._primitive(DropResident(handle, at), None)
+            action = _new_drop(handle, at)
+        else:
+            action = DropResident(handle, at)
+        core = self._core
+        core.enter_transition()
+        try:
+            return self._execute(action, None)
+        finally:
+            core.exit_transition()
 
     def discard(self, handle: ResidencyHandle[Any]) -> ResidencyTransitionReport:
         """End the managed value: remove every materialisation and its source."""
@@ -455,7 +471,9 @@ class ResidencyManager:
         before: tuple[int | None, int | None] = _NO_SAMPLE
         if action_type is EnsureResident:
             location: ResidencyLocation = action.location  # type: ignore[union-attr]
-            code = self._location_code(location)
+            code = _HOST_CODES.get(location.kind)
+            if code is None:
+                code = self._location_code(location)
             if stream is not None:
                 self._check_stream(stream, location)
             if code >= _CUDA_BASE:
@@ -482,7 +500,9 @@ class ResidencyManager:
             destination = move.to
         elif action_type is DropResident:
             location = action.location  # type: ignore[union-attr]
-            code = self._location_code(location)
+            code = _HOST_CODES.get(location.kind)
+            if code is None:
+                code = self._location_code(location)
             if stream is not None:
                 raise ValueError("DropResident does not take a transfer stream")
             if code >= _CUDA_BASE:
@@ -530,20 +550,22 @@ class ResidencyManager:
     def _ensure(
         self, index: int, code: int, stream: Any
     ) -> tuple[bool, ResidencyLocation | None, str | None]:
-        kind, source = self._core.plan_ensure(index, code)
+        kind, source, loaded = self._core.plan_ensure(index, code, self._sources.get(index))
         if kind == 0:
             return True, None, _REASON_ENSURE_NOOP
         if kind == 1:
             value = self._materializations[index][source]
             self._install(index, code, self._copy(value, source, code, stream), False)
         else:
-            self._reconstruct_into(index, source, code, stream, exclusive_transition=False)
+            self._reconstruct_into(index, source, code, loaded, stream, exclusive_transition=False)
         return False, _location_of(source), None
 
     def _move(
         self, index: int, code: int, from_code: int | None, stream: Any
     ) -> tuple[bool, ResidencyLocation | None, str | None]:
-        kind, source = self._core.plan_move(index, code, from_code)
+        kind, source, loaded = self._core.plan_move(
+            index, code, from_code, self._sources.get(index)
+        )
         materializations = self._materializations[index]
         if kind == 0:
             return True, (None if source < 0 else _location_of(source)), _REASON_MOVE_NOOP
@@ -555,33 +577,44 @@ class ResidencyManager:
             self._core.remove(index, source)
             materializations.pop(source, None)
         else:
-            self._reconstruct_into(index, source, code, stream, exclusive_transition=True)
+            self._reconstruct_into(index, source, code, loaded, stream, exclusive_transition=True)
         return False, _location_of(source), None
 
     def _reconstruct_into(
-        self, index: int, source_code: int, code: int, stream: Any, *, exclusive_transition: bool
+        self,
+        index: int,
+        source_code: int,
+        code: int,
+        loaded: object,
+        stream: Any,
+        *,
+        exclusive_transition: bool,
     ) -> None:
-        """Contract 3.12: load (the core already took the temporary charge at
-        `source_code`), validate, then install there or copy to `code`."""
+        """Contract 3.12 after the core took the temporary charge at `source_code` and
+        ran `load()`: validate the loaded value there, then install it there or copy
+        it to `code`. The charge is returned on every path."""
         core = self._core
         charged = True
         try:
-            loaded, facts = self._load(index, source_code)
+            value, facts = self._validate(index, source_code, loaded)
             if source_code == code:
-                core.release_temporary(index, source_code)
-                charged = False
-                self._install(index, code, loaded, exclusive_transition, facts)
+                charged = False  # install_loaded returns it just before installing
+                core.install_loaded(
+                    index,
+                    code,
+                    facts.logical_nbytes,
+                    facts.storage_nbytes,
+                    facts.storage_keys,
+                    exclusive_transition,
+                )
+                self._materializations[index][code] = value
             else:
                 core.admit(index, code)
-                copied = self._copy(loaded, source_code, code, stream)
+                copied = self._copy(value, source_code, code, stream)
                 self._install(index, code, copied, exclusive_transition)
         finally:
             if charged:
                 core.release_temporary(index, source_code)
-
-    def _load(self, index: int, source_code: int) -> tuple[TensorResident, ValueFacts]:
-        loaded: object = self._core.load_source(self._sources[index])
-        return self._validate(index, source_code, loaded)
 
     def _validate(
         self, index: int, code: int, value: object, *, check_bytes: bool = True

@@ -42,8 +42,16 @@ def _require_resident_type(value_type: object) -> None:
         raise TypeError(f"value_type must be a TensorResident subclass, got {value_type!r}")
 
 
+class _HashSlot:
+    """A non-field slot for a record's cached hash."""
+
+    __slots__ = ("_hash",)
+
+    _hash: int
+
+
 @dataclass(frozen=True, slots=True)
-class ResidencyHandle(Generic[ValueT_co]):
+class ResidencyHandle(_HashSlot, Generic[ValueT_co]):
     """An opaque, tensor-free name for one value managed by one manager.
 
     Managers issue handles; a handle built by hand is only accepted by the manager that
@@ -58,6 +66,16 @@ class ResidencyHandle(Generic[ValueT_co]):
         require_non_empty_str(self.manager_id, "manager_id")
         require_non_empty_str(self.handle_id, "handle_id")
         _require_resident_type(self.value_type)
+
+    def __hash__(self) -> int:
+        # Handles key every manager lookup; the field hash is computed once. A copy
+        # or an unpickled handle has no cached value yet and computes it again.
+        try:
+            return self._hash
+        except AttributeError:
+            value = hash((self.manager_id, self.handle_id, self.value_type))
+            object.__setattr__(self, "_hash", value)
+            return value
 
 
 @dataclass(frozen=True, slots=True)

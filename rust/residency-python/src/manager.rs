@@ -57,6 +57,31 @@ impl CoreManager {
     fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
         result.map_err(|err| to_py_err(py, err))
     }
+
+    /// Runs a reconstruction's `load()` right after the plan took its temporary
+    /// charge. Without a source object the glue loads itself (the charge stays).
+    /// A raising load returns the charge before its exception propagates.
+    fn load_charged<'py>(
+        &self,
+        py: Python<'py>,
+        handle: HandleId,
+        source_location: Location,
+        source: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(source) = source else {
+            return Ok(None);
+        };
+        self.core.set_callback_active(true);
+        let loaded = source.call_method0(pyo3::intern!(py, "load"));
+        self.core.set_callback_active(false);
+        match loaded {
+            Ok(value) => Ok(Some(value)),
+            Err(err) => {
+                Self::lift(py, self.core.release_temporary(handle, source_location))?;
+                Err(err)
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -114,19 +139,6 @@ impl CoreManager {
 
     fn set_callback_active(&self, active: bool) {
         self.core.set_callback_active(active);
-    }
-
-    /// Calls `source.load()` with the manager-wide callback flag set for exactly the
-    /// duration of the call, whatever it returns or raises.
-    fn load_source<'py>(
-        &self,
-        py: Python<'py>,
-        source: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        self.core.set_callback_active(true);
-        let loaded = source.call_method0(pyo3::intern!(py, "load"));
-        self.core.set_callback_active(false);
-        loaded
     }
 
     // ----- observations -------------------------------------------------------
@@ -219,42 +231,78 @@ impl CoreManager {
     // ----- transitions ------------------------------------------------------------
 
     /// `(0, -1)` no-op, `(1, source)` copy, `(2, source_location)` reconstruct.
-    fn plan_ensure(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<(u8, i64)> {
+    #[pyo3(signature = (handle, at, source=None))]
+    fn plan_ensure<'py>(
+        &self,
+        py: Python<'py>,
+        handle: HandleId,
+        at: u32,
+        source: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(u8, i64, Option<Bound<'py, PyAny>>)> {
         Ok(
             match Self::lift(py, self.core.plan_ensure(handle, location(at)?))? {
-                EnsurePlan::NoOp => (0, -1),
-                EnsurePlan::Copy { source } => (1, i64::from(source.code())),
-                EnsurePlan::Reconstruct { source_location } => {
-                    (2, i64::from(source_location.code()))
-                }
+                EnsurePlan::NoOp => (0, -1, None),
+                EnsurePlan::Copy { source } => (1, i64::from(source.code()), None),
+                EnsurePlan::Reconstruct { source_location } => (
+                    2,
+                    i64::from(source_location.code()),
+                    self.load_charged(py, handle, source_location, source)?,
+                ),
             },
         )
     }
 
     /// `(0, source|-1)` no-op, `(1, source)` source removed, `(2, source)` copy then
     /// remove, `(3, source_location)` reconstruct.
-    #[pyo3(signature = (handle, to, from_location=None))]
-    fn plan_move(
+    #[pyo3(signature = (handle, to, from_location=None, source=None))]
+    fn plan_move<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         handle: HandleId,
         to: u32,
         from_location: Option<u32>,
-    ) -> PyResult<(u8, i64)> {
+        source: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(u8, i64, Option<Bound<'py, PyAny>>)> {
         let from = from_location.map(location).transpose()?;
         let code = |location: Location| i64::from(location.code());
         Ok(
             match Self::lift(py, self.core.plan_move(handle, location(to)?, from))? {
-                MovePlan::NoOp { source } => (0, source.map_or(-1, code)),
-                MovePlan::RemovedSource { source } => (1, code(source)),
-                MovePlan::Copy { source } => (2, code(source)),
-                MovePlan::Reconstruct { source_location } => (3, code(source_location)),
+                MovePlan::NoOp { source } => (0, source.map_or(-1, code), None),
+                MovePlan::RemovedSource { source } => (1, code(source), None),
+                MovePlan::Copy { source } => (2, code(source), None),
+                MovePlan::Reconstruct { source_location } => (
+                    3,
+                    code(source_location),
+                    self.load_charged(py, handle, source_location, source)?,
+                ),
             },
         )
     }
 
     fn admit(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<()> {
         Self::lift(py, self.core.admit(handle, location(at)?))
+    }
+
+    /// Installs a value loaded at its source location there, returning the
+    /// temporary charge just before the install (load and install share it).
+    #[allow(clippy::too_many_arguments)]
+    fn install_loaded(
+        &self,
+        py: Python<'_>,
+        handle: HandleId,
+        at: u32,
+        logical: u64,
+        storage: u64,
+        keys: Vec<StorageKey>,
+        exclusive_transition: bool,
+    ) -> PyResult<()> {
+        let at = location(at)?;
+        Self::lift(py, self.core.release_temporary(handle, at))?;
+        Self::lift(
+            py,
+            self.core
+                .install(handle, at, logical, storage, &keys, exclusive_transition),
+        )
     }
 
     fn charge_temporary(&self, py: Python<'_>, handle: HandleId) -> PyResult<u32> {

@@ -13,11 +13,15 @@ use pyo3::{IntoPyObjectExt, intern};
 ///
 /// `device_code` is -1 on the host, the CUDA index on CUDA, -2 elsewhere; `pinned` is
 /// `True`/`False`, or `None` for a host value mixing pinned and pageable tensors.
+///
+/// `pinning_possible=False` (no accelerator in this process, so no tensor can be
+/// pinned) skips the per-tensor `is_pinned()` query.
 #[pyfunction]
-#[pyo3(signature = (tensors, /))]
+#[pyo3(signature = (tensors, pinning_possible=true, /))]
 pub fn measure_tensors<'py>(
     py: Python<'py>,
     tensors: &Bound<'py, PyTuple>,
+    pinning_possible: bool,
 ) -> PyResult<Option<Bound<'py, PyTuple>>> {
     let Ok(first) = tensors.get_item(0) else {
         return Ok(None);
@@ -38,7 +42,7 @@ pub fn measure_tensors<'py>(
     let mut logical: u64 = 0;
     let mut storages: Vec<(u64, u64)> = Vec::with_capacity(tensors.len());
     for (position, tensor) in tensors.iter().enumerate() {
-        if position > 0 && !tensor.getattr(intern!(py, "device"))?.eq(&device)? {
+        if position > 0 && !same_device(py, &tensor, &device, device_code)? {
             return Ok(None);
         }
         let nbytes: u64 = tensor.getattr(intern!(py, "nbytes"))?.extract()?;
@@ -53,12 +57,13 @@ pub fn measure_tensors<'py>(
                 None => storages.push((pointer, size)),
             }
         }
-        if on_host {
+        if on_host && pinning_possible {
             let pinned = tensor.call_method0(intern!(py, "is_pinned"))?.is_truthy()?;
             all_pinned &= pinned;
             any_pinned |= pinned;
         }
     }
+    let all_pinned = all_pinned && pinning_possible;
     let pinned = if all_pinned || !any_pinned {
         all_pinned.into_bound_py_any(py)?
     } else {
@@ -82,4 +87,23 @@ pub fn measure_tensors<'py>(
             keys.into_any(),
         ],
     )?))
+}
+
+/// Whether `tensor` is on the first tensor's device, through cheap flags where the
+/// device code already says which device that is.
+fn same_device(
+    py: Python<'_>,
+    tensor: &Bound<'_, PyAny>,
+    device: &Bound<'_, PyAny>,
+    device_code: i64,
+) -> PyResult<bool> {
+    match device_code {
+        -1 => tensor.getattr(intern!(py, "is_cpu"))?.is_truthy(),
+        -2 => tensor.getattr(intern!(py, "device"))?.eq(device),
+        index => Ok(tensor.getattr(intern!(py, "is_cuda"))?.is_truthy()?
+            && tensor
+                .call_method0(intern!(py, "get_device"))?
+                .extract::<i64>()?
+                == index),
+    }
 }

@@ -6,6 +6,7 @@ Movement goes through `TensorResident` (contract 3.13 and 4.1); streams are
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Final, NoReturn
 
 import torch
@@ -58,7 +59,7 @@ class TorchCudaRuntime:
 
     # --- facts about values -------------------------------------------------------
     def measure(self, value: TensorResident) -> ValueFacts:
-        facts = _measure_tensors(value._resident_tensors)
+        facts = _measure_tensors(value._resident_tensors, _pinning_possible())
         if facts is None:
             return _raise_like(value)
         return _facts(ValueFacts, facts)
@@ -150,6 +151,19 @@ class TorchCudaRuntime:
             return torch.cuda.memory_reserved(device)
         except Exception:
             return None
+
+
+@functools.cache
+def _pinning_possible() -> bool:
+    """Whether any tensor in this process can be in pinned memory.
+
+    Pinned host memory comes from an accelerator's host allocator; with none
+    available (a CPU-only machine), every host tensor is pageable.
+    """
+    if torch.cuda.is_available():
+        return True
+    accelerator = getattr(torch, "accelerator", None)
+    return bool(accelerator is not None and accelerator.is_available())
 
 
 # Builds the NamedTuple from the core's plain tuple without re-packing the fields.
