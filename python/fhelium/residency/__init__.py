@@ -3,6 +3,12 @@
 Every public name is re-exported from the submodule that defines it.
 """
 
+from fhelium.residency.lease import (
+    BorrowedValues,
+    ResidencyHold,
+    ResidencyLease,
+    ResidencyReservation,
+)
 from fhelium.residency.location import (
     PAGEABLE_HOST,
     PINNED_HOST,
@@ -52,6 +58,7 @@ from fhelium.residency.snapshot import (
 __all__ = [
     "PAGEABLE_HOST",
     "PINNED_HOST",
+    "BorrowedValues",
     "DeterministicTieredLRU",
     "DiscardValue",
     "DropResident",
@@ -65,6 +72,8 @@ __all__ = [
     "ResidencyActionExplanation",
     "ResidencyEvictionCandidate",
     "ResidencyHandle",
+    "ResidencyHold",
+    "ResidencyLease",
     "ResidencyLocation",
     "ResidencyLocationKind",
     "ResidencyLocationSnapshot",
@@ -76,6 +85,7 @@ __all__ = [
     "ResidencyPolicyMetadata",
     "ResidencyRequest",
     "ResidencyRequirement",
+    "ResidencyReservation",
     "ResidencyReservationSnapshot",
     "ResidencySnapshot",
     "ResidencySource",

@@ -12,17 +12,24 @@ import gc
 import operator
 import sys
 import time
+import warnings
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final, TypeVar, cast
 
 import torch
 
 from fhelium import _core
-from fhelium.errors import ResidencyHandleError, ResidencyMaterializationError
+from fhelium.errors import (
+    ResidencyHandleError,
+    ResidencyMaterializationError,
+    ResidencyReentrancyError,
+    ResidencyUnavailableError,
+)
 from fhelium.residency import _lowering
 from fhelium.residency._records import trusted_builder
 from fhelium.residency._runtime import DeviceRuntime, ValueFacts, current_runtime
+from fhelium.residency.lease import ResidencyHold, ResidencyLease, ResidencyReservation
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
 from fhelium.residency.model import (
     Recoverability,
@@ -104,6 +111,29 @@ def _byte_count(value: int, name: str) -> int:
     return value
 
 
+def _normalize_handles(handles: object) -> tuple[ResidencyHandle[Any], ...]:
+    """Contract 3.17: a non-empty tuple of distinct handles, first occurrences kept."""
+    try:
+        items = tuple(cast(Iterable[object], handles))
+    except TypeError:
+        raise TypeError(
+            f"handles must be an iterable of ResidencyHandle, got {type(handles).__name__}"
+        ) from None
+    for item in items:
+        if not isinstance(item, ResidencyHandle):
+            raise TypeError(f"handles must be ResidencyHandle objects, got {type(item).__name__}")
+    normalized = cast(tuple[ResidencyHandle[Any], ...], tuple(dict.fromkeys(items)))
+    if not normalized:
+        raise ValueError("at least one handle is required")
+    return normalized
+
+
+def _location_code_of(location: ResidencyLocation) -> int:
+    """The core code of a location already validated by the manager."""
+    code = _HOST_CODES.get(location.kind)
+    return _CUDA_BASE + (location.device.index or 0) if code is None else code
+
+
 def _index_int(value: object, name: str) -> int:
     """The contract's lenient 'index int': bool is a TypeError, __index__ is accepted."""
     if isinstance(value, bool):
@@ -129,9 +159,11 @@ class ResidencyManager:
         "__weakref__",
         "_core",
         "_cuda_count",
+        "_deferred",
         "_discarded",
         "_handles",
         "_index",
+        "_labels",
         "_manager_id",
         "_materializations",
         "_pending_events",
@@ -170,6 +202,10 @@ class ResidencyManager:
         self._discarded: set[ResidencyHandle[Any]] = set()
         # Pending CUDA lease token -> the events recorded at its release.
         self._pending_events: dict[int, list[Any]] = {}
+        # Releases that arrived while a source callback ran on another thread.
+        self._deferred: deque[Callable[[], None]] = deque()
+        # Reservation labels exactly as given (the core keeps a UTF-8 copy).
+        self._labels: dict[int, str] = {}
         # deque needs a C ssize_t; no trace could ever hold more than that anyway.
         self._trace: deque[ResidencyTransitionReport] | None = (
             deque(maxlen=min(capacity, sys.maxsize)) if capacity else None
@@ -706,8 +742,243 @@ class ResidencyManager:
 
     # ------------------------------------------------------------------ lifetimes
 
+    def acquire(
+        self,
+        handles: Iterable[ResidencyHandle[Any]],
+        *,
+        at: ResidencyLocation,
+        consumer_stream: Any = None,
+    ) -> ResidencyLease:
+        """Borrow already-ready materialisations at `at` atomically; never materialises.
+
+        CUDA locations need the `consumer_stream` that will read the values.
+        """
+        normalized = _normalize_handles(handles)
+        core = self._core
+        core.enter(True, True)
+        try:
+            code = self._location_code(at)
+            if code >= _CUDA_BASE and consumer_stream is None:
+                raise ValueError(
+                    f"acquiring at {at} needs the consumer_stream that will read the values"
+                )
+            self._reap()
+            if consumer_stream is not None:
+                self._check_stream(consumer_stream, at)
+            indices = [self._resolve(handle) for handle in normalized]
+            token = core.acquire(indices, code)
+            return ResidencyLease(
+                manager=self,
+                token=token,
+                handles=normalized,
+                location=at,
+                consumer_streams=[] if consumer_stream is None else [consumer_stream],
+            )
+        finally:
+            core.exit()
+
+    def hold(
+        self, handles: Iterable[ResidencyHandle[Any]], *, at: ResidencyLocation
+    ) -> ResidencyHold:
+        """Protect already-ready materialisations at `at` from removal until released."""
+        normalized = _normalize_handles(handles)
+        core = self._core
+        core.enter(True, True)
+        try:
+            code = self._location_code(at)
+            self._reap()
+            indices = [self._resolve(handle) for handle in normalized]
+            token = core.hold(indices, code)
+            return ResidencyHold(manager=self, token=token, handles=normalized, location=at)
+        finally:
+            core.exit()
+
+    def reserve(
+        self, location: ResidencyLocation, nbytes: int, *, label: str
+    ) -> ResidencyReservation:
+        """Charge `nbytes` of accounting headroom at `location` until released."""
+        nbytes = _index_int(nbytes, "nbytes")
+        if not isinstance(label, str):
+            raise TypeError(f"label must be a str, got {type(label).__name__}")
+        if not label or label.isspace():
+            raise ValueError(f"label must be a non-empty string, got {label!r}")
+        core = self._core
+        core.enter(True, True)
+        try:
+            code = self._location_code(location)
+            token = core.reserve(
+                code, _byte_count(nbytes, "nbytes"), _lowering.diagnostic_text(label)
+            )
+            self._labels[token] = label
+            return ResidencyReservation(
+                manager=self, token=token, location=location, nbytes=nbytes, label=label
+            )
+        finally:
+            core.exit()
+
+    def _borrowed(
+        self, token: int, handle: ResidencyHandle[Any], location: ResidencyLocation
+    ) -> TensorResident:
+        """A borrowed lookup: the managed object itself, while the lease still holds."""
+        core = self._core
+        core.enter(False, True)
+        try:
+            index = self._index.get(handle)
+            if index is None or not core.lease_covers(token, index):
+                raise ResidencyUnavailableError(
+                    f"value {handle.handle_id!r} is no longer borrowed at {location} "
+                    "(its lease ended with a forced close or the value was discarded)"
+                )
+            return self._materializations[index][_location_code_of(location)]
+        finally:
+            core.exit()
+
+    def _gate_or_defer(self, apply: Callable[[], None], *, finalizing: bool = False) -> bool:
+        """Enters the gate for a release; if a source callback runs on another thread
+        (or a finalizer runs inside one), queues `apply` instead and returns False.
+
+        The callback rule forbids observing half-built state, not cleaning up: a
+        deferred release is applied as soon as the callback ends.
+        """
+        core = self._core
+        if core.callback_running_elsewhere() or (finalizing and core.callback_active):
+            self._deferred.append(apply)
+            if not core.callback_active:
+                # The callback ended while we queued: apply it now ourselves.
+                self._apply_deferred_soon()
+            return False
+        core.enter(False, True)
+        return True
+
+    def _apply_deferred_soon(self) -> None:
+        core = self._core
+        try:
+            core.enter(False, False)
+        except ResidencyReentrancyError:
+            return  # another callback started; its transition drains the queue
+        try:
+            self._drain_deferred()
+        finally:
+            core.exit()
+
+    def _drain_deferred(self) -> None:
+        """Applies releases queued while a callback ran; the caller holds the gate."""
+        deferred = self._deferred
+        while deferred:
+            try:
+                apply = deferred.popleft()
+            except IndexError:
+                return
+            apply()
+
+    def _release_lease(
+        self,
+        token: int,
+        location: ResidencyLocation,
+        streams: list[Any],
+        *,
+        wait: bool,
+        finalizing: bool = False,
+    ) -> None:
+        """Contract 4.3: the manager side of `ResidencyLease.release`."""
+        core = self._core
+        runtime = self._runtime
+        if location.kind != "cuda":
+            if self._gate_or_defer(lambda: self._apply_lease_release(token), finalizing=finalizing):
+                try:
+                    self._apply_lease_release(token)
+                finally:
+                    core.exit()
+            return
+        if core.lease_state(token) != 1:
+            return  # unknown (forced close) or already released
+        device = location.device
+        if not streams:
+            runtime.synchronize_device(device)
+            self._release_or_defer(token, None, finalizing=finalizing)
+            warnings.warn(
+                f"a CUDA lease at {location} had no consumer streams; a full-device "
+                "synchronisation was used to release it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        for stream in streams:
+            self._check_stream(stream, location)
+        try:
+            events = [runtime.record_event(stream) for stream in streams]
+        except Exception:
+            for stream in streams:
+                runtime.synchronize_stream(stream)
+            self._release_or_defer(token, None, finalizing=finalizing)
+            warnings.warn(
+                f"recording release events at {location} failed; the consumer streams were "
+                "synchronised instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        if wait:
+            for event in events:
+                runtime.synchronize_event(event)
+        self._release_or_defer(token, events, finalizing=finalizing, completed=wait)
+
+    def _release_or_defer(
+        self,
+        token: int,
+        events: list[Any] | None,
+        *,
+        finalizing: bool,
+        completed: bool = False,
+    ) -> None:
+        """Applies a CUDA lease release whose events are recorded (or not needed)."""
+
+        def apply() -> None:
+            core = self._core
+            if events is None:
+                core.release_lease(token)
+            elif core.lease_to_pending(token):
+                if completed:
+                    core.release_pending(token)
+                else:
+                    self._pending_events[token] = events
+
+        if self._gate_or_defer(apply, finalizing=finalizing):
+            try:
+                apply()
+            finally:
+                self._core.exit()
+
+    def _apply_lease_release(self, token: int) -> None:
+        self._core.release_lease(token)
+
+    def _release_hold(self, token: int, *, finalizing: bool = False) -> None:
+        def apply() -> None:
+            if not self._core.release_hold(token) and not (finalizing or self._core.closed):
+                raise RuntimeError(f"internal error: unknown hold token {token}")
+
+        if self._gate_or_defer(apply, finalizing=finalizing):
+            try:
+                apply()
+            finally:
+                self._core.exit()
+
+    def _release_reservation(self, token: int, *, finalizing: bool = False) -> None:
+        def apply() -> None:
+            self._labels.pop(token, None)
+            if not self._core.release_reservation(token) and not (finalizing or self._core.closed):
+                raise RuntimeError(f"internal error: unknown reservation token {token}")
+
+        if self._gate_or_defer(apply, finalizing=finalizing):
+            try:
+                apply()
+            finally:
+                self._core.exit()
+
     def _reap(self) -> None:
         """Contract 4.4: release pending CUDA leases whose events all completed."""
+        if self._deferred:
+            self._drain_deferred()
         if not self._pending_events:
             return
         query = self._runtime.event_query
@@ -763,6 +1034,8 @@ class ResidencyManager:
             if core.closed:
                 return
             core.check_reentrant()
+            if self._deferred:
+                self._drain_deferred()
             if wait:
                 self._synchronize_pending()
             else:
@@ -774,6 +1047,8 @@ class ResidencyManager:
                         runtime.synchronize_device(_location_of(code).device)
             core.close(force)
             self._pending_events.clear()
+            self._deferred.clear()
+            self._labels.clear()
             self._sources.clear()
             self._materializations = [{} for _ in self._materializations]
             self._index.clear()
@@ -841,8 +1116,20 @@ class _ManagerSnapshot(ResidencySnapshot[Any]):
         # The facade's lists only grow, so the view's prefix of them stays valid.
         init(snapshot, "_handles", manager._handles)
         init(snapshot, "_specs", manager._specs)
-        # Locations are few and carry allocator readings that belong to capture time.
-        init(snapshot, "_built", {"locations": _location_entries(view, manager._runtime)})
+        # Locations are few and carry allocator readings that belong to capture time;
+        # reservations are few and their labels live in the facade until released.
+        labels = manager._labels
+        init(
+            snapshot,
+            "_built",
+            {
+                "locations": _location_entries(view, manager._runtime),
+                "reservations": tuple(
+                    _new_reservation_snapshot(_location_of(code), nbytes, labels.get(token, label))
+                    for token, code, nbytes, label in view.reservation_rows()
+                ),
+            },
+        )
         return snapshot
 
     def _set_scalars(self, manager_id: str, state_version: int, captured_at_ns: int) -> None:
@@ -906,12 +1193,6 @@ class _ManagerSnapshot(ResidencySnapshot[Any]):
                 )
             )
         return tuple(entries)
-
-    def _build_reservations(self) -> tuple[ResidencyReservationSnapshot, ...]:
-        return tuple(
-            _new_reservation_snapshot(_location_of(code), nbytes, label)
-            for code, nbytes, label in cast(_core.StateView, self._view).reservation_rows()
-        )
 
     def _plain(self) -> ResidencySnapshot[Any]:
         return ResidencySnapshot(

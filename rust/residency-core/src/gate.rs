@@ -157,6 +157,12 @@ impl Gate {
         Ok(())
     }
 
+    /// True while a source callback runs on a thread other than this one (the
+    /// callback always runs on the transition owner's thread).
+    pub fn callback_running_elsewhere(&self) -> bool {
+        self.callback_active() && self.lock().transition_owner != Some(thread::current().id())
+    }
+
     /// Marks this thread as the transition owner (after `check_reentrant`).
     pub fn begin_transition(&self) {
         self.lock().transition_owner = Some(thread::current().id());

@@ -821,6 +821,15 @@ impl Manager {
         Ok(token)
     }
 
+    /// 0 for an unknown lease, 1 for an active one, 2 for one pending on events.
+    pub fn lease_state(&self, token: u64) -> u8 {
+        match self.inner().leases.get(&token) {
+            None => 0,
+            Some(lease) if lease.pending => 2,
+            Some(_) => 1,
+        }
+    }
+
     /// True while the lease record exists, is active and `handle` is one of its
     /// handles (borrowed lookups check this).
     pub fn lease_covers(&self, token: u64, handle: HandleId) -> bool {

@@ -372,6 +372,19 @@ impl CoreManager {
         Self::lift(py, self.core.hold(&handles, location(at)?))
     }
 
+    fn lease_state(&self, token: u64) -> u8 {
+        self.core.lease_state(token)
+    }
+
+    #[getter]
+    fn callback_active(&self) -> bool {
+        self.core.gate().callback_active()
+    }
+
+    fn callback_running_elsewhere(&self) -> bool {
+        self.core.gate().callback_running_elsewhere()
+    }
+
     fn lease_covers(&self, token: u64, handle: HandleId) -> bool {
         self.core.lease_covers(token, handle)
     }
@@ -518,13 +531,14 @@ impl StateView {
             .collect()
     }
 
-    /// Active reservations in creation order: `(code, nbytes, label)`.
-    fn reservation_rows(&self) -> Vec<(u32, u64, String)> {
+    /// Active reservations in creation order: `(token, code, nbytes, label)`.
+    fn reservation_rows(&self) -> Vec<(u64, u32, u64, String)> {
         self.state
             .reservations
-            .values()
-            .map(|reservation| {
+            .iter()
+            .map(|(&token, reservation)| {
                 (
+                    token,
                     reservation.location.code(),
                     reservation.nbytes,
                     reservation.label.to_string(),
