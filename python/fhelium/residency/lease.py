@@ -8,6 +8,7 @@ while a kernel may still read it.
 
 from __future__ import annotations
 
+import atexit
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -26,6 +27,28 @@ __all__ = ["BorrowedValues", "ResidencyHold", "ResidencyLease", "ResidencyReserv
 # Managers whose abandoned leases could not be released safely. A strong root: their
 # storage must never be freed while a CUDA kernel may still be reading it.
 _RETAINED_MANAGERS: list[ResidencyManager] = []
+
+# Every live lifetime object, so that those still active at interpreter exit are
+# finalized while the runtime still works (weakref.finalize's atexit behaviour,
+# without its per-object cost on the acquire/release hot path).
+# Keyed by id(): an entry leaves on release or on collection, never outlives its object.
+_LIVE: dict[int, weakref.ref[_Lifetime]] = {}
+
+
+@atexit.register
+def _finalize_at_exit() -> None:
+    for reference in list(_LIVE.values()):
+        lifetime = reference()
+        if lifetime is not None:
+            lifetime._abandon()
+
+
+def _chain(error: BaseException, body: BaseException | None) -> None:
+    """Gives `error` the implicit `__context__` Python would have set had it been
+    raised by Python code while `body` propagated: errors raised from the core (through
+    C) carry no implicit context."""
+    if body is not None and error is not body and error.__context__ is None:
+        error.__context__ = body
 
 
 def _warn_abandoned(kind: str, manager: ResidencyManager, location: object, outcome: str) -> None:
@@ -78,6 +101,37 @@ def _finalize_reservation(
     _warn_abandoned("reservation", manager, location, "it was released")
 
 
+class _Lifetime:
+    """Finalization shared by leases, holds and reservations: an object collected or
+    alive at exit while still active is released safely, with a ResourceWarning."""
+
+    __slots__ = ("__weakref__", "_active")
+
+    _active: bool
+
+    def _track(self) -> None:
+        self._active = True
+        _LIVE[id(self)] = weakref.ref(self)
+
+    def _untrack(self) -> None:
+        self._active = False
+        _LIVE.pop(id(self), None)
+
+    def _finalize(self) -> None:
+        raise NotImplementedError
+
+    def _abandon(self) -> None:
+        if self._active:
+            self._untrack()
+            self._finalize()
+
+    def __del__(self) -> None:
+        # Interpreter teardown may have cleared module globals; nothing is left to do.
+        if getattr(self, "_active", False):
+            self._untrack()
+            self._finalize()
+
+
 class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
     """The managed objects a lease borrows, by handle. Valid only while it is active.
 
@@ -93,7 +147,10 @@ class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
     def __getitem__(self, handle: ResidencyHandle[Any]) -> TensorResident:
         lease = self._lease
         lease._require_active()
-        if handle not in lease._handle_set:
+        handle_set = lease._handle_set
+        if handle_set is None:
+            handle_set = lease._handle_set = frozenset(lease._handles)
+        if handle not in handle_set:
             raise KeyError(handle)
         return lease._manager._borrowed(lease._token, handle, lease._location)
 
@@ -111,7 +168,7 @@ class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
         return f"BorrowedValues({self._lease!r})"
 
 
-class ResidencyLease:
+class ResidencyLease(_Lifetime):
     """An immutable borrow of materialisations at one location.
 
     For CUDA locations, release records an event on every consumer stream and keeps
@@ -120,10 +177,7 @@ class ResidencyLease:
     """
 
     __slots__ = (
-        "__weakref__",
-        "_active",
         "_entered",
-        "_finalizer",
         "_handle_set",
         "_handles",
         "_location",
@@ -143,16 +197,17 @@ class ResidencyLease:
     ) -> None:
         self._manager = manager
         self._token = token
-        self._handles = tuple(handles)
-        self._handle_set = frozenset(self._handles)
+        self._handles = handles
+        # Built on the first borrowed lookup: many leases are never looked into.
+        self._handle_set: frozenset[ResidencyHandle[Any]] | None = None
         self._location = location
-        # The finalizer shares this very list, so streams added later are honoured.
+        # The finalizer reads this very list, so streams added later are honoured.
         self._streams = consumer_streams
-        self._active = True
         self._entered = False
-        self._finalizer = weakref.finalize(
-            self, _finalize_lease, manager, token, location, consumer_streams
-        )
+        self._track()
+
+    def _finalize(self) -> None:
+        _finalize_lease(self._manager, self._token, self._location, self._streams)
 
     @property
     def active(self) -> bool:
@@ -191,9 +246,12 @@ class ResidencyLease:
         release point (`wait=True` waits for that). Idempotent."""
         if not self._active:
             return
-        self._manager._release_lease(self._token, self._location, self._streams, wait=wait)
+        if self._location.kind == "cuda":
+            self._manager._release_lease(self._token, self._location, self._streams, wait=wait)
+        else:
+            self._manager._release_host_lease(self._token)
         self._active = False
-        self._finalizer.detach()
+        _LIVE.pop(id(self), None)
 
     close = release
 
@@ -204,27 +262,22 @@ class ResidencyLease:
         self._entered = True
         return BorrowedValues(self)
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        try:
+            self.release()
+        except BaseException as error:
+            _chain(error, exc)
+            raise
 
     def __repr__(self) -> str:
         state = "active" if self._active else "released"
         return f"ResidencyLease({len(self._handles)} value(s) at {self._location}, {state})"
 
 
-class ResidencyHold:
+class ResidencyHold(_Lifetime):
     """Longer-lived retention of materialisations at one location; exposes no values."""
 
-    __slots__ = (
-        "__weakref__",
-        "_active",
-        "_entered",
-        "_finalizer",
-        "_handles",
-        "_location",
-        "_manager",
-        "_token",
-    )
+    __slots__ = ("_entered", "_handles", "_location", "_manager", "_token")
 
     def __init__(
         self,
@@ -238,9 +291,11 @@ class ResidencyHold:
         self._token = token
         self._handles = tuple(handles)
         self._location = location
-        self._active = True
         self._entered = False
-        self._finalizer = weakref.finalize(self, _finalize_hold, manager, token, location)
+        self._track()
+
+    def _finalize(self) -> None:
+        _finalize_hold(self._manager, self._token, self._location)
 
     @property
     def active(self) -> bool:
@@ -259,8 +314,7 @@ class ResidencyHold:
         if not self._active:
             return
         self._manager._release_hold(self._token)
-        self._active = False
-        self._finalizer.detach()
+        self._untrack()
 
     close = release
 
@@ -272,28 +326,22 @@ class ResidencyHold:
         self._entered = True
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        try:
+            self.release()
+        except BaseException as error:
+            _chain(error, exc)
+            raise
 
     def __repr__(self) -> str:
         state = "active" if self._active else "released"
         return f"ResidencyHold({len(self._handles)} value(s) at {self._location}, {state})"
 
 
-class ResidencyReservation:
+class ResidencyReservation(_Lifetime):
     """Accounting headroom at one location; allocates nothing."""
 
-    __slots__ = (
-        "__weakref__",
-        "_active",
-        "_entered",
-        "_finalizer",
-        "_manager",
-        "_token",
-        "label",
-        "location",
-        "nbytes",
-    )
+    __slots__ = ("_entered", "_manager", "_token", "label", "location", "nbytes")
 
     def __init__(
         self,
@@ -309,9 +357,11 @@ class ResidencyReservation:
         self.location = location
         self.nbytes = nbytes
         self.label = label
-        self._active = True
         self._entered = False
-        self._finalizer = weakref.finalize(self, _finalize_reservation, manager, token, location)
+        self._track()
+
+    def _finalize(self) -> None:
+        _finalize_reservation(self._manager, self._token, self.location)
 
     @property
     def active(self) -> bool:
@@ -322,8 +372,7 @@ class ResidencyReservation:
         if not self._active:
             return
         self._manager._release_reservation(self._token)
-        self._active = False
-        self._finalizer.detach()
+        self._untrack()
 
     close = release
 
@@ -337,8 +386,12 @@ class ResidencyReservation:
         self._entered = True
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        try:
+            self.release()
+        except BaseException as error:
+            _chain(error, exc)
+            raise
 
     def __repr__(self) -> str:
         state = "active" if self._active else "released"
@@ -346,3 +399,25 @@ class ResidencyReservation:
             f"ResidencyReservation(label={self.label!r}, location={self.location}, "
             f"nbytes={self.nbytes}, {state})"
         )
+
+
+def _new_lease(
+    manager: ResidencyManager,
+    token: int,
+    handles: tuple[ResidencyHandle[Any], ...],
+    location: ResidencyLocation,
+    consumer_streams: list[Any],
+) -> ResidencyLease:
+    """The manager's constructor for leases it has just admitted (the hot path):
+    the same state as `ResidencyLease(...)`, without keyword-argument overhead."""
+    lease = object.__new__(ResidencyLease)
+    lease._manager = manager
+    lease._token = token
+    lease._handles = handles
+    lease._handle_set = None
+    lease._location = location
+    lease._streams = consumer_streams
+    lease._entered = False
+    lease._active = True
+    _LIVE[id(lease)] = weakref.ref(lease)
+    return lease

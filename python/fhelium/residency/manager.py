@@ -15,6 +15,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any, Final, TypeVar, cast
 
 import torch
@@ -29,7 +30,13 @@ from fhelium.errors import (
 from fhelium.residency import _lowering
 from fhelium.residency._records import trusted_builder
 from fhelium.residency._runtime import DeviceRuntime, ValueFacts, current_runtime
-from fhelium.residency.lease import ResidencyHold, ResidencyLease, ResidencyReservation
+from fhelium.residency.lease import (
+    ResidencyHold,
+    ResidencyLease,
+    ResidencyReservation,
+    _chain,
+    _new_lease,
+)
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
 from fhelium.residency.model import (
     Recoverability,
@@ -113,6 +120,8 @@ def _byte_count(value: int, name: str) -> int:
 
 def _normalize_handles(handles: object) -> tuple[ResidencyHandle[Any], ...]:
     """Contract 3.17: a non-empty tuple of distinct handles, first occurrences kept."""
+    if type(handles) is tuple and len(handles) == 1 and type(handles[0]) is ResidencyHandle:
+        return handles  # the common single-handle call, already normal
     try:
         items = tuple(cast(Iterable[object], handles))
     except TypeError:
@@ -203,7 +212,7 @@ class ResidencyManager:
         # Pending CUDA lease token -> the events recorded at its release.
         self._pending_events: dict[int, list[Any]] = {}
         # Releases that arrived while a source callback ran on another thread.
-        self._deferred: deque[Callable[[], None]] = deque()
+        self._deferred: deque[Callable[[], object]] = deque()
         # Reservation labels exactly as given (the core keeps a UTF-8 copy).
         self._labels: dict[int, str] = {}
         # deque needs a C ssize_t; no trace could ever hold more than that anyway.
@@ -587,6 +596,9 @@ class ResidencyManager:
         self, index: int, code: int, stream: Any
     ) -> tuple[bool, ResidencyLocation | None, str | None]:
         kind, source, loaded = self._core.plan_ensure(index, code, self._sources.get(index))
+        if self._deferred:
+            # Releases that arrived while load() ran apply as soon as it returned.
+            self._drain_deferred()
         if kind == 0:
             return True, None, _REASON_ENSURE_NOOP
         if kind == 1:
@@ -602,6 +614,8 @@ class ResidencyManager:
         kind, source, loaded = self._core.plan_move(
             index, code, from_code, self._sources.get(index)
         )
+        if self._deferred:
+            self._drain_deferred()
         materializations = self._materializations[index]
         if kind == 0:
             return True, (None if source < 0 else _location_of(source)), _REASON_MOVE_NOOP
@@ -762,17 +776,16 @@ class ResidencyManager:
                 raise ValueError(
                     f"acquiring at {at} needs the consumer_stream that will read the values"
                 )
-            self._reap()
+            if self._deferred or self._pending_events:
+                self._reap()
             if consumer_stream is not None:
                 self._check_stream(consumer_stream, at)
-            indices = [self._resolve(handle) for handle in normalized]
-            token = core.acquire(indices, code)
-            return ResidencyLease(
-                manager=self,
-                token=token,
-                handles=normalized,
-                location=at,
-                consumer_streams=[] if consumer_stream is None else [consumer_stream],
+            index = self._index.get(normalized[0]) if len(normalized) == 1 else None
+            token = core.acquire(
+                [index] if index is not None else self._resolve_in_order(normalized, code), code
+            )
+            return _new_lease(
+                self, token, normalized, at, [] if consumer_stream is None else [consumer_stream]
             )
         finally:
             core.exit()
@@ -786,9 +799,9 @@ class ResidencyManager:
         core.enter(True, True)
         try:
             code = self._location_code(at)
-            self._reap()
-            indices = [self._resolve(handle) for handle in normalized]
-            token = core.hold(indices, code)
+            if self._deferred or self._pending_events:
+                self._reap()
+            token = core.hold(self._resolve_in_order(normalized, code), code)
             return ResidencyHold(manager=self, token=token, handles=normalized, location=at)
         finally:
             core.exit()
@@ -816,6 +829,19 @@ class ResidencyManager:
         finally:
             core.exit()
 
+    def _resolve_in_order(self, handles: tuple[ResidencyHandle[Any], ...], code: int) -> list[int]:
+        """Contract 3.17 step 6: per handle in order, the lookup and then residency, so
+        a non-resident handle before an unknown one reports unavailability."""
+        indices: list[int] = []
+        for handle in handles:
+            index = self._index.get(handle)
+            if index is None:
+                if indices:
+                    self._core.check_resident(indices, code)
+                index = self._resolve(handle)
+            indices.append(index)
+        return indices
+
     def _borrowed(
         self, token: int, handle: ResidencyHandle[Any], location: ResidencyLocation
     ) -> TensorResident:
@@ -833,22 +859,34 @@ class ResidencyManager:
         finally:
             core.exit()
 
-    def _gate_or_defer(self, apply: Callable[[], None], *, finalizing: bool = False) -> bool:
-        """Enters the gate for a release; if a source callback runs on another thread
-        (or a finalizer runs inside one), queues `apply` instead and returns False.
+    def _enter_for_release(self, apply: Callable[[], object], finalizing: bool) -> bool:
+        """Enters the gate for a release. If a source callback runs on another thread
+        (or a finalizer fires inside one), queues `apply` instead and returns False.
 
         The callback rule forbids observing half-built state, not cleaning up: a
         deferred release is applied as soon as the callback ends.
         """
         core = self._core
-        if core.callback_running_elsewhere() or (finalizing and core.callback_active):
-            self._deferred.append(apply)
-            if not core.callback_active:
-                # The callback ended while we queued: apply it now ourselves.
-                self._apply_deferred_soon()
-            return False
-        core.enter(False, True)
-        return True
+        try:
+            core.enter(False, True)
+            return True
+        except ResidencyReentrancyError:
+            if not (core.callback_running_elsewhere() or (finalizing and core.callback_active)):
+                raise
+        self._deferred.append(apply)
+        if not core.callback_active:
+            # The callback ended while we queued: apply it now ourselves.
+            self._apply_deferred_soon()
+        return False
+
+    def _release_token(self, apply: Callable[[], object], finalizing: bool) -> None:
+        if self._enter_for_release(apply, finalizing):
+            try:
+                if self._deferred:
+                    self._drain_deferred()
+                apply()
+            finally:
+                self._core.exit()
 
     def _apply_deferred_soon(self) -> None:
         core = self._core
@@ -871,6 +909,21 @@ class ResidencyManager:
                 return
             apply()
 
+    def _release_host_lease(self, token: int, finalizing: bool = False) -> None:
+        """Contract 4.3, CPU lease: remove the use tokens (one version step)."""
+        core = self._core
+        try:
+            core.enter(False, True)
+        except ResidencyReentrancyError:
+            self._release_token(partial(core.release_lease, token), finalizing)
+            return
+        try:
+            if self._deferred:
+                self._drain_deferred()
+            core.release_lease(token)
+        finally:
+            core.exit()
+
     def _release_lease(
         self,
         token: int,
@@ -882,20 +935,15 @@ class ResidencyManager:
     ) -> None:
         """Contract 4.3: the manager side of `ResidencyLease.release`."""
         core = self._core
-        runtime = self._runtime
         if location.kind != "cuda":
-            if self._gate_or_defer(lambda: self._apply_lease_release(token), finalizing=finalizing):
-                try:
-                    self._apply_lease_release(token)
-                finally:
-                    core.exit()
+            self._release_host_lease(token, finalizing)
             return
         if core.lease_state(token) != 1:
-            return  # unknown (forced close) or already released
-        device = location.device
+            return  # unknown (a forced close) or already released
+        runtime = self._runtime
         if not streams:
-            runtime.synchronize_device(device)
-            self._release_or_defer(token, None, finalizing=finalizing)
+            runtime.synchronize_device(location.device)
+            self._release_token(partial(core.release_lease, token), finalizing)
             warnings.warn(
                 f"a CUDA lease at {location} had no consumer streams; a full-device "
                 "synchronisation was used to release it",
@@ -903,14 +951,16 @@ class ResidencyManager:
                 stacklevel=3,
             )
             return
-        for stream in streams:
-            self._check_stream(stream, location)
+        # Every stream was validated against this location when it joined the lease
+        # (acquire or add_consumer_stream), and a stream never changes device, so the
+        # re-validation of contract 4.3 step 1 holds without asking the runtime again.
         try:
             events = [runtime.record_event(stream) for stream in streams]
         except Exception:
+            # Contract 4.3 step 3: without events, the streams are waited for instead.
             for stream in streams:
                 runtime.synchronize_stream(stream)
-            self._release_or_defer(token, None, finalizing=finalizing)
+            self._release_token(partial(core.release_lease, token), finalizing)
             warnings.warn(
                 f"recording release events at {location} failed; the consumer streams were "
                 "synchronised instead",
@@ -921,59 +971,42 @@ class ResidencyManager:
         if wait:
             for event in events:
                 runtime.synchronize_event(event)
-        self._release_or_defer(token, events, finalizing=finalizing, completed=wait)
+        try:
+            core.enter(False, True)
+        except ResidencyReentrancyError:
+            self._release_token(partial(self._apply_pending, token, events, wait), finalizing)
+            return
+        try:
+            if self._deferred:
+                self._drain_deferred()
+            self._apply_pending(token, events, wait)
+        finally:
+            core.exit()
 
-    def _release_or_defer(
-        self,
-        token: int,
-        events: list[Any] | None,
-        *,
-        finalizing: bool,
-        completed: bool = False,
-    ) -> None:
-        """Applies a CUDA lease release whose events are recorded (or not needed)."""
-
-        def apply() -> None:
-            core = self._core
-            if events is None:
-                core.release_lease(token)
-            elif core.lease_to_pending(token):
-                if completed:
-                    core.release_pending(token)
-                else:
-                    self._pending_events[token] = events
-
-        if self._gate_or_defer(apply, finalizing=finalizing):
-            try:
-                apply()
-            finally:
-                self._core.exit()
-
-    def _apply_lease_release(self, token: int) -> None:
-        self._core.release_lease(token)
+    def _apply_pending(self, token: int, events: list[Any], completed: bool) -> None:
+        """Moves a CUDA lease's use tokens to pending-event tokens, and releases them at
+        once when its events are already known complete (`wait=True`)."""
+        core = self._core
+        if core.lease_to_pending(token):
+            if completed:
+                core.release_pending(token)
+            else:
+                self._pending_events[token] = events
 
     def _release_hold(self, token: int, *, finalizing: bool = False) -> None:
-        def apply() -> None:
-            if not self._core.release_hold(token) and not (finalizing or self._core.closed):
-                raise RuntimeError(f"internal error: unknown hold token {token}")
+        self._release_token(partial(self._apply_hold_release, token, finalizing), finalizing)
 
-        if self._gate_or_defer(apply, finalizing=finalizing):
-            try:
-                apply()
-            finally:
-                self._core.exit()
+    def _apply_hold_release(self, token: int, missing_ok: bool) -> None:
+        if not self._core.release_hold(token) and not (missing_ok or self._core.closed):
+            raise RuntimeError(f"internal error: unknown hold token {token}")
 
     def _release_reservation(self, token: int, *, finalizing: bool = False) -> None:
-        def apply() -> None:
-            self._labels.pop(token, None)
-            if not self._core.release_reservation(token) and not (finalizing or self._core.closed):
-                raise RuntimeError(f"internal error: unknown reservation token {token}")
+        self._release_token(partial(self._apply_reservation_release, token, finalizing), finalizing)
 
-        if self._gate_or_defer(apply, finalizing=finalizing):
-            try:
-                apply()
-            finally:
-                self._core.exit()
+    def _apply_reservation_release(self, token: int, missing_ok: bool) -> None:
+        self._labels.pop(token, None)
+        if not self._core.release_reservation(token) and not (missing_ok or self._core.closed):
+            raise RuntimeError(f"internal error: unknown reservation token {token}")
 
     def _reap(self) -> None:
         """Contract 4.4: release pending CUDA leases whose events all completed."""
@@ -983,7 +1016,7 @@ class ResidencyManager:
             return
         query = self._runtime.event_query
         for token, events in list(self._pending_events.items()):
-            if all(query(event) for event in events):
+            if query(events[0]) if len(events) == 1 else all(map(query, events)):
                 self._core.release_pending(token)
                 del self._pending_events[token]
 
@@ -992,7 +1025,7 @@ class ResidencyManager:
     def snapshot(self) -> ResidencySnapshot[Any]:
         """One atomic, tensor-free observation. O(1) to capture; entries build lazily."""
         core = self._core
-        view = core.try_published()
+        view = None if self._deferred else core.try_published()
         if view is None:
             core.enter(True, True)
             try:
@@ -1069,8 +1102,13 @@ class ResidencyManager:
         core.exit()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        try:
+            self.close()
+        except BaseException as error:
+            # Errors raised from the core carry no implicit context; chain the body's.
+            _chain(error, exc)
+            raise
 
 
 class _ManagerSnapshot(ResidencySnapshot[Any]):

@@ -364,6 +364,10 @@ impl CoreManager {
 
     // ----- protections and lifetimes ----------------------------------------------
 
+    fn check_resident(&self, py: Python<'_>, handles: Vec<HandleId>, at: u32) -> PyResult<()> {
+        Self::lift(py, self.core.check_resident(&handles, location(at)?))
+    }
+
     fn acquire(&self, py: Python<'_>, handles: Vec<HandleId>, at: u32) -> PyResult<u64> {
         Self::lift(py, self.core.acquire(&handles, location(at)?))
     }

@@ -13,6 +13,7 @@ import torch
 
 from fhelium._core import measure_tensors as _measure_tensors
 from fhelium.residency._runtime.base import ValueFacts
+from fhelium.residency._runtime.cuda_events import CudaEvent, CudaEventPool, cuda_bindings_available
 from fhelium.values.tensor_resident import (
     TensorResident,
     _cpu_pinning_is_uniform,
@@ -33,6 +34,7 @@ _stream_guard: Final = torch.cuda.stream
 # per-thread default stream. They name "the default stream of the current context", so they
 # belong to whichever device is current, and the driver cannot be asked about them.
 _DEFAULT_STREAM_HANDLES: Final = frozenset({0, 1, 2})
+_EVENT_POOL: Final = CudaEventPool()
 
 
 class TorchCudaRuntime:
@@ -119,19 +121,22 @@ class TorchCudaRuntime:
     def synchronize_device(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
-    def record_event(self, stream: Any) -> torch.cuda.Event:
+    def record_event(self, stream: Any) -> CudaEvent | torch.cuda.Event:
         cuda_stream = _as_stream(stream)
-        event = _Event()  # type: ignore[no-untyped-call]
         # The contract records with the stream's device current (4.3 step 2), so the event is
         # created on that device whatever the calling thread has current.
         with _device_guard(cuda_stream.device_index):
+            if cuda_bindings_available():
+                # Timing-free events from a pool, through cuda-python (issue 4).
+                return _EVENT_POOL.record(cuda_stream.cuda_stream, cuda_stream.device_index)
+            event = _Event()  # type: ignore[no-untyped-call]
             event.record(cuda_stream)
-        return event
+            return event
 
-    def event_query(self, event: torch.cuda.Event) -> bool:
-        return bool(event.query())  # type: ignore[no-untyped-call]
+    def event_query(self, event: CudaEvent | torch.cuda.Event) -> bool:
+        return bool(event.query())
 
-    def synchronize_event(self, event: torch.cuda.Event) -> None:
+    def synchronize_event(self, event: CudaEvent | torch.cuda.Event) -> None:
         event.synchronize()
 
     # --- observations ---------------------------------------------------------------
