@@ -91,6 +91,24 @@ def main() -> None:
             )
         )
 
+    if torch.cuda.is_available():
+        real = ResidencyManager()
+        cuda0 = cuda_location("cuda:0")
+        on_gpu = (real.adopt(ResidentTensor(torch.zeros(4, device="cuda"))),)
+        consumer = torch.cuda.Stream(device=0)
+        real_acquire = real.acquire
+
+        def real_round_trip() -> None:
+            real_acquire(on_gpu, at=cuda0, consumer_stream=consumer).release()
+
+        rows.append(
+            (
+                "lease acquire + release, real CUDA (us)",
+                median_us(lambda: per_op(real_round_trip, count), repeats),
+                None,
+            )
+        )
+
     width = max(len(name) for name, _, _ in rows)
     for name, measured, target in rows:
         if target is None:
