@@ -295,7 +295,8 @@ def test_acquire_reaps_before_a_failing_handle_lookup(rt: LoggingRuntime) -> Non
 def test_handle_lookup_errors(rt: Any) -> None:
     manager = ResidencyManager()
     resident = replicated(manager)
-    source_only = manager.register_source(spec(), Source(fresh()))
+    source = Source(fresh())
+    source_only = manager.register_source(spec(), source)
     discarded = replicated(manager)
     manager.discard(discarded)
     unknown = ResidencyHandle(manager.manager_id, "no-such-handle", ResidentTensor)
@@ -313,6 +314,7 @@ def test_handle_lookup_errors(rt: Any) -> None:
             _take(manager, kind, [resident], at=PINNED_HOST)
     assert manager.state_version == version
     assert val_snap(manager.snapshot(), source_only).materializations == ()
+    assert source.calls == 0  # acquire and hold never materialise anything
     assert PINNED_HOST not in manager.locations
 
 

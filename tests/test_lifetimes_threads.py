@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +46,9 @@ from test_lifetimes_common import (
     LoggingRuntime,
     cuda_stream,
     mat,
+    recorded_warnings,
     replicated,
+    root_lists_holding,
     rt_fixture,  # noqa: F401
 )
 
@@ -165,6 +168,7 @@ def test_releases_from_another_thread_during_a_callback_are_deferred(
     s0 = cuda_stream(rt)
     cpu = manager.acquire([a], at=PAGEABLE_HOST)
     gpu = manager.acquire([a], at=CUDA0, consumer_stream=s0)
+    gpu_wait = manager.acquire([a], at=CUDA0, consumer_stream=s0)
     entered = manager.acquire([a], at=PAGEABLE_HOST)
     values = entered.__enter__()
     hold = manager.hold([a], at=CUDA0)
@@ -184,11 +188,12 @@ def test_releases_from_another_thread_during_a_callback_are_deferred(
         # releases are accepted, promptly, and the lifetimes become inactive
         run_with_timeout(cpu.release, timeout=5)
         run_with_timeout(gpu.release, timeout=5)
+        run_with_timeout(lambda: gpu_wait.release(wait=True), timeout=5)
         run_with_timeout(lambda: entered.__exit__(None, None, None), timeout=5)
         run_with_timeout(hold.release, timeout=5)
         run_with_timeout(lambda: held_ctx.__exit__(None, None, None), timeout=5)
         run_with_timeout(reservation.release, timeout=5)
-        for lifetime in (cpu, gpu, entered, hold, held_ctx, reservation):
+        for lifetime in (cpu, gpu, gpu_wait, entered, hold, held_ctx, reservation):
             assert lifetime.active is False
         # released twice: still silent
         cpu.release()
@@ -204,13 +209,16 @@ def test_releases_from_another_thread_during_a_callback_are_deferred(
     assert loc_snap(snap, CUDA0).reserved_bytes == 0
     assert loc_snap(snap, CUDA0).reservation_count == 0
     assert snap.reservations == ()
-    # the CUDA lease was released without waiting: its event was recorded on the captured stream
-    assert any(stream is s0 for stream, _ in rt.recorded)
+    # the CUDA leases recorded their events on the captured stream; only the one released
+    # without waiting is still pending
+    assert sum(1 for stream, _ in rt.recorded if stream is s0) == 2
+    assert loc_snap(snap, CUDA0).pending_event_count == 1
     rt.complete_events()
     snap = manager.snapshot()
     assert loc_snap(snap, CUDA0).pending_event_count == 0
-    # 6 releases (+1 each; the CUDA one +1 more when reaped) and the callback's install
-    assert snap.state_version == version + 6 + 1 + 1
+    # 7 releases: +1 each, +1 more for the CUDA wait=False one when reaped and for the
+    # wait=True one; plus the callback's install
+    assert snap.state_version == version + 7 + 1 + 1 + 1
     manager.drop(a, CUDA0)
     manager.close()
 
@@ -249,6 +257,37 @@ def test_deferred_releases_let_close_succeed(rt: LoggingRuntime) -> None:
     manager.close()  # would raise ResidencyInUseError if a release was lost
     with pytest.raises(ResidencyClosedError):
         manager.snapshot()
+
+
+def test_abandoned_lifetimes_during_a_callback_on_another_thread_are_released(
+    rt: LoggingRuntime,
+) -> None:
+    manager = ResidencyManager()
+    a = replicated(manager, CUDA0)
+    s0 = cuda_stream(rt)
+    lifetimes = [
+        manager.acquire([a], at=PAGEABLE_HOST),
+        manager.acquire([a], at=CUDA0, consumer_stream=s0),
+        manager.hold([a], at=CUDA0),
+        manager.reserve(PAGEABLE_HOST, 16, label="abandoned"),
+    ]
+    callback = HeldCallback(manager)
+    callback.start()
+    try:
+        with recorded_warnings() as caught:
+            del lifetimes[:]
+            gc.collect()
+    finally:
+        callback.finish()
+    found = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert len(found) == 4, [str(w.message) for w in caught]
+    assert all(manager.manager_id in str(w.message) for w in found)
+    snap = manager.snapshot()
+    for entry in snap.locations:
+        assert (entry.use_count, entry.hold_count, entry.pending_event_count) == (0, 0, 0)
+        assert entry.reserved_bytes == 0
+    assert root_lists_holding(manager) == []
+    manager.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,4 +417,107 @@ def test_stress_with_callbacks_and_removals_loses_nothing(rt: LoggingRuntime) ->
         assert entry.reserved_bytes == 0
     assert snap.reservations == ()
     assert_balanced(snap)
+    manager.close()
+
+
+RACE_ITERATIONS = 20_000
+RACE_SECONDS = 4.0  # whichever ends first
+
+
+def test_releases_never_fail_while_callbacks_start_and_end_on_another_thread(
+    rt: LoggingRuntime,
+) -> None:
+    """A release from a thread other than the callback's must be accepted even when a
+    callback starts or ends while the release is entering the manager (issue point 4)."""
+    manager = ResidencyManager()
+    a = replicated(manager)
+    loaded = manager.register_source(spec(), Source(fresh()))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    refused: list[BaseException] = []
+    leaked: list[Any] = []
+    attempts: list[int] = []
+    callbacks = [0]
+
+    def loader() -> None:
+        while not stop.is_set():
+            manager.ensure(loaded, PAGEABLE_HOST)  # one short source callback
+            manager.drop(loaded, PAGEABLE_HOST)
+            callbacks[0] += 1
+
+    def create(i: int) -> Any:
+        for _ in range(100_000):
+            try:
+                if i % 3 == 0:
+                    return manager.acquire([a], at=PAGEABLE_HOST)
+                if i % 3 == 1:
+                    return manager.hold([a], at=PAGEABLE_HOST)
+                return manager.reserve(PAGEABLE_HOST, 4, label="race")
+            except ResidencyReentrancyError:
+                time.sleep(0)
+        raise AssertionError("never got past the callback gate")
+
+    deadline = time.monotonic() + RACE_SECONDS
+
+    def user() -> None:
+        for i in range(RACE_ITERATIONS):
+            if time.monotonic() > deadline:
+                break
+            lifetime = create(i)
+            attempts.append(1)
+            try:
+                lifetime.release()
+            except BaseException as exc:
+                refused.append(exc)
+            if lifetime.active:
+                leaked.append(lifetime)
+
+    background = _start(loader, errors)
+    users = [_start(user, errors) for _ in range(3)]
+    try:
+        _join(*users, timeout=60)
+    finally:
+        stop.set()
+        _join(background)
+    for lifetime in leaked:  # no callback runs any more: clean up before asserting
+        lifetime.release()
+    assert errors == []
+    assert callbacks[0] > 0
+    assert refused == [], f"{len(refused)} of {len(attempts)} releases refused: {refused[0]!r}"
+    entry = loc_snap(manager.snapshot(), PAGEABLE_HOST)
+    assert (entry.use_count, entry.hold_count, entry.reserved_bytes) == (0, 0, 0)
+    manager.close()
+
+
+def test_concurrent_double_release_is_idempotent(rt: LoggingRuntime) -> None:
+    manager = ResidencyManager()
+    a = replicated(manager, CUDA0)
+    s0 = cuda_stream(rt)
+    makers: list[Callable[[], Any]] = [
+        lambda: manager.acquire([a], at=PAGEABLE_HOST),
+        lambda: manager.hold([a], at=PAGEABLE_HOST),
+        lambda: manager.reserve(PAGEABLE_HOST, 4, label="twice"),
+        lambda: manager.acquire([a], at=CUDA0, consumer_stream=s0),
+    ]
+    rounds = 60
+    version = manager.state_version
+    errors: list[BaseException] = []
+    for i in range(rounds * len(makers)):
+        lifetime = makers[i % len(makers)]()
+        barrier = threading.Barrier(2, timeout=WAIT)
+
+        def release(lifetime: Any = lifetime, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            lifetime.release()
+
+        _join(*(_start(release, errors) for _ in range(2)))
+        assert not lifetime.active
+    assert errors == []
+    rt.complete_events()
+    snap = manager.snapshot()
+    for entry in snap.locations:
+        assert (entry.use_count, entry.hold_count, entry.pending_event_count) == (0, 0, 0)
+        assert entry.reserved_bytes == 0
+    # each round: CPU lease 2, hold 2, reservation 2, CUDA lease 3 (+1 when reaped)
+    assert snap.state_version == version + rounds * 9
     manager.close()

@@ -867,12 +867,18 @@ class ResidencyManager:
         deferred release is applied as soon as the callback ends.
         """
         core = self._core
-        try:
-            core.enter(False, True)
-            return True
-        except ResidencyReentrancyError:
-            if not (core.callback_running_elsewhere() or (finalizing and core.callback_active)):
-                raise
+        while True:
+            try:
+                core.enter(False, True)
+                return True
+            except ResidencyReentrancyError:
+                if core.callback_running_elsewhere() or (finalizing and core.callback_active):
+                    break
+                if core.callback_active:
+                    raise  # the callback is this thread's own: the contract's error
+                # Either this thread is mid-transition (check_reentrant raises the
+                # contract's error) or the callback ended since our attempt: retry.
+                core.check_reentrant()
         self._deferred.append(apply)
         if not core.callback_active:
             # The callback ended while we queued: apply it now ourselves.
@@ -912,6 +918,8 @@ class ResidencyManager:
     def _release_host_lease(self, token: int, finalizing: bool = False) -> None:
         """Contract 4.3, CPU lease: remove the use tokens (one version step)."""
         core = self._core
+        if self._release_now(0, token) is not None:
+            return
         try:
             core.enter(False, True)
         except ResidencyReentrancyError:
@@ -993,15 +1001,37 @@ class ResidencyManager:
             else:
                 self._pending_events[token] = events
 
+    def _release_now(self, kind: int, token: int) -> bool | None:
+        """One-call release when nothing is deferred and the gate is free; `None`
+        sends the caller down the waiting path, which defers or raises as needed."""
+        if self._deferred:
+            return None
+        try:
+            return self._core.release_now(kind, token)
+        except ResidencyReentrancyError:
+            return None
+
     def _release_hold(self, token: int, *, finalizing: bool = False) -> None:
-        self._release_token(partial(self._apply_hold_release, token, finalizing), finalizing)
+        released = self._release_now(1, token)
+        if released is None:
+            self._release_token(partial(self._apply_hold_release, token, finalizing), finalizing)
+        elif not released and not (finalizing or self._core.closed):
+            raise RuntimeError(f"internal error: unknown hold token {token}")
 
     def _apply_hold_release(self, token: int, missing_ok: bool) -> None:
         if not self._core.release_hold(token) and not (missing_ok or self._core.closed):
             raise RuntimeError(f"internal error: unknown hold token {token}")
 
     def _release_reservation(self, token: int, *, finalizing: bool = False) -> None:
-        self._release_token(partial(self._apply_reservation_release, token, finalizing), finalizing)
+        released = self._release_now(2, token)
+        if released is None:
+            self._release_token(
+                partial(self._apply_reservation_release, token, finalizing), finalizing
+            )
+            return
+        self._labels.pop(token, None)
+        if not released and not (finalizing or self._core.closed):
+            raise RuntimeError(f"internal error: unknown reservation token {token}")
 
     def _apply_reservation_release(self, token: int, missing_ok: bool) -> None:
         self._labels.pop(token, None)

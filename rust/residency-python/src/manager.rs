@@ -409,6 +409,21 @@ impl CoreManager {
         self.core.pending_lease_tokens()
     }
 
+    /// Releases a lifetime token (0 lease, 1 hold, 2 reservation) in one call if the
+    /// gate is free: `None` when another thread holds it (take the waiting path).
+    fn release_now(&self, py: Python<'_>, kind: u8, token: u64) -> PyResult<Option<bool>> {
+        if !Self::lift(py, self.core.try_enter(false, true))? {
+            return Ok(None);
+        }
+        let released = match kind {
+            0 => self.core.release_lease(token),
+            1 => self.core.release_hold(token),
+            _ => self.core.release_reservation(token),
+        };
+        self.core.exit();
+        Ok(Some(released))
+    }
+
     fn release_hold(&self, token: u64) -> bool {
         self.core.release_hold(token)
     }
