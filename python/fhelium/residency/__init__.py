@@ -16,7 +16,7 @@ from fhelium.residency.location import (
     ResidencyLocationKind,
     cuda_location,
 )
-from fhelium.residency.manager import ResidencyManager
+from fhelium.residency.manager import ResidencyManager, ResidencyScope
 from fhelium.residency.model import (
     Recoverability,
     ReplicaMode,
@@ -87,6 +87,7 @@ __all__ = [
     "ResidencyRequirement",
     "ResidencyReservation",
     "ResidencyReservationSnapshot",
+    "ResidencyScope",
     "ResidencySnapshot",
     "ResidencySource",
     "ResidencyTransitionReport",

@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fhelium import _core
 
 if TYPE_CHECKING:
     from fhelium.residency.location import ResidencyLocation
     from fhelium.residency.model import ResidencyHandle
-    from fhelium.residency.plan import ResidencyAction, ResidencyPlan
+    from fhelium.residency.plan import MemoryReservation, ResidencyAction, ResidencyPlan
 
-__all__ = ["U64_MAX", "diagnostic_text", "location_code", "lower_plan", "saturate", "type_key"]
+__all__ = [
+    "U64_MAX",
+    "LoweredPlan",
+    "diagnostic_text",
+    "location_code",
+    "lower_actions",
+    "lower_plan",
+    "saturate",
+    "type_key",
+]
 
 _ENSURE, _MOVE, _DROP, _DISCARD = 0, 1, 2, 3
 _NO_LOCATION = -1
@@ -95,12 +104,34 @@ def _encode_actions(
     return encoded
 
 
-def lower_plan(plan: ResidencyPlan) -> _core.PlanIR:
+class LoweredPlan(NamedTuple):
+    """A plan's core IR and its handle table (slot order: first appearance)."""
+
+    ir: _core.PlanIR
+    handles: tuple[ResidencyHandle[Any], ...]
+
+
+def lower_actions(name: str, actions: Iterable[ResidencyAction]) -> LoweredPlan:
+    """Lowers `execute_actions`' single phase (kept in the IR's enter phase)."""
+    return _lower(name, (), actions, (), ())
+
+
+def lower_plan(plan: ResidencyPlan) -> LoweredPlan:
     """Lowers a validated plan in one call into the core."""
+    return _lower(plan.name, plan.reclaim, plan.enter, plan.exit, plan.reservations)
+
+
+def _lower(
+    name: str,
+    reclaim_actions: Iterable[ResidencyAction],
+    enter_actions: Iterable[ResidencyAction],
+    exit_actions: Iterable[ResidencyAction],
+    plan_reservations: Iterable[MemoryReservation],
+) -> LoweredPlan:
     slots: dict[ResidencyHandle[Any], int] = {}
-    reclaim = _encode_actions(plan.reclaim, slots)
-    enter = _encode_actions(plan.enter, slots)
-    exit_ = _encode_actions(plan.exit, slots)
+    reclaim = _encode_actions(reclaim_actions, slots)
+    enter = _encode_actions(enter_actions, slots)
+    exit_ = _encode_actions(exit_actions, slots)
     handles = [
         (
             diagnostic_text(handle.manager_id),
@@ -115,8 +146,7 @@ def lower_plan(plan: ResidencyPlan) -> _core.PlanIR:
             saturate(reservation.nbytes),
             diagnostic_text(reservation.label),
         )
-        for reservation in plan.reservations
+        for reservation in plan_reservations
     ]
-    return _core.lower_plan(
-        diagnostic_text(plan.name), handles, reclaim, enter, exit_, reservations
-    )
+    ir = _core.lower_plan(diagnostic_text(name), handles, reclaim, enter, exit_, reservations)
+    return LoweredPlan(ir, tuple(slots))

@@ -27,7 +27,8 @@ from fhelium.errors import (
     ResidencyReentrancyError,
     ResidencyUnavailableError,
 )
-from fhelium.residency import _lowering
+from fhelium.residency import _lowering, _plans
+from fhelium.residency._plans import ResidencyScope
 from fhelium.residency._records import trusted_builder
 from fhelium.residency._runtime import DeviceRuntime, ValueFacts, current_runtime
 from fhelium.residency.lease import (
@@ -49,12 +50,16 @@ from fhelium.residency.plan import (
     DiscardValue,
     DropResident,
     EnsureResident,
+    MemoryReservation,
     MoveResident,
     ResidencyAction,
+    ResidencyPlan,
 )
 from fhelium.residency.snapshot import (
     MaterializationSnapshot,
     ResidencyLocationSnapshot,
+    ResidencyPlanExplanation,
+    ResidencyPlanReport,
     ResidencyReservationSnapshot,
     ResidencySnapshot,
     ResidencyTransitionReport,
@@ -62,7 +67,7 @@ from fhelium.residency.snapshot import (
 )
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["ResidencyManager"]
+__all__ = ["ResidencyManager", "ResidencyScope"]
 
 ValueT = TypeVar("ValueT", bound=TensorResident)
 
@@ -754,7 +759,78 @@ class ResidencyManager:
         except Exception:
             return None, None
 
-    # ------------------------------------------------------------------ lifetimes
+    # ------------------------------------------------------------------ plans
+
+    def execute_actions(
+        self,
+        actions: Iterable[ResidencyAction],
+        *,
+        name: str = "residency-actions",
+        transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
+        expected_state_version: int | None = None,
+    ) -> ResidencyPlanReport:
+        """Preflight, then run one ordered action sequence (contract 5.2).
+
+        Infeasible sequences raise `ResidencyPlanError` before anything runs. A
+        runtime failure raises `ResidencyPlanExecutionError` carrying the committed
+        prefix: execution is not transactional.
+        """
+        return _plans.execute_actions(
+            self,
+            actions,
+            name=name,
+            transfer_streams=transfer_streams,
+            expected_state_version=expected_state_version,
+        )
+
+    def explain(
+        self, plan: ResidencyPlan, *, expected_state_version: int | None = None
+    ) -> ResidencyPlanExplanation:
+        """Simulate `plan` without executing it (contract 5.3); never raises for an
+        infeasible plan, and changes nothing."""
+        return _plans.explain(self, plan, expected_state_version=expected_state_version)
+
+    def scope(
+        self,
+        plan: ResidencyPlan,
+        *,
+        transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
+        expected_state_version: int | None = None,
+    ) -> ResidencyScope:
+        """A single-use scope for `plan`; nothing happens until it is entered."""
+        if not isinstance(plan, ResidencyPlan):
+            raise TypeError(f"plan must be a ResidencyPlan, got {type(plan).__name__}")
+        return ResidencyScope(
+            self,
+            plan,
+            transfer_streams=transfer_streams,
+            expected_state_version=expected_state_version,
+        )
+
+    def _reserve_locked(self, reservation: MemoryReservation) -> int:
+        """Admits a plan reservation exactly like `reserve`; the caller holds the gate."""
+        code = self._location_code(reservation.location)
+        label = reservation.label
+        token = self._core.reserve(
+            code,
+            _byte_count(reservation.nbytes, "nbytes"),
+            _lowering.diagnostic_text(label),
+        )
+        self._labels[token] = label
+        return token
+
+    def _completed_pending_leases(self) -> list[int]:
+        """Pending leases whose events all report complete (explain's protection
+        rule); a query that raises keeps its lease protecting."""
+        query = self._runtime.event_query
+        completed = []
+        for token, events in self._pending_events.items():
+            try:
+                if all(query(event) for event in events):
+                    completed.append(token)
+            except Exception:
+                continue
+        return completed
 
     def acquire(
         self,

@@ -121,7 +121,7 @@ class _LoweredPlanSlot:
     # equality, hashing, repr or pickling.
     __slots__ = ("_ir",)
 
-    _ir: object
+    _ir: _lowering.LoweredPlan
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -165,7 +165,7 @@ class ResidencyPlan(_LoweredPlanSlot):
         object.__setattr__(self, "reclaim", reclaim_actions)
         object.__setattr__(self, "_ir", _lowering.lower_plan(self))
 
-    def _lowered(self) -> object:
+    def _lowered(self) -> _lowering.LoweredPlan:
         """The core IR of this plan, lowered again if unpickling dropped it."""
         try:
             return self._ir

@@ -10,6 +10,7 @@ pub mod gate;
 pub mod location;
 pub mod manager;
 pub mod plan;
+pub mod simulate;
 pub mod state;
 pub mod value;
 
@@ -17,5 +18,6 @@ pub use error::{CoreError, CoreResult, PlanPhase};
 pub use location::{Location, MAX_CUDA_INDEX};
 pub use manager::{EnsurePlan, Manager, MovePlan, OpenLifetimes, StorageKey};
 pub use plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
+pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
 pub use value::{Recoverability, ReplicaMode, ValueSpec};

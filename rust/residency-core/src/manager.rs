@@ -16,6 +16,8 @@ use arc_swap::ArcSwap;
 use crate::error::{CoreError, CoreResult};
 use crate::gate::Gate;
 use crate::location::Location;
+use crate::plan::Plan;
+use crate::simulate::{self, CompletedPending, CudaDevices, Simulation, SlotResolution};
 use crate::state::{HandleId, ReservationRecord, State, TokenKind, ValueRecord};
 use crate::value::{Recoverability, ValueSpec};
 
@@ -1006,6 +1008,29 @@ impl Manager {
         state.bump();
         inner.dirty = true;
         Ok(())
+    }
+
+    /// Simulates a plan over the working state (preflight and `explain`). Leases in
+    /// `completed_leases` are pending leases whose events all completed: they no
+    /// longer protect (explain's rule; preflight reaps them first instead).
+    pub fn simulate(
+        &self,
+        plan: &Plan,
+        resolutions: &[SlotResolution],
+        cuda: CudaDevices,
+        completed_leases: &[u64],
+        labels: &[String],
+    ) -> Simulation {
+        let inner = self.inner();
+        let mut completed = CompletedPending::new();
+        for token in completed_leases {
+            if let Some(lease) = inner.leases.get(token).filter(|lease| lease.pending) {
+                for &handle in &lease.handles {
+                    *completed.entry((handle, lease.location)).or_default() += 1;
+                }
+            }
+        }
+        simulate::simulate(&inner.state, plan, resolutions, cuda, &completed, labels)
     }
 
     /// Checks the balance invariants of the working state (tests, debug builds).

@@ -17,6 +17,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<plan::PlanIr>()?;
     module.add_class::<manager::CoreManager>()?;
     module.add_class::<manager::StateView>()?;
+    module.add_class::<manager::SimulationView>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;
     module.add_function(wrap_pyfunction!(errors::error_table_probe, module)?)?;

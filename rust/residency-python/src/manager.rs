@@ -13,10 +13,14 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use residency_core::gate::DEFAULT_POLL;
+use std::collections::HashMap;
+
 use residency_core::{
-    CoreError, EnsurePlan, HandleId, Location, Manager, MovePlan, Recoverability, ReplicaMode,
-    State, StorageKey, ValueSpec,
+    CoreError, CudaDevices, EnsurePlan, HandleId, Location, Manager, MovePlan, Recoverability,
+    ReplicaMode, Simulation, SlotResolution, State, StorageKey, ValueSpec,
 };
+
+use crate::plan::PlanIr;
 
 use crate::errors::to_py_err;
 
@@ -447,6 +451,40 @@ impl CoreManager {
         )
     }
 
+    /// Simulates a lowered plan (preflight and `explain`). `resolutions[slot]` is the
+    /// handle index or -1, with the handle error's message in `errors[slot]`;
+    /// `cuda_count` is -1 without CUDA.
+    #[allow(clippy::too_many_arguments)]
+    fn simulate(
+        &self,
+        py: Python<'_>,
+        plan: &PlanIr,
+        resolutions: Vec<i64>,
+        errors: HashMap<usize, String>,
+        cuda_count: i64,
+        completed_leases: Vec<u64>,
+        labels: Vec<String>,
+    ) -> SimulationView {
+        let slots: Vec<SlotResolution> = resolutions
+            .iter()
+            .enumerate()
+            .map(|(slot, &index)| match HandleId::try_from(index) {
+                Ok(handle) => Ok(handle),
+                Err(_) => Err(errors
+                    .get(&slot)
+                    .cloned()
+                    .unwrap_or_else(|| "unknown handle".to_owned())),
+            })
+            .collect();
+        let cuda = u32::try_from(cuda_count).map_or(CudaDevices::Unavailable, CudaDevices::Count);
+        let core = Arc::clone(&self.core);
+        let plan = Arc::clone(plan.plan());
+        // Pure computation over the core's state: other threads may run meanwhile.
+        let simulation =
+            py.detach(move || core.simulate(&plan, &slots, cuda, &completed_leases, &labels));
+        SimulationView { simulation }
+    }
+
     fn close(&self, py: Python<'_>, force: bool) -> PyResult<()> {
         Self::lift(py, self.core.close(force))
     }
@@ -569,5 +607,65 @@ impl StateView {
     /// `None` when every location's books balance, else the first imbalance.
     fn check_books(&self) -> Option<String> {
         self.state.books_balance().err()
+    }
+}
+
+/// The result of one simulation. Per-action rows are produced only when asked for,
+/// so an `explain` whose caller reads only `feasible` builds no per-action objects.
+#[pyclass(frozen, module = "fhelium._core", name = "SimulationView")]
+#[derive(Debug)]
+pub struct SimulationView {
+    simulation: Simulation,
+}
+
+fn optional_code(location: Option<Location>) -> i64 {
+    location.map_or(-1, |location| i64::from(location.code()))
+}
+
+#[pymethods]
+impl SimulationView {
+    #[getter]
+    fn feasible(&self) -> bool {
+        self.simulation.feasible
+    }
+
+    #[getter]
+    fn reason(&self) -> Option<&str> {
+        self.simulation.reason.as_deref()
+    }
+
+    #[getter]
+    fn action_count(&self) -> usize {
+        self.simulation.actions.len()
+    }
+
+    /// `(code, peak_bytes)` per simulated location, in the contract's order.
+    fn peaks(&self) -> Vec<(u32, u64)> {
+        self.simulation
+            .peaks
+            .iter()
+            .map(|(location, peak)| (location.code(), *peak))
+            .collect()
+    }
+
+    /// Per action: `(executable, no_op, source|-1, destination|-1, logical, storage,
+    /// reason|None)`.
+    #[allow(clippy::type_complexity)]
+    fn rows(&self) -> Vec<(bool, bool, i64, i64, u64, u64, Option<String>)> {
+        self.simulation
+            .actions
+            .iter()
+            .map(|outcome| {
+                (
+                    outcome.executable,
+                    outcome.no_op,
+                    optional_code(outcome.source),
+                    optional_code(outcome.destination),
+                    outcome.logical_nbytes,
+                    outcome.storage_nbytes,
+                    outcome.reason.clone(),
+                )
+            })
+            .collect()
     }
 }

@@ -62,7 +62,6 @@ pub struct PlanIr {
 }
 
 impl PlanIr {
-    #[allow(dead_code)] // The manager consumes plans from the next issue on.
     pub fn plan(&self) -> &Arc<Plan> {
         &self.plan
     }
