@@ -36,6 +36,7 @@ __all__ = [
     "check_execution_error",
     "check_report",
     "fault_rt_fixture",
+    "no_reserved_bytes",
     "raises_exec",
     "shape",
 ]

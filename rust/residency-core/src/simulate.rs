@@ -59,28 +59,74 @@ struct Books {
     peak: u64,
 }
 
-#[derive(Debug, Clone)]
+/// A set of locations as a bitset over their codes. Code order is the canonical
+/// order, so the lowest set bit is the canonical first location; no allocation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct LocationSet([u64; 3]);
+
+impl LocationSet {
+    fn bit(location: Location) -> (usize, u64) {
+        let code = location.code() as usize;
+        (code / 64, 1u64 << (code % 64))
+    }
+
+    fn contains(self, location: Location) -> bool {
+        let (word, mask) = Self::bit(location);
+        self.0[word] & mask != 0
+    }
+
+    fn insert(&mut self, location: Location) {
+        let (word, mask) = Self::bit(location);
+        self.0[word] |= mask;
+    }
+
+    fn remove(&mut self, location: Location) {
+        let (word, mask) = Self::bit(location);
+        self.0[word] &= !mask;
+    }
+
+    fn len(self) -> u32 {
+        self.0.iter().map(|word| word.count_ones()).sum()
+    }
+
+    fn is_empty(self) -> bool {
+        self.0 == [0; 3]
+    }
+
+    /// Locations in canonical order.
+    fn iter(self) -> impl Iterator<Item = Location> {
+        (0u32..192)
+            .filter(move |&code| self.0[code as usize / 64] & (1u64 << (code % 64)) != 0)
+            .filter_map(|code| Location::from_code(code).ok())
+    }
+
+    fn first(self) -> Option<Location> {
+        (0u32..).zip(self.0).find_map(|(word, bits)| {
+            (bits != 0).then(|| {
+                Location::from_code(word * 64 + bits.trailing_zeros())
+                    .unwrap_or(Location::PageableHost)
+            })
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
 struct SlotState {
-    /// Materialisation locations in canonical order.
-    at: Vec<Location>,
+    at: LocationSet,
     discarded: bool,
 }
 
 impl SlotState {
     fn contains(&self, location: Location) -> bool {
-        self.at.binary_search(&location).is_ok()
+        self.at.contains(location)
     }
 
     fn insert(&mut self, location: Location) {
-        if let Err(position) = self.at.binary_search(&location) {
-            self.at.insert(position, location);
-        }
+        self.at.insert(location);
     }
 
     fn remove(&mut self, location: Location) {
-        if let Ok(position) = self.at.binary_search(&location) {
-            self.at.remove(position);
-        }
+        self.at.remove(location);
     }
 }
 
@@ -245,16 +291,10 @@ impl<'a> Simulator<'a> {
 
     fn slot_state(&mut self, slot: usize, handle: HandleId) -> &mut SlotState {
         if self.slots[slot].is_none() {
-            let at = {
-                let mut at: Vec<Location> = self
-                    .record(handle)
-                    .materializations
-                    .iter()
-                    .map(|materialization| materialization.location)
-                    .collect();
-                at.sort_unstable();
-                at
-            };
+            let mut at = LocationSet::default();
+            for materialization in &self.record(handle).materializations {
+                at.insert(materialization.location);
+            }
             self.slots[slot] = Some(SlotState {
                 at,
                 discarded: false,
@@ -353,22 +393,23 @@ impl<'a> Simulator<'a> {
         outcome: &mut ActionOutcome,
     ) -> Result<(), String> {
         self.prepare(destination)?;
-        let state = self.slot_state(slot, handle).clone();
+        let state = self.slot_state(slot, handle);
         if state.contains(destination) {
             Self::no_op(outcome, "destination already resident");
             return Ok(());
         }
+        let first = state.at.first();
         let record = self.record(handle);
-        if record.spec.is_exclusive() && !state.at.is_empty() {
+        if record.spec.is_exclusive() && first.is_some() {
             return Err("EnsureResident would replicate an EXCLUSIVE value".to_owned());
         }
-        let source = match (state.at.first(), record.source) {
-            (Some(&first), _) => first,
+        let source = match (first, record.source) {
+            (Some(first), _) => first,
             (None, Some(source_location)) => source_location,
             (None, None) => return Err("value has no materialization or source".to_owned()),
         };
         outcome.source = Some(source);
-        if state.at.is_empty() {
+        if first.is_none() {
             self.add(slot, source, charge, true)?;
         }
         self.add(slot, destination, charge, false)
@@ -384,7 +425,7 @@ impl<'a> Simulator<'a> {
         outcome: &mut ActionOutcome,
     ) -> Result<(), String> {
         self.prepare(to)?;
-        let state = self.slot_state(slot, handle).clone();
+        let state = *self.slot_state(slot, handle);
         let source = match from {
             Some(explicit) => {
                 self.prepare(explicit)?;
@@ -393,9 +434,7 @@ impl<'a> Simulator<'a> {
                 }
                 Some(explicit)
             }
-            None if !state.at.is_empty() => {
-                state.at.iter().copied().find(|&location| location != to)
-            }
+            None if !state.at.is_empty() => state.at.iter().find(|&location| location != to),
             None => self.record(handle).source,
         };
         outcome.source = source;
@@ -444,15 +483,16 @@ impl<'a> Simulator<'a> {
         outcome: &mut ActionOutcome,
     ) -> Result<(), String> {
         self.prepare(location)?;
-        let state = self.slot_state(slot, handle).clone();
+        let state = self.slot_state(slot, handle);
         if !state.contains(location) {
             Self::no_op(outcome, "materialization already absent");
             return Ok(());
         }
+        let sole = state.at.len() == 1;
         if self.protected(handle, location) {
             return Err(format!("materialization at {location} is protected"));
         }
-        if state.at.len() == 1 && self.record(handle).source.is_none() {
+        if sole && self.record(handle).source.is_none() {
             return Err("cannot drop final MUST_PRESERVE materialization".to_owned());
         }
         self.remove(slot, location, charge);
@@ -460,11 +500,11 @@ impl<'a> Simulator<'a> {
     }
 
     fn discard(&mut self, slot: usize, handle: HandleId, charge: u64) -> Result<(), String> {
-        let state = self.slot_state(slot, handle).clone();
+        let state = *self.slot_state(slot, handle);
         let protected: Vec<String> = state
             .at
             .iter()
-            .filter(|&&location| self.protected(handle, location))
+            .filter(|&location| self.protected(handle, location))
             .map(|location| py_repr(&location.name()))
             .collect();
         if !protected.is_empty() {
@@ -473,7 +513,7 @@ impl<'a> Simulator<'a> {
                 protected.join(", ")
             ));
         }
-        for &location in &state.at {
+        for location in state.at.iter() {
             self.remove(slot, location, charge);
         }
         if let Some(state) = self.slots[slot].as_mut() {

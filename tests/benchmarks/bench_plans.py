@@ -1,0 +1,103 @@
+"""Plan benchmarks: `explain` of a 20k-action plan over 10k values, and preflight plus
+execution of 10k ensure/drop actions on the host, net of the sources' own loads.
+
+Run: python tests/benchmarks/bench_plans.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from fhelium.residency import (
+    PAGEABLE_HOST,
+    DropResident,
+    EnsureResident,
+    Recoverability,
+    ReplicaMode,
+    ResidencyManager,
+    ResidencyPlan,
+    ResidencyValueSpec,
+)
+from fhelium.values import ResidentTensor
+
+SPEC = ResidencyValueSpec(
+    ResidentTensor, 32, 32, ReplicaMode.REPLICABLE, Recoverability.RECONSTRUCTIBLE
+)
+
+
+class CachedSource:
+    """Returns one host value: the load itself costs next to nothing."""
+
+    def __init__(self) -> None:
+        self.value = ResidentTensor(torch.zeros(8))
+
+    def load(self) -> ResidentTensor:
+        return self.value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    repeats = 3 if args.quick else 7
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cpus; python {platform.python_version()}"
+    )
+    print(f"torch {torch.__version__}; medians of {repeats} repeats\n")
+
+    manager = ResidencyManager()
+    handles = [manager.register_source(SPEC, CachedSource()) for _ in range(10_000)]
+    plan = ResidencyPlan(
+        "explain-20k",
+        enter=[EnsureResident(handle, PAGEABLE_HOST) for handle in handles],
+        exit=[DropResident(handle, PAGEABLE_HOST) for handle in handles],
+    )
+    explain_ms = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        explanation = manager.explain(plan)
+        explain_ms.append((time.perf_counter() - started) * 1e3)
+    assert explanation.feasible
+    build_started = time.perf_counter()
+    assert len(explanation.actions) == 20_000
+    build_ms = (time.perf_counter() - build_started) * 1e3
+
+    # 10k actions: ensure 5k values from their sources, then drop them again.
+    count = 5_000
+    runners = [manager.register_source(SPEC, CachedSource()) for _ in range(count)]
+    actions = [EnsureResident(handle, PAGEABLE_HOST) for handle in runners] + [
+        DropResident(handle, PAGEABLE_HOST) for handle in runners
+    ]
+    per_action = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        manager.execute_actions(actions)
+        per_action.append((time.perf_counter() - started) / len(actions) * 1e6)
+
+    rows = [
+        ("explain, 20k actions over 10k values (ms)", statistics.median(explain_ms), 4.0),
+        ("  then building its 20k action records (ms)", build_ms, None),
+        (
+            "preflight + execution, 10k ensure/drop actions (us/action)",
+            statistics.median(per_action),
+            4.0,
+        ),
+    ]
+    width = max(len(name) for name, _, _ in rows)
+    for name, measured, target in rows:
+        if target is None:
+            print(f"{name:<{width}}  {measured:8.2f}")
+        else:
+            verdict = "ok" if measured <= target else "OVER"
+            print(f"{name:<{width}}  {measured:8.2f}   target <= {target:g}   {verdict}")
+    manager.close()
+
+
+if __name__ == "__main__":
+    main()
