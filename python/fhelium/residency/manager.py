@@ -651,7 +651,10 @@ class ResidencyManager:
         core = self._core
         charged = True
         try:
-            value, facts = self._validate(index, source_code, loaded)
+            # Installing where it was loaded, the core's install checks the bytes itself.
+            value, facts = self._validate(
+                index, source_code, loaded, check_bytes=source_code != code
+            )
             if source_code == code:
                 charged = False  # install_loaded returns it just before installing
                 core.install_loaded(
