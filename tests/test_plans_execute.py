@@ -56,6 +56,7 @@ from manager_support import (
     foreign_handle,
     fresh,
     mat_locs,
+    run_with_timeout,
     sim_fixture,  # noqa: F401
     spec,
     state_key,
@@ -883,3 +884,172 @@ def test_failed_execution_advances_only_for_the_committed_prefix(sim: Any) -> No
     # cuda:0 registered + install for action 0; the failed reconstruction registers nothing.
     assert manager.state_version == before + 2
     assert CUDA1 not in manager.locations
+
+
+# --------------------------------------------------------------------------------------------
+# Action subclasses are actions (2.3, 5.2 step 1: element checks are isinstance checks)
+# --------------------------------------------------------------------------------------------
+
+
+class _SubEnsure(EnsureResident):  # type: ignore[type-arg]
+    __slots__ = ()
+
+
+class _SubMove(MoveResident):  # type: ignore[type-arg]
+    __slots__ = ()
+
+
+class _SubDrop(DropResident):  # type: ignore[type-arg]
+    __slots__ = ()
+
+
+class _SubDiscard(DiscardValue):  # type: ignore[type-arg]
+    __slots__ = ()
+
+
+def _subclass_cases(a: Any) -> dict[str, tuple[Any, Any]]:
+    return {
+        "ensure": (_SubEnsure(a, CUDA0), EnsureResident(a, CUDA0)),
+        "move": (_SubMove(a, CUDA0), MoveResident(a, CUDA0)),
+        "drop": (_SubDrop(a, PINNED_HOST), DropResident(a, PINNED_HOST)),
+        "discard": (_SubDiscard(a), DiscardValue(a)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["ensure", "move", "drop", "discard"])
+def test_action_subclasses_execute_like_their_base_class(sim: Any, kind: str) -> None:
+    """A subclass instance is accepted by the isinstance checks, so it must do what its
+    base action does (never something else, such as discarding the value)."""
+    results = []
+    for use_subclass in (True, False):
+        manager = ResidencyManager()
+        a = manager.adopt(tensor_value(), replica_mode=REPLICABLE)
+        manager.ensure(a, PINNED_HOST)
+        action = _subclass_cases(a)[kind][0 if use_subclass else 1]
+        s0 = stream(sim, 0)
+        report = manager.execute_actions([action], transfer_streams={CUDA0: s0})
+        assert report.transitions[0].action is action
+        snap = manager.snapshot()
+        results.append(
+            (
+                mat_locs(snap, a),
+                val_snap(snap, a).discarded,
+                snap.state_version,
+                report.transitions[0].no_op,
+                report.transitions[0].source,
+                report.transitions[0].destination,
+            )
+        )
+        if kind in ("ensure", "move"):
+            assert sim.copies[-1].stream is s0
+    assert results[0] == results[1]
+
+
+def test_action_subclasses_in_scopes_and_explain(sim: Any) -> None:
+    manager = ResidencyManager()
+    a = manager.adopt(tensor_value(), replica_mode=REPLICABLE)
+    plan = ResidencyPlan("sub", enter=[_SubEnsure(a, CUDA0)], exit=[_SubDrop(a, CUDA0)])
+    explanation = manager.explain(plan)
+    assert explanation.feasible is True
+    assert [r.destination for r in explanation.actions] == [CUDA0, None]
+    with manager.scope(plan):
+        assert mat_locs(manager.snapshot(), a) == (PAGEABLE_HOST, CUDA0)
+    assert mat_locs(manager.snapshot(), a) == (PAGEABLE_HOST,)
+    assert val_snap(manager.snapshot(), a).discarded is False
+
+
+# --------------------------------------------------------------------------------------------
+# Plan transitions are the primitives' transitions (3.6, 6.5); other threads during a plan
+# --------------------------------------------------------------------------------------------
+
+
+def _comparable(report: Any) -> tuple[Any, ...]:
+    return (
+        report.no_op,
+        report.source,
+        report.destination,
+        report.logical_nbytes,
+        report.storage_nbytes,
+        report.allocator_device,
+        report.reason,
+        report.allocator_allocated_bytes_before is None,
+        report.allocator_allocated_bytes_after is None,
+    )
+
+
+def test_plan_transitions_match_direct_primitive_reports(sim: Any) -> None:
+    def world(manager: ResidencyManager) -> list[Any]:
+        a = manager.adopt(tensor_value(), replica_mode=REPLICABLE)
+        r = manager.register_source(spec(3), ControlledSource())
+        return [
+            EnsureResident(a, CUDA0),
+            EnsureResident(a, CUDA0),
+            MoveResident(a, CUDA1, from_location=CUDA0),
+            MoveResident(a, PINNED_HOST),
+            EnsureResident(r, CUDA0),
+            DropResident(a, CUDA1),
+            DropResident(a, CUDA1),
+            DiscardValue(r),
+        ]
+
+    planned = ResidencyManager()
+    report = planned.execute_actions(world(planned))
+    direct = ResidencyManager()
+    reports = []
+    for action in world(direct):
+        if isinstance(action, EnsureResident):
+            reports.append(direct.ensure(action.handle, action.location))
+        elif isinstance(action, MoveResident):
+            reports.append(
+                direct.move(action.handle, action.to, from_location=action.from_location)
+            )
+        elif isinstance(action, DropResident):
+            reports.append(direct.drop(action.handle, action.location))
+        else:
+            reports.append(direct.discard(action.handle))
+    assert [_comparable(t) for t in report.transitions] == [_comparable(t) for t in reports]
+    assert report.transitions[0].allocator_device == torch.device("cuda", 0)
+    assert report.transitions[2].allocator_device == torch.device("cuda", 1)
+
+
+def test_other_threads_fail_fast_while_a_plan_runs_a_source_callback(sim: Any) -> None:
+    import threading
+
+    manager = ResidencyManager()
+    a = manager.adopt(tensor_value(), replica_mode=REPLICABLE)
+    in_load = threading.Event()
+    proceed = threading.Event()
+    source = ControlledSource()
+
+    def block() -> None:
+        in_load.set()
+        if not proceed.wait(10):
+            raise TimeoutError("never released")
+
+    source.hook = block
+    r = manager.register_source(spec(3), source)
+    outcome: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: outcome.append(
+            capture(lambda: manager.execute_actions([EnsureResident(r, CUDA0)]))
+        ),
+        daemon=True,
+    )
+    worker.start()
+    try:
+        assert in_load.wait(10)
+        plan = ResidencyPlan("other", enter=[EnsureResident(a, CUDA1)])
+        for call in (
+            lambda: manager.execute_actions([EnsureResident(a, CUDA1)]),
+            lambda: manager.explain(plan),
+            lambda: manager.scope(plan).__enter__(),
+        ):
+            with pytest.raises(ResidencyReentrancyError):
+                run_with_timeout(call, 5.0)
+    finally:
+        proceed.set()
+        worker.join(10)
+    assert not worker.is_alive()
+    assert outcome == [None]
+    assert mat_locs(manager.snapshot(), r) == (CUDA0,)
+    assert mat_locs(manager.snapshot(), a) == (PAGEABLE_HOST,)

@@ -43,6 +43,7 @@ from manager_support import (
     EXCLUSIVE,
     MOVE_NOOP,
     REPLICABLE,
+    Other,
     Source,
     capture,
     foreign_handle,
@@ -489,7 +490,9 @@ def test_handle_lookup_failures(sim: Any) -> None:
     manager.discard(gone)
     unknown = ResidencyHandle(manager.manager_id, str(uuid.uuid4()), ResidentTensor)
     foreign = foreign_handle()
+    retyped = ResidencyHandle(a.manager_id, a.handle_id, Other)  # same ids, other value type
     cases = [
+        (EnsureResident(retyped, CUDA0), lambda: manager.ensure(retyped, CUDA0)),
         (EnsureResident(foreign, CUDA0), lambda: manager.ensure(foreign, CUDA0)),
         (DropResident(unknown, CUDA0), lambda: manager.drop(unknown, CUDA0)),
         (MoveResident(gone, CUDA0), lambda: manager.move(gone, CUDA0)),
@@ -776,3 +779,39 @@ def test_budgets_are_compared_to_the_total_including_the_temporary_charge(sim: A
     assert explanation.actions[0].source == PAGEABLE_HOST
     assert explanation.actions[0].destination == CUDA0
     assert dict(explanation.predicted_peak_bytes)[PAGEABLE_HOST] == 24
+
+
+def test_explanation_is_a_frozen_record(sim: Any) -> None:
+    """Section 0: equality, hash, repr, pickling and immutability of the returned record."""
+    import dataclasses
+    import pickle
+
+    manager = ResidencyManager()
+    a = manager.adopt(tensor_value(), replica_mode=REPLICABLE)
+    plan = ResidencyPlan(
+        "rec", reservations=[MemoryReservation(CUDA1, 2, "w")], enter=[EnsureResident(a, CUDA0)]
+    )
+    explanation = manager.explain(plan)
+    assert isinstance(explanation, ResidencyPlanExplanation)
+    plain = ResidencyPlanExplanation(
+        explanation.plan_name,
+        explanation.actions,
+        explanation.reservations,
+        explanation.predicted_peak_bytes,
+        explanation.feasible,
+        explanation.reason,
+    )
+    assert explanation == plain
+    assert plain == explanation
+    assert hash(explanation) == hash(plain)
+    assert repr(explanation) == repr(plain)
+    assert repr(explanation).startswith("ResidencyPlanExplanation(plan_name='rec', actions=(")
+    assert pickle.loads(pickle.dumps(explanation)) == plain
+    assert explanation == manager.explain(plan)
+    assert explanation != ResidencyPlanExplanation("other", (), (), (), True, None)
+    assert explanation != tuple(dataclasses.astuple(plain))
+    for name in ("plan_name", "actions", "feasible", "reason", "predicted_peak_bytes"):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(explanation, name, None)
+    assert isinstance(explanation.actions, tuple)
+    assert isinstance(explanation.actions[0], ResidencyActionExplanation)

@@ -87,9 +87,9 @@ def _streams(manager: ResidencyManager, transfer_streams: object) -> dict[Reside
 def _stream_for(action: ResidencyAction, streams: dict[ResidencyLocation, Any]) -> Any:
     if not streams:
         return None
-    if type(action) is EnsureResident:
+    if isinstance(action, EnsureResident):
         return streams.get(action.location)
-    if type(action) is MoveResident:
+    if isinstance(action, MoveResident):
         return streams.get(action.to)
     return None
 

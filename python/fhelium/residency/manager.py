@@ -142,6 +142,23 @@ def _normalize_handles(handles: object) -> tuple[ResidencyHandle[Any], ...]:
     return normalized
 
 
+_ENSURE, _MOVE, _DROP, _DISCARD = 0, 1, 2, 3
+_ACTION_KINDS: Final[dict[type, int]] = {
+    EnsureResident: _ENSURE,
+    MoveResident: _MOVE,
+    DropResident: _DROP,
+    DiscardValue: _DISCARD,
+}
+
+
+def _action_kind(action: object) -> int:
+    """The kind of an action whose class is a subclass of one of the four."""
+    for cls, kind in _ACTION_KINDS.items():
+        if isinstance(action, cls):
+            return kind
+    raise TypeError(f"not a residency action: {type(action).__name__}")
+
+
 def _location_code_of(location: ResidencyLocation) -> int:
     """The core code of a location already validated by the manager."""
     code = _HOST_CODES.get(location.kind)
@@ -516,10 +533,12 @@ class ResidencyManager:
         if index is None:
             index = self._resolve(action.handle)
         spec = self._specs[index]
-        action_type = type(action)
+        kind = _ACTION_KINDS.get(type(action))
+        if kind is None:
+            kind = _action_kind(action)
         device: torch.device | None = None
         before: tuple[int | None, int | None] = _NO_SAMPLE
-        if action_type is EnsureResident:
+        if kind == _ENSURE:
             location: ResidencyLocation = action.location  # type: ignore[union-attr]
             code = _HOST_CODES.get(location.kind)
             if code is None:
@@ -531,7 +550,7 @@ class ResidencyManager:
                 before = self._sample(device)
             no_op, source, reason = self._ensure(index, code, stream)
             destination: ResidencyLocation | None = location
-        elif action_type is MoveResident:
+        elif kind == _MOVE:
             move: MoveResident[Any] = action  # type: ignore[assignment]
             code = self._location_code(move.to)
             from_code = (
@@ -548,7 +567,7 @@ class ResidencyManager:
                 before = self._sample(device)
             no_op, source, reason = self._move(index, code, from_code, stream)
             destination = move.to
-        elif action_type is DropResident:
+        elif kind == _DROP:
             location = action.location  # type: ignore[union-attr]
             code = _HOST_CODES.get(location.kind)
             if code is None:
