@@ -85,8 +85,6 @@ def _streams(manager: ResidencyManager, transfer_streams: object) -> dict[Reside
 
 
 def _stream_for(action: ResidencyAction, streams: dict[ResidencyLocation, Any]) -> Any:
-    if not streams:
-        return None
     if isinstance(action, EnsureResident):
         return streams.get(action.location)
     if isinstance(action, MoveResident):
@@ -138,24 +136,38 @@ def _run_phase(
     transitions: list[ResidencyTransitionReport],
     started: int,
 ) -> None:
-    """Executes one phase in order; wraps a failure with the committed prefix."""
+    """Executes one phase in order; wraps a failure with the committed prefix.
+
+    The cyclic garbage collector is paused for the loop: a plan allocates a report per
+    action, and full collections triggered in the middle would scan the whole heap
+    repeatedly for nothing. It runs again, once, after the phase.
+    """
+    if not actions:
+        return
     execute = manager._execute
-    for index, action in enumerate(actions):
-        try:
-            transitions.append(execute(action, _stream_for(action, streams)))
-        except Exception as error:
-            raise _execution_error(
-                plan_name,
-                phase,
-                transitions,
-                started,
-                error,
-                failed_action=action,
-                failed_action_index=index,
-            ) from error
-        except BaseException as error:
-            _note_committed(error, plan_name, transitions)
-            raise
+    append = transitions.append
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for index, action in enumerate(actions):
+            try:
+                append(execute(action, _stream_for(action, streams) if streams else None))
+            except Exception as error:
+                raise _execution_error(
+                    plan_name,
+                    phase,
+                    transitions,
+                    started,
+                    error,
+                    failed_action=action,
+                    failed_action_index=index,
+                ) from error
+            except BaseException as error:
+                _note_committed(error, plan_name, transitions)
+                raise
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _execution_error(
