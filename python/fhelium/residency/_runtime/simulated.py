@@ -11,6 +11,7 @@ import collections
 import inspect
 import threading
 import weakref
+from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
@@ -175,9 +176,6 @@ class SimulatedRuntime:
         self._faults: dict[str, collections.deque[_Fault]] = {}
         self._default_streams = tuple(SimulatedStream(self, device) for device in self._devices)
         self.calls: collections.Counter[str] = collections.Counter()
-        # `calls` is a Counter (tests read it); its `+=` goes through Python-level code,
-        # so the hot path counts in this plain dict, which `calls` wraps.
-        self._counts: dict[str, int] = self.calls
         self.copies: list[SimulatedCopy] = []
 
     @property
@@ -236,12 +234,12 @@ class SimulatedRuntime:
     def _enter(self, name: str) -> None:
         """Count a seam call and raise an injected failure if one is due."""
         if not self._faults:
-            # The common case: counting only. The lock keeps counts exact under threads.
-            with self._lock:
-                self._counts[name] = self._counts.get(name, 0) + 1
+            # The common case: counting only. The C counting helper updates the Counter
+            # without running Python code in between, so counts stay exact under threads.
+            _count_elements(self.calls, (name,))
             return
         with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + 1
+            _count_elements(self.calls, (name,))
             queue = self._faults.get(name)
             if not queue:
                 return
