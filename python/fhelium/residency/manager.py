@@ -706,9 +706,9 @@ class ResidencyManager:
                 f"expected a {value_type.__name__} for value "
                 f"{self._handles[index].handle_id!r}, got {type(value).__name__}"
             )
-        resident = cast(TensorResident, value)
+        resident: TensorResident = value  # narrowed by the isinstance check above
         facts = self._runtime.measure(resident)
-        if (facts.device_code, facts.pinned) != _PLACEMENT[code]:
+        if (facts[1], facts[2]) != _PLACEMENT[code]:  # (device_code, pinned)
             self._check_placement(facts, _location_of(code), resident)
         if check_bytes:
             self._core.check_materialization(index, facts.logical_nbytes, facts.storage_nbytes)
