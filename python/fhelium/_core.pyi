@@ -143,6 +143,17 @@ class CoreManager:
         completed_leases: list[int],
         labels: list[str],
     ) -> SimulationView: ...
+    def decide(
+        self,
+        requirements: list[tuple[int, int]],
+        reservations: list[tuple[int, int]],
+        limit: int,
+        native: tuple[
+            dict[int, tuple[int, str | None]], dict[int, int], list[tuple[int, list[int]]]
+        ]
+        | None = None,
+        python: tuple[Any, Any] | None = None,
+    ) -> tuple[Any, ...]: ...
     def close(self, force: bool) -> None: ...
 
 @final

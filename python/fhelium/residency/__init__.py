@@ -3,6 +3,12 @@
 Every public name is re-exported from the submodule that defines it.
 """
 
+from fhelium.residency.controller import (
+    ResidencyController,
+    ResidencyDecision,
+    ResidencyEviction,
+    ResidencyUse,
+)
 from fhelium.residency.lease import (
     BorrowedValues,
     ResidencyHold,
@@ -70,6 +76,9 @@ __all__ = [
     "ReplicaMode",
     "ResidencyAction",
     "ResidencyActionExplanation",
+    "ResidencyController",
+    "ResidencyDecision",
+    "ResidencyEviction",
     "ResidencyEvictionCandidate",
     "ResidencyHandle",
     "ResidencyHold",
@@ -91,6 +100,7 @@ __all__ = [
     "ResidencySnapshot",
     "ResidencySource",
     "ResidencyTransitionReport",
+    "ResidencyUse",
     "ResidencyValueSnapshot",
     "ResidencyValueSpec",
     "cuda_location",

@@ -10,13 +10,14 @@ pub mod gate;
 pub mod location;
 pub mod manager;
 pub mod plan;
+pub mod search;
 pub mod simulate;
 pub mod state;
 pub mod value;
 
 pub use error::{CoreError, CoreResult, PlanPhase};
 pub use location::{Location, MAX_CUDA_INDEX};
-pub use manager::{EnsurePlan, Manager, MovePlan, OpenLifetimes, StorageKey};
+pub use manager::{EnsurePlan, Manager, MovePlan, OpenLifetimes, SearchInputs, StorageKey};
 pub use plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};

@@ -17,6 +17,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::gate::Gate;
 use crate::location::Location;
 use crate::plan::Plan;
+use crate::search::{MatInfo, SearchValue};
 use crate::simulate::{self, CompletedPending, CudaDevices, Simulation, SlotResolution};
 use crate::state::{HandleId, ReservationRecord, State, TokenKind, ValueRecord};
 use crate::value::{Recoverability, ValueSpec};
@@ -63,6 +64,17 @@ struct LeaseRecord {
 struct HoldRecord {
     handles: Vec<HandleId>,
     location: Location,
+}
+
+/// Everything the controller's search reads from the manager.
+#[derive(Debug, Clone)]
+pub struct SearchInputs {
+    pub values: Vec<SearchValue>,
+    /// Handle index -> position in `values` (live handles only).
+    pub positions: HashMap<HandleId, usize>,
+    pub books: Vec<(Location, u64, u64)>,
+    pub budgets: std::collections::BTreeMap<Location, u64>,
+    pub version: u64,
 }
 
 /// How many lifetimes of each kind are still open (for `close`).
@@ -1031,6 +1043,57 @@ impl Manager {
             }
         }
         simulate::simulate(&inner.state, plan, resolutions, cuda, &completed, labels)
+    }
+
+    /// The controller's planning state (contract 7.3 step 4), read from the working
+    /// state: live values in registration order, the books, and the budgets.
+    pub fn search_inputs(&self) -> SearchInputs {
+        let inner = self.inner();
+        let state = &inner.state;
+        let mut values = Vec::new();
+        let mut positions = HashMap::new();
+        for (index, record) in state.values.iter().enumerate() {
+            if record.discarded {
+                continue;
+            }
+            let handle = HandleId::try_from(index).unwrap_or(HandleId::MAX);
+            let mut mats: Vec<MatInfo> = record
+                .materializations
+                .iter()
+                .map(|materialization| MatInfo {
+                    location: materialization.location,
+                    charged: materialization.charged_nbytes,
+                    use_count: materialization.use_count,
+                    hold_count: materialization.hold_count,
+                    pending_count: materialization.pending_count,
+                })
+                .collect();
+            mats.sort_by_key(|mat| mat.location);
+            positions.insert(handle, values.len());
+            values.push(SearchValue {
+                handle,
+                registration_index: handle,
+                charge: record.spec.storage_nbytes(),
+                exclusive: record.spec.is_exclusive(),
+                source: record.source,
+                mats,
+            });
+        }
+        SearchInputs {
+            values,
+            positions,
+            books: state
+                .locations
+                .iter()
+                .map(|books| (books.location, books.used_bytes, books.reserved_bytes))
+                .collect(),
+            budgets: state
+                .locations
+                .iter()
+                .filter_map(|books| books.budget_bytes.map(|budget| (books.location, budget)))
+                .collect(),
+            version: state.version,
+        }
     }
 
     /// Checks the balance invariants of the working state (tests, debug builds).

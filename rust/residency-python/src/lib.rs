@@ -7,6 +7,7 @@ mod errors;
 mod manager;
 mod measure;
 mod plan;
+mod search;
 
 use pyo3::prelude::*;
 

@@ -58,6 +58,10 @@ pub struct CoreManager {
 }
 
 impl CoreManager {
+    pub fn core(&self) -> &Arc<Manager> {
+        &self.core
+    }
+
     fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
         result.map_err(|err| to_py_err(py, err))
     }
@@ -483,6 +487,20 @@ impl CoreManager {
         let simulation =
             py.detach(move || core.simulate(&plan, &slots, cuda, &completed_leases, &labels));
         SimulationView { simulation }
+    }
+
+    /// The controller's search over the working state (see `search::decide`).
+    #[pyo3(signature = (requirements, reservations, limit, native=None, python=None))]
+    fn decide<'py>(
+        &self,
+        py: Python<'py>,
+        requirements: Vec<(u32, u32)>,
+        reservations: Vec<(u32, u64)>,
+        limit: u64,
+        native: Option<crate::search::NativeConfig>,
+        python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        crate::search::decide(py, self, requirements, reservations, limit, native, python)
     }
 
     fn close(&self, py: Python<'_>, force: bool) -> PyResult<()> {

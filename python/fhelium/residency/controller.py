@@ -1,0 +1,606 @@
+"""The controller: declarative requests decided by a bounded, deterministic search.
+
+`decide` reads the manager's state and asks the core's search which values to evict
+or spill, so the request fits; it changes nothing. `scope` runs a decision, `use`
+decides, runs and borrows in one context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from fhelium.errors import (
+    ResidencyHandleError,
+    ResidencyOwnershipError,
+    ResidencyPlanError,
+    ResidencySearchLimitError,
+    ResidencyStaleStateError,
+    ResidencyUnavailableError,
+)
+from fhelium.residency import _lowering
+from fhelium.residency._records import trusted_builder
+from fhelium.residency._validation import (
+    require_count,
+    require_instance,
+    require_non_empty_str,
+    require_strict_int,
+    seal,
+)
+from fhelium.residency.lease import BorrowedValues, ResidencyLease
+from fhelium.residency.location import ResidencyLocation
+from fhelium.residency.manager import ResidencyManager, ResidencyScope, _location_of
+from fhelium.residency.model import ReplicaMode, ResidencyHandle
+from fhelium.residency.plan import DropResident, EnsureResident, MoveResident, ResidencyPlan
+from fhelium.residency.policy import (
+    DeterministicTieredLRU,
+    ResidencyEvictionCandidate,
+    ResidencyPolicy,
+    ResidencyPolicyMetadata,
+)
+from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
+from fhelium.residency.snapshot import ResidencyPlanExplanation, ResidencyPlanReport
+from fhelium.values.tensor_resident import TensorResident
+
+__all__ = ["ResidencyController", "ResidencyDecision", "ResidencyEviction", "ResidencyUse"]
+
+_DEFAULT_METADATA: Final = ResidencyPolicyMetadata()
+_I64 = (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyEviction:
+    """One reclaim action the controller chose, and why."""
+
+    action: DropResident[Any] | MoveResident[Any]
+    rank: int
+    released_location: ResidencyLocation
+    released_nbytes: int
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.action, DropResident | MoveResident):
+            raise TypeError(
+                f"action must be a DropResident or MoveResident, got {type(self.action).__name__}"
+            )
+        require_count(self.rank, "rank")
+        require_instance(self.released_location, ResidencyLocation, "released_location")
+        require_count(self.released_nbytes, "released_nbytes")
+        require_non_empty_str(self.reason, "reason")
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class ResidencyDecision:
+    """A tensor-free, manager-bound decision: the plan, its evictions and evidence."""
+
+    manager_id: str
+    expected_state_version: int
+    explored_states: int
+    request: ResidencyRequest
+    plan: ResidencyPlan
+    policy_name: str
+    policy_config: tuple[tuple[str, object], ...]
+    evictions: tuple[ResidencyEviction, ...]
+    explanation: ResidencyPlanExplanation
+
+    def __init__(
+        self,
+        manager_id: str,
+        expected_state_version: int,
+        explored_states: int,
+        request: ResidencyRequest,
+        plan: ResidencyPlan,
+        policy_name: str,
+        policy_config: Any,
+        evictions: Any,
+        explanation: ResidencyPlanExplanation,
+    ) -> None:
+        require_non_empty_str(manager_id, "manager_id")
+        require_count(expected_state_version, "expected_state_version")
+        if require_strict_int(explored_states, "explored_states") <= 0:
+            raise ValueError(f"explored_states must be > 0, got {explored_states}")
+        require_instance(request, ResidencyRequest, "request")
+        require_instance(plan, ResidencyPlan, "plan")
+        require_non_empty_str(policy_name, "policy_name")
+        config = tuple(policy_config)
+        for item in config:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise TypeError(f"policy_config items must be 2-tuples, got {item!r}")
+            require_non_empty_str(item[0], "policy_config key")
+        chosen = tuple(evictions)
+        for eviction in chosen:
+            require_instance(eviction, ResidencyEviction, "evictions element")
+        require_instance(explanation, ResidencyPlanExplanation, "explanation")
+        if plan.name != request.name:
+            raise ValueError(f"plan name {plan.name!r} differs from request {request.name!r}")
+        if explanation.plan_name != plan.name:
+            raise ValueError("the explanation is of another plan")
+        if not explanation.feasible:
+            raise ValueError("a decision needs a feasible explanation")
+        fields = (
+            ("manager_id", manager_id),
+            ("expected_state_version", expected_state_version),
+            ("explored_states", explored_states),
+            ("request", request),
+            ("plan", plan),
+            ("policy_name", policy_name),
+            ("policy_config", config),
+            ("evictions", chosen),
+            ("explanation", explanation),
+        )
+        for name, value in fields:
+            object.__setattr__(self, name, value)
+
+
+seal(ResidencyEviction, ResidencyDecision)
+
+_new_ensure = trusted_builder(EnsureResident)
+_new_move = trusted_builder(MoveResident)
+_new_drop = trusted_builder(DropResident)
+_new_candidate = trusted_builder(ResidencyEvictionCandidate)
+
+
+class ResidencyController:
+    """Decides what to evict or spill so a request fits, the same way every time."""
+
+    __slots__ = ("_epoch", "_epochs", "_limit", "_lock", "_manager", "_metadata", "_policy")
+
+    def __init__(
+        self,
+        manager: ResidencyManager,
+        *,
+        policy: ResidencyPolicy | None = None,
+        search_state_limit: int = 100_000,
+    ) -> None:
+        if not isinstance(manager, ResidencyManager):
+            raise TypeError(f"manager must be a ResidencyManager, got {type(manager).__name__}")
+        chosen = DeterministicTieredLRU() if policy is None else policy
+        if not isinstance(chosen, ResidencyPolicy):
+            raise TypeError(
+                "policy must implement ResidencyPolicy (name, config_identity, "
+                "fallback_locations, order_candidates)"
+            )
+        require_non_empty_str(chosen.name, "policy.name")
+        if require_strict_int(search_state_limit, "search_state_limit") <= 0:
+            raise ValueError(f"search_state_limit must be > 0, got {search_state_limit}")
+        self._manager = manager
+        self._policy = chosen
+        self._limit = search_state_limit
+        self._metadata: dict[ResidencyHandle[Any], ResidencyPolicyMetadata] = {}
+        self._epochs: dict[ResidencyHandle[Any], int] = {}
+        self._epoch = 0
+        self._lock = threading.RLock()
+
+    @property
+    def manager(self) -> ResidencyManager:
+        return self._manager
+
+    @property
+    def policy(self) -> ResidencyPolicy:
+        return self._policy
+
+    def __repr__(self) -> str:
+        return f"ResidencyController(policy={self._policy.name!r}, limit={self._limit})"
+
+    # ------------------------------------------------------------------ metadata
+
+    def set_policy_metadata(
+        self, handle: ResidencyHandle[Any], *, priority: int = 0, stable_key: str | None = None
+    ) -> None:
+        """Contract 7.1: controller-local eviction metadata for a live handle."""
+        metadata = ResidencyPolicyMetadata(priority, stable_key)
+        with self._lock:
+            manager = self._manager
+            manager.snapshot()  # the contract's lookup: reaps, and refuses when closed
+            if not isinstance(handle, ResidencyHandle) or handle not in manager._index:
+                raise ResidencyHandleError(
+                    f"{handle!r} is not a live handle of manager {manager.manager_id!r}"
+                )
+            if stable_key is not None:
+                for other, known in self._metadata.items():
+                    if known.stable_key == stable_key and other != handle:
+                        raise ValueError(
+                            f"stable_key {stable_key!r} is already used by another handle"
+                        )
+            self._metadata[handle] = metadata
+
+    # ------------------------------------------------------------------ decide
+
+    def decide(self, request: ResidencyRequest) -> ResidencyDecision:
+        """Contract 7.3: plan the request against the current state; change nothing."""
+        if not isinstance(request, ResidencyRequest):
+            raise TypeError(f"request must be a ResidencyRequest, got {type(request).__name__}")
+        with self._lock:
+            manager = self._manager
+            core = manager._core
+            core.enter(True, True)
+            try:
+                manager._reap()
+                state_version = core.version
+                rows = self._requirement_rows(request)
+                outcome = self._search(request, rows)
+            finally:
+                core.exit()
+            plan, evictions, explored = self._plan(request, outcome)
+            explanation = manager.explain(plan, expected_state_version=state_version)
+            if manager.state_version != state_version:
+                raise ResidencyStaleStateError(
+                    expected_version=state_version, actual_version=manager.state_version
+                )
+            if not explanation.feasible:
+                raise ResidencyPlanError(explanation.reason or "the decided plan is infeasible")
+            return ResidencyDecision(
+                manager.manager_id,
+                state_version,
+                explored,
+                request,
+                plan,
+                self._policy.name,
+                tuple(self._policy.config_identity),
+                evictions,
+                explanation,
+            )
+
+    def _requirement_rows(self, request: ResidencyRequest) -> list[tuple[int, int]]:
+        """Contract 7.3 step 3, then the core's `(handle index, location code)` rows."""
+        manager = self._manager
+        rows: list[tuple[int, int]] = []
+        locations: dict[int, set[ResidencyLocation]] = {}
+        for requirement in request.requirements:
+            handle = requirement.handle
+            if handle.manager_id != manager.manager_id:
+                raise ResidencyHandleError(
+                    f"handle {handle.handle_id!r} belongs to manager {handle.manager_id!r}"
+                )
+            index = manager._index.get(handle)
+            if index is None:
+                if handle in manager._discarded:
+                    raise ResidencyHandleError(f"Value {handle.handle_id!r} is discarded")
+                raise ResidencyHandleError(f"unknown handle {handle.handle_id!r}")
+            rows.append((index, _lowering.location_code(requirement.location)))
+            locations.setdefault(index, set()).add(requirement.location)
+        for index, places in locations.items():
+            spec = manager._specs[index]
+            if spec.replica_mode is ReplicaMode.EXCLUSIVE and len(places) > 1:
+                raise ResidencyOwnershipError(
+                    f"EXCLUSIVE value {manager._handles[index].handle_id!r} is required at "
+                    f"{len(places)} locations at once"
+                )
+        return rows
+
+    def _search(self, request: ResidencyRequest, rows: list[tuple[int, int]]) -> Any:
+        manager = self._manager
+        reservations = [
+            (_lowering.location_code(reservation.location), reservation.nbytes)
+            for reservation in request.reservations
+        ]
+        policy = self._policy
+        if type(policy) is DeterministicTieredLRU:
+            native = (
+                {
+                    manager._index[handle]: (
+                        max(-_I64, min(_I64, metadata.priority)),
+                        metadata.stable_key,
+                    )
+                    for handle, metadata in self._metadata.items()
+                    if handle in manager._index
+                },
+                {
+                    manager._index[handle]: epoch
+                    for handle, epoch in self._epochs.items()
+                    if handle in manager._index
+                },
+                [
+                    (
+                        _lowering.location_code(source),
+                        [_lowering.location_code(target) for target in targets],
+                    )
+                    for source, targets in policy._tiers
+                ],
+            )
+            outcome = manager._core.decide(rows, reservations, self._limit, native=native)
+        else:
+            outcome = manager._core.decide(
+                rows, reservations, self._limit, python=(self._order, self._fallbacks)
+            )
+        kind = outcome[0]
+        if kind == "ok":
+            return outcome
+        if kind == "limit":
+            raise ResidencySearchLimitError(
+                request_name=request.name,
+                state_limit=self._limit,
+                explored_states=outcome[1],
+                detail=outcome[2],
+            ) from None
+        if kind == "infeasible":
+            raise ResidencyPlanError(
+                f"request {request.name!r} is infeasible: {outcome[1]}"
+            ) from None
+        if kind == "unavailable":
+            raise ResidencyUnavailableError(
+                f"value {manager._handles[outcome[1]].handle_id!r} has no materialization "
+                "and no reconstruction source"
+            )
+        raise RuntimeError(outcome[1])
+
+    def _order(self, rows: list[tuple[int, int, int]]) -> list[int]:
+        """A Python policy's ordering, as positions into `rows` (contract 7.5)."""
+        manager = self._manager
+        candidates = [
+            _new_candidate(
+                manager._handles[index],
+                _location_of(code),
+                charged,
+                index,
+                self._epochs.get(manager._handles[index]),
+                self._metadata.get(manager._handles[index], _DEFAULT_METADATA),
+            )
+            for index, code, charged in rows
+        ]
+        ordered = tuple(self._policy.order_candidates(tuple(candidates)))
+        positions = {id(candidate): position for position, candidate in enumerate(candidates)}
+        result: list[int] = []
+        seen: set[int] = set()
+        for candidate in ordered:
+            position = positions.get(id(candidate))
+            if position is None or position in seen:
+                break
+            seen.add(position)
+            result.append(position)
+        if len(result) != len(candidates) or len(ordered) != len(candidates):
+            raise RuntimeError(
+                f"policy {self._policy.name!r} must return each of its {len(candidates)} "
+                "candidates exactly once from order_candidates"
+            )
+        return result
+
+    def _fallbacks(self, code: int) -> list[int]:
+        return [
+            _lowering.location_code(location)
+            for location in self._policy.fallback_locations(_location_of(code))
+        ]
+
+    def _plan(
+        self, request: ResidencyRequest, outcome: Any
+    ) -> tuple[ResidencyPlan, tuple[ResidencyEviction, ...], int]:
+        handles = self._manager._handles
+
+        def action(row: tuple[int, int, int, int]) -> Any:
+            kind, index, code, from_code = row
+            handle = handles[index]
+            if kind == 0:
+                return _new_ensure(handle, _location_of(code))
+            if kind == 1:
+                return _new_move(
+                    handle, _location_of(code), None if from_code < 0 else _location_of(from_code)
+                )
+            return _new_drop(handle, _location_of(code))
+
+        _, reclaim_rows, enter_rows, eviction_rows, explored, _version = outcome
+        reclaim = [action(row) for row in reclaim_rows]
+        enter = [action(row) for row in enter_rows]
+        evictions = tuple(
+            ResidencyEviction(reclaim[position], rank, _location_of(code), nbytes, reason)
+            for position, rank, code, nbytes, reason in eviction_rows
+        )
+        plan = ResidencyPlan(
+            request.name, enter=enter, reclaim=reclaim, reservations=request.reservations
+        )
+        return plan, evictions, explored
+
+    # ------------------------------------------------------------------ scope and use
+
+    def scope(
+        self,
+        decision: ResidencyDecision,
+        *,
+        transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
+    ) -> ResidencyScope:
+        """Contract 7.6: a scope for the decision's plan, stale-checked at entry."""
+        if not isinstance(decision, ResidencyDecision):
+            raise TypeError(f"decision must be a ResidencyDecision, got {type(decision).__name__}")
+        manager = self._manager
+        if decision.manager_id != manager.manager_id:
+            raise ResidencyHandleError(
+                f"the decision was made for manager {decision.manager_id!r}, "
+                f"not {manager.manager_id!r}"
+            )
+        policy = self._policy
+        if decision.policy_name != policy.name or decision.policy_config != tuple(
+            policy.config_identity
+        ):
+            raise ResidencyPlanError(
+                f"the decision was made by policy {decision.policy_name!r} with another "
+                "configuration; decide again"
+            )
+        return manager.scope(
+            decision.plan,
+            expected_state_version=decision.expected_state_version,
+            transfer_streams=transfer_streams,
+        )
+
+    def use(
+        self,
+        request: ResidencyRequest,
+        *,
+        consumer_streams: Mapping[ResidencyLocation, Any] | None = None,
+        transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
+    ) -> ResidencyUse:
+        """Decide, enter the scope and borrow the required values, in one context."""
+        return ResidencyUse(
+            controller=self,
+            request=request,
+            consumer_streams=consumer_streams,
+            transfer_streams=transfer_streams,
+        )
+
+    def _record_access(self, request: ResidencyRequest) -> None:
+        with self._lock:
+            self._epoch += 1
+            for requirement in request.requirements:
+                self._epochs[requirement.handle] = self._epoch
+
+
+def _normalize_streams(manager: ResidencyManager, streams: object, name: str) -> dict[Any, Any]:
+    """Contract 7.7 mapping normalisation (CUDA availability is not checked here)."""
+    if streams is None:
+        return {}
+    if not isinstance(streams, Mapping):
+        raise TypeError(f"{name} must be a Mapping, got {type(streams).__name__}")
+    runtime = manager._runtime
+    normalized: dict[Any, Any] = {}
+    for location, stream in streams.items():
+        if not isinstance(location, ResidencyLocation):
+            raise TypeError(f"{name} keys must be ResidencyLocation, got {type(location).__name__}")
+        if not runtime.is_stream(stream):
+            raise TypeError(f"{name} values must be CUDA streams, got {type(stream).__name__}")
+        if location.kind != "cuda":
+            raise ValueError(f"{name} key {location} is not a CUDA location")
+        if runtime.stream_device(stream) != location.device:
+            raise ValueError(f"{name} stream for {location} is on another device")
+        normalized[location] = stream
+    return normalized
+
+
+class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
+    """Borrowed values by requirement; valid while the use's leases are active."""
+
+    __slots__ = ("_borrowed",)
+
+    def __init__(self, borrowed: dict[ResidencyRequirement, BorrowedValues]) -> None:
+        self._borrowed = borrowed
+
+    def __getitem__(self, requirement: ResidencyRequirement) -> TensorResident:
+        return self._borrowed[requirement][requirement.handle]
+
+    def __iter__(self) -> Iterator[ResidencyRequirement]:
+        for requirement, borrowed in self._borrowed.items():
+            borrowed._lease._require_active()
+            yield requirement
+
+    def __len__(self) -> int:
+        for borrowed in self._borrowed.values():
+            borrowed._lease._require_active()
+        return len(self._borrowed)
+
+
+class ResidencyUse:
+    """Contract 7.7: decide, enter the plan's scope and borrow, as one context."""
+
+    __slots__ = (
+        "_consumer_streams",
+        "_controller",
+        "_decision",
+        "_scope",
+        "_stack",
+        "_state",
+        "_transfer_streams",
+        "_values",
+        "request",
+    )
+
+    def __init__(
+        self,
+        *,
+        controller: ResidencyController,
+        request: ResidencyRequest,
+        consumer_streams: Mapping[ResidencyLocation, Any] | None,
+        transfer_streams: Mapping[ResidencyLocation, Any] | None,
+    ) -> None:
+        if not isinstance(request, ResidencyRequest):
+            raise TypeError(f"request must be a ResidencyRequest, got {type(request).__name__}")
+        manager = controller._manager
+        consumers = _normalize_streams(manager, consumer_streams, "consumer_streams")
+        needed = {
+            requirement.location
+            for requirement in request.requirements
+            if requirement.location.kind == "cuda"
+        }
+        if set(consumers) != needed:
+            missing = sorted(str(location) for location in needed - set(consumers))
+            unexpected = sorted(str(location) for location in set(consumers) - needed)
+            raise ValueError(
+                "consumer_streams must name exactly the request's CUDA locations; "
+                f"missing {missing}, unexpected {unexpected}"
+            )
+        self._controller = controller
+        self.request = request
+        self._consumer_streams = consumers
+        self._transfer_streams = _normalize_streams(manager, transfer_streams, "transfer_streams")
+        self._decision: ResidencyDecision | None = None
+        self._scope: ResidencyScope | None = None
+        self._stack: contextlib.ExitStack | None = None
+        self._values: _UseValues | None = None
+        self._state = "new"
+
+    @property
+    def decision(self) -> ResidencyDecision:
+        if self._decision is None:
+            raise RuntimeError("no decision yet: enter the use first")
+        return self._decision
+
+    @property
+    def values(self) -> Mapping[ResidencyRequirement, TensorResident]:
+        if self._state != "active" or self._values is None:
+            raise RuntimeError("values are available only inside the active use")
+        return self._values
+
+    def value(self, handle: ResidencyHandle[Any], *, at: ResidencyLocation) -> TensorResident:
+        return self.values[ResidencyRequirement(handle, at)]
+
+    @property
+    def report(self) -> ResidencyPlanReport | None:
+        return None if self._scope is None else self._scope.report
+
+    @property
+    def exit_error(self) -> BaseException | None:
+        return None if self._scope is None else self._scope.exit_error
+
+    def __enter__(self) -> ResidencyUse:
+        if self._state != "new":
+            raise RuntimeError("a ResidencyUse can be entered only once")
+        self._state = "entering"
+        controller = self._controller
+        manager = controller._manager
+        stack = contextlib.ExitStack()
+        try:
+            self._decision = controller.decide(self.request)
+            scope = controller.scope(self._decision, transfer_streams=self._transfer_streams)
+            stack.enter_context(scope)
+            self._scope = scope
+            by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
+            for requirement in self.request.requirements:
+                by_location.setdefault(requirement.location, []).append(requirement)
+            borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
+            for location, requirements in by_location.items():
+                lease: ResidencyLease = manager.acquire(
+                    [requirement.handle for requirement in requirements],
+                    at=location,
+                    consumer_stream=self._consumer_streams.get(location),
+                )
+                values = stack.enter_context(lease)
+                for requirement in requirements:
+                    borrowed[requirement] = values
+            controller._record_access(self.request)
+        except BaseException:
+            self._state = "closed"
+            stack.close()
+            raise
+        self._stack = stack
+        self._values = _UseValues(borrowed)
+        self._state = "active"
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> bool:
+        if self._state != "active" or self._stack is None:
+            return False
+        self._state = "closed"
+        stack, self._stack = self._stack, None
+        try:
+            return bool(stack.__exit__(exc_type, exc, traceback))
+        finally:
+            self._values = None

@@ -1,0 +1,824 @@
+//! The controller's bounded, deterministic depth-first search (contract 7.4-7.5).
+//!
+//! The algorithm is the contract's, step for step: simulate the request; at the first
+//! capacity failure, try the policy's victims in order, each through its reclaim
+//! options, recursively. States share their unchanged parts: a state is the initial
+//! planning state plus a persistent overlay of the values it changed, so cloning a
+//! state and computing its memo signature cost what the plan changed, not what the
+//! manager holds.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use imbl::{HashMap as PMap, Vector};
+
+use crate::location::Location;
+use crate::state::HandleId;
+
+/// One materialisation snapshot in the planning state (contract 7.3 step 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatInfo {
+    pub location: Location,
+    pub charged: u64,
+    pub use_count: u32,
+    pub hold_count: u32,
+    pub pending_count: u32,
+}
+
+impl MatInfo {
+    fn unprotected(&self) -> bool {
+        self.use_count == 0 && self.hold_count == 0 && self.pending_count == 0
+    }
+}
+
+/// A live value as decide sees it; immutable during one search.
+#[derive(Debug, Clone)]
+pub struct SearchValue {
+    pub handle: HandleId,
+    /// Position in the snapshot's values, discarded entries counted.
+    pub registration_index: u32,
+    pub charge: u64,
+    pub exclusive: bool,
+    pub source: Option<Location>,
+    /// Materialisations in canonical order.
+    pub mats: Vec<MatInfo>,
+}
+
+/// One requirement `(value position, destination)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Requirement {
+    pub value: usize,
+    pub location: Location,
+}
+
+/// A planned action, by value position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Planned {
+    Ensure {
+        value: usize,
+        location: Location,
+    },
+    Move {
+        value: usize,
+        to: Location,
+        from: Option<Location>,
+    },
+    Drop {
+        value: usize,
+        location: Location,
+    },
+}
+
+/// Why a victim was chosen (the contract's three templates).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EvictionReason {
+    OtherMaterialization,
+    RegisteredSource,
+    MovedTo(Location),
+}
+
+impl EvictionReason {
+    pub fn text(&self) -> String {
+        match self {
+            Self::OtherMaterialization => {
+                "another materialization preserves the logical value".to_owned()
+            }
+            Self::RegisteredSource => {
+                "registered source can reconstruct the logical value".to_owned()
+            }
+            Self::MovedTo(location) => format!(
+                "sole materialization moved to requested destination {location} instead of \
+                 reconstructing it later"
+            ),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Eviction {
+    pub action: Planned,
+    pub rank: usize,
+    pub released_location: Location,
+    pub released_nbytes: u64,
+    pub reason: EvictionReason,
+}
+
+/// A candidate as a policy sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    pub value: usize,
+    pub location: Location,
+    pub charged: u64,
+}
+
+/// The policy, as the search uses it. The built-in tiered LRU implements it natively;
+/// the bindings implement it over a Python policy object.
+pub trait SearchPolicy {
+    /// A permutation of `candidates` (indices into it), first evicted first. Errors are
+    /// reported as they are (the bindings carry Python exceptions through).
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError>;
+    fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError>;
+    /// Called periodically so a long search can be interrupted.
+    fn check_interrupt(&mut self) -> Result<(), SearchError> {
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SearchError {
+    /// The state limit was reached: inconclusive.
+    Limit { explored: u64, detail: String },
+    /// Exhausted: infeasible.
+    Infeasible { detail: String },
+    /// A required value has neither a materialisation nor a source.
+    Unavailable { value: usize },
+    /// The policy's ordering was not a permutation of its input.
+    BadOrdering { detail: String },
+    /// The policy failed (the bindings keep the Python exception aside).
+    Policy,
+    /// The search was interrupted.
+    Interrupted,
+}
+
+#[derive(Debug, Clone)]
+pub struct SearchOutcome {
+    pub reclaim: Vec<Planned>,
+    pub enter: Vec<Planned>,
+    pub evictions: Vec<Eviction>,
+    pub explored: u64,
+}
+
+/// The built-in `DeterministicTieredLRU`, natively: a stable sort by
+/// `(priority, epoch or -1, keyed first, key text, registration index)`.
+#[derive(Debug, Clone, Default)]
+pub struct TieredLru {
+    /// Per value position: `(priority, epoch, stable key)`.
+    pub keys: Vec<(i64, i64, Option<Arc<str>>)>,
+    pub registration: Vec<u32>,
+    pub tiers: BTreeMap<Location, Vec<Location>>,
+}
+
+impl SearchPolicy for TieredLru {
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
+        let mut order: Vec<usize> = (0..candidates.len()).collect();
+        order.sort_by(|&a, &b| {
+            let key = |index: usize| {
+                let value = candidates[index].value;
+                let (priority, epoch, stable_key) = &self.keys[value];
+                (
+                    *priority,
+                    *epoch,
+                    u8::from(stable_key.is_none()),
+                    stable_key.clone(),
+                    self.registration[value],
+                )
+            };
+            let (left, right) = (key(a), key(b));
+            left.0
+                .cmp(&right.0)
+                .then(left.1.cmp(&right.1))
+                .then(left.2.cmp(&right.2))
+                .then(
+                    left.3
+                        .as_deref()
+                        .unwrap_or("")
+                        .cmp(right.3.as_deref().unwrap_or("")),
+                )
+                .then(left.4.cmp(&right.4))
+        });
+        Ok(order)
+    }
+
+    fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
+        Ok(self.tiers.get(&location).cloned().unwrap_or_default())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct Books {
+    location: Location,
+    used: u64,
+    reserved: u64,
+}
+
+/// One planning state: the initial values plus an overlay of changed ones.
+#[derive(Debug, Clone)]
+struct State {
+    changed: PMap<usize, Arc<Vec<MatInfo>>>,
+    /// Sorted by location (canonical order).
+    books: Vec<Books>,
+    reclaim: Vector<Planned>,
+    evictions: Vector<Eviction>,
+}
+
+/// A capacity failure in `simulate`.
+#[derive(Debug, Clone, Copy)]
+struct Capacity {
+    location: Location,
+    nbytes: u64,
+    stage: &'static str,
+}
+
+enum SimError {
+    Capacity(Capacity),
+    Unavailable(usize),
+}
+
+/// What a visitor tells a generator: keep yielding, or stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flow {
+    Continue,
+    Stop,
+}
+
+type Signature = (Vec<(usize, Vec<Location>)>, Vec<Books>);
+/// `capacity_states` memo key: signature, destination, additional bytes, blocked
+/// registration indices, active `(registration index, location)` pairs.
+type CapacityKey = (Signature, Location, u64, Vec<u32>, Vec<(u32, Location)>);
+
+#[allow(missing_debug_implementations)] // Borrows the policy, which need not be Debug.
+pub struct Search<'a, P: SearchPolicy> {
+    values: &'a [SearchValue],
+    budgets: &'a BTreeMap<Location, u64>,
+    requirements: &'a [Requirement],
+    required: HashSet<(usize, Location)>,
+    reservations: &'a [(Location, u64)],
+    policy: &'a mut P,
+    limit: u64,
+    explored: u64,
+    failed_requests: HashSet<Signature>,
+    failed_capacities: HashSet<CapacityKey>,
+}
+
+impl<'a, P: SearchPolicy> Search<'a, P> {
+    pub fn new(
+        values: &'a [SearchValue],
+        budgets: &'a BTreeMap<Location, u64>,
+        requirements: &'a [Requirement],
+        reservations: &'a [(Location, u64)],
+        policy: &'a mut P,
+        limit: u64,
+    ) -> Self {
+        Self {
+            values,
+            budgets,
+            requirements,
+            required: requirements
+                .iter()
+                .map(|requirement| (requirement.value, requirement.location))
+                .collect(),
+            reservations,
+            policy,
+            limit,
+            explored: 0,
+            failed_requests: HashSet::new(),
+            failed_capacities: HashSet::new(),
+        }
+    }
+
+    /// Runs the search from the initial books.
+    pub fn run(mut self, books: &[(Location, u64, u64)]) -> Result<SearchOutcome, SearchError> {
+        let mut initial: Vec<Books> = books
+            .iter()
+            .map(|&(location, used, reserved)| Books {
+                location,
+                used,
+                reserved,
+            })
+            .collect();
+        initial.sort();
+        let state = State {
+            changed: PMap::new(),
+            books: initial,
+            reclaim: Vector::new(),
+            evictions: Vector::new(),
+        };
+        let (state, enter) = self.search_request(&state)?;
+        Ok(SearchOutcome {
+            reclaim: state.reclaim.iter().copied().collect(),
+            enter,
+            evictions: state.evictions.iter().cloned().collect(),
+            explored: self.explored,
+        })
+    }
+
+    // ----- state access -----------------------------------------------------------
+
+    fn mats<'s>(&'s self, state: &'s State, value: usize) -> &'s [MatInfo] {
+        match state.changed.get(&value) {
+            Some(mats) => mats,
+            None => &self.values[value].mats,
+        }
+    }
+
+    fn mat_at(&self, state: &State, value: usize, location: Location) -> Option<MatInfo> {
+        self.mats(state, value)
+            .iter()
+            .find(|mat| mat.location == location)
+            .copied()
+    }
+
+    fn set_mats(state: &mut State, value: usize, mats: Vec<MatInfo>) {
+        state.changed.insert(value, Arc::new(mats));
+    }
+
+    fn add_mat(&self, state: &mut State, value: usize, mat: MatInfo) {
+        let mut mats = self.mats(state, value).to_vec();
+        let position = mats.partition_point(|known| known.location < mat.location);
+        mats.insert(position, mat);
+        Self::set_mats(state, value, mats);
+    }
+
+    fn remove_mat(&self, state: &mut State, value: usize, location: Location) {
+        let mats: Vec<MatInfo> = self
+            .mats(state, value)
+            .iter()
+            .filter(|mat| mat.location != location)
+            .copied()
+            .collect();
+        Self::set_mats(state, value, mats);
+    }
+
+    fn books_mut(state: &mut State, location: Location) -> &mut Books {
+        let position = match state
+            .books
+            .binary_search_by(|books| books.location.cmp(&location))
+        {
+            Ok(position) => position,
+            Err(position) => {
+                state.books.insert(
+                    position,
+                    Books {
+                        location,
+                        used: 0,
+                        reserved: 0,
+                    },
+                );
+                position
+            }
+        };
+        &mut state.books[position]
+    }
+
+    fn books(state: &State, location: Location) -> (u64, u64) {
+        state
+            .books
+            .iter()
+            .find(|books| books.location == location)
+            .map_or((0, 0), |books| (books.used, books.reserved))
+    }
+
+    fn fits(&self, state: &State, location: Location, additional: u64) -> bool {
+        let (used, reserved) = Self::books(state, location);
+        self.budgets.get(&location).is_none_or(|&budget| {
+            u128::from(used) + u128::from(reserved) + u128::from(additional) <= u128::from(budget)
+        })
+    }
+
+    fn signature(&self, state: &State) -> Signature {
+        let mut values: Vec<(usize, Vec<Location>)> = state
+            .changed
+            .iter()
+            .filter_map(|(&value, mats)| {
+                let now: Vec<Location> = mats.iter().map(|mat| mat.location).collect();
+                let initial: Vec<Location> = self.values[value]
+                    .mats
+                    .iter()
+                    .map(|mat| mat.location)
+                    .collect();
+                (now != initial).then_some((value, now))
+            })
+            .collect();
+        values.sort_unstable();
+        (values, state.books.clone())
+    }
+
+    fn count(&mut self) -> Result<(), SearchError> {
+        if self.explored >= self.limit {
+            return Err(SearchError::Limit {
+                explored: self.explored,
+                detail: format!(
+                    "the search explored {} states without a verdict",
+                    self.explored
+                ),
+            });
+        }
+        self.explored += 1;
+        if self.explored % 1024 == 0 {
+            self.policy.check_interrupt()?;
+        }
+        Ok(())
+    }
+
+    // ----- 7.4 simulate -------------------------------------------------------------
+
+    fn simulate(&self, state: &State) -> Result<Vec<Planned>, SimError> {
+        let mut trial = state.clone();
+        for &(location, nbytes) in self.reservations {
+            if !self.fits(&trial, location, nbytes) {
+                return Err(SimError::Capacity(Capacity {
+                    location,
+                    nbytes,
+                    stage: "reservation",
+                }));
+            }
+            let books = Self::books_mut(&mut trial, location);
+            books.reserved = books.reserved.saturating_add(nbytes);
+        }
+        let mut actions = Vec::new();
+        for requirement in self.requirements {
+            let (value, destination) = (requirement.value, requirement.location);
+            if self.mat_at(&trial, value, destination).is_some() {
+                continue;
+            }
+            let info = &self.values[value];
+            let charge = info.charge;
+            let source_mat = self.mats(&trial, value).first().copied();
+            let (source, temporary) = match source_mat {
+                Some(mat) => (mat.location, false),
+                None => match info.source {
+                    Some(location) => (location, true),
+                    None => return Err(SimError::Unavailable(value)),
+                },
+            };
+            if temporary {
+                if !self.fits(&trial, source, charge) {
+                    return Err(SimError::Capacity(Capacity {
+                        location: source,
+                        nbytes: charge,
+                        stage: "source reconstruction",
+                    }));
+                }
+                let books = Self::books_mut(&mut trial, source);
+                books.reserved = books.reserved.saturating_add(charge);
+                if source == destination {
+                    books.reserved = books.reserved.saturating_sub(charge);
+                }
+            }
+            if !self.fits(&trial, destination, charge) {
+                return Err(SimError::Capacity(Capacity {
+                    location: destination,
+                    nbytes: charge,
+                    stage: "materialization",
+                }));
+            }
+            let books = Self::books_mut(&mut trial, destination);
+            books.used = books.used.saturating_add(charge);
+            let projected = match source_mat {
+                Some(mat) => MatInfo {
+                    location: destination,
+                    ..mat
+                },
+                None => MatInfo {
+                    location: destination,
+                    charged: charge,
+                    use_count: 0,
+                    hold_count: 0,
+                    pending_count: 0,
+                },
+            };
+            self.add_mat(&mut trial, value, projected);
+            if temporary && source != destination {
+                let books = Self::books_mut(&mut trial, source);
+                books.reserved = books.reserved.saturating_sub(charge);
+            }
+            if info.exclusive {
+                actions.push(Planned::Move {
+                    value,
+                    to: destination,
+                    from: if temporary { None } else { Some(source) },
+                });
+                if !temporary {
+                    self.remove_mat(&mut trial, value, source);
+                    let books = Self::books_mut(&mut trial, source);
+                    books.used = books.used.saturating_sub(charge);
+                }
+            } else {
+                actions.push(Planned::Ensure {
+                    value,
+                    location: destination,
+                });
+            }
+        }
+        Ok(actions)
+    }
+
+    // ----- 7.5 candidates and ordering ----------------------------------------------
+
+    fn ordered_candidates(
+        &mut self,
+        state: &State,
+        location: Location,
+        blocked: &[usize],
+    ) -> Result<Vec<Candidate>, SearchError> {
+        let mut ordinary = Vec::new();
+        let mut required = Vec::new();
+        for value in 0..self.values.len() {
+            if blocked.contains(&value) {
+                continue;
+            }
+            if let Some(mat) = self.mat_at(state, value, location)
+                && mat.unprotected()
+            {
+                let candidate = Candidate {
+                    value,
+                    location,
+                    charged: mat.charged,
+                };
+                if self.required.contains(&(value, location)) {
+                    required.push(candidate);
+                } else {
+                    ordinary.push(candidate);
+                }
+            }
+        }
+        let mut ordered = self.order(&ordinary)?;
+        ordered.extend(self.order(&required)?);
+        Ok(ordered)
+    }
+
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<Candidate>, SearchError> {
+        if candidates.is_empty() {
+            return Ok(Vec::new());
+        }
+        let order = self.policy.order(candidates)?;
+        let mut seen = vec![false; candidates.len()];
+        if order.len() != candidates.len()
+            || order.iter().any(|&index| {
+                index >= candidates.len() || std::mem::replace(&mut seen[index], true)
+            })
+        {
+            return Err(SearchError::BadOrdering {
+                detail: format!(
+                    "the policy's order_candidates must return each of its {} candidates exactly \
+                     once",
+                    candidates.len()
+                ),
+            });
+        }
+        Ok(order.into_iter().map(|index| candidates[index]).collect())
+    }
+
+    // ----- 7.5 search_request -------------------------------------------------------
+
+    fn search_request(&mut self, state: &State) -> Result<(State, Vec<Planned>), SearchError> {
+        let key = self.signature(state);
+        if self.failed_requests.contains(&key) {
+            return Err(SearchError::Infeasible {
+                detail: "the equivalent state is already exhausted".to_owned(),
+            });
+        }
+        self.count()?;
+        let capacity = match self.simulate(state) {
+            Ok(actions) => return Ok((state.clone(), actions)),
+            Err(SimError::Unavailable(value)) => return Err(SearchError::Unavailable { value }),
+            Err(SimError::Capacity(capacity)) => capacity,
+        };
+        let candidates = self.ordered_candidates(state, capacity.location, &[])?;
+        let mut notes: Vec<String> = Vec::new();
+        let mut found: Option<(State, Vec<Planned>)> = None;
+        for (rank, candidate) in candidates.iter().enumerate() {
+            let mut failure: Option<SearchError> = None;
+            self.reclaim_states(
+                state,
+                *candidate,
+                rank,
+                &[],
+                &[],
+                &mut |search, trial| match search.search_request(&trial) {
+                    Ok(result) => {
+                        found = Some(result);
+                        Ok(Flow::Stop)
+                    }
+                    Err(SearchError::Infeasible { detail }) => {
+                        notes.push(detail);
+                        Ok(Flow::Continue)
+                    }
+                    Err(other) => {
+                        failure = Some(other);
+                        Ok(Flow::Stop)
+                    }
+                },
+            )?;
+            if let Some(error) = failure {
+                return Err(error);
+            }
+            if let Some(result) = found.take() {
+                return Ok(result);
+            }
+        }
+        self.failed_requests.insert(key);
+        let (used, reserved) = Self::books(state, capacity.location);
+        let budget = self
+            .budgets
+            .get(&capacity.location)
+            .map_or_else(|| "None".to_owned(), u64::to_string);
+        let mut detail = format!(
+            "capacity failure at {} for {} bytes ({}): budget={budget}, used={used}, \
+             reserved={reserved}",
+            capacity.location, capacity.nbytes, capacity.stage
+        );
+        if !notes.is_empty() {
+            detail.push_str("; candidates: ");
+            detail.push_str(&notes.join("; "));
+        }
+        Err(SearchError::Infeasible { detail })
+    }
+
+    // ----- 7.5 reclaim_states and capacity_states -----------------------------------
+
+    #[allow(clippy::too_many_arguments, clippy::too_many_lines)] // The contract's generator, whole.
+    fn reclaim_states(
+        &mut self,
+        state: &State,
+        candidate: Candidate,
+        rank: usize,
+        blocked: &[usize],
+        active: &[(usize, Location)],
+        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
+    ) -> Result<Flow, SearchError> {
+        let (value, location) = (candidate.value, candidate.location);
+        if active.contains(&(value, location)) {
+            return Ok(Flow::Continue);
+        }
+        let info = &self.values[value];
+        let alternatives = self.mats(state, value).len() > 1;
+        let has_source = info.source.is_some();
+        let charge = info.charge;
+        if alternatives || has_source {
+            let mut trial = state.clone();
+            let action = Planned::Drop { value, location };
+            trial.reclaim.push_back(action);
+            trial.evictions.push_back(Eviction {
+                action,
+                rank,
+                released_location: location,
+                released_nbytes: candidate.charged,
+                reason: if alternatives {
+                    EvictionReason::OtherMaterialization
+                } else {
+                    EvictionReason::RegisteredSource
+                },
+            });
+            self.remove_mat(&mut trial, value, location);
+            let books = Self::books_mut(&mut trial, location);
+            books.used = books.used.saturating_sub(candidate.charged);
+            if visit(self, trial)? == Flow::Stop {
+                return Ok(Flow::Stop);
+            }
+            if alternatives {
+                return Ok(Flow::Continue);
+            }
+        }
+        // Move options for a sole copy: endpoint restoration, then the policy's tiers.
+        let mut destinations: Vec<Location> = {
+            let mut required: Vec<Location> = self
+                .requirements
+                .iter()
+                .filter(|requirement| {
+                    requirement.value == value && requirement.location != location
+                })
+                .map(|requirement| requirement.location)
+                .collect();
+            required.sort_unstable();
+            required
+        };
+        for fallback in self.policy.fallback_locations(location)? {
+            destinations.push(fallback);
+        }
+        let mut unique: Vec<Location> = Vec::with_capacity(destinations.len());
+        for destination in destinations {
+            if !unique.contains(&destination) {
+                unique.push(destination);
+            }
+        }
+        let mut blocked_more: Vec<usize> = blocked.to_vec();
+        if !blocked_more.contains(&value) {
+            blocked_more.push(value);
+        }
+        let mut active_more: Vec<(usize, Location)> = active.to_vec();
+        active_more.push((value, location));
+        for destination in unique {
+            let additional = if self.mat_at(state, value, destination).is_some() {
+                0
+            } else {
+                charge
+            };
+            let flow = self.capacity_states(
+                state.clone(),
+                destination,
+                additional,
+                &blocked_more,
+                &active_more,
+                &mut |search, reached| {
+                    let mut trial = reached;
+                    let Some(sole) = search.mat_at(&trial, value, location) else {
+                        return Ok(Flow::Continue);
+                    };
+                    if search.mat_at(&trial, value, destination).is_none() {
+                        search.add_mat(
+                            &mut trial,
+                            value,
+                            MatInfo {
+                                location: destination,
+                                ..sole
+                            },
+                        );
+                        let books = Self::books_mut(&mut trial, destination);
+                        books.used = books.used.saturating_add(charge);
+                    }
+                    let action = Planned::Move {
+                        value,
+                        to: destination,
+                        from: Some(location),
+                    };
+                    trial.reclaim.push_back(action);
+                    trial.evictions.push_back(Eviction {
+                        action,
+                        rank,
+                        released_location: location,
+                        released_nbytes: candidate.charged,
+                        reason: EvictionReason::MovedTo(destination),
+                    });
+                    search.remove_mat(&mut trial, value, location);
+                    let books = Self::books_mut(&mut trial, location);
+                    books.used = books.used.saturating_sub(charge);
+                    visit(search, trial)
+                },
+            )?;
+            if flow == Flow::Stop {
+                return Ok(Flow::Stop);
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn capacity_states(
+        &mut self,
+        state: State,
+        destination: Location,
+        additional: u64,
+        blocked: &[usize],
+        active: &[(usize, Location)],
+        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
+    ) -> Result<Flow, SearchError> {
+        if self.fits(&state, destination, additional) {
+            return visit(self, state);
+        }
+        let mut blocked_indices: Vec<u32> = blocked
+            .iter()
+            .map(|&value| self.values[value].registration_index)
+            .collect();
+        blocked_indices.sort_unstable();
+        let mut active_pairs: Vec<(u32, Location)> = active
+            .iter()
+            .map(|&(value, location)| (self.values[value].registration_index, location))
+            .collect();
+        active_pairs.sort_unstable();
+        let key = (
+            self.signature(&state),
+            destination,
+            additional,
+            blocked_indices,
+            active_pairs,
+        );
+        if self.failed_capacities.contains(&key) {
+            return Ok(Flow::Continue);
+        }
+        self.count()?;
+        let mut yielded = false;
+        let candidates = self.ordered_candidates(&state, destination, blocked)?;
+        for (rank, candidate) in candidates.iter().enumerate() {
+            if active.contains(&(candidate.value, candidate.location)) {
+                continue;
+            }
+            let flow = self.reclaim_states(
+                &state,
+                *candidate,
+                rank,
+                blocked,
+                active,
+                &mut |search, reclaimed| {
+                    search.capacity_states(
+                        reclaimed,
+                        destination,
+                        additional,
+                        blocked,
+                        active,
+                        &mut |search, reached| {
+                            yielded = true;
+                            visit(search, reached)
+                        },
+                    )
+                },
+            )?;
+            if flow == Flow::Stop {
+                return Ok(Flow::Stop);
+            }
+        }
+        if !yielded {
+            self.failed_capacities.insert(key);
+        }
+        Ok(Flow::Continue)
+    }
+}

@@ -1,0 +1,280 @@
+//! The controller's search, called from Python: the built-in tiered LRU runs natively;
+//! any other policy is reached through two Python callables the glue provides.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use residency_core::Location;
+use residency_core::search::{
+    Candidate, EvictionReason, Planned, Requirement, Search, SearchError, SearchPolicy, TieredLru,
+};
+
+use crate::manager::CoreManager;
+
+fn location(code: u32) -> PyResult<Location> {
+    Location::from_code(code).map_err(|err| PyValueError::new_err(err.to_string()))
+}
+
+/// A Python policy: `order(rows) -> list[int]` over `(handle, code, charged)` rows and
+/// `fallbacks(code) -> list[int]`. The first Python error is kept to re-raise as is.
+struct PythonPolicy<'py> {
+    py: Python<'py>,
+    order: Bound<'py, PyAny>,
+    fallbacks: Bound<'py, PyAny>,
+    handles: Vec<u32>,
+    error: Option<PyErr>,
+}
+
+impl PythonPolicy<'_> {
+    fn fail(&mut self, err: PyErr) -> SearchError {
+        self.error.get_or_insert(err);
+        SearchError::Policy
+    }
+}
+
+impl SearchPolicy for PythonPolicy<'_> {
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
+        let rows: Vec<(u32, u32, u64)> = candidates
+            .iter()
+            .map(|candidate| {
+                (
+                    self.handles[candidate.value],
+                    candidate.location.code(),
+                    candidate.charged,
+                )
+            })
+            .collect();
+        match self
+            .order
+            .call1((rows,))
+            .and_then(|order| order.extract::<Vec<usize>>())
+        {
+            Ok(order) => Ok(order),
+            Err(err) => Err(self.fail(err)),
+        }
+    }
+
+    fn fallback_locations(&mut self, at: Location) -> Result<Vec<Location>, SearchError> {
+        let codes = match self
+            .fallbacks
+            .call1((at.code(),))
+            .and_then(|codes| codes.extract::<Vec<u32>>())
+        {
+            Ok(codes) => codes,
+            Err(err) => return Err(self.fail(err)),
+        };
+        codes
+            .into_iter()
+            .map(|code| location(code).map_err(|err| self.fail(err)))
+            .collect()
+    }
+
+    fn check_interrupt(&mut self) -> Result<(), SearchError> {
+        match self.py.check_signals() {
+            Ok(()) => Ok(()),
+            Err(err) => {
+                self.error.get_or_insert(err);
+                Err(SearchError::Interrupted)
+            }
+        }
+    }
+}
+
+/// The native policy, with Ctrl-C still honoured during long searches.
+struct NativePolicy<'py> {
+    py: Python<'py>,
+    lru: TieredLru,
+    error: Option<PyErr>,
+}
+
+impl SearchPolicy for NativePolicy<'_> {
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
+        self.lru.order(candidates)
+    }
+
+    fn fallback_locations(&mut self, at: Location) -> Result<Vec<Location>, SearchError> {
+        self.lru.fallback_locations(at)
+    }
+
+    fn check_interrupt(&mut self) -> Result<(), SearchError> {
+        self.py.check_signals().map_err(|err| {
+            self.error.get_or_insert(err);
+            SearchError::Interrupted
+        })
+    }
+}
+
+type Row = (u8, u32, u32, i64);
+type EvictionRow = (usize, usize, u32, u64, String);
+
+/// The outcome for the glue: `("ok", reclaim, enter, evictions, explored, version)`,
+/// `("limit", explored, detail)`, `("infeasible", detail)`, `("unavailable", handle)`,
+/// `("ordering", detail)`; Python policy errors and interrupts are raised.
+pub fn decide<'py>(
+    py: Python<'py>,
+    manager: &CoreManager,
+    requirements: Vec<(u32, u32)>,
+    reservations: Vec<(u32, u64)>,
+    limit: u64,
+    native: Option<NativeConfig>,
+    python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let inputs = manager.core().search_inputs();
+    let mut required = Vec::with_capacity(requirements.len());
+    for (handle, code) in requirements {
+        let Some(&value) = inputs.positions.get(&handle) else {
+            return Err(PyValueError::new_err(format!(
+                "handle index {handle} is not live"
+            )));
+        };
+        required.push(Requirement {
+            value,
+            location: location(code)?,
+        });
+    }
+    let reservations = reservations
+        .into_iter()
+        .map(|(code, nbytes)| Ok((location(code)?, nbytes)))
+        .collect::<PyResult<Vec<_>>>()?;
+    let handles: Vec<u32> = inputs.values.iter().map(|value| value.handle).collect();
+    let (result, error) = if let Some(config) = native {
+        let mut lru = TieredLru {
+            keys: Vec::with_capacity(inputs.values.len()),
+            registration: inputs
+                .values
+                .iter()
+                .map(|value| value.registration_index)
+                .collect(),
+            tiers: BTreeMap::new(),
+        };
+        for value in &inputs.values {
+            let (priority, key) = config.0.get(&value.handle).cloned().unwrap_or((0, None));
+            let epoch = config.1.get(&value.handle).copied().unwrap_or(-1);
+            lru.keys.push((priority, epoch, key.map(Arc::from)));
+        }
+        for (source, destinations) in config.2 {
+            lru.tiers.insert(
+                location(source)?,
+                destinations
+                    .into_iter()
+                    .map(location)
+                    .collect::<PyResult<Vec<_>>>()?,
+            );
+        }
+        let mut policy = NativePolicy {
+            py,
+            lru,
+            error: None,
+        };
+        let search = Search::new(
+            &inputs.values,
+            &inputs.budgets,
+            &required,
+            &reservations,
+            &mut policy,
+            limit,
+        );
+        let result = search.run(&inputs.books);
+        (result, policy.error)
+    } else if let Some((order, fallbacks)) = python {
+        let mut policy = PythonPolicy {
+            py,
+            order,
+            fallbacks,
+            handles: handles.clone(),
+            error: None,
+        };
+        let search = Search::new(
+            &inputs.values,
+            &inputs.budgets,
+            &required,
+            &reservations,
+            &mut policy,
+            limit,
+        );
+        let result = search.run(&inputs.books);
+        (result, policy.error)
+    } else {
+        return Err(PyValueError::new_err("decide needs a policy"));
+    };
+    if let Some(err) = error {
+        return Err(err);
+    }
+    encode(py, result, &handles, inputs.version)
+}
+
+/// The search outcome as the glue's tagged tuples.
+fn encode<'py>(
+    py: Python<'py>,
+    result: Result<residency_core::search::SearchOutcome, SearchError>,
+    handles: &[u32],
+    version: u64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let planned = |action: &Planned| -> Row {
+        match *action {
+            Planned::Ensure { value, location } => (0, handles[value], location.code(), -1),
+            Planned::Move { value, to, from } => (
+                1,
+                handles[value],
+                to.code(),
+                from.map_or(-1, |from| i64::from(from.code())),
+            ),
+            Planned::Drop { value, location } => (2, handles[value], location.code(), -1),
+        }
+    };
+    Ok(match result {
+        Ok(outcome) => {
+            let reclaim: Vec<Row> = outcome.reclaim.iter().map(planned).collect();
+            let enter: Vec<Row> = outcome.enter.iter().map(planned).collect();
+            let evictions: Vec<EvictionRow> = outcome
+                .evictions
+                .iter()
+                .enumerate()
+                .map(|(index, eviction)| {
+                    (
+                        index,
+                        eviction.rank,
+                        eviction.released_location.code(),
+                        eviction.released_nbytes,
+                        match &eviction.reason {
+                            EvictionReason::OtherMaterialization
+                            | EvictionReason::RegisteredSource
+                            | EvictionReason::MovedTo(_) => eviction.reason.text(),
+                        },
+                    )
+                })
+                .collect();
+            ("ok", reclaim, enter, evictions, outcome.explored, version)
+                .into_pyobject(py)?
+                .into_any()
+        }
+        Err(SearchError::Limit { explored, detail }) => {
+            ("limit", explored, detail).into_pyobject(py)?.into_any()
+        }
+        Err(SearchError::Infeasible { detail }) => {
+            ("infeasible", detail).into_pyobject(py)?.into_any()
+        }
+        Err(SearchError::Unavailable { value }) => ("unavailable", handles[value])
+            .into_pyobject(py)?
+            .into_any(),
+        Err(SearchError::BadOrdering { detail }) => {
+            ("ordering", detail).into_pyobject(py)?.into_any()
+        }
+        Err(SearchError::Policy | SearchError::Interrupted) => {
+            ("ordering", "the policy failed".to_owned())
+                .into_pyobject(py)?
+                .into_any()
+        }
+    })
+}
+
+/// The built-in policy's configuration: per handle index `(priority, stable key)`,
+/// per handle index the last access epoch, and the fallback tiers by location code.
+#[derive(Debug, Clone, FromPyObject)]
+pub struct NativeConfig(
+    pub HashMap<u32, (i64, Option<String>)>,
+    pub HashMap<u32, i64>,
+    pub Vec<(u32, Vec<u32>)>,
+);
