@@ -1,0 +1,83 @@
+"""Controller benchmark: N cached reconstructible values fill a budgeted location and
+8 new values are requested; `decide` must choose 8 victims.
+
+Run: python tests/benchmarks/bench_controller.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from fhelium.residency import (
+    PAGEABLE_HOST,
+    EnsureResident,
+    Recoverability,
+    ReplicaMode,
+    ResidencyController,
+    ResidencyManager,
+    ResidencyRequest,
+    ResidencyRequirement,
+    ResidencyValueSpec,
+)
+from fhelium.values import ResidentTensor
+
+SPEC = ResidencyValueSpec(
+    ResidentTensor, 32, 32, ReplicaMode.REPLICABLE, Recoverability.RECONSTRUCTIBLE
+)
+
+
+class CachedSource:
+    def __init__(self) -> None:
+        self.value = ResidentTensor(torch.zeros(8))
+
+    def load(self) -> ResidentTensor:
+        return self.value
+
+
+def decide_ms(count: int, repeats: int) -> float:
+    manager = ResidencyManager({PAGEABLE_HOST: count * 32})
+    cached = [manager.register_source(SPEC, CachedSource()) for _ in range(count)]
+    manager.execute_actions([EnsureResident(handle, PAGEABLE_HOST) for handle in cached])
+    wanted = [manager.register_source(SPEC, CachedSource()) for _ in range(8)]
+    request = ResidencyRequest(
+        "eight-new", [ResidencyRequirement(handle, PAGEABLE_HOST) for handle in wanted]
+    )
+    controller = ResidencyController(manager)
+    timings = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        decision = controller.decide(request)
+        timings.append((time.perf_counter() - started) * 1e3)
+    assert len(decision.evictions) == 8
+    manager.close()
+    return statistics.median(timings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    repeats = 3 if args.quick else 7
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cpus; python {platform.python_version()}"
+    )
+    print(f"torch {torch.__version__}; medians of {repeats} repeats\n")
+    rows = [
+        ("decide, N = 1k cached values, 8 requested (ms)", decide_ms(1_000, repeats), 1.5),
+        ("decide, N = 10k (ms)", decide_ms(10_000, repeats), 5.0),
+        ("decide, N = 100k (ms)", decide_ms(100_000, max(1, repeats // 2)), 60.0),
+    ]
+    width = max(len(name) for name, _, _ in rows)
+    for name, measured, target in rows:
+        verdict = "ok" if measured <= target else "OVER"
+        print(f"{name:<{width}}  {measured:9.2f}   target <= {target:g}   {verdict}")
+
+
+if __name__ == "__main__":
+    main()
