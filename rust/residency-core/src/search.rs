@@ -118,6 +118,12 @@ pub trait SearchPolicy {
     /// reported as they are (the bindings carry Python exceptions through).
     fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError>;
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError>;
+    /// A total order of all value positions that `order` is a restriction of, when the
+    /// policy has one (a key-based sort): candidates are then listed in it directly,
+    /// without sorting per step.
+    fn global_order(&mut self, _values: &[SearchValue]) -> Option<Vec<usize>> {
+        None
+    }
     /// Called periodically so a long search can be interrupted.
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
         Ok(())
@@ -158,35 +164,36 @@ pub struct TieredLru {
     pub tiers: BTreeMap<Location, Vec<Location>>,
 }
 
+impl TieredLru {
+    /// The contract's key order between two value positions.
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        let (left_priority, left_epoch, left_key) = &self.keys[left];
+        let (right_priority, right_epoch, right_key) = &self.keys[right];
+        left_priority
+            .cmp(right_priority)
+            .then(left_epoch.cmp(right_epoch))
+            .then(left_key.is_none().cmp(&right_key.is_none()))
+            .then(
+                left_key
+                    .as_deref()
+                    .unwrap_or("")
+                    .cmp(right_key.as_deref().unwrap_or("")),
+            )
+            .then(self.registration[left].cmp(&self.registration[right]))
+    }
+}
+
 impl SearchPolicy for TieredLru {
     fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
         let mut order: Vec<usize> = (0..candidates.len()).collect();
-        order.sort_by(|&a, &b| {
-            let key = |index: usize| {
-                let value = candidates[index].value;
-                let (priority, epoch, stable_key) = &self.keys[value];
-                (
-                    *priority,
-                    *epoch,
-                    u8::from(stable_key.is_none()),
-                    stable_key.clone(),
-                    self.registration[value],
-                )
-            };
-            let (left, right) = (key(a), key(b));
-            left.0
-                .cmp(&right.0)
-                .then(left.1.cmp(&right.1))
-                .then(left.2.cmp(&right.2))
-                .then(
-                    left.3
-                        .as_deref()
-                        .unwrap_or("")
-                        .cmp(right.3.as_deref().unwrap_or("")),
-                )
-                .then(left.4.cmp(&right.4))
-        });
+        order.sort_by(|&a, &b| self.compare(candidates[a].value, candidates[b].value));
         Ok(order)
+    }
+
+    fn global_order(&mut self, values: &[SearchValue]) -> Option<Vec<usize>> {
+        let mut order: Vec<usize> = (0..values.len()).collect();
+        order.sort_by(|&a, &b| self.compare(a, b));
+        Some(order)
     }
 
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
@@ -224,6 +231,20 @@ enum SimError {
     Unavailable(usize),
 }
 
+/// Candidates at one location in the policy's order, produced on demand: with a
+/// policy that has a global order, the depth-first search usually takes the first few
+/// and never lists the rest.
+enum Candidates {
+    Listed(std::vec::IntoIter<Candidate>),
+    Lazy {
+        location: Location,
+        blocked: Vec<usize>,
+        /// 0: ordinary candidates, 1: required endpoints, 2: done.
+        pass: u8,
+        position: usize,
+    },
+}
+
 /// What a visitor tells a generator: keep yielding, or stop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Flow {
@@ -246,6 +267,8 @@ pub struct Search<'a, P: SearchPolicy> {
     policy: &'a mut P,
     limit: u64,
     explored: u64,
+    /// The policy's total order of value positions, when it has one.
+    global: Option<Vec<usize>>,
     failed_requests: HashSet<Signature>,
     failed_capacities: HashSet<CapacityKey>,
 }
@@ -259,6 +282,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         policy: &'a mut P,
         limit: u64,
     ) -> Self {
+        let global = policy.global_order(values);
         Self {
             values,
             budgets,
@@ -271,6 +295,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             policy,
             limit,
             explored: 0,
+            global,
             failed_requests: HashSet::new(),
             failed_capacities: HashSet::new(),
         }
@@ -505,6 +530,62 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     // ----- 7.5 candidates and ordering ----------------------------------------------
 
+    fn candidates(
+        &mut self,
+        state: &State,
+        location: Location,
+        blocked: &[usize],
+    ) -> Result<Candidates, SearchError> {
+        if self.global.is_some() {
+            return Ok(Candidates::Lazy {
+                location,
+                blocked: blocked.to_vec(),
+                pass: 0,
+                position: 0,
+            });
+        }
+        Ok(Candidates::Listed(
+            self.ordered_candidates(state, location, blocked)?
+                .into_iter(),
+        ))
+    }
+
+    fn next_candidate(&self, state: &State, stream: &mut Candidates) -> Option<Candidate> {
+        match stream {
+            Candidates::Listed(listed) => listed.next(),
+            Candidates::Lazy {
+                location,
+                blocked,
+                pass,
+                position,
+            } => {
+                let order = self.global.as_deref()?;
+                while *pass < 2 {
+                    while let Some(&value) = order.get(*position) {
+                        *position += 1;
+                        if blocked.contains(&value)
+                            || self.required.contains(&(value, *location)) != (*pass == 1)
+                        {
+                            continue;
+                        }
+                        if let Some(mat) = self.mat_at(state, value, *location)
+                            && mat.unprotected()
+                        {
+                            return Some(Candidate {
+                                value,
+                                location: *location,
+                                charged: mat.charged,
+                            });
+                        }
+                    }
+                    *pass += 1;
+                    *position = 0;
+                }
+                None
+            }
+        }
+    }
+
     fn ordered_candidates(
         &mut self,
         state: &State,
@@ -513,7 +594,12 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     ) -> Result<Vec<Candidate>, SearchError> {
         let mut ordinary = Vec::new();
         let mut required = Vec::new();
-        for value in 0..self.values.len() {
+        let global = self.global.take();
+        let order: Box<dyn Iterator<Item = usize>> = match &global {
+            Some(order) => Box::new(order.iter().copied()),
+            None => Box::new(0..self.values.len()),
+        };
+        for value in order {
             if blocked.contains(&value) {
                 continue;
             }
@@ -531,6 +617,13 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     ordinary.push(candidate);
                 }
             }
+        }
+        if global.is_some() {
+            // Listed in the policy's own total order already: its ordering of any
+            // subset is that subset in this order.
+            self.global = global;
+            ordinary.extend(required);
+            return Ok(ordinary);
         }
         let mut ordered = self.order(&ordinary)?;
         ordered.extend(self.order(&required)?);
@@ -574,10 +667,14 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             Err(SimError::Unavailable(value)) => return Err(SearchError::Unavailable { value }),
             Err(SimError::Capacity(capacity)) => capacity,
         };
-        let candidates = self.ordered_candidates(state, capacity.location, &[])?;
+        let mut candidates = self.candidates(state, capacity.location, &[])?;
         let mut notes: Vec<String> = Vec::new();
         let mut found: Option<(State, Vec<Planned>)> = None;
-        for (rank, candidate) in candidates.iter().enumerate() {
+        let mut next_rank = 0;
+        while let Some(candidate) = self.next_candidate(state, &mut candidates) {
+            let rank = next_rank;
+            next_rank += 1;
+            let candidate = &candidate;
             let mut failure: Option<SearchError> = None;
             self.reclaim_states(
                 state,
@@ -787,8 +884,12 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         }
         self.count()?;
         let mut yielded = false;
-        let candidates = self.ordered_candidates(&state, destination, blocked)?;
-        for (rank, candidate) in candidates.iter().enumerate() {
+        let mut candidates = self.candidates(&state, destination, blocked)?;
+        let mut next_rank = 0;
+        while let Some(candidate) = self.next_candidate(&state, &mut candidates) {
+            let rank = next_rank;
+            next_rank += 1;
+            let candidate = &candidate;
             if active.contains(&(candidate.value, candidate.location)) {
                 continue;
             }

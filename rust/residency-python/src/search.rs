@@ -98,6 +98,13 @@ impl SearchPolicy for NativePolicy<'_> {
         self.lru.fallback_locations(at)
     }
 
+    fn global_order(
+        &mut self,
+        values: &[residency_core::search::SearchValue],
+    ) -> Option<Vec<usize>> {
+        self.lru.global_order(values)
+    }
+
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
         self.py.check_signals().map_err(|err| {
             self.error.get_or_insert(err);
