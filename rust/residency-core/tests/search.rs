@@ -1,0 +1,184 @@
+//! The controller's search on small hand-built states (the Python differential test
+//! compares it with a literal transcription of the contract on thousands more).
+
+#![allow(clippy::panic)] // Test assertions.
+
+use std::collections::BTreeMap;
+
+use residency_core::Location;
+use residency_core::search::{
+    EvictionReason, MatInfo, Planned, Requirement, Search, SearchError, SearchValue, TieredLru,
+};
+
+const HOST: Location = Location::PageableHost;
+const PINNED: Location = Location::PinnedHost;
+
+fn mat(location: Location, charged: u64) -> MatInfo {
+    MatInfo {
+        location,
+        charged,
+        use_count: 0,
+        hold_count: 0,
+        pending_count: 0,
+    }
+}
+
+fn value(index: u32, charge: u64, source: Option<Location>, mats: Vec<MatInfo>) -> SearchValue {
+    SearchValue {
+        handle: index,
+        registration_index: index,
+        charge,
+        exclusive: false,
+        source,
+        mats,
+    }
+}
+
+fn lru(values: &[SearchValue], tiers: &[(Location, Vec<Location>)]) -> TieredLru {
+    TieredLru {
+        keys: vec![(0, -1, None); values.len()],
+        registration: values
+            .iter()
+            .map(|value| value.registration_index)
+            .collect(),
+        tiers: tiers.iter().cloned().collect(),
+    }
+}
+
+fn books(values: &[SearchValue]) -> Vec<(Location, u64, u64)> {
+    let mut used: BTreeMap<Location, u64> = BTreeMap::new();
+    for value in values {
+        for mat in &value.mats {
+            *used.entry(mat.location).or_default() += mat.charged;
+        }
+    }
+    used.into_iter()
+        .map(|(location, used)| (location, used, 0))
+        .collect()
+}
+
+#[test]
+fn reconstructible_values_are_dropped_oldest_first() {
+    let values = vec![
+        value(0, 10, Some(HOST), vec![mat(HOST, 10)]),
+        value(1, 10, Some(HOST), vec![mat(HOST, 10)]),
+        value(2, 10, Some(HOST), vec![]),
+    ];
+    let budgets = BTreeMap::from([(HOST, 20)]);
+    let requirements = [Requirement {
+        value: 2,
+        location: HOST,
+    }];
+    let mut policy = lru(&values, &[]);
+    let outcome = Search::new(&values, &budgets, &requirements, &[], &mut policy, 100)
+        .run(&books(&values))
+        .expect("feasible");
+    assert_eq!(
+        outcome.reclaim,
+        vec![Planned::Drop {
+            value: 0,
+            location: HOST
+        }]
+    );
+    assert_eq!(
+        outcome.enter,
+        vec![Planned::Ensure {
+            value: 2,
+            location: HOST
+        }]
+    );
+    assert_eq!(outcome.evictions[0].rank, 0);
+    assert_eq!(
+        outcome.evictions[0].reason,
+        EvictionReason::RegisteredSource
+    );
+    assert_eq!(outcome.explored, 2);
+}
+
+#[test]
+fn a_sole_must_preserve_copy_spills_to_its_tier() {
+    let values = vec![
+        value(0, 10, None, vec![mat(HOST, 10)]),
+        value(1, 10, Some(PINNED), vec![]),
+    ];
+    let budgets = BTreeMap::from([(HOST, 10)]);
+    let requirements = [Requirement {
+        value: 1,
+        location: HOST,
+    }];
+    let mut policy = lru(&values, &[(HOST, vec![PINNED])]);
+    let outcome = Search::new(&values, &budgets, &requirements, &[], &mut policy, 100)
+        .run(&books(&values))
+        .expect("feasible");
+    assert_eq!(
+        outcome.reclaim,
+        vec![Planned::Move {
+            value: 0,
+            to: PINNED,
+            from: Some(HOST)
+        }]
+    );
+    assert_eq!(outcome.evictions[0].reason, EvictionReason::MovedTo(PINNED));
+    assert!(
+        outcome.evictions[0]
+            .reason
+            .text()
+            .contains("requested destination pinned-host")
+    );
+}
+
+#[test]
+fn protected_values_are_never_victims_and_exhaustion_is_infeasible() {
+    let mut protected = mat(HOST, 10);
+    protected.hold_count = 1;
+    let values = vec![
+        value(0, 10, Some(HOST), vec![protected]),
+        value(1, 10, Some(HOST), vec![]),
+    ];
+    let budgets = BTreeMap::from([(HOST, 10)]);
+    let requirements = [Requirement {
+        value: 1,
+        location: HOST,
+    }];
+    let mut policy = lru(&values, &[]);
+    let result =
+        Search::new(&values, &budgets, &requirements, &[], &mut policy, 100).run(&books(&values));
+    match result {
+        Err(SearchError::Infeasible { detail }) => {
+            assert!(
+                detail.contains("capacity failure at pageable-host"),
+                "{detail}"
+            );
+            assert!(detail.contains("budget=10"), "{detail}");
+        }
+        other => panic!("expected infeasible, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_state_limit_is_inconclusive_at_exactly_the_limit() {
+    let values: Vec<SearchValue> = (0..6)
+        .map(|index| value(index, 10, Some(HOST), vec![mat(HOST, 10)]))
+        .chain((6..9).map(|index| value(index, 10, Some(HOST), vec![])))
+        .collect();
+    let budgets = BTreeMap::from([(HOST, 60)]);
+    let requirements: Vec<Requirement> = (6..9)
+        .map(|value| Requirement {
+            value,
+            location: HOST,
+        })
+        .collect();
+    let mut policy = lru(&values, &[]);
+    let result =
+        Search::new(&values, &budgets, &requirements, &[], &mut policy, 2).run(&books(&values));
+    assert!(
+        matches!(result, Err(SearchError::Limit { explored: 2, .. })),
+        "{result:?}"
+    );
+    let mut policy = lru(&values, &[]);
+    let outcome = Search::new(&values, &budgets, &requirements, &[], &mut policy, 100)
+        .run(&books(&values))
+        .expect("feasible with room to search");
+    assert_eq!(outcome.reclaim.len(), 3);
+    assert_eq!(outcome.explored, 4);
+}
