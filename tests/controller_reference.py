@@ -27,6 +27,7 @@ The manager-side `explain` (7.3 steps 7-9) is not modelled: a caller that needs 
 from __future__ import annotations
 
 import collections
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -569,8 +570,12 @@ def reference_decide(planning: PlanningInput) -> RefOutcome:
         {e.location: e.used_bytes for e in planning.locations},
         {e.location: e.reserved_bytes for e in planning.locations},
     )
-    # Step 5: the search.
+    # Step 5: the search. It recurses once per explored state (a cycle of moves between two
+    # tiers only ends at the limit), so the recursion limit is raised for the duration; keep
+    # `search_state_limit` small (hundreds) when calling the reference.
     search = _Search(planning)
+    previous = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(previous, 20 * planning.search_state_limit + 2000))
     try:
         final, enter = search.search_request(state)
     except _Limit as limit:
@@ -578,6 +583,8 @@ def reference_decide(planning: PlanningInput) -> RefOutcome:
         return RefOutcome("limit", explored_states=search.explored, detail=str(limit))
     except _Fail as failure:
         return RefOutcome("infeasible", explored_states=search.explored, detail=str(failure))
+    finally:
+        sys.setrecursionlimit(previous)
     return RefOutcome(
         "ok",
         reclaim=tuple(final.reclaim),

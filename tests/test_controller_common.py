@@ -13,7 +13,7 @@ implementation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -166,14 +166,3 @@ def check_against_reference(
     assert decision.plan.enter == outcome.enter
     assert eviction_tuples(decision) == outcome.evictions
     assert decision.explored_states == outcome.explored_states
-
-
-def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap `fn`; the wrapper's `.calls` counts invocations."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        wrapper.calls += 1  # type: ignore[attr-defined]
-        return fn(*args, **kwargs)
-
-    wrapper.calls = 0  # type: ignore[attr-defined]
-    return wrapper

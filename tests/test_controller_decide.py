@@ -8,11 +8,15 @@ and determinism.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from typing import Any
 
 import pytest
 
+from conftest import check_frozen_record
+from controller_reference import planning_input, reference_decide
 from fhelium.errors import (
     ResidencyClosedError,
     ResidencyError,
@@ -57,6 +61,8 @@ from test_controller_common import (
     request,
     sourced,
 )
+from test_controller_records import DECISION_FIELDS
+from test_lifetimes_common import assert_not_reaped, assert_reaped
 
 
 def not_chained(error: BaseException) -> None:
@@ -179,6 +185,10 @@ def test_invalid_cuda_location_surfaces_through_explain(basic: Basic) -> None:
     with pytest.raises(ResidencyPlanError) as info:
         basic.controller.decide(request("far", (basic.c, cuda_location("cuda:5"))))
     assert type(info.value) is ResidencyPlanError
+    far = MemoryReservation(cuda_location("cuda:7"), 4, "far")
+    with pytest.raises(ResidencyPlanError) as info:
+        basic.controller.decide(request("far", (basic.c, PAGEABLE_HOST), reservations=[far]))
+    assert type(info.value) is ResidencyPlanError
 
 
 def test_cuda_location_without_cuda() -> None:
@@ -226,6 +236,7 @@ def test_satisfied_request_gives_an_empty_plan(basic: Basic) -> None:
     req = request("ready", (basic.a, CUDA0), (basic.b, PAGEABLE_HOST), (basic.a, PAGEABLE_HOST))
     decision = basic.controller.decide(req)
     check_decision(basic.controller, decision, req)
+    check_frozen_record(decision, DECISION_FIELDS)
     assert decision.plan == ResidencyPlan("ready")
     assert decision.evictions == ()
     assert decision.explored_states == 1
@@ -291,6 +302,15 @@ def test_reservation_triggers_reclaim(basic: Basic) -> None:
     assert [e.rank for e in decision.evictions] == [0, 0]
     assert decision.explored_states == 3
     check_against_reference(basic.controller, decision)
+
+
+def test_decide_reaps_through_its_snapshot(basic: Basic, sim: Any) -> None:
+    with basic.manager.acquire([basic.a], at=CUDA0, consumer_stream=cuda_stream(sim)):
+        pass
+    assert_not_reaped(basic.manager, sim)
+    sim.complete_events()
+    basic.controller.decide(request("r", (basic.c, PAGEABLE_HOST)))
+    assert_reaped(basic.manager, sim)
 
 
 def test_decide_changes_nothing(basic: Basic) -> None:
@@ -499,3 +519,75 @@ def test_reap_during_the_search(sim: Any) -> None:
         assert manager.state_version > version
         with pytest.raises(ResidencyStaleStateError):
             controller.scope(decision).__enter__()
+
+
+# --------------------------------------------------------------------------------------------
+# A search that cycles (7.5: the memo only holds exhausted states, so two tiers pointing at
+# each other can move a sole copy back and forth until the limit)
+# --------------------------------------------------------------------------------------------
+
+CYCLE_SCRIPT = """
+import sys, torch
+from fhelium.errors import ResidencySearchLimitError
+from fhelium.residency import (DeterministicTieredLRU, ResidencyController, ResidencyManager,
+    ResidencyRequest, ResidencyRequirement, cuda_location)
+from fhelium.residency._runtime import SimulatedRuntime, use_runtime
+from fhelium.values import ResidentTensor
+CUDA0, CUDA1 = cuda_location("cuda:0"), cuda_location("cuda:1")
+runtime = SimulatedRuntime(device_count=2)
+with use_runtime(runtime):
+    manager = ResidencyManager({CUDA0: 16, CUDA1: 16})
+    manager.adopt(runtime.to_device(ResidentTensor(torch.zeros(4)), "cuda:0"), at=CUDA0)
+    y = manager.adopt(ResidentTensor(torch.zeros(4)))
+    z = manager.adopt(ResidentTensor(torch.zeros(4)))
+    controller = ResidencyController(
+        manager, policy=DeterministicTieredLRU({CUDA0: [CUDA1], CUDA1: [CUDA0]}), **KWARGS
+    )
+    try:
+        controller.decide(ResidencyRequest(
+            "cycle", [ResidencyRequirement(y, CUDA0), ResidencyRequirement(z, CUDA1)]))
+    except ResidencySearchLimitError as error:
+        print("limit", error.state_limit, error.explored_states)
+"""
+
+
+def cycle(sim: Any, limit: int) -> tuple[ResidencyManager, ResidencyController, ResidencyRequest]:
+    """x fills cuda:0 (16 bytes), tiers cuda:0 <-> cuda:1; y is needed at cuda:0 and z at
+    cuda:1. Moving x to cuda:1 frees cuda:0, the re-simulation then fails at cuda:1, where
+    moving x back restores the first state, which is not exhausted yet: an endless cycle."""
+    manager = ResidencyManager({CUDA0: 16, CUDA1: 16})
+    policy = DeterministicTieredLRU({CUDA0: [CUDA1], CUDA1: [CUDA0]})
+    controller = ResidencyController(manager, policy=policy, search_state_limit=limit)
+    adopt_at(manager, sim, CUDA0)
+    y = adopt_at(manager, sim, PAGEABLE_HOST)
+    z = adopt_at(manager, sim, PAGEABLE_HOST)
+    return manager, controller, request("cycle", (y, CUDA0), (z, CUDA1))
+
+
+@pytest.mark.parametrize("limit", [7, 300, 1000])
+def test_cycling_search_ends_at_the_limit(sim: Any, limit: int) -> None:
+    manager, controller, req = cycle(sim, limit)
+    with manager:
+        with pytest.raises(ResidencySearchLimitError) as info:
+            controller.decide(req)
+        assert info.value.explored_states == limit
+        if limit <= 300:
+            planning = planning_input(
+                manager, req, policy=controller.policy, search_state_limit=limit
+            )
+            outcome = reference_decide(planning)
+            assert (outcome.kind, outcome.explored_states) == ("limit", limit)
+
+
+def test_cycling_search_with_the_default_limit_does_not_crash() -> None:
+    """The default limit (100_000) allows a very deep search; it must end with
+    `ResidencySearchLimitError`, not overflow a stack. Run in a subprocess so that a crash
+    fails this test instead of killing the test session."""
+    script = CYCLE_SCRIPT.replace("**KWARGS", "")
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert result.returncode == 0, (
+        f"decide crashed: returncode={result.returncode}, stderr={result.stderr[-2000:]!r}"
+    )
+    assert result.stdout.split() == ["limit", "100000", "100000"]

@@ -145,7 +145,7 @@ def scenarios(draw: Any) -> Scenario:
             home=draw(biased),
             extra=tuple(draw(st.lists(biased, max_size=3, unique=True))),
             storage_extra=draw(st.sampled_from([0, 0, 4])),
-            discard=draw(st.integers(0, 24)) == 0,
+            discard=draw(st.integers(0, 24)) == 13,  # Hypothesis favours 0
         )
         for _ in range(count)
     )
@@ -181,10 +181,20 @@ def scenarios(draw: Any) -> Scenario:
         tiers=tuple(tiers),
         policy=draw(st.sampled_from(["native", "native", "python", "reversed", "subclass"])),
         requirements=tuple(
-            draw(st.lists(st.tuples(index, biased), min_size=1, max_size=3, unique=True))
+            draw(
+                st.lists(
+                    st.tuples(index, biased),
+                    min_size=1,
+                    max_size=3,
+                    # mostly one location per handle (EXCLUSIVE values allow no more)
+                    unique_by=(lambda t: t) if draw(st.integers(0, 3)) == 2 else (lambda t: t[0]),
+                )
+            )
         ),
         request_reservations=tuple(draw(st.lists(st.tuples(locations, small_bytes), max_size=1))),
-        limit=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 100_000, 100_000])),
+        # Limits stay small: the contract's search can cycle (moves between two tiers) until
+        # the limit, and the reference recurses once per state.
+        limit=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 13, 300, 300])),
     )
 
 

@@ -44,6 +44,7 @@ from test_controller_common import (
     request,
     sourced,
 )
+from test_lifetimes_common import assert_not_reaped, assert_reaped
 
 
 class Setup:
@@ -217,6 +218,15 @@ def test_during_a_source_callback(setup: Setup, sim: Any) -> None:
     assert source.calls == 1
     assert isinstance(outcome.get("error"), ResidencyReentrancyError)
     assert setup.candidates()[setup.a].metadata == ResidencyPolicyMetadata()
+
+
+def test_metadata_reaps_through_its_snapshot(setup: Setup, sim: Any) -> None:
+    with setup.manager.acquire([setup.a], at=CUDA0, consumer_stream=cuda_stream(sim)):
+        pass
+    assert_not_reaped(setup.manager, sim)
+    sim.complete_events()
+    setup.controller.set_policy_metadata(setup.b, priority=1)
+    assert_reaped(setup.manager, sim)
 
 
 def test_duplicate_stable_key(setup: Setup) -> None:

@@ -104,9 +104,6 @@ def test_controller_defaults(manager: ResidencyManager) -> None:
     assert type(policy) is DeterministicTieredLRU
     assert policy.config_identity == (("fallback_tiers", ()),)
     assert policy.name == "deterministic-tiered-lru"
-    # each controller gets its own working state; the policy is a fresh default each time
-    other = ResidencyController(manager)
-    assert other.manager is manager
 
 
 def test_controller_keeps_the_given_policy(manager: ResidencyManager) -> None:

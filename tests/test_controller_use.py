@@ -11,6 +11,7 @@ closed, values cleared but still cached, exceptions never suppressed) and the me
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -264,6 +265,7 @@ def test_entry(setup: Setup) -> None:
             (PINNED_HOST, 8, "ws")
         ]
         values = use.values
+        assert isinstance(values, Mapping)
         assert set(values) == set(req.requirements)
         assert len(values) == 4
         for requirement in req.requirements:
@@ -276,6 +278,9 @@ def test_entry(setup: Setup) -> None:
             is not values[ResidencyRequirement(setup.c, PAGEABLE_HOST)]
         )
         assert use.report is None
+        # the borrowed value is the managed object itself
+        with setup.manager.acquire([setup.c], at=CUDA0, consumer_stream=setup.s0) as borrowed:
+            assert borrowed[setup.c] is values[ResidencyRequirement(setup.c, CUDA0)]
 
 
 def test_value_lookup_errors(setup: Setup) -> None:

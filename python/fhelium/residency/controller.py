@@ -18,7 +18,6 @@ from fhelium.errors import (
     ResidencyOwnershipError,
     ResidencyPlanError,
     ResidencySearchLimitError,
-    ResidencyStaleStateError,
     ResidencyUnavailableError,
 )
 from fhelium.residency import _lowering
@@ -216,20 +215,19 @@ class ResidencyController:
         with self._lock:
             manager = self._manager
             core = manager._core
+            # One gate hold from the state read to the explanation: no other thread can
+            # change what was planned on in between. A completed event reaped afterwards
+            # makes the decision stale at scope entry, never here (contract 10.2).
             core.enter(True, True)
             try:
                 manager._reap()
                 state_version = core.version
                 rows = self._requirement_rows(request)
                 outcome = self._search(request, rows)
+                plan, evictions, explored = self._plan(request, outcome)
+                explanation = manager.explain(plan, expected_state_version=state_version)
             finally:
                 core.exit()
-            plan, evictions, explored = self._plan(request, outcome)
-            explanation = manager.explain(plan, expected_state_version=state_version)
-            if manager.state_version != state_version:
-                raise ResidencyStaleStateError(
-                    expected_version=state_version, actual_version=manager.state_version
-                )
             if not explanation.feasible:
                 raise ResidencyPlanError(explanation.reason or "the decided plan is infeasible")
             return ResidencyDecision(
@@ -495,6 +493,7 @@ class ResidencyUse:
         "_consumer_streams",
         "_controller",
         "_decision",
+        "_exited",
         "_scope",
         "_stack",
         "_state",
@@ -535,6 +534,7 @@ class ResidencyUse:
         self._scope: ResidencyScope | None = None
         self._stack: contextlib.ExitStack | None = None
         self._values: _UseValues | None = None
+        self._exited = False
         self._state = "new"
 
     @property
@@ -554,7 +554,10 @@ class ResidencyUse:
 
     @property
     def report(self) -> ResidencyPlanReport | None:
-        return None if self._scope is None else self._scope.report
+        """The scope's report after a successful entry and exit, otherwise None."""
+        if self._scope is None or not self._exited:
+            return None
+        return self._scope.report
 
     @property
     def exit_error(self) -> BaseException | None:
@@ -601,6 +604,8 @@ class ResidencyUse:
         self._state = "closed"
         stack, self._stack = self._stack, None
         try:
-            return bool(stack.__exit__(exc_type, exc, traceback))
+            suppressed = bool(stack.__exit__(exc_type, exc, traceback))
         finally:
             self._values = None
+        self._exited = True
+        return suppressed

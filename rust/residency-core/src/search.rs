@@ -253,6 +253,11 @@ enum Flow {
 }
 
 type Signature = (Vec<(usize, Vec<Location>)>, Vec<Books>);
+
+/// Stack growth for the recursive search: when less than the red zone is left, the
+/// next level runs on a fresh segment.
+const STACK_RED_ZONE: usize = 256 * 1024;
+const STACK_SEGMENT: usize = 16 * 1024 * 1024;
 /// `capacity_states` memo key: signature, destination, additional bytes, blocked
 /// registration indices, active `(registration index, location)` pairs.
 type CapacityKey = (Signature, Location, u64, Vec<u32>, Vec<(u32, Location)>);
@@ -655,6 +660,18 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     // ----- 7.5 search_request -------------------------------------------------------
 
     fn search_request(&mut self, state: &State) -> Result<(State, Vec<Planned>), SearchError> {
+        // Every level of the depth-first search explores at least one state, so a search
+        // can recurse as deep as its state limit: grow the stack on demand instead of
+        // overflowing it.
+        stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
+            self.search_request_inner(state)
+        })
+    }
+
+    fn search_request_inner(
+        &mut self,
+        state: &State,
+    ) -> Result<(State, Vec<Planned>), SearchError> {
         let key = self.signature(state);
         if self.failed_requests.contains(&key) {
             return Err(SearchError::Infeasible {
@@ -851,6 +868,20 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     }
 
     fn capacity_states(
+        &mut self,
+        state: State,
+        destination: Location,
+        additional: u64,
+        blocked: &[usize],
+        active: &[(usize, Location)],
+        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
+    ) -> Result<Flow, SearchError> {
+        stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
+            self.capacity_states_inner(state, destination, additional, blocked, active, visit)
+        })
+    }
+
+    fn capacity_states_inner(
         &mut self,
         state: State,
         destination: Location,
