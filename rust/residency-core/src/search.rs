@@ -727,9 +727,16 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .budgets
             .get(&capacity.location)
             .map_or_else(|| "None".to_owned(), u64::to_string);
+        let (protected_count, protected_bytes) = (0..self.values.len())
+            .filter_map(|value| self.mat_at(state, value, capacity.location))
+            .filter(|mat| !mat.unprotected())
+            .fold((0u64, 0u64), |(count, bytes), mat| {
+                (count + 1, bytes.saturating_add(mat.charged))
+            });
         let mut detail = format!(
             "capacity failure at {} for {} bytes ({}): budget={budget}, used={used}, \
-             reserved={reserved}",
+             reserved={reserved}, protected={protected_count} materialization(s) of \
+             {protected_bytes} bytes",
             capacity.location, capacity.nbytes, capacity.stage
         );
         if !notes.is_empty() {
