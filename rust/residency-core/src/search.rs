@@ -216,6 +216,31 @@ struct State {
     books: Vec<Books>,
     reclaim: Vector<Planned>,
     evictions: Vector<Eviction>,
+    /// Where the last failed simulation of an ancestor stopped, so a descendant whose
+    /// reclaims cannot have changed the simulated prefix resumes there (not part of
+    /// the memo signature).
+    resume: Option<Arc<Resume>>,
+    /// Values whose materialisations changed since `resume` was recorded.
+    touched: Vector<usize>,
+}
+
+/// A simulation prefix that succeeded before a capacity failure at `index`.
+#[derive(Debug)]
+struct Resume {
+    /// The requirement that failed.
+    index: usize,
+    /// Books before that requirement.
+    books: Vec<Books>,
+    /// Materialisations the prefix projected.
+    mats: Vec<(usize, Arc<Vec<MatInfo>>)>,
+    actions: Vec<Planned>,
+    /// Values the prefix read and locations whose capacity it checked: a reclaim that
+    /// touches such a value, or raises the charge at such a location, could change
+    /// the prefix, and then the request is simulated from the start.
+    values: HashSet<usize>,
+    locations: HashSet<Location>,
+    /// The books of the simulated state, to carry a descendant's reclaims over.
+    base_books: Vec<Books>,
 }
 
 /// A capacity failure in `simulate`.
@@ -253,6 +278,19 @@ enum Flow {
 }
 
 type Signature = (Vec<(usize, Vec<Location>)>, Vec<Books>);
+
+/// A resumed simulation: trial state, actions so far, the index to continue at, and
+/// the values read and locations checked so far.
+type Resumed = (
+    State,
+    Vec<Planned>,
+    usize,
+    HashSet<usize>,
+    HashSet<Location>,
+);
+
+/// A failed simulation: why, and where a descendant may resume it.
+type SimFailure = (SimError, Option<Box<Resume>>);
 
 /// Stack growth for the recursive search: when less than the red zone is left, the
 /// next level runs on a fresh segment.
@@ -322,6 +360,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             books: initial,
             reclaim: Vector::new(),
             evictions: Vector::new(),
+            resume: None,
+            touched: Vector::new(),
         };
         let (state, enter) = self.search_request(&state)?;
         Ok(SearchOutcome {
@@ -350,6 +390,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     fn set_mats(state: &mut State, value: usize, mats: Vec<MatInfo>) {
         state.changed.insert(value, Arc::new(mats));
+        state.touched.push_back(value);
     }
 
     fn add_mat(&self, state: &mut State, value: usize, mat: MatInfo) {
@@ -442,23 +483,130 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     // ----- 7.4 simulate -------------------------------------------------------------
 
-    fn simulate(&self, state: &State) -> Result<Vec<Planned>, SimError> {
-        let mut trial = state.clone();
-        for &(location, nbytes) in self.reservations {
-            if !self.fits(&trial, location, nbytes) {
-                return Err(SimError::Capacity(Capacity {
-                    location,
-                    nbytes,
-                    stage: "reservation",
-                }));
-            }
-            let books = Self::books_mut(&mut trial, location);
-            books.reserved = books.reserved.saturating_add(nbytes);
+    /// Where a descendant of a failed simulation can resume it, if its reclaims left
+    /// the simulated prefix unchanged: the trial state, emitted actions and index.
+    fn resumed(state: &State) -> Option<Resumed> {
+        let resume = state.resume.as_ref()?;
+        if state
+            .touched
+            .iter()
+            .any(|value| resume.values.contains(value))
+        {
+            return None;
         }
-        let mut actions = Vec::new();
-        for requirement in self.requirements {
+        let total = |books: &[Books], location: Location| {
+            books
+                .iter()
+                .find(|entry| entry.location == location)
+                .map_or(0u128, |entry| {
+                    u128::from(entry.used) + u128::from(entry.reserved)
+                })
+        };
+        if resume
+            .locations
+            .iter()
+            .any(|&location| total(&state.books, location) > total(&resume.base_books, location))
+        {
+            return None;
+        }
+        // Carry the descendant's reclaims (differences from the simulated state) over
+        // the books the prefix left.
+        let mut books: BTreeMap<Location, (i128, i128)> = BTreeMap::new();
+        for entry in &resume.books {
+            books.insert(
+                entry.location,
+                (i128::from(entry.used), i128::from(entry.reserved)),
+            );
+        }
+        for entry in &state.books {
+            let slot = books.entry(entry.location).or_insert((0, 0));
+            slot.0 += i128::from(entry.used);
+            slot.1 += i128::from(entry.reserved);
+        }
+        for entry in &resume.base_books {
+            let slot = books.entry(entry.location).or_insert((0, 0));
+            slot.0 -= i128::from(entry.used);
+            slot.1 -= i128::from(entry.reserved);
+        }
+        let clamp = |amount: i128| u64::try_from(amount.max(0)).unwrap_or(u64::MAX);
+        let mut trial = state.clone();
+        trial.books = books
+            .into_iter()
+            .map(|(location, (used, reserved))| Books {
+                location,
+                used: clamp(used),
+                reserved: clamp(reserved),
+            })
+            .collect();
+        for (value, mats) in &resume.mats {
+            trial.changed.insert(*value, Arc::clone(mats));
+        }
+        Some((
+            trial,
+            resume.actions.clone(),
+            resume.index,
+            resume.values.clone(),
+            resume.locations.clone(),
+        ))
+    }
+
+    #[allow(clippy::too_many_lines)] // Contract 7.4, step by step, in one place.
+    fn simulate(&self, state: &State) -> Result<Vec<Planned>, SimFailure> {
+        let (mut trial, mut actions, start, mut values, mut locations) =
+            if let Some(resumed) = Self::resumed(state) {
+                resumed
+            } else {
+                let mut trial = state.clone();
+                let mut locations = HashSet::new();
+                for &(location, nbytes) in self.reservations {
+                    if !self.fits(&trial, location, nbytes) {
+                        return Err((
+                            SimError::Capacity(Capacity {
+                                location,
+                                nbytes,
+                                stage: "reservation",
+                            }),
+                            None,
+                        ));
+                    }
+                    locations.insert(location);
+                    let books = Self::books_mut(&mut trial, location);
+                    books.reserved = books.reserved.saturating_add(nbytes);
+                }
+                (trial, Vec::new(), 0, HashSet::new(), locations)
+            };
+        for (index, requirement) in self.requirements.iter().enumerate().skip(start) {
             let (value, destination) = (requirement.value, requirement.location);
+            let before = trial.books.clone();
+            let failed = |capacity: Capacity,
+                          trial: &State,
+                          actions: &Vec<Planned>,
+                          values: &HashSet<usize>,
+                          locations: &HashSet<Location>| {
+                let mats = values
+                    .iter()
+                    .filter_map(|&known| {
+                        trial
+                            .changed
+                            .get(&known)
+                            .map(|mats| (known, Arc::clone(mats)))
+                    })
+                    .collect();
+                (
+                    SimError::Capacity(capacity),
+                    Some(Box::new(Resume {
+                        index,
+                        books: before.clone(),
+                        mats,
+                        actions: actions.clone(),
+                        values: values.clone(),
+                        locations: locations.clone(),
+                        base_books: state.books.clone(),
+                    })),
+                )
+            };
             if self.mat_at(&trial, value, destination).is_some() {
+                values.insert(value);
                 continue;
             }
             let info = &self.values[value];
@@ -468,16 +616,22 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 Some(mat) => (mat.location, false),
                 None => match info.source {
                     Some(location) => (location, true),
-                    None => return Err(SimError::Unavailable(value)),
+                    None => return Err((SimError::Unavailable(value), None)),
                 },
             };
             if temporary {
                 if !self.fits(&trial, source, charge) {
-                    return Err(SimError::Capacity(Capacity {
-                        location: source,
-                        nbytes: charge,
-                        stage: "source reconstruction",
-                    }));
+                    return Err(failed(
+                        Capacity {
+                            location: source,
+                            nbytes: charge,
+                            stage: "source reconstruction",
+                        },
+                        &trial,
+                        &actions,
+                        &values,
+                        &locations,
+                    ));
                 }
                 let books = Self::books_mut(&mut trial, source);
                 books.reserved = books.reserved.saturating_add(charge);
@@ -486,11 +640,22 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 }
             }
             if !self.fits(&trial, destination, charge) {
-                return Err(SimError::Capacity(Capacity {
-                    location: destination,
-                    nbytes: charge,
-                    stage: "materialization",
-                }));
+                return Err(failed(
+                    Capacity {
+                        location: destination,
+                        nbytes: charge,
+                        stage: "materialization",
+                    },
+                    &trial,
+                    &actions,
+                    &values,
+                    &locations,
+                ));
+            }
+            values.insert(value);
+            locations.insert(destination);
+            if temporary {
+                locations.insert(source);
             }
             let books = Self::books_mut(&mut trial, destination);
             books.used = books.used.saturating_add(charge);
@@ -679,10 +844,25 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             });
         }
         self.count()?;
-        let capacity = match self.simulate(state) {
+        let (capacity, resume) = match self.simulate(state) {
             Ok(actions) => return Ok((state.clone(), actions)),
-            Err(SimError::Unavailable(value)) => return Err(SearchError::Unavailable { value }),
-            Err(SimError::Capacity(capacity)) => capacity,
+            Err((SimError::Unavailable(value), _)) => {
+                return Err(SearchError::Unavailable { value });
+            }
+            Err((SimError::Capacity(capacity), resume)) => (capacity, resume),
+        };
+        // Descendants of this state resume the simulation where it failed when their
+        // reclaims cannot have changed what came before.
+        let resumable;
+        let state = if let Some(resume) = resume {
+            resumable = State {
+                resume: Some(Arc::from(resume)),
+                touched: Vector::new(),
+                ..state.clone()
+            };
+            &resumable
+        } else {
+            state
         };
         let mut candidates = self.candidates(state, capacity.location, &[])?;
         let mut notes: Vec<String> = Vec::new();
