@@ -1,0 +1,69 @@
+"""Telemetry failure never fails a plan (issue 7 item 4, contract 6.5): allocator
+sampling that raises at any point of a plan leaves the plan complete and its result
+exact, with just that reading recorded as unavailable (None)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fhelium.residency import (
+    PAGEABLE_HOST,
+    DropResident,
+    EnsureResident,
+    MoveResident,
+    ReplicaMode,
+    ResidencyManager,
+    cuda_location,
+)
+from fhelium.residency._runtime import SimulatedRuntime, use_runtime
+from fhelium.values import ResidentTensor
+
+CUDA0, CUDA1 = cuda_location("cuda:0"), cuda_location("cuda:1")
+
+
+class FlakyTelemetry(SimulatedRuntime):
+    """Raises from the `fail_at`-th allocator reading, once."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__(2)
+        self.fail_at = fail_at
+        self.readings = 0
+
+    def memory_allocated(self, device: torch.device) -> int | None:
+        self.readings += 1
+        if self.readings == self.fail_at:
+            raise RuntimeError("telemetry down")
+        return super().memory_allocated(device)
+
+
+# Four CUDA actions, each sampled before and after: eight readings.
+@pytest.mark.parametrize("fail_at", range(1, 9))
+def test_allocator_sampling_failures_never_fail_a_plan(fail_at: int) -> None:
+    runtime = FlakyTelemetry(fail_at)
+    with use_runtime(runtime):
+        manager = ResidencyManager()
+    value = manager.adopt(ResidentTensor(torch.arange(4.0)), replica_mode=ReplicaMode.REPLICABLE)
+    report = manager.execute_actions(
+        [
+            EnsureResident(value, CUDA0),
+            MoveResident(value, CUDA1, CUDA0),
+            EnsureResident(value, CUDA0),
+            DropResident(value, CUDA1),
+        ]
+    )
+    assert runtime.readings == 8
+    assert len(report.transitions) == 4
+    assert all(t.allocator_device is not None for t in report.transitions)
+    unavailable = [
+        t
+        for t in report.transitions
+        if t.allocator_allocated_bytes_before is None or t.allocator_allocated_bytes_after is None
+    ]
+    assert len(unavailable) == 1, "exactly the failed reading is unavailable"
+    snapshot = manager.snapshot()
+    (entry,) = snapshot.values
+    assert {m.location for m in entry.materializations} == {PAGEABLE_HOST, CUDA0}
+    used = {loc.location: loc.used_bytes for loc in snapshot.locations}
+    assert used == {PAGEABLE_HOST: 16, CUDA0: 16, CUDA1: 0}
+    manager.close()
