@@ -6,10 +6,23 @@
 //! fail too instead of blocking behind the callback. The lock never waits forever
 //! on a single condition: waiters wake at least every `poll` interval.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread::{self, ThreadId};
+use std::sync::PoisonError;
 use std::time::Duration;
+
+// Under `--cfg loom` the gate is built on loom's primitives, so its lock, flag and
+// wake-ups are model-checked (tests/loom_gate.rs); otherwise on std's.
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+#[cfg(loom)]
+use loom::sync::{Condvar, Mutex, MutexGuard};
+#[cfg(loom)]
+use loom::thread::{self, ThreadId};
+#[cfg(not(loom))]
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+#[cfg(not(loom))]
+use std::sync::{Condvar, Mutex, MutexGuard};
+#[cfg(not(loom))]
+use std::thread::{self, ThreadId};
 
 use crate::error::{CoreError, CoreResult};
 
@@ -179,14 +192,19 @@ impl Gate {
     /// waiters fail immediately instead of after their next poll.
     pub fn set_callback_active(&self, active: bool) {
         self.callback_active.store(active, Ordering::Release);
-        if active && self.waiters.load(Ordering::SeqCst) > 0 {
+        if active {
+            // Read the waiter count under the state mutex: a waiter checks the flag and
+            // registers itself under that mutex, so it either sees the flag or is
+            // counted here and woken (no lost wake-up, even without the poll).
             let _state = self.lock();
-            self.released.notify_all();
+            if self.waiters.load(Ordering::SeqCst) > 0 {
+                self.released.notify_all();
+            }
         }
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::Arc;
