@@ -111,6 +111,7 @@ def call(entry: str, fn: Callable[[], Any], *, key_error: bool = False,
 RUNTIME = SimulatedRuntime(device_count=2, auto_complete=True)
 OTHER_RUNTIME = SimulatedRuntime(device_count=2, auto_complete=True)
 NB = 16  # bytes of a 4-float value
+U64_MAX = 2**64 - 1
 
 
 class _Weird:
@@ -398,7 +399,9 @@ class World:
         return st.one_of(self.handles(), self.handles(), anything)
 
     def many(self) -> st.SearchStrategy[Any]:
-        return st.one_of(st.lists(self.handle_ish(), max_size=3),
+        resident = st.lists(st.sampled_from([self.must, self.good_src]), min_size=1,
+                            max_size=2)
+        return st.one_of(resident, resident, st.lists(self.handle_ish(), max_size=3),
                          st.lists(self.handles(), min_size=1, max_size=3), anything)
 
     def actions(self) -> st.SearchStrategy[Any]:
@@ -545,8 +548,11 @@ def manager_ops(world: World, data: Any) -> None:
                 call("scope.close", scope.close)
     elif op == "acquire":
         handles = d(world.many())
-        lease = world.keep(call("acquire", lambda: m.acquire(
-            handles, at=d(loc_ish), consumer_stream=d(stream_ish))))
+        at = d(st.one_of(st.sampled_from([PAGEABLE_HOST, CUDA0]), loc_ish))
+        stream = d(st.one_of(st.just(SimulatedStream(RUNTIME, torch.device("cuda", 0))),
+                             stream_ish))
+        lease = world.keep(call("acquire", lambda: m.acquire(handles, at=at,
+                                                             consumer_stream=stream)))
         if lease is not None:
             values = call("lease.values", lambda: lease.values)
             if values is not None:
@@ -555,7 +561,8 @@ def manager_ops(world: World, data: Any) -> None:
             call("lease.add_consumer_stream", lambda: lease.add_consumer_stream(d(stream_ish)))
             call("lease.release", lambda: lease.release(wait=d(st.booleans())))
     elif op == "hold":
-        hold = world.keep(call("hold", lambda: m.hold(d(world.many()), at=d(loc_ish))))
+        at = d(st.one_of(st.sampled_from([PAGEABLE_HOST, CUDA0]), loc_ish))
+        hold = world.keep(call("hold", lambda: m.hold(d(world.many()), at=at)))
         if hold is not None:
             call("hold.release", hold.release)
     elif op == "reserve":
@@ -656,7 +663,9 @@ def test_controller_rejects_bad_input_cleanly(data: Any) -> None:
             st.builds(lambda pairs, res: R.ResidencyRequest(
                 "req", [R.ResidencyRequirement(h, loc) for h, loc in dict(pairs).items()], res),
                 st.lists(st.tuples(world.handles(), loc_valid), min_size=1, max_size=3),
-                st.lists(st.builds(R.MemoryReservation, loc_valid, st.integers(0, 2**70),
+                # NARROWED: nbytes >= 2**64 makes decide() raise OverflowError (see
+                # test_decide_with_a_reservation_of_2_pow_64_bytes_is_refused_cleanly below)
+                st.lists(st.builds(R.MemoryReservation, loc_valid, st.integers(0, U64_MAX),
                                    st.just("r")), max_size=2)),
             anything,
         )
@@ -691,6 +700,61 @@ def test_controller_rejects_bad_input_cleanly(data: Any) -> None:
                         call("use.__exit__", lambda: use.__exit__(None, None, None))
     finally:
         world.finish()
+
+
+# --------------------------------------------------------------------------------------------
+# Reproducers of implementation bugs found by this module (excluded from the strategies above)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: decide() leaks OverflowError for nbytes >= 2**64",
+                   raises=AssertionError)
+def test_decide_with_a_reservation_of_2_pow_64_bytes_is_refused_cleanly() -> None:
+    """Contract 7.3/7.4 + section 0: a request reservation of >= 2**64 bytes must give a
+    `ResidencyPlanError` (budgeted: capacity failure) or a clean `ValueError` (like `reserve`,
+    which refuses nbytes > 2**64 - 1 with `ValueError`), never `OverflowError`."""
+    manager = R.ResidencyManager({PAGEABLE_HOST: 64})
+    try:
+        handle = manager.adopt(tensor_value(4))
+        controller = R.ResidencyController(manager)
+        request = R.ResidencyRequest(
+            "req", [R.ResidencyRequirement(handle, PAGEABLE_HOST)],
+            [R.MemoryReservation(PAGEABLE_HOST, 2**64, "r")],
+        )
+        call("decide(2**64 reservation)", lambda: controller.decide(request))
+    finally:
+        manager.close(force=True)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: reserved_bytes saturates at 2**64 - 1",
+                   raises=AssertionError)
+def test_reserved_bytes_never_saturate_on_an_unbudgeted_location() -> None:
+    """Contract 3.17 step 6 / 6.4: `reserved_bytes` is the sum of the listed reservations.
+
+    Two reservations of 2**64 - 1 bytes at an unbudgeted location are both accepted, but
+    `reserved_bytes` stays at 2**64 - 1 (saturated), and after releasing one of them it is 0
+    while the other (2**64 - 1 bytes) is still listed. Either the sum must be exact or the
+    second `reserve` must be refused (e.g. `ValueError`, as for nbytes > 2**64 - 1)."""
+    manager = R.ResidencyManager()
+    try:
+        first = second = None
+        first = manager.reserve(PAGEABLE_HOST, U64_MAX, label="a")
+        with pytest.raises((ValueError, ResidencyError)):
+            second = manager.reserve(PAGEABLE_HOST, U64_MAX, label="b")
+            snap = manager.snapshot()
+            listed = sum(r.nbytes for r in snap.reservations)
+            entry = next(e for e in snap.locations if e.location == PAGEABLE_HOST)
+            assert entry.reserved_bytes == listed, (entry.reserved_bytes, listed)
+            second.release()
+            snap = manager.snapshot()
+            entry = next(e for e in snap.locations if e.location == PAGEABLE_HOST)
+            assert entry.reserved_bytes == U64_MAX, entry.reserved_bytes
+            raise ValueError("consistent books: exact arithmetic is fine too")
+    finally:
+        for lifetime in (first, second):
+            if lifetime is not None:
+                lifetime.release()
+        manager.close(force=True)
 
 
 # --------------------------------------------------------------------------------------------

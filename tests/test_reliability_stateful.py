@@ -300,8 +300,8 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.manager: ResidencyManager | None = None
         self.model: Model | None = None
         self.version = 0
-        self.leases: list[tuple[Any, list[MValue], Loc]] = []
-        self.holds: list[tuple[Any, list[MValue], Loc]] = []
+        self.leases: list[tuple[Any, list[Any], Loc]] = []
+        self.holds: list[tuple[Any, list[Any], Loc]] = []
         self.reservations: list[tuple[Any, Loc, int]] = []
         self.scopes: list[tuple[Any, Any, list[tuple[Loc, int]]]] = []
 
@@ -526,11 +526,7 @@ class ResidencyMachine(RuleBasedStateMachine):
             v = self.pick(index)
             if v not in chosen:
                 chosen.append(v)
-        failure: Failure | None = None
-        if any(v.discarded for v in chosen):
-            failure = Failure(ResidencyHandleError)
-        elif any(loc not in v.mats for v in chosen):
-            failure = Failure(ResidencyUnavailableError)
+        failure = self._lifetime_failure(chosen, loc)
         stream = self.streams.get(loc)
         lease = self.attempt(
             failure,
@@ -540,16 +536,27 @@ class ResidencyMachine(RuleBasedStateMachine):
         if lease is not None:
             assert lease.active
             values = lease.values
-            assert [values[v.handle] is not None for v in chosen]
+            assert all(values[v.handle] is not None for v in chosen)
             for v in chosen:
                 v.uses[loc] += 1
-            self.leases.append((lease, chosen, loc))
+            self.leases.append((lease, [v.handle for v in chosen], loc))
+
+    @staticmethod
+    def _lifetime_failure(chosen: list[MValue], loc: Loc) -> Failure | None:
+        """Handles are checked in order: discarded, then not resident (3.17 step 6)."""
+        for v in chosen:
+            if v.discarded:
+                return Failure(ResidencyHandleError)
+            if loc not in v.mats:
+                return Failure(ResidencyUnavailableError)
+        return None
 
     def _release_lease(self, i: int, wait: bool) -> None:
         lease, chosen, loc = self.leases.pop(i)
         lease.release(wait=wait)
         assert not lease.active
-        for v in chosen:
+        for handle in chosen:
+            v = self.md.value_of(handle)
             v.uses[loc] -= 1
             if loc.device.type == "cuda" and not wait:
                 v.pending[loc] += 1
@@ -574,18 +581,14 @@ class ResidencyMachine(RuleBasedStateMachine):
             v = self.pick(index)
             if v not in chosen:
                 chosen.append(v)
-        failure: Failure | None = None
-        if any(v.discarded for v in chosen):
-            failure = Failure(ResidencyHandleError)
-        elif any(loc not in v.mats for v in chosen):
-            failure = Failure(ResidencyUnavailableError)
+        failure = self._lifetime_failure(chosen, loc)
         held = self.attempt(
             failure, f"hold at {loc}", lambda: self.m.hold([v.handle for v in chosen], at=loc)
         )
         if held is not None:
             for v in chosen:
                 v.holds[loc] += 1
-            self.holds.append((held, chosen, loc))
+            self.holds.append((held, [v.handle for v in chosen], loc))
 
     @precondition(lambda self: bool(self.holds))
     @rule(index=indices)
@@ -593,8 +596,8 @@ class ResidencyMachine(RuleBasedStateMachine):
         held, chosen, loc = self.holds.pop(index % len(self.holds))
         held.release()
         assert not held.active
-        for v in chosen:
-            v.holds[loc] -= 1
+        for handle in chosen:
+            self.md.value_of(handle).holds[loc] -= 1
 
     @rule(loc=locations, nbytes=st.sampled_from([0, 4, 8, 16, 32]))
     def reserve(self, loc: Loc, nbytes: int) -> None:
