@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -93,7 +93,8 @@ BUDGET_CONFIGS: tuple[dict[Loc, int], ...] = (
     {CUDA0: 32, CUDA1: 16, PINNED_HOST: 24},
 )
 
-MAX_VALUES = 6
+MAX_LIVE = 5
+MAX_VALUES = 10
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,10 +122,17 @@ class MValue:
 class Failure(Exception):
     """A model-predicted failure: `allowed` are the acceptable exception types."""
 
-    def __init__(self, *allowed: type[BaseException], location: Loc | None = None) -> None:
+    def __init__(
+        self,
+        *allowed: type[BaseException],
+        location: Loc | None = None,
+        budget: tuple[int, int, int, int] | None = None,
+    ) -> None:
         super().__init__(allowed)
         self.allowed = allowed
         self.location = location
+        # (budget_bytes, used_bytes, reserved_bytes, requested_bytes) of a budget refusal
+        self.budget = budget
 
 
 class Model:
@@ -141,7 +149,8 @@ class Model:
     def check_fits(self, loc: Loc, nbytes: int) -> None:
         budget = self.budgets.get(loc)
         if budget is not None and self.used[loc] + self.reserved[loc] + nbytes > budget:
-            raise Failure(ResidencyBudgetError, location=loc)
+            numbers = (budget, self.used[loc], self.reserved[loc], nbytes)
+            raise Failure(ResidencyBudgetError, location=loc, budget=numbers)
 
     def install(self, v: MValue, loc: Loc) -> None:
         self.check_fits(loc, v.charge)
@@ -265,14 +274,12 @@ locations = st.sampled_from(ALL_LOCATIONS)
 maybe_location = st.one_of(st.none(), locations)
 indices = st.integers(min_value=0, max_value=31)
 action_specs = st.tuples(
-    st.sampled_from(["ensure", "move", "move-from", "drop", "discard"]),
+    st.sampled_from(["ensure"] * 3 + ["move"] * 2 + ["move-from", "drop", "drop", "discard"]),
     indices,
     locations,
     locations,
 )
-small_reservations = st.lists(
-    st.tuples(locations, st.sampled_from([0, 4, 8, 16])), max_size=2
-)
+small_reservations = st.lists(st.tuples(locations, st.sampled_from([0, 4, 8, 16])), max_size=2)
 
 
 def expect(failure: Failure | None, exc: BaseException | None, what: str) -> None:
@@ -283,6 +290,9 @@ def expect(failure: Failure | None, exc: BaseException | None, what: str) -> Non
     assert isinstance(exc, failure.allowed), f"{what}: {exc!r}, expected {failure.allowed}"
     if failure.location is not None and isinstance(exc, ResidencyBudgetError):
         assert exc.location == failure.location.name, (exc.location, failure.location)
+    if failure.budget is not None and isinstance(exc, ResidencyBudgetError):
+        actual = (exc.budget_bytes, exc.used_bytes, exc.reserved_bytes, exc.requested_bytes)
+        assert actual == failure.budget, (what, actual, failure.budget)
 
 
 class ResidencyMachine(RuleBasedStateMachine):
@@ -328,11 +338,18 @@ class ResidencyMachine(RuleBasedStateMachine):
         return [v for v in self.md.values if not v.discarded]
 
     def attempt(self, failure: Failure | None, what: str, fn: Any) -> Any:
+        kind = what.split("(", maxsplit=1)[0].split(" ", maxsplit=1)[0]
+        # No lease is reapable between steps (events complete only in `complete_events`,
+        # which reaps at once), so a refused operation must not advance the version.
+        before = self.m.state_version
         try:
             result = fn()
         except ResidencyError as exc:
+            event(f"{kind}: {type(exc).__name__}")
             expect(failure, exc, what)
+            assert self.m.state_version == before, f"{what}: refused, but the version advanced"
             return None
+        event(f"{kind}: ok")
         expect(failure, None, what)
         return result
 
@@ -361,10 +378,13 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.manager = ResidencyManager(budgets, trace_capacity=16)
         self.model = Model(budgets)
         self.controller = ResidencyController(self.manager, search_state_limit=500)
+        # Start with one adopted and one source-backed value so every rule has a target.
+        self.adopt(PAGEABLE_HOST, 1, exclusive=False)
+        self.register_source(CUDA0, 2, exclusive=True)
 
     # --- values ----------------------------------------------------------------------------
-    @precondition(lambda self: len(self.md.values) < MAX_VALUES)
-    @rule(loc=locations, n=st.sampled_from([1, 2, 4]), exclusive=st.booleans())
+    @precondition(lambda self: len(self.live()) < MAX_LIVE and len(self.md.values) < MAX_VALUES)
+    @rule(loc=locations, n=st.sampled_from([1, 2, 4, 8]), exclusive=st.booleans())
     def adopt(self, loc: Loc, n: int, exclusive: bool) -> None:
         mode = EXCLUSIVE if exclusive else REPLICABLE
         value = on(self.runtime, loc, tensor_value(n))
@@ -383,8 +403,8 @@ class ResidencyMachine(RuleBasedStateMachine):
             trial.values.append(mv)
             self.model = trial
 
-    @precondition(lambda self: len(self.md.values) < MAX_VALUES)
-    @rule(loc=locations, n=st.sampled_from([1, 2, 4]), exclusive=st.booleans())
+    @precondition(lambda self: len(self.live()) < MAX_LIVE and len(self.md.values) < MAX_VALUES)
+    @rule(loc=locations, n=st.sampled_from([1, 2, 4, 8]), exclusive=st.booleans())
     def register_source(self, loc: Loc, n: int, exclusive: bool) -> None:
         mode = EXCLUSIVE if exclusive else REPLICABLE
         source = Source(sim_factory(self.runtime, loc, n))
@@ -392,9 +412,15 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.md.values.append(MValue(handle, 4 * n, exclusive, loc, False))
 
     # --- direct primitives -----------------------------------------------------------------
-    @precondition(lambda self: bool(self.md.values))
     @rule(
-        op=st.sampled_from(["ensure", "copy", "move", "move-from", "drop", "discard"]),
+        op=st.sampled_from(
+            ["ensure"] * 3
+            + ["copy"]
+            + ["move"] * 2
+            + ["move-from"] * 2
+            + ["drop"] * 2
+            + ["discard"]
+        ),
         index=indices,
         loc=locations,
         other=locations,
@@ -440,7 +466,6 @@ class ResidencyMachine(RuleBasedStateMachine):
             self.model = trial
 
     # --- plans -----------------------------------------------------------------------------
-    @precondition(lambda self: bool(self.md.values))
     @rule(specs=st.lists(action_specs, max_size=4))
     def execute_actions(self, specs: list[tuple[str, int, Loc, Loc]]) -> None:
         actions = self.build_actions(specs)
@@ -450,13 +475,16 @@ class ResidencyMachine(RuleBasedStateMachine):
             trial.run_plan((), actions)
         except Failure:
             failure = Failure(ResidencyPlanError)
-        report = self.attempt(failure, f"execute_actions({actions})",
-                              lambda: self.m.execute_actions(actions, name="random"))
+        report = self.attempt(
+            failure,
+            f"execute_actions({actions})",
+            lambda: self.m.execute_actions(actions, name="random"),
+        )
         if failure is None:
             assert len(report.transitions) == len(actions)
             self.model = trial
 
-    @precondition(lambda self: bool(self.md.values) and len(self.scopes) < 3)
+    @precondition(lambda self: len(self.scopes) < 3)
     @rule(
         enter=st.lists(action_specs, max_size=3),
         exit_=st.lists(action_specs, max_size=2),
@@ -507,25 +535,25 @@ class ResidencyMachine(RuleBasedStateMachine):
             assert exc.phase == "exit"
             assert exc.failed_action_index == failed_index
             assert scope.exit_error is exc
+            event("scope exit: ResidencyPlanExecutionError")
         else:
             assert failed_index is None, f"scope exit succeeded, model failed at {failed_index}"
             assert scope.report is not None
+            event("scope exit: ok")
         self.model = trial
 
-    @precondition(lambda self: bool(self.scopes))
     @rule(index=indices)
     def scope_exit(self, index: int) -> None:
+        if not self.scopes:
+            return
         self._close_scope(index % len(self.scopes))
 
     # --- lifetimes ---------------------------------------------------------------------------
-    @precondition(lambda self: bool(self.md.values))
-    @rule(picks=st.lists(indices, min_size=1, max_size=2), loc=locations)
-    def acquire(self, picks: list[int], loc: Loc) -> None:
-        chosen: list[MValue] = []
-        for index in picks:
-            v = self.pick(index)
-            if v not in chosen:
-                chosen.append(v)
+    @rule(picks=st.lists(indices, min_size=1, max_size=2), loc=locations, resident=st.booleans())
+    def acquire(self, picks: list[int], loc: Loc, resident: bool) -> None:
+        chosen = self.choose(picks)
+        if resident and chosen[0].mats:  # aim at a location the first value occupies
+            loc = sorted(chosen[0].mats, key=canonical_key)[picks[0] % len(chosen[0].mats)]
         failure = self._lifetime_failure(chosen, loc)
         stream = self.streams.get(loc)
         lease = self.attempt(
@@ -540,6 +568,14 @@ class ResidencyMachine(RuleBasedStateMachine):
             for v in chosen:
                 v.uses[loc] += 1
             self.leases.append((lease, [v.handle for v in chosen], loc))
+
+    def choose(self, picks: list[int]) -> list[MValue]:
+        chosen: list[MValue] = []
+        for index in picks:
+            v = self.pick(index)
+            if all(v is not c for c in chosen):
+                chosen.append(v)
+        return chosen
 
     @staticmethod
     def _lifetime_failure(chosen: list[MValue], loc: Loc) -> Failure | None:
@@ -561,9 +597,10 @@ class ResidencyMachine(RuleBasedStateMachine):
             if loc.device.type == "cuda" and not wait:
                 v.pending[loc] += 1
 
-    @precondition(lambda self: bool(self.leases))
     @rule(index=indices, wait=st.booleans())
     def release_lease(self, index: int, wait: bool) -> None:
+        if not self.leases:
+            return
         self._release_lease(index % len(self.leases), wait)
 
     @rule()
@@ -573,14 +610,11 @@ class ResidencyMachine(RuleBasedStateMachine):
         for v in self.md.values:
             v.pending.clear()
 
-    @precondition(lambda self: bool(self.md.values))
-    @rule(picks=st.lists(indices, min_size=1, max_size=2), loc=locations)
-    def hold(self, picks: list[int], loc: Loc) -> None:
-        chosen: list[MValue] = []
-        for index in picks:
-            v = self.pick(index)
-            if v not in chosen:
-                chosen.append(v)
+    @rule(picks=st.lists(indices, min_size=1, max_size=2), loc=locations, resident=st.booleans())
+    def hold(self, picks: list[int], loc: Loc, resident: bool) -> None:
+        chosen = self.choose(picks)
+        if resident and chosen[0].mats:  # aim at a location the first value occupies
+            loc = sorted(chosen[0].mats, key=canonical_key)[picks[0] % len(chosen[0].mats)]
         failure = self._lifetime_failure(chosen, loc)
         held = self.attempt(
             failure, f"hold at {loc}", lambda: self.m.hold([v.handle for v in chosen], at=loc)
@@ -590,9 +624,10 @@ class ResidencyMachine(RuleBasedStateMachine):
                 v.holds[loc] += 1
             self.holds.append((held, [v.handle for v in chosen], loc))
 
-    @precondition(lambda self: bool(self.holds))
     @rule(index=indices)
     def release_hold(self, index: int) -> None:
+        if not self.holds:
+            return
         held, chosen, loc = self.holds.pop(index % len(self.holds))
         held.release()
         assert not held.active
@@ -613,9 +648,10 @@ class ResidencyMachine(RuleBasedStateMachine):
             self.md.reserve(loc, nbytes)
             self.reservations.append((res, loc, nbytes))
 
-    @precondition(lambda self: bool(self.reservations))
     @rule(index=indices)
     def release_reservation(self, index: int) -> None:
+        if not self.reservations:
+            return
         res, loc, nbytes = self.reservations.pop(index % len(self.reservations))
         res.release()
         assert not res.active
@@ -661,7 +697,6 @@ class ResidencyMachine(RuleBasedStateMachine):
             assert req.location in trial.value_of(req.handle).mats, (req, plan)
         return trial
 
-    @precondition(lambda self: bool(self.md.values))
     @rule(
         picks=st.lists(st.tuples(indices, locations), min_size=1, max_size=3),
         reservations=small_reservations,
@@ -670,20 +705,25 @@ class ResidencyMachine(RuleBasedStateMachine):
         self, picks: list[tuple[int, Loc]], reservations: list[tuple[Loc, int]]
     ) -> None:
         request, failure = self._request(picks, reservations)
+        before = self.m.state_version
         try:
             decision = self.controller.decide(request)
         except (ResidencyPlanError, ResidencySearchLimitError) as exc:
             # Infeasible (or too large a search): allowed unless the model predicted another
             # specific refusal.
             assert failure is None, (exc, failure)
+            event(f"decide: {type(exc).__name__}")
             return
         except ResidencyError as exc:
+            event(f"decide: {type(exc).__name__}")
             expect(failure, exc, "decide")
             return
+        finally:
+            assert self.m.state_version == before, "decide advanced the version"
         expect(failure, None, "decide")
+        event(f"decide: ok ({len(decision.plan.reclaim)} reclaim)")
         self._check_decision(decision)
 
-    @precondition(lambda self: bool(self.md.values))
     @rule(
         picks=st.lists(st.tuples(indices, locations), min_size=1, max_size=3),
         reservations=small_reservations,
@@ -695,19 +735,25 @@ class ResidencyMachine(RuleBasedStateMachine):
         cuda_locs = {r.location for r in request.requirements if r.location.device.type == "cuda"}
         consumer = {loc: self.streams[loc] for loc in cuda_locs}
         use = self.controller.use(request, consumer_streams=consumer)
+        before = self.m.state_version
         try:
             use.__enter__()
         except (ResidencyPlanError, ResidencySearchLimitError) as exc:
             assert failure is None, (exc, failure)
+            event(f"use: {type(exc).__name__}")
             with pytest.raises(RuntimeError):
                 _ = use.decision  # entry failed in decide: nothing happened
+            assert self.m.state_version == before
             return
         except ResidencyError as exc:
+            event(f"use: {type(exc).__name__}")
             expect(failure, exc, "use")
             with pytest.raises(RuntimeError):
                 _ = use.decision
+            assert self.m.state_version == before
             return
         expect(failure, None, "use")
+        event(f"use: ok ({len(use.decision.plan.reclaim)} reclaim)")
         trial = self._check_decision(use.decision)
         for req in request.requirements:
             trial.value_of(req.handle).uses[req.location] += 1
@@ -750,7 +796,12 @@ class ResidencyMachine(RuleBasedStateMachine):
                 charges[loc] += mat.charged_nbytes
                 counts = (mat.use_count, mat.hold_count, mat.pending_event_count)
                 assert counts == (v.uses[loc], v.holds[loc], v.pending[loc]), (
-                    v.handle.handle_id, loc, counts, v.uses[loc], v.holds[loc], v.pending[loc]
+                    v.handle.handle_id,
+                    loc,
+                    counts,
+                    v.uses[loc],
+                    v.holds[loc],
+                    v.pending[loc],
                 )
                 total = tokens.setdefault(loc, [0, 0, 0])
                 for k in range(3):

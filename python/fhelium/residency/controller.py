@@ -31,7 +31,12 @@ from fhelium.residency._validation import (
 )
 from fhelium.residency.lease import BorrowedValues, ResidencyLease
 from fhelium.residency.location import ResidencyLocation
-from fhelium.residency.manager import ResidencyManager, ResidencyScope, _location_of
+from fhelium.residency.manager import (
+    ResidencyManager,
+    ResidencyScope,
+    _byte_count,
+    _location_of,
+)
 from fhelium.residency.model import ReplicaMode, ResidencyHandle
 from fhelium.residency.plan import DropResident, EnsureResident, MoveResident, ResidencyPlan
 from fhelium.residency.policy import (
@@ -272,7 +277,10 @@ class ResidencyController:
     def _search(self, request: ResidencyRequest, rows: list[tuple[int, int]]) -> Any:
         manager = self._manager
         reservations = [
-            (_lowering.location_code(reservation.location), reservation.nbytes)
+            (
+                _lowering.location_code(reservation.location),
+                _byte_count(reservation.nbytes, f"reservation {reservation.label!r}"),
+            )
             for reservation in request.reservations
         ]
         policy = self._policy

@@ -119,8 +119,18 @@ impl LocationState {
         self.used_bytes.saturating_add(self.reserved_bytes)
     }
 
-    /// The strict admission rule: `used + reserved + incoming <= budget`.
+    /// The strict admission rule: `used + reserved + incoming <= budget`. Unbudgeted
+    /// locations admit anything the books can still count exactly (2**64 - 1 bytes).
     pub fn admit(&self, incoming: u64) -> CoreResult<()> {
+        if u128::from(self.charged_bytes()) + u128::from(incoming) > u128::from(u64::MAX) {
+            return Err(CoreError::InvalidArgument {
+                message: format!(
+                    "admitting {incoming} more bytes at {} would exceed the 2**64 - 1 bytes \
+                     the books can count exactly (used {}, reserved {})",
+                    self.location, self.used_bytes, self.reserved_bytes
+                ),
+            });
+        }
         match self.budget_bytes {
             Some(budget)
                 if u128::from(self.charged_bytes()) + u128::from(incoming) > u128::from(budget) =>
