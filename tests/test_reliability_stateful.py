@@ -843,7 +843,7 @@ class ResidencyMachine(RuleBasedStateMachine):
 
 
 ResidencyMachine.TestCase.settings = settings(
-    max_examples=50,
+    max_examples=100,
     stateful_step_count=200,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
