@@ -1,0 +1,106 @@
+"""Ready-made reconstruction sources: values that can always be rebuilt from disk.
+
+`SafetensorsSource` loads named tensors from a safetensors file into a new value each
+time the manager asks, so a value backed by it can lose its last in-memory copy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from fhelium.residency.model import Recoverability, ReplicaMode, ResidencyValueSpec
+from fhelium.values.tensor_resident import ResidentTensor, TensorBundle, TensorResident
+
+__all__ = ["SafetensorsSource"]
+
+ValueT = TypeVar("ValueT", bound=TensorResident)
+
+
+class SafetensorsSource(Generic[ValueT]):
+    """Loads `keys` from the safetensors file at `path` (pageable host memory).
+
+    One key gives a `ResidentTensor`; several give a `TensorBundle` named by key.
+    `spec()` measures the file's header, so registering costs no tensor load.
+    """
+
+    __slots__ = ("_keys", "_path")
+
+    def __init__(self, path: str | os.PathLike[str], keys: str | Sequence[str]) -> None:
+        self._path = Path(path)
+        names = (keys,) if isinstance(keys, str) else tuple(keys)
+        if not names:
+            raise ValueError("SafetensorsSource needs at least one tensor key")
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"tensor keys must be non-empty str, got {name!r}")
+        self._keys = names
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self._keys
+
+    def _read(self) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        with safe_open(str(self._path), framework="pt", device="cpu") as handle:
+            return {name: handle.get_tensor(name) for name in self._keys}
+
+    def load(self) -> ValueT:
+        tensors = self._read()
+        if len(self._keys) == 1:
+            return ResidentTensor(tensors[self._keys[0]])  # type: ignore[return-value]
+        return TensorBundle(tensors)  # type: ignore[return-value]
+
+    def spec(
+        self, *, replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE
+    ) -> ResidencyValueSpec[ValueT]:
+        """The value's spec, from the file's header (no tensor data is read)."""
+        from safetensors import safe_open
+
+        logical = 0
+        with safe_open(str(self._path), framework="pt", device="cpu") as handle:
+            for name in self._keys:
+                sliced = handle.get_slice(name)
+                count = 1
+                for extent in sliced.get_shape():
+                    count *= extent
+                logical += count * _dtype_size(sliced.get_dtype())
+        value_type: type[Any] = ResidentTensor if len(self._keys) == 1 else TensorBundle
+        return ResidencyValueSpec(
+            value_type, logical, logical, replica_mode, Recoverability.RECONSTRUCTIBLE
+        )
+
+    def __repr__(self) -> str:
+        return f"SafetensorsSource({str(self._path)!r}, {list(self._keys)!r})"
+
+
+_DTYPE_SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+
+
+def _dtype_size(name: str) -> int:
+    try:
+        return _DTYPE_SIZES[name]
+    except KeyError:
+        raise ValueError(f"unsupported safetensors dtype {name!r}") from None
