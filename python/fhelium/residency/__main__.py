@@ -131,9 +131,7 @@ def run_demo(
             compute_device
         )
         on_gpu = compute_device.type == "cuda"
-        samples: list[tuple[int, ResidencySnapshot[Any]]] = [
-            (time.time_ns(), manager.snapshot())
-        ]
+        samples: list[tuple[int, ResidencySnapshot[Any]]] = [(time.time_ns(), manager.snapshot())]
         plans: list[ResidencyPlanReport] = []
         evictions = 0
         checksum = 0.0

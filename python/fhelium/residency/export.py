@@ -1,0 +1,382 @@
+"""Export residency observations: Chrome/Perfetto trace events and memory plots.
+
+`trace_events` turns transition reports, plan reports and timed snapshots into the
+Chrome trace-event JSON object (load it in ``chrome://tracing`` or ui.perfetto.dev);
+`write_trace` writes it to a file. `plot_memory` draws per-location memory over time
+into a PNG; it needs matplotlib (the ``plot`` extra).
+"""
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
+from fhelium.residency.plan import DiscardValue, DropResident, EnsureResident, MoveResident
+from fhelium.residency.snapshot import (
+    ResidencyPlanReport,
+    ResidencySnapshot,
+    ResidencyTransitionReport,
+)
+
+__all__ = ["plot_memory", "trace_events", "write_trace"]
+
+_PID: Final = 1
+# Fixed track ids, so the same location gets the same track in every trace.
+_PAGEABLE_TID: Final = 1
+_PINNED_TID: Final = 2
+_CUDA_TID_BASE: Final = 16
+_PLANS_TID: Final = 1000
+_DISCARDS_TID: Final = 1001
+_PLANS_TRACK: Final = "plans"
+_DISCARDS_TRACK: Final = "discards"
+_MIB: Final = float(1 << 20)
+_PLOT_EXTRA_HINT: Final = (
+    "plot_memory needs matplotlib, which is an optional dependency; install the plot extra: "
+    "pip install 'fhelium-residency[plot]'"
+)
+
+_Event = dict[str, object]
+_Sample = tuple[int, ResidencySnapshot[Any]]
+
+
+def _location_tid(location: ResidencyLocation) -> int:
+    if location == PAGEABLE_HOST:
+        return _PAGEABLE_TID
+    if location == PINNED_HOST:
+        return _PINNED_TID
+    index = location.device.index
+    return _CUDA_TID_BASE + (0 if index is None else index)
+
+
+def _location_order(location: ResidencyLocation) -> tuple[int, str]:
+    return (_location_tid(location), location.name)
+
+
+def _action_kind(report: ResidencyTransitionReport) -> str:
+    action = report.action
+    if isinstance(action, EnsureResident):
+        return "ensure"
+    if isinstance(action, MoveResident):
+        return "move"
+    if isinstance(action, DropResident):
+        return "drop"
+    if isinstance(action, DiscardValue):
+        return "discard"
+    raise TypeError(f"unsupported action {type(action).__name__}")  # pragma: no cover
+
+
+def _format_bytes(nbytes: int) -> str:
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    value = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024.0
+        if value < 1024.0 or unit == "PiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _location_name(location: ResidencyLocation | None) -> str | None:
+    return None if location is None else location.name
+
+
+def _check_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _collect_samples(samples: Iterable[tuple[int, ResidencySnapshot[Any]]]) -> list[_Sample]:
+    collected: list[_Sample] = []
+    for index, sample in enumerate(samples):
+        if not isinstance(sample, tuple) or len(sample) != 2:
+            raise TypeError(f"samples[{index}] must be a (time_ns, snapshot) pair, got {sample!r}")
+        time_ns, snapshot = sample
+        _check_int(time_ns, f"samples[{index}] time_ns")
+        if not isinstance(snapshot, ResidencySnapshot):
+            raise TypeError(
+                f"samples[{index}] snapshot must be a ResidencySnapshot, "
+                f"got {type(snapshot).__name__}"
+            )
+        collected.append((time_ns, snapshot))
+    return collected
+
+
+def _us(time_ns: int, origin_ns: int) -> float:
+    # Microseconds with nanosecond resolution; exact for any realistic trace length.
+    return (time_ns - origin_ns) / 1000.0
+
+
+def _transition_args(report: ResidencyTransitionReport, plan_name: str | None) -> dict[str, object]:
+    args: dict[str, object] = {
+        "handle": report.action.handle.handle_id,
+        "source": _location_name(report.source),
+        "destination": _location_name(report.destination),
+        "bytes": report.storage_nbytes,
+        "logical_bytes": report.logical_nbytes,
+        "reason": report.reason,
+    }
+    if plan_name is not None:
+        args["plan"] = plan_name
+    if report.allocator_device is not None:
+        args["allocator_device"] = str(report.allocator_device)
+        args["allocator_allocated_bytes_before"] = report.allocator_allocated_bytes_before
+        args["allocator_allocated_bytes_after"] = report.allocator_allocated_bytes_after
+        args["allocator_reserved_bytes_before"] = report.allocator_reserved_bytes_before
+        args["allocator_reserved_bytes_after"] = report.allocator_reserved_bytes_after
+    return args
+
+
+def trace_events(
+    transitions: Iterable[ResidencyTransitionReport | ResidencyPlanReport],
+    samples: Iterable[tuple[int, ResidencySnapshot[Any]]] = (),
+) -> dict[str, object]:
+    """The Chrome/Perfetto trace-event JSON object for reports and timed snapshots.
+
+    Every location gets its own track (pid 1, one tid per location, named by a
+    ``thread_name`` metadata event). Each executed transition is a complete event
+    (``"ph": "X"``) on its destination's track (its source's for drops; discards, which
+    have neither, go to a ``"discards"`` track); no-op transitions are instant events
+    (``"ph": "i"``). A plan report contributes its transitions and one slice for the
+    plan on a ``"plans"`` track. Each ``(time_ns, snapshot)`` sample contributes one
+    counter event (``"ph": "C"``) per location with ``used`` and ``reserved`` bytes, and
+    ``budget`` when the location has one.
+
+    Times are microseconds relative to the earliest timestamp among the inputs. Events
+    are sorted by ``ts``, then ``tid``; the result is deterministic for a given input.
+    """
+    flat: list[tuple[ResidencyTransitionReport, str | None]] = []
+    plans: list[ResidencyPlanReport] = []
+    for index, item in enumerate(transitions):
+        if isinstance(item, ResidencyPlanReport):
+            plans.append(item)
+            flat.extend((report, item.plan_name) for report in item.transitions)
+        elif isinstance(item, ResidencyTransitionReport):
+            flat.append((item, None))
+        else:
+            raise TypeError(
+                f"transitions[{index}] must be a ResidencyTransitionReport or "
+                f"ResidencyPlanReport, got {type(item).__name__}"
+            )
+    timed = _collect_samples(samples)
+
+    starts = [report.started_at_ns for report, _ in flat]
+    starts += [plan.started_at_ns for plan in plans]
+    starts += [time_ns for time_ns, _ in timed]
+    origin = min(starts, default=0)
+
+    tracks: dict[int, str] = {}
+
+    def track_of(location: ResidencyLocation | None, fallback_tid: int, fallback: str) -> int:
+        if location is None:
+            tracks[fallback_tid] = fallback
+            return fallback_tid
+        tid = _location_tid(location)
+        tracks[tid] = location.name
+        return tid
+
+    events: list[_Event] = []
+    for report, plan_name in flat:
+        for location in (report.source, report.destination):
+            if location is not None:
+                track_of(location, _DISCARDS_TID, _DISCARDS_TRACK)
+        kind = _action_kind(report)
+        tid = track_of(report.destination or report.source, _DISCARDS_TID, _DISCARDS_TRACK)
+        name = f"{kind} {_format_bytes(report.storage_nbytes)}"
+        args = _transition_args(report, plan_name)
+        ts = _us(report.started_at_ns, origin)
+        if report.no_op:
+            events.append(
+                {
+                    "name": f"{name} (no-op)",
+                    "cat": "residency,no-op",
+                    "ph": "i",
+                    "s": "t",
+                    "ts": ts,
+                    "pid": _PID,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
+        else:
+            events.append(
+                {
+                    "name": name,
+                    "cat": f"residency,{kind}",
+                    "ph": "X",
+                    "ts": ts,
+                    "dur": (report.completed_at_ns - report.started_at_ns) / 1000.0,
+                    "pid": _PID,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
+
+    for plan in plans:
+        tid = track_of(None, _PLANS_TID, _PLANS_TRACK)
+        events.append(
+            {
+                "name": plan.plan_name,
+                "cat": "residency,plan",
+                "ph": "X",
+                "ts": _us(plan.started_at_ns, origin),
+                "dur": (plan.completed_at_ns - plan.started_at_ns) / 1000.0,
+                "pid": _PID,
+                "tid": tid,
+                "args": {
+                    "plan": plan.plan_name,
+                    "transitions": len(plan.transitions),
+                    "no_ops": sum(1 for report in plan.transitions if report.no_op),
+                    "bytes": sum(
+                        report.storage_nbytes for report in plan.transitions if not report.no_op
+                    ),
+                },
+            }
+        )
+
+    manager_ids: set[str] = set()
+    for time_ns, snapshot in timed:
+        manager_ids.add(snapshot.manager_id)
+        ts = _us(time_ns, origin)
+        for entry in sorted(snapshot.locations, key=lambda e: _location_order(e.location)):
+            tid = track_of(entry.location, _DISCARDS_TID, _DISCARDS_TRACK)
+            counter: dict[str, object] = {
+                "used": entry.used_bytes,
+                "reserved": entry.reserved_bytes,
+            }
+            if entry.budget_bytes is not None:
+                counter["budget"] = entry.budget_bytes
+            events.append(
+                {
+                    "name": f"{entry.location.name} bytes",
+                    "cat": "residency,memory",
+                    "ph": "C",
+                    "ts": ts,
+                    "pid": _PID,
+                    "tid": tid,
+                    "args": counter,
+                }
+            )
+
+    # Stable sort: equal (ts, tid) events keep their input order.
+    events.sort(key=lambda event: (event["ts"], event["tid"]))
+    metadata: list[_Event] = [
+        {
+            "name": "process_name",
+            "ph": "M",
+            "ts": 0,
+            "pid": _PID,
+            "tid": 0,
+            "args": {"name": "fhelium.residency"},
+        }
+    ]
+    for tid in sorted(tracks):
+        metadata.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "ts": 0,
+                "pid": _PID,
+                "tid": tid,
+                "args": {"name": tracks[tid]},
+            }
+        )
+        metadata.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "ts": 0,
+                "pid": _PID,
+                "tid": tid,
+                "args": {"sort_index": tid},
+            }
+        )
+    return {
+        "traceEvents": [*metadata, *events],
+        "displayTimeUnit": "ms",
+        "metadata": {
+            "producer": "fhelium.residency.export",
+            "clock": "time.time_ns",
+            "origin_ns": origin,
+            "manager_ids": sorted(manager_ids),
+            "tracks": {tracks[tid]: tid for tid in sorted(tracks)},
+        },
+    }
+
+
+def write_trace(
+    path: str | os.PathLike[str],
+    transitions: Iterable[ResidencyTransitionReport | ResidencyPlanReport],
+    samples: Iterable[tuple[int, ResidencySnapshot[Any]]] = (),
+) -> None:
+    """Write `trace_events(transitions, samples)` to ``path`` as compact UTF-8 JSON."""
+    document = trace_events(transitions, samples)
+    text = json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    with open(path, "w", encoding="utf-8") as stream:
+        stream.write(text)
+
+
+def plot_memory(
+    samples: Sequence[tuple[int, ResidencySnapshot[Any]]],
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+) -> None:
+    """Plot per-location memory over time into a PNG at ``path``.
+
+    One subplot per location (in track order), on a shared time axis in seconds from
+    the first sample: ``used`` bytes and ``used + reserved`` bytes as step lines, and
+    the budget as a dashed horizontal line where the location has one. The y axis is in
+    MiB. Needs matplotlib (``pip install 'fhelium-residency[plot]'``); it renders with
+    the Agg backend and leaves matplotlib's global backend untouched.
+    """
+    timed = _collect_samples(samples)
+    if not timed:
+        raise ValueError("plot_memory needs at least one (time_ns, snapshot) sample")
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"title must be a str or None, got {type(title).__name__}")
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError(_PLOT_EXTRA_HINT) from exc
+
+    timed.sort(key=lambda sample: sample[0])
+    origin = timed[0][0]
+    series: dict[ResidencyLocation, tuple[list[float], list[float], list[float]]] = {}
+    budgets: dict[ResidencyLocation, int] = {}
+    for time_ns, snapshot in timed:
+        seconds = (time_ns - origin) / 1e9
+        for entry in snapshot.locations:
+            times, used, charged = series.setdefault(entry.location, ([], [], []))
+            times.append(seconds)
+            used.append(entry.used_bytes / _MIB)
+            charged.append((entry.used_bytes + entry.reserved_bytes) / _MIB)
+            if entry.budget_bytes is not None:
+                budgets[entry.location] = entry.budget_bytes
+    if not series:
+        raise ValueError("the samples list no locations to plot")
+    locations = sorted(series, key=_location_order)
+
+    figure = Figure(figsize=(8.0, 1.0 + 2.2 * len(locations)), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(locations), 1, sharex=True, squeeze=False)
+    for row, location in enumerate(locations):
+        ax = axes[row][0]
+        times, used, charged = series[location]
+        ax.step(times, used, where="post", label="used")
+        ax.step(times, charged, where="post", label="used + reserved", linestyle="-.")
+        if location in budgets:
+            ax.axhline(budgets[location] / _MIB, color="tab:red", linestyle="--", label="budget")
+        ax.set_title(location.name, fontsize="medium")
+        ax.set_ylabel("MiB")
+        ax.set_ylim(bottom=0.0)
+        ax.grid(visible=True, alpha=0.3)
+        ax.legend(loc="upper right", fontsize="small")
+    axes[-1][0].set_xlabel("time (s)")
+    if title is not None:
+        figure.suptitle(title)
+    figure.savefig(path, format="png")
