@@ -3,6 +3,12 @@
 Re-exports the public names of ``fhelium.values.tensor_resident``.
 """
 
-from fhelium.values.tensor_resident import ResidentTensor, TensorBundle, TensorResident
+from fhelium.values.tensor_resident import (
+    ResidentTensor,
+    TensorBundle,
+    TensorResident,
+    TensorSequence,
+    as_resident,
+)
 
-__all__ = ["ResidentTensor", "TensorBundle", "TensorResident"]
+__all__ = ["ResidentTensor", "TensorBundle", "TensorResident", "TensorSequence", "as_resident"]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import abc
 import copy
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Self
 
 import torch
 
-__all__ = ["TensorResident", "ResidentTensor", "TensorBundle"]
+__all__ = ["TensorResident", "ResidentTensor", "TensorBundle", "TensorSequence", "as_resident"]
 
 _PINNED_UNAVAILABLE = (
     "pinned host storage is unavailable in this PyTorch runtime; use pageable CPU storage "
@@ -307,3 +307,82 @@ class TensorBundle(TensorResident):
             for name, tensor in zip(self._names, self._tensors, strict=True)
         )
         return f"{type(self).__name__}({fields})"
+
+
+class TensorSequence(TensorResident):
+    """An ordered list or tuple of tensors managed as one value.
+
+    >>> value = TensorSequence([torch.zeros(2), torch.ones(3)])
+    >>> len(value), value[1].shape
+    (2, torch.Size([3]))
+    """
+
+    __slots__ = ("_tensors",)
+
+    _tensors: tuple[torch.Tensor, ...]
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        if isinstance(tensors, str | bytes) or not isinstance(tensors, Sequence):
+            raise TypeError(
+                f"tensors must be a list or tuple of tensors, got {type(tensors).__name__}"
+            )
+        if not tensors:
+            raise ValueError("TensorSequence needs at least one tensor")
+        for position, tensor in enumerate(tensors):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"tensors[{position}] must be a torch.Tensor, got {type(tensor).__name__}"
+                )
+        self._tensors = tuple(tensors)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors, in order."""
+        return self._tensors
+
+    def __getitem__(self, position: int) -> torch.Tensor:
+        return self._tensors[position]
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._tensors)
+
+    @property
+    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self._tensors
+
+    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
+        if len(tensors) != len(self._tensors):
+            raise ValueError(
+                f"{type(self).__name__} has {len(self._tensors)} tensors, "
+                f"got {len(tensors)} replacements"
+            )
+        clone = copy.copy(self)
+        object.__setattr__(clone, "_tensors", tuple(tensors))
+        return clone
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"<{_describe(tensor)}>" for tensor in self._tensors)
+        return f"{type(self).__name__}([{inner}])"
+
+
+def as_resident(
+    value: torch.Tensor | Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | TensorResident,
+) -> TensorResident:
+    """The objects people already have, as managed values: a tensor becomes a
+    `ResidentTensor`, a mapping of names to tensors (a state_dict) a `TensorBundle`, a
+    list or tuple a `TensorSequence`; a `TensorResident` is returned as it is."""
+    if isinstance(value, TensorResident):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ResidentTensor(value)
+    if isinstance(value, Mapping):
+        return TensorBundle(value)
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return TensorSequence(value)
+    raise TypeError(
+        "expected a tensor, a mapping of names to tensors, a list or tuple of tensors, "
+        f"or a TensorResident; got {type(value).__name__}"
+    )
