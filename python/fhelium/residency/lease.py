@@ -120,6 +120,21 @@ class _Lifetime:
     def _finalize(self) -> None:
         raise NotImplementedError
 
+    @property
+    def active(self) -> bool:
+        """Whether the lifetime still protects (or reserves) anything."""
+        return self._active
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        try:
+            self.release()
+        except BaseException as error:
+            _chain(error, exc)
+            raise
+
     def _abandon(self) -> None:
         if self._active:
             self._untrack()
@@ -210,10 +225,6 @@ class ResidencyLease(_Lifetime):
         _finalize_lease(self._manager, self._token, self._location, self._streams)
 
     @property
-    def active(self) -> bool:
-        return self._active
-
-    @property
     def handles(self) -> tuple[ResidencyHandle[Any], ...]:
         return self._handles
 
@@ -262,13 +273,6 @@ class ResidencyLease(_Lifetime):
         self._entered = True
         return BorrowedValues(self)
 
-    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
-        try:
-            self.release()
-        except BaseException as error:
-            _chain(error, exc)
-            raise
-
     def __repr__(self) -> str:
         state = "active" if self._active else "released"
         return f"ResidencyLease({len(self._handles)} value(s) at {self._location}, {state})"
@@ -298,10 +302,6 @@ class ResidencyHold(_Lifetime):
         _finalize_hold(self._manager, self._token, self._location)
 
     @property
-    def active(self) -> bool:
-        return self._active
-
-    @property
     def handles(self) -> tuple[ResidencyHandle[Any], ...]:
         return self._handles
 
@@ -325,13 +325,6 @@ class ResidencyHold(_Lifetime):
             raise RuntimeError("a hold can be entered only once")
         self._entered = True
         return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
-        try:
-            self.release()
-        except BaseException as error:
-            _chain(error, exc)
-            raise
 
     def __repr__(self) -> str:
         state = "active" if self._active else "released"
@@ -363,10 +356,6 @@ class ResidencyReservation(_Lifetime):
     def _finalize(self) -> None:
         _finalize_reservation(self._manager, self._token, self.location)
 
-    @property
-    def active(self) -> bool:
-        return self._active
-
     def release(self) -> None:
         """Return the reserved bytes to the location. Idempotent."""
         if not self._active:
@@ -385,13 +374,6 @@ class ResidencyReservation(_Lifetime):
             raise RuntimeError("a reservation can be entered only once")
         self._entered = True
         return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
-        try:
-            self.release()
-        except BaseException as error:
-            _chain(error, exc)
-            raise
 
     def __repr__(self) -> str:
         state = "active" if self._active else "released"

@@ -500,6 +500,7 @@ class ResidencyManager:
             action = _new_drop(handle, at)
         else:
             action = DropResident(handle, at)
+        # `_primitive` inlined, as in `ensure`: these two are the hot single-value path.
         core = self._core
         core.enter_transition()
         try:
