@@ -105,9 +105,10 @@ class _Lifetime:
     """Finalization shared by leases, holds and reservations: an object collected or
     alive at exit while still active is released safely, with a ResourceWarning."""
 
-    __slots__ = ("__weakref__", "_active")
+    __slots__ = ("__weakref__", "_active", "_entered")
 
     _active: bool
+    _entered: bool
 
     def _track(self) -> None:
         self._active = True
@@ -127,6 +128,19 @@ class _Lifetime:
 
     def release(self) -> None:
         raise NotImplementedError
+
+    def _closed_message(self) -> str:
+        raise NotImplementedError
+
+    def _require_active(self) -> None:
+        if not self._active:
+            raise ResidencyLifetimeClosedError(self._closed_message())
+
+    def _enter_once(self, noun: str) -> None:
+        self._require_active()
+        if self._entered:
+            raise RuntimeError(f"a {noun} can be entered only once")
+        self._entered = True
 
     def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
         try:
@@ -192,7 +206,6 @@ class ResidencyLease(_Lifetime):
     """
 
     __slots__ = (
-        "_entered",
         "_handle_set",
         "_handles",
         "_location",
@@ -237,11 +250,8 @@ class ResidencyLease(_Lifetime):
         self._require_active()
         return BorrowedValues(self)
 
-    def _require_active(self) -> None:
-        if not self._active:
-            raise ResidencyLifetimeClosedError(
-                f"this lease of {len(self._handles)} value(s) at {self._location} was released"
-            )
+    def _closed_message(self) -> str:
+        return f"this lease of {len(self._handles)} value(s) at {self._location} was released"
 
     def add_consumer_stream(self, stream: Any) -> None:
         """Register another CUDA stream that reads the borrowed values."""
@@ -261,16 +271,14 @@ class ResidencyLease(_Lifetime):
             self._manager._release_lease(self._token, self._location, self._streams, wait=wait)
         else:
             self._manager._release_host_lease(self._token)
+        # `_untrack` inlined: lease release is on the per-kernel hot path.
         self._active = False
         _LIVE.pop(id(self), None)
 
     close = release
 
     def __enter__(self) -> BorrowedValues:
-        self._require_active()
-        if self._entered:
-            raise RuntimeError("a lease can be entered only once")
-        self._entered = True
+        self._enter_once("lease")
         return BorrowedValues(self)
 
     def __repr__(self) -> str:
@@ -281,7 +289,7 @@ class ResidencyLease(_Lifetime):
 class ResidencyHold(_Lifetime):
     """Longer-lived retention of materialisations at one location; exposes no values."""
 
-    __slots__ = ("_entered", "_handles", "_location", "_manager", "_token")
+    __slots__ = ("_handles", "_location", "_manager", "_token")
 
     def __init__(
         self,
@@ -318,12 +326,11 @@ class ResidencyHold(_Lifetime):
 
     close = release
 
+    def _closed_message(self) -> str:
+        return f"this hold at {self._location} was released"
+
     def __enter__(self) -> ResidencyHold:
-        if not self._active:
-            raise ResidencyLifetimeClosedError(f"this hold at {self._location} was released")
-        if self._entered:
-            raise RuntimeError("a hold can be entered only once")
-        self._entered = True
+        self._enter_once("hold")
         return self
 
     def __repr__(self) -> str:
@@ -334,7 +341,7 @@ class ResidencyHold(_Lifetime):
 class ResidencyReservation(_Lifetime):
     """Accounting headroom at one location; allocates nothing."""
 
-    __slots__ = ("_entered", "_manager", "_token", "label", "location", "nbytes")
+    __slots__ = ("_manager", "_token", "label", "location", "nbytes")
 
     def __init__(
         self,
@@ -365,14 +372,11 @@ class ResidencyReservation(_Lifetime):
 
     close = release
 
+    def _closed_message(self) -> str:
+        return f"reservation {self.label!r} at {self.location} was released"
+
     def __enter__(self) -> ResidencyReservation:
-        if not self._active:
-            raise ResidencyLifetimeClosedError(
-                f"reservation {self.label!r} at {self.location} was released"
-            )
-        if self._entered:
-            raise RuntimeError("a reservation can be entered only once")
-        self._entered = True
+        self._enter_once("reservation")
         return self
 
     def __repr__(self) -> str:
