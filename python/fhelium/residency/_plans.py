@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import gc
 import time
-import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from fhelium import _core
@@ -21,9 +21,9 @@ from fhelium.errors import (
     ResidencyStaleStateError,
 )
 from fhelium.residency import _lowering
+from fhelium.residency._locations import location_of
 from fhelium.residency._records import trusted_builder
-from fhelium.residency._validation import require_non_empty_str
-from fhelium.residency.lease import _Lifetime
+from fhelium.residency._validation import index_int, require_non_empty_str
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.plan import (
     DiscardValue,
@@ -42,9 +42,17 @@ from fhelium.residency.snapshot import (
 )
 
 if TYPE_CHECKING:
-    from fhelium.residency.manager import ResidencyManager
+    from fhelium.residency._engine import Engine
 
-__all__ = ["ResidencyScope", "execute_actions", "explain"]
+__all__ = [
+    "ScopeRun",
+    "abandon_scope",
+    "enter_scope",
+    "execute_actions",
+    "exit_scope",
+    "explain",
+    "optional_version",
+]
 
 _ACTION_TYPES: Final = (EnsureResident, MoveResident, DropResident, DiscardValue)
 _new_report = trusted_builder(ResidencyPlanReport)
@@ -56,19 +64,17 @@ def optional_version(value: object) -> int | None:
     """`expected_state_version`: None, or an index int (bool TypeError, < 0 ValueError)."""
     if value is None:
         return None
-    from fhelium.residency.manager import _index_int
-
-    return _index_int(value, "expected_state_version")
+    return index_int(value, "expected_state_version")
 
 
-def _check_version(manager: ResidencyManager, expected: int | None) -> None:
+def _check_version(engine: Engine, expected: int | None) -> None:
     if expected is not None:
-        actual = manager._core.version
+        actual = engine.core.version
         if actual != expected:
             raise ResidencyStaleStateError(expected_version=expected, actual_version=actual)
 
 
-def _streams(manager: ResidencyManager, transfer_streams: object) -> dict[ResidencyLocation, Any]:
+def _streams(engine: Engine, transfer_streams: object) -> dict[ResidencyLocation, Any]:
     """Contract 4.1: a Mapping of validated CUDA locations to streams on them."""
     if transfer_streams is None:
         return {}
@@ -78,8 +84,8 @@ def _streams(manager: ResidencyManager, transfer_streams: object) -> dict[Reside
         )
     streams: dict[ResidencyLocation, Any] = {}
     for location, stream in transfer_streams.items():
-        manager._location_code(location)
-        manager._check_stream(stream, location)
+        engine.location_code(location)
+        engine.check_stream(stream, location)
         streams[location] = stream
     return streams
 
@@ -93,42 +99,41 @@ def _stream_for(action: ResidencyAction, streams: dict[ResidencyLocation, Any]) 
 
 
 def _simulate(
-    manager: ResidencyManager,
+    engine: Engine,
     lowered: _lowering.LoweredPlan,
     reservations: Iterable[MemoryReservation],
     *,
     completed_leases: list[int],
 ) -> _core.SimulationView:
     """One call into the core's simulation, with the plan's handles resolved."""
-    index = manager._index
-    resolutions = [index.get(handle, -1) for handle in lowered.handles]
+    resolutions = engine.core.resolve_many(list(lowered.handles))
     errors: dict[int, str] = {}
     if -1 in resolutions:
         for slot, (handle, resolved) in enumerate(zip(lowered.handles, resolutions, strict=True)):
             if resolved == -1:
                 try:
-                    manager._resolve(handle)
+                    engine.resolve(handle)
                 except ResidencyError as error:
                     errors[slot] = str(error)
-    cuda_count = manager._cuda_count or -1
+    cuda_count = engine.cuda_count or -1
     labels = [repr(reservation.label) for reservation in reservations]
-    return manager._core.simulate(
+    return engine.core.simulate(
         lowered.ir, resolutions, errors, cuda_count, completed_leases, labels
     )
 
 
 def _preflight(
-    manager: ResidencyManager,
+    engine: Engine,
     lowered: _lowering.LoweredPlan,
     reservations: Iterable[MemoryReservation] = (),
 ) -> None:
-    simulation = _simulate(manager, lowered, reservations, completed_leases=[])
+    simulation = _simulate(engine, lowered, reservations, completed_leases=[])
     if not simulation.feasible:
         raise ResidencyPlanError(simulation.reason or "the plan is infeasible")
 
 
 def _run_phase(
-    manager: ResidencyManager,
+    engine: Engine,
     plan_name: str,
     phase: str,
     actions: tuple[ResidencyAction, ...],
@@ -144,7 +149,7 @@ def _run_phase(
     """
     if not actions:
         return
-    execute = manager._execute
+    execute = engine.execute
     append = transitions.append
     collecting = gc.isenabled()
     gc.disable()
@@ -205,7 +210,7 @@ def _note_committed(
 
 
 def execute_actions(
-    manager: ResidencyManager,
+    engine: Engine,
     actions: Iterable[ResidencyAction],
     *,
     name: str,
@@ -220,15 +225,15 @@ def execute_actions(
                 f"actions[{position}] must be a residency action, got {type(action).__name__}"
             )
     started = _time_ns()
-    core = manager._core
+    core = engine.core
     core.enter_transition()
     try:
-        manager._reap()
-        _check_version(manager, optional_version(expected_state_version))
-        streams = _streams(manager, transfer_streams)
-        _preflight(manager, _lowering.lower_actions(name, normalized))
+        engine.reap()
+        _check_version(engine, optional_version(expected_state_version))
+        streams = _streams(engine, transfer_streams)
+        _preflight(engine, _lowering.lower_actions(name, normalized))
         transitions: list[ResidencyTransitionReport] = []
-        _run_phase(manager, name, "execute", normalized, streams, transitions, started)
+        _run_phase(engine, name, "execute", normalized, streams, transitions, started)
         return _new_report(name, tuple(transitions), started, max(started, _time_ns()))
     finally:
         core.exit_transition()
@@ -238,22 +243,22 @@ def execute_actions(
 
 
 def explain(
-    manager: ResidencyManager, plan: ResidencyPlan, *, expected_state_version: object
+    engine: Engine, plan: ResidencyPlan, *, expected_state_version: object
 ) -> ResidencyPlanExplanation:
     if not isinstance(plan, ResidencyPlan):
         raise TypeError(f"plan must be a ResidencyPlan, got {type(plan).__name__}")
-    core = manager._core
+    core = engine.core
     core.enter(True, True)
     try:
         # No reap: explain observes; completed pending leases merely stop protecting.
-        _check_version(manager, optional_version(expected_state_version))
+        _check_version(engine, optional_version(expected_state_version))
         simulation = _simulate(
-            manager,
+            engine,
             plan._lowered(),
             plan.reservations,
-            completed_leases=manager._completed_pending_leases(),
+            completed_leases=engine.completed_pending_leases(),
         )
-        return _Explanation._capture(manager, plan, simulation)
+        return _Explanation._capture(plan, simulation)
     finally:
         core.exit()
 
@@ -279,13 +284,9 @@ class _Explanation(ResidencyPlanExplanation):
         init(self, "_simulation", None)
 
     @classmethod
-    def _capture(
-        cls, manager: ResidencyManager, plan: ResidencyPlan, simulation: _core.SimulationView
-    ) -> _Explanation:
-        from fhelium.residency.manager import _location_of
-
+    def _capture(cls, plan: ResidencyPlan, simulation: _core.SimulationView) -> _Explanation:
         explanation = object.__new__(cls)
-        peaks = tuple((_location_of(code), peak) for code, peak in simulation.peaks())
+        peaks = tuple((location_of(code), peak) for code, peak in simulation.peaks())
         explanation._set(plan.name, plan.reservations, peaks, simulation)
         init = object.__setattr__
         init(explanation, "_actions", None)
@@ -316,8 +317,6 @@ class _Explanation(ResidencyPlanExplanation):
         return actions
 
     def _build_actions(self) -> tuple[ResidencyActionExplanation, ...]:
-        from fhelium.residency.manager import _location_of
-
         plan = cast(ResidencyPlan, self._plan)
         simulation = cast(_core.SimulationView, self._simulation)
         ordered = (*plan.reclaim, *plan.enter, *plan.exit)
@@ -329,8 +328,8 @@ class _Explanation(ResidencyPlanExplanation):
                     action,
                     executable,
                     no_op,
-                    None if source < 0 else _location_of(source),
-                    None if destination < 0 else _location_of(destination),
+                    None if source < 0 else location_of(source),
+                    None if destination < 0 else location_of(destination),
                     logical,
                     storage,
                     reason,
@@ -375,157 +374,46 @@ def _explanation_fields(explanation: ResidencyPlanExplanation) -> tuple[Any, ...
 # ---------------------------------------------------------------------- scopes
 
 
-class ResidencyScope(_Lifetime):
-    """A single-use context for one plan: reclaim, reserve and enter on entry; exit
-    actions and reservation release on exit. Nestable; never suppresses the body's
-    exception."""
+@dataclass(slots=True)
+class ScopeRun:
+    """What an entered scope holds until it closes: its normalised streams, its
+    reservation tokens and the transitions committed so far."""
 
-    __slots__ = (
-        "_entered",
-        "_expected",
-        "_manager",
-        "_plan",
-        "_started",
-        "_state",
-        "_streams",
-        "_tokens",
-        "_transitions",
-        "exit_error",
-        "report",
-    )
-
-    def __init__(
-        self,
-        manager: ResidencyManager,
-        plan: ResidencyPlan,
-        *,
-        transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
-        expected_state_version: int | None = None,
-    ) -> None:
-        from fhelium.residency.manager import ResidencyManager
-
-        if not isinstance(manager, ResidencyManager):
-            raise TypeError(f"manager must be a ResidencyManager, got {type(manager).__name__}")
-        if not isinstance(plan, ResidencyPlan):
-            raise TypeError(f"plan must be a ResidencyPlan, got {type(plan).__name__}")
-        if transfer_streams is not None and not isinstance(transfer_streams, Mapping):
-            raise TypeError(
-                f"transfer_streams must be a Mapping, got {type(transfer_streams).__name__}"
-            )
-        self._expected = optional_version(expected_state_version)
-        self._manager = manager
-        self._plan = plan
-        # A private copy: later changes to the caller's mapping do not reach the scope.
-        self._streams: dict[Any, Any] = dict(transfer_streams or {})
-        self._state = "new"
-        self._active = False
-        self._tokens: list[int] = []
-        self._transitions: list[ResidencyTransitionReport] = []
-        self._started = 0
-        self.report: ResidencyPlanReport | None = None
-        self.exit_error: ResidencyPlanExecutionError | None = None
-
-    @property
-    def manager(self) -> ResidencyManager:
-        return self._manager
-
-    @property
-    def plan(self) -> ResidencyPlan:
-        return self._plan
-
-    @property
-    def expected_state_version(self) -> int | None:
-        return self._expected
-
-    def __enter__(self) -> ResidencyScope:
-        if self._state != "new":
-            raise RuntimeError(f"scope of plan {self._plan.name!r} can be entered only once")
-        self._state = "entering"
-        try:
-            _enter_scope(self._manager, self)
-        except BaseException:
-            self._state = "closed"
-            raise
-        self._state = "entered"
-        self._track()
-        return self
-
-    def close(self) -> None:
-        """Run the exit actions and release the reservations. Idempotent."""
-        if self._state == "closed":
-            return
-        if self._state != "entered":
-            raise RuntimeError(f"scope of plan {self._plan.name!r} was never entered")
-        self._state = "closed"
-        self._untrack()
-        try:
-            self.report = _exit_scope(self._manager, self)
-        except ResidencyPlanExecutionError as error:
-            self.exit_error = error
-            raise
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
-        if self._state == "closed":
-            return
-        try:
-            self.close()
-        except BaseException as error:
-            if exc is None:
-                raise
-            exc.add_note(
-                f"closing the residency scope of plan {self._plan.name!r} also failed: "
-                f"{type(error).__name__}: {error}"
-            )
-
-    def _finalize(self) -> None:
-        # Abandoned after a successful entry: give the reservations back, never run
-        # exit actions (what they would do may no longer be right).
-        manager = self._manager
-        for token in reversed(self._tokens):
-            try:
-                manager._release_reservation(token, finalizing=True)
-            except Exception:
-                continue
-        self._tokens = []
-        warnings.warn(
-            f"the residency scope of plan {self._plan.name!r} was abandoned without "
-            "close(); its reservations were released and its exit actions were not run",
-            ResourceWarning,
-            stacklevel=2,
-        )
-
-    def __repr__(self) -> str:
-        return f"ResidencyScope(plan={self._plan.name!r}, {self._state})"
+    plan: ResidencyPlan
+    streams: dict[ResidencyLocation, Any]
+    tokens: list[int] = field(default_factory=list)
+    transitions: list[ResidencyTransitionReport] = field(default_factory=list)
+    started: int = 0
 
 
-def _release_tokens_locked(manager: ResidencyManager, tokens: list[int]) -> None:
+def _release_tokens_locked(engine: Engine, tokens: list[int]) -> None:
     """Releases scope reservations in reverse order while holding the gate."""
-    core = manager._core
+    core = engine.core
     while tokens:
-        token = tokens.pop()
-        manager._labels.pop(token, None)
-        core.release_reservation(token)
+        core.release_reservation(tokens.pop())
 
 
-def _enter_scope(manager: ResidencyManager, scope: ResidencyScope) -> None:
-    """Contract 5.5 entry, under one gate hold."""
-    plan = scope._plan
+def enter_scope(
+    engine: Engine, plan: ResidencyPlan, expected: int | None, transfer_streams: object
+) -> ScopeRun:
+    """Scope entry under one gate hold: version check, preflight, reclaim, reserve,
+    enter (see docs/concepts/plans.md)."""
     name = plan.name
     started = _time_ns()
-    core = manager._core
+    core = engine.core
     core.enter_transition()
     try:
-        manager._reap()
-        _check_version(manager, scope._expected)
-        streams = _streams(manager, scope._streams)
-        _preflight(manager, plan._lowered(), plan.reservations)
-        transitions: list[ResidencyTransitionReport] = []
-        tokens: list[int] = []
+        engine.reap()
+        _check_version(engine, expected)
+        streams = _streams(engine, transfer_streams)
+        _preflight(engine, plan._lowered(), plan.reservations)
+        run = ScopeRun(plan, streams, started=started)
+        transitions, tokens = run.transitions, run.tokens
         try:
-            _run_phase(manager, name, "reclaim", plan.reclaim, streams, transitions, started)
+            _run_phase(engine, name, "reclaim", plan.reclaim, streams, transitions, started)
             for position, reservation in enumerate(plan.reservations):
                 try:
-                    tokens.append(manager._reserve_locked(reservation))
+                    tokens.append(engine.reserve_locked(reservation))
                 except Exception as error:
                     raise _execution_error(
                         name,
@@ -536,41 +424,42 @@ def _enter_scope(manager: ResidencyManager, scope: ResidencyScope) -> None:
                         failed_reservation=reservation,
                         failed_reservation_index=position,
                     ) from error
-            _run_phase(manager, name, "enter", plan.enter, streams, transitions, started)
+            _run_phase(engine, name, "enter", plan.enter, streams, transitions, started)
         except BaseException:
-            _release_tokens_locked(manager, tokens)
+            _release_tokens_locked(engine, tokens)
             raise
-        scope._streams = streams
-        scope._tokens = tokens
-        scope._transitions = transitions
-        scope._started = started
+        return run
     finally:
         core.exit_transition()
 
 
-def _exit_scope(manager: ResidencyManager, scope: ResidencyScope) -> ResidencyPlanReport:
-    """Contract 5.5 `close()`: exit actions (no preflight), then the reservations."""
-    plan = scope._plan
-    core = manager._core
+def exit_scope(engine: Engine, run: ScopeRun) -> ResidencyPlanReport:
+    """Scope close: exit actions (no preflight), then the reservations."""
+    plan = run.plan
+    core = engine.core
     try:
         core.enter_transition()
     except BaseException:
-        # 10.5: a reservation never outlives its closed scope, even when the manager
-        # cannot be entered now (a release during another thread's callback defers).
-        for token in reversed(scope._tokens):
-            manager._release_reservation(token, finalizing=True)
-        scope._tokens = []
+        # A reservation never outlives its closed scope, even when the manager cannot
+        # be entered now (a release during another thread's callback defers).
+        abandon_scope(engine, run)
         raise
     try:
-        transitions = scope._transitions
+        transitions = run.transitions
         try:
-            _run_phase(
-                manager, plan.name, "exit", plan.exit, scope._streams, transitions, scope._started
-            )
+            _run_phase(engine, plan.name, "exit", plan.exit, run.streams, transitions, run.started)
         finally:
-            _release_tokens_locked(manager, scope._tokens)
-        return _new_report(
-            plan.name, tuple(transitions), scope._started, max(scope._started, _time_ns())
-        )
+            _release_tokens_locked(engine, run.tokens)
+        return _new_report(plan.name, tuple(transitions), run.started, max(run.started, _time_ns()))
     finally:
         core.exit_transition()
+
+
+def abandon_scope(engine: Engine, run: ScopeRun) -> None:
+    """Gives an entered scope's reservations back without running its exit actions."""
+    tokens, run.tokens = run.tokens, []
+    for token in reversed(tokens):
+        try:
+            engine.release_reservation(token, finalizing=True)
+        except Exception:
+            continue

@@ -4,6 +4,7 @@ Each helper raises ``TypeError`` for the wrong kind of value and ``ValueError`` 
 value and names the argument, so a record's ``__post_init__`` reads as its check order.
 """
 
+import operator
 from dataclasses import FrozenInstanceError
 from typing import TypeVar
 
@@ -98,3 +99,27 @@ def seal(*classes: type) -> None:
     for cls in classes:
         cls.__setattr__ = _refuse_setattr  # type: ignore[assignment]
         cls.__delattr__ = _refuse_delattr  # type: ignore[assignment]
+
+
+# The core accounts bytes as u64: larger counts are refused, never saturated.
+_U64_MAX = (1 << 64) - 1
+
+
+def byte_count(value: int, name: str) -> int:
+    """Byte counts the core can account exactly: at most 2**64 - 1 (16 EiB)."""
+    if value > _U64_MAX:
+        raise ValueError(f"{name} of {value} bytes exceeds the supported maximum of 2**64 - 1")
+    return value
+
+
+def index_int(value: object, name: str) -> int:
+    """A lenient non-negative int: bool is a TypeError, `__index__` is accepted."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        result = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if result < 0:
+        raise ValueError(f"{name} must be >= 0, got {result}")
+    return result

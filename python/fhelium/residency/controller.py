@@ -21,8 +21,10 @@ from fhelium.errors import (
     ResidencyUnavailableError,
 )
 from fhelium.residency import _lowering
+from fhelium.residency._locations import location_of
 from fhelium.residency._records import trusted_builder
 from fhelium.residency._validation import (
+    byte_count,
     require_count,
     require_instance,
     require_non_empty_str,
@@ -31,12 +33,7 @@ from fhelium.residency._validation import (
 )
 from fhelium.residency.lease import BorrowedValues, ResidencyLease
 from fhelium.residency.location import ResidencyLocation
-from fhelium.residency.manager import (
-    ResidencyManager,
-    ResidencyScope,
-    _byte_count,
-    _location_of,
-)
+from fhelium.residency.manager import ResidencyManager, ResidencyScope, engine_of
 from fhelium.residency.model import ReplicaMode, ResidencyHandle
 from fhelium.residency.plan import DropResident, EnsureResident, MoveResident, ResidencyPlan
 from fhelium.residency.policy import (
@@ -150,7 +147,16 @@ _new_candidate = trusted_builder(ResidencyEvictionCandidate)
 class ResidencyController:
     """Decides what to evict or spill so a request fits, the same way every time."""
 
-    __slots__ = ("_epoch", "_epochs", "_limit", "_lock", "_manager", "_metadata", "_policy")
+    __slots__ = (
+        "_engine",
+        "_epoch",
+        "_epochs",
+        "_limit",
+        "_lock",
+        "_manager",
+        "_metadata",
+        "_policy",
+    )
 
     def __init__(
         self,
@@ -171,6 +177,7 @@ class ResidencyController:
         if require_strict_int(search_state_limit, "search_state_limit") <= 0:
             raise ValueError(f"search_state_limit must be > 0, got {search_state_limit}")
         self._manager = manager
+        self._engine = engine_of(manager)
         self._policy = chosen
         self._limit = search_state_limit
         self._metadata: dict[ResidencyHandle[Any], ResidencyPolicyMetadata] = {}
@@ -198,8 +205,8 @@ class ResidencyController:
         metadata = ResidencyPolicyMetadata(priority, stable_key)
         with self._lock:
             manager = self._manager
-            manager.snapshot()  # the contract's lookup: reaps, and refuses when closed
-            if not isinstance(handle, ResidencyHandle) or handle not in manager._index:
+            manager.snapshot()  # the documented lookup: reaps, and refuses when closed
+            if not isinstance(handle, ResidencyHandle) or self._engine.core.resolve(handle) is None:
                 raise ResidencyHandleError(
                     f"{handle!r} is not a live handle of manager {manager.manager_id!r}"
                 )
@@ -219,13 +226,14 @@ class ResidencyController:
             raise TypeError(f"request must be a ResidencyRequest, got {type(request).__name__}")
         with self._lock:
             manager = self._manager
-            core = manager._core
+            engine = self._engine
+            core = engine.core
             # One gate hold from the state read to the explanation: no other thread can
             # change what was planned on in between. A completed event reaped afterwards
             # makes the decision stale at scope entry, never here (contract 10.2).
             core.enter(True, True)
             try:
-                manager._reap()
+                engine.reap()
                 state_version = core.version
                 rows = self._requirement_rows(request)
                 outcome = self._search(request, rows)
@@ -250,6 +258,7 @@ class ResidencyController:
     def _requirement_rows(self, request: ResidencyRequest) -> list[tuple[int, int]]:
         """Contract 7.3 step 3, then the core's `(handle index, location code)` rows."""
         manager = self._manager
+        core = self._engine.core
         rows: list[tuple[int, int]] = []
         locations: dict[int, set[ResidencyLocation]] = {}
         for requirement in request.requirements:
@@ -258,46 +267,47 @@ class ResidencyController:
                 raise ResidencyHandleError(
                     f"handle {handle.handle_id!r} belongs to manager {handle.manager_id!r}"
                 )
-            index = manager._index.get(handle)
+            index = core.resolve(handle)
             if index is None:
-                if handle in manager._discarded:
+                if core.is_discarded(handle):
                     raise ResidencyHandleError(f"Value {handle.handle_id!r} is discarded")
                 raise ResidencyHandleError(f"unknown handle {handle.handle_id!r}")
             rows.append((index, _lowering.location_code(requirement.location)))
             locations.setdefault(index, set()).add(requirement.location)
         for index, places in locations.items():
-            spec = manager._specs[index]
+            spec = core.spec(index)
             if spec.replica_mode is ReplicaMode.EXCLUSIVE and len(places) > 1:
                 raise ResidencyOwnershipError(
-                    f"EXCLUSIVE value {manager._handles[index].handle_id!r} is required at "
+                    f"EXCLUSIVE value {core.handle(index).handle_id!r} is required at "
                     f"{len(places)} locations at once"
                 )
         return rows
 
     def _search(self, request: ResidencyRequest, rows: list[tuple[int, int]]) -> Any:
-        manager = self._manager
+        core = self._engine.core
         reservations = [
             (
                 _lowering.location_code(reservation.location),
-                _byte_count(reservation.nbytes, f"reservation {reservation.label!r}"),
+                byte_count(reservation.nbytes, f"reservation {reservation.label!r}"),
             )
             for reservation in request.reservations
         ]
         policy = self._policy
         if type(policy) is DeterministicTieredLRU:
+            metadata_indices = core.resolve_many(list(self._metadata))
+            epoch_indices = core.resolve_many(list(self._epochs))
             native = (
                 {
-                    manager._index[handle]: (
-                        max(-_I64, min(_I64, metadata.priority)),
-                        metadata.stable_key,
+                    index: (max(-_I64, min(_I64, metadata.priority)), metadata.stable_key)
+                    for index, metadata in zip(
+                        metadata_indices, self._metadata.values(), strict=True
                     )
-                    for handle, metadata in self._metadata.items()
-                    if handle in manager._index
+                    if index >= 0
                 },
                 {
-                    manager._index[handle]: epoch
-                    for handle, epoch in self._epochs.items()
-                    if handle in manager._index
+                    index: epoch
+                    for index, epoch in zip(epoch_indices, self._epochs.values(), strict=True)
+                    if index >= 0
                 },
                 [
                     (
@@ -307,9 +317,9 @@ class ResidencyController:
                     for source, targets in policy._tiers
                 ],
             )
-            outcome = manager._core.decide(rows, reservations, self._limit, native=native)
+            outcome = core.decide(rows, reservations, self._limit, native=native)
         else:
-            outcome = manager._core.decide(
+            outcome = core.decide(
                 rows, reservations, self._limit, python=(self._order, self._fallbacks)
             )
         kind = outcome[0]
@@ -328,25 +338,27 @@ class ResidencyController:
             ) from None
         if kind == "unavailable":
             raise ResidencyUnavailableError(
-                f"value {manager._handles[outcome[1]].handle_id!r} has no materialization "
+                f"value {core.handle(outcome[1]).handle_id!r} has no materialization "
                 "and no reconstruction source"
             )
         raise RuntimeError(outcome[1])
 
     def _order(self, rows: list[tuple[int, int, int]]) -> list[int]:
         """A Python policy's ordering, as positions into `rows` (contract 7.5)."""
-        manager = self._manager
-        candidates = [
-            _new_candidate(
-                manager._handles[index],
-                _location_of(code),
-                charged,
-                index,
-                self._epochs.get(manager._handles[index]),
-                self._metadata.get(manager._handles[index], _DEFAULT_METADATA),
+        handle_of = self._engine.core.handle
+        candidates = []
+        for index, code, charged in rows:
+            handle = handle_of(index)
+            candidates.append(
+                _new_candidate(
+                    handle,
+                    location_of(code),
+                    charged,
+                    index,
+                    self._epochs.get(handle),
+                    self._metadata.get(handle, _DEFAULT_METADATA),
+                )
             )
-            for index, code, charged in rows
-        ]
         ordered = tuple(self._policy.order_candidates(tuple(candidates)))
         positions = {id(candidate): position for position, candidate in enumerate(candidates)}
         result: list[int] = []
@@ -367,30 +379,30 @@ class ResidencyController:
     def _fallbacks(self, code: int) -> list[int]:
         return [
             _lowering.location_code(location)
-            for location in self._policy.fallback_locations(_location_of(code))
+            for location in self._policy.fallback_locations(location_of(code))
         ]
 
     def _plan(
         self, request: ResidencyRequest, outcome: Any
     ) -> tuple[ResidencyPlan, tuple[ResidencyEviction, ...], int]:
-        handles = self._manager._handles
+        handle_of = self._engine.core.handle
 
         def action(row: tuple[int, int, int, int]) -> Any:
             kind, index, code, from_code = row
-            handle = handles[index]
+            handle = handle_of(index)
             if kind == 0:
-                return _new_ensure(handle, _location_of(code))
+                return _new_ensure(handle, location_of(code))
             if kind == 1:
                 return _new_move(
-                    handle, _location_of(code), None if from_code < 0 else _location_of(from_code)
+                    handle, location_of(code), None if from_code < 0 else location_of(from_code)
                 )
-            return _new_drop(handle, _location_of(code))
+            return _new_drop(handle, location_of(code))
 
         _, reclaim_rows, enter_rows, eviction_rows, explored, _version = outcome
         reclaim = [action(row) for row in reclaim_rows]
         enter = [action(row) for row in enter_rows]
         evictions = tuple(
-            ResidencyEviction(reclaim[position], rank, _location_of(code), nbytes, reason)
+            ResidencyEviction(reclaim[position], rank, location_of(code), nbytes, reason)
             for position, rank, code, nbytes, reason in eviction_rows
         )
         plan = ResidencyPlan(
@@ -457,7 +469,7 @@ def _normalize_streams(manager: ResidencyManager, streams: object, name: str) ->
         return {}
     if not isinstance(streams, Mapping):
         raise TypeError(f"{name} must be a Mapping, got {type(streams).__name__}")
-    runtime = manager._runtime
+    runtime = engine_of(manager).runtime
     normalized: dict[Any, Any] = {}
     for location, stream in streams.items():
         if not isinstance(location, ResidencyLocation):

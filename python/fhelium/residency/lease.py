@@ -8,52 +8,29 @@ while a kernel may still read it.
 
 from __future__ import annotations
 
-import atexit
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fhelium.errors import ResidencyLifetimeClosedError
+from fhelium.residency._lifetime import LIVE, Lifetime
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
 from fhelium.values.tensor_resident import TensorResident
 
 if TYPE_CHECKING:
-    from fhelium.residency.manager import ResidencyManager
+    from fhelium.residency._engine import Engine
 
 __all__ = ["BorrowedValues", "ResidencyHold", "ResidencyLease", "ResidencyReservation"]
 
-# Managers whose abandoned leases could not be released safely. A strong root: their
-# storage must never be freed while a CUDA kernel may still be reading it.
-_RETAINED_MANAGERS: list[ResidencyManager] = []
-
-# Every live lifetime object, so that those still active at interpreter exit are
-# finalized while the runtime still works (weakref.finalize's atexit behaviour,
-# without its per-object cost on the acquire/release hot path).
-# Keyed by id(): an entry leaves on release or on collection, never outlives its object.
-_LIVE: dict[int, weakref.ref[_Lifetime]] = {}
+# Managers (and their engines) whose abandoned leases could not be released safely. A
+# strong root: their storage must never be freed while a CUDA kernel may still read it.
+_RETAINED: list[object] = []
 
 
-@atexit.register
-def _finalize_at_exit() -> None:
-    for reference in list(_LIVE.values()):
-        lifetime = reference()
-        if lifetime is not None:
-            lifetime._abandon()
-
-
-def _chain(error: BaseException, body: BaseException | None) -> None:
-    """Gives `error` the implicit `__context__` Python would have set had it been
-    raised by Python code while `body` propagated: errors raised from the core (through
-    C) carry no implicit context."""
-    if body is not None and error is not body and error.__context__ is None:
-        error.__context__ = body
-
-
-def _warn_abandoned(kind: str, manager: ResidencyManager, location: object, outcome: str) -> None:
+def _warn_abandoned(kind: str, engine: Engine, location: object, outcome: str) -> None:
     warnings.warn(
-        f"an abandoned {kind} of residency manager {manager.manager_id!r} at {location} "
+        f"an abandoned {kind} of residency manager {engine.manager_id!r} at {location} "
         f"was never released; {outcome}. Release {kind}s explicitly (or use them as "
         "context managers).",
         ResourceWarning,
@@ -62,103 +39,45 @@ def _warn_abandoned(kind: str, manager: ResidencyManager, location: object, outc
 
 
 def _finalize_lease(
-    manager: ResidencyManager, token: int, location: ResidencyLocation, streams: list[Any]
+    engine: Engine, token: int, location: ResidencyLocation, streams: list[Any]
 ) -> None:
     try:
-        manager._release_lease(token, location, streams, wait=True, finalizing=True)
+        engine.release_lease(token, location, streams, wait=True, finalizing=True)
     except BaseException:
-        _RETAINED_MANAGERS.append(manager)
+        _RETAINED.append(engine)
+        # The public manager too: users observe it, and it owns the engine anyway.
+        owner = engine.owner()
+        if owner is not None:
+            _RETAINED.append(owner)
         _warn_abandoned(
             "lease",
-            manager,
+            engine,
             location,
             "its protection could not be released safely, so the manager and its storage "
             "are retained for the rest of the process",
         )
         return
     _warn_abandoned(
-        "lease", manager, location, "its consumer streams were synchronised and it was released"
+        "lease", engine, location, "its consumer streams were synchronised and it was released"
     )
 
 
-def _finalize_hold(manager: ResidencyManager, token: int, location: ResidencyLocation) -> None:
+def _finalize_hold(engine: Engine, token: int, location: ResidencyLocation) -> None:
     try:
-        manager._release_hold(token, finalizing=True)
+        engine.release_hold(token, finalizing=True)
     except BaseException:
-        _warn_abandoned("hold", manager, location, "releasing it failed")
+        _warn_abandoned("hold", engine, location, "releasing it failed")
         return
-    _warn_abandoned("hold", manager, location, "it was released")
+    _warn_abandoned("hold", engine, location, "it was released")
 
 
-def _finalize_reservation(
-    manager: ResidencyManager, token: int, location: ResidencyLocation
-) -> None:
+def _finalize_reservation(engine: Engine, token: int, location: ResidencyLocation) -> None:
     try:
-        manager._release_reservation(token, finalizing=True)
+        engine.release_reservation(token, finalizing=True)
     except BaseException:
-        _warn_abandoned("reservation", manager, location, "releasing it failed")
+        _warn_abandoned("reservation", engine, location, "releasing it failed")
         return
-    _warn_abandoned("reservation", manager, location, "it was released")
-
-
-class _Lifetime:
-    """Finalization shared by leases, holds and reservations: an object collected or
-    alive at exit while still active is released safely, with a ResourceWarning."""
-
-    __slots__ = ("__weakref__", "_active", "_entered")
-
-    _active: bool
-    _entered: bool
-
-    def _track(self) -> None:
-        self._active = True
-        _LIVE[id(self)] = weakref.ref(self)
-
-    def _untrack(self) -> None:
-        self._active = False
-        _LIVE.pop(id(self), None)
-
-    def _finalize(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def active(self) -> bool:
-        """Whether the lifetime still protects (or reserves) anything."""
-        return self._active
-
-    def release(self) -> None:
-        raise NotImplementedError
-
-    def _closed_message(self) -> str:
-        raise NotImplementedError
-
-    def _require_active(self) -> None:
-        if not self._active:
-            raise ResidencyLifetimeClosedError(self._closed_message())
-
-    def _enter_once(self, noun: str) -> None:
-        self._require_active()
-        if self._entered:
-            raise RuntimeError(f"a {noun} can be entered only once")
-        self._entered = True
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
-        try:
-            self.release()
-        except BaseException as error:
-            _chain(error, exc)
-            raise
-
-    def _abandon(self) -> None:
-        if self._active:
-            self._untrack()
-            self._finalize()
-
-    def __del__(self) -> None:
-        # Interpreter teardown may have cleared module globals; nothing is left to do.
-        if getattr(self, "_active", False):
-            self._untrack()
-            self._finalize()
+    _warn_abandoned("reservation", engine, location, "it was released")
 
 
 class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
@@ -181,7 +100,7 @@ class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
             handle_set = lease._handle_set = frozenset(lease._handles)
         if handle not in handle_set:
             raise KeyError(handle)
-        return lease._manager._borrowed(lease._token, handle, lease._location)
+        return lease._engine.borrowed(lease._token, handle, lease._location)
 
     def __iter__(self) -> Iterator[ResidencyHandle[Any]]:
         lease = self._lease
@@ -197,7 +116,7 @@ class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
         return f"BorrowedValues({self._lease!r})"
 
 
-class ResidencyLease(_Lifetime):
+class ResidencyLease(Lifetime):
     """An immutable borrow of materialisations at one location.
 
     For CUDA locations, release records an event on every consumer stream and keeps
@@ -206,10 +125,10 @@ class ResidencyLease(_Lifetime):
     """
 
     __slots__ = (
+        "_engine",
         "_handle_set",
         "_handles",
         "_location",
-        "_manager",
         "_streams",
         "_token",
     )
@@ -217,13 +136,13 @@ class ResidencyLease(_Lifetime):
     def __init__(
         self,
         *,
-        manager: ResidencyManager,
+        manager: Engine,
         token: int,
         handles: tuple[ResidencyHandle[Any], ...],
         location: ResidencyLocation,
         consumer_streams: list[Any],
     ) -> None:
-        self._manager = manager
+        self._engine = manager
         self._token = token
         self._handles = handles
         # Built on the first borrowed lookup: many leases are never looked into.
@@ -235,7 +154,7 @@ class ResidencyLease(_Lifetime):
         self._track()
 
     def _finalize(self) -> None:
-        _finalize_lease(self._manager, self._token, self._location, self._streams)
+        _finalize_lease(self._engine, self._token, self._location, self._streams)
 
     @property
     def handles(self) -> tuple[ResidencyHandle[Any], ...]:
@@ -258,7 +177,7 @@ class ResidencyLease(_Lifetime):
         self._require_active()
         if self._location.kind != "cuda":
             raise ValueError(f"consumer streams apply to CUDA leases, not {self._location}")
-        self._manager._check_stream(stream, self._location)
+        self._engine.check_stream(stream, self._location)
         if not any(known is stream for known in self._streams):
             self._streams.append(stream)
 
@@ -268,12 +187,12 @@ class ResidencyLease(_Lifetime):
         if not self._active:
             return
         if self._location.kind == "cuda":
-            self._manager._release_lease(self._token, self._location, self._streams, wait=wait)
+            self._engine.release_lease(self._token, self._location, self._streams, wait=wait)
         else:
-            self._manager._release_host_lease(self._token)
+            self._engine.release_host_lease(self._token)
         # `_untrack` inlined: lease release is on the per-kernel hot path.
         self._active = False
-        _LIVE.pop(id(self), None)
+        LIVE.pop(id(self), None)
 
     close = release
 
@@ -286,20 +205,20 @@ class ResidencyLease(_Lifetime):
         return f"ResidencyLease({len(self._handles)} value(s) at {self._location}, {state})"
 
 
-class ResidencyHold(_Lifetime):
+class ResidencyHold(Lifetime):
     """Longer-lived retention of materialisations at one location; exposes no values."""
 
-    __slots__ = ("_handles", "_location", "_manager", "_token")
+    __slots__ = ("_engine", "_handles", "_location", "_token")
 
     def __init__(
         self,
         *,
-        manager: ResidencyManager,
+        manager: Engine,
         token: int,
         handles: tuple[ResidencyHandle[Any], ...],
         location: ResidencyLocation,
     ) -> None:
-        self._manager = manager
+        self._engine = manager
         self._token = token
         self._handles = tuple(handles)
         self._location = location
@@ -307,7 +226,7 @@ class ResidencyHold(_Lifetime):
         self._track()
 
     def _finalize(self) -> None:
-        _finalize_hold(self._manager, self._token, self._location)
+        _finalize_hold(self._engine, self._token, self._location)
 
     @property
     def handles(self) -> tuple[ResidencyHandle[Any], ...]:
@@ -321,7 +240,7 @@ class ResidencyHold(_Lifetime):
         """Remove the hold's protection. Idempotent."""
         if not self._active:
             return
-        self._manager._release_hold(self._token)
+        self._engine.release_hold(self._token)
         self._untrack()
 
     close = release
@@ -338,21 +257,21 @@ class ResidencyHold(_Lifetime):
         return f"ResidencyHold({len(self._handles)} value(s) at {self._location}, {state})"
 
 
-class ResidencyReservation(_Lifetime):
+class ResidencyReservation(Lifetime):
     """Accounting headroom at one location; allocates nothing."""
 
-    __slots__ = ("_manager", "_token", "label", "location", "nbytes")
+    __slots__ = ("_engine", "_token", "label", "location", "nbytes")
 
     def __init__(
         self,
         *,
-        manager: ResidencyManager,
+        manager: Engine,
         token: int,
         location: ResidencyLocation,
         nbytes: int,
         label: str,
     ) -> None:
-        self._manager = manager
+        self._engine = manager
         self._token = token
         self.location = location
         self.nbytes = nbytes
@@ -361,13 +280,13 @@ class ResidencyReservation(_Lifetime):
         self._track()
 
     def _finalize(self) -> None:
-        _finalize_reservation(self._manager, self._token, self.location)
+        _finalize_reservation(self._engine, self._token, self.location)
 
     def release(self) -> None:
         """Return the reserved bytes to the location. Idempotent."""
         if not self._active:
             return
-        self._manager._release_reservation(self._token)
+        self._engine.release_reservation(self._token)
         self._untrack()
 
     close = release
@@ -387,8 +306,8 @@ class ResidencyReservation(_Lifetime):
         )
 
 
-def _new_lease(
-    manager: ResidencyManager,
+def new_lease(
+    engine: Engine,
     token: int,
     handles: tuple[ResidencyHandle[Any], ...],
     location: ResidencyLocation,
@@ -397,7 +316,7 @@ def _new_lease(
     """The manager's constructor for leases it has just admitted (the hot path):
     the same state as `ResidencyLease(...)`, without keyword-argument overhead."""
     lease = object.__new__(ResidencyLease)
-    lease._manager = manager
+    lease._engine = engine
     lease._token = token
     lease._handles = handles
     lease._handle_set = None
@@ -405,5 +324,5 @@ def _new_lease(
     lease._streams = consumer_streams
     lease._entered = False
     lease._active = True
-    _LIVE[id(lease)] = weakref.ref(lease)
+    LIVE[id(lease)] = weakref.ref(lease)
     return lease

@@ -1,46 +1,25 @@
-"""`ResidencyManager`: the facade over the Rust core that owns residency state.
+"""`ResidencyManager` and `ResidencyScope`: the public face of one manager.
 
-The core holds every record, charge, protection, version and the alias index. This
-module validates arguments, measures values, moves them through the device runtime
-and asks the core to decide, commit or abort each step of a transition. It also
-keeps what the core must never see: the concrete values, sources and CUDA events.
+Both are thin: they check argument shapes, build the action records, and hand the
+work to the manager's engine (`_engine.Engine`), which owns everything else. The
+behaviour they promise is written in docs/concepts/.
 """
 
 from __future__ import annotations
 
-import gc
-import operator
-import sys
-import time
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from functools import partial
-from typing import Any, Final, TypeVar, cast
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
 
-import torch
-
-from fhelium import _core
-from fhelium.errors import (
-    ResidencyHandleError,
-    ResidencyMaterializationError,
-    ResidencyReentrancyError,
-    ResidencyUnavailableError,
-)
-from fhelium.residency import _lowering, _plans
-from fhelium.residency._plans import ResidencyScope
+from fhelium.errors import ResidencyPlanExecutionError
+from fhelium.residency import _plans
+from fhelium.residency._engine import Engine
+from fhelium.residency._lifetime import Lifetime, chain_context
 from fhelium.residency._records import trusted_builder
-from fhelium.residency._runtime import DeviceRuntime, ValueFacts, current_runtime
-from fhelium.residency.lease import (
-    ResidencyHold,
-    ResidencyLease,
-    ResidencyReservation,
-    _chain,
-    _new_lease,
-)
-from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
+from fhelium.residency.lease import ResidencyHold, ResidencyLease, ResidencyReservation
+from fhelium.residency.location import PAGEABLE_HOST, ResidencyLocation
 from fhelium.residency.model import (
-    Recoverability,
     ReplicaMode,
     ResidencyHandle,
     ResidencySource,
@@ -50,20 +29,15 @@ from fhelium.residency.plan import (
     DiscardValue,
     DropResident,
     EnsureResident,
-    MemoryReservation,
     MoveResident,
     ResidencyAction,
     ResidencyPlan,
 )
 from fhelium.residency.snapshot import (
-    MaterializationSnapshot,
-    ResidencyLocationSnapshot,
     ResidencyPlanExplanation,
     ResidencyPlanReport,
-    ResidencyReservationSnapshot,
     ResidencySnapshot,
     ResidencyTransitionReport,
-    ResidencyValueSnapshot,
 )
 from fhelium.values.tensor_resident import TensorResident
 
@@ -71,111 +45,14 @@ __all__ = ["ResidencyManager", "ResidencyScope"]
 
 ValueT = TypeVar("ValueT", bound=TensorResident)
 
-_PAGEABLE: Final = 0
-_PINNED: Final = 1
-_CUDA_BASE: Final = 2
-
-_REASON_ENSURE_NOOP: Final = "destination already resident"
-_REASON_MOVE_NOOP: Final = "destination already owns the selected replica"
-_REASON_DROP_NOOP: Final = "materialization already absent"
-
-_new_handle = trusted_builder(ResidencyHandle)
 _new_ensure = trusted_builder(EnsureResident)
 _new_move = trusted_builder(MoveResident)
 _new_drop = trusted_builder(DropResident)
-_MUST_PRESERVE: Final = Recoverability.MUST_PRESERVE
-# Spec records of adopted values by shape; bounded by the program's value shapes.
-_ADOPTED_SPECS: dict[tuple[type, int, int, ReplicaMode], ResidencyValueSpec[Any]] = {}
-_new_spec = trusted_builder(ResidencyValueSpec)
-_new_report = trusted_builder(ResidencyTransitionReport)
-_new_value_snapshot = trusted_builder(ResidencyValueSnapshot)
-_new_materialization_snapshot = trusted_builder(MaterializationSnapshot)
-_new_location_snapshot = trusted_builder(ResidencyLocationSnapshot)
-_new_reservation_snapshot = trusted_builder(ResidencyReservationSnapshot)
-
-_CPU = torch.device("cpu")
-_NO_SAMPLE: Final[tuple[None, None]] = (None, None)
-_time_ns = time.time_ns
-_LOCATIONS: dict[int, ResidencyLocation] = {_PAGEABLE: PAGEABLE_HOST, _PINNED: PINNED_HOST}
-# Host kinds need no availability check, so hot paths map them without a call.
-_HOST_CODES: Final[dict[str, int]] = {"pageable-host": _PAGEABLE, "pinned-host": _PINNED}
-# The (device code, pinning) a correctly placed value measures at each location code.
-_PLACEMENT: Final[dict[int, tuple[int, bool]]] = {
-    _PAGEABLE: (-1, False),
-    _PINNED: (-1, True),
-    **{_CUDA_BASE + index: (index, False) for index in range(128)},
-}
 
 
-def _location_of(code: int) -> ResidencyLocation:
-    """The shared location record for a core location code."""
-    location = _LOCATIONS.get(code)
-    if location is None:
-        location = ResidencyLocation("cuda", torch.device("cuda", code - _CUDA_BASE))
-        _LOCATIONS[code] = location
-    return location
-
-
-def _byte_count(value: int, name: str) -> int:
-    """Byte counts the core can account exactly: at most 2**64 - 1 (16 EiB)."""
-    if value > _lowering.U64_MAX:
-        raise ValueError(f"{name} of {value} bytes exceeds the supported maximum of 2**64 - 1")
-    return value
-
-
-def _normalize_handles(handles: object) -> tuple[ResidencyHandle[Any], ...]:
-    """Contract 3.17: a non-empty tuple of distinct handles, first occurrences kept."""
-    if type(handles) is tuple and len(handles) == 1 and type(handles[0]) is ResidencyHandle:
-        return handles  # the common single-handle call, already normal
-    try:
-        items = tuple(cast(Iterable[object], handles))
-    except TypeError:
-        raise TypeError(
-            f"handles must be an iterable of ResidencyHandle, got {type(handles).__name__}"
-        ) from None
-    for item in items:
-        if not isinstance(item, ResidencyHandle):
-            raise TypeError(f"handles must be ResidencyHandle objects, got {type(item).__name__}")
-    normalized = cast(tuple[ResidencyHandle[Any], ...], tuple(dict.fromkeys(items)))
-    if not normalized:
-        raise ValueError("at least one handle is required")
-    return normalized
-
-
-_ENSURE, _MOVE, _DROP, _DISCARD = 0, 1, 2, 3
-_ACTION_KINDS: Final[dict[type, int]] = {
-    EnsureResident: _ENSURE,
-    MoveResident: _MOVE,
-    DropResident: _DROP,
-    DiscardValue: _DISCARD,
-}
-
-
-def _action_kind(action: object) -> int:
-    """The kind of an action whose class is a subclass of one of the four."""
-    for cls, kind in _ACTION_KINDS.items():
-        if isinstance(action, cls):
-            return kind
-    raise TypeError(f"not a residency action: {type(action).__name__}")
-
-
-def _location_code_of(location: ResidencyLocation) -> int:
-    """The core code of a location already validated by the manager."""
-    code = _HOST_CODES.get(location.kind)
-    return _CUDA_BASE + (location.device.index or 0) if code is None else code
-
-
-def _index_int(value: object, name: str) -> int:
-    """The contract's lenient 'index int': bool is a TypeError, __index__ is accepted."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        result = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if result < 0:
-        raise ValueError(f"{name} must be >= 0, got {result}")
-    return result
+def engine_of(manager: ResidencyManager) -> Engine:
+    """The engine behind `manager`, for the controller and other internal users."""
+    return manager._engine
 
 
 class ResidencyManager:
@@ -186,23 +63,7 @@ class ResidencyManager:
     accounting at every location and optional strict budgets.
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_core",
-        "_cuda_count",
-        "_deferred",
-        "_discarded",
-        "_handles",
-        "_index",
-        "_labels",
-        "_manager_id",
-        "_materializations",
-        "_pending_events",
-        "_runtime",
-        "_sources",
-        "_specs",
-        "_trace",
-    )
+    __slots__ = ("__weakref__", "_engine")
 
     def __init__(
         self,
@@ -210,137 +71,31 @@ class ResidencyManager:
         *,
         trace_capacity: int = 4096,
     ) -> None:
-        if budgets is not None and not isinstance(budgets, Mapping):
-            raise TypeError(f"budgets must be a Mapping or None, got {type(budgets).__name__}")
-        capacity = _index_int(trace_capacity, "trace_capacity")
-        self._runtime: DeviceRuntime = current_runtime()
-        runtime = self._runtime
-        self._cuda_count = runtime.device_count() if runtime.cuda_available() else 0
-        entries: list[tuple[int, int]] = []
-        for location, budget in (budgets or {}).items():
-            code = self._location_code(location)
-            name = f"budget for {location}"
-            entries.append((code, _byte_count(_index_int(budget, name), name)))
-        self._core = _core.CoreManager(entries)
-        self._manager_id: str = self._core.manager_id
-        # Indexed by the core's handle index (issue order); never shrink before close.
-        self._handles: list[ResidencyHandle[Any]] = []
-        self._specs: list[ResidencyValueSpec[Any]] = []
-        self._materializations: list[dict[int, TensorResident]] = []
-        self._sources: dict[int, ResidencySource[Any]] = {}
-        # Live handles only; discarded ones move to `_discarded` for precise errors.
-        self._index: dict[ResidencyHandle[Any], int] = {}
-        self._discarded: set[ResidencyHandle[Any]] = set()
-        # Pending CUDA lease token -> the events recorded at its release.
-        self._pending_events: dict[int, list[Any]] = {}
-        # Releases that arrived while a source callback ran on another thread.
-        self._deferred: deque[Callable[[], object]] = deque()
-        # Reservation labels exactly as given (the core keeps a UTF-8 copy).
-        self._labels: dict[int, str] = {}
-        # deque needs a C ssize_t; no trace could ever hold more than that anyway.
-        self._trace: deque[ResidencyTransitionReport] | None = (
-            deque(maxlen=min(capacity, sys.maxsize)) if capacity else None
-        )
+        self._engine = Engine(budgets, trace_capacity)
+        self._engine.owner = weakref.ref(self)
 
     # ------------------------------------------------------------------ identity
 
     @property
     def manager_id(self) -> str:
         """The process-unique id carried by every handle this manager issues."""
-        return self._manager_id
+        return self._engine.manager_id
 
     @property
     def state_version(self) -> int:
         """The monotonic state version. Reading it reaps completed CUDA leases."""
-        core = self._core
-        core.enter(True, True)
-        try:
-            self._reap()
-            return core.version
-        finally:
-            core.exit()
+        return self._engine.state_version
 
     @property
     def locations(self) -> tuple[ResidencyLocation, ...]:
         """Registered locations: budgeted ones first, then in first-use order."""
-        core = self._core
-        core.enter(False, False)
-        try:
-            return tuple(_location_of(code) for code in core.locations())
-        finally:
-            core.exit()
+        return self._engine.locations
 
     def __repr__(self) -> str:
-        return f"ResidencyManager(manager_id={self._manager_id!r}, runtime={self._runtime.name!r})"
-
-    # ------------------------------------------------------------------ validation
-
-    def _location_code(self, location: object) -> int:
-        """Contract 3.3: TypeError for a non-location, ValueError for unusable CUDA."""
-        if not isinstance(location, ResidencyLocation):
-            raise TypeError(f"expected a ResidencyLocation, got {type(location).__name__}")
-        kind = location.kind
-        if kind == "pageable-host":
-            return _PAGEABLE
-        if kind == "pinned-host":
-            return _PINNED
-        index: int = location.device.index
-        if self._cuda_count == 0:
-            raise ValueError(f"{location} is not usable: CUDA is not available")
-        if index >= self._cuda_count:
-            raise ValueError(
-                f"{location} is not usable: only {self._cuda_count} CUDA device(s) present"
-            )
-        return _CUDA_BASE + index
-
-    def _check_stream(self, stream: object, location: ResidencyLocation) -> None:
-        runtime = self._runtime
-        if not runtime.is_stream(stream):
-            raise TypeError(f"stream must be a CUDA stream, got {type(stream).__name__}")
-        if location.kind != "cuda":
-            raise ValueError(f"a stream was given for host location {location}")
-        if runtime.stream_device(stream) != location.device:
-            raise ValueError(
-                f"stream is on {runtime.stream_device(stream)}, but the location is {location}"
-            )
-
-    def _resolve(self, handle: ResidencyHandle[Any]) -> int:
-        index = self._index.get(handle)
-        if index is not None:
-            return index
-        if handle.manager_id != self._manager_id:
-            raise ResidencyHandleError(
-                f"handle {handle.handle_id!r} belongs to manager {handle.manager_id!r}, "
-                f"not {self._manager_id!r}"
-            )
-        if handle in self._discarded:
-            raise ResidencyHandleError(f"Value {handle.handle_id!r} is discarded")
-        raise ResidencyHandleError(
-            f"unknown handle {handle.handle_id!r} (value type {handle.value_type.__name__}) "
-            f"for manager {self._manager_id!r}"
+        engine = self._engine
+        return (
+            f"ResidencyManager(manager_id={engine.manager_id!r}, runtime={engine.runtime.name!r})"
         )
-
-    def _check_placement(
-        self, facts: ValueFacts, location: ResidencyLocation, value: TensorResident
-    ) -> None:
-        """Contract 3.4 step 5: the value's device and pinning match the location."""
-        name = type(value).__name__
-        if facts.device != location.device:
-            raise ResidencyMaterializationError(
-                f"{name} is on {facts.device}, but the location is {location}"
-            )
-        if facts.device.type != "cpu":
-            return
-        if facts.pinned is None:
-            raise ResidencyMaterializationError(f"{name} mixes pinned and pageable host tensors")
-        if location.kind == "pinned-host" and not facts.pinned:
-            raise ResidencyMaterializationError(
-                f"{name} is not in pinned memory, but the location is {location}"
-            )
-        if location.kind == "pageable-host" and facts.pinned:
-            raise ResidencyMaterializationError(
-                f"{name} is in pinned memory, but the location is {location}"
-            )
 
     # ------------------------------------------------------------------ registration
 
@@ -352,58 +107,7 @@ class ResidencyManager:
         replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE,
     ) -> ResidencyHandle[ValueT]:
         """Take ownership of an existing value as a MUST_PRESERVE managed value."""
-        if not isinstance(value, TensorResident):
-            raise TypeError(f"value must be a TensorResident, got {type(value).__name__}")
-        core = self._core
-        core.enter_transition()
-        try:
-            self._reap()
-            if at is None:
-                facts = self._runtime.measure(value)
-                device = facts.device
-                if device.type == "cuda":
-                    at = _location_of(_CUDA_BASE + (device.index or 0))
-                elif facts.pinned is None:
-                    raise ResidencyMaterializationError(
-                        f"{type(value).__name__} mixes pinned and pageable host tensors"
-                    )
-                else:
-                    at = PINNED_HOST if facts.pinned else PAGEABLE_HOST
-                code = self._location_code(at)
-            else:
-                code = self._location_code(at)
-                facts = self._runtime.measure(value)
-            if (facts.device_code, facts.pinned) != _PLACEMENT[code]:
-                self._check_placement(facts, at, value)
-            if not isinstance(replica_mode, ReplicaMode):
-                raise TypeError(
-                    f"replica_mode must be a ReplicaMode, got {type(replica_mode).__name__}"
-                )
-            value_type = type(value)
-            logical = facts.logical_nbytes
-            storage = facts.storage_nbytes
-            charge = max(logical, storage)
-            index, handle_id = core.adopt(
-                _lowering.type_key(value_type),
-                logical,
-                charge,
-                replica_mode is ReplicaMode.EXCLUSIVE,
-                code,
-                storage,
-                facts.storage_keys,
-            )
-            handle: ResidencyHandle[ValueT] = _new_handle(self._manager_id, handle_id, value_type)
-            shape = (value_type, logical, charge, replica_mode)
-            spec = _ADOPTED_SPECS.get(shape)
-            if spec is None:
-                # Specs are immutable, and values of one shape share one spec record.
-                spec = _new_spec(value_type, logical, charge, replica_mode, _MUST_PRESERVE)
-                _ADOPTED_SPECS[shape] = spec
-            self._register(index, handle, spec)
-            self._materializations[index][code] = value
-            return handle
-        finally:
-            core.exit_transition()
+        return self._engine.adopt(value, at=at, replica_mode=replica_mode)
 
     def register_source(
         self,
@@ -413,44 +117,7 @@ class ResidencyManager:
         source_location: ResidencyLocation = PAGEABLE_HOST,
     ) -> ResidencyHandle[ValueT]:
         """Register a reconstructible value; `source.load()` runs only when needed."""
-        if not isinstance(spec, ResidencyValueSpec):
-            raise TypeError(f"spec must be a ResidencyValueSpec, got {type(spec).__name__}")
-        if not callable(getattr(source, "load", None)):
-            raise TypeError("source must have a callable load() method")
-        core = self._core
-        core.enter_transition()
-        try:
-            self._reap()
-            code = self._location_code(source_location)
-            if spec.recoverability is not Recoverability.RECONSTRUCTIBLE:
-                raise ValueError(
-                    "register_source requires Recoverability.RECONSTRUCTIBLE; "
-                    "use adopt() for values that must be preserved"
-                )
-            index, handle_id = core.register_source(
-                _lowering.type_key(spec.value_type),
-                _byte_count(spec.logical_nbytes, "spec.logical_nbytes"),
-                _byte_count(spec.storage_nbytes, "spec.storage_nbytes"),
-                spec.replica_mode is ReplicaMode.EXCLUSIVE,
-                code,
-            )
-            handle: ResidencyHandle[ValueT] = _new_handle(
-                self._manager_id, handle_id, spec.value_type
-            )
-            self._register(index, handle, spec)
-            self._sources[index] = source
-            return handle
-        finally:
-            core.exit_transition()
-
-    def _register(
-        self, index: int, handle: ResidencyHandle[Any], spec: ResidencyValueSpec[Any]
-    ) -> None:
-        assert index == len(self._handles), "core and facade disagree on issue order"
-        self._handles.append(handle)
-        self._specs.append(spec)
-        self._materializations.append({})
-        self._index[handle] = index
+        return self._engine.register_source(spec, source, source_location=source_location)
 
     # ------------------------------------------------------------------ primitives
 
@@ -459,15 +126,8 @@ class ResidencyManager:
     ) -> ResidencyTransitionReport:
         """Install the value at `at`, keeping existing replicas (no-op if resident)."""
         if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
-            action = _new_ensure(handle, at)
-        else:
-            action = EnsureResident(handle, at)
-        core = self._core
-        core.enter_transition()
-        try:
-            return self._execute(action, stream)
-        finally:
-            core.exit_transition()
+            return self._engine.transition(_new_ensure(handle, at), stream)
+        return self._engine.transition(EnsureResident(handle, at), stream)
 
     def copy(
         self, handle: ResidencyHandle[Any], to: ResidencyLocation, *, stream: Any = None
@@ -489,298 +149,20 @@ class ResidencyManager:
             and type(to) is ResidencyLocation
             and (from_location is None or type(from_location) is ResidencyLocation)
         ):
-            return self._primitive(_new_move(handle, to, from_location), stream)
-        return self._primitive(MoveResident(handle, to, from_location), stream)
+            return self._engine.transition(_new_move(handle, to, from_location), stream)
+        return self._engine.transition(MoveResident(handle, to, from_location), stream)
 
     def drop(
         self, handle: ResidencyHandle[Any], at: ResidencyLocation
     ) -> ResidencyTransitionReport:
         """Remove one unprotected materialisation, keeping the managed value."""
         if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
-            action = _new_drop(handle, at)
-        else:
-            action = DropResident(handle, at)
-        # `_primitive` inlined, as in `ensure`: these two are the hot single-value path.
-        core = self._core
-        core.enter_transition()
-        try:
-            return self._execute(action, None)
-        finally:
-            core.exit_transition()
+            return self._engine.transition(_new_drop(handle, at), None)
+        return self._engine.transition(DropResident(handle, at), None)
 
     def discard(self, handle: ResidencyHandle[Any]) -> ResidencyTransitionReport:
         """End the managed value: remove every materialisation and its source."""
-        return self._primitive(DiscardValue(handle), None)
-
-    def _primitive(self, action: ResidencyAction, stream: Any) -> ResidencyTransitionReport:
-        core = self._core
-        core.enter_transition()
-        try:
-            # _execute reaps first thing, which covers the operation's own reap.
-            return self._execute(action, stream)
-        finally:
-            core.exit_transition()
-
-    def _execute(self, action: ResidencyAction, stream: Any) -> ResidencyTransitionReport:
-        """Runs one action inside a transition (contract 3.6); the caller holds the gate.
-
-        This is the hot path of every primitive and plan step, so host-only actions
-        skip the allocator sampling calls entirely.
-        """
-        if self._pending_events:
-            self._reap()
-        started = _time_ns()
-        index = self._index.get(action.handle)
-        if index is None:
-            index = self._resolve(action.handle)
-        spec = self._specs[index]
-        kind = _ACTION_KINDS.get(type(action))
-        if kind is None:
-            kind = _action_kind(action)
-        device: torch.device | None = None
-        before: tuple[int | None, int | None] = _NO_SAMPLE
-        if kind == _ENSURE:
-            location: ResidencyLocation = action.location  # type: ignore[union-attr]
-            code = _HOST_CODES.get(location.kind)
-            if code is None:
-                code = self._location_code(location)
-            if stream is not None:
-                self._check_stream(stream, location)
-            if code >= _CUDA_BASE:
-                device = location.device
-                before = self._sample(device)
-            no_op, source, reason = self._ensure(index, code, stream)
-            destination: ResidencyLocation | None = location
-        elif kind == _MOVE:
-            move: MoveResident[Any] = action  # type: ignore[assignment]
-            code = self._location_code(move.to)
-            from_code = (
-                None if move.from_location is None else self._location_code(move.from_location)
-            )
-            if stream is not None:
-                self._check_stream(stream, move.to)
-            device = self._sample_device(
-                (code, from_code)
-                if from_code is not None
-                else (code, *self._materializations[index])
-            )
-            if device is not None:
-                before = self._sample(device)
-            no_op, source, reason = self._move(index, code, from_code, stream)
-            destination = move.to
-        elif kind == _DROP:
-            location = action.location  # type: ignore[union-attr]
-            code = _HOST_CODES.get(location.kind)
-            if code is None:
-                code = self._location_code(location)
-            if stream is not None:
-                raise ValueError("DropResident does not take a transfer stream")
-            if code >= _CUDA_BASE:
-                device = location.device
-                before = self._sample(device)
-            no_op = not self._core.drop_materialization(index, code)
-            if not no_op:
-                del self._materializations[index][code]
-            source, destination = location, None
-            reason = _REASON_DROP_NOOP if no_op else None
-        else:
-            if stream is not None:
-                raise ValueError("DiscardValue does not take a transfer stream")
-            device = self._sample_device(tuple(self._materializations[index]))
-            if device is not None:
-                before = self._sample(device)
-            self._core.discard(index)
-            self._materializations[index].clear()
-            self._sources.pop(index, None)
-            handle = self._handles[index]
-            del self._index[handle]
-            self._discarded.add(handle)
-            no_op, source, reason, destination = False, None, None, None
-        after = _NO_SAMPLE if device is None else self._sample(device)
-        report: ResidencyTransitionReport = _new_report(
-            action,
-            no_op,
-            source,
-            destination,
-            spec.logical_nbytes,
-            spec.storage_nbytes,
-            started,
-            _time_ns(),
-            device,
-            before[0],
-            before[1],
-            after[0],
-            after[1],
-            reason,
-        )
-        if self._trace is not None:
-            self._trace.append(report)
-        return report
-
-    def _ensure(
-        self, index: int, code: int, stream: Any
-    ) -> tuple[bool, ResidencyLocation | None, str | None]:
-        kind, source, loaded = self._core.plan_ensure(index, code, self._sources.get(index))
-        if self._deferred:
-            # Releases that arrived while load() ran apply as soon as it returned.
-            self._drain_deferred()
-        if kind == 0:
-            return True, None, _REASON_ENSURE_NOOP
-        if kind == 1:
-            value = self._materializations[index][source]
-            self._install(index, code, self._copy(value, source, code, stream), False)
-        else:
-            self._reconstruct_into(index, source, code, loaded, stream, exclusive_transition=False)
-        return False, _location_of(source), None
-
-    def _move(
-        self, index: int, code: int, from_code: int | None, stream: Any
-    ) -> tuple[bool, ResidencyLocation | None, str | None]:
-        kind, source, loaded = self._core.plan_move(
-            index, code, from_code, self._sources.get(index)
-        )
-        if self._deferred:
-            self._drain_deferred()
-        materializations = self._materializations[index]
-        if kind == 0:
-            return True, (None if source < 0 else _location_of(source)), _REASON_MOVE_NOOP
-        if kind == 1:
-            materializations.pop(source, None)
-        elif kind == 2:
-            copied = self._copy(materializations[source], source, code, stream)
-            self._install(index, code, copied, True)
-            self._core.remove(index, source)
-            materializations.pop(source, None)
-        else:
-            self._reconstruct_into(index, source, code, loaded, stream, exclusive_transition=True)
-        return False, _location_of(source), None
-
-    def _reconstruct_into(
-        self,
-        index: int,
-        source_code: int,
-        code: int,
-        loaded: object,
-        stream: Any,
-        *,
-        exclusive_transition: bool,
-    ) -> None:
-        """Contract 3.12 after the core took the temporary charge at `source_code` and
-        ran `load()`: validate the loaded value there, then install it there or copy
-        it to `code`. The charge is returned on every path."""
-        core = self._core
-        charged = True
-        try:
-            # Installing where it was loaded, the core's install checks the bytes itself.
-            value, facts = self._validate(
-                index, source_code, loaded, check_bytes=source_code != code
-            )
-            if source_code == code:
-                charged = False  # install_loaded returns it just before installing
-                core.install_loaded(
-                    index,
-                    code,
-                    facts.logical_nbytes,
-                    facts.storage_nbytes,
-                    facts.storage_keys,
-                    exclusive_transition,
-                )
-                self._materializations[index][code] = value
-            else:
-                core.admit(index, code)
-                copied = self._copy(value, source_code, code, stream)
-                self._install(index, code, copied, exclusive_transition)
-        finally:
-            if charged:
-                core.release_temporary(index, source_code)
-
-    def _validate(
-        self, index: int, code: int, value: object, *, check_bytes: bool = True
-    ) -> tuple[TensorResident, ValueFacts]:
-        """Contract 3.14 step 3: type, placement, logical bytes and storage ceiling.
-
-        `check_bytes=False` leaves the byte checks to the core's install, which makes
-        them in the same order right after."""
-        value_type = self._specs[index].value_type
-        if not isinstance(value, value_type):
-            raise ResidencyMaterializationError(
-                f"expected a {value_type.__name__} for value "
-                f"{self._handles[index].handle_id!r}, got {type(value).__name__}"
-            )
-        resident: TensorResident = value  # narrowed by the isinstance check above
-        facts = self._runtime.measure(resident)
-        if (facts[1], facts[2]) != _PLACEMENT[code]:  # (device_code, pinned)
-            self._check_placement(facts, _location_of(code), resident)
-        if check_bytes:
-            self._core.check_materialization(index, facts.logical_nbytes, facts.storage_nbytes)
-        return resident, facts
-
-    def _install(
-        self,
-        index: int,
-        code: int,
-        value: TensorResident,
-        exclusive_transition: bool,
-        facts: ValueFacts | None = None,
-    ) -> None:
-        """Validates (unless `facts` are already validated for `code`) and installs."""
-        if facts is None:
-            value, facts = self._validate(index, code, value, check_bytes=False)
-        self._core.install(
-            index,
-            code,
-            facts.logical_nbytes,
-            facts.storage_nbytes,
-            facts.storage_keys,
-            exclusive_transition,
-        )
-        self._materializations[index][code] = value
-
-    def _copy(
-        self, value: TensorResident, source_code: int, code: int, stream: Any
-    ) -> TensorResident:
-        """Contract 3.13 and 4.1: host copies are synchronous; CUDA copies are
-        enqueued on the transfer stream and synchronised through an event."""
-        runtime = self._runtime
-        if code == _PAGEABLE:
-            return runtime.copy_to_pageable(value)
-        if code == _PINNED:
-            return runtime.copy_to_pinned(value)
-        device = _location_of(code).device
-        copy_stream = stream if stream is not None else runtime.current_stream(device)
-        try:
-            copied = runtime.copy_to_cuda(
-                value, device, copy_stream, non_blocking=source_code != _PAGEABLE
-            )
-            runtime.synchronize_event(runtime.record_event(copy_stream))
-        except BaseException as error:
-            # Interrupts too: the copy may still be reading the source on the stream.
-            try:
-                runtime.synchronize_stream(copy_stream)
-            except Exception as cleanup:
-                error.add_note(
-                    f"cleanup after the failed transfer to {device} also failed: "
-                    f"copy stream synchronize raised {cleanup!r}"
-                )
-            raise
-        return copied
-
-    # ------------------------------------------------------------------ telemetry
-
-    def _sample_device(self, codes: Any) -> torch.device | None:
-        for code in codes:
-            if code >= _CUDA_BASE:
-                return _location_of(code).device
-        return None
-
-    def _sample(self, device: torch.device | None) -> tuple[int | None, int | None]:
-        if device is None:
-            return None, None
-        runtime = self._runtime
-        try:
-            return runtime.memory_allocated(device), runtime.memory_reserved(device)
-        except Exception:
-            return None, None
+        return self._engine.transition(DiscardValue(handle), None)
 
     # ------------------------------------------------------------------ plans
 
@@ -792,14 +174,14 @@ class ResidencyManager:
         transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
         expected_state_version: int | None = None,
     ) -> ResidencyPlanReport:
-        """Preflight, then run one ordered action sequence (contract 5.2).
+        """Preflight, then run one ordered action sequence.
 
         Infeasible sequences raise `ResidencyPlanError` before anything runs. A
         runtime failure raises `ResidencyPlanExecutionError` carrying the committed
         prefix: execution is not transactional.
         """
         return _plans.execute_actions(
-            self,
+            self._engine,
             actions,
             name=name,
             transfer_streams=transfer_streams,
@@ -809,9 +191,9 @@ class ResidencyManager:
     def explain(
         self, plan: ResidencyPlan, *, expected_state_version: int | None = None
     ) -> ResidencyPlanExplanation:
-        """Simulate `plan` without executing it (contract 5.3); never raises for an
-        infeasible plan, and changes nothing."""
-        return _plans.explain(self, plan, expected_state_version=expected_state_version)
+        """Simulate `plan` without executing it; never raises for an infeasible plan,
+        and changes nothing."""
+        return _plans.explain(self._engine, plan, expected_state_version=expected_state_version)
 
     def scope(
         self,
@@ -830,30 +212,7 @@ class ResidencyManager:
             expected_state_version=expected_state_version,
         )
 
-    def _reserve_locked(self, reservation: MemoryReservation) -> int:
-        """Admits a plan reservation exactly like `reserve`; the caller holds the gate."""
-        code = self._location_code(reservation.location)
-        label = reservation.label
-        token = self._core.reserve(
-            code,
-            _byte_count(reservation.nbytes, "nbytes"),
-            _lowering.diagnostic_text(label),
-        )
-        self._labels[token] = label
-        return token
-
-    def _completed_pending_leases(self) -> list[int]:
-        """Pending leases whose events all report complete (explain's protection
-        rule); a query that raises keeps its lease protecting."""
-        query = self._runtime.event_query
-        completed = []
-        for token, events in self._pending_events.items():
-            try:
-                if all(query(event) for event in events):
-                    completed.append(token)
-            except Exception:
-                continue
-        return completed
+    # ------------------------------------------------------------------ lifetimes
 
     def acquire(
         self,
@@ -866,558 +225,164 @@ class ResidencyManager:
 
         CUDA locations need the `consumer_stream` that will read the values.
         """
-        normalized = _normalize_handles(handles)
-        core = self._core
-        core.enter(True, True)
-        try:
-            code = self._location_code(at)
-            if code >= _CUDA_BASE and consumer_stream is None:
-                raise ValueError(
-                    f"acquiring at {at} needs the consumer_stream that will read the values"
-                )
-            if self._deferred or self._pending_events:
-                self._reap()
-            if consumer_stream is not None:
-                self._check_stream(consumer_stream, at)
-            index = self._index.get(normalized[0]) if len(normalized) == 1 else None
-            token = core.acquire(
-                [index] if index is not None else self._resolve_in_order(normalized, code), code
-            )
-            return _new_lease(
-                self, token, normalized, at, [] if consumer_stream is None else [consumer_stream]
-            )
-        finally:
-            core.exit()
+        return self._engine.acquire(handles, at=at, consumer_stream=consumer_stream)
 
     def hold(
         self, handles: Iterable[ResidencyHandle[Any]], *, at: ResidencyLocation
     ) -> ResidencyHold:
         """Protect already-ready materialisations at `at` from removal until released."""
-        normalized = _normalize_handles(handles)
-        core = self._core
-        core.enter(True, True)
-        try:
-            code = self._location_code(at)
-            if self._deferred or self._pending_events:
-                self._reap()
-            token = core.hold(self._resolve_in_order(normalized, code), code)
-            return ResidencyHold(manager=self, token=token, handles=normalized, location=at)
-        finally:
-            core.exit()
+        return self._engine.hold(handles, at=at)
 
     def reserve(
         self, location: ResidencyLocation, nbytes: int, *, label: str
     ) -> ResidencyReservation:
         """Charge `nbytes` of accounting headroom at `location` until released."""
-        nbytes = _index_int(nbytes, "nbytes")
-        if not isinstance(label, str):
-            raise TypeError(f"label must be a str, got {type(label).__name__}")
-        if not label or label.isspace():
-            raise ValueError(f"label must be a non-empty string, got {label!r}")
-        core = self._core
-        core.enter(True, True)
-        try:
-            code = self._location_code(location)
-            token = core.reserve(
-                code, _byte_count(nbytes, "nbytes"), _lowering.diagnostic_text(label)
-            )
-            self._labels[token] = label
-            return ResidencyReservation(
-                manager=self, token=token, location=location, nbytes=nbytes, label=label
-            )
-        finally:
-            core.exit()
-
-    def _resolve_in_order(self, handles: tuple[ResidencyHandle[Any], ...], code: int) -> list[int]:
-        """Contract 3.17 step 6: per handle in order, the lookup and then residency, so
-        a non-resident handle before an unknown one reports unavailability."""
-        indices: list[int] = []
-        for handle in handles:
-            index = self._index.get(handle)
-            if index is None:
-                if indices:
-                    self._core.check_resident(indices, code)
-                index = self._resolve(handle)
-            indices.append(index)
-        return indices
-
-    def _borrowed(
-        self, token: int, handle: ResidencyHandle[Any], location: ResidencyLocation
-    ) -> TensorResident:
-        """A borrowed lookup: the managed object itself, while the lease still holds."""
-        core = self._core
-        core.enter(False, True)
-        try:
-            index = self._index.get(handle)
-            if index is None or not core.lease_covers(token, index):
-                raise ResidencyUnavailableError(
-                    f"value {handle.handle_id!r} is no longer borrowed at {location} "
-                    "(its lease ended with a forced close or the value was discarded)"
-                )
-            return self._materializations[index][_location_code_of(location)]
-        finally:
-            core.exit()
-
-    def _enter_for_release(self, apply: Callable[[], object], finalizing: bool) -> bool:
-        """Enters the gate for a release. If a source callback runs on another thread
-        (or a finalizer fires inside one), queues `apply` instead and returns False.
-
-        The callback rule forbids observing half-built state, not cleaning up: a
-        deferred release is applied as soon as the callback ends.
-        """
-        core = self._core
-        while True:
-            try:
-                core.enter(False, True)
-                return True
-            except ResidencyReentrancyError:
-                if core.callback_running_elsewhere() or (finalizing and core.callback_active):
-                    break
-                if core.callback_active:
-                    raise  # the callback is this thread's own: the contract's error
-                # Either this thread is mid-transition (check_reentrant raises the
-                # contract's error) or the callback ended since our attempt: retry.
-                core.check_reentrant()
-        self._deferred.append(apply)
-        if not core.callback_active:
-            # The callback ended while we queued: apply it now ourselves.
-            self._apply_deferred_soon()
-        return False
-
-    def _release_token(self, apply: Callable[[], object], finalizing: bool) -> None:
-        if self._enter_for_release(apply, finalizing):
-            try:
-                if self._deferred:
-                    self._drain_deferred()
-                apply()
-            finally:
-                self._core.exit()
-
-    def _apply_deferred_soon(self) -> None:
-        core = self._core
-        try:
-            core.enter(False, False)
-        except ResidencyReentrancyError:
-            return  # another callback started; its transition drains the queue
-        try:
-            self._drain_deferred()
-        finally:
-            core.exit()
-
-    def _drain_deferred(self) -> None:
-        """Applies releases queued while a callback ran; the caller holds the gate."""
-        deferred = self._deferred
-        while deferred:
-            try:
-                apply = deferred.popleft()
-            except IndexError:
-                return
-            apply()
-
-    def _release_host_lease(self, token: int, finalizing: bool = False) -> None:
-        """Contract 4.3, CPU lease: remove the use tokens (one version step)."""
-        core = self._core
-        if self._release_now(0, token) is not None:
-            return
-        try:
-            core.enter(False, True)
-        except ResidencyReentrancyError:
-            self._release_token(partial(core.release_lease, token), finalizing)
-            return
-        try:
-            if self._deferred:
-                self._drain_deferred()
-            core.release_lease(token)
-        finally:
-            core.exit()
-
-    def _release_lease(
-        self,
-        token: int,
-        location: ResidencyLocation,
-        streams: list[Any],
-        *,
-        wait: bool,
-        finalizing: bool = False,
-    ) -> None:
-        """Contract 4.3: the manager side of `ResidencyLease.release`."""
-        core = self._core
-        if location.kind != "cuda":
-            self._release_host_lease(token, finalizing)
-            return
-        if core.lease_state(token) != 1:
-            return  # unknown (a forced close) or already released
-        runtime = self._runtime
-        if not streams:
-            runtime.synchronize_device(location.device)
-            self._release_token(partial(core.release_lease, token), finalizing)
-            warnings.warn(
-                f"a CUDA lease at {location} had no consumer streams; a full-device "
-                "synchronisation was used to release it",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return
-        # Every stream was validated against this location when it joined the lease
-        # (acquire or add_consumer_stream), and a stream never changes device, so the
-        # re-validation of contract 4.3 step 1 holds without asking the runtime again.
-        try:
-            events = [runtime.record_event(stream) for stream in streams]
-        except Exception:
-            # Contract 4.3 step 3: without events, the streams are waited for instead.
-            for stream in streams:
-                runtime.synchronize_stream(stream)
-            self._release_token(partial(core.release_lease, token), finalizing)
-            warnings.warn(
-                f"recording release events at {location} failed; the consumer streams were "
-                "synchronised instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return
-        if wait:
-            for event in events:
-                runtime.synchronize_event(event)
-        try:
-            core.enter(False, True)
-        except ResidencyReentrancyError:
-            self._release_token(partial(self._apply_pending, token, events, wait), finalizing)
-            return
-        try:
-            if self._deferred:
-                self._drain_deferred()
-            self._apply_pending(token, events, wait)
-        finally:
-            core.exit()
-
-    def _apply_pending(self, token: int, events: list[Any], completed: bool) -> None:
-        """Moves a CUDA lease's use tokens to pending-event tokens, and releases them at
-        once when its events are already known complete (`wait=True`)."""
-        core = self._core
-        if core.lease_to_pending(token):
-            if completed:
-                core.release_pending(token)
-            else:
-                self._pending_events[token] = events
-
-    def _release_now(self, kind: int, token: int) -> bool | None:
-        """One-call release when nothing is deferred and the gate is free; `None`
-        sends the caller down the waiting path, which defers or raises as needed."""
-        if self._deferred:
-            return None
-        try:
-            return self._core.release_now(kind, token)
-        except ResidencyReentrancyError:
-            return None
-
-    def _release_hold(self, token: int, *, finalizing: bool = False) -> None:
-        released = self._release_now(1, token)
-        if released is None:
-            self._release_token(partial(self._apply_hold_release, token, finalizing), finalizing)
-        elif not released and not (finalizing or self._core.closed):
-            raise RuntimeError(f"internal error: unknown hold token {token}")
-
-    def _apply_hold_release(self, token: int, missing_ok: bool) -> None:
-        if not self._core.release_hold(token) and not (missing_ok or self._core.closed):
-            raise RuntimeError(f"internal error: unknown hold token {token}")
-
-    def _release_reservation(self, token: int, *, finalizing: bool = False) -> None:
-        released = self._release_now(2, token)
-        if released is None:
-            self._release_token(
-                partial(self._apply_reservation_release, token, finalizing), finalizing
-            )
-            return
-        self._labels.pop(token, None)
-        if not released and not (finalizing or self._core.closed):
-            raise RuntimeError(f"internal error: unknown reservation token {token}")
-
-    def _apply_reservation_release(self, token: int, missing_ok: bool) -> None:
-        self._labels.pop(token, None)
-        if not self._core.release_reservation(token) and not (missing_ok or self._core.closed):
-            raise RuntimeError(f"internal error: unknown reservation token {token}")
-
-    def _reap(self) -> None:
-        """Contract 4.4: release pending CUDA leases whose events all completed."""
-        if self._deferred:
-            self._drain_deferred()
-        if not self._pending_events:
-            return
-        query = self._runtime.event_query
-        for token, events in list(self._pending_events.items()):
-            if query(events[0]) if len(events) == 1 else all(map(query, events)):
-                self._core.release_pending(token)
-                del self._pending_events[token]
+        return self._engine.reserve(location, nbytes, label=label)
 
     # ------------------------------------------------------------------ observations
 
     def snapshot(self) -> ResidencySnapshot[Any]:
         """One atomic, tensor-free observation. O(1) to capture; entries build lazily."""
-        core = self._core
-        view = None if self._deferred else core.try_published()
-        if view is None:
-            core.enter(True, True)
-            try:
-                self._reap()
-                view = core.current()
-                captured = time.time_ns()
-            finally:
-                core.exit()
-        else:
-            captured = time.time_ns()
-        return _ManagerSnapshot._capture(self, view, captured)
+        return self._engine.snapshot()
 
     def trace(self) -> tuple[ResidencyTransitionReport, ...]:
         """The retained transition reports, oldest first."""
-        core = self._core
-        core.enter(False, False)
-        try:
-            return tuple(self._trace) if self._trace is not None else ()
-        finally:
-            core.exit()
+        return self._engine.trace()
 
     def clear_trace(self) -> None:
         """Empty the trace; residency state and the version are unchanged."""
-        core = self._core
-        core.enter(False, False)
-        try:
-            if self._trace is not None:
-                self._trace.clear()
-        finally:
-            core.exit()
+        self._engine.clear_trace()
 
     # ------------------------------------------------------------------ close
 
     def close(self, *, wait: bool = True, force: bool = False) -> None:
-        """Close the manager (contract 3.19); a closed manager returns silently."""
-        core = self._core
-        core.enter(False, False)
-        try:
-            if core.closed:
-                return
-            core.check_reentrant()
-            if self._deferred:
-                self._drain_deferred()
-            if wait:
-                self._synchronize_pending()
-            else:
-                self._reap()
-            if force:
-                runtime = self._runtime
-                for code in core.locations():
-                    if code >= _CUDA_BASE and self._cuda_count:
-                        runtime.synchronize_device(_location_of(code).device)
-            core.close(force)
-            self._pending_events.clear()
-            self._deferred.clear()
-            self._labels.clear()
-            self._sources.clear()
-            self._materializations = [{} for _ in self._materializations]
-            self._index.clear()
-        finally:
-            core.exit()
-
-    def _synchronize_pending(self) -> None:
-        synchronize = self._runtime.synchronize_event
-        for token, events in list(self._pending_events.items()):
-            for event in events:
-                synchronize(event)
-            self._core.release_pending(token)
-            del self._pending_events[token]
+        """Close the manager; a closed manager returns silently."""
+        self._engine.close(wait=wait, force=force)
 
     def __enter__(self) -> ResidencyManager:
-        core = self._core
+        core = self._engine.core
         core.enter(True, False)
         core.exit()
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
         try:
-            self.close()
+            self._engine.close()
         except BaseException as error:
             # Errors raised from the core carry no implicit context; chain the body's.
-            _chain(error, exc)
+            chain_context(error, exc)
             raise
 
 
-class _ManagerSnapshot(ResidencySnapshot[Any]):
-    """A `ResidencySnapshot` over a published core state whose entries are built on
-    first access, once. It compares, hashes and pickles like the plain record."""
+class ResidencyScope(Lifetime):
+    """A single-use context for one plan: reclaim, reserve and enter on entry; exit
+    actions and reservation release on exit. Nestable; never suppresses the body's
+    exception."""
 
-    __slots__ = ("_built", "_handles", "_specs", "_view")
-    __qualname__ = "ResidencySnapshot"
-
-    _built: dict[str, tuple[Any, ...]]
-    _handles: list[ResidencyHandle[Any]]
-    _specs: list[ResidencyValueSpec[Any]]
-    _view: _core.StateView | None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Called as the record's own constructor (`type(snapshot)(...)`,
-        # `dataclasses.replace`): validate like ResidencySnapshot and keep the fields.
-        plain = ResidencySnapshot(*args, **kwargs)
-        self._set_scalars(plain.manager_id, plain.state_version, plain.captured_at_ns)
-        init = object.__setattr__
-        init(self, "_view", None)
-        init(self, "_handles", [])
-        init(self, "_specs", [])
-        init(
-            self,
-            "_built",
-            {
-                "values": plain.values,
-                "locations": plain.locations,
-                "reservations": plain.reservations,
-            },
-        )
-
-    @classmethod
-    def _capture(
-        cls, manager: ResidencyManager, view: _core.StateView, captured_at_ns: int
-    ) -> _ManagerSnapshot:
-        snapshot = object.__new__(cls)
-        snapshot._set_scalars(manager._manager_id, view.version, captured_at_ns)
-        # The frozen record's __setattr__ refuses every assignment, ours included.
-        init = object.__setattr__
-        init(snapshot, "_view", view)
-        # The facade's lists only grow, so the view's prefix of them stays valid.
-        init(snapshot, "_handles", manager._handles)
-        init(snapshot, "_specs", manager._specs)
-        # Locations are few and carry allocator readings that belong to capture time;
-        # reservations are few and their labels live in the facade until released.
-        labels = manager._labels
-        init(
-            snapshot,
-            "_built",
-            {
-                "locations": _location_entries(view, manager._runtime),
-                "reservations": tuple(
-                    _new_reservation_snapshot(_location_of(code), nbytes, labels.get(token, label))
-                    for token, code, nbytes, label in view.reservation_rows()
-                ),
-            },
-        )
-        return snapshot
-
-    def _set_scalars(self, manager_id: str, state_version: int, captured_at_ns: int) -> None:
-        slots = ResidencySnapshot.__dict__
-        slots["manager_id"].__set__(self, manager_id)
-        slots["state_version"].__set__(self, state_version)
-        slots["captured_at_ns"].__set__(self, captured_at_ns)
-
-    def _field(self, name: str) -> tuple[Any, ...]:
-        built = self._built.get(name)
-        if built is None:
-            # Building allocates many small records; a collection pass in the middle
-            # would scan the whole heap for nothing, so collect after instead.
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                built = cast(tuple[Any, ...], getattr(self, f"_build_{name}")())
-            finally:
-                if collecting:
-                    gc.enable()
-            self._built[name] = built
-        return built
-
-    @property
-    def values(self) -> tuple[ResidencyValueSnapshot[Any], ...]:
-        return self._field("values")
-
-    @property
-    def locations(self) -> tuple[ResidencyLocationSnapshot, ...]:
-        return self._field("locations")
-
-    @property
-    def reservations(self) -> tuple[ResidencyReservationSnapshot, ...]:
-        return self._field("reservations")
-
-    def _build_values(self) -> tuple[ResidencyValueSnapshot[Any], ...]:
-        handles, specs = self._handles, self._specs
-        entries = []
-        assert self._view is not None  # Fields given at construction are never rebuilt.
-        for index, (source, discarded, rows) in enumerate(self._view.value_rows()):
-            materializations = tuple(
-                _new_materialization_snapshot(
-                    _location_of(code),
-                    specs[index].logical_nbytes,
-                    storage,
-                    charged,
-                    uses,
-                    holds,
-                    pending,
-                )
-                for code, storage, charged, uses, holds, pending in rows
-            )
-            entries.append(
-                _new_value_snapshot(
-                    handles[index],
-                    specs[index],
-                    materializations,
-                    source >= 0,
-                    _location_of(source) if source >= 0 else None,
-                    discarded,
-                )
-            )
-        return tuple(entries)
-
-    def _plain(self) -> ResidencySnapshot[Any]:
-        return ResidencySnapshot(
-            self.manager_id,
-            self.state_version,
-            self.values,
-            self.locations,
-            self.reservations,
-            self.captured_at_ns,
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ResidencySnapshot):
-            return NotImplemented
-        return _fields(self) == _fields(other)
-
-    def __hash__(self) -> int:
-        return hash(_fields(self))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (ResidencySnapshot, _fields(self))
-
-
-def _fields(snapshot: ResidencySnapshot[Any]) -> tuple[Any, ...]:
-    return (
-        snapshot.manager_id,
-        snapshot.state_version,
-        snapshot.values,
-        snapshot.locations,
-        snapshot.reservations,
-        snapshot.captured_at_ns,
+    __slots__ = (
+        "_expected",
+        "_manager",
+        "_plan",
+        "_run",
+        "_state",
+        "_streams",
+        "exit_error",
+        "report",
     )
 
-
-def _location_entries(
-    view: _core.StateView, runtime: DeviceRuntime
-) -> tuple[ResidencyLocationSnapshot, ...]:
-    entries = []
-    for row in view.location_rows():
-        code, budget, used, reserved = row[0], row[1], row[2], row[3]
-        location = _location_of(code)
-        allocated = allocator_reserved = None
-        if code >= _CUDA_BASE:
-            try:
-                allocated = runtime.memory_allocated(location.device)
-                allocator_reserved = runtime.memory_reserved(location.device)
-            except Exception:
-                allocated = allocator_reserved = None
-        entries.append(
-            _new_location_snapshot(
-                location,
-                budget,
-                used,
-                reserved,
-                None if budget is None else budget - used - reserved,
-                *row[4:],
-                allocated,
-                allocator_reserved,
+    def __init__(
+        self,
+        manager: ResidencyManager,
+        plan: ResidencyPlan,
+        *,
+        transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
+        expected_state_version: int | None = None,
+    ) -> None:
+        if not isinstance(manager, ResidencyManager):
+            raise TypeError(f"manager must be a ResidencyManager, got {type(manager).__name__}")
+        if not isinstance(plan, ResidencyPlan):
+            raise TypeError(f"plan must be a ResidencyPlan, got {type(plan).__name__}")
+        if transfer_streams is not None and not isinstance(transfer_streams, Mapping):
+            raise TypeError(
+                f"transfer_streams must be a Mapping, got {type(transfer_streams).__name__}"
             )
+        self._expected = _plans.optional_version(expected_state_version)
+        self._manager = manager
+        self._plan = plan
+        # A private copy: later changes to the caller's mapping do not reach the scope.
+        self._streams: dict[Any, Any] = dict(transfer_streams or {})
+        self._state = "new"
+        self._active = False
+        self._entered = False
+        self._run: _plans.ScopeRun | None = None
+        self.report: ResidencyPlanReport | None = None
+        self.exit_error: ResidencyPlanExecutionError | None = None
+
+    @property
+    def manager(self) -> ResidencyManager:
+        return self._manager
+
+    @property
+    def plan(self) -> ResidencyPlan:
+        return self._plan
+
+    @property
+    def expected_state_version(self) -> int | None:
+        return self._expected
+
+    def __enter__(self) -> ResidencyScope:
+        if self._state != "new":
+            raise RuntimeError(f"scope of plan {self._plan.name!r} can be entered only once")
+        self._state = "entering"
+        try:
+            self._run = _plans.enter_scope(
+                self._manager._engine, self._plan, self._expected, self._streams
+            )
+        except BaseException:
+            self._state = "closed"
+            raise
+        self._state = "entered"
+        self._track()
+        return self
+
+    def close(self) -> None:
+        """Run the exit actions and release the reservations. Idempotent."""
+        if self._state == "closed":
+            return
+        if self._state != "entered" or self._run is None:
+            raise RuntimeError(f"scope of plan {self._plan.name!r} was never entered")
+        self._state = "closed"
+        self._untrack()
+        try:
+            self.report = _plans.exit_scope(self._manager._engine, self._run)
+        except ResidencyPlanExecutionError as error:
+            self.exit_error = error
+            raise
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        if self._state == "closed":
+            return
+        try:
+            self.close()
+        except BaseException as error:
+            if exc is None:
+                raise
+            exc.add_note(
+                f"closing the residency scope of plan {self._plan.name!r} also failed: "
+                f"{type(error).__name__}: {error}"
+            )
+
+    def _finalize(self) -> None:
+        # Abandoned after a successful entry: give the reservations back, never run
+        # exit actions (what they would do may no longer be right).
+        if self._run is not None:
+            _plans.abandon_scope(self._manager._engine, self._run)
+        warnings.warn(
+            f"the residency scope of plan {self._plan.name!r} was abandoned without "
+            "close(); its reservations were released and its exit actions were not run",
+            ResourceWarning,
+            stacklevel=2,
         )
-    return tuple(entries)
+
+    def __repr__(self) -> str:
+        return f"ResidencyScope(plan={self._plan.name!r}, {self._state})"

@@ -244,11 +244,6 @@ impl Manager {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The last published state: O(1), never waits for a writer.
-    pub fn published(&self) -> Arc<State> {
-        self.published.load_full()
-    }
-
     // ----- the gate -------------------------------------------------------------
 
     /// Passes the gate and the requested guards, in the contract's order: callback,
@@ -373,49 +368,17 @@ impl Manager {
             .collect())
     }
 
-    pub fn source_location(&self, handle: HandleId) -> CoreResult<Option<Location>> {
-        Ok(self.inner().record(handle)?.source)
-    }
-
-    pub fn spec(&self, handle: HandleId) -> CoreResult<ValueSpec> {
-        Ok(self.inner().record(handle)?.spec)
-    }
-
     // ----- handles --------------------------------------------------------------
 
-    /// Resolves a caller's handle: foreign, unknown, type-inconsistent and discarded
-    /// handles are handle errors.
-    pub fn resolve(
-        &self,
-        manager_id: &str,
-        handle_id: &str,
-        type_key: u64,
-    ) -> CoreResult<HandleId> {
-        if manager_id != &*self.manager_id {
-            return Err(handle_error(format!(
-                "handle {handle_id:?} belongs to manager {manager_id:?}, not {:?}",
-                &*self.manager_id
-            )));
-        }
+    /// The index issued for `handle_id`, and whether that value is discarded.
+    pub fn lookup(&self, handle_id: &str) -> Option<(HandleId, bool)> {
         let inner = self.inner();
-        let handle = *inner.handles.get(handle_id).ok_or_else(|| {
-            handle_error(format!(
-                "unknown handle {handle_id:?} for manager {manager_id:?}"
-            ))
-        })?;
-        let record = inner.record(handle)?;
-        if record.type_key != type_key {
-            return Err(handle_error(format!(
-                "handle {handle_id:?} names a different value type than the managed value"
-            )));
-        }
-        inner.live_record(handle)?;
-        Ok(handle)
-    }
-
-    /// Resolves a handle index known to be issued here, failing for a discarded one.
-    pub fn check_live(&self, handle: HandleId) -> CoreResult<()> {
-        self.inner().live_record(handle).map(|_| ())
+        let handle = *inner.handles.get(handle_id)?;
+        let discarded = inner
+            .state
+            .record(handle)
+            .is_none_or(|record| record.discarded);
+        Some((handle, discarded))
     }
 
     // ----- registration ---------------------------------------------------------

@@ -6,6 +6,7 @@
 mod errors;
 mod manager;
 mod measure;
+mod objects;
 mod plan;
 mod search;
 

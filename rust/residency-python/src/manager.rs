@@ -20,6 +20,7 @@ use residency_core::{
     ReplicaMode, Simulation, SlotResolution, State, StorageKey, ValueSpec,
 };
 
+use crate::objects::Objects;
 use crate::plan::PlanIr;
 
 use crate::errors::to_py_err;
@@ -55,11 +56,59 @@ fn spec(logical: u64, storage: u64, exclusive: bool, reconstructible: bool) -> P
 #[derive(Debug)]
 pub struct CoreManager {
     core: Arc<Manager>,
+    objects: Objects,
+    /// Builds a handle record from `(manager_id, handle_id, value_type)`.
+    handle_builder: Py<PyAny>,
+}
+
+fn unknown_index(index: HandleId) -> PyErr {
+    pyo3::exceptions::PyRuntimeError::new_err(format!(
+        "internal error: handle index {index} was not issued by this manager"
+    ))
 }
 
 impl CoreManager {
     pub fn core(&self) -> &Arc<Manager> {
         &self.core
+    }
+
+    fn issue_handle(
+        &self,
+        py: Python<'_>,
+        handle_id: &str,
+        value_type: Py<PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        Ok(self
+            .handle_builder
+            .bind(py)
+            .call1((self.core.manager_id().as_ref(), handle_id, value_type))?
+            .unbind())
+    }
+
+    /// `(index, discarded)` when `handle` is (or equals) a handle this manager issued.
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(HandleId, bool)>> {
+        let Ok(handle_id) = handle.getattr(pyo3::intern!(py, "handle_id")) else {
+            return Ok(None);
+        };
+        let Ok(handle_id) = handle_id.cast::<pyo3::types::PyString>() else {
+            return Ok(None);
+        };
+        let Some((index, discarded)) = self.core.lookup(handle_id.to_str()?) else {
+            return Ok(None);
+        };
+        let Some(issued) = self.objects.handle(py, index) else {
+            return Ok(None);
+        };
+        let issued = issued.bind(py);
+        if issued.is(handle) || issued.eq(handle)? {
+            Ok(Some((index, discarded)))
+        } else {
+            Ok(None)
+        }
     }
 
     fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
@@ -74,13 +123,12 @@ impl CoreManager {
         py: Python<'py>,
         handle: HandleId,
         source_location: Location,
-        source: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let Some(source) = source else {
+        let Some(source) = self.objects.source(py, handle) else {
             return Ok(None);
         };
         self.core.set_callback_active(true);
-        let loaded = source.call_method0(pyo3::intern!(py, "load"));
+        let loaded = source.bind(py).call_method0(pyo3::intern!(py, "load"));
         self.core.set_callback_active(false);
         match loaded {
             Ok(value) => Ok(Some(value)),
@@ -95,13 +143,15 @@ impl CoreManager {
 #[pymethods]
 impl CoreManager {
     #[new]
-    fn new(budgets: Vec<(u32, u64)>) -> PyResult<Self> {
+    fn new(budgets: Vec<(u32, u64)>, handle_builder: Py<PyAny>) -> PyResult<Self> {
         let budgets = budgets
             .into_iter()
             .map(|(code, budget)| Ok((location(code)?, budget)))
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Self {
             core: Arc::new(Manager::new(&budgets)),
+            objects: Objects::default(),
+            handle_builder,
         })
     }
 
@@ -197,6 +247,7 @@ impl CoreManager {
 
     // ----- registration ---------------------------------------------------------
 
+    /// Adopts a measured value installed at `at` and returns its new handle.
     #[allow(clippy::too_many_arguments)]
     fn adopt(
         &self,
@@ -208,16 +259,29 @@ impl CoreManager {
         at: u32,
         storage: u64,
         keys: Vec<StorageKey>,
-    ) -> PyResult<(HandleId, String)> {
+        value_type: Py<PyAny>,
+        spec_record: Py<PyAny>,
+        value: Py<PyAny>,
+    ) -> PyResult<Py<PyAny>> {
         let spec = spec(logical, charge, exclusive, false)?;
-        let (handle, handle_id) = Self::lift(
+        let (index, handle_id) = Self::lift(
             py,
             self.core
                 .adopt(type_key, spec, location(at)?, storage, &keys),
         )?;
-        Ok((handle, handle_id.to_string()))
+        let handle = self.issue_handle(py, &handle_id, value_type)?;
+        self.objects.push(
+            index,
+            handle.clone_ref(py),
+            spec_record,
+            None,
+            Some((at, value)),
+        );
+        Ok(handle)
     }
 
+    /// Registers a reconstructible value and returns its new handle.
+    #[allow(clippy::too_many_arguments)]
     fn register_source(
         &self,
         py: Python<'_>,
@@ -226,26 +290,104 @@ impl CoreManager {
         storage: u64,
         exclusive: bool,
         source_location: u32,
-    ) -> PyResult<(HandleId, String)> {
+        value_type: Py<PyAny>,
+        spec_record: Py<PyAny>,
+        source: Py<PyAny>,
+    ) -> PyResult<Py<PyAny>> {
         let spec = spec(logical, storage, exclusive, true)?;
-        let (handle, handle_id) = Self::lift(
+        let (index, handle_id) = Self::lift(
             py,
             self.core
                 .register_source(type_key, spec, location(source_location)?),
         )?;
-        Ok((handle, handle_id.to_string()))
+        let handle = self.issue_handle(py, &handle_id, value_type)?;
+        self.objects
+            .push(index, handle.clone_ref(py), spec_record, Some(source), None);
+        Ok(handle)
+    }
+
+    // ----- handles and objects -----------------------------------------------------
+
+    /// The index of a live handle this manager issued (the very object, or one equal
+    /// to it); `None` for anything else, which the glue turns into a precise error.
+    fn resolve(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<Option<HandleId>> {
+        let Some((index, discarded)) = self.lookup(py, handle)? else {
+            return Ok(None);
+        };
+        Ok((!discarded).then_some(index))
+    }
+
+    /// `resolve` for each handle, with -1 where it gives `None`.
+    fn resolve_many(&self, py: Python<'_>, handles: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<i64>> {
+        handles
+            .iter()
+            .map(|handle| {
+                Ok(match self.lookup(py, handle)? {
+                    Some((index, false)) => i64::from(index),
+                    _ => -1,
+                })
+            })
+            .collect()
+    }
+
+    /// Whether `handle` names a value of this manager that was discarded.
+    fn is_discarded(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self
+            .lookup(py, handle)?
+            .is_some_and(|(_, discarded)| discarded))
+    }
+
+    fn handle(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
+        self.objects
+            .handle(py, index)
+            .ok_or_else(|| unknown_index(index))
+    }
+
+    fn spec(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
+        self.objects
+            .spec(py, index)
+            .ok_or_else(|| unknown_index(index))
+    }
+
+    fn source(&self, py: Python<'_>, index: HandleId) -> Option<Py<PyAny>> {
+        self.objects.source(py, index)
+    }
+
+    /// The object of the materialisation at `at`.
+    fn value(&self, py: Python<'_>, index: HandleId, at: u32) -> PyResult<Py<PyAny>> {
+        self.objects.value(py, index, at).ok_or_else(|| {
+            pyo3::exceptions::PyRuntimeError::new_err(format!(
+                "internal error: value {index} has no object at location code {at}"
+            ))
+        })
+    }
+
+    /// Location codes of the value's materialisations, in install order.
+    fn value_codes(&self, index: HandleId) -> Vec<u32> {
+        self.objects.value_codes(index)
+    }
+
+    /// `(handles, specs)` of the first `count` values, in issue order.
+    fn handles_and_specs(&self, py: Python<'_>, count: usize) -> (Vec<Py<PyAny>>, Vec<Py<PyAny>>) {
+        self.objects
+            .handles_and_specs(py, count.min(self.objects.len()))
+            .into_iter()
+            .unzip()
+    }
+
+    /// The label a reservation was made with, exactly as given.
+    fn label(&self, py: Python<'_>, token: u64) -> Option<Py<PyAny>> {
+        self.objects.label(py, token)
     }
 
     // ----- transitions ------------------------------------------------------------
 
     /// `(0, -1)` no-op, `(1, source)` copy, `(2, source_location)` reconstruct.
-    #[pyo3(signature = (handle, at, source=None))]
     fn plan_ensure<'py>(
         &self,
         py: Python<'py>,
         handle: HandleId,
         at: u32,
-        source: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(u8, i64, Option<Bound<'py, PyAny>>)> {
         Ok(
             match Self::lift(py, self.core.plan_ensure(handle, location(at)?))? {
@@ -254,7 +396,7 @@ impl CoreManager {
                 EnsurePlan::Reconstruct { source_location } => (
                     2,
                     i64::from(source_location.code()),
-                    self.load_charged(py, handle, source_location, source)?,
+                    self.load_charged(py, handle, source_location)?,
                 ),
             },
         )
@@ -262,26 +404,28 @@ impl CoreManager {
 
     /// `(0, source|-1)` no-op, `(1, source)` source removed, `(2, source)` copy then
     /// remove, `(3, source_location)` reconstruct.
-    #[pyo3(signature = (handle, to, from_location=None, source=None))]
+    #[pyo3(signature = (handle, to, from_location=None))]
     fn plan_move<'py>(
         &self,
         py: Python<'py>,
         handle: HandleId,
         to: u32,
         from_location: Option<u32>,
-        source: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(u8, i64, Option<Bound<'py, PyAny>>)> {
         let from = from_location.map(location).transpose()?;
         let code = |location: Location| i64::from(location.code());
         Ok(
             match Self::lift(py, self.core.plan_move(handle, location(to)?, from))? {
                 MovePlan::NoOp { source } => (0, source.map_or(-1, code), None),
-                MovePlan::RemovedSource { source } => (1, code(source), None),
+                MovePlan::RemovedSource { source } => {
+                    drop(self.objects.take_value(handle, source.code()));
+                    (1, code(source), None)
+                }
                 MovePlan::Copy { source } => (2, code(source), None),
                 MovePlan::Reconstruct { source_location } => (
                     3,
                     code(source_location),
-                    self.load_charged(py, handle, source_location, source)?,
+                    self.load_charged(py, handle, source_location)?,
                 ),
             },
         )
@@ -303,14 +447,18 @@ impl CoreManager {
         storage: u64,
         keys: Vec<StorageKey>,
         exclusive_transition: bool,
+        value: Py<PyAny>,
     ) -> PyResult<()> {
+        let code = at;
         let at = location(at)?;
         Self::lift(py, self.core.release_temporary(handle, at))?;
         Self::lift(
             py,
             self.core
                 .install(handle, at, logical, storage, &keys, exclusive_transition),
-        )
+        )?;
+        self.objects.set_value(handle, code, value);
+        Ok(())
     }
 
     fn charge_temporary(&self, py: Python<'_>, handle: HandleId) -> PyResult<u32> {
@@ -344,6 +492,7 @@ impl CoreManager {
         storage: u64,
         keys: Vec<StorageKey>,
         exclusive_transition: bool,
+        value: Py<PyAny>,
     ) -> PyResult<()> {
         Self::lift(
             py,
@@ -355,19 +504,31 @@ impl CoreManager {
                 &keys,
                 exclusive_transition,
             ),
-        )
+        )?;
+        self.objects.set_value(handle, at, value);
+        Ok(())
     }
 
     fn remove(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<()> {
-        Self::lift(py, self.core.remove(handle, location(at)?))
+        Self::lift(py, self.core.remove(handle, location(at)?))?;
+        drop(self.objects.take_value(handle, at));
+        Ok(())
     }
 
+    /// Drops one materialisation and its object; `False` is the no-op.
     fn drop_materialization(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<bool> {
-        Self::lift(py, self.core.drop_materialization(handle, location(at)?))
+        let dropped = Self::lift(py, self.core.drop_materialization(handle, location(at)?))?;
+        if dropped {
+            drop(self.objects.take_value(handle, at));
+        }
+        Ok(dropped)
     }
 
-    fn discard(&self, py: Python<'_>, handle: HandleId) -> PyResult<Vec<u32>> {
-        Ok(codes(&Self::lift(py, self.core.discard(handle))?))
+    /// Ends a value: its materialisations and source object go with it.
+    fn discard(&self, py: Python<'_>, handle: HandleId) -> PyResult<()> {
+        Self::lift(py, self.core.discard(handle))?;
+        drop(self.objects.discard(handle));
+        Ok(())
     }
 
     // ----- protections and lifetimes ----------------------------------------------
@@ -426,7 +587,13 @@ impl CoreManager {
         let released = match kind {
             0 => self.core.release_lease(token),
             1 => self.core.release_hold(token),
-            _ => self.core.release_reservation(token),
+            2 => self.release_reservation(token),
+            _ => {
+                self.core.exit();
+                return Err(PyValueError::new_err(format!(
+                    "unknown lifetime kind {kind}"
+                )));
+            }
         };
         self.core.exit();
         Ok(Some(released))
@@ -436,11 +603,23 @@ impl CoreManager {
         self.core.release_hold(token)
     }
 
-    fn reserve(&self, py: Python<'_>, at: u32, nbytes: u64, label: &str) -> PyResult<u64> {
-        Self::lift(py, self.core.reserve(location(at)?, nbytes, label))
+    /// Admits a reservation; `text` is the label's UTF-8 form the core keeps, and
+    /// `label` the object itself, reported back exactly as given.
+    fn reserve(
+        &self,
+        py: Python<'_>,
+        at: u32,
+        nbytes: u64,
+        text: &str,
+        label: Py<PyAny>,
+    ) -> PyResult<u64> {
+        let token = Self::lift(py, self.core.reserve(location(at)?, nbytes, text))?;
+        self.objects.set_label(token, label);
+        Ok(token)
     }
 
     fn release_reservation(&self, token: u64) -> bool {
+        drop(self.objects.take_label(token));
         self.core.release_reservation(token)
     }
 
@@ -504,7 +683,9 @@ impl CoreManager {
     }
 
     fn close(&self, py: Python<'_>, force: bool) -> PyResult<()> {
-        Self::lift(py, self.core.close(force))
+        Self::lift(py, self.core.close(force))?;
+        drop(self.objects.clear());
+        Ok(())
     }
 }
 

@@ -1,0 +1,96 @@
+"""The lifetime base shared by leases, holds, reservations and scopes.
+
+An object still active when it is collected, or alive at interpreter exit, is
+released safely and warned about (see docs/concepts/lifetimes.md, finalizers).
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+
+from fhelium.errors import ResidencyLifetimeClosedError
+
+__all__ = ["LIVE", "Lifetime", "chain_context"]
+
+# Every live lifetime object, so that those still active at interpreter exit are
+# finalized while the runtime still works (weakref.finalize's atexit behaviour,
+# without its per-object cost on the acquire/release hot path).
+# Keyed by id(): an entry leaves on release or on collection, never outlives its object.
+LIVE: dict[int, weakref.ref[Lifetime]] = {}
+
+
+@atexit.register
+def _finalize_at_exit() -> None:
+    for reference in list(LIVE.values()):
+        lifetime = reference()
+        if lifetime is not None:
+            lifetime._abandon()
+
+
+def chain_context(error: BaseException, body: BaseException | None) -> None:
+    """Gives `error` the implicit `__context__` Python would have set had it been
+    raised by Python code while `body` propagated: errors raised from the core (through
+    C) carry no implicit context."""
+    if body is not None and error is not body and error.__context__ is None:
+        error.__context__ = body
+
+
+class Lifetime:
+    """Finalization shared by leases, holds and reservations: an object collected or
+    alive at exit while still active is released safely, with a ResourceWarning."""
+
+    __slots__ = ("__weakref__", "_active", "_entered")
+
+    _active: bool
+    _entered: bool
+
+    def _track(self) -> None:
+        self._active = True
+        LIVE[id(self)] = weakref.ref(self)
+
+    def _untrack(self) -> None:
+        self._active = False
+        LIVE.pop(id(self), None)
+
+    def _finalize(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def active(self) -> bool:
+        """Whether the lifetime still protects (or reserves) anything."""
+        return self._active
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def _closed_message(self) -> str:
+        raise NotImplementedError
+
+    def _require_active(self) -> None:
+        if not self._active:
+            raise ResidencyLifetimeClosedError(self._closed_message())
+
+    def _enter_once(self, noun: str) -> None:
+        self._require_active()
+        if self._entered:
+            raise RuntimeError(f"a {noun} can be entered only once")
+        self._entered = True
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        try:
+            self.release()
+        except BaseException as error:
+            chain_context(error, exc)
+            raise
+
+    def _abandon(self) -> None:
+        if self._active:
+            self._untrack()
+            self._finalize()
+
+    def __del__(self) -> None:
+        # Interpreter teardown may have cleared module globals; nothing is left to do.
+        if getattr(self, "_active", False):
+            self._untrack()
+            self._finalize()

@@ -1,0 +1,177 @@
+//! The Python objects a manager keeps beside the core's records, indexed by the
+//! core's handle index: the handle and spec objects it issued, the value objects
+//! of every materialisation, the reconstruction sources, and reservation labels.
+//!
+//! The core owns the records; these are only the objects it cannot hold. Every
+//! change here happens in the same binding call as the core change it mirrors, so
+//! the two never disagree. The mutex is never held while Python code runs.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use pyo3::prelude::*;
+
+/// One value's objects. Materialisations keep their install order, which is the
+/// order the telemetry device is chosen in.
+#[derive(Debug)]
+struct Entry {
+    handle: Py<PyAny>,
+    spec: Py<PyAny>,
+    source: Option<Py<PyAny>>,
+    values: Vec<(u32, Py<PyAny>)>,
+}
+
+#[derive(Debug, Default)]
+struct Store {
+    entries: Vec<Entry>,
+    labels: HashMap<u64, Py<PyAny>>,
+}
+
+#[derive(Debug, Default)]
+pub struct Objects {
+    store: Mutex<Store>,
+}
+
+impl Objects {
+    fn store(&self) -> MutexGuard<'_, Store> {
+        // Every method leaves the store consistent before it can panic.
+        self.store.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Registers the objects of the value the core just issued as `index`.
+    pub fn push(
+        &self,
+        index: u32,
+        handle: Py<PyAny>,
+        spec: Py<PyAny>,
+        source: Option<Py<PyAny>>,
+        value: Option<(u32, Py<PyAny>)>,
+    ) {
+        let mut store = self.store();
+        debug_assert_eq!(store.entries.len(), index as usize);
+        store.entries.push(Entry {
+            handle,
+            spec,
+            source,
+            values: value.into_iter().collect(),
+        });
+    }
+
+    pub fn len(&self) -> usize {
+        self.store().entries.len()
+    }
+
+    pub fn handle(&self, py: Python<'_>, index: u32) -> Option<Py<PyAny>> {
+        let store = self.store();
+        store
+            .entries
+            .get(index as usize)
+            .map(|entry| entry.handle.clone_ref(py))
+    }
+
+    pub fn spec(&self, py: Python<'_>, index: u32) -> Option<Py<PyAny>> {
+        let store = self.store();
+        store
+            .entries
+            .get(index as usize)
+            .map(|entry| entry.spec.clone_ref(py))
+    }
+
+    pub fn source(&self, py: Python<'_>, index: u32) -> Option<Py<PyAny>> {
+        let store = self.store();
+        store
+            .entries
+            .get(index as usize)
+            .and_then(|entry| entry.source.as_ref().map(|source| source.clone_ref(py)))
+    }
+
+    /// Handles and specs of the first `count` values, for snapshot entries.
+    pub fn handles_and_specs(&self, py: Python<'_>, count: usize) -> Vec<(Py<PyAny>, Py<PyAny>)> {
+        let store = self.store();
+        store
+            .entries
+            .iter()
+            .take(count)
+            .map(|entry| (entry.handle.clone_ref(py), entry.spec.clone_ref(py)))
+            .collect()
+    }
+
+    pub fn value(&self, py: Python<'_>, index: u32, code: u32) -> Option<Py<PyAny>> {
+        let store = self.store();
+        store.entries.get(index as usize).and_then(|entry| {
+            entry
+                .values
+                .iter()
+                .find(|(at, _)| *at == code)
+                .map(|(_, value)| value.clone_ref(py))
+        })
+    }
+
+    /// Location codes of the value's materialisations, in install order.
+    pub fn value_codes(&self, index: u32) -> Vec<u32> {
+        let store = self.store();
+        store
+            .entries
+            .get(index as usize)
+            .map(|entry| entry.values.iter().map(|(code, _)| *code).collect())
+            .unwrap_or_default()
+    }
+
+    pub fn set_value(&self, index: u32, code: u32, value: Py<PyAny>) {
+        let mut store = self.store();
+        if let Some(entry) = store.entries.get_mut(index as usize) {
+            match entry.values.iter_mut().find(|(at, _)| *at == code) {
+                Some(slot) => slot.1 = value,
+                None => entry.values.push((code, value)),
+            }
+        }
+    }
+
+    /// Removes one materialisation's object; it is released after the lock.
+    pub fn take_value(&self, index: u32, code: u32) -> Option<Py<PyAny>> {
+        let mut store = self.store();
+        let entry = store.entries.get_mut(index as usize)?;
+        let position = entry.values.iter().position(|(at, _)| *at == code)?;
+        Some(entry.values.remove(position).1)
+    }
+
+    /// Forgets a discarded value's materialisations and source; the handle and spec
+    /// stay for snapshots. The objects are returned so they die after the lock.
+    pub fn discard(&self, index: u32) -> Vec<Py<PyAny>> {
+        let mut store = self.store();
+        let Some(entry) = store.entries.get_mut(index as usize) else {
+            return Vec::new();
+        };
+        let mut released: Vec<Py<PyAny>> = entry.values.drain(..).map(|(_, value)| value).collect();
+        released.extend(entry.source.take());
+        released
+    }
+
+    pub fn set_label(&self, token: u64, label: Py<PyAny>) {
+        self.store().labels.insert(token, label);
+    }
+
+    pub fn label(&self, py: Python<'_>, token: u64) -> Option<Py<PyAny>> {
+        self.store()
+            .labels
+            .get(&token)
+            .map(|label| label.clone_ref(py))
+    }
+
+    pub fn take_label(&self, token: u64) -> Option<Py<PyAny>> {
+        self.store().labels.remove(&token)
+    }
+
+    /// Drops every value, source and label object (close). Returned so that their
+    /// destructors run after the lock is released.
+    pub fn clear(&self) -> Vec<Py<PyAny>> {
+        let mut store = self.store();
+        let mut released = Vec::new();
+        for entry in &mut store.entries {
+            released.extend(entry.values.drain(..).map(|(_, value)| value));
+            released.extend(entry.source.take());
+        }
+        released.extend(store.labels.drain().map(|(_, label)| label));
+        released
+    }
+}
