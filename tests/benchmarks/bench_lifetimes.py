@@ -1,6 +1,6 @@
 """Lifetime hot paths: lease acquire + release of one value on the host and on a
 simulated CUDA location, hold and reservation round trips. Prints medians beside the
-issue's targets.
+targets listed in README.md (Benchmarks).
 
 Run: python tests/benchmarks/bench_lifetimes.py [--quick]
 """

@@ -1,5 +1,5 @@
 """Manager hot-path benchmarks: adopt, ensure-from-source plus drop, snapshot capture
-and snapshot entry building. Prints measured figures beside the issue's targets.
+and snapshot entry building. Prints measured figures beside the targets in README.md.
 
 Run: python tests/benchmarks/bench_manager.py [--quick]
 Figures are medians over repeats of per-operation times on small two-field float64

@@ -1,4 +1,4 @@
-"""`ResidencyController.decide` (contract 7.3, 7.4, 7.5 outcomes, 7.8, 8, 10.2, 10.15, 10.17).
+"""`ResidencyController.decide` (docs/concepts/controller.md#decide, #search).
 
 Request validation and its order, the empty plan of a satisfied request, the plan's
 reservations, the attached feasible explanation, the absence of any side effect, the two
@@ -94,7 +94,7 @@ def basic(sim: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# Argument and request validation (7.3 steps 1-3)
+# Argument and request validation (controller.md#decide, steps 1-3)
 # --------------------------------------------------------------------------------------------
 
 
@@ -203,7 +203,7 @@ def test_cuda_location_without_cuda() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Successful decisions (7.3 steps 4-10)
+# Successful decisions (controller.md#decide, steps 4-8)
 # --------------------------------------------------------------------------------------------
 
 
@@ -370,7 +370,7 @@ def test_protected_exclusive_source_is_rejected_by_explain(basic: Basic, sim: An
 
 
 # --------------------------------------------------------------------------------------------
-# The search-state limit (7.3 step 5, 7.5 state counter, 10.17)
+# The search-state limit (controller.md#state-counter)
 # --------------------------------------------------------------------------------------------
 
 
@@ -424,7 +424,7 @@ def test_limit_is_per_decide(sim: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Policy ordering contract (7.5 ordering)
+# Policy ordering rule (controller.md#candidates)
 # --------------------------------------------------------------------------------------------
 
 
@@ -469,7 +469,7 @@ def test_policy_order_is_followed(sim: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Determinism and races (7.3, 7.5, 10.2)
+# Determinism and races (controller.md#decide)
 # --------------------------------------------------------------------------------------------
 
 
@@ -494,9 +494,9 @@ def test_same_decision_twice_and_in_another_thread(basic: Basic) -> None:
 
 
 def test_reap_during_the_search(sim: Any) -> None:
-    """An event completing mid-decide: either decide reports the stale state itself (7.3
-    step 8) or its decision, bound to the state it planned on, is stale at scope entry
-    (10.2). It never plans on one version and reports another."""
+    """An event completing mid-decide: either decide reports the stale state itself
+    or its decision, bound to the state it planned on, is stale at scope entry
+    (docs/concepts/controller.md#decide). It never plans on one version and reports another."""
     with ResidencyManager({CUDA0: 32}) as manager:
         a = replicated_at(manager, sim, PAGEABLE_HOST, CUDA0)
         replicated_at(manager, sim, PAGEABLE_HOST, CUDA0)
@@ -522,8 +522,8 @@ def test_reap_during_the_search(sim: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# A search that cycles (7.5: the memo only holds exhausted states, so two tiers pointing at
-# each other can move a sole copy back and forth until the limit)
+# A search that cycles (controller.md#search: the memo only holds exhausted states, so two
+# tiers pointing at each other can move a sole copy back and forth until the limit)
 # --------------------------------------------------------------------------------------------
 
 CYCLE_SCRIPT = """

@@ -1,5 +1,5 @@
 """Differential test: `ResidencyController.decide` against the literal transcription of the
-contract's search in `controller_reference.py` (contract 7.1-7.5, 10.15-10.17).
+documented search in `controller_reference.py` (docs/concepts/controller.md).
 
 Hypothesis draws thousands of small managers (2-6 values over the four locations, 2-3 of
 them budgeted with small budgets, random replica modes, recoverability, sources, extra
@@ -12,7 +12,7 @@ released location, bytes, reason) and `explored_states`, including where the lim
 
 When the reference search succeeds, the live manager's `explain` of the reference plan
 decides between a decision (whose explanation must equal it) and `ResidencyPlanError` with
-the explanation's reason (7.3 steps 7-9, 10.15).
+the explanation's reason (controller.md#decide, step 7).
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def scenarios(draw: Any) -> Scenario:
             )
         ),
         request_reservations=tuple(draw(st.lists(st.tuples(locations, small_bytes), max_size=1))),
-        # Limits stay small: the contract's search can cycle (moves between two tiers) until
+        # Limits stay small: the documented search can cycle (moves between two tiers) until
         # the limit, and the reference recurses once per state.
         limit=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 13, 300, 300])),
     )
@@ -283,7 +283,7 @@ class World:
                 self.controller.set_policy_metadata(handle, priority=priority, stable_key=key)
             except ValueError:
                 return
-            raise AssertionError(f"stable key {key!r} is held by another handle (7.1 step 4)")
+            raise AssertionError(f"stable key {key!r} is held by another handle (step 4)")
         self.controller.set_policy_metadata(handle, priority=priority, stable_key=key)
         previous = self.metadata.get(handle)
         if previous is not None and previous.stable_key is not None:

@@ -1,10 +1,11 @@
 """Eviction semantics of the controller search on small, hand-computed scenarios
-(contract 7.4, 7.5, 7.8, 10.15-10.17).
+(docs/concepts/controller.md#search).
 
 Each scenario states the expected reclaim and enter actions, the evictions (action, rank,
 released location, bytes, reason) and the number of explored states, worked out by hand from
-7.5. Each is also checked against the transcription in `controller_reference.py`, and most are
-executed through `controller.scope` to show the plan really satisfies the request.
+the documented search. Each is also checked against the transcription in
+`controller_reference.py`, and most are executed through `controller.scope` to show the plan
+really satisfies the request.
 
 All values are 16 bytes (four float32s) unless stated otherwise.
 """

@@ -1,4 +1,5 @@
-"""Controller policy metadata and access epochs (contract 7.1, 7.2, 7.5 candidates, 10.1, 10.14).
+"""Controller policy metadata and access epochs (docs/concepts/controller.md#policy-metadata,
+#access-epochs).
 
 Both maps are controller-local and only observable through the candidates the controller hands
 to its policy, so a `RecordingPolicy` captures them: a cuda:0 budget of 32 bytes holds two
@@ -89,7 +90,7 @@ def setup(sim: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# 7.1 set_policy_metadata
+# set_policy_metadata
 # --------------------------------------------------------------------------------------------
 
 
@@ -289,7 +290,7 @@ def test_stable_key_orders_equal_candidates(setup: Setup) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# 7.2 access epochs
+# access epochs
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
 """Construction of `ResidencyController`, `ResidencyEviction` and `ResidencyDecision`
-(contract sections 0, 2.5, 2.9, 7.8, 10.12).
+(docs/concepts/controller.md#construction, #decisions-and-evictions).
 
 Every check is exercised on its own, and adjacent checks are paired with inputs that fail with
 different exception types, so the order of the checks is pinned down too.
@@ -41,7 +41,7 @@ from helpers.records import (
 )
 
 # --------------------------------------------------------------------------------------------
-# ResidencyController construction (2.9)
+# ResidencyController construction (controller.md#construction)
 # --------------------------------------------------------------------------------------------
 
 
@@ -193,7 +193,7 @@ def test_controller_manager_and_policy_are_read_only(manager: ResidencyManager) 
 
 
 # --------------------------------------------------------------------------------------------
-# ResidencyEviction (2.9, 7.8)
+# ResidencyEviction (controller.md#decisions-and-evictions)
 # --------------------------------------------------------------------------------------------
 
 EVICTION_FIELDS = ("action", "rank", "released_location", "released_nbytes", "reason")
@@ -283,7 +283,7 @@ def test_eviction_check_order() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# ResidencyDecision (2.9, 7.8)
+# ResidencyDecision (controller.md#decisions-and-evictions)
 # --------------------------------------------------------------------------------------------
 
 
@@ -359,7 +359,7 @@ def test_decision_manager_id_blank(bad: str) -> None:
 
 @pytest.mark.parametrize("bad", NOT_STRICT_INT, ids=NOT_STRICT_INT_IDS)
 def test_decision_version_type(bad: Any) -> None:
-    # strict (10.12): numpy integers are rejected too
+    # strict (conventions.md#integer-arguments): numpy integers are rejected too
     with pytest.raises(TypeError):
         ResidencyDecision(**decision_args(expected_state_version=bad))
 

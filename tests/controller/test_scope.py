@@ -1,4 +1,5 @@
-"""`ResidencyController.scope(decision, *, transfer_streams=None)` (contract 7.6, 8, 10.18).
+"""`ResidencyController.scope(decision, *, transfer_streams=None)`
+(docs/concepts/controller.md#scope-of-a-decision).
 
 The check order (type, manager, policy identity), the scope it builds from the decision, that
 it takes no manager state (works during callbacks and after close), and stale decisions

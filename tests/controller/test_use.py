@@ -1,4 +1,4 @@
-"""`ResidencyController.use(...)` and `ResidencyUse` (contract 2.9, 4.3, 7.2, 7.7).
+"""`ResidencyController.use(...)` and `ResidencyUse` (docs/concepts/controller.md#use).
 
 Construction (the consumer-stream set rule, mapping normalisation and its order), entry
 (decide first, the scope, one lease per location in first-appearance order, values keyed by

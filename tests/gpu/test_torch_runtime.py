@@ -1,6 +1,6 @@
 """`TorchCudaRuntime` on a real GPU: copies, stream ordering, events and foreign streams.
 
-Skipped without CUDA; the device-independent contract lives in tests/test_runtime_contract.py.
+Skipped without CUDA; the device-independent seam tests live in tests/runtime/test_contract.py.
 """
 
 from __future__ import annotations

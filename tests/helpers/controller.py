@@ -1,6 +1,6 @@
 """Shared helpers for the controller tests (test_controller_*.py); this module holds no tests.
 
-Written from the API contract (`shared/spec/API.md`, sections 2.4, 2.5, 2.9, 7), not from the
+Written from the documented behaviour (docs/concepts/controller.md), not from the
 implementation.
 
 * `RecordingPolicy`: wraps a policy and records every `order_candidates` input, so tests can

@@ -1,10 +1,11 @@
-"""A slow, literal Python transcription of the controller's `decide` search (contract 7.3-7.5).
+"""A slow, literal Python transcription of the controller's `decide` search.
 
-Written straight from the API contract (`shared/spec/API.md`, sections 3.11, 7.3 steps 3-6,
-7.4, 7.5, 7.8, 10.15-10.17), independently of the implementation, for differential tests
+Written straight from the documented algorithm (docs/concepts/controller.md, "Decide" steps
+3-6, "Request simulation", "Search", "Decisions and evictions"; docs/concepts/values.md,
+"Source order"), independently of the implementation, for differential tests
 against `ResidencyController.decide`. Nothing here is optimised: states are cloned
 wholesale, the signature is rebuilt on every use, and `reclaim_states` / `capacity_states`
-are lazy generators exactly as the contract describes them (laziness is observable through
+are lazy generators exactly as the docs describe them (laziness is observable through
 `explored_states`: a successful drop trial stops the generator before its move options count).
 
 Input: `PlanningInput`, a tensor-free description of what `decide` reads from
@@ -17,11 +18,12 @@ Output: `reference_decide(planning)` returns a `RefOutcome`:
   `(action, rank, released_location, released_nbytes, reason)`) and `explored_states`;
 * `kind == "limit"`: the search-state limit was reached (`explored_states == limit`);
 * `kind == "infeasible"`: the search was exhausted;
-* `kind == "handle"` / `kind == "ownership"`: request validation failed (7.3 step 3).
+* `kind == "handle"` / `kind == "ownership"`: request validation failed
+  (controller.md#decide, step 3).
 
 A policy whose ordering is not a permutation raises `RuntimeError`, as `decide` does.
-The manager-side `explain` (7.3 steps 7-9) is not modelled: a caller that needs it explains
-`ref_plan(planning, outcome)` on the live manager.
+The manager-side `explain` (controller.md#decide, step 7) is not modelled: a caller that needs
+it explains `ref_plan(planning, outcome)` on the live manager.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ __all__ = [
     "ref_plan",
 ]
 
-# The three reason templates of 7.5 (10.16: kept verbatim for parity).
+# The three reason templates (docs/concepts/controller.md#reclaim-options), verbatim.
 DROP_REPLICATED = "another materialization preserves the logical value"
 DROP_SOURCE = "registered source can reconstruct the logical value"
 
@@ -66,7 +68,7 @@ def move_reason(destination: ResidencyLocation) -> str:
 
 
 def canonical_key(location: ResidencyLocation) -> tuple[int, int]:
-    """Section 3.11: pageable host, pinned host, then CUDA by ascending index."""
+    """Pageable host, pinned host, then CUDA by ascending index (values.md#source-order)."""
     if location == PAGEABLE_HOST:
         return (0, -1)
     if location == PINNED_HOST:
@@ -146,9 +148,11 @@ def planning_input(
     search_state_limit: int = 100_000,
     snapshot: Any = None,
 ) -> PlanningInput:
-    """The planning input `decide` would build from `manager.snapshot()` (7.3 step 4).
+    """The planning input `decide` would build from `manager.snapshot()`
+    (controller.md#decide, step 4).
 
-    `metadata` and `epochs` are the caller's mirror of the controller's maps (7.1, 7.2).
+    `metadata` and `epochs` are the caller's mirror of the controller's maps
+    (controller.md#policy-metadata, #access-epochs).
     """
     snap = manager.snapshot() if snapshot is None else snapshot
     values = tuple(
@@ -190,7 +194,7 @@ def planning_input(
 
 
 def ref_plan(planning: PlanningInput, outcome: RefOutcome) -> ResidencyPlan:
-    """7.3 step 6: the plan `decide` builds from a successful search."""
+    """The plan `decide` builds from a successful search (controller.md#decide, step 6)."""
     assert outcome.kind == "ok"
     return ResidencyPlan(
         planning.request.name,
@@ -305,7 +309,7 @@ class _Search:
             raise _Limit(f"search state limit {self.limit} reached")
         self.explored += 1
 
-    # --- 7.4 simulate --------------------------------------------------------------------
+    # --- request simulation --------------------------------------------------------------------
     def simulate(self, state: _State) -> list[Any]:
         sim = state.clone()
         for reservation in self.request.reservations:
@@ -400,7 +404,7 @@ class _Search:
             raise RuntimeError("policy did not return every candidate exactly once")
         return combined
 
-    # --- 7.5 search_request --------------------------------------------------------------
+    # --- search_request --------------------------------------------------------------
     def search_request(self, state: _State) -> tuple[_State, list[Any]]:
         key = ("request", self.signature(state))
         if key in self.failed_requests:
@@ -427,7 +431,7 @@ class _Search:
             + "; ".join(notes)
         )
 
-    # --- 7.5 reclaim_states --------------------------------------------------------------
+    # --- reclaim_states --------------------------------------------------------------
     def reclaim_states(
         self,
         state: _State,
@@ -491,7 +495,7 @@ class _Search:
                 trial.used[location] -= charge
                 yield trial
 
-    # --- 7.5 capacity_states -------------------------------------------------------------
+    # --- capacity_states -------------------------------------------------------------
     def capacity_states(
         self,
         state: _State,
@@ -529,7 +533,7 @@ class _Search:
 
 
 # --------------------------------------------------------------------------------------------
-# decide (7.3 steps 3-6)
+# decide (controller.md#decide, steps 3-6)
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """Shared helpers for the lifetime tests (test_lifetimes_*.py); this module holds no tests.
 
-Written from the API contract (`shared/spec/API.md`, sections 2.7, 3.16, 3.17, 3.19, 3.20, 4),
-not from the implementation.
+Written from the documented behaviour (docs/concepts/lifetimes.md), not from the
+implementation.
 
 * `rt` fixture: a two-device `LoggingRuntime` (a `SimulatedRuntime` that also logs every
   `record_event` call with its stream and event) installed for the whole test. Managers
@@ -97,7 +97,7 @@ PLAN_METHODS = ("execute_actions", "explain", "scope")
 
 
 def require(manager: Any, name: str) -> None:
-    """Skip the test when `manager.<name>` (plans belong to another issue) does not exist."""
+    """Skip the test when `manager.<name>` (plans may not exist yet) does not exist."""
     if not callable(getattr(manager, name, None)):
         pytest.skip(f"ResidencyManager.{name} is not implemented yet")
 

@@ -1,7 +1,8 @@
 """Shared helpers for the `ResidencyManager` tests (test_manager_*.py).
 
-Written from the API contract (`shared/spec/API.md`, sections 2.8, 3, 4, 6), not from the
-implementation. The helpers encode the contract's generic book-keeping rules once:
+Written from the documented behaviour (docs/concepts/transitions.md, values.md,
+locations-and-budgets.md, snapshots.md), not from the implementation. The helpers encode the
+generic book-keeping rules once:
 
 * `assert_balanced(snapshot)`: per location, `used_bytes` equals the sum of the charges of the
   materialisations there, `value_count` their number, `reserved_bytes` the sum of the listed
@@ -41,14 +42,14 @@ EXCLUSIVE = ReplicaMode.EXCLUSIVE
 RECONSTRUCTIBLE = Recoverability.RECONSTRUCTIBLE
 MUST_PRESERVE = Recoverability.MUST_PRESERVE
 
-# The three no-op reasons (section 10, point 28).
+# The three no-op reasons (docs/concepts/transitions.md#no-op-rules).
 ENSURE_NOOP = "destination already resident"
 MOVE_NOOP = "destination already owns the selected replica"
 DROP_NOOP = "materialization already absent"
 
 
 def canonical_key(location: ResidencyLocation) -> tuple[int, int]:
-    """The deterministic source order of section 3.11."""
+    """The deterministic source order (docs/concepts/values.md#source-order)."""
     if location == PAGEABLE_HOST:
         return (0, -1)
     if location == PINNED_HOST:
@@ -192,7 +193,7 @@ def used(snapshot: Any, location: ResidencyLocation) -> int:
 
 
 def assert_balanced(snapshot: Any) -> None:
-    """Per location the books balance (sections 3.14, 3.15, 6.4)."""
+    """Per location the books balance (docs/concepts/locations-and-budgets.md#charges)."""
     charges: dict[ResidencyLocation, int] = {}
     counts: dict[ResidencyLocation, int] = {}
     for value in snapshot.values:
@@ -236,7 +237,8 @@ def state_key(snapshot: Any, *, ignore_peak_charged: tuple[ResidencyLocation, ..
     """Everything the snapshot states except `captured_at_ns` and allocator readings.
 
     `ignore_peak_charged` masks `peak_charged_bytes` at the given locations (a failed
-    reconstruction is allowed to leave a raised charged peak behind, section 10 point 6).
+    reconstruction is allowed to leave a raised charged peak behind,
+    docs/concepts/locations-and-budgets.md#peaks).
     """
     locations = tuple(
         (
@@ -376,7 +378,8 @@ def sim_factory(runtime: Any, location: ResidencyLocation, n: int = 4) -> Callab
 
 
 # --------------------------------------------------------------------------------------------
-# reserve() belongs to another issue (3.17); tests that need it skip until it exists
+# reserve() (docs/concepts/lifetimes.md#reservations) came later; tests that need it skip
+# without it
 # --------------------------------------------------------------------------------------------
 
 
@@ -387,8 +390,8 @@ def has_reserve(manager: Any) -> bool:
 def reserve(manager: Any, location: ResidencyLocation, nbytes: int, label: str) -> Any:
     """`manager.reserve(...)`, or skip the test when reservations are not implemented yet."""
     if not has_reserve(manager):
-        pytest.skip("ResidencyManager.reserve (contract 3.17) is not implemented yet")
+        pytest.skip("ResidencyManager.reserve is not implemented yet")
     try:
         return manager.reserve(location, nbytes, label=label)
     except NotImplementedError:
-        pytest.skip("ResidencyManager.reserve (contract 3.17) is not implemented yet")
+        pytest.skip("ResidencyManager.reserve is not implemented yet")

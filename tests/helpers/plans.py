@@ -1,7 +1,7 @@
 """Shared helpers for the plan tests (test_plans_*.py); this module holds no tests.
 
-Written from the API contract (`shared/spec/API.md`, sections 2.3, 2.6, 2.8, 3.6-3.12, 3.20,
-4.1, 4.4, 4.5, 5, 6.6-6.8, 8, 10), not from the implementation.
+Written from the documented behaviour (docs/concepts/plans.md, transitions.md,
+snapshots.md), not from the implementation.
 
 * `FaultRuntime`: a `SimulatedRuntime` whose copy methods can be made to fail on their n-th
   call after `arm(...)`, so a fault lands on one chosen action of a plan.
@@ -10,7 +10,7 @@ Written from the API contract (`shared/spec/API.md`, sections 2.3, 2.6, 2.8, 3.6
 * `shape(manager)`: a handle-free rendering of the manager state, comparable across two
   managers that issued their handles in the same order.
 * `check_execution_error(...)`: the generic field rules of `ResidencyPlanExecutionError`
-  (contract 5.2 step 7, 5.5, 5.6, section 8).
+  (docs/concepts/plans.md#execution-errors).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def shape(manager: ResidencyManager, *, with_version: bool = False) -> Any:
     Values are listed in issue order, so two managers that issued handles in the same order
     compare equal exactly when their materialisations, charges, protections, locations and
     reservations agree. `peak_charged_bytes` is left out: a failed reconstruction may leave a
-    raised charged peak behind (contract 10.6).
+    raised charged peak behind (docs/concepts/locations-and-budgets.md#peaks).
     """
     snap = manager.snapshot()
     assert_balanced(snap)
@@ -217,7 +217,8 @@ def check_execution_error(
     failed_reservation_index: int | None = None,
     cause: BaseException | None = None,
 ) -> None:
-    """Every field rule of a `ResidencyPlanExecutionError` (contract 5.6, section 8)."""
+    """Every field rule of a `ResidencyPlanExecutionError`
+    (docs/concepts/plans.md#execution-errors)."""
     assert type(error) is ResidencyPlanExecutionError, repr(error)
     assert error.plan_name == plan_name
     assert error.phase == phase

@@ -1,7 +1,8 @@
 """Sample values and checkers shared by the record tests; the fixtures are in conftest.py.
 
-The suite is written from the API contract (`shared/spec/API.md`), not from the implementation,
-so the helpers here encode the contract's generic rules once: what a "frozen record" is, what a
+The suite is written from the documented behaviour (docs/concepts/), not from the
+implementation, so the helpers here encode its generic rules once
+(docs/concepts/conventions.md): what a "frozen record" is, what a
 strict int / non-empty str rejects, and a tiny concrete `TensorResident`.
 """
 
@@ -68,7 +69,7 @@ class Empty(TensorResident):
 
 
 # --------------------------------------------------------------------------------------------
-# Inputs the generic contract rules reject (section 0).
+# Inputs the generic rules reject (docs/concepts/conventions.md#integer-arguments).
 # --------------------------------------------------------------------------------------------
 
 # strict int: bool, numpy integers, floats and anything else non-int raise TypeError.
@@ -90,12 +91,13 @@ NOT_BOOL_IDS = ["0", "1", "None", "str", "np.bool_"]
 
 
 # --------------------------------------------------------------------------------------------
-# Generic checker for the "frozen record" convention (section 0).
+# Generic checker for the "frozen record" convention (docs/concepts/conventions.md#frozen-records).
 # --------------------------------------------------------------------------------------------
 
 
 def check_frozen_record(obj: Any, fields: Sequence[str]) -> None:
-    """Assert every property section 0 promises for a frozen record with `fields` in order."""
+    """Assert every property of a frozen record (docs/concepts/conventions.md#frozen-records)
+    with `fields` in order."""
     cls = type(obj)
     values = [getattr(obj, name) for name in fields]
 
@@ -109,13 +111,13 @@ def check_frozen_record(obj: Any, fields: Sequence[str]) -> None:
             setattr(obj, name, value)
         assert getattr(obj, name) is value
     # A new attribute can never be added. (CPython 3.11's frozen+slots dataclass raises TypeError
-    # from its generated __setattr__ for undeclared names; section 0 only pins field assignment.)
+    # from its generated __setattr__ for undeclared names; only field assignment is pinned.)
     with pytest.raises((AttributeError, TypeError)):
         obj.not_a_declared_field = 1  # type: ignore[attr-defined]
     assert not hasattr(obj, "not_a_declared_field")
     assert issubclass(dataclasses.FrozenInstanceError, AttributeError)
 
-    # Dataclass-like repr in the contract's field order.
+    # Dataclass-like repr in the documented field order.
     expected_repr = (
         f"{cls.__name__}(" + ", ".join(f"{n}={v!r}" for n, v in zip(fields, values, strict=True))
     ) + ")"

@@ -1,11 +1,11 @@
-"""`acquire`, `ResidencyLease` and `BorrowedValues` (contract 2.7, 3.2, 3.17, 3.20, 10.24).
+"""`acquire`, `ResidencyLease` and `BorrowedValues` (docs/concepts/lifetimes.md#leases).
 
 Handle normalisation before the gate, the order of acquire's checks, atomicity, version
 increments, the lease's properties and context-manager protocol, `add_consumer_stream` and the
 borrowed mapping.
 """
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 # ruff: noqa: PT011
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from helpers.manager import (
 )
 
 # --------------------------------------------------------------------------------------------
-# Module surface (1.2)
+# Module surface (conventions.md#public-names)
 # --------------------------------------------------------------------------------------------
 
 
@@ -184,7 +184,7 @@ def test_acquire_and_hold_arguments_are_keyword_only(rt: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# acquire: order of checks (3.17 steps 1-6)
+# acquire: order of checks (lifetimes.md#leases, steps 1-6)
 # --------------------------------------------------------------------------------------------
 
 
@@ -645,7 +645,7 @@ def test_added_streams_each_get_an_event_and_duplicates_are_ignored(rt: LoggingR
     assert {id(s) for s in recorded} == {id(s0), id(s1), id(s2)}
     assert rt.pending_event_count() == 3
     snap = manager.snapshot()
-    # pending_event_count counts released leases, not events (6.3)
+    # pending_event_count counts released leases, not events (snapshots.md)
     assert mat(snap, handle, CUDA0).pending_event_count == 1
     rt.complete_events()
     assert mat(manager.snapshot(), handle, CUDA0).pending_event_count == 0

@@ -1,5 +1,5 @@
 """`close(*, wait=True, force=False)`, the manager context manager and forced close
-(contract 3.2, 3.17 last paragraph, 3.19, 4.6, 10.4, 10.21).
+(docs/concepts/lifetimes.md#close, #forced-close).
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def test_after_close_gated_operations_raise_closed(rt: LoggingRuntime, force: bo
         manager.close()
     for name, call in _closed_calls(manager, handle).items():
         if name in PLAN_METHODS and not callable(getattr(manager, name, None)):
-            continue  # plans belong to another issue
+            continue  # plans may not exist yet
         error = capture(call)
         assert isinstance(error, ResidencyClosedError), f"{name}: {error!r}"
     # what still works after close
@@ -286,7 +286,7 @@ def test_manager_exit_error_replaces_the_body_exception(rt: LoggingRuntime) -> N
         assert "holds=1" in str(info.value)
         # the manager stayed open
         assert mat(manager.snapshot(), handle, PAGEABLE_HOST).hold_count == 1
-        # "replaces a body exception, with the normal __context__ chaining" (3.19)
+        # "replaces a body exception, with the normal __context__ chaining" (lifetimes.md#close)
         assert isinstance(info.value.__context__, LookupError)
     finally:
         for hold in holds:

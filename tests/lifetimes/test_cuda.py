@@ -1,4 +1,5 @@
-"""CUDA lease release, pending events and reaping (contract 3.2, 3.20, 4.2-4.4, 6.3, 6.4).
+"""CUDA lease release, pending events and reaping (docs/concepts/lifetimes.md, "CUDA consumer
+streams", "Lease release", "Reaping").
 
 Everything runs through the `SimulatedRuntime`: events stay incomplete until the test
 completes them, so "pending until the event completes" is directly observable. Whether an
@@ -42,7 +43,7 @@ from helpers.manager import (
 )
 
 # --------------------------------------------------------------------------------------------
-# Release paths and their versions (4.3, 3.20)
+# Release paths and their versions (lifetimes.md#lease-release)
 # --------------------------------------------------------------------------------------------
 
 
@@ -199,7 +200,7 @@ def test_cuda_hold_records_no_events(rt: LoggingRuntime) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Streams are captured objects (4.2)
+# Streams are captured objects (lifetimes.md#cuda-consumer-streams)
 # --------------------------------------------------------------------------------------------
 
 
@@ -235,7 +236,7 @@ def test_wait_true_release_from_another_thread(rt: LoggingRuntime) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Reaping (3.2, 4.4)
+# Reaping (lifetimes.md#reaping)
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Abandoned lifetimes (contract 4.5, 10.22, 10.23).
+"""Abandoned lifetimes (docs/concepts/lifetimes.md#finalizers).
 
 A lease, hold or reservation that is garbage-collected while active, or still alive at
 interpreter exit, is released by its finalizer with a `ResourceWarning` naming the kind, the
@@ -214,7 +214,7 @@ def test_failed_finalizer_release_retains_the_manager(rt: LoggingRuntime, fault:
 
 
 # --------------------------------------------------------------------------------------------
-# Interpreter exit (10.22), in a subprocess
+# Interpreter exit, in a subprocess
 # --------------------------------------------------------------------------------------------
 
 EXIT_SCRIPT = textwrap.dedent(

@@ -1,4 +1,4 @@
-"""Holds, reservations and what lifetimes protect (contract 3.15, 3.16, 3.17, 3.20, 6.1, 6.4)."""
+"""Holds, reservations and what lifetimes protect (docs/concepts/lifetimes.md)."""
 
 # ruff: noqa: PT011
 
@@ -106,7 +106,7 @@ def test_with_hold_directly(rt: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Protection (3.16)
+# Protection (lifetimes.md#protection)
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Lifetimes and threads (contract 3.2, 3.17, 10.30; issue point 4 "nothing leaks").
+"""Lifetimes and threads (docs/concepts/lifetimes.md#re-entrancy-and-threads, #deferred-releases).
 
 * From inside a source callback's own thread, a release raises `ResidencyReentrancyError` and
   the lifetime stays active.
@@ -428,7 +428,7 @@ def test_releases_never_fail_while_callbacks_start_and_end_on_another_thread(
     rt: LoggingRuntime,
 ) -> None:
     """A release from a thread other than the callback's must be accepted even when a
-    callback starts or ends while the release is entering the manager (issue point 4)."""
+    callback starts or ends while the release is entering the manager (nothing leaks)."""
     manager = ResidencyManager()
     a = replicated(manager)
     loaded = manager.register_source(spec(), Source(fresh()))

@@ -1,6 +1,7 @@
-"""Accounting: strict budgets, per-replica charges, peaks and the temporary charge (3.12, 3.15).
+"""Accounting: strict budgets, per-replica charges, peaks and the temporary charge
+(docs/concepts/locations-and-budgets.md, docs/concepts/values.md#reconstruction).
 
-`reserve()` (3.17) is used minimally, only where a reserved amount is needed to observe the
+`reserve()` is used minimally, only where a reserved amount is needed to observe the
 admission rule `used + reserved + incoming <= budget`.
 """
 
@@ -61,7 +62,7 @@ def test_budget_error_carries_the_location_name_and_all_amounts(sim: object) -> 
         assert fragment in message
     assert "cuda:1" in message
     assert state_key(manager.snapshot()) == before
-    # Checked before copying (3.7 step 5).
+    # Checked before copying (transitions.md#ensure-and-copy, step 5).
     assert sim.calls["copy_to_cuda"] == 0  # type: ignore[attr-defined]
     assert manager.trace() == ()
     assert mat_locs(manager.snapshot(), filler) == (CUDA1,)
@@ -253,7 +254,7 @@ def test_exclusive_move_peaks_at_the_destination_only(sim: object) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The temporary reconstruction charge (3.12, section 10 point 6)
+# The temporary reconstruction charge (values.md#reconstruction)
 # --------------------------------------------------------------------------------------------
 
 
@@ -344,7 +345,7 @@ def test_destination_budget_failure_after_loading_returns_the_temporary_charge(
     )
     pageable = loc_snap(after, PAGEABLE_HOST)
     assert (pageable.used_bytes, pageable.reserved_bytes) == (0, 0)
-    assert pageable.peak_charged_bytes == 16  # the admitted temporary charge (10.6)
+    assert pageable.peak_charged_bytes == 16  # the admitted temporary charge
     assert sim.calls["copy_to_cuda"] == 0  # type: ignore[attr-defined]
 
 
@@ -360,7 +361,7 @@ def test_failed_load_leaves_only_the_raised_charged_peak() -> None:
     entry = loc_snap(manager.snapshot(), PAGEABLE_HOST)
     assert (entry.used_bytes, entry.reserved_bytes, entry.reservation_count) == (0, 0, 0)
     assert entry.peak_used_bytes == 0
-    assert entry.peak_charged_bytes == 20  # section 10 point 6
+    assert entry.peak_charged_bytes == 20  # the raised peak stays (locations-and-budgets.md#peaks)
 
 
 def test_remaining_budget_is_none_when_unbudgeted() -> None:
@@ -408,8 +409,9 @@ def test_source_location_budget_and_destination_budget_both_apply(sim: object) -
 
 
 # --------------------------------------------------------------------------------------------
-# Byte counts are Python ints (section 0). The core accounts them exactly up to 2**64 - 1
-# (16 EiB); anything larger is refused with a ValueError, never silently saturated.
+# Byte counts are Python ints (conventions.md#byte-counts-and-timestamps). The core accounts
+# them exactly up to 2**64 - 1 (16 EiB); anything larger is refused with a ValueError, never
+# silently saturated.
 # --------------------------------------------------------------------------------------------
 
 LARGEST = 2**64 - 1

@@ -1,6 +1,6 @@
-"""`adopt` (3.4) and `register_source` (3.5), including the storage-alias rule (3.14)."""
+"""`adopt` and `register_source`, including the storage-alias rule (docs/concepts/values.md)."""
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 # ruff: noqa: PT011
 
 from __future__ import annotations

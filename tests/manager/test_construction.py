@@ -1,10 +1,11 @@
 """`ResidencyManager` construction, identity, `locations` and the context-manager protocol.
 
-Contract sections 2.8 (construction order), 3.2 (guards), 3.3 (location validation),
-3.18 (observations), 3.19 (only the minimal close/context-manager behaviour) and 4.7.
+Construction order, guards (docs/concepts/transitions.md#guards), location validation and
+registration (docs/concepts/locations-and-budgets.md), observations, only the minimal
+close/context-manager behaviour (docs/concepts/lifetimes.md#close), and machines without CUDA.
 """
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 # ruff: noqa: PT011
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def test_budget_values_are_index_ints_normalised_to_int() -> None:
 
 
 def test_cuda_budget_without_cuda_raises_value_error() -> None:
-    # Section 4.7: this process has no usable CUDA runtime; constructing the location works.
+    # This process has no usable CUDA runtime; constructing the location works
+    # (locations-and-budgets.md#without-cuda).
     with pytest.raises(ValueError):
         ResidencyManager({cuda_location("cuda:0"): 10})
 
@@ -194,7 +196,8 @@ def test_trace_capacity_accepts_index_ints() -> None:
 
 
 def test_trace_capacity_has_no_upper_bound() -> None:
-    # An index int >= 0 keeps the last N reports (2.8); 2**63 does not fit a C ssize_t.
+    # An index int >= 0 keeps the last N reports (transitions.md#trace); 2**63 does not fit a
+    # C ssize_t.
     manager = ResidencyManager(trace_capacity=2**63)
     handle = manager.adopt(tensor_value())
     manager.ensure(handle, PAGEABLE_HOST)
@@ -297,7 +300,7 @@ def test_context_manager_returns_self_and_closes_on_exit() -> None:
         manager.copy(handle, PAGEABLE_HOST)
     with pytest.raises(ResidencyClosedError), manager:
         pass
-    # These keep working after close (3.18, section 10 point 4).
+    # These keep working after close (lifetimes.md#close).
     assert manager.locations == (PAGEABLE_HOST,)
     assert len(manager.trace()) == 1
     assert UUID_RE.match(manager.manager_id)

@@ -1,11 +1,12 @@
-"""CUDA transfer semantics under the simulated runtime (contract 3.6 step 5, 4.1, 6.5).
+"""CUDA transfer semantics under the simulated runtime (docs/concepts/transitions.md,
+"Copies and streams", "Telemetry").
 
 Stream selection, the `non_blocking` rule, the event recorded on the copy stream and
 synchronised before the install, submission-failure cleanup, wrong-device streams, allocator
 samples, and two devices with isolated accounting.
 """
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 # ruff: noqa: PT011
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def test_event_is_synchronised_before_the_copy_is_installed() -> None:
         ((PAGEABLE_HOST,), PAGEABLE_HOST, False),
         ((PINNED_HOST,), PINNED_HOST, True),
         ((CUDA1,), CUDA1, True),
-        ((PINNED_HOST, PAGEABLE_HOST), PAGEABLE_HOST, False),  # pageable preferred (10.10)
+        ((PINNED_HOST, PAGEABLE_HOST), PAGEABLE_HOST, False),  # pageable preferred (source order)
     ],
     ids=["pageable", "pinned", "cuda", "pageable-over-pinned"],
 )
@@ -233,7 +234,7 @@ def test_reconstruct_to_cuda_records_and_synchronises_one_event(rt: tuple[Any, S
 
 
 # --------------------------------------------------------------------------------------------
-# Stream validation (3.6 step 5)
+# Stream validation (transitions.md#stream-validation)
 # --------------------------------------------------------------------------------------------
 
 
@@ -328,7 +329,7 @@ def test_out_of_range_cuda_locations_are_value_errors(rt: tuple[Any, Spy]) -> No
 
 
 # --------------------------------------------------------------------------------------------
-# Submission failure cleanup (4.1 step 6)
+# Submission failure cleanup (transitions.md#copies-and-streams, step 6)
 # --------------------------------------------------------------------------------------------
 
 
@@ -385,7 +386,7 @@ def test_event_record_failure_is_cleaned_up_and_propagated(rt: tuple[Any, Spy]) 
 
 
 # --------------------------------------------------------------------------------------------
-# Allocator samples (6.4, 6.5)
+# Allocator samples (transitions.md#telemetry, snapshots.md#location-snapshots)
 # --------------------------------------------------------------------------------------------
 
 
@@ -533,7 +534,7 @@ class Interrupt(BaseException):
 def test_submission_interrupted_by_a_base_exception_is_still_cleaned_up(
     rt: tuple[Any, Spy],
 ) -> None:
-    # 4.1 step 6 covers any submission failure: the copy stream is synchronised before the
+    # The submission-failure cleanup covers any failure: the copy stream is synchronised before the
     # failure propagates, and nothing is installed.
     runtime, spy = rt
     manager = ResidencyManager()

@@ -1,6 +1,7 @@
 """Random sequences of primitives checked against a tiny reference model (hypothesis).
 
-The model follows contract sections 3.4-3.15 and 3.20 literally: per location it tracks
+The model follows docs/concepts/values.md, transitions.md and locations-and-budgets.md
+literally: per location it tracks
 `used`, `peak_used`, `peak_charged` and registration order; per handle its ordered
 materialisation locations, its source and whether it was discarded; plus the exact version.
 After every step the manager's snapshot, the returned report or the raised exception, and the
@@ -106,7 +107,7 @@ class Model:
         return Outcome(error=ResidencyBudgetError, error_location=loc.name)
 
     def reconstruct_into(self, value: ModelValue, at: ResidencyLocation) -> Outcome | None:
-        """The reconstruction path of 3.12; returns an error outcome or None on success."""
+        """The reconstruction path (values.md#reconstruction); an error outcome or None."""
         sl = value.source_location
         assert sl is not None
         if not self.fits(sl, value.charge):

@@ -1,11 +1,12 @@
-"""The direct primitives `ensure`/`copy`, `move`, `drop` and `discard` (contract 3.6-3.11).
+"""The direct primitives `ensure`/`copy`, `move`, `drop` and `discard`
+(docs/concepts/transitions.md).
 
 Every numbered rule, the three no-op reasons and the report's source/destination table
-(section 6.5). Multi-location cases run under the simulated runtime, which provides pinned
-host memory and two CUDA devices backed by CPU tensors.
+(docs/concepts/transitions.md#reports). Multi-location cases run under the simulated
+runtime, which provides pinned host memory and two CUDA devices backed by CPU tensors.
 """
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 # ruff: noqa: PT011
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from helpers.manager import (
 )
 
 # --------------------------------------------------------------------------------------------
-# Handle lookup and argument kinds (3.6 steps 3-5, 3.21)
+# Handle lookup and argument kinds (transitions.md#common-steps, #exception-selection)
 # --------------------------------------------------------------------------------------------
 
 
@@ -109,7 +110,8 @@ def test_unknown_handle_of_this_manager_raises_handle_error(which: int) -> None:
 
 @pytest.mark.parametrize("which", range(5), ids=["ensure", "copy", "move", "drop", "discard"])
 def test_handle_with_the_wrong_value_type_is_not_the_managed_handle(which: int) -> None:
-    # Handles compare all three fields (2.2): same ids, another value_type -> not issued here.
+    # Handles compare all three fields (values.md#handles): same ids, another value_type ->
+    # not issued here.
     manager = ResidencyManager()
     handle = manager.adopt(tensor_value())
     impostor = ResidencyHandle(handle.manager_id, handle.handle_id, Other)
@@ -187,7 +189,7 @@ def test_drop_and_discard_take_no_stream() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# ensure / copy (3.7)
+# ensure / copy (transitions.md#ensure-and-copy)
 # --------------------------------------------------------------------------------------------
 
 
@@ -307,7 +309,8 @@ def test_ensure_replicable_keeps_existing_replicas(sim: object) -> None:
 
 
 def test_ensure_to_pinned_host_without_pinned_memory_propagates_runtime_error() -> None:
-    # Default torch runtime on a machine without a pinned allocator (3.13, 4.7).
+    # Default torch runtime on a machine without a pinned allocator
+    # (transitions.md#copies-and-streams).
     manager = ResidencyManager()
     handle = manager.adopt(tensor_value(), replica_mode=REPLICABLE)
     before = state_key(manager.snapshot())
@@ -321,7 +324,7 @@ def test_ensure_to_pinned_host_without_pinned_memory_propagates_runtime_error() 
 
 
 # --------------------------------------------------------------------------------------------
-# Deterministic source order (3.11)
+# Deterministic source order (values.md#source-order)
 # --------------------------------------------------------------------------------------------
 
 
@@ -368,7 +371,7 @@ def test_move_without_from_location_picks_the_canonical_source_excluding_to(sim:
 
 
 # --------------------------------------------------------------------------------------------
-# move (3.8)
+# move (transitions.md#move)
 # --------------------------------------------------------------------------------------------
 
 
@@ -509,7 +512,7 @@ def test_move_of_source_only_value_to_its_source_location(sim: object) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Reconstruction to another destination (3.12 step 6, section 10 point 7)
+# Reconstruction to another destination (values.md#reconstruction, step 6)
 # --------------------------------------------------------------------------------------------
 
 
@@ -579,7 +582,7 @@ def test_existing_materialisation_is_preferred_over_reconstruction(sim: object) 
 
 
 # --------------------------------------------------------------------------------------------
-# drop (3.9)
+# drop (transitions.md#drop)
 # --------------------------------------------------------------------------------------------
 
 
@@ -661,7 +664,7 @@ def test_moved_away_storage_is_released_from_the_alias_index(sim: object) -> Non
 
 
 # --------------------------------------------------------------------------------------------
-# discard (3.10)
+# discard (transitions.md#discard)
 # --------------------------------------------------------------------------------------------
 
 

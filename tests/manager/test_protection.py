@@ -1,9 +1,9 @@
-"""Protected removals (contract 3.16, 3.8, 3.9, 3.10).
+"""Protected removals (docs/concepts/lifetimes.md#protection).
 
 A materialisation with use, hold or pending tokens cannot be removed by `drop`, by the source
 side of `move` or by `discard`; the `ResidencyInUseError` names the handle id, the location and
-the counts. The tokens come from `hold()`/`acquire()` (section 3.17, another issue): the tests
-skip until those exist.
+the counts. The tokens come from `hold()`/`acquire()` (lifetimes.md#leases, #holds): the tests
+skip without them.
 """
 
 from __future__ import annotations
@@ -35,20 +35,20 @@ from helpers.manager import (
 
 def _hold(manager: ResidencyManager, handles: list[Any], at: Any) -> Any:
     if not callable(getattr(manager, "hold", None)):
-        pytest.skip("ResidencyManager.hold (contract 3.17) is not implemented yet")
+        pytest.skip("ResidencyManager.hold is not implemented yet")
     try:
         return manager.hold(handles, at=at)
     except NotImplementedError:
-        pytest.skip("ResidencyManager.hold (contract 3.17) is not implemented yet")
+        pytest.skip("ResidencyManager.hold is not implemented yet")
 
 
 def _acquire(manager: ResidencyManager, handles: list[Any], at: Any, **kwargs: Any) -> Any:
     if not callable(getattr(manager, "acquire", None)):
-        pytest.skip("ResidencyManager.acquire (contract 3.17) is not implemented yet")
+        pytest.skip("ResidencyManager.acquire is not implemented yet")
     try:
         return manager.acquire(handles, at=at, **kwargs)
     except NotImplementedError:
-        pytest.skip("ResidencyManager.acquire (contract 3.17) is not implemented yet")
+        pytest.skip("ResidencyManager.acquire is not implemented yet")
 
 
 def _assert_in_use(

@@ -1,9 +1,10 @@
-"""Failure atomicity of reconstruction and copies (3.12, 3.14, 4.1 step 6).
+"""Failure atomicity of reconstruction and copies (docs/concepts/values.md#reconstruction,
+#install; docs/concepts/transitions.md#copies-and-streams).
 
 A source that raises, returns the wrong type / bytes / location, or an allocation or copy that
 fails leaves the manager exactly as before: the registration is kept, no charge is left, no
 location is registered and the version does not move. The only allowed trace is a raised
-`peak_charged_bytes` at the source location (section 10 point 6).
+`peak_charged_bytes` at the source location (locations-and-budgets.md#peaks).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def test_bad_source_leaves_the_manager_exactly_as_before(
     assert entry.used_bytes == base.used_bytes
     assert (entry.reserved_bytes, entry.reservation_count) == (0, 0)
     assert entry.peak_used_bytes == base.peak_used_bytes
-    # The temporary charge was admitted on top of what was used there (section 10.6).
+    # The temporary charge was admitted on top of what was used there (values.md#reconstruction).
     assert entry.peak_charged_bytes == base.used_bytes + 16
     assert manager.locations == locations_before
     assert manager.trace() == trace_before

@@ -1,4 +1,4 @@
-"""Re-entrancy and the source-callback gate (contract 3.2, 3.12 step 3, section 10 point 30).
+"""Re-entrancy and the source-callback gate (docs/concepts/lifetimes.md#re-entrancy-and-threads).
 
 While a source callback runs, every other gated public operation, from any thread (the
 callback's own included), fails fast with `ResidencyReentrancyError`; threads already waiting
@@ -57,7 +57,7 @@ def _gated_calls(manager: ResidencyManager, other: Any) -> dict[str, Callable[[]
         "close": manager.close,
         "enter": manager.__enter__,
     }
-    if has_reserve(manager):  # reserve() belongs to another issue (3.17)
+    if has_reserve(manager):  # reserve() may not exist yet
         calls["reserve"] = lambda: manager.reserve(PAGEABLE_HOST, 1, label="inside")
     return calls
 

@@ -1,4 +1,4 @@
-"""Snapshots (contract 3.18, 6.1-6.4, 6.9) including immutability and concurrent consistency."""
+"""Snapshots (docs/concepts/snapshots.md) including immutability and concurrent consistency."""
 
 from __future__ import annotations
 
@@ -386,8 +386,8 @@ def test_allocator_readings_are_taken_at_capture_time() -> None:
 
 
 def test_snapshot_capture_cost_does_not_grow_with_the_entries() -> None:
-    """Capture is O(1); the entries are built when first read (the issue's lock-free
-    snapshot requirement). Compared relatively, so a slow machine does not matter."""
+    """Capture is O(1); the entries are built when first read (docs/architecture.md, "State,
+    versions and snapshots"). Compared relatively, so a slow machine does not matter."""
     manager = ResidencyManager()
     for _ in range(3_000):
         manager.register_source(spec(), Source(fresh()))

@@ -1,4 +1,4 @@
-"""The bounded transition trace (contract 2.8, 3.6 step 8, 3.18, 6.10)."""
+"""The bounded transition trace (docs/concepts/transitions.md#trace)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Exact `state_version` increments for simple sequences (contract 3.20)."""
+"""Exact `state_version` increments for simple sequences
+(docs/concepts/transitions.md#state-version)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`ResidencyManager.execute_actions` (contract 3.2, 3.20, 4.1, 5.1, 5.2, 5.4, 5.6, 8, 10.3,
-10.20, 10.25).
+"""`ResidencyManager.execute_actions` (docs/concepts/plans.md#execute-actions).
 
 Check order: name and action normalisation (before the gate, so on a closed manager and during
 a callback too), then gate/closed/reentrant, reap, the `expected_state_version` check, transfer
@@ -307,7 +306,8 @@ def test_version_check_comes_before_stream_validation_and_preflight(sim: Any) ->
 
 
 def test_version_check_runs_after_the_reap(rt: LoggingRuntime) -> None:
-    """10.3: a version read before a completed event was reaped is stale for execution."""
+    """A version read before a completed event was reaped is stale for execution
+    (docs/concepts/lifetimes.md#reaping)."""
     manager = ResidencyManager()
     a = manager.adopt(tensor_value(), replica_mode=REPLICABLE)
     manager.ensure(a, CUDA0)
@@ -324,7 +324,7 @@ def test_version_check_runs_after_the_reap(rt: LoggingRuntime) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Step 5: transfer streams (4.1)
+# Step 5: transfer streams (plans.md#transfer-streams)
 # --------------------------------------------------------------------------------------------
 
 
@@ -422,7 +422,8 @@ def test_empty_mapping_and_none_mean_no_streams(sim: Any) -> None:
 
 
 def test_real_runtime_without_cuda_rejects_cuda_stream_keys() -> None:
-    """4.7: without CUDA a CUDA key fails location validation (ValueError) before the stream."""
+    """Without CUDA a CUDA key fails location validation (ValueError) before the stream
+    (docs/concepts/locations-and-budgets.md#without-cuda)."""
     if torch.cuda.is_available():
         pytest.skip("needs a CUDA-less process")
     manager = ResidencyManager()
@@ -438,7 +439,7 @@ def test_real_runtime_without_cuda_rejects_cuda_stream_keys() -> None:
 
 
 def _infeasible(name: str, manager: ResidencyManager, keep: list[Any]) -> tuple[list[Any], str]:
-    """An action list whose LAST action is infeasible, and the exact 5.4 reason.
+    """An action list whose LAST action is infeasible, and the exact preflight reason.
 
     Lifetimes the scenario needs are appended to `keep` (the caller releases them).
     """
@@ -547,7 +548,7 @@ def test_preflight_does_not_wrap_handle_or_location_errors(sim: Any) -> None:
 
 
 def test_preflight_simulates_the_whole_list_in_order(sim: Any) -> None:
-    """Earlier actions free budget and create sources for later ones (5.4 simulated state)."""
+    """Earlier actions free budget and create sources for later ones (the simulated state)."""
     manager = ResidencyManager({CUDA0: 32})
     a = manager.adopt(tensor_value(), replica_mode=REPLICABLE)
     b = manager.adopt(tensor_value(), replica_mode=REPLICABLE)
@@ -671,7 +672,7 @@ def test_report_type_and_immutability(sim: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Runtime failures: wrapping, partial reports, causes (5.2 step 7, 5.6)
+# Runtime failures: wrapping, partial reports, causes (plans.md#execution-errors)
 # --------------------------------------------------------------------------------------------
 
 
@@ -844,7 +845,7 @@ def test_keyboard_interrupt_at_the_first_action_is_not_wrapped(sim: Any) -> None
 
 
 # --------------------------------------------------------------------------------------------
-# State versions (3.20)
+# State versions (transitions.md#state-version)
 # --------------------------------------------------------------------------------------------
 
 
@@ -887,7 +888,7 @@ def test_failed_execution_advances_only_for_the_committed_prefix(sim: Any) -> No
 
 
 # --------------------------------------------------------------------------------------------
-# Action subclasses are actions (2.3, 5.2 step 1: element checks are isinstance checks)
+# Action subclasses are actions (transitions.md#actions: element checks are isinstance checks)
 # --------------------------------------------------------------------------------------------
 
 
@@ -959,7 +960,8 @@ def test_action_subclasses_in_scopes_and_explain(sim: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Plan transitions are the primitives' transitions (3.6, 6.5); other threads during a plan
+# Plan transitions are the primitives' transitions (transitions.md#common-steps); other threads
+# during a plan
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,8 +1,8 @@
 """`ResidencyManager.explain` and the simulation rules it shares with the preflight
-(contract 3.2, 4.4, 5.3, 5.4, 6.6, 6.7, 10.3, 10.26-10.28).
+(docs/concepts/plans.md#explain, #preflight).
 
 `explain` never raises for infeasibility: handle problems, invalid locations, budgets and
-protections become `feasible=False` with the exact 5.4 reason. It reports one record per
+protections become `feasible=False` with the exact preflight reason. It reports one record per
 simulated action up to and including the first failure, the plan's reservations, and the
 predicted charged peak per location (registered locations in registration order, then new
 ones in the order first prepared; within an ensure/move the destination is prepared before the
@@ -99,7 +99,7 @@ def _frozen(manager: ResidencyManager, runtime: Any | None = None) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# Guards (3.2, 5.3)
+# Guards (transitions.md#guards, plans.md#explain)
 # --------------------------------------------------------------------------------------------
 
 
@@ -178,7 +178,7 @@ def test_explain_does_not_raise_for_infeasibility_of_any_kind(sim: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# No state change, no source call, no reap (5.3, 4.4)
+# No state change, no source call, no reap (plans.md#explain, lifetimes.md#reaping)
 # --------------------------------------------------------------------------------------------
 
 
@@ -274,7 +274,7 @@ def test_active_lease_and_hold_protect(sim: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Per-action records (5.4, 6.6)
+# Per-action records (plans.md#per-action-rules, snapshots.md#action-explanations)
 # --------------------------------------------------------------------------------------------
 
 
@@ -547,7 +547,8 @@ def test_invalid_location_becomes_the_reason(sim: Any) -> None:
 
 
 def test_cuda_locations_without_cuda_are_infeasible_not_errors() -> None:
-    """4.7: on the real runtime without CUDA the ValueError text becomes the reason."""
+    """On the real runtime without CUDA the ValueError text becomes the reason
+    (docs/concepts/locations-and-budgets.md#location-validation)."""
     if torch.cuda.is_available():
         pytest.skip("needs a CUDA-less process")
     manager = ResidencyManager()
@@ -579,7 +580,7 @@ def test_simulation_stops_at_the_first_failure(sim: Any) -> None:
     assert [r.action for r in explanation.actions] == [*plan.reclaim, *plan.enter[:2]]
     assert explanation.actions[-1].reason == "Transition exceeds budget at cuda:0"
     assert explanation.actions[-1].executable is False
-    # 10.26: the over-budget total is in the peak.
+    # The over-budget total is in the peak (plans.md#simulation-results).
     assert dict(explanation.predicted_peak_bytes)[CUDA0] == 32
 
 
@@ -613,7 +614,7 @@ def test_in_plan_materialisations_are_never_protected(sim: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Reservations (5.4)
+# Reservations (plans.md#reservations-in-simulation)
 # --------------------------------------------------------------------------------------------
 
 
@@ -684,7 +685,7 @@ def test_invalid_reservation_location_becomes_the_reason(sim: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# predicted_peak_bytes (5.4, 6.7)
+# predicted_peak_bytes (plans.md#simulation-results)
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
-"""Fault injection at every failable action index (contract 3.6, 3.12, 5.2 step 7, 5.5, 5.6,
-10.6, 10.19).
+"""Fault injection at every failable action index (docs/concepts/plans.md#execution-errors,
+docs/concepts/values.md#reconstruction).
 
 A runtime failure of action `i` (a source that raises or returns a wrong value, a copy or
 allocation that fails, a budget exhausted by the scope body, a protection added by the body)

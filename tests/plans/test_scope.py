@@ -1,13 +1,12 @@
-"""`ResidencyManager.scope` and `ResidencyScope` (contract 2.8, 3.2, 3.20, 4.1, 4.5, 5.1, 5.5,
-5.6, 6.8, 10.5, 10.19, 10.20).
+"""`ResidencyManager.scope` and `ResidencyScope` (docs/concepts/plans.md#scopes).
 
 A scope is single use and nestable. Construction checks types and the expected version and
 touches no state. Entry runs, under the gate: the version check, stream validation and the
 preflight (errors unwrapped), then reclaim, reservation admission and enter (failures wrapped
 with phases "reclaim", "reserve", "enter"). `close()` runs the exit actions without a new
 preflight (phase "exit") and always releases the reservations, even when it cannot enter the
-manager (decision 10.5). An abandoned entered scope releases its reservations with a
-`ResourceWarning` naming the plan and never runs its exit actions.
+manager (docs/concepts/plans.md#scope-exit). An abandoned entered scope releases its
+reservations with a `ResourceWarning` naming the plan and never runs its exit actions.
 """
 
 # ruff: noqa: PT011, PT012
@@ -98,7 +97,7 @@ def _assert_closed_without_report(scope: ResidencyScope) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Construction (2.8, 5.5)
+# Construction (plans.md#scope-construction)
 # --------------------------------------------------------------------------------------------
 
 
@@ -870,7 +869,8 @@ def test_scope_state_version_increments(sim: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Abandoned scopes (4.5) and exits that cannot enter the manager (10.5)
+# Abandoned scopes (plans.md#abandoned-scopes) and exits that cannot enter the manager
+# (plans.md#scope-exit)
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
-"""Contract sections 1.3 and 8: the residency error hierarchy, attributes, messages, pickling."""
+"""The residency error hierarchy, attributes, messages, pickling (docs/concepts/errors.md)."""
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from fhelium.errors import (
     ResidencyUnavailableError,
 )
 
-# Each class with its single, exact parent (section 8).
+# Each class with its single, exact parent (docs/concepts/errors.md#hierarchy).
 PARENT = {
     ResidencyBudgetError: ResidencyError,
     ResidencyHandleError: ResidencyError,

@@ -1,7 +1,8 @@
-"""Contract section 1: module map, `__all__` lists and re-export identity; plus the section 0
+"""Public names: module map, `__all__` lists and re-export identity
+(docs/concepts/conventions.md#public-names); plus the
 frozen-record convention checked once across every record class in the package."""
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def _present_submodules() -> list[str]:
 
 
 def _expected_package_all() -> list[str]:
-    # Staged submodules contribute the contract names they already export.
+    # Staged submodules contribute the documented names they already export.
     names = [
         n
         for sub in _present_submodules()
@@ -109,7 +110,7 @@ def _expected_package_all() -> list[str]:
     return [*constants, *classes, "cuda_location"]
 
 
-def test_contract_tables_agree() -> None:
+def test_documented_tables_agree() -> None:
     assert {k: len(v) for k, v in SUBMODULE_NAMES.items()} == EXPECTED_COUNTS
     assert sum(EXPECTED_COUNTS.values()) == 42
 
@@ -126,7 +127,7 @@ def test_submodule_all_lists_exactly_its_names(submodule: str) -> None:
 
 def test_optional_submodules_when_present() -> None:
     # Later submodules land in stages (the manager before its scopes): each exports
-    # only contract names, each name it exports exists, and none is listed twice.
+    # only documented names, each name it exports exists, and none is listed twice.
     for submodule in _present_submodules():
         module = importlib.import_module(f"fhelium.residency.{submodule}")
         assert set(module.__all__) <= set(SUBMODULE_NAMES[submodule]), submodule
@@ -177,7 +178,7 @@ def test_errors_submodule_is_package_attribute() -> None:
     assert fhelium.errors is importlib.import_module("fhelium.errors")
 
 
-# --- section 0 across every record class ---------------------------------------------------------
+# --- frozen-record conventions across every record class -----------------------------------------
 
 
 def _record_samples() -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""Contract section 2.1: `ResidencyLocation`, the host constants and `cuda_location`."""
+"""`ResidencyLocation`, the host constants and `cuda_location`
+(docs/concepts/locations-and-budgets.md#location-kinds)."""
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 # ruff: noqa: PT011
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def test_location_kind_is_literal_of_three_kinds() -> None:
     assert typing.get_args(ResidencyLocationKind) == ("pageable-host", "pinned-host", "cuda")
 
 
-def test_host_constants_match_contract() -> None:
+def test_host_constants_match_docs() -> None:
     assert ResidencyLocation("pageable-host", torch.device("cpu")) == PAGEABLE_HOST
     assert ResidencyLocation("pinned-host", torch.device("cpu")) == PINNED_HOST
     assert PAGEABLE_HOST.kind == "pageable-host"
@@ -215,7 +216,7 @@ def test_bad_cuda_devices_raise_value_error(device: torch.device) -> None:
 
 
 def test_unindexed_cuda_is_never_resolved_against_current_device() -> None:
-    # Contract 2.1: an unindexed "cuda" raises ValueError, regardless of the current device.
+    # An unindexed "cuda" raises ValueError, regardless of the current device.
     with pytest.raises(ValueError):
         cuda_location("cuda")
     with pytest.raises(ValueError):
@@ -223,7 +224,8 @@ def test_unindexed_cuda_is_never_resolved_against_current_device() -> None:
 
 
 def test_construction_does_not_check_cuda_availability() -> None:
-    # The manager checks availability and device count (3.3); construction never does.
+    # The manager checks availability and device count; construction never does
+    # (locations-and-budgets.md#location-validation).
     loc = cuda_location("cuda:127")
     assert loc.device.index == 127
     assert ResidencyLocation("cuda", "cuda:99").name == "cuda:99"

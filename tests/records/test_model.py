@@ -1,6 +1,6 @@
-"""Contract section 2.2: replica modes, recoverability, handles, value specs and sources."""
+"""Replica modes, recoverability, handles, value specs and sources (docs/concepts/values.md)."""
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 # ruff: noqa: PT011
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Contract section 2.3: the four actions, `MemoryReservation` and `ResidencyPlan`."""
+"""The four actions, `MemoryReservation` and `ResidencyPlan` (docs/concepts/transitions.md#actions,
+docs/concepts/plans.md#plan-records)."""
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 # ruff: noqa: PT011
 
 from __future__ import annotations
@@ -437,7 +438,7 @@ def test_plan_name_accepts_exactly_non_blank_strings(name: str) -> None:
     ids=["surrogate", "surrogate-mid", "nul", "nbsp", "long"],
 )
 def test_plan_accepts_any_non_blank_str_everywhere(text: str) -> None:
-    # Section 2.3: only the record rules apply; a plan built from valid records is valid.
+    # Only the record rules apply (plans.md#plan-records): a plan of valid records is valid.
     handle = make_handle(manager_id=text, handle_id=text)
     reservation = MemoryReservation(CUDA0, 1, text)
     plan = ResidencyPlan(

@@ -1,7 +1,7 @@
-"""Contract section 2.5: policy metadata, eviction candidates, the policy protocol and the
+"""Policy metadata, eviction candidates, the policy protocol and the
 built-in `DeterministicTieredLRU`."""
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 # ruff: noqa: PT011
 
 from __future__ import annotations

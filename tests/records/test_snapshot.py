@@ -1,6 +1,7 @@
-"""Contract section 2.6: construction rules of the snapshot, explanation and report records."""
+"""Construction rules of the snapshot, explanation and report records
+(docs/concepts/snapshots.md#record-checks)."""
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 # ruff: noqa: PT011
 
 from __future__ import annotations

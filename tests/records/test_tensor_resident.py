@@ -1,6 +1,7 @@
-"""Contract section 9: the `TensorResident` value protocol and its private helpers."""
+"""The `TensorResident` value protocol and its private helpers
+(docs/concepts/values.md#tensorresident)."""
 
-# The contract fixes exception types, not ValueError wording (section 10.28).
+# Exception types are fixed; ValueError wording is not (docs/concepts/conventions.md#check-order).
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Reliability: many threads doing mixed operations on ONE manager (issue 7, item 3).
+"""Reliability: many threads doing mixed operations on ONE manager.
 
-Written from the API contract (`shared/spec/API.md`, sections 3, 4, 5, 7, 8), not from the
-implementation.
+Written from the documented behaviour (docs/concepts/), not from the implementation.
 
 Eight worker threads run a seeded random mix of operations against a single
 `ResidencyManager` (under a two-device `SimulatedRuntime` with auto-completing events):
@@ -24,9 +23,9 @@ is infeasible), and `ResidencyPlanExecutionError` whose cause is one of the abov
 A watchdog joins every thread against one deadline; a thread still alive afterwards fails the
 test with the stacks of all threads (`sys._current_frames()`).
 
-The issue asks for 10k operations per thread; that is the default (`DEFAULT_OPS`), measured at
-about 8-10 s on a 2-core machine. `FHELIUM_STRESS_OPS=<n>` overrides it (and
-`FHELIUM_STRESS_SEED` the seed).
+The suite aims at 10k operations per thread (RELIABILITY.md); that is the default
+(`DEFAULT_OPS`), measured at about 8-10 s on a 2-core machine. `FHELIUM_STRESS_OPS=<n>`
+overrides it (and `FHELIUM_STRESS_SEED` the seed).
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ from helpers.manager import (
 )
 
 THREADS = 8
-DEFAULT_OPS = 10_000  # the issue's figure; ~8-10 s here (8 x 10k ops at ~10k ops/s)
+DEFAULT_OPS = 10_000  # RELIABILITY.md's figure; ~8-10 s here (8 x 10k ops at ~10k ops/s)
 OPS_PER_THREAD = int(os.environ.get("FHELIUM_STRESS_OPS", str(DEFAULT_OPS)))
 SEED = int(os.environ.get("FHELIUM_STRESS_SEED", "20261129"))
 # the overall deadline scales with the operation count (~20x the measured ~0.1 ms/op)
@@ -94,7 +93,7 @@ NBYTES = 4 * N
 LOCATIONS = (PAGEABLE_HOST, PINNED_HOST, CUDA0, CUDA1)
 BUDGETS = {PAGEABLE_HOST: 64 * NBYTES, CUDA0: 6 * NBYTES, CUDA1: 10 * NBYTES}
 
-# Refusals the contract allows under contention, mapped to the name they are counted under.
+# Refusals documented under contention, mapped to the name they are counted under.
 EXPECTED: tuple[type[BaseException], ...] = (
     ResidencyBudgetError,
     ResidencyInUseError,

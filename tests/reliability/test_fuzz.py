@@ -1,7 +1,6 @@
-"""Reliability: bad-input fuzzing of every public entry point (issue 7, item 5).
+"""Reliability: bad-input fuzzing of every public entry point.
 
-Written from the API contract (`shared/spec/API.md`, sections 0, 2, 3, 4, 5, 7, 8), not from
-the implementation.
+Written from the documented behaviour (docs/concepts/), not from the implementation.
 
 Every public constructor and method is called with Hypothesis-drawn arguments mixing arbitrary
 objects (None, bools, huge and negative ints, NaN/inf floats, strings with lone surrogates,
@@ -10,11 +9,12 @@ another runtime, handles of other managers, ...) with plausible values (so the d
 reached too). The only acceptable outcomes are:
 
 * success;
-* `TypeError` or `ValueError` (contract section 0 and the per-record rules);
-* `KeyError` where the contract says so (`BorrowedValues.__getitem__`, 3.17);
-* a documented `fhelium.errors.ResidencyError` subclass (section 8);
-* a plain `RuntimeError` only where the contract documents one (a policy whose
-  `order_candidates` does not return each candidate exactly once, 7.5).
+* `TypeError` or `ValueError` (docs/concepts/conventions.md#check-order and the per-record
+  rules);
+* `KeyError` where documented (`BorrowedValues.__getitem__`, lifetimes.md#borrowed-values);
+* a documented `fhelium.errors.ResidencyError` subclass (docs/concepts/errors.md);
+* a plain `RuntimeError` only where one is documented (a policy whose `order_candidates`
+  does not return each candidate exactly once, controller.md#candidates).
 
 Anything else -- `pyo3_runtime.PanicException`, `SystemError`, `OverflowError`,
 `AttributeError`, `IndexError`, a torch `RuntimeError`, a warning turned into an error -- fails.
@@ -668,8 +668,8 @@ def manager_ops(world: World, data: Any) -> None:
         if d(st.booleans()):
             kwargs["replica_mode"] = d(anything)
         value = d(value_ish)
-        # 3.4 step 5: `value.device` raises a plain RuntimeError for a tensor-less value and
-        # adopt lets it propagate unchanged
+        # values.md#adopt, step 5: `value.device` raises a plain RuntimeError for a tensor-less
+        # value and adopt lets it propagate unchanged
         call(
             "adopt",
             lambda: m.adopt(value, **kwargs),
@@ -880,7 +880,7 @@ def test_controller_rejects_bad_input_cleanly(data: Any) -> None:
         if controller is None:
             controller = R.ResidencyController(world.manager)
         # a junk policy that reorders candidates wrongly may raise the documented plain
-        # RuntimeError (7.5)
+        # RuntimeError (controller.md#candidates)
         junk_policy = isinstance(controller.policy, JunkPolicy)
         request_ish = st.one_of(
             st.builds(
@@ -963,9 +963,9 @@ def test_controller_rejects_bad_input_cleanly(data: Any) -> None:
 
 
 def test_decide_with_a_reservation_of_2_pow_64_bytes_is_refused_cleanly() -> None:
-    """Contract 7.3/7.4 + section 0: a request reservation of >= 2**64 bytes must give a
-    `ResidencyPlanError` (budgeted: capacity failure) or a clean `ValueError` (like `reserve`,
-    which refuses nbytes > 2**64 - 1 with `ValueError`), never `OverflowError`."""
+    """A request reservation of >= 2**64 bytes (conventions.md#byte-counts-and-timestamps)
+    must give a `ResidencyPlanError` (budgeted: capacity failure) or a clean `ValueError`
+    (like `reserve`, which refuses nbytes > 2**64 - 1 with `ValueError`), never `OverflowError`."""
     manager = R.ResidencyManager({PAGEABLE_HOST: 64})
     try:
         handle = manager.adopt(tensor_value(4))
@@ -981,7 +981,7 @@ def test_decide_with_a_reservation_of_2_pow_64_bytes_is_refused_cleanly() -> Non
 
 
 def test_reserved_bytes_never_saturate_on_an_unbudgeted_location() -> None:
-    """Contract 3.17 step 6 / 6.4: `reserved_bytes` is the sum of the listed reservations.
+    """`reserved_bytes` is the sum of the listed reservations (snapshots.md#location-snapshots).
 
     Two reservations of 2**64 - 1 bytes at an unbudgeted location are both accepted, but
     `reserved_bytes` stays at 2**64 - 1 (saturated), and after releasing one of them it is 0

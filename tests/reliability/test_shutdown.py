@@ -1,4 +1,5 @@
-"""Interpreter exit with everything still open (issue 7 item 6): live leases, holds,
+"""Interpreter exit with everything still open (docs/concepts/lifetimes.md#finalizers): live
+leases, holds,
 reservations, an entered scope with reservations, and a CUDA lease released with
 wait=False whose simulated event never completed. Exit code 0, the documented
 ResourceWarnings, no traceback and no hang."""

@@ -4,11 +4,13 @@ A `RuleBasedStateMachine` drives one `ResidencyManager` (and a `ResidencyControl
 the two-device `SimulatedRuntime` with pageable, pinned, `cuda:0` and `cuda:1` locations, some
 of them budgeted. A small pure-Python model tracks, per value, its materialisation locations,
 source and discarded flag, per materialisation its use / hold / pending tokens, and per location
-the used and reserved bytes (contract sections 3.4-3.17, 4.3-4.4, 5.2-5.5, 7.3, 7.7).
+the used and reserved bytes (docs/concepts/transitions.md, lifetimes.md, plans.md,
+controller.md).
 
 Every direct primitive's outcome (success, no-op or the exception type) is predicted by the
 model. Plans (`execute_actions`, `scope`) are predicted by running the model over the whole
-plan on a copy (the preflight of section 5.4 is the sequential semantics of the actions), so an
+plan on a copy (the preflight, docs/concepts/plans.md#preflight, is the sequential semantics
+of the actions), so an
 infeasible plan must raise `ResidencyPlanError` and change nothing. Controller decisions are
 not re-derived; a successful decision's plan must be feasible in the model and a refused one
 must be a documented residency error that left the state unchanged.
@@ -164,7 +166,8 @@ class Model:
     def reconstruct_into(self, v: MValue, at: Loc) -> None:
         if v.source_location is None:
             raise Failure(ResidencyUnavailableError)
-        self.check_fits(v.source_location, v.charge)  # the temporary charge (3.12)
+        # the temporary charge (docs/concepts/values.md#reconstruction)
+        self.check_fits(v.source_location, v.charge)
         if v.source_location != at:
             self.check_fits(at, v.charge)
         self.install(v, at)
@@ -579,7 +582,7 @@ class ResidencyMachine(RuleBasedStateMachine):
 
     @staticmethod
     def _lifetime_failure(chosen: list[MValue], loc: Loc) -> Failure | None:
-        """Handles are checked in order: discarded, then not resident (3.17 step 6)."""
+        """Handles are checked in order: discarded, then not resident (lifetimes.md#leases)."""
         for v in chosen:
             if v.discarded:
                 return Failure(ResidencyHandleError)

@@ -1,4 +1,4 @@
-"""Telemetry failure never fails a plan (issue 7 item 4, contract 6.5): allocator
+"""Telemetry failure never fails a plan (docs/concepts/transitions.md#telemetry): allocator
 sampling that raises at any point of a plan leaves the plan complete and its result
 exact, with just that reading recorded as unavailable (None)."""
 

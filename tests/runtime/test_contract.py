@@ -1,4 +1,4 @@
-"""The device seam's contract, run against every runtime (architecture: "The device seam").
+"""The device seam's contract, run against every runtime (docs/architecture.md#the-device-seam).
 
 The simulated runtime runs every case; `TorchCudaRuntime` runs the host cases everywhere and
 its CUDA cases only where torch sees a GPU. Simulation-only instrumentation and the

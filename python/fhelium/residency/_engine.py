@@ -794,9 +794,9 @@ class Engine:
                 if core.callback_running_elsewhere() or (finalizing and core.callback_active):
                     break
                 if core.callback_active:
-                    raise  # the callback is this thread's own: the contract's error
+                    raise  # the callback is this thread's own: ResidencyReentrancyError
                 # Either this thread is mid-transition (check_reentrant raises the
-                # contract's error) or the callback ended since our attempt: retry.
+                # re-entrancy error) or the callback ended since our attempt: retry.
                 core.check_reentrant()
         self.deferred.append(apply)
         if not core.callback_active:
@@ -835,7 +835,8 @@ class Engine:
             apply()
 
     def release_host_lease(self, token: int, finalizing: bool = False) -> None:
-        """Contract 4.3, CPU lease: remove the use tokens (one version step)."""
+        """A host lease: remove the use tokens, one version step (see
+        docs/concepts/lifetimes.md#lease-release)."""
         core = self.core
         if self._release_now(0, token) is not None:
             return
@@ -860,7 +861,8 @@ class Engine:
         wait: bool,
         finalizing: bool = False,
     ) -> None:
-        """Contract 4.3: the manager side of `ResidencyLease.release`."""
+        """The manager side of `ResidencyLease.release` (see
+        docs/concepts/lifetimes.md#lease-release)."""
         core = self.core
         if location.kind != "cuda":
             self.release_host_lease(token, finalizing)
@@ -880,11 +882,11 @@ class Engine:
             return
         # Every stream was validated against this location when it joined the lease
         # (acquire or add_consumer_stream), and a stream never changes device, so the
-        # re-validation of contract 4.3 step 1 holds without asking the runtime again.
+        # streams were validated when they joined the lease, without asking the runtime again.
         try:
             events = [runtime.record_event(stream) for stream in streams]
         except Exception:
-            # Contract 4.3 step 3: without events, the streams are waited for instead.
+            # Without events, the streams are waited for instead (lifetimes.md#lease-release).
             for stream in streams:
                 runtime.synchronize_stream(stream)
             self._release_token(partial(core.release_lease, token), finalizing)

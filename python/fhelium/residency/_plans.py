@@ -1,4 +1,4 @@
-"""Plans: `execute_actions`, `explain`, and scopes (contract section 5).
+"""Plans: `execute_actions`, `explain`, and scopes (docs/concepts/plans.md).
 
 Preflight and `explain` are one call into the core's simulation; execution is the
 manager's ordinary action path run in order, non-transactionally, with every
@@ -75,7 +75,8 @@ def _check_version(engine: Engine, expected: int | None) -> None:
 
 
 def _streams(engine: Engine, transfer_streams: object) -> dict[ResidencyLocation, Any]:
-    """Contract 4.1: a Mapping of validated CUDA locations to streams on them."""
+    """A Mapping of validated CUDA locations to streams on them (see
+    docs/concepts/plans.md#transfer-streams)."""
     if transfer_streams is None:
         return {}
     if not isinstance(transfer_streams, Mapping):

@@ -201,11 +201,14 @@ class ResidencyController:
     def set_policy_metadata(
         self, handle: ResidencyHandle[Any], *, priority: int = 0, stable_key: str | None = None
     ) -> None:
-        """Contract 7.1: controller-local eviction metadata for a live handle."""
+        """Controller-local eviction metadata for a live handle.
+
+        See docs/concepts/controller.md#policy-metadata.
+        """
         metadata = ResidencyPolicyMetadata(priority, stable_key)
         with self._lock:
             manager = self._manager
-            manager.snapshot()  # the documented lookup: reaps, and refuses when closed
+            manager.snapshot()  # the lookup goes through a snapshot: reaps, refuses when closed
             if not isinstance(handle, ResidencyHandle) or self._engine.core.resolve(handle) is None:
                 raise ResidencyHandleError(
                     f"{handle!r} is not a live handle of manager {manager.manager_id!r}"
@@ -221,7 +224,10 @@ class ResidencyController:
     # ------------------------------------------------------------------ decide
 
     def decide(self, request: ResidencyRequest) -> ResidencyDecision:
-        """Contract 7.3: plan the request against the current state; change nothing."""
+        """Plan the request against the current state; change nothing.
+
+        See docs/concepts/controller.md#decide.
+        """
         if not isinstance(request, ResidencyRequest):
             raise TypeError(f"request must be a ResidencyRequest, got {type(request).__name__}")
         with self._lock:
@@ -230,7 +236,8 @@ class ResidencyController:
             core = engine.core
             # One gate hold from the state read to the explanation: no other thread can
             # change what was planned on in between. A completed event reaped afterwards
-            # makes the decision stale at scope entry, never here (contract 10.2).
+            # makes the decision stale at scope entry, never here (see
+            # docs/concepts/controller.md#decide).
             core.enter(True, True)
             try:
                 engine.reap()
@@ -256,7 +263,8 @@ class ResidencyController:
             )
 
     def _requirement_rows(self, request: ResidencyRequest) -> list[tuple[int, int]]:
-        """Contract 7.3 step 3, then the core's `(handle index, location code)` rows."""
+        """Request validation (docs/concepts/controller.md#decide, step 3), then the core's
+        `(handle index, location code)` rows."""
         manager = self._manager
         core = self._engine.core
         rows: list[tuple[int, int]] = []
@@ -344,7 +352,8 @@ class ResidencyController:
         raise RuntimeError(outcome[1])
 
     def _order(self, rows: list[tuple[int, int, int]]) -> list[int]:
-        """A Python policy's ordering, as positions into `rows` (contract 7.5)."""
+        """A Python policy's ordering, as positions into `rows`
+        (docs/concepts/controller.md#candidates)."""
         handle_of = self._engine.core.handle
         candidates = []
         for index, code, charged in rows:
@@ -418,7 +427,8 @@ class ResidencyController:
         *,
         transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
     ) -> ResidencyScope:
-        """Contract 7.6: a scope for the decision's plan, stale-checked at entry."""
+        """A scope for the decision's plan, stale-checked at entry
+        (docs/concepts/controller.md#scope-of-a-decision)."""
         if not isinstance(decision, ResidencyDecision):
             raise TypeError(f"decision must be a ResidencyDecision, got {type(decision).__name__}")
         manager = self._manager
@@ -464,7 +474,8 @@ class ResidencyController:
 
 
 def _normalize_streams(manager: ResidencyManager, streams: object, name: str) -> dict[Any, Any]:
-    """Contract 7.7 mapping normalisation (CUDA availability is not checked here)."""
+    """Stream-mapping normalisation for `use` (docs/concepts/controller.md#use); CUDA
+    availability is not checked here."""
     if streams is None:
         return {}
     if not isinstance(streams, Mapping):
@@ -507,7 +518,10 @@ class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
 
 
 class ResidencyUse:
-    """Contract 7.7: decide, enter the plan's scope and borrow, as one context."""
+    """Decide, enter the plan's scope and borrow, as one context.
+
+    See docs/concepts/controller.md#use.
+    """
 
     __slots__ = (
         "_consumer_streams",

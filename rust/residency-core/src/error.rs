@@ -248,7 +248,7 @@ mod tests {
     }
 
     #[test]
-    fn phases_have_contract_names() {
+    fn phases_have_documented_names() {
         let names: Vec<&str> = [
             PlanPhase::Execute,
             PlanPhase::Reclaim,

@@ -1,7 +1,8 @@
 //! Where a materialisation lives: pageable host, pinned host or an indexed CUDA device.
 //!
-//! The derived ordering is the contract's canonical source order (pageable, pinned,
-//! then CUDA by ascending index), so `min()` over candidate locations picks a source.
+//! The derived ordering is the canonical source order (pageable, pinned, then CUDA by
+//! ascending index; docs/concepts/values.md#source-order), so `min()` over candidate
+//! locations picks a source.
 
 use std::fmt;
 

@@ -246,7 +246,7 @@ impl Manager {
 
     // ----- the gate -------------------------------------------------------------
 
-    /// Passes the gate and the requested guards, in the contract's order: callback,
+    /// Passes the gate and the requested guards, in the documented order: callback,
     /// lock, closed, re-entrancy. On a guard failure the lock is released again.
     pub fn enter(
         &self,
@@ -613,7 +613,7 @@ impl Manager {
         Ok(())
     }
 
-    /// Validates and installs a measured materialisation (contract 3.14, steps 1-8).
+    /// Validates and installs a measured materialisation (docs/concepts/values.md#install).
     #[allow(clippy::too_many_arguments)] // The measured facts travel together.
     pub fn install(
         &self,
@@ -1008,8 +1008,8 @@ impl Manager {
         simulate::simulate(&inner.state, plan, resolutions, cuda, &completed, labels)
     }
 
-    /// The controller's planning state (contract 7.3 step 4), read from the working
-    /// state: live values in registration order, the books, and the budgets.
+    /// The controller's planning state, read from the working state: live values in
+    /// registration order, the books, and the budgets (docs/concepts/controller.md#decide).
     pub fn search_inputs(&self) -> SearchInputs {
         let inner = self.inner();
         let state = &inner.state;

@@ -1,6 +1,7 @@
-//! The controller's bounded, deterministic depth-first search (contract 7.4-7.5).
+//! The controller's bounded, deterministic depth-first search.
 //!
-//! The algorithm is the contract's, step for step: simulate the request; at the first
+//! The algorithm is the documented one (docs/concepts/controller.md, "Request
+//! simulation" and "Search"), step for step: simulate the request; at the first
 //! capacity failure, try the policy's victims in order, each through its reclaim
 //! options, recursively. States share their unchanged parts: a state is the initial
 //! planning state plus a persistent overlay of the values it changed, so cloning a
@@ -15,7 +16,8 @@ use imbl::{HashMap as PMap, Vector};
 use crate::location::Location;
 use crate::state::HandleId;
 
-/// One materialisation snapshot in the planning state (contract 7.3 step 4).
+/// One materialisation snapshot in the planning state (docs/concepts/controller.md#decide,
+/// step 4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatInfo {
     pub location: Location,
@@ -69,7 +71,8 @@ pub enum Planned {
     },
 }
 
-/// Why a victim was chosen (the contract's three templates).
+/// Why a victim was chosen: the three reason templates of
+/// docs/concepts/controller.md#reclaim-options.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EvictionReason {
     OtherMaterialization,
@@ -165,7 +168,8 @@ pub struct TieredLru {
 }
 
 impl TieredLru {
-    /// The contract's key order between two value positions.
+    /// The tiered LRU's key order between two value positions
+    /// (docs/concepts/controller.md#deterministictieredlru).
     fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
         let (left_priority, left_epoch, left_key) = &self.keys[left];
         let (right_priority, right_epoch, right_key) = &self.keys[right];
@@ -481,7 +485,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         Ok(())
     }
 
-    // ----- 7.4 simulate -------------------------------------------------------------
+    // ----- request simulation (docs/concepts/controller.md#request-simulation) -----
 
     /// Where a descendant of a failed simulation can resume it, if its reclaims left
     /// the simulated prefix unchanged: the trial state, emitted actions and index.
@@ -550,7 +554,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         ))
     }
 
-    #[allow(clippy::too_many_lines)] // Contract 7.4, step by step, in one place.
+    #[allow(clippy::too_many_lines)] // The request simulation, step by step, in one place.
     fn simulate(&self, state: &State) -> Result<Vec<Planned>, SimFailure> {
         let (mut trial, mut actions, start, mut values, mut locations) =
             if let Some(resumed) = Self::resumed(state) {
@@ -698,7 +702,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         Ok(actions)
     }
 
-    // ----- 7.5 candidates and ordering ----------------------------------------------
+    // ----- candidates and ordering (docs/concepts/controller.md#candidates) ---------
 
     fn candidates(
         &mut self,
@@ -822,7 +826,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         Ok(order.into_iter().map(|index| candidates[index]).collect())
     }
 
-    // ----- 7.5 search_request -------------------------------------------------------
+    // ----- search_request (docs/concepts/controller.md#search-steps) ----------------
 
     fn search_request(&mut self, state: &State) -> Result<(State, Vec<Planned>), SearchError> {
         // Every level of the depth-first search explores at least one state, so a search
@@ -926,9 +930,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         Err(SearchError::Infeasible { detail })
     }
 
-    // ----- 7.5 reclaim_states and capacity_states -----------------------------------
+    // ----- reclaim_states and capacity_states (docs/concepts/controller.md#search) ----
 
-    #[allow(clippy::too_many_arguments, clippy::too_many_lines)] // The contract's generator, whole.
+    #[allow(clippy::too_many_arguments, clippy::too_many_lines)] // The documented generator, whole.
     fn reclaim_states(
         &mut self,
         state: &State,

@@ -1,7 +1,7 @@
 //! Preflight and `explain`: one pass of a plan over a copy of the manager's state.
 //!
-//! The simulation follows the contract's rules (section 5.4) literally, action by
-//! action, and stops at the first failure. It reads only numbers: handles are the
+//! The simulation follows the documented preflight rules (docs/concepts/plans.md#preflight)
+//! literally, action by action, and stops at the first failure. It reads only numbers: handles are the
 //! plan's slots resolved by the caller, protection comes from the live token counts,
 //! and nothing here calls a source or moves a value.
 
@@ -130,7 +130,8 @@ impl SlotState {
     }
 }
 
-/// Python's `repr()` of a string, for reasons the contract spells with `!r`.
+/// Python's `repr()` of a string, for the reason texts that quote a name with `!r`
+/// (docs/concepts/plans.md#preflight).
 pub fn py_repr(text: &str) -> String {
     let quote = if text.contains('\'') && !text.contains('"') {
         '"'
@@ -273,8 +274,8 @@ impl<'a> Simulator<'a> {
         }
     }
 
-    /// Contract 4.4/5.4: protection of the *live* materialisation; completed
-    /// pending leases (explain) no longer protect.
+    /// Protection of the *live* materialisation; completed pending leases (explain) no
+    /// longer protect (docs/concepts/plans.md#protection-in-simulation).
     fn protected(&self, handle: HandleId, location: Location) -> bool {
         let Some(materialization) = self.record(handle).materialization(location) else {
             return false;
@@ -523,7 +524,7 @@ impl<'a> Simulator<'a> {
     }
 }
 
-/// Simulates `plan` over `state` (contract 5.4). `labels` are the Python reprs of the
+/// Simulates `plan` over `state` (docs/concepts/plans.md#preflight). `labels` are the Python reprs of the
 /// reservation labels, in plan order.
 pub fn simulate(
     state: &State,

@@ -456,7 +456,7 @@ proptest! {
 }
 
 #[test]
-fn version_steps_follow_the_contract_for_a_simple_sequence() {
+fn version_steps_follow_the_documented_rules_for_a_simple_sequence() {
     let manager = Manager::new(&[(Location::PageableHost, 1_000)]);
     assert_eq!(manager.version(), 0, "budgeted registration does not count");
     let (value, _) = manager

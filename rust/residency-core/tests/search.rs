@@ -1,5 +1,5 @@
 //! The controller's search on small hand-built states (the Python differential test
-//! compares it with a literal transcription of the contract on thousands more).
+//! compares it with a literal transcription of the documented search on thousands more).
 
 #![allow(clippy::panic)] // Test assertions.
 

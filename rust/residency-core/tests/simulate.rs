@@ -1,4 +1,5 @@
-//! The plan simulation (preflight and `explain`) against the contract's rules.
+//! The plan simulation (preflight and `explain`) against the documented rules
+//! (docs/concepts/plans.md#preflight).
 
 use std::sync::Arc;
 

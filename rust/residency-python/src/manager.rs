@@ -838,7 +838,8 @@ impl SimulationView {
         self.simulation.actions.len()
     }
 
-    /// `(code, peak_bytes)` per simulated location, in the contract's order.
+    /// `(code, peak_bytes)` per simulated location, in the documented order
+    /// (docs/concepts/plans.md#simulation-results).
     fn peaks(&self) -> Vec<(u32, u64)> {
         self.simulation
             .peaks

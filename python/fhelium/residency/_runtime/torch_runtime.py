@@ -1,7 +1,8 @@
 """`TorchCudaRuntime`: the default device seam, backed by real torch CUDA and pinned memory.
 
-Movement goes through `TensorResident` (contract 3.13 and 4.1); streams are
-`torch.cuda.Stream` or any object exposing the CUDA stream protocol (`__cuda_stream__`).
+Movement goes through `TensorResident` (docs/concepts/transitions.md#copies-and-streams);
+streams are `torch.cuda.Stream` or any object exposing the CUDA stream protocol
+(`__cuda_stream__`).
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class TorchCudaRuntime:
         return value.to("cpu", copy=True, non_blocking=False)
 
     def copy_to_pinned(self, value: TensorResident) -> TensorResident:
-        # TensorResident.pin_memory raises the contract's RuntimeError when pinning is
-        # unavailable; it propagates unchanged (3.13).
+        # TensorResident.pin_memory raises RuntimeError when pinning is unavailable; it
+        # propagates unchanged (docs/concepts/transitions.md#copies-and-streams).
         return value.pin_memory(copy=True)
 
     def copy_to_cuda(
@@ -123,11 +124,13 @@ class TorchCudaRuntime:
 
     def record_event(self, stream: Any) -> CudaEvent | torch.cuda.Event:
         cuda_stream = _as_stream(stream)
-        # The contract records with the stream's device current (4.3 step 2), so the event is
-        # created on that device whatever the calling thread has current.
+        # Release events are recorded with the stream's device current
+        # (docs/concepts/lifetimes.md#lease-release), so the event is created on that
+        # device whatever the calling thread has current.
         with _device_guard(cuda_stream.device_index):
             if cuda_bindings_available():
-                # Timing-free events from a pool, through cuda-python (issue 4).
+                # Timing-free events from a pool, through cuda-python
+                # (docs/architecture.md#the-device-seam).
                 return _EVENT_POOL.record(cuda_stream.cuda_stream, cuda_stream.device_index)
             event = _Event()  # type: ignore[no-untyped-call]
             event.record(cuda_stream)
@@ -141,7 +144,8 @@ class TorchCudaRuntime:
 
     # --- observations ---------------------------------------------------------------
     def memory_allocated(self, device: torch.device) -> int | None:
-        # Sampling never fails a transition (6.5): any failure reads as "no reading".
+        # Sampling never fails a transition (docs/concepts/transitions.md#telemetry): any
+        # failure reads as "no reading".
         try:
             if device.type != "cuda" or not torch.cuda.is_available():
                 return None
