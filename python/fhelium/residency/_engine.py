@@ -15,7 +15,6 @@ import gc
 import sys
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any, Final, NoReturn, TypeVar, cast
@@ -40,7 +39,13 @@ from fhelium.residency._locations import (
     location_of,
 )
 from fhelium.residency._records import trusted_builder
-from fhelium.residency._runtime import DeviceRuntime, ValueFacts, current_runtime
+from fhelium.residency._runtime import (
+    DeviceRuntime,
+    TorchCudaRuntime,
+    ValueFacts,
+    current_runtime,
+)
+from fhelium.residency._runtime.torch_runtime import pinning_possible
 from fhelium.residency._validation import byte_count, index_int
 from fhelium.residency.lease import (
     ResidencyHold,
@@ -150,12 +155,10 @@ class Engine:
         "__weakref__",
         "core",
         "cuda_count",
-        "deferred",
         "manager_id",
         "owner",
         "pending_events",
         "runtime",
-        "trace_reports",
     )
 
     def __init__(
@@ -172,21 +175,35 @@ class Engine:
             code = self.location_code(location)
             name = f"budget for {location}"
             entries.append((code, byte_count(index_int(budget, name), name)))
-        self.core = _core.CoreManager(entries, _new_handle)
+        context = (
+            EnsureResident,
+            MoveResident,
+            DropResident,
+            DiscardValue,
+            _new_report,
+            runtime,
+            type(runtime) is TorchCudaRuntime,
+            pinning_possible(),
+            PAGEABLE_HOST,
+            PINNED_HOST,
+            location_of,
+            (_REASON_ENSURE_NOOP, _REASON_MOVE_NOOP, _REASON_DROP_NOOP),
+        )
+        # The trace keeps the newest `capacity` reports; 0 disables it.
+        self.core = _core.CoreManager(entries, _new_handle, context, min(capacity, sys.maxsize))
         self.manager_id: str = self.core.manager_id
         # The public manager this engine serves, set by it; weak, so the engine never
         # keeps its owner alive.
         self.owner: Callable[[], object | None] = _no_owner
         # Pending CUDA lease token -> the events recorded at its release.
         self.pending_events: dict[int, list[Any]] = {}
-        # Releases that arrived while a source callback ran on another thread.
-        self.deferred: deque[Callable[[], object]] = deque()
-        # deque needs a C ssize_t; no trace could ever hold more than that anyway.
-        self.trace_reports: deque[ResidencyTransitionReport] | None = (
-            deque(maxlen=min(capacity, sys.maxsize)) if capacity else None
-        )
 
     # ------------------------------------------------------------------ identity
+
+    @property
+    def deferred(self) -> bool:
+        """Whether releases queued during a source callback still wait to be applied."""
+        return self.core.deferred_pending()
 
     @property
     def state_version(self) -> int:
@@ -390,6 +407,10 @@ class Engine:
     def transition(self, action: ResidencyAction, stream: Any) -> ResidencyTransitionReport:
         """One primitive: takes the gate and runs the action (see execute)."""
         core = self.core
+        if stream is None and not self.pending_events:
+            report: ResidencyTransitionReport | None = core.run_host(action)
+            if report is not None:
+                return report
         core.enter_transition()
         try:
             # execute reaps first thing, which covers the operation's own reap.
@@ -482,8 +503,7 @@ class Engine:
             after[1],
             reason,
         )
-        if self.trace_reports is not None:
-            self.trace_reports.append(report)
+        self.core.record(report)
         return report
 
     def _ensure(
@@ -798,7 +818,7 @@ class Engine:
                 # Either this thread is mid-transition (check_reentrant raises the
                 # re-entrancy error) or the callback ended since our attempt: retry.
                 core.check_reentrant()
-        self.deferred.append(apply)
+        self.core.defer(apply)
         if not core.callback_active:
             # The callback ended while we queued: apply it now ourselves.
             self._apply_deferred_soon()
@@ -826,13 +846,7 @@ class Engine:
 
     def _drain_deferred(self) -> None:
         """Applies releases queued while a callback ran; the caller holds the gate."""
-        deferred = self.deferred
-        while deferred:
-            try:
-                apply = deferred.popleft()
-            except IndexError:
-                return
-            apply()
+        self.core.drain_deferred()
 
     def release_host_lease(self, token: int, finalizing: bool = False) -> None:
         """A host lease: remove the use tokens, one version step (see
@@ -993,7 +1007,7 @@ class Engine:
         core = self.core
         core.enter(False, False)
         try:
-            return tuple(self.trace_reports) if self.trace_reports is not None else ()
+            return tuple(core.trace_reports())
         finally:
             core.exit()
 
@@ -1002,8 +1016,7 @@ class Engine:
         core = self.core
         core.enter(False, False)
         try:
-            if self.trace_reports is not None:
-                self.trace_reports.clear()
+            core.clear_trace()
         finally:
             core.exit()
 
@@ -1031,7 +1044,7 @@ class Engine:
                         runtime.synchronize_device(location_of(code).device)
             core.close(force)
             self.pending_events.clear()
-            self.deferred.clear()
+            core.clear_deferred()
         finally:
             core.exit()
 

@@ -151,13 +151,16 @@ def _run_phase(
     if not actions:
         return
     execute = engine.execute
+    execute_host = engine.core.execute_host
     append = transitions.append
     collecting = gc.isenabled()
     gc.disable()
     try:
         for index, action in enumerate(actions):
             try:
-                append(execute(action, _stream_for(action, streams) if streams else None))
+                stream = _stream_for(action, streams) if streams else None
+                report = execute_host(action) if stream is None else None
+                append(execute(action, stream) if report is None else report)
             except Exception as error:
                 raise _execution_error(
                     plan_name,

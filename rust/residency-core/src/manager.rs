@@ -370,6 +370,11 @@ impl Manager {
 
     // ----- handles --------------------------------------------------------------
 
+    /// The value's spec (its byte counts and modes).
+    pub fn value_spec(&self, handle: HandleId) -> CoreResult<ValueSpec> {
+        Ok(self.inner().record(handle)?.spec)
+    }
+
     /// The index issued for `handle_id`, and whether that value is discarded.
     pub fn lookup(&self, handle_id: &str) -> Option<(HandleId, bool)> {
         let inner = self.inner();

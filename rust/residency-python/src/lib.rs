@@ -4,6 +4,7 @@
 //! crate; what arrives here is already well-typed, so conversions stay mechanical.
 
 mod errors;
+mod execute;
 mod manager;
 mod measure;
 mod objects;

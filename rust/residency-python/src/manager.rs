@@ -20,8 +20,11 @@ use residency_core::{
     ReplicaMode, Simulation, SlotResolution, State, StorageKey, ValueSpec,
 };
 
+use crate::execute::Context;
 use crate::objects::Objects;
 use crate::plan::PlanIr;
+use std::collections::VecDeque;
+use std::sync::{Mutex, PoisonError};
 
 use crate::errors::to_py_err;
 
@@ -59,6 +62,16 @@ pub struct CoreManager {
     objects: Objects,
     /// Builds a handle record from `(manager_id, handle_id, value_type)`.
     handle_builder: Py<PyAny>,
+    /// What the one-call transition path needs (see `execute`); `None` disables it.
+    context: Option<Context>,
+    trace: Mutex<Trace>,
+}
+
+/// The retained transition reports: the newest `capacity`, oldest first.
+#[derive(Debug, Default)]
+struct Trace {
+    capacity: usize,
+    reports: VecDeque<Py<PyAny>>,
 }
 
 fn unknown_index(index: HandleId) -> PyErr {
@@ -70,6 +83,120 @@ fn unknown_index(index: HandleId) -> PyErr {
 impl CoreManager {
     pub fn core(&self) -> &Arc<Manager> {
         &self.core
+    }
+
+    pub(crate) fn context(&self) -> Option<&Context> {
+        self.context.as_ref()
+    }
+
+    /// The gate for a transition: wait without the interpreter, then mark this thread
+    /// as the transition owner.
+    pub(crate) fn enter_transition_gate(&self, py: Python<'_>) -> PyResult<()> {
+        self.enter(py, true, true)?;
+        self.core.begin_transition();
+        Ok(())
+    }
+
+    pub(crate) fn drain_deferred(&self, py: Python<'_>) -> PyResult<()> {
+        while let Some(apply) = self.objects.pop_deferred() {
+            apply.bind(py).call0()?;
+        }
+        Ok(())
+    }
+
+    /// The index of a live handle of this manager, else `None`.
+    pub(crate) fn resolve_live(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<HandleId>> {
+        Ok(match self.lookup(py, handle)? {
+            Some((index, false)) => Some(index),
+            _ => None,
+        })
+    }
+
+    pub(crate) fn drop_value(
+        &self,
+        py: Python<'_>,
+        index: HandleId,
+        at: Location,
+    ) -> PyResult<bool> {
+        let dropped = Self::lift(py, self.core.drop_materialization(index, at))?;
+        if dropped {
+            drop(self.objects.take_value(index, at.code()));
+        }
+        Ok(dropped)
+    }
+
+    pub(crate) fn discard_value(&self, py: Python<'_>, index: HandleId) -> PyResult<()> {
+        Self::lift(py, self.core.discard(index))?;
+        drop(self.objects.discard(index));
+        Ok(())
+    }
+
+    pub(crate) fn value_object<'py>(
+        &self,
+        py: Python<'py>,
+        index: HandleId,
+        at: Location,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        Ok(self.value(py, index, at.code())?.into_bound(py))
+    }
+
+    pub(crate) fn forget_value(&self, index: HandleId, at: Location) {
+        drop(self.objects.take_value(index, at.code()));
+    }
+
+    pub(crate) fn keep_value(
+        &self,
+        py: Python<'_>,
+        index: HandleId,
+        at: Location,
+        value: &Bound<'_, PyAny>,
+    ) {
+        let _ = py;
+        self.objects
+            .set_value(index, at.code(), value.clone().unbind());
+    }
+
+    pub(crate) fn spec_object(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
+        self.spec(py, index)
+    }
+
+    pub(crate) fn handle_object(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
+        self.handle(py, index)
+    }
+
+    /// Runs the source's `load()` after the core took the temporary charge.
+    pub(crate) fn load_for<'py>(
+        &self,
+        py: Python<'py>,
+        index: HandleId,
+        source_location: Location,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(loaded) = self.load_charged(py, index, source_location)? {
+            Ok(loaded)
+        } else {
+            Self::lift(py, self.core.release_temporary(index, source_location))?;
+            Err(unknown_index(index))
+        }
+    }
+
+    pub(crate) fn record(&self, py: Python<'_>, report: &Py<PyAny>) {
+        let evicted = {
+            let mut trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
+            if trace.capacity == 0 {
+                return;
+            }
+            trace.reports.push_back(report.clone_ref(py));
+            if trace.reports.len() > trace.capacity {
+                trace.reports.pop_front()
+            } else {
+                None
+            }
+        };
+        drop(evicted);
     }
 
     fn issue_handle(
@@ -143,7 +270,13 @@ impl CoreManager {
 #[pymethods]
 impl CoreManager {
     #[new]
-    fn new(budgets: Vec<(u32, u64)>, handle_builder: Py<PyAny>) -> PyResult<Self> {
+    #[pyo3(signature = (budgets, handle_builder, context=None, trace_capacity=0))]
+    fn new(
+        budgets: Vec<(u32, u64)>,
+        handle_builder: Py<PyAny>,
+        context: Option<&Bound<'_, PyTuple>>,
+        trace_capacity: usize,
+    ) -> PyResult<Self> {
         let budgets = budgets
             .into_iter()
             .map(|(code, budget)| Ok((location(code)?, budget)))
@@ -152,7 +285,73 @@ impl CoreManager {
             core: Arc::new(Manager::new(&budgets)),
             objects: Objects::default(),
             handle_builder,
+            context: context.map(Context::from_tuple).transpose()?,
+            trace: Mutex::new(Trace {
+                capacity: trace_capacity,
+                reports: VecDeque::new(),
+            }),
         })
+    }
+
+    // ----- one-call transitions ------------------------------------------------------
+
+    /// Runs a host action end to end, taking the gate; `None` when the action needs
+    /// the general path (nothing has changed then).
+    fn run_host(&self, py: Python<'_>, action: &Bound<'_, PyAny>) -> PyResult<Option<Py<PyAny>>> {
+        crate::execute::run_host(self, py, action)
+    }
+
+    /// `run_host` for a caller that already holds the gate (a plan phase).
+    fn execute_host(
+        &self,
+        py: Python<'_>,
+        action: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        crate::execute::execute_host(self, py, action)
+    }
+
+    // ----- the trace and deferred releases ----------------------------------------------
+
+    /// Appends a report the glue built to the trace.
+    #[pyo3(name = "record")]
+    fn record_report(&self, py: Python<'_>, report: Py<PyAny>) {
+        self.record(py, &report);
+    }
+
+    fn trace_reports(&self, py: Python<'_>) -> Vec<Py<PyAny>> {
+        let trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
+        trace
+            .reports
+            .iter()
+            .map(|report| report.clone_ref(py))
+            .collect()
+    }
+
+    fn clear_trace(&self) {
+        let released = {
+            let mut trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
+            std::mem::take(&mut trace.reports)
+        };
+        drop(released);
+    }
+
+    /// Queues a release that arrived while a source callback ran on another thread.
+    fn defer(&self, apply: Py<PyAny>) {
+        self.objects.defer(apply);
+    }
+
+    fn deferred_pending(&self) -> bool {
+        self.objects.deferred_pending()
+    }
+
+    /// Applies the queued releases, oldest first; the caller holds the gate.
+    #[pyo3(name = "drain_deferred")]
+    fn drain_deferred_py(&self, py: Python<'_>) -> PyResult<()> {
+        self.drain_deferred(py)
+    }
+
+    fn clear_deferred(&self) {
+        drop(self.objects.clear_deferred());
     }
 
     #[getter]
@@ -685,6 +884,7 @@ impl CoreManager {
     fn close(&self, py: Python<'_>, force: bool) -> PyResult<()> {
         Self::lift(py, self.core.close(force))?;
         drop(self.objects.clear());
+        drop(self.objects.clear_deferred());
         Ok(())
     }
 }

@@ -9,20 +9,28 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::{IntoPyObjectExt, intern};
 
-/// `(first_device, device_code, pinned, logical, storage, keys)` or `None`.
-///
-/// `device_code` is -1 on the host, the CUDA index on CUDA, -2 elsewhere; `pinned` is
-/// `True`/`False`, or `None` for a host value mixing pinned and pageable tensors.
-///
-/// `pinning_possible=False` (no accelerator in this process, so no tensor can be
-/// pinned) skips the per-tensor `is_pinned()` query.
-#[pyfunction]
-#[pyo3(signature = (tensors, pinning_possible=true, /))]
-pub fn measure_tensors<'py>(
+/// What one pass over a value's tensors found.
+#[derive(Debug)]
+pub struct Facts<'py> {
+    /// The first tensor's `torch.device`.
+    pub device: Bound<'py, PyAny>,
+    /// -1 on the host, the CUDA index on CUDA, -2 elsewhere.
+    pub device_code: i64,
+    /// `Some(all pinned)`, or `None` for a host value mixing pinned and pageable.
+    pub pinned: Option<bool>,
+    pub logical: u64,
+    pub storage: u64,
+    /// (device code, data pointer) per unique non-empty storage.
+    pub keys: Vec<(i64, u64)>,
+}
+
+/// Measures `tensors`, or `None` for an inconsistent value (no tensors, mixed
+/// devices, one storage reporting two sizes).
+pub fn measure<'py>(
     py: Python<'py>,
     tensors: &Bound<'py, PyTuple>,
     pinning_possible: bool,
-) -> PyResult<Option<Bound<'py, PyTuple>>> {
+) -> PyResult<Option<Facts<'py>>> {
     let Ok(first) = tensors.get_item(0) else {
         return Ok(None);
     };
@@ -64,26 +72,53 @@ pub fn measure_tensors<'py>(
         }
     }
     let all_pinned = all_pinned && pinning_possible;
-    let pinned = if all_pinned || !any_pinned {
-        all_pinned.into_bound_py_any(py)?
-    } else {
-        py.None().into_bound(py)
-    };
-    let storage_total: u64 = storages
+    let pinned = (all_pinned || !any_pinned).then_some(all_pinned);
+    let storage = storages
         .iter()
         .fold(0u64, |total, (_, size)| total.saturating_add(*size));
+    let keys = storages
+        .iter()
+        .map(|(pointer, _)| (device_code, *pointer))
+        .collect();
+    Ok(Some(Facts {
+        device,
+        device_code,
+        pinned,
+        logical,
+        storage,
+        keys,
+    }))
+}
+
+/// `(first_device, device_code, pinned, logical, storage, keys)` or `None`.
+///
+/// `device_code` is -1 on the host, the CUDA index on CUDA, -2 elsewhere; `pinned` is
+/// `True`/`False`, or `None` for a host value mixing pinned and pageable tensors.
+///
+/// `pinning_possible=False` (no accelerator in this process, so no tensor can be
+/// pinned) skips the per-tensor `is_pinned()` query.
+#[pyfunction]
+#[pyo3(signature = (tensors, pinning_possible=true, /))]
+pub fn measure_tensors<'py>(
+    py: Python<'py>,
+    tensors: &Bound<'py, PyTuple>,
+    pinning_possible: bool,
+) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    let Some(facts) = measure(py, tensors, pinning_possible)? else {
+        return Ok(None);
+    };
     let keys = PyList::empty(py);
-    for (pointer, _) in &storages {
-        keys.append((device_code, *pointer))?;
+    for key in &facts.keys {
+        keys.append(*key)?;
     }
     Ok(Some(PyTuple::new(
         py,
         [
-            device,
-            device_code.into_bound_py_any(py)?,
-            pinned,
-            logical.into_bound_py_any(py)?,
-            storage_total.into_bound_py_any(py)?,
+            facts.device,
+            facts.device_code.into_bound_py_any(py)?,
+            facts.pinned.into_bound_py_any(py)?,
+            facts.logical.into_bound_py_any(py)?,
+            facts.storage.into_bound_py_any(py)?,
             keys.into_any(),
         ],
     )?))

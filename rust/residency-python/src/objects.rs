@@ -6,7 +6,7 @@
 //! change here happens in the same binding call as the core change it mirrors, so
 //! the two never disagree. The mutex is never held while Python code runs.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::prelude::*;
@@ -25,6 +25,9 @@ struct Entry {
 struct Store {
     entries: Vec<Entry>,
     labels: HashMap<u64, Py<PyAny>>,
+    /// Releases that arrived while a source callback ran on another thread; each is
+    /// a callable applied, oldest first, as soon as the callback has returned.
+    deferred: VecDeque<Py<PyAny>>,
 }
 
 #[derive(Debug, Default)]
@@ -173,5 +176,21 @@ impl Objects {
         }
         released.extend(store.labels.drain().map(|(_, label)| label));
         released
+    }
+
+    pub fn defer(&self, apply: Py<PyAny>) {
+        self.store().deferred.push_back(apply);
+    }
+
+    pub fn deferred_pending(&self) -> bool {
+        !self.store().deferred.is_empty()
+    }
+
+    pub fn pop_deferred(&self) -> Option<Py<PyAny>> {
+        self.store().deferred.pop_front()
+    }
+
+    pub fn clear_deferred(&self) -> VecDeque<Py<PyAny>> {
+        std::mem::take(&mut self.store().deferred)
     }
 }

@@ -62,7 +62,7 @@ class TorchCudaRuntime:
 
     # --- facts about values -------------------------------------------------------
     def measure(self, value: TensorResident) -> ValueFacts:
-        facts = _measure_tensors(value._resident_tensors, _pinning_possible())
+        facts = _measure_tensors(value._resident_tensors, pinning_possible())
         if facts is None:
             return _raise_like(value)
         return _facts(ValueFacts, facts)
@@ -163,7 +163,7 @@ class TorchCudaRuntime:
 
 
 @functools.cache
-def _pinning_possible() -> bool:
+def pinning_possible() -> bool:
     """Whether any tensor in this process can be in pinned memory.
 
     Pinned host memory comes from an accelerator's host allocator; with none
