@@ -1,21 +1,53 @@
 """Typing for the compiled extension `fhelium._core` (Rust, PyO3)."""
 
-from typing import Any, Final, NoReturn, final
+from typing import Any, ClassVar, Final, final
 
 __all__ = [
     "__version__",
     "MAX_CUDA_INDEX",
+    "ActionKind",
     "CoreManager",
+    "EnsureOutcome",
+    "MoveOutcome",
     "PlanIR",
     "SimulationView",
     "StateView",
-    "error_table_probe",
+    "decide_request",
     "lower_plan",
     "measure_tensors",
 ]
 
 __version__: Final[str]
 MAX_CUDA_INDEX: Final[int]
+
+@final
+class ActionKind:
+    """The kind of a residency action; equal to its former integer code."""
+
+    ENSURE: ClassVar[ActionKind]
+    MOVE: ClassVar[ActionKind]
+    DROP: ClassVar[ActionKind]
+    DISCARD: ClassVar[ActionKind]
+    def __int__(self) -> int: ...
+
+@final
+class EnsureOutcome:
+    """What an ensure needs from the glue; equal to its former integer code."""
+
+    NO_OP: ClassVar[EnsureOutcome]
+    COPY: ClassVar[EnsureOutcome]
+    RECONSTRUCT: ClassVar[EnsureOutcome]
+    def __int__(self) -> int: ...
+
+@final
+class MoveOutcome:
+    """What a move needs from the glue; equal to its former integer code."""
+
+    NO_OP: ClassVar[MoveOutcome]
+    REMOVED_SOURCE: ClassVar[MoveOutcome]
+    COPY: ClassVar[MoveOutcome]
+    RECONSTRUCT: ClassVar[MoveOutcome]
+    def __int__(self) -> int: ...
 
 @final
 class PlanIR:
@@ -34,13 +66,33 @@ class PlanIR:
 def lower_plan(
     name: str,
     handles: list[tuple[str, str, int]],
-    reclaim: list[tuple[int, int, int, int]],
-    enter: list[tuple[int, int, int, int]],
-    exit: list[tuple[int, int, int, int]],
+    reclaim: list[tuple[ActionKind, int, int, int]],
+    enter: list[tuple[ActionKind, int, int, int]],
+    exit: list[tuple[ActionKind, int, int, int]],
     reservations: list[tuple[int, int, str]],
     /,
 ) -> PlanIR: ...
-def error_table_probe(kind: str, /) -> NoReturn: ...
+
+_NativeConfig = tuple[
+    dict[int, tuple[int, str | None]], dict[int, int], list[tuple[int, list[int]]]
+]
+_Decision = tuple[
+    list[tuple[ActionKind, int, int, int]],
+    list[tuple[ActionKind, int, int, int]],
+    list[tuple[int, int, int, int, str]],
+    int,
+    int,
+]
+
+def decide_request(
+    manager: CoreManager,
+    request_name: str,
+    requirements: list[tuple[int, int]],
+    reservations: list[tuple[int, int]],
+    limit: int,
+    native: _NativeConfig | None = None,
+    python: tuple[Any, Any] | None = None,
+) -> _Decision: ...
 def measure_tensors(
     tensors: tuple[Any, ...], pinning_possible: bool = True, /
 ) -> tuple[Any, int, bool | None, int, int, list[tuple[int, int]]] | None: ...
@@ -148,12 +200,9 @@ class CoreManager:
         requirements: list[tuple[int, int]],
         reservations: list[tuple[int, int]],
         limit: int,
-        native: tuple[
-            dict[int, tuple[int, str | None]], dict[int, int], list[tuple[int, list[int]]]
-        ]
-        | None = None,
+        native: _NativeConfig | None = None,
         python: tuple[Any, Any] | None = None,
-    ) -> tuple[Any, ...]: ...
+    ) -> _Decision: ...
     def close(self, force: bool) -> None: ...
 
 @final

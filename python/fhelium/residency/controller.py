@@ -13,13 +13,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from fhelium.errors import (
-    ResidencyHandleError,
-    ResidencyOwnershipError,
-    ResidencyPlanError,
-    ResidencySearchLimitError,
-    ResidencyUnavailableError,
-)
+from fhelium._core import ActionKind, decide_request
+from fhelium.errors import ResidencyHandleError, ResidencyOwnershipError, ResidencyPlanError
 from fhelium.residency import _lowering
 from fhelium.residency._records import trusted_builder
 from fhelium.residency._validation import (
@@ -275,7 +270,10 @@ class ResidencyController:
         return rows
 
     def _search(self, request: ResidencyRequest, rows: list[tuple[int, int]]) -> Any:
+        """The core's search; a failure is raised as the error of its kind."""
         manager = self._manager
+        # Only as the search failures' diagnostics: the core keeps UTF-8 text.
+        name = _lowering.diagnostic_text(request.name)
         reservations = [
             (
                 _lowering.location_code(reservation.location),
@@ -307,31 +305,17 @@ class ResidencyController:
                     for source, targets in policy._tiers
                 ],
             )
-            outcome = manager._core.decide(rows, reservations, self._limit, native=native)
-        else:
-            outcome = manager._core.decide(
-                rows, reservations, self._limit, python=(self._order, self._fallbacks)
+            return decide_request(
+                manager._core, name, rows, reservations, self._limit, native=native
             )
-        kind = outcome[0]
-        if kind == "ok":
-            return outcome
-        if kind == "limit":
-            raise ResidencySearchLimitError(
-                request_name=request.name,
-                state_limit=self._limit,
-                explored_states=outcome[1],
-                detail=outcome[2],
-            ) from None
-        if kind == "infeasible":
-            raise ResidencyPlanError(
-                f"request {request.name!r} is infeasible: {outcome[1]}"
-            ) from None
-        if kind == "unavailable":
-            raise ResidencyUnavailableError(
-                f"value {manager._handles[outcome[1]].handle_id!r} has no materialization "
-                "and no reconstruction source"
-            )
-        raise RuntimeError(outcome[1])
+        return decide_request(
+            manager._core,
+            name,
+            rows,
+            reservations,
+            self._limit,
+            python=(self._order, self._fallbacks),
+        )
 
     def _order(self, rows: list[tuple[int, int, int]]) -> list[int]:
         """A Python policy's ordering, as positions into `rows` (contract 7.5)."""
@@ -375,18 +359,18 @@ class ResidencyController:
     ) -> tuple[ResidencyPlan, tuple[ResidencyEviction, ...], int]:
         handles = self._manager._handles
 
-        def action(row: tuple[int, int, int, int]) -> Any:
+        def action(row: tuple[ActionKind, int, int, int]) -> Any:
             kind, index, code, from_code = row
             handle = handles[index]
-            if kind == 0:
+            if kind == ActionKind.ENSURE:
                 return _new_ensure(handle, _location_of(code))
-            if kind == 1:
+            if kind == ActionKind.MOVE:
                 return _new_move(
                     handle, _location_of(code), None if from_code < 0 else _location_of(from_code)
                 )
             return _new_drop(handle, _location_of(code))
 
-        _, reclaim_rows, enter_rows, eviction_rows, explored, _version = outcome
+        reclaim_rows, enter_rows, eviction_rows, explored, _version = outcome
         reclaim = [action(row) for row in reclaim_rows]
         enter = [action(row) for row in enter_rows]
         evictions = tuple(

@@ -7,13 +7,13 @@ use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use residency_core::{Action, HandleRef, HandleSlot, Location, Plan, Reservation};
+use residency_core::{Action, ActionKind, HandleRef, HandleSlot, Location, Plan, Reservation};
 
 use crate::errors::to_py_err;
+use crate::kinds::PyActionKind;
 
 /// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent.
-/// Kinds: 0 ensure, 1 move, 2 drop, 3 discard.
-type ActionTuple = (u8, u32, i64, i64);
+type ActionTuple = (PyActionKind, u32, i64, i64);
 
 fn location(code: i64) -> PyResult<Location> {
     let code = u32::try_from(code)
@@ -23,12 +23,12 @@ fn location(code: i64) -> PyResult<Location> {
 
 fn action((kind, slot, code, from_code): ActionTuple) -> PyResult<Action> {
     let handle = HandleSlot(slot);
-    Ok(match kind {
-        0 => Action::Ensure {
+    Ok(match ActionKind::from(kind) {
+        ActionKind::Ensure => Action::Ensure {
             handle,
             location: location(code)?,
         },
-        1 => Action::Move {
+        ActionKind::Move => Action::Move {
             handle,
             to: location(code)?,
             from: if from_code < 0 {
@@ -37,16 +37,11 @@ fn action((kind, slot, code, from_code): ActionTuple) -> PyResult<Action> {
                 Some(location(from_code)?)
             },
         },
-        2 => Action::Drop {
+        ActionKind::Drop => Action::Drop {
             handle,
             location: location(code)?,
         },
-        3 => Action::Discard { handle },
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "invalid action kind {other}"
-            )));
-        }
+        ActionKind::Discard => Action::Discard { handle },
     })
 }
 
