@@ -93,15 +93,6 @@ impl Action {
             | Self::Discard { handle } => handle,
         }
     }
-
-    /// The destination a transfer stream is looked up by (ensure and move only).
-    pub fn transfer_destination(&self) -> Option<Location> {
-        match *self {
-            Self::Ensure { location, .. } => Some(location),
-            Self::Move { to, .. } => Some(to),
-            Self::Drop { .. } | Self::Discard { .. } => None,
-        }
-    }
 }
 
 /// Named accounting headroom held for a scope's lifetime. It allocates nothing.
@@ -175,15 +166,6 @@ impl Plan {
         Ok(plan)
     }
 
-    /// A plan of one `execute` phase: the IR of `execute_actions`.
-    pub fn from_actions(
-        name: impl Into<Arc<str>>,
-        handles: Vec<HandleRef>,
-        actions: Vec<Action>,
-    ) -> CoreResult<Self> {
-        Self::new(name, handles, Vec::new(), actions, Vec::new(), Vec::new())
-    }
-
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -221,15 +203,6 @@ impl Plan {
         tagged(PlanPhase::Reclaim, &self.reclaim)
             .chain(tagged(PlanPhase::Enter, &self.enter))
             .chain(tagged(PlanPhase::Exit, &self.exit))
-    }
-
-    /// Total bytes the plan's reservations charge at `location`.
-    pub fn reserved_at(&self, location: Location) -> u64 {
-        self.reservations
-            .iter()
-            .filter(|reservation| reservation.location == location)
-            .map(|reservation| reservation.nbytes)
-            .sum()
     }
 }
 

@@ -64,66 +64,16 @@ impl PlanIr {
 
 #[pymethods]
 impl PlanIr {
-    #[getter]
-    fn name(&self) -> &str {
-        self.plan.name()
-    }
-
-    #[getter]
-    fn handle_count(&self) -> usize {
-        self.plan.handles().len()
-    }
-
-    /// `(reclaim, enter, exit, reservations)` lengths.
-    #[getter]
-    fn shape(&self) -> (usize, usize, usize, usize) {
-        (
-            self.plan.reclaim().len(),
-            self.plan.enter().len(),
-            self.plan.exit().len(),
-            self.plan.reservations().len(),
-        )
-    }
-
-    /// The handle slots of every action in simulation order (reclaim, enter, exit).
-    fn action_slots(&self) -> Vec<u32> {
-        self.plan
-            .ordered_actions()
-            .map(|(_, _, action)| action.handle().0)
-            .collect()
-    }
-
-    /// Location codes each action's transfer stream is looked up by (-1 for none).
-    fn transfer_destinations(&self) -> Vec<i64> {
-        self.plan
-            .ordered_actions()
-            .map(|(_, _, action)| {
-                action
-                    .transfer_destination()
-                    .map_or(-1, |location| i64::from(location.code()))
-            })
-            .collect()
-    }
-
-    /// Total reserved bytes per location code, in first-appearance order.
-    fn reserved_by_location(&self) -> Vec<(u32, u64)> {
-        let mut totals: Vec<(u32, u64)> = Vec::new();
-        for reservation in self.plan.reservations() {
-            let code = reservation.location.code();
-            match totals.iter_mut().find(|(seen, _)| *seen == code) {
-                Some((_, total)) => *total += reservation.nbytes,
-                None => totals.push((code, reservation.nbytes)),
-            }
-        }
-        totals
-    }
-
     fn __repr__(&self) -> String {
-        let (reclaim, enter, exit, reservations) = self.shape();
+        let plan = &self.plan;
         format!(
-            "PlanIR(name={:?}, handles={}, reclaim={reclaim}, enter={enter}, exit={exit}, reservations={reservations})",
-            self.plan.name(),
-            self.plan.handles().len(),
+            "PlanIR(name={:?}, handles={}, reclaim={}, enter={}, exit={}, reservations={})",
+            plan.name(),
+            plan.handles().len(),
+            plan.reclaim().len(),
+            plan.enter().len(),
+            plan.exit().len(),
+            plan.reservations().len(),
         )
     }
 }
