@@ -270,9 +270,9 @@ class ResidencyController:
         return rows
 
     def _search(self, request: ResidencyRequest, rows: list[tuple[int, int]]) -> Any:
-        """The core's search; a failure is raised as the error of its kind."""
+        """The core's plan rows; the core raises each search failure as its error."""
         manager = self._manager
-        # Only as the search failures' diagnostics: the core keeps UTF-8 text.
+        # The name appears only in those errors; the core holds it as UTF-8 text.
         name = _lowering.diagnostic_text(request.name)
         reservations = [
             (
