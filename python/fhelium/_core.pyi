@@ -1,15 +1,20 @@
 """Typing for the compiled extension `fhelium._core` (Rust, PyO3)."""
 
-from typing import Any, Final, NoReturn, final
+from typing import Any, ClassVar, Final, final
 
 __all__ = [
     "__version__",
     "MAX_CUDA_INDEX",
+    "ActionKind",
     "CoreManager",
+    "EnsureOutcome",
+    "LeaseState",
+    "LifetimeKind",
+    "MoveOutcome",
     "PlanIR",
     "SimulationView",
     "StateView",
-    "error_table_probe",
+    "decide_request",
     "lower_plan",
     "measure_tensors",
 ]
@@ -18,29 +23,86 @@ __version__: Final[str]
 MAX_CUDA_INDEX: Final[int]
 
 @final
+class ActionKind:
+    """The kind of a residency action; equal to its former integer code."""
+
+    ENSURE: ClassVar[ActionKind]
+    MOVE: ClassVar[ActionKind]
+    DROP: ClassVar[ActionKind]
+    DISCARD: ClassVar[ActionKind]
+    def __int__(self) -> int: ...
+
+@final
+class EnsureOutcome:
+    """What an ensure needs from the glue; equal to its former integer code."""
+
+    NO_OP: ClassVar[EnsureOutcome]
+    COPY: ClassVar[EnsureOutcome]
+    RECONSTRUCT: ClassVar[EnsureOutcome]
+    def __int__(self) -> int: ...
+
+@final
+class MoveOutcome:
+    """What a move needs from the glue; equal to its former integer code."""
+
+    NO_OP: ClassVar[MoveOutcome]
+    REMOVED_SOURCE: ClassVar[MoveOutcome]
+    COPY: ClassVar[MoveOutcome]
+    RECONSTRUCT: ClassVar[MoveOutcome]
+    def __int__(self) -> int: ...
+
+@final
+class LifetimeKind:
+    """Which kind of lifetime a token names."""
+
+    LEASE: ClassVar[LifetimeKind]
+    HOLD: ClassVar[LifetimeKind]
+    RESERVATION: ClassVar[LifetimeKind]
+    def __int__(self) -> int: ...
+
+@final
+class LeaseState:
+    """Where a lease token stands."""
+
+    UNKNOWN: ClassVar[LeaseState]
+    ACTIVE: ClassVar[LeaseState]
+    PENDING: ClassVar[LeaseState]
+    def __int__(self) -> int: ...
+
+@final
 class PlanIR:
     """A plan lowered into the Rust core: immutable, validated, shareable."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def handle_count(self) -> int: ...
-    @property
-    def shape(self) -> tuple[int, int, int, int]: ...
-    def action_slots(self) -> list[int]: ...
-    def transfer_destinations(self) -> list[int]: ...
-    def reserved_by_location(self) -> list[tuple[int, int]]: ...
 
 def lower_plan(
     name: str,
     handles: list[tuple[str, str, int]],
-    reclaim: list[tuple[int, int, int, int]],
-    enter: list[tuple[int, int, int, int]],
-    exit: list[tuple[int, int, int, int]],
+    reclaim: list[tuple[ActionKind, int, int, int]],
+    enter: list[tuple[ActionKind, int, int, int]],
+    exit: list[tuple[ActionKind, int, int, int]],
     reservations: list[tuple[int, int, str]],
     /,
 ) -> PlanIR: ...
-def error_table_probe(kind: str, /) -> NoReturn: ...
+
+_NativeConfig = tuple[
+    dict[int, tuple[int, str | None]], dict[int, int], list[tuple[int, list[int]]]
+]
+_Decision = tuple[
+    list[tuple[ActionKind, int, int, int]],
+    list[tuple[ActionKind, int, int, int]],
+    list[tuple[int, int, int, int, str]],
+    int,
+    int,
+]
+
+def decide_request(
+    manager: CoreManager,
+    request_name: str,
+    requirements: list[tuple[int, int]],
+    reservations: list[tuple[int, int]],
+    limit: int,
+    native: _NativeConfig | None = None,
+    python: tuple[Any, Any] | None = None,
+) -> _Decision: ...
 def measure_tensors(
     tensors: tuple[Any, ...], pinning_possible: bool = True, /
 ) -> tuple[Any, int, bool | None, int, int, list[tuple[int, int]]] | None: ...
@@ -118,10 +180,10 @@ class CoreManager:
     def value_codes(self, index: int) -> list[int]: ...
     def handles_and_specs(self, count: int) -> tuple[list[Any], list[Any]]: ...
     def label(self, token: int) -> Any | None: ...
-    def plan_ensure(self, handle: int, at: int) -> tuple[int, int, Any | None]: ...
+    def plan_ensure(self, handle: int, at: int) -> tuple[EnsureOutcome, int, Any | None]: ...
     def plan_move(
         self, handle: int, to: int, from_location: int | None = None
-    ) -> tuple[int, int, Any | None]: ...
+    ) -> tuple[MoveOutcome, int, Any | None]: ...
     def admit(self, handle: int, at: int) -> None: ...
     def install_loaded(
         self,
@@ -152,7 +214,7 @@ class CoreManager:
     def check_resident(self, handles: list[int], at: int) -> None: ...
     def acquire(self, handles: list[int], at: int) -> int: ...
     def hold(self, handles: list[int], at: int) -> int: ...
-    def lease_state(self, token: int) -> int: ...
+    def lease_state(self, token: int) -> LeaseState: ...
     @property
     def callback_active(self) -> bool: ...
     def callback_running_elsewhere(self) -> bool: ...
@@ -161,7 +223,7 @@ class CoreManager:
     def lease_to_pending(self, token: int) -> bool: ...
     def release_pending(self, token: int) -> bool: ...
     def pending_lease_tokens(self) -> list[int]: ...
-    def release_now(self, kind: int, token: int) -> bool | None: ...
+    def release_now(self, kind: LifetimeKind, token: int) -> bool | None: ...
     def release_hold(self, token: int) -> bool: ...
     def reserve(self, at: int, nbytes: int, text: str, label: Any) -> int: ...
     def release_reservation(self, token: int) -> bool: ...
@@ -175,17 +237,6 @@ class CoreManager:
         completed_leases: list[int],
         labels: list[str],
     ) -> SimulationView: ...
-    def decide(
-        self,
-        requirements: list[tuple[int, int]],
-        reservations: list[tuple[int, int]],
-        limit: int,
-        native: tuple[
-            dict[int, tuple[int, str | None]], dict[int, int], list[tuple[int, list[int]]]
-        ]
-        | None = None,
-        python: tuple[Any, Any] | None = None,
-    ) -> tuple[Any, ...]: ...
     def close(self, force: bool) -> None: ...
 
 @final

@@ -22,6 +22,7 @@ from typing import Any, Final, NoReturn, TypeVar, cast
 import torch
 
 from fhelium import _core
+from fhelium._core import ActionKind, EnsureOutcome, LeaseState, LifetimeKind, MoveOutcome
 from fhelium.errors import (
     ResidencyHandleError,
     ResidencyMaterializationError,
@@ -127,16 +128,15 @@ def normalize_handles(handles: object) -> tuple[ResidencyHandle[Any], ...]:
     return normalized
 
 
-_ENSURE, _MOVE, _DROP, _DISCARD = 0, 1, 2, 3
-_ACTION_KINDS: Final[dict[type, int]] = {
-    EnsureResident: _ENSURE,
-    MoveResident: _MOVE,
-    DropResident: _DROP,
-    DiscardValue: _DISCARD,
+_ACTION_KINDS: Final[dict[type, ActionKind]] = {
+    EnsureResident: ActionKind.ENSURE,
+    MoveResident: ActionKind.MOVE,
+    DropResident: ActionKind.DROP,
+    DiscardValue: ActionKind.DISCARD,
 }
 
 
-def _action_kind(action: object) -> int:
+def _action_kind(action: object) -> ActionKind:
     """The kind of an action whose class is a subclass of one of the four."""
     for cls, kind in _ACTION_KINDS.items():
         if isinstance(action, cls):
@@ -438,7 +438,7 @@ class Engine:
             kind = _action_kind(action)
         device: torch.device | None = None
         before: tuple[int | None, int | None] = _NO_SAMPLE
-        if kind == _ENSURE:
+        if kind == ActionKind.ENSURE:
             location: ResidencyLocation = action.location  # type: ignore[union-attr]
             code = HOST_CODES.get(location.kind)
             if code is None:
@@ -450,7 +450,7 @@ class Engine:
                 before = self._sample(device)
             no_op, source, reason = self._ensure(index, code, stream)
             destination: ResidencyLocation | None = location
-        elif kind == _MOVE:
+        elif kind == ActionKind.MOVE:
             move: MoveResident[Any] = action  # type: ignore[assignment]
             code = self.location_code(move.to)
             from_code = (
@@ -465,7 +465,7 @@ class Engine:
                 before = self._sample(device)
             no_op, source, reason = self._move(index, code, from_code, stream)
             destination = move.to
-        elif kind == _DROP:
+        elif kind == ActionKind.DROP:
             location = action.location  # type: ignore[union-attr]
             code = HOST_CODES.get(location.kind)
             if code is None:
@@ -514,9 +514,9 @@ class Engine:
         if self.deferred:
             # Releases that arrived while load() ran apply as soon as it returned.
             self._drain_deferred()
-        if kind == 0:
+        if kind == EnsureOutcome.NO_OP:
             return True, None, _REASON_ENSURE_NOOP
-        if kind == 1:
+        if kind == EnsureOutcome.COPY:
             value = core.value(index, source)
             self._install(index, code, self._copy(value, source, code, stream), False)
         else:
@@ -530,13 +530,13 @@ class Engine:
         kind, source, loaded = core.plan_move(index, code, from_code)
         if self.deferred:
             self._drain_deferred()
-        if kind == 0:
+        if kind == MoveOutcome.NO_OP:
             return True, (None if source < 0 else location_of(source)), _REASON_MOVE_NOOP
-        if kind == 2:
+        if kind == MoveOutcome.COPY:
             copied = self._copy(core.value(index, source), source, code, stream)
             self._install(index, code, copied, True)
             core.remove(index, source)
-        elif kind == 3:
+        elif kind == MoveOutcome.RECONSTRUCT:
             self._reconstruct_into(index, source, code, loaded, stream, exclusive_transition=True)
         return False, location_of(source), None
 
@@ -852,7 +852,7 @@ class Engine:
         """A host lease: remove the use tokens, one version step (see
         docs/concepts/lifetimes.md#lease-release)."""
         core = self.core
-        if self._release_now(0, token) is not None:
+        if self._release_now(LifetimeKind.LEASE, token) is not None:
             return
         try:
             core.enter(False, True)
@@ -881,7 +881,7 @@ class Engine:
         if location.kind != "cuda":
             self.release_host_lease(token, finalizing)
             return
-        if core.lease_state(token) != 1:
+        if core.lease_state(token) != LeaseState.ACTIVE:
             return  # unknown (a forced close) or already released
         runtime = self.runtime
         if not streams:
@@ -936,7 +936,7 @@ class Engine:
             else:
                 self.pending_events[token] = events
 
-    def _release_now(self, kind: int, token: int) -> bool | None:
+    def _release_now(self, kind: LifetimeKind, token: int) -> bool | None:
         """One-call release when nothing is deferred and the gate is free; `None`
         sends the caller down the waiting path, which defers or raises as needed."""
         if self.deferred:
@@ -947,7 +947,7 @@ class Engine:
             return None
 
     def release_hold(self, token: int, *, finalizing: bool = False) -> None:
-        released = self._release_now(1, token)
+        released = self._release_now(LifetimeKind.HOLD, token)
         if released is None:
             self._release_token(partial(self._apply_hold_release, token, finalizing), finalizing)
         elif not released and not (finalizing or self.core.closed):
@@ -958,7 +958,7 @@ class Engine:
             raise RuntimeError(f"internal error: unknown hold token {token}")
 
     def release_reservation(self, token: int, *, finalizing: bool = False) -> None:
-        released = self._release_now(2, token)
+        released = self._release_now(LifetimeKind.RESERVATION, token)
         if released is None:
             self._release_token(
                 partial(self._apply_reservation_release, token, finalizing), finalizing

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fhelium import _core
+from fhelium._core import ActionKind
 
 if TYPE_CHECKING:
     from fhelium.residency.location import ResidencyLocation
@@ -28,7 +29,6 @@ __all__ = [
     "type_key",
 ]
 
-_ENSURE, _MOVE, _DROP, _DISCARD = 0, 1, 2, 3
 _NO_LOCATION = -1
 
 _type_keys: dict[type, int] = {}
@@ -77,28 +77,28 @@ def location_code(location: ResidencyLocation) -> int:
 def _encode_actions(
     actions: Iterable[ResidencyAction],
     slots: dict[ResidencyHandle[Any], int],
-) -> list[tuple[int, int, int, int]]:
+) -> list[tuple[ActionKind, int, int, int]]:
     from fhelium.residency.plan import DiscardValue, DropResident, EnsureResident, MoveResident
 
-    encoded: list[tuple[int, int, int, int]] = []
+    encoded: list[tuple[ActionKind, int, int, int]] = []
     for action in actions:
         slot = slots.setdefault(action.handle, len(slots))
         if isinstance(action, EnsureResident):
-            encoded.append((_ENSURE, slot, location_code(action.location), _NO_LOCATION))
+            encoded.append((ActionKind.ENSURE, slot, location_code(action.location), _NO_LOCATION))
         elif isinstance(action, MoveResident):
             source = action.from_location
             encoded.append(
                 (
-                    _MOVE,
+                    ActionKind.MOVE,
                     slot,
                     location_code(action.to),
                     _NO_LOCATION if source is None else location_code(source),
                 )
             )
         elif isinstance(action, DropResident):
-            encoded.append((_DROP, slot, location_code(action.location), _NO_LOCATION))
+            encoded.append((ActionKind.DROP, slot, location_code(action.location), _NO_LOCATION))
         elif isinstance(action, DiscardValue):
-            encoded.append((_DISCARD, slot, _NO_LOCATION, _NO_LOCATION))
+            encoded.append((ActionKind.DISCARD, slot, _NO_LOCATION, _NO_LOCATION))
         else:  # pragma: no cover - ResidencyPlan validates element types first.
             raise TypeError(f"not a residency action: {action!r}")
     return encoded

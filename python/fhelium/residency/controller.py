@@ -13,13 +13,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from fhelium.errors import (
-    ResidencyHandleError,
-    ResidencyOwnershipError,
-    ResidencyPlanError,
-    ResidencySearchLimitError,
-    ResidencyUnavailableError,
-)
+from fhelium._core import ActionKind, decide_request
+from fhelium.errors import ResidencyHandleError, ResidencyOwnershipError, ResidencyPlanError
 from fhelium.residency import _lowering
 from fhelium.residency._locations import location_of
 from fhelium.residency._records import trusted_builder
@@ -292,7 +287,10 @@ class ResidencyController:
         return rows
 
     def _search(self, request: ResidencyRequest, rows: list[tuple[int, int]]) -> Any:
+        """The core's plan rows; the core raises each search failure as its error."""
         core = self._engine.core
+        # The name appears only in those errors; the core holds it as UTF-8 text.
+        name = _lowering.diagnostic_text(request.name)
         reservations = [
             (
                 _lowering.location_code(reservation.location),
@@ -325,31 +323,15 @@ class ResidencyController:
                     for source, targets in policy._tiers
                 ],
             )
-            outcome = core.decide(rows, reservations, self._limit, native=native)
-        else:
-            outcome = core.decide(
-                rows, reservations, self._limit, python=(self._order, self._fallbacks)
-            )
-        kind = outcome[0]
-        if kind == "ok":
-            return outcome
-        if kind == "limit":
-            raise ResidencySearchLimitError(
-                request_name=request.name,
-                state_limit=self._limit,
-                explored_states=outcome[1],
-                detail=outcome[2],
-            ) from None
-        if kind == "infeasible":
-            raise ResidencyPlanError(
-                f"request {request.name!r} is infeasible: {outcome[1]}"
-            ) from None
-        if kind == "unavailable":
-            raise ResidencyUnavailableError(
-                f"value {core.handle(outcome[1]).handle_id!r} has no materialization "
-                "and no reconstruction source"
-            )
-        raise RuntimeError(outcome[1])
+            return decide_request(core, name, rows, reservations, self._limit, native=native)
+        return decide_request(
+            core,
+            name,
+            rows,
+            reservations,
+            self._limit,
+            python=(self._order, self._fallbacks),
+        )
 
     def _order(self, rows: list[tuple[int, int, int]]) -> list[int]:
         """A Python policy's ordering, as positions into `rows`
@@ -396,18 +378,18 @@ class ResidencyController:
     ) -> tuple[ResidencyPlan, tuple[ResidencyEviction, ...], int]:
         handle_of = self._engine.core.handle
 
-        def action(row: tuple[int, int, int, int]) -> Any:
+        def action(row: tuple[ActionKind, int, int, int]) -> Any:
             kind, index, code, from_code = row
             handle = handle_of(index)
-            if kind == 0:
+            if kind == ActionKind.ENSURE:
                 return _new_ensure(handle, location_of(code))
-            if kind == 1:
+            if kind == ActionKind.MOVE:
                 return _new_move(
                     handle, location_of(code), None if from_code < 0 else location_of(from_code)
                 )
             return _new_drop(handle, location_of(code))
 
-        _, reclaim_rows, enter_rows, eviction_rows, explored, _version = outcome
+        reclaim_rows, enter_rows, eviction_rows, explored, _version = outcome
         reclaim = [action(row) for row in reclaim_rows]
         enter = [action(row) for row in enter_rows]
         evictions = tuple(

@@ -3,39 +3,9 @@
 //! Variants carry the structured fields a caller needs to act. The bindings crate
 //! maps each variant onto its class in `fhelium.errors` in exactly one table.
 
-use std::fmt;
-
 use crate::location::Location;
 
 pub type CoreResult<T> = Result<T, CoreError>;
-
-/// The execution segment of a plan in which a runtime failure happened.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PlanPhase {
-    Execute,
-    Reclaim,
-    Reserve,
-    Enter,
-    Exit,
-}
-
-impl PlanPhase {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Execute => "execute",
-            Self::Reclaim => "reclaim",
-            Self::Reserve => "reserve",
-            Self::Enter => "enter",
-            Self::Exit => "exit",
-        }
-    }
-}
-
-impl fmt::Display for PlanPhase {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CoreError {
@@ -73,10 +43,6 @@ pub enum CoreError {
         pending_events: u64,
     },
 
-    /// A released lease, hold or reservation was used again.
-    #[error("{message}")]
-    LifetimeClosed { message: String },
-
     /// A value has the wrong type, device, pinning, logical bytes or storage ceiling.
     #[error("{message}")]
     Materialization { message: String },
@@ -84,14 +50,6 @@ pub enum CoreError {
     /// `EXCLUSIVE` replication, loss of a final `MUST_PRESERVE` copy, or a storage alias.
     #[error("{message}")]
     Ownership { message: String },
-
-    /// Preflight infeasibility.
-    #[error("{reason}")]
-    Plan { reason: String },
-
-    /// The manager state changed after the caller's observation.
-    #[error("expected_version={expected}, actual_version={actual}")]
-    StaleState { expected: u64, actual: u64 },
 
     /// The controller's bounded search stopped without a verdict.
     #[error(
@@ -104,15 +62,22 @@ pub enum CoreError {
         detail: String,
     },
 
-    /// A runtime failure after a successful preflight; the committed prefix stays.
-    #[error("plan {plan_name:?} failed in phase {phase} after {committed} transitions: {cause}")]
-    PlanExecution {
-        plan_name: String,
-        phase: PlanPhase,
-        failed_index: Option<usize>,
-        committed: usize,
-        cause: Box<CoreError>,
+    /// The controller's search tried every reclaim and none lets the request fit.
+    #[error("request {request_name:?} is infeasible: {detail}")]
+    SearchInfeasible {
+        request_name: String,
+        detail: String,
     },
+
+    /// A value the request requires has no materialisation and no source to rebuild
+    /// it from, so no plan can place it.
+    #[error("value {handle_id:?} has no materialization and no reconstruction source")]
+    SearchUnavailable { handle_id: String },
+
+    /// A search policy broke its side of the search: an ordering that is not a
+    /// permutation of its candidates (`RuntimeError`, the message as is).
+    #[error("{message}")]
+    Policy { message: String },
 
     /// A public operation ran while a source callback owned the manager.
     #[error("{message}")]
@@ -128,27 +93,6 @@ pub enum CoreError {
 }
 
 impl CoreError {
-    /// The name of the Python class this variant becomes (the bindings' table key).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::InvalidArgument { .. } => "ValueError",
-            Self::Handle { .. } => "ResidencyHandleError",
-            Self::Unavailable { .. } => "ResidencyUnavailableError",
-            Self::Budget { .. } => "ResidencyBudgetError",
-            Self::InUse { .. } => "ResidencyInUseError",
-            Self::LifetimeClosed { .. } => "ResidencyLifetimeClosedError",
-            Self::Materialization { .. } => "ResidencyMaterializationError",
-            Self::Ownership { .. } => "ResidencyOwnershipError",
-            Self::Plan { .. } => "ResidencyPlanError",
-            Self::StaleState { .. } => "ResidencyStaleStateError",
-            Self::SearchLimit { .. } => "ResidencySearchLimitError",
-            Self::PlanExecution { .. } => "ResidencyPlanExecutionError",
-            Self::Reentrancy { .. } => "ResidencyReentrancyError",
-            Self::Closed { .. } => "ResidencyClosedError",
-            Self::Internal { .. } => "RuntimeError",
-        }
-    }
-
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Self::InvalidArgument {
             message: message.into(),
@@ -178,87 +122,24 @@ mod tests {
         ] {
             assert!(text.contains(needle), "{text} lacks {needle}");
         }
-        assert_eq!(err.kind(), "ResidencyBudgetError");
     }
 
     #[test]
-    fn every_kind_names_a_distinct_python_class() {
-        let samples = [
-            CoreError::invalid("x"),
-            CoreError::Handle {
-                message: "x".into(),
-            },
-            CoreError::Unavailable {
-                message: "x".into(),
-            },
-            CoreError::Budget {
-                location: Location::PageableHost,
-                budget_bytes: 0,
-                used_bytes: 0,
-                reserved_bytes: 0,
-                requested_bytes: 1,
-            },
-            CoreError::InUse {
-                message: "x".into(),
-                location: None,
-                active_reads: 0,
-                holds: 0,
-                pending_events: 0,
-            },
-            CoreError::LifetimeClosed {
-                message: "x".into(),
-            },
-            CoreError::Materialization {
-                message: "x".into(),
-            },
-            CoreError::Ownership {
-                message: "x".into(),
-            },
-            CoreError::Plan { reason: "x".into() },
-            CoreError::StaleState {
-                expected: 1,
-                actual: 2,
-            },
-            CoreError::SearchLimit {
-                request_name: "r".into(),
-                state_limit: 1,
-                explored_states: 1,
-                detail: "d".into(),
-            },
-            CoreError::PlanExecution {
-                plan_name: "p".into(),
-                phase: PlanPhase::Enter,
-                failed_index: Some(0),
-                committed: 0,
-                cause: Box::new(CoreError::Closed {
-                    message: "x".into(),
-                }),
-            },
-            CoreError::Reentrancy {
-                message: "x".into(),
-            },
-            CoreError::Closed {
-                message: "x".into(),
-            },
-        ];
-        let mut kinds: Vec<&str> = samples.iter().map(CoreError::kind).collect();
-        kinds.sort_unstable();
-        kinds.dedup();
-        assert_eq!(kinds.len(), samples.len());
-    }
-
-    #[test]
-    fn phases_have_documented_names() {
-        let names: Vec<&str> = [
-            PlanPhase::Execute,
-            PlanPhase::Reclaim,
-            PlanPhase::Reserve,
-            PlanPhase::Enter,
-            PlanPhase::Exit,
-        ]
-        .into_iter()
-        .map(PlanPhase::as_str)
-        .collect();
-        assert_eq!(names, ["execute", "reclaim", "reserve", "enter", "exit"]);
+    fn search_failures_name_the_request() {
+        let limit = CoreError::SearchLimit {
+            request_name: "r".into(),
+            state_limit: 3,
+            explored_states: 3,
+            detail: "d".into(),
+        };
+        assert_eq!(
+            limit.to_string(),
+            "request \"r\": search inconclusive, state_limit=3, explored_states=3: d"
+        );
+        let infeasible = CoreError::SearchInfeasible {
+            request_name: "r".into(),
+            detail: "d".into(),
+        };
+        assert_eq!(infeasible.to_string(), "request \"r\" is infeasible: d");
     }
 }

@@ -15,10 +15,12 @@ pub mod simulate;
 pub mod state;
 pub mod value;
 
-pub use error::{CoreError, CoreResult, PlanPhase};
+pub use error::{CoreError, CoreResult};
 pub use location::{Location, MAX_CUDA_INDEX};
-pub use manager::{EnsurePlan, Manager, MovePlan, OpenLifetimes, SearchInputs, StorageKey};
-pub use plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
+pub use manager::{
+    EnsurePlan, LeaseState, Manager, MovePlan, OpenLifetimes, SearchInputs, StorageKey,
+};
+pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
 pub use value::{Recoverability, ReplicaMode, ValueSpec};

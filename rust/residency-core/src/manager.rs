@@ -53,6 +53,17 @@ pub enum MovePlan {
     Reconstruct { source_location: Location },
 }
 
+/// Where a lease token stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseState {
+    /// Never issued, released, or dropped by a forced close.
+    Unknown,
+    /// Borrowing: its use tokens protect the materialisations.
+    Active,
+    /// Released on CUDA streams whose events have not all completed.
+    Pending,
+}
+
 #[derive(Debug, Clone)]
 struct LeaseRecord {
     handles: Vec<HandleId>,
@@ -803,12 +814,12 @@ impl Manager {
         Ok(token)
     }
 
-    /// 0 for an unknown lease, 1 for an active one, 2 for one pending on events.
-    pub fn lease_state(&self, token: u64) -> u8 {
+    /// Where a lease token stands.
+    pub fn lease_state(&self, token: u64) -> LeaseState {
         match self.inner().leases.get(&token) {
-            None => 0,
-            Some(lease) if lease.pending => 2,
-            Some(_) => 1,
+            None => LeaseState::Unknown,
+            Some(lease) if lease.pending => LeaseState::Pending,
+            Some(_) => LeaseState::Active,
         }
     }
 

@@ -3,10 +3,46 @@
 //! A plan is lowered from Python once, when it is built. Handles are interned into a
 //! per-plan table so the manager resolves each distinct handle once per execution.
 
+use std::fmt;
 use std::sync::Arc;
 
-use crate::error::{CoreError, CoreResult, PlanPhase};
+use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
+
+/// The phase of a plan an action belongs to, as its diagnostics name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PlanPhase {
+    Reclaim,
+    Enter,
+    Exit,
+}
+
+impl PlanPhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reclaim => "reclaim",
+            Self::Enter => "enter",
+            Self::Exit => "exit",
+        }
+    }
+}
+
+impl fmt::Display for PlanPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The four primitive transitions, by name. Plans, the controller's search and the
+/// bindings all tell actions apart by this one enum; the bindings expose it to Python
+/// so the glue never spells a kind as a bare number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ActionKind {
+    Ensure,
+    Move,
+    Drop,
+    Discard,
+}
 
 /// A handle as the caller wrote it. The manager resolves it against its own records;
 /// `type_key` identifies the handle's value type, interned by the glue.
@@ -55,15 +91,6 @@ impl Action {
             | Self::Move { handle, .. }
             | Self::Drop { handle, .. }
             | Self::Discard { handle } => handle,
-        }
-    }
-
-    /// The destination a transfer stream is looked up by (ensure and move only).
-    pub fn transfer_destination(&self) -> Option<Location> {
-        match *self {
-            Self::Ensure { location, .. } => Some(location),
-            Self::Move { to, .. } => Some(to),
-            Self::Drop { .. } | Self::Discard { .. } => None,
         }
     }
 }
@@ -139,15 +166,6 @@ impl Plan {
         Ok(plan)
     }
 
-    /// A plan of one `execute` phase: the IR of `execute_actions`.
-    pub fn from_actions(
-        name: impl Into<Arc<str>>,
-        handles: Vec<HandleRef>,
-        actions: Vec<Action>,
-    ) -> CoreResult<Self> {
-        Self::new(name, handles, Vec::new(), actions, Vec::new(), Vec::new())
-    }
-
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -186,15 +204,6 @@ impl Plan {
             .chain(tagged(PlanPhase::Enter, &self.enter))
             .chain(tagged(PlanPhase::Exit, &self.exit))
     }
-
-    /// Total bytes the plan's reservations charge at `location`.
-    pub fn reserved_at(&self, location: Location) -> u64 {
-        self.reservations
-            .iter()
-            .filter(|reservation| reservation.location == location)
-            .map(|reservation| reservation.nbytes)
-            .sum()
-    }
 }
 
 fn tagged(
@@ -205,4 +214,18 @@ fn tagged(
         .iter()
         .enumerate()
         .map(move |(index, action)| (phase, index, action))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_have_their_diagnostic_names() {
+        let names: Vec<&str> = [PlanPhase::Reclaim, PlanPhase::Enter, PlanPhase::Exit]
+            .into_iter()
+            .map(PlanPhase::as_str)
+            .collect();
+        assert_eq!(names, ["reclaim", "enter", "exit"]);
+    }
 }

@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use imbl::{HashMap as PMap, Vector};
 
+use crate::error::CoreError;
 use crate::location::Location;
+use crate::plan::ActionKind;
 use crate::state::HandleId;
 
 /// One materialisation snapshot in the planning state (docs/concepts/controller.md#decide,
@@ -69,6 +71,16 @@ pub enum Planned {
         value: usize,
         location: Location,
     },
+}
+
+impl Planned {
+    pub fn kind(&self) -> ActionKind {
+        match self {
+            Self::Ensure { .. } => ActionKind::Ensure,
+            Self::Move { .. } => ActionKind::Move,
+            Self::Drop { .. } => ActionKind::Drop,
+        }
+    }
 }
 
 /// Why a victim was chosen: the three reason templates of
@@ -147,6 +159,42 @@ pub enum SearchError {
     Policy,
     /// The search was interrupted.
     Interrupted,
+}
+
+impl SearchError {
+    /// The failure as the core error the caller raises, for the request named
+    /// `request_name` searched under `state_limit`; `handle_id` names the value at a
+    /// search position. A failing policy normally keeps its own error aside and that
+    /// one is raised instead; without one, the failure still reads as the policy's.
+    pub fn into_core_error(
+        self,
+        request_name: &str,
+        state_limit: u64,
+        handle_id: impl FnOnce(usize) -> Option<String>,
+    ) -> CoreError {
+        match self {
+            Self::Limit { explored, detail } => CoreError::SearchLimit {
+                request_name: request_name.to_owned(),
+                state_limit,
+                explored_states: explored,
+                detail,
+            },
+            Self::Infeasible { detail } => CoreError::SearchInfeasible {
+                request_name: request_name.to_owned(),
+                detail,
+            },
+            Self::Unavailable { value } => match handle_id(value) {
+                Some(handle_id) => CoreError::SearchUnavailable { handle_id },
+                None => CoreError::Internal {
+                    message: format!("search value {value} has no record"),
+                },
+            },
+            Self::BadOrdering { detail } => CoreError::Policy { message: detail },
+            Self::Policy | Self::Interrupted => CoreError::Policy {
+                message: "the policy failed".to_owned(),
+            },
+        }
+    }
 }
 
 #[derive(Debug, Clone)]

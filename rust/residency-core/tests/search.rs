@@ -5,10 +5,10 @@
 
 use std::collections::BTreeMap;
 
-use residency_core::Location;
 use residency_core::search::{
     EvictionReason, MatInfo, Planned, Requirement, Search, SearchError, SearchValue, TieredLru,
 };
+use residency_core::{ActionKind, CoreError, Location};
 
 const HOST: Location = Location::PageableHost;
 const PINNED: Location = Location::PinnedHost;
@@ -181,4 +181,77 @@ fn the_state_limit_is_inconclusive_at_exactly_the_limit() {
         .expect("feasible with room to search");
     assert_eq!(outcome.reclaim.len(), 3);
     assert_eq!(outcome.explored, 4);
+}
+
+#[test]
+fn search_failures_become_the_core_errors_of_their_kind() {
+    let name = |value: usize| (value == 0).then(|| "h0".to_owned());
+    assert_eq!(
+        SearchError::Limit {
+            explored: 2,
+            detail: "d".into()
+        }
+        .into_core_error("r", 2, name),
+        CoreError::SearchLimit {
+            request_name: "r".into(),
+            state_limit: 2,
+            explored_states: 2,
+            detail: "d".into(),
+        }
+    );
+    assert_eq!(
+        SearchError::Infeasible { detail: "d".into() }.into_core_error("r", 2, name),
+        CoreError::SearchInfeasible {
+            request_name: "r".into(),
+            detail: "d".into(),
+        }
+    );
+    assert_eq!(
+        SearchError::Unavailable { value: 0 }.into_core_error("r", 2, name),
+        CoreError::SearchUnavailable {
+            handle_id: "h0".into()
+        }
+    );
+    assert!(matches!(
+        SearchError::Unavailable { value: 1 }.into_core_error("r", 2, name),
+        CoreError::Internal { .. }
+    ));
+    assert_eq!(
+        SearchError::BadOrdering { detail: "d".into() }.into_core_error("r", 2, name),
+        CoreError::Policy {
+            message: "d".into()
+        }
+    );
+    assert_eq!(
+        SearchError::Interrupted.into_core_error("r", 2, name),
+        CoreError::Policy {
+            message: "the policy failed".into()
+        }
+    );
+}
+
+#[test]
+fn planned_actions_name_their_kind() {
+    let kinds: Vec<ActionKind> = [
+        Planned::Ensure {
+            value: 0,
+            location: Location::Cuda(0),
+        },
+        Planned::Move {
+            value: 0,
+            to: Location::PinnedHost,
+            from: None,
+        },
+        Planned::Drop {
+            value: 0,
+            location: Location::Cuda(0),
+        },
+    ]
+    .iter()
+    .map(Planned::kind)
+    .collect();
+    assert_eq!(
+        kinds,
+        [ActionKind::Ensure, ActionKind::Move, ActionKind::Drop]
+    );
 }

@@ -5,19 +5,17 @@
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyType};
+use pyo3::types::{PyDict, PyString, PyType};
 use pyo3::{IntoPyObjectExt, PyTypeInfo};
-use residency_core::{CoreError, Location, PlanPhase};
+use residency_core::{CoreError, Location};
 
 pyo3::import_exception!(fhelium.errors, ResidencyHandleError);
 pyo3::import_exception!(fhelium.errors, ResidencyUnavailableError);
 pyo3::import_exception!(fhelium.errors, ResidencyBudgetError);
 pyo3::import_exception!(fhelium.errors, ResidencyInUseError);
-pyo3::import_exception!(fhelium.errors, ResidencyLifetimeClosedError);
 pyo3::import_exception!(fhelium.errors, ResidencyMaterializationError);
 pyo3::import_exception!(fhelium.errors, ResidencyOwnershipError);
 pyo3::import_exception!(fhelium.errors, ResidencyPlanError);
-pyo3::import_exception!(fhelium.errors, ResidencyStaleStateError);
 pyo3::import_exception!(fhelium.errors, ResidencySearchLimitError);
 pyo3::import_exception!(fhelium.errors, ResidencyReentrancyError);
 pyo3::import_exception!(fhelium.errors, ResidencyClosedError);
@@ -52,6 +50,12 @@ fn location_name(py: Python<'_>, location: Option<Location>) -> PyResult<Bound<'
     }
 }
 
+/// `text` as Python's `repr` writes it: messages that quote a name quote it the way
+/// the rest of the glue does.
+fn python_repr(py: Python<'_>, text: &str) -> PyResult<String> {
+    Ok(PyString::new(py, text).repr()?.to_str()?.to_owned())
+}
+
 /// Converts a core error into its documented Python exception.
 pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
     let message = err.to_string();
@@ -59,13 +63,11 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
         CoreError::InvalidArgument { .. } => PyValueError::new_err(message),
         CoreError::Handle { .. } => ResidencyHandleError::new_err(message),
         CoreError::Unavailable { .. } => ResidencyUnavailableError::new_err(message),
-        CoreError::LifetimeClosed { .. } => ResidencyLifetimeClosedError::new_err(message),
         CoreError::Materialization { .. } => ResidencyMaterializationError::new_err(message),
         CoreError::Ownership { .. } => ResidencyOwnershipError::new_err(message),
-        CoreError::Plan { .. } => ResidencyPlanError::new_err(message),
         CoreError::Reentrancy { .. } => ResidencyReentrancyError::new_err(message),
         CoreError::Closed { .. } => ResidencyClosedError::new_err(message),
-        CoreError::Internal { .. } => PyRuntimeError::new_err(message),
+        CoreError::Internal { .. } | CoreError::Policy { .. } => PyRuntimeError::new_err(message),
         CoreError::Budget {
             location,
             budget_bytes,
@@ -106,17 +108,6 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
                 Err(err) => err,
             }
         }
-        CoreError::StaleState { expected, actual } => structured(
-            py,
-            &ResidencyStaleStateError::type_object(py),
-            vec![],
-            || {
-                Ok(vec![
-                    ("expected_version", expected.into_bound_py_any(py)?),
-                    ("actual_version", actual.into_bound_py_any(py)?),
-                ])
-            },
-        ),
         CoreError::SearchLimit {
             request_name,
             state_limit,
@@ -135,72 +126,20 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
                 ])
             },
         ),
-        // Only the glue holds the partial report's Python records, so it builds plan
-        // execution errors itself; reaching this arm is a glue bug, reported as such.
-        CoreError::PlanExecution { .. } => PyRuntimeError::new_err(format!(
-            "internal error: unwrapped plan execution failure: {message}"
-        )),
-    }
-}
-
-/// A representative core error of each kind, for the probe below.
-fn sample(kind: &str) -> Option<CoreError> {
-    let message = format!("probe {kind}");
-    Some(match kind {
-        "invalid" => CoreError::InvalidArgument { message },
-        "handle" => CoreError::Handle { message },
-        "unavailable" => CoreError::Unavailable { message },
-        "budget" => CoreError::Budget {
-            location: Location::Cuda(1),
-            budget_bytes: 100,
-            used_bytes: 60,
-            reserved_bytes: 30,
-            requested_bytes: 20,
+        CoreError::SearchInfeasible {
+            request_name,
+            detail,
+        } => match python_repr(py, &request_name) {
+            Ok(name) => {
+                ResidencyPlanError::new_err(format!("request {name} is infeasible: {detail}"))
+            }
+            Err(err) => err,
         },
-        "in_use" => CoreError::InUse {
-            message,
-            location: Some(Location::PinnedHost),
-            active_reads: 1,
-            holds: 2,
-            pending_events: 3,
+        CoreError::SearchUnavailable { handle_id } => match python_repr(py, &handle_id) {
+            Ok(handle_id) => ResidencyUnavailableError::new_err(format!(
+                "value {handle_id} has no materialization and no reconstruction source"
+            )),
+            Err(err) => err,
         },
-        "lifetime_closed" => CoreError::LifetimeClosed { message },
-        "materialization" => CoreError::Materialization { message },
-        "ownership" => CoreError::Ownership { message },
-        "plan" => CoreError::Plan { reason: message },
-        "stale_state" => CoreError::StaleState {
-            expected: 4,
-            actual: 7,
-        },
-        "search_limit" => CoreError::SearchLimit {
-            request_name: "request".into(),
-            state_limit: 10,
-            explored_states: 10,
-            detail: message,
-        },
-        "plan_execution" => CoreError::PlanExecution {
-            plan_name: "plan".into(),
-            phase: PlanPhase::Enter,
-            failed_index: Some(0),
-            committed: 0,
-            cause: Box::new(CoreError::Closed { message }),
-        },
-        "reentrancy" => CoreError::Reentrancy { message },
-        "closed" => CoreError::Closed { message },
-        "internal" => CoreError::Internal { message },
-        _ => return None,
-    })
-}
-
-/// Test hook: raises what the table maps a representative error of `kind` onto, so
-/// pytest pins the table (class and structured fields) without a manager.
-#[pyfunction]
-#[pyo3(signature = (kind, /))]
-pub fn error_table_probe(py: Python<'_>, kind: &str) -> PyResult<()> {
-    match sample(kind) {
-        Some(err) => Err(to_py_err(py, err)),
-        None => Err(PyValueError::new_err(format!(
-            "unknown error kind {kind:?}"
-        ))),
     }
 }

@@ -5,6 +5,7 @@
 
 mod errors;
 mod execute;
+mod kinds;
 mod manager;
 mod measure;
 mod objects;
@@ -17,12 +18,17 @@ use pyo3::prelude::*;
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     module.add("MAX_CUDA_INDEX", u32::from(residency_core::MAX_CUDA_INDEX))?;
+    module.add_class::<kinds::PyActionKind>()?;
+    module.add_class::<kinds::EnsureOutcome>()?;
+    module.add_class::<kinds::MoveOutcome>()?;
+    module.add_class::<kinds::LifetimeKind>()?;
+    module.add_class::<kinds::LeaseState>()?;
     module.add_class::<plan::PlanIr>()?;
     module.add_class::<manager::CoreManager>()?;
     module.add_class::<manager::StateView>()?;
     module.add_class::<manager::SimulationView>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;
-    module.add_function(wrap_pyfunction!(errors::error_table_probe, module)?)?;
+    module.add_function(wrap_pyfunction!(search::decide_request, module)?)?;
     Ok(())
 }

@@ -21,6 +21,7 @@ use residency_core::{
 };
 
 use crate::execute::Context;
+use crate::kinds::{EnsureOutcome, LeaseState, LifetimeKind, MoveOutcome};
 use crate::objects::Objects;
 use crate::plan::PlanIr;
 use std::collections::VecDeque;
@@ -581,28 +582,29 @@ impl CoreManager {
 
     // ----- transitions ------------------------------------------------------------
 
-    /// `(0, -1)` no-op, `(1, source)` copy, `(2, source_location)` reconstruct.
+    /// What an ensure needs, with the location it names (-1 for none) and, for a
+    /// reconstruction, the loaded value.
     fn plan_ensure<'py>(
         &self,
         py: Python<'py>,
         handle: HandleId,
         at: u32,
-    ) -> PyResult<(u8, i64, Option<Bound<'py, PyAny>>)> {
-        Ok(
-            match Self::lift(py, self.core.plan_ensure(handle, location(at)?))? {
-                EnsurePlan::NoOp => (0, -1, None),
-                EnsurePlan::Copy { source } => (1, i64::from(source.code()), None),
-                EnsurePlan::Reconstruct { source_location } => (
-                    2,
-                    i64::from(source_location.code()),
-                    self.load_charged(py, handle, source_location)?,
-                ),
-            },
-        )
+    ) -> PyResult<(EnsureOutcome, i64, Option<Bound<'py, PyAny>>)> {
+        let plan = Self::lift(py, self.core.plan_ensure(handle, location(at)?))?;
+        let outcome = EnsureOutcome::from(&plan);
+        Ok(match plan {
+            EnsurePlan::NoOp => (outcome, -1, None),
+            EnsurePlan::Copy { source } => (outcome, i64::from(source.code()), None),
+            EnsurePlan::Reconstruct { source_location } => (
+                outcome,
+                i64::from(source_location.code()),
+                self.load_charged(py, handle, source_location)?,
+            ),
+        })
     }
 
-    /// `(0, source|-1)` no-op, `(1, source)` source removed, `(2, source)` copy then
-    /// remove, `(3, source_location)` reconstruct.
+    /// What a move needs, with the source it names (-1 for none) and, for a
+    /// reconstruction, the loaded value. A removed source is already committed.
     #[pyo3(signature = (handle, to, from_location=None))]
     fn plan_move<'py>(
         &self,
@@ -610,24 +612,24 @@ impl CoreManager {
         handle: HandleId,
         to: u32,
         from_location: Option<u32>,
-    ) -> PyResult<(u8, i64, Option<Bound<'py, PyAny>>)> {
+    ) -> PyResult<(MoveOutcome, i64, Option<Bound<'py, PyAny>>)> {
         let from = from_location.map(location).transpose()?;
         let code = |location: Location| i64::from(location.code());
-        Ok(
-            match Self::lift(py, self.core.plan_move(handle, location(to)?, from))? {
-                MovePlan::NoOp { source } => (0, source.map_or(-1, code), None),
-                MovePlan::RemovedSource { source } => {
-                    drop(self.objects.take_value(handle, source.code()));
-                    (1, code(source), None)
-                }
-                MovePlan::Copy { source } => (2, code(source), None),
-                MovePlan::Reconstruct { source_location } => (
-                    3,
-                    code(source_location),
-                    self.load_charged(py, handle, source_location)?,
-                ),
-            },
-        )
+        let plan = Self::lift(py, self.core.plan_move(handle, location(to)?, from))?;
+        let outcome = MoveOutcome::from(&plan);
+        Ok(match plan {
+            MovePlan::NoOp { source } => (outcome, source.map_or(-1, code), None),
+            MovePlan::RemovedSource { source } => {
+                drop(self.objects.take_value(handle, source.code()));
+                (outcome, code(source), None)
+            }
+            MovePlan::Copy { source } => (outcome, code(source), None),
+            MovePlan::Reconstruct { source_location } => (
+                outcome,
+                code(source_location),
+                self.load_charged(py, handle, source_location)?,
+            ),
+        })
     }
 
     fn admit(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<()> {
@@ -744,8 +746,8 @@ impl CoreManager {
         Self::lift(py, self.core.hold(&handles, location(at)?))
     }
 
-    fn lease_state(&self, token: u64) -> u8 {
-        self.core.lease_state(token)
+    fn lease_state(&self, token: u64) -> LeaseState {
+        LeaseState::from(self.core.lease_state(token))
     }
 
     #[getter]
@@ -777,22 +779,21 @@ impl CoreManager {
         self.core.pending_lease_tokens()
     }
 
-    /// Releases a lifetime token (0 lease, 1 hold, 2 reservation) in one call if the
-    /// gate is free: `None` when another thread holds it (take the waiting path).
-    fn release_now(&self, py: Python<'_>, kind: u8, token: u64) -> PyResult<Option<bool>> {
+    /// Releases a lifetime token in one call if the gate is free: `None` when another
+    /// thread holds it (take the waiting path).
+    fn release_now(
+        &self,
+        py: Python<'_>,
+        kind: LifetimeKind,
+        token: u64,
+    ) -> PyResult<Option<bool>> {
         if !Self::lift(py, self.core.try_enter(false, true))? {
             return Ok(None);
         }
         let released = match kind {
-            0 => self.core.release_lease(token),
-            1 => self.core.release_hold(token),
-            2 => self.release_reservation(token),
-            _ => {
-                self.core.exit();
-                return Err(PyValueError::new_err(format!(
-                    "unknown lifetime kind {kind}"
-                )));
-            }
+            LifetimeKind::Lease => self.core.release_lease(token),
+            LifetimeKind::Hold => self.core.release_hold(token),
+            LifetimeKind::Reservation => self.release_reservation(token),
         };
         self.core.exit();
         Ok(Some(released))
@@ -865,20 +866,6 @@ impl CoreManager {
         let simulation =
             py.detach(move || core.simulate(&plan, &slots, cuda, &completed_leases, &labels));
         SimulationView { simulation }
-    }
-
-    /// The controller's search over the working state (see `search::decide`).
-    #[pyo3(signature = (requirements, reservations, limit, native=None, python=None))]
-    fn decide<'py>(
-        &self,
-        py: Python<'py>,
-        requirements: Vec<(u32, u32)>,
-        reservations: Vec<(u32, u64)>,
-        limit: u64,
-        native: Option<crate::search::NativeConfig>,
-        python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        crate::search::decide(py, self, requirements, reservations, limit, native, python)
     }
 
     fn close(&self, py: Python<'_>, force: bool) -> PyResult<()> {

@@ -7,13 +7,13 @@ use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use residency_core::{Action, HandleRef, HandleSlot, Location, Plan, Reservation};
+use residency_core::{Action, ActionKind, HandleRef, HandleSlot, Location, Plan, Reservation};
 
 use crate::errors::to_py_err;
+use crate::kinds::PyActionKind;
 
 /// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent.
-/// Kinds: 0 ensure, 1 move, 2 drop, 3 discard.
-type ActionTuple = (u8, u32, i64, i64);
+type ActionTuple = (PyActionKind, u32, i64, i64);
 
 fn location(code: i64) -> PyResult<Location> {
     let code = u32::try_from(code)
@@ -23,12 +23,12 @@ fn location(code: i64) -> PyResult<Location> {
 
 fn action((kind, slot, code, from_code): ActionTuple) -> PyResult<Action> {
     let handle = HandleSlot(slot);
-    Ok(match kind {
-        0 => Action::Ensure {
+    Ok(match ActionKind::from(kind) {
+        ActionKind::Ensure => Action::Ensure {
             handle,
             location: location(code)?,
         },
-        1 => Action::Move {
+        ActionKind::Move => Action::Move {
             handle,
             to: location(code)?,
             from: if from_code < 0 {
@@ -37,16 +37,11 @@ fn action((kind, slot, code, from_code): ActionTuple) -> PyResult<Action> {
                 Some(location(from_code)?)
             },
         },
-        2 => Action::Drop {
+        ActionKind::Drop => Action::Drop {
             handle,
             location: location(code)?,
         },
-        3 => Action::Discard { handle },
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "invalid action kind {other}"
-            )));
-        }
+        ActionKind::Discard => Action::Discard { handle },
     })
 }
 
@@ -69,66 +64,16 @@ impl PlanIr {
 
 #[pymethods]
 impl PlanIr {
-    #[getter]
-    fn name(&self) -> &str {
-        self.plan.name()
-    }
-
-    #[getter]
-    fn handle_count(&self) -> usize {
-        self.plan.handles().len()
-    }
-
-    /// `(reclaim, enter, exit, reservations)` lengths.
-    #[getter]
-    fn shape(&self) -> (usize, usize, usize, usize) {
-        (
-            self.plan.reclaim().len(),
-            self.plan.enter().len(),
-            self.plan.exit().len(),
-            self.plan.reservations().len(),
-        )
-    }
-
-    /// The handle slots of every action in simulation order (reclaim, enter, exit).
-    fn action_slots(&self) -> Vec<u32> {
-        self.plan
-            .ordered_actions()
-            .map(|(_, _, action)| action.handle().0)
-            .collect()
-    }
-
-    /// Location codes each action's transfer stream is looked up by (-1 for none).
-    fn transfer_destinations(&self) -> Vec<i64> {
-        self.plan
-            .ordered_actions()
-            .map(|(_, _, action)| {
-                action
-                    .transfer_destination()
-                    .map_or(-1, |location| i64::from(location.code()))
-            })
-            .collect()
-    }
-
-    /// Total reserved bytes per location code, in first-appearance order.
-    fn reserved_by_location(&self) -> Vec<(u32, u64)> {
-        let mut totals: Vec<(u32, u64)> = Vec::new();
-        for reservation in self.plan.reservations() {
-            let code = reservation.location.code();
-            match totals.iter_mut().find(|(seen, _)| *seen == code) {
-                Some((_, total)) => *total += reservation.nbytes,
-                None => totals.push((code, reservation.nbytes)),
-            }
-        }
-        totals
-    }
-
     fn __repr__(&self) -> String {
-        let (reclaim, enter, exit, reservations) = self.shape();
+        let plan = &self.plan;
         format!(
-            "PlanIR(name={:?}, handles={}, reclaim={reclaim}, enter={enter}, exit={exit}, reservations={reservations})",
-            self.plan.name(),
-            self.plan.handles().len(),
+            "PlanIR(name={:?}, handles={}, reclaim={}, enter={}, exit={}, reservations={})",
+            plan.name(),
+            plan.handles().len(),
+            plan.reclaim().len(),
+            plan.enter().len(),
+            plan.exit().len(),
+            plan.reservations().len(),
         )
     }
 }

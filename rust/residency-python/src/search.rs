@@ -8,9 +8,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use residency_core::Location;
 use residency_core::search::{
-    Candidate, EvictionReason, Planned, Requirement, Search, SearchError, SearchPolicy, TieredLru,
+    Candidate, Planned, Requirement, Search, SearchError, SearchOutcome, SearchPolicy, TieredLru,
 };
 
+use crate::errors::to_py_err;
+use crate::kinds::PyActionKind;
 use crate::manager::CoreManager;
 
 fn location(code: u32) -> PyResult<Location> {
@@ -113,21 +115,52 @@ impl SearchPolicy for NativePolicy<'_> {
     }
 }
 
-type Row = (u8, u32, u32, i64);
+type Row = (PyActionKind, u32, u32, i64);
 type EvictionRow = (usize, usize, u32, u64, String);
+/// `(reclaim, enter, evictions, explored_states, state_version)`.
+type Decision = (Vec<Row>, Vec<Row>, Vec<EvictionRow>, u64, u64);
 
-/// The outcome for the glue: `("ok", reclaim, enter, evictions, explored, version)`,
-/// `("limit", explored, detail)`, `("infeasible", detail)`, `("unavailable", handle)`,
-/// `("ordering", detail)`; Python policy errors and interrupts are raised.
-pub fn decide<'py>(
+/// The controller's search for the request named `request_name`: the plan's rows
+/// (see `encode`), or the failure raised, the search's own as its core error and a
+/// Python policy's as the policy raised it.
+#[pyfunction]
+#[pyo3(signature = (
+    manager, request_name, requirements, reservations, limit, native=None, python=None
+))]
+#[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)] // pyo3 extracts owned values.
+pub fn decide_request<'py>(
     py: Python<'py>,
     manager: &CoreManager,
+    request_name: &str,
     requirements: Vec<(u32, u32)>,
     reservations: Vec<(u32, u64)>,
     limit: u64,
     native: Option<NativeConfig>,
     python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-) -> PyResult<Bound<'py, PyAny>> {
+) -> PyResult<Decision> {
+    search(
+        py,
+        manager,
+        request_name,
+        requirements,
+        reservations,
+        limit,
+        native,
+        python,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn search<'py>(
+    py: Python<'py>,
+    manager: &CoreManager,
+    request_name: &str,
+    requirements: Vec<(u32, u32)>,
+    reservations: Vec<(u32, u64)>,
+    limit: u64,
+    native: Option<NativeConfig>,
+    python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+) -> PyResult<Decision> {
     let inputs = manager.core().search_inputs();
     let mut required = Vec::with_capacity(requirements.len());
     for (handle, code) in requirements {
@@ -209,72 +242,58 @@ pub fn decide<'py>(
     if let Some(err) = error {
         return Err(err);
     }
-    encode(py, result, &handles, inputs.version)
+    match result {
+        Ok(outcome) => Ok(encode(&outcome, &handles, inputs.version)),
+        Err(err) => {
+            let err = err.into_core_error(request_name, limit, |value| {
+                let handle = inputs.values.get(value)?.handle;
+                let state = manager.core().current();
+                Some(state.record(handle)?.handle_id.to_string())
+            });
+            Err(to_py_err(py, err))
+        }
+    }
 }
 
-/// The search outcome as the glue's tagged tuples.
-fn encode<'py>(
-    py: Python<'py>,
-    result: Result<residency_core::search::SearchOutcome, SearchError>,
-    handles: &[u32],
-    version: u64,
-) -> PyResult<Bound<'py, PyAny>> {
+/// A found plan as the glue's rows: actions as `(kind, handle, location code, from
+/// code or -1)`, evictions as `(reclaim position, rank, released location code,
+/// released bytes, reason)`.
+fn encode(outcome: &SearchOutcome, handles: &[u32], version: u64) -> Decision {
     let planned = |action: &Planned| -> Row {
+        let kind = action.kind().into();
         match *action {
-            Planned::Ensure { value, location } => (0, handles[value], location.code(), -1),
+            Planned::Ensure { value, location } | Planned::Drop { value, location } => {
+                (kind, handles[value], location.code(), -1)
+            }
             Planned::Move { value, to, from } => (
-                1,
+                kind,
                 handles[value],
                 to.code(),
                 from.map_or(-1, |from| i64::from(from.code())),
             ),
-            Planned::Drop { value, location } => (2, handles[value], location.code(), -1),
         }
     };
-    Ok(match result {
-        Ok(outcome) => {
-            let reclaim: Vec<Row> = outcome.reclaim.iter().map(planned).collect();
-            let enter: Vec<Row> = outcome.enter.iter().map(planned).collect();
-            let evictions: Vec<EvictionRow> = outcome
-                .evictions
-                .iter()
-                .enumerate()
-                .map(|(index, eviction)| {
-                    (
-                        index,
-                        eviction.rank,
-                        eviction.released_location.code(),
-                        eviction.released_nbytes,
-                        match &eviction.reason {
-                            EvictionReason::OtherMaterialization
-                            | EvictionReason::RegisteredSource
-                            | EvictionReason::MovedTo(_) => eviction.reason.text(),
-                        },
-                    )
-                })
-                .collect();
-            ("ok", reclaim, enter, evictions, outcome.explored, version)
-                .into_pyobject(py)?
-                .into_any()
-        }
-        Err(SearchError::Limit { explored, detail }) => {
-            ("limit", explored, detail).into_pyobject(py)?.into_any()
-        }
-        Err(SearchError::Infeasible { detail }) => {
-            ("infeasible", detail).into_pyobject(py)?.into_any()
-        }
-        Err(SearchError::Unavailable { value }) => ("unavailable", handles[value])
-            .into_pyobject(py)?
-            .into_any(),
-        Err(SearchError::BadOrdering { detail }) => {
-            ("ordering", detail).into_pyobject(py)?.into_any()
-        }
-        Err(SearchError::Policy | SearchError::Interrupted) => {
-            ("ordering", "the policy failed".to_owned())
-                .into_pyobject(py)?
-                .into_any()
-        }
-    })
+    let evictions = outcome
+        .evictions
+        .iter()
+        .enumerate()
+        .map(|(index, eviction)| {
+            (
+                index,
+                eviction.rank,
+                eviction.released_location.code(),
+                eviction.released_nbytes,
+                eviction.reason.text(),
+            )
+        })
+        .collect();
+    (
+        outcome.reclaim.iter().map(planned).collect(),
+        outcome.enter.iter().map(planned).collect(),
+        evictions,
+        outcome.explored,
+        version,
+    )
 }
 
 /// The built-in policy's configuration: per handle index `(priority, stable key)`,
