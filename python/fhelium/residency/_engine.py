@@ -188,6 +188,10 @@ class Engine:
             PINNED_HOST,
             location_of,
             (_REASON_ENSURE_NOOP, _REASON_MOVE_NOOP, _REASON_DROP_NOOP),
+            _lowering.type_key,
+            _new_spec,
+            _MUST_PRESERVE,
+            new_lease,
         )
         # The trace keeps the newest `capacity` reports; 0 disables it.
         self.core = _core.CoreManager(entries, _new_handle, context, min(capacity, sys.maxsize))
@@ -313,6 +317,12 @@ class Engine:
         if not isinstance(value, TensorResident):
             raise TypeError(f"value must be a TensorResident, got {type(value).__name__}")
         core = self.core
+        if type(replica_mode) is ReplicaMode and not self.pending_events:
+            adopted: ResidencyHandle[ValueT] | None = core.adopt_host(
+                value, at, replica_mode, replica_mode is ReplicaMode.EXCLUSIVE
+            )
+            if adopted is not None:
+                return adopted
         core.enter_transition()
         try:
             if self.pending_events or self.deferred:
@@ -707,6 +717,10 @@ class Engine:
         """
         normalized = normalize_handles(handles)
         core = self.core
+        if consumer_stream is None and not self.pending_events:
+            lease: ResidencyLease | None = core.acquire_host(self, normalized, at)
+            if lease is not None:
+                return lease
         core.enter(True, True)
         try:
             code = self.location_code(at)
@@ -939,8 +953,6 @@ class Engine:
     def _release_now(self, kind: LifetimeKind, token: int) -> bool | None:
         """One-call release when nothing is deferred and the gate is free; `None`
         sends the caller down the waiting path, which defers or raises as needed."""
-        if self.deferred:
-            return None
         try:
             return self.core.release_now(kind, token)
         except ResidencyReentrancyError:

@@ -41,12 +41,20 @@ pub struct Context {
     ensure_noop: Py<PyAny>,
     move_noop: Py<PyAny>,
     drop_noop: Py<PyAny>,
+    /// The process-wide integer key of a value type.
+    type_key: Py<PyAny>,
+    /// Builds an adopted value's spec record: `(type, logical, charge, mode, recoverability)`.
+    spec_builder: Py<PyAny>,
+    must_preserve: Py<PyAny>,
+    /// Builds a lease: `(engine, token, handles, location, streams)`.
+    new_lease: Py<PyAny>,
 }
 
 impl Context {
     /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
     /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
-    /// (ensure_noop, move_noop, drop_noop))`.
+    /// (ensure_noop, move_noop, drop_noop), type_key, spec_builder, must_preserve,
+    /// new_lease)`.
     pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
         let item = |index: usize| items.get_item(index).map(Bound::unbind);
         let reasons = items.get_item(11)?;
@@ -66,11 +74,48 @@ impl Context {
             ensure_noop: reasons.get_item(0)?.unbind(),
             move_noop: reasons.get_item(1)?.unbind(),
             drop_noop: reasons.get_item(2)?.unbind(),
+            type_key: item(12)?,
+            spec_builder: item(13)?,
+            must_preserve: item(14)?,
+            new_lease: item(15)?,
         })
     }
 
+    pub(crate) fn type_key(&self, py: Python<'_>, value_type: &Bound<'_, PyAny>) -> PyResult<u64> {
+        self.type_key.bind(py).call1((value_type,))?.extract()
+    }
+
+    pub(crate) fn adopted_spec(
+        &self,
+        py: Python<'_>,
+        value_type: &Bound<'_, PyAny>,
+        logical: u64,
+        charge: u64,
+        replica_mode: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        Ok(self
+            .spec_builder
+            .bind(py)
+            .call1((
+                value_type,
+                logical,
+                charge,
+                replica_mode,
+                self.must_preserve.bind(py),
+            ))?
+            .unbind())
+    }
+
+    pub(crate) fn new_lease<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.new_lease.bind(py)
+    }
+
     /// The code of a host location record; `None` for anything else.
-    fn host_code(&self, py: Python<'_>, location: &Bound<'_, PyAny>) -> PyResult<Option<Location>> {
+    pub(crate) fn host_code(
+        &self,
+        py: Python<'_>,
+        location: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Location>> {
         if location.is(&self.pageable) {
             return Ok(Some(Location::PageableHost));
         }
@@ -523,7 +568,7 @@ fn validate<'py>(
     Ok(facts)
 }
 
-fn measure<'py>(
+pub(crate) fn measure<'py>(
     context: &Context,
     py: Python<'py>,
     value: &Bound<'py, PyAny>,

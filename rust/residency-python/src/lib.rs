@@ -3,6 +3,7 @@
 //! Argument schema errors are raised by the Python glue before anything reaches this
 //! crate; what arrives here is already well-typed, so conversions stay mechanical.
 
+mod direct;
 mod errors;
 mod execute;
 mod kinds;

@@ -20,6 +20,7 @@ use residency_core::{
     ReplicaMode, Simulation, SlotResolution, State, StorageKey, ValueSpec,
 };
 
+use crate::direct::AdoptedShapes;
 use crate::execute::Context;
 use crate::kinds::{EnsureOutcome, LeaseState, LifetimeKind, MoveOutcome};
 use crate::objects::Objects;
@@ -66,6 +67,7 @@ pub struct CoreManager {
     /// What the one-call transition path needs (see `execute`); `None` disables it.
     context: Option<Context>,
     trace: Mutex<Trace>,
+    adopted_shapes: AdoptedShapes,
 }
 
 /// The retained transition reports: the newest `capacity`, oldest first.
@@ -88,6 +90,46 @@ impl CoreManager {
 
     pub(crate) fn context(&self) -> Option<&Context> {
         self.context.as_ref()
+    }
+
+    pub(crate) fn adopted_shapes(&self) -> &AdoptedShapes {
+        &self.adopted_shapes
+    }
+
+    pub(crate) fn enter_gate(
+        &self,
+        py: Python<'_>,
+        check_closed: bool,
+        check_reentrant: bool,
+    ) -> PyResult<()> {
+        self.enter(py, check_closed, check_reentrant)
+    }
+
+    /// Records a measured value as a new adopted record and issues its handle.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn adopt_measured(
+        &self,
+        py: Python<'_>,
+        type_key: u64,
+        spec: ValueSpec,
+        location: Location,
+        storage: u64,
+        keys: &[StorageKey],
+        value_type: Py<PyAny>,
+        spec_record: Py<PyAny>,
+        value: Py<PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let (index, handle_id) =
+            Self::lift(py, self.core.adopt(type_key, spec, location, storage, keys))?;
+        let handle = self.issue_handle(py, &handle_id, value_type)?;
+        self.objects.push(
+            index,
+            handle.clone_ref(py),
+            spec_record,
+            None,
+            Some((location.code(), value)),
+        );
+        Ok(handle)
     }
 
     /// The gate for a transition: wait without the interpreter, then mark this thread
@@ -291,7 +333,32 @@ impl CoreManager {
                 capacity: trace_capacity,
                 reports: VecDeque::new(),
             }),
+            adopted_shapes: AdoptedShapes::default(),
         })
+    }
+
+    /// Adopts a host value in one call; `None` when the general path is needed.
+    fn adopt_host(
+        &self,
+        py: Python<'_>,
+        value: &Bound<'_, PyAny>,
+        at: &Bound<'_, PyAny>,
+        replica_mode: &Bound<'_, PyAny>,
+        exclusive: bool,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        crate::direct::adopt(self, py, value, at, replica_mode, exclusive)
+    }
+
+    /// Borrows normalised `handles` at a host location in one call; `None` when the
+    /// general path is needed.
+    fn acquire_host(
+        &self,
+        py: Python<'_>,
+        engine: &Bound<'_, PyAny>,
+        handles: &Bound<'_, PyTuple>,
+        at: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        crate::direct::acquire(self, py, engine, handles, at)
     }
 
     // ----- one-call transitions ------------------------------------------------------
@@ -787,7 +854,8 @@ impl CoreManager {
         kind: LifetimeKind,
         token: u64,
     ) -> PyResult<Option<bool>> {
-        if !Self::lift(py, self.core.try_enter(false, true))? {
+        // Queued releases go first, in order: the waiting path applies them.
+        if self.objects.deferred_pending() || !Self::lift(py, self.core.try_enter(false, true))? {
             return Ok(None);
         }
         let released = match kind {

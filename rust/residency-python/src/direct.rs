@@ -1,0 +1,192 @@
+//! `adopt` and host leases in one call each.
+//!
+//! Like the host transitions in `execute`, these decline (return `None`, having
+//! changed nothing) whenever the glue's general path is needed: a CUDA location,
+//! pending CUDA leases to reap, a value placed somewhere other than it claims, a
+//! handle that does not resolve. The general path then raises the precise error.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+use residency_core::{Location, Recoverability, ReplicaMode, ValueSpec};
+
+use crate::errors::to_py_err;
+use crate::manager::CoreManager;
+
+/// Spec records and type keys of adopted values, by (type, logical, charge,
+/// exclusive). Values of one shape share one immutable spec record. The type object
+/// is kept alive by the entry, so its address stays a valid key.
+/// (type address, logical, charge, exclusive).
+type ShapeKey = (usize, u64, u64, bool);
+
+/// (type key, spec record, the type object that keeps the address valid).
+type ShapeEntry = (u64, Py<PyAny>, Py<PyAny>);
+
+#[derive(Debug, Default)]
+pub struct AdoptedShapes {
+    shapes: Mutex<HashMap<ShapeKey, ShapeEntry>>,
+}
+
+impl AdoptedShapes {
+    fn get(&self, py: Python<'_>, key: ShapeKey) -> Option<(u64, Py<PyAny>)> {
+        let shapes = self.shapes.lock().unwrap_or_else(PoisonError::into_inner);
+        shapes
+            .get(&key)
+            .map(|(type_key, spec, _)| (*type_key, spec.clone_ref(py)))
+    }
+
+    fn insert(&self, key: ShapeKey, entry: ShapeEntry) {
+        let mut shapes = self.shapes.lock().unwrap_or_else(PoisonError::into_inner);
+        shapes.entry(key).or_insert(entry);
+    }
+}
+
+/// Adopts a host value: `at` is a host location record or `None` (the value's own
+/// placement decides), `replica_mode` the `ReplicaMode` member.
+pub fn adopt(
+    manager: &CoreManager,
+    py: Python<'_>,
+    value: &Bound<'_, PyAny>,
+    at: &Bound<'_, PyAny>,
+    replica_mode: &Bound<'_, PyAny>,
+    exclusive: bool,
+) -> PyResult<Option<Py<PyAny>>> {
+    let Some(context) = manager.context() else {
+        return Ok(None);
+    };
+    let requested = if at.is_none() {
+        None
+    } else {
+        match context.host_code(py, at)? {
+            Some(location) => Some(location),
+            None => return Ok(None),
+        }
+    };
+    manager.enter_transition_gate(py)?;
+    let result = adopt_locked(manager, py, value, requested, replica_mode, exclusive);
+    manager.core().end_transition();
+    manager.core().exit();
+    result
+}
+
+fn adopt_locked(
+    manager: &CoreManager,
+    py: Python<'_>,
+    value: &Bound<'_, PyAny>,
+    requested: Option<Location>,
+    replica_mode: &Bound<'_, PyAny>,
+    exclusive: bool,
+) -> PyResult<Option<Py<PyAny>>> {
+    let context = manager.context().expect("checked by the caller");
+    let core = manager.core();
+    if core.pending_leases() > 0 {
+        return Ok(None);
+    }
+    manager.drain_deferred(py)?;
+    let facts = crate::execute::measure(context, py, value)?;
+    if facts.device_code != -1 {
+        return Ok(None);
+    }
+    // A value placed elsewhere than `at` (or mixing pinned and pageable tensors) is
+    // the general path's to refuse, with its precise message.
+    let location = match facts.pinned {
+        Some(true) => Location::PinnedHost,
+        Some(false) => Location::PageableHost,
+        None => return Ok(None),
+    };
+    if requested.is_some_and(|requested| requested != location) {
+        return Ok(None);
+    }
+    let value_type = value.get_type();
+    let logical = facts.logical;
+    let charge = logical.max(facts.storage);
+    let key = (value_type.as_ptr() as usize, logical, charge, exclusive);
+    let (type_key, spec_record) = if let Some(entry) = manager.adopted_shapes().get(py, key) {
+        entry
+    } else {
+        let type_key: u64 = context.type_key(py, &value_type)?;
+        let spec_record = context.adopted_spec(py, &value_type, logical, charge, replica_mode)?;
+        let keep_type = value_type.clone().into_any().unbind();
+        manager
+            .adopted_shapes()
+            .insert(key, (type_key, spec_record.clone_ref(py), keep_type));
+        (type_key, spec_record)
+    };
+    let spec = ValueSpec::new(
+        logical,
+        charge,
+        if exclusive {
+            ReplicaMode::Exclusive
+        } else {
+            ReplicaMode::Replicable
+        },
+        Recoverability::MustPreserve,
+    )
+    .map_err(|err| to_py_err(py, err))?;
+    let handle = manager.adopt_measured(
+        py,
+        type_key,
+        spec,
+        location,
+        facts.storage,
+        &facts.keys,
+        value_type.into_any().unbind(),
+        spec_record,
+        value.clone().unbind(),
+    )?;
+    Ok(Some(handle))
+}
+
+/// Borrows `handles` (already normalised) at a host location for a new lease built
+/// by the engine's `new_lease(engine, token, handles, location, streams)`.
+pub fn acquire(
+    manager: &CoreManager,
+    py: Python<'_>,
+    engine: &Bound<'_, PyAny>,
+    handles: &Bound<'_, PyTuple>,
+    at: &Bound<'_, PyAny>,
+) -> PyResult<Option<Py<PyAny>>> {
+    let Some(context) = manager.context() else {
+        return Ok(None);
+    };
+    let Some(location) = context.host_code(py, at)? else {
+        return Ok(None);
+    };
+    manager.enter_gate(py, true, true)?;
+    let result = (|| {
+        let core = manager.core();
+        if core.pending_leases() > 0 {
+            return Ok(None);
+        }
+        manager.drain_deferred(py)?;
+        let mut indices = Vec::with_capacity(handles.len());
+        for handle in handles.iter() {
+            match manager.resolve_live(py, &handle)? {
+                Some(index) => indices.push(index),
+                None => return Ok(None),
+            }
+        }
+        let token = core
+            .acquire(&indices, location)
+            .map_err(|err| to_py_err(py, err))?;
+        let lease = context.new_lease(py).call1((
+            engine,
+            token,
+            handles,
+            at,
+            pyo3::types::PyList::empty(py),
+        ));
+        match lease {
+            Ok(lease) => Ok(Some(lease.unbind())),
+            Err(err) => {
+                // Nothing may keep the tokens of a lease that was never handed out.
+                core.release_lease(token);
+                Err(err)
+            }
+        }
+    })();
+    manager.core().exit();
+    result
+}
