@@ -88,7 +88,6 @@ _REASON_ENSURE_NOOP: Final = "destination already resident"
 _REASON_MOVE_NOOP: Final = "destination already owns the selected replica"
 _REASON_DROP_NOOP: Final = "materialization already absent"
 
-_new_handle = trusted_builder(ResidencyHandle)
 _new_ensure = trusted_builder(EnsureResident)
 _MUST_PRESERVE: Final = Recoverability.MUST_PRESERVE
 # Spec records of adopted values by shape; bounded by the program's value shapes.
@@ -192,9 +191,10 @@ class Engine:
             _new_spec,
             _MUST_PRESERVE,
             new_lease,
+            ReplicaMode.EXCLUSIVE,
         )
         # The trace keeps the newest `capacity` reports; 0 disables it.
-        self.core = _core.CoreManager(entries, _new_handle, context, min(capacity, sys.maxsize))
+        self.core = _core.CoreManager(entries, ResidencyHandle, context, min(capacity, sys.maxsize))
         self.manager_id: str = self.core.manager_id
         # The public manager this engine serves, set by it; weak, so the engine never
         # keeps its owner alive.
@@ -384,9 +384,15 @@ class Engine:
         """Register a reconstructible value; `source.load()` runs only when needed."""
         if not isinstance(spec, ResidencyValueSpec):
             raise TypeError(f"spec must be a ResidencyValueSpec, got {type(spec).__name__}")
+        core = self.core
+        if type(spec) is ResidencyValueSpec and not self.pending_events:
+            registered: ResidencyHandle[ValueT] | None = core.register_host(
+                spec, source, source_location
+            )
+            if registered is not None:
+                return registered
         if not callable(getattr(source, "load", None)):
             raise TypeError("source must have a callable load() method")
-        core = self.core
         core.enter_transition()
         try:
             if self.pending_events or self.deferred:
@@ -469,7 +475,9 @@ class Engine:
             if stream is not None:
                 self.check_stream(stream, move.to)
             device = self._sample_device(
-                (code, from_code) if from_code is not None else (code, *core.value_codes(index))
+                (code, from_code)
+                if from_code is not None
+                else (code, *core.materialization_locations(index))
             )
             if device is not None:
                 before = self._sample(device)
@@ -491,7 +499,7 @@ class Engine:
         else:
             if stream is not None:
                 raise ValueError("DiscardValue does not take a transfer stream")
-            device = self._sample_device(core.value_codes(index))
+            device = self._sample_device(core.materialization_locations(index))
             if device is not None:
                 before = self._sample(device)
             core.discard(index)

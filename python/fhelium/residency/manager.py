@@ -117,7 +117,15 @@ class ResidencyManager:
         source_location: ResidencyLocation = PAGEABLE_HOST,
     ) -> ResidencyHandle[ValueT]:
         """Register a reconstructible value; `source.load()` runs only when needed."""
-        return self._engine.register_source(spec, source, source_location=source_location)
+        engine = self._engine
+        if type(spec) is ResidencyValueSpec and not engine.pending_events:
+            # The common case in one core call; it declines what needs the full path.
+            registered: ResidencyHandle[ValueT] | None = engine.core.register_host(
+                spec, source, source_location
+            )
+            if registered is not None:
+                return registered
+        return engine.register_source(spec, source, source_location=source_location)
 
     # ------------------------------------------------------------------ primitives
 

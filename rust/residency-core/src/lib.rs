@@ -23,4 +23,4 @@ pub use manager::{
 pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
-pub use value::{Recoverability, ReplicaMode, ValueSpec};
+pub use value::{HandleName, Recoverability, ReplicaMode, ValueSpec};

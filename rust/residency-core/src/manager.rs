@@ -8,6 +8,8 @@
 //! outermost gate holder exits, so readers only ever see whole operations.
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -20,7 +22,7 @@ use crate::plan::Plan;
 use crate::search::{MatInfo, SearchValue};
 use crate::simulate::{self, CompletedPending, CudaDevices, Simulation, SlotResolution};
 use crate::state::{HandleId, ReservationRecord, State, TokenKind, ValueRecord};
-use crate::value::{Recoverability, ValueSpec};
+use crate::value::{HandleName, HandleNameHasher, Recoverability, ValueSpec};
 
 /// A backing storage identity: (device code, data pointer). Device code is -1 for
 /// host memory and the CUDA index otherwise.
@@ -106,7 +108,7 @@ impl OpenLifetimes {
 #[derive(Debug, Default)]
 struct Inner {
     state: State,
-    handles: HashMap<Arc<str>, HandleId>,
+    handles: HashMap<HandleName, HandleId, BuildHasherDefault<HandleNameHasher>>,
     storage_owners: HashMap<StorageKey, (HandleId, Location)>,
     materialization_keys: HashMap<(HandleId, Location), Vec<StorageKey>>,
     leases: HashMap<u64, LeaseRecord>,
@@ -121,6 +123,9 @@ pub struct Manager {
     manager_id: Arc<str>,
     gate: Gate,
     published: ArcSwap<State>,
+    /// Set when a whole operation changed the state since it was last published.
+    /// Publishing costs a state clone and a swap, so it waits until a reader asks.
+    stale: AtomicBool,
     inner: Mutex<Inner>,
 }
 
@@ -133,7 +138,7 @@ fn handle_error(message: String) -> CoreError {
 }
 
 fn in_use(
-    handle_id: &str,
+    handle_id: HandleName,
     location: Location,
     use_count: u32,
     holds: u32,
@@ -166,7 +171,7 @@ impl Inner {
         if record.discarded {
             return Err(handle_error(format!(
                 "Value {:?} is discarded",
-                &*record.handle_id
+                record.handle_id
             )));
         }
         Ok(record)
@@ -178,7 +183,7 @@ impl Inner {
             && materialization.is_protected()
         {
             return Err(in_use(
-                &record.handle_id,
+                record.handle_id,
                 location,
                 materialization.use_count,
                 materialization.hold_count,
@@ -235,6 +240,7 @@ impl Manager {
             manager_id: new_uuid(),
             gate: Gate::new(),
             published: ArcSwap::from_pointee(state.clone()),
+            stale: AtomicBool::new(false),
             inner: Mutex::new(Inner {
                 state,
                 ..Inner::default()
@@ -292,15 +298,15 @@ impl Manager {
         result
     }
 
-    /// Releases one gate level; the outermost exit publishes the state, so readers
-    /// never see the middle of an operation.
+    /// Releases one gate level. The outermost exit marks the published state stale
+    /// when the operation changed anything: lock-free readers then take the gate and
+    /// publish (`current`), so they never see the middle of an operation, nor miss a
+    /// finished one.
     pub fn exit(&self) {
         // Lock order: gate, then inner. Nothing takes them the other way round.
         self.gate.exit_with(|| {
-            let mut inner = self.inner();
-            if inner.dirty {
-                self.published.store(Arc::new(inner.state.clone()));
-                inner.dirty = false;
+            if self.inner().dirty {
+                self.stale.store(true, Ordering::Release);
             }
         });
     }
@@ -342,6 +348,9 @@ impl Manager {
     pub fn try_published_snapshot(&self) -> CoreResult<Option<Arc<State>>> {
         self.gate.check_callback()?;
         self.gate.check_reentrant()?;
+        if self.stale.load(Ordering::Acquire) {
+            return Ok(None);
+        }
         let state = self.published.load_full();
         if state.closed {
             return Err(self.closed_error());
@@ -365,6 +374,7 @@ impl Manager {
         if inner.dirty {
             self.published.store(Arc::clone(&state));
             inner.dirty = false;
+            self.stale.store(false, Ordering::Release);
         }
         state
     }
@@ -388,8 +398,9 @@ impl Manager {
 
     /// The index issued for `handle_id`, and whether that value is discarded.
     pub fn lookup(&self, handle_id: &str) -> Option<(HandleId, bool)> {
+        let name = HandleName::parse(handle_id)?;
         let inner = self.inner();
-        let handle = *inner.handles.get(handle_id)?;
+        let handle = *inner.handles.get(&name)?;
         let discarded = inner
             .state
             .record(handle)
@@ -405,7 +416,7 @@ impl Manager {
         type_key: u64,
         spec: ValueSpec,
         source_location: Location,
-    ) -> CoreResult<(HandleId, Arc<str>)> {
+    ) -> CoreResult<(HandleId, HandleName)> {
         if spec.recoverability() != Recoverability::Reconstructible {
             return Err(CoreError::invalid(
                 "register_source requires a RECONSTRUCTIBLE spec; adopt values that must be preserved",
@@ -413,9 +424,9 @@ impl Manager {
         }
         let mut inner = self.inner();
         inner.state.register_location(source_location);
-        let handle_id = new_uuid();
+        let handle_id = HandleName::random();
         let handle = inner.state.push_record(ValueRecord {
-            handle_id: Arc::clone(&handle_id),
+            handle_id,
             type_key,
             spec,
             source: Some(source_location),
@@ -423,7 +434,7 @@ impl Manager {
             materializations: Vec::new(),
         });
         inner.state.bump();
-        inner.handles.insert(Arc::clone(&handle_id), handle);
+        inner.handles.insert(handle_id, handle);
         inner.dirty = true;
         Ok((handle, handle_id))
     }
@@ -437,11 +448,11 @@ impl Manager {
         location: Location,
         storage_nbytes: u64,
         keys: &[StorageKey],
-    ) -> CoreResult<(HandleId, Arc<str>)> {
+    ) -> CoreResult<(HandleId, HandleName)> {
         let mut inner = self.inner();
-        let handle_id = new_uuid();
+        let handle_id = HandleName::random();
         let handle = inner.state.push_record(ValueRecord {
-            handle_id: Arc::clone(&handle_id),
+            handle_id,
             type_key,
             spec,
             source: None,
@@ -461,7 +472,7 @@ impl Manager {
             inner.state.pop_record();
             return Err(err);
         }
-        inner.handles.insert(Arc::clone(&handle_id), handle);
+        inner.handles.insert(handle_id, handle);
         Ok((handle, handle_id))
     }
 
@@ -488,7 +499,7 @@ impl Manager {
             return Err(CoreError::Materialization {
                 message: format!(
                     "value {:?} has logical_nbytes={logical_nbytes}, but its spec declares {}",
-                    &*record.handle_id,
+                    record.handle_id,
                     spec.logical_nbytes()
                 ),
             });
@@ -498,7 +509,7 @@ impl Manager {
             return Err(CoreError::Materialization {
                 message: format!(
                     "value {:?} occupies {occupied} storage bytes, above its charge of {}",
-                    &*record.handle_id,
+                    record.handle_id,
                     spec.storage_nbytes()
                 ),
             });
@@ -518,7 +529,7 @@ impl Manager {
             return Err(CoreError::Ownership {
                 message: format!(
                     "value {:?} is EXCLUSIVE and already materialized at {}; use move() to relocate it",
-                    &*record.handle_id,
+                    record.handle_id,
                     record
                         .best_source(None)
                         .map_or_else(String::new, Location::name)
@@ -543,7 +554,7 @@ impl Manager {
         CoreError::Unavailable {
             message: format!(
                 "value {:?} has no materialization and no reconstruction source",
-                &*record.handle_id
+                record.handle_id
             ),
         }
     }
@@ -563,7 +574,7 @@ impl Manager {
                     return Err(CoreError::Unavailable {
                         message: format!(
                             "explicit source {explicit} of value {:?} is not resident",
-                            &*record.handle_id
+                            record.handle_id
                         ),
                     });
                 }
@@ -666,7 +677,7 @@ impl Manager {
             return Err(CoreError::Internal {
                 message: format!(
                     "value {:?} is already installed at {location}",
-                    &*record.handle_id
+                    record.handle_id
                 ),
             });
         }
@@ -677,7 +688,7 @@ impl Manager {
             return Err(CoreError::Ownership {
                 message: format!(
                     "value {:?} is EXCLUSIVE and already materialized; it cannot be replicated",
-                    &*record.handle_id
+                    record.handle_id
                 ),
             });
         }
@@ -686,13 +697,13 @@ impl Manager {
         if let Some(&(owner, owner_location)) =
             keys.iter().find_map(|key| inner.storage_owners.get(key))
         {
-            let owner_id = &inner.record(owner)?.handle_id;
+            let owner_id = inner.record(owner)?.handle_id;
             return Err(CoreError::Ownership {
                 message: format!(
                     "storage of the value being installed for {:?} at {location} aliases the \
                      managed materialization of {:?} at {owner_location}; pass an independent copy",
-                    &*inner.record(handle)?.handle_id,
-                    &**owner_id
+                    inner.record(handle)?.handle_id,
+                    owner_id
                 ),
             });
         }
@@ -728,7 +739,7 @@ impl Manager {
                 message: format!(
                     "cannot drop the final MUST_PRESERVE materialization of value {:?} at {at}; \
                      move it elsewhere or discard the value",
-                    &*record.handle_id
+                    record.handle_id
                 ),
             });
         }
@@ -769,7 +780,7 @@ impl Manager {
                     message: format!(
                         "value {:?} is not resident at {location}; ensure or move it there first \
                          (acquire and hold never materialize)",
-                        &*record.handle_id
+                        record.handle_id
                     ),
                 });
             }

@@ -12,7 +12,7 @@ use imbl::{OrdMap, Vector};
 
 use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
-use crate::value::ValueSpec;
+use crate::value::{HandleName, ValueSpec};
 
 /// A value's position in issue order; stable until the manager closes.
 pub type HandleId = u32;
@@ -39,7 +39,7 @@ impl Materialization {
 /// Everything the core knows about one issued handle.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValueRecord {
-    pub handle_id: Arc<str>,
+    pub handle_id: HandleName,
     pub type_key: u64,
     pub spec: ValueSpec,
     /// The reconstruction source's location, while a source is registered.

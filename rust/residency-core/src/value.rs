@@ -103,3 +103,112 @@ mod tests {
         assert!(matches!(err, CoreError::InvalidArgument { .. }));
     }
 }
+
+/// The id a manager issues for a value: a random (version 4) UUID, kept as its 128
+/// bits (as two words, so the handle index stays 8-byte aligned and compact) and
+/// written out in the hyphenated form handles carry.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct HandleName([u64; 2]);
+
+/// The ids are random, so their own bits are already a good hash.
+impl std::hash::Hash for HandleName {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.0[0] ^ self.0[1]);
+    }
+}
+
+/// A hasher for keys that hash as one random word (handle names): it keeps the
+/// word. Anything else is folded in FNV-style, so it still works as a hasher.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HandleNameHasher(u64);
+
+impl std::hash::Hasher for HandleNameHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn write_u64(&mut self, word: u64) {
+        self.0 ^= word;
+    }
+}
+
+impl HandleName {
+    /// A fresh random id.
+    pub fn random() -> Self {
+        Self::from_u128(uuid::Uuid::new_v4().as_u128())
+    }
+
+    /// The id written as `text`, if `text` is exactly the hyphenated lower-case form
+    /// this type writes (any other spelling names no issued value).
+    pub fn parse(text: &str) -> Option<Self> {
+        let parsed = uuid::Uuid::try_parse(text).ok()?;
+        let name = Self::from_u128(parsed.as_u128());
+        (text.len() == uuid::fmt::Hyphenated::LENGTH
+            && parsed
+                .hyphenated()
+                .encode_lower(&mut uuid::Uuid::encode_buffer())
+                == text)
+            .then_some(name)
+    }
+}
+
+impl HandleName {
+    fn from_u128(bits: u128) -> Self {
+        // Truncation is the point: the high and low words.
+        #[allow(clippy::cast_possible_truncation)]
+        Self([(bits >> 64) as u64, bits as u64])
+    }
+
+    fn as_u128(self) -> u128 {
+        (u128::from(self.0[0]) << 64) | u128::from(self.0[1])
+    }
+
+    /// The hyphenated text, written into `buffer` without allocating.
+    pub fn encode<'b>(&self, buffer: &'b mut [u8; 36]) -> &'b str {
+        uuid::Uuid::from_u128(self.as_u128())
+            .hyphenated()
+            .encode_lower(buffer)
+    }
+}
+
+impl std::fmt::Display for HandleName {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(
+            &uuid::Uuid::from_u128(self.as_u128()).hyphenated(),
+            formatter,
+        )
+    }
+}
+
+/// Written like the id's string would be: quoted.
+impl std::fmt::Debug for HandleName {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "\"{self}\"")
+    }
+}
+
+#[cfg(test)]
+mod handle_name_tests {
+    use super::HandleName;
+
+    #[test]
+    fn text_round_trips_and_other_spellings_name_nothing() {
+        let name = HandleName::random();
+        let mut buffer = [0u8; 36];
+        let text = name.encode(&mut buffer).to_owned();
+        assert_eq!(text, name.to_string());
+        assert_eq!(HandleName::parse(&text), Some(name));
+        assert_eq!(format!("{name:?}"), format!("\"{text}\""));
+        assert_eq!(HandleName::parse(&text.to_uppercase()), None);
+        assert_eq!(HandleName::parse(&text.replace('-', "")), None);
+        assert_eq!(HandleName::parse(&format!("{{{text}}}")), None);
+        assert_eq!(HandleName::parse("handle-1"), None);
+        assert_ne!(HandleName::random(), name);
+    }
+}

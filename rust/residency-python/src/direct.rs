@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use residency_core::{Location, Recoverability, ReplicaMode, ValueSpec};
@@ -27,6 +28,19 @@ type ShapeEntry = (u64, Py<PyAny>, Py<PyAny>);
 #[derive(Debug, Default)]
 pub struct AdoptedShapes {
     shapes: Mutex<HashMap<ShapeKey, ShapeEntry>>,
+    /// Type keys by type address, the type kept alive beside its key.
+    type_keys: Mutex<HashMap<usize, (u64, Py<PyAny>)>>,
+    /// The spec record registered last and what was read from it: callers register
+    /// many values with one immutable spec record.
+    last_spec: Mutex<Option<SpecReading>>,
+}
+
+#[derive(Debug)]
+struct SpecReading {
+    record: Py<PyAny>,
+    value_type: Py<PyAny>,
+    type_key: u64,
+    spec: ValueSpec,
 }
 
 impl AdoptedShapes {
@@ -41,6 +55,144 @@ impl AdoptedShapes {
         let mut shapes = self.shapes.lock().unwrap_or_else(PoisonError::into_inner);
         shapes.entry(key).or_insert(entry);
     }
+
+    /// What registering with `spec_record` needs: its type key, core spec and value
+    /// type. `None` for a spec the general path must refuse (`MUST_PRESERVE`, byte
+    /// counts past 2**64 - 1).
+    fn read_spec(
+        &self,
+        py: Python<'_>,
+        context: &crate::execute::Context,
+        spec_record: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(u64, ValueSpec, Py<PyAny>)>> {
+        if let Some(last) = self
+            .last_spec
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .filter(|last| last.record.bind(py).is(spec_record))
+        {
+            return Ok(Some((
+                last.type_key,
+                last.spec,
+                last.value_type.clone_ref(py),
+            )));
+        }
+        let recoverability = spec_record.getattr(intern!(py, "recoverability"))?;
+        if context.is_must_preserve(&recoverability) {
+            return Ok(None);
+        }
+        let (Ok(logical), Ok(storage)) = (
+            spec_record
+                .getattr(intern!(py, "logical_nbytes"))?
+                .extract::<u64>(),
+            spec_record
+                .getattr(intern!(py, "storage_nbytes"))?
+                .extract::<u64>(),
+        ) else {
+            return Ok(None);
+        };
+        let exclusive = context.is_exclusive(&spec_record.getattr(intern!(py, "replica_mode"))?);
+        let value_type = spec_record.getattr(intern!(py, "value_type"))?;
+        let type_key = self.type_key(py, context, &value_type)?;
+        let spec = ValueSpec::new(
+            logical,
+            storage,
+            if exclusive {
+                ReplicaMode::Exclusive
+            } else {
+                ReplicaMode::Replicable
+            },
+            Recoverability::Reconstructible,
+        )
+        .map_err(|err| to_py_err(py, err))?;
+        let value_type = value_type.unbind();
+        let previous = self
+            .last_spec
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(SpecReading {
+                record: spec_record.clone().unbind(),
+                value_type: value_type.clone_ref(py),
+                type_key,
+                spec,
+            });
+        drop(previous);
+        Ok(Some((type_key, spec, value_type)))
+    }
+
+    fn type_key(
+        &self,
+        py: Python<'_>,
+        context: &crate::execute::Context,
+        value_type: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let address = value_type.as_ptr() as usize;
+        if let Some((key, _)) = self
+            .type_keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&address)
+        {
+            return Ok(*key);
+        }
+        let key = context.type_key(py, value_type)?;
+        self.type_keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(address)
+            .or_insert((key, value_type.clone().unbind()));
+        Ok(key)
+    }
+}
+
+/// Registers a reconstructible value whose source lives on the host, from a spec
+/// record of the exact class; `None` when the general path is needed.
+pub fn register(
+    manager: &CoreManager,
+    py: Python<'_>,
+    spec_record: &Bound<'_, PyAny>,
+    source: &Bound<'_, PyAny>,
+    source_location: &Bound<'_, PyAny>,
+) -> PyResult<Option<Py<PyAny>>> {
+    let Some(context) = manager.context() else {
+        return Ok(None);
+    };
+    let Some(location) = context.host_code(py, source_location)? else {
+        return Ok(None);
+    };
+    match source.getattr(intern!(py, "load")) {
+        Ok(load) if load.is_callable() => {}
+        _ => return Ok(None),
+    }
+    let Some((type_key, spec, value_type)) =
+        manager
+            .adopted_shapes()
+            .read_spec(py, context, spec_record)?
+    else {
+        return Ok(None);
+    };
+    manager.enter_transition_gate(py)?;
+    let result = (|| {
+        if manager.core().pending_leases() > 0 {
+            return Ok(None);
+        }
+        manager.drain_deferred(py)?;
+        manager
+            .register_checked(
+                py,
+                type_key,
+                spec,
+                location,
+                value_type,
+                spec_record.clone().unbind(),
+                source.clone().unbind(),
+            )
+            .map(Some)
+    })();
+    manager.core().end_transition();
+    manager.core().exit();
+    result
 }
 
 /// Adopts a host value: `at` is a host location record or `None` (the value's own

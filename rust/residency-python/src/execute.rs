@@ -48,13 +48,14 @@ pub struct Context {
     must_preserve: Py<PyAny>,
     /// Builds a lease: `(engine, token, handles, location, streams)`.
     new_lease: Py<PyAny>,
+    exclusive: Py<PyAny>,
 }
 
 impl Context {
     /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
     /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
     /// (ensure_noop, move_noop, drop_noop), type_key, spec_builder, must_preserve,
-    /// new_lease)`.
+    /// new_lease, exclusive)`.
     pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
         let item = |index: usize| items.get_item(index).map(Bound::unbind);
         let reasons = items.get_item(11)?;
@@ -78,6 +79,7 @@ impl Context {
             spec_builder: item(13)?,
             must_preserve: item(14)?,
             new_lease: item(15)?,
+            exclusive: item(16)?,
         })
     }
 
@@ -104,6 +106,14 @@ impl Context {
                 self.must_preserve.bind(py),
             ))?
             .unbind())
+    }
+
+    pub(crate) fn is_exclusive(&self, replica_mode: &Bound<'_, PyAny>) -> bool {
+        replica_mode.is(&self.exclusive)
+    }
+
+    pub(crate) fn is_must_preserve(&self, recoverability: &Bound<'_, PyAny>) -> bool {
+        recoverability.is(&self.must_preserve)
     }
 
     pub(crate) fn new_lease<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {

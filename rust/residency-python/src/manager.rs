@@ -11,13 +11,13 @@ use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyList, PyString, PyTuple};
 use residency_core::gate::DEFAULT_POLL;
 use std::collections::HashMap;
 
 use residency_core::{
-    CoreError, CudaDevices, EnsurePlan, HandleId, Location, Manager, MovePlan, Recoverability,
-    ReplicaMode, Simulation, SlotResolution, State, StorageKey, ValueSpec,
+    CoreError, CudaDevices, EnsurePlan, HandleId, HandleName, Location, Manager, MovePlan,
+    Recoverability, ReplicaMode, Simulation, SlotResolution, State, StorageKey, ValueSpec,
 };
 
 use crate::direct::AdoptedShapes;
@@ -62,8 +62,10 @@ fn spec(logical: u64, storage: u64, exclusive: bool, reconstructible: bool) -> P
 pub struct CoreManager {
     core: Arc<Manager>,
     objects: Objects,
-    /// Builds a handle record from `(manager_id, handle_id, value_type)`.
-    handle_builder: Py<PyAny>,
+    /// Builds the handle records this manager issues.
+    handles: HandleFactory,
+    /// One string object for the id every handle of this manager carries.
+    manager_id: Py<PyString>,
     /// What the one-call transition path needs (see `execute`); `None` disables it.
     context: Option<Context>,
     trace: Mutex<Trace>,
@@ -75,6 +77,55 @@ pub struct CoreManager {
 struct Trace {
     capacity: usize,
     reports: VecDeque<Py<PyAny>>,
+}
+
+/// Builds handle records without running Python code: `object.__new__` and the
+/// record's slot descriptors, the same steps its trusted builder takes.
+#[derive(Debug)]
+struct HandleFactory {
+    class: Py<PyAny>,
+    new: Py<PyAny>,
+    set_manager_id: Py<PyAny>,
+    set_handle_id: Py<PyAny>,
+    set_value_type: Py<PyAny>,
+}
+
+impl HandleFactory {
+    /// From the handle record class.
+    fn new(class: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = class.py();
+        let slots = class.getattr(pyo3::intern!(py, "__dict__"))?;
+        let setter = |name: &str| -> PyResult<Py<PyAny>> {
+            Ok(slots
+                .get_item(name)?
+                .getattr(pyo3::intern!(py, "__set__"))?
+                .unbind())
+        };
+        Ok(Self {
+            class: class.clone().unbind(),
+            new: py
+                .get_type::<pyo3::types::PyAny>()
+                .getattr(pyo3::intern!(py, "__new__"))?
+                .unbind(),
+            set_manager_id: setter("manager_id")?,
+            set_handle_id: setter("handle_id")?,
+            set_value_type: setter("value_type")?,
+        })
+    }
+
+    fn build(
+        &self,
+        py: Python<'_>,
+        manager_id: &Bound<'_, PyString>,
+        handle_id: &str,
+        value_type: Py<PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let handle = self.new.bind(py).call1((self.class.bind(py),))?;
+        self.set_manager_id.bind(py).call1((&handle, manager_id))?;
+        self.set_handle_id.bind(py).call1((&handle, handle_id))?;
+        self.set_value_type.bind(py).call1((&handle, value_type))?;
+        Ok(handle.unbind())
+    }
 }
 
 fn unknown_index(index: HandleId) -> PyErr {
@@ -105,6 +156,28 @@ impl CoreManager {
         self.enter(py, check_closed, check_reentrant)
     }
 
+    /// Records a reconstructible value and issues its handle.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn register_checked(
+        &self,
+        py: Python<'_>,
+        type_key: u64,
+        spec: ValueSpec,
+        source_location: Location,
+        value_type: Py<PyAny>,
+        spec_record: Py<PyAny>,
+        source: Py<PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let (index, handle_id) = Self::lift(
+            py,
+            self.core.register_source(type_key, spec, source_location),
+        )?;
+        let handle = self.issue_handle(py, handle_id, value_type)?;
+        self.objects
+            .push(index, handle.clone_ref(py), spec_record, Some(source), None);
+        Ok(handle)
+    }
+
     /// Records a measured value as a new adopted record and issues its handle.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn adopt_measured(
@@ -121,7 +194,7 @@ impl CoreManager {
     ) -> PyResult<Py<PyAny>> {
         let (index, handle_id) =
             Self::lift(py, self.core.adopt(type_key, spec, location, storage, keys))?;
-        let handle = self.issue_handle(py, &handle_id, value_type)?;
+        let handle = self.issue_handle(py, handle_id, value_type)?;
         self.objects.push(
             index,
             handle.clone_ref(py),
@@ -173,8 +246,8 @@ impl CoreManager {
     }
 
     pub(crate) fn discard_value(&self, py: Python<'_>, index: HandleId) -> PyResult<()> {
-        Self::lift(py, self.core.discard(index))?;
-        drop(self.objects.discard(index));
+        let removed = Self::lift(py, self.core.discard(index))?;
+        drop(self.objects.discard(index, &codes(&removed)));
         Ok(())
     }
 
@@ -199,8 +272,10 @@ impl CoreManager {
         value: &Bound<'_, PyAny>,
     ) {
         let _ = py;
-        self.objects
-            .set_value(index, at.code(), value.clone().unbind());
+        drop(
+            self.objects
+                .set_value(index, at.code(), value.clone().unbind()),
+        );
     }
 
     pub(crate) fn spec_object(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
@@ -245,14 +320,13 @@ impl CoreManager {
     fn issue_handle(
         &self,
         py: Python<'_>,
-        handle_id: &str,
+        handle_id: HandleName,
         value_type: Py<PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        Ok(self
-            .handle_builder
-            .bind(py)
-            .call1((self.core.manager_id().as_ref(), handle_id, value_type))?
-            .unbind())
+        let mut buffer = [0u8; 36];
+        let text = handle_id.encode(&mut buffer);
+        self.handles
+            .build(py, self.manager_id.bind(py), text, value_type)
     }
 
     /// `(index, discarded)` when `handle` is (or equals) a handle this manager issued.
@@ -313,10 +387,11 @@ impl CoreManager {
 #[pymethods]
 impl CoreManager {
     #[new]
-    #[pyo3(signature = (budgets, handle_builder, context=None, trace_capacity=0))]
+    #[pyo3(signature = (budgets, handle_class, context=None, trace_capacity=0))]
     fn new(
+        py: Python<'_>,
         budgets: Vec<(u32, u64)>,
-        handle_builder: Py<PyAny>,
+        handle_class: &Bound<'_, PyAny>,
         context: Option<&Bound<'_, PyTuple>>,
         trace_capacity: usize,
     ) -> PyResult<Self> {
@@ -324,10 +399,13 @@ impl CoreManager {
             .into_iter()
             .map(|(code, budget)| Ok((location(code)?, budget)))
             .collect::<PyResult<Vec<_>>>()?;
+        let core = Arc::new(Manager::new(&budgets));
+        let manager_id = PyString::new(py, core.manager_id()).unbind();
         Ok(Self {
-            core: Arc::new(Manager::new(&budgets)),
+            core,
+            manager_id,
             objects: Objects::default(),
-            handle_builder,
+            handles: HandleFactory::new(handle_class)?,
             context: context.map(Context::from_tuple).transpose()?,
             trace: Mutex::new(Trace {
                 capacity: trace_capacity,
@@ -423,8 +501,8 @@ impl CoreManager {
     }
 
     #[getter]
-    fn manager_id(&self) -> &str {
-        self.core.manager_id()
+    fn manager_id(&self, py: Python<'_>) -> Py<PyString> {
+        self.manager_id.clone_ref(py)
     }
 
     // ----- the gate -------------------------------------------------------------
@@ -536,7 +614,7 @@ impl CoreManager {
             self.core
                 .adopt(type_key, spec, location(at)?, storage, &keys),
         )?;
-        let handle = self.issue_handle(py, &handle_id, value_type)?;
+        let handle = self.issue_handle(py, handle_id, value_type)?;
         self.objects.push(
             index,
             handle.clone_ref(py),
@@ -562,15 +640,27 @@ impl CoreManager {
         source: Py<PyAny>,
     ) -> PyResult<Py<PyAny>> {
         let spec = spec(logical, storage, exclusive, true)?;
-        let (index, handle_id) = Self::lift(
+        self.register_checked(
             py,
-            self.core
-                .register_source(type_key, spec, location(source_location)?),
-        )?;
-        let handle = self.issue_handle(py, &handle_id, value_type)?;
-        self.objects
-            .push(index, handle.clone_ref(py), spec_record, Some(source), None);
-        Ok(handle)
+            type_key,
+            spec,
+            location(source_location)?,
+            value_type,
+            spec_record,
+            source,
+        )
+    }
+
+    /// Registers a host-sourced value from its spec record in one call; `None` when
+    /// the general path is needed.
+    fn register_host(
+        &self,
+        py: Python<'_>,
+        spec_record: &Bound<'_, PyAny>,
+        source: &Bound<'_, PyAny>,
+        source_location: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        crate::direct::register(self, py, spec_record, source, source_location)
     }
 
     // ----- handles and objects -----------------------------------------------------
@@ -627,11 +717,6 @@ impl CoreManager {
                 "internal error: value {index} has no object at location code {at}"
             ))
         })
-    }
-
-    /// Location codes of the value's materialisations, in install order.
-    fn value_codes(&self, index: HandleId) -> Vec<u32> {
-        self.objects.value_codes(index)
     }
 
     /// `(handles, specs)` of the first `count` values, in issue order.
@@ -725,7 +810,7 @@ impl CoreManager {
             self.core
                 .install(handle, at, logical, storage, &keys, exclusive_transition),
         )?;
-        self.objects.set_value(handle, code, value);
+        drop(self.objects.set_value(handle, code, value));
         Ok(())
     }
 
@@ -773,7 +858,7 @@ impl CoreManager {
                 exclusive_transition,
             ),
         )?;
-        self.objects.set_value(handle, at, value);
+        drop(self.objects.set_value(handle, at, value));
         Ok(())
     }
 
@@ -794,9 +879,7 @@ impl CoreManager {
 
     /// Ends a value: its materialisations and source object go with it.
     fn discard(&self, py: Python<'_>, handle: HandleId) -> PyResult<()> {
-        Self::lift(py, self.core.discard(handle))?;
-        drop(self.objects.discard(handle));
-        Ok(())
+        self.discard_value(py, handle)
     }
 
     // ----- protections and lifetimes ----------------------------------------------

@@ -11,19 +11,20 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::prelude::*;
 
-/// One value's objects. Materialisations keep their install order, which is the
-/// order the telemetry device is chosen in.
+/// One value's objects. Kept small: a million registered values are a common case,
+/// and most have no materialisation at a given moment.
 #[derive(Debug)]
 struct Entry {
     handle: Py<PyAny>,
     spec: Py<PyAny>,
     source: Option<Py<PyAny>>,
-    values: Vec<(u32, Py<PyAny>)>,
 }
 
 #[derive(Debug, Default)]
 struct Store {
     entries: Vec<Entry>,
+    /// The object of each materialisation, by (handle index, location code).
+    values: HashMap<(u32, u32), Py<PyAny>>,
     labels: HashMap<u64, Py<PyAny>>,
     /// Releases that arrived while a source callback ran on another thread; each is
     /// a callable applied, oldest first, as soon as the callback has returned.
@@ -56,8 +57,10 @@ impl Objects {
             handle,
             spec,
             source,
-            values: value.into_iter().collect(),
         });
+        if let Some((code, value)) = value {
+            store.values.insert((index, code), value);
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -101,52 +104,35 @@ impl Objects {
 
     pub fn value(&self, py: Python<'_>, index: u32, code: u32) -> Option<Py<PyAny>> {
         let store = self.store();
-        store.entries.get(index as usize).and_then(|entry| {
-            entry
-                .values
-                .iter()
-                .find(|(at, _)| *at == code)
-                .map(|(_, value)| value.clone_ref(py))
-        })
-    }
-
-    /// Location codes of the value's materialisations, in install order.
-    pub fn value_codes(&self, index: u32) -> Vec<u32> {
-        let store = self.store();
         store
-            .entries
-            .get(index as usize)
-            .map(|entry| entry.values.iter().map(|(code, _)| *code).collect())
-            .unwrap_or_default()
+            .values
+            .get(&(index, code))
+            .map(|value| value.clone_ref(py))
     }
 
-    pub fn set_value(&self, index: u32, code: u32, value: Py<PyAny>) {
-        let mut store = self.store();
-        if let Some(entry) = store.entries.get_mut(index as usize) {
-            match entry.values.iter_mut().find(|(at, _)| *at == code) {
-                Some(slot) => slot.1 = value,
-                None => entry.values.push((code, value)),
-            }
-        }
+    /// Keeps `value` as the object of the materialisation; a replaced object is
+    /// returned so it dies after the lock.
+    pub fn set_value(&self, index: u32, code: u32, value: Py<PyAny>) -> Option<Py<PyAny>> {
+        self.store().values.insert((index, code), value)
     }
 
     /// Removes one materialisation's object; it is released after the lock.
     pub fn take_value(&self, index: u32, code: u32) -> Option<Py<PyAny>> {
-        let mut store = self.store();
-        let entry = store.entries.get_mut(index as usize)?;
-        let position = entry.values.iter().position(|(at, _)| *at == code)?;
-        Some(entry.values.remove(position).1)
+        self.store().values.remove(&(index, code))
     }
 
-    /// Forgets a discarded value's materialisations and source; the handle and spec
-    /// stay for snapshots. The objects are returned so they die after the lock.
-    pub fn discard(&self, index: u32) -> Vec<Py<PyAny>> {
+    /// Forgets a discarded value's materialisations (at `codes`) and source; the
+    /// handle and spec stay for snapshots. The objects are returned so they die after
+    /// the lock.
+    pub fn discard(&self, index: u32, codes: &[u32]) -> Vec<Py<PyAny>> {
         let mut store = self.store();
-        let Some(entry) = store.entries.get_mut(index as usize) else {
-            return Vec::new();
-        };
-        let mut released: Vec<Py<PyAny>> = entry.values.drain(..).map(|(_, value)| value).collect();
-        released.extend(entry.source.take());
+        let mut released: Vec<Py<PyAny>> = codes
+            .iter()
+            .filter_map(|code| store.values.remove(&(index, *code)))
+            .collect();
+        if let Some(entry) = store.entries.get_mut(index as usize) {
+            released.extend(entry.source.take());
+        }
         released
     }
 
@@ -169,9 +155,8 @@ impl Objects {
     /// destructors run after the lock is released.
     pub fn clear(&self) -> Vec<Py<PyAny>> {
         let mut store = self.store();
-        let mut released = Vec::new();
+        let mut released: Vec<Py<PyAny>> = store.values.drain().map(|(_, value)| value).collect();
         for entry in &mut store.entries {
-            released.extend(entry.values.drain(..).map(|(_, value)| value));
             released.extend(entry.source.take());
         }
         released.extend(store.labels.drain().map(|(_, label)| label));
