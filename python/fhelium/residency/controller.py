@@ -331,6 +331,8 @@ class ResidencyController:
         "_lock",
         "_manager",
         "_metadata",
+        "_native_epochs",
+        "_native_metadata",
         "_policy",
     )
 
@@ -358,6 +360,12 @@ class ResidencyController:
         self._limit = search_state_limit
         self._metadata: dict[ResidencyHandle[Any], ResidencyPolicyMetadata] = {}
         self._epochs: dict[ResidencyHandle[Any], int] = {}
+        # The same two maps by handle index, kept as they change, for the native
+        # policy: `decide` passes them on without resolving every handle again. A
+        # discarded value keeps its entries; it has no materialisation, so it is never a
+        # candidate and its keys are never compared.
+        self._native_metadata: dict[int, tuple[int, str | None]] = {}
+        self._native_epochs: dict[int, int] = {}
         self._epoch = 0
         self._lock = threading.RLock()
 
@@ -385,7 +393,10 @@ class ResidencyController:
         with self._lock:
             manager = self._manager
             manager.snapshot()  # the lookup goes through a snapshot: reaps, refuses when closed
-            if not isinstance(handle, ResidencyHandle) or self._engine.core.resolve(handle) is None:
+            index = (
+                self._engine.core.resolve(handle) if isinstance(handle, ResidencyHandle) else None
+            )
+            if index is None:
                 raise ResidencyHandleError(
                     f"{handle!r} is not a live handle of manager {manager.manager_id!r}"
                 )
@@ -396,6 +407,10 @@ class ResidencyController:
                             f"stable_key {stable_key!r} is already used by another handle"
                         )
             self._metadata[handle] = metadata
+            self._native_metadata[index] = (
+                max(-_I64, min(_I64, metadata.priority)),
+                metadata.stable_key,
+            )
 
     # ------------------------------------------------------------------ decide
 
@@ -494,21 +509,9 @@ class ResidencyController:
         )
         policy = self._policy
         if type(policy) is DeterministicTieredLRU:
-            metadata_indices = core.resolve_many(list(self._metadata))
-            epoch_indices = core.resolve_many(list(self._epochs))
             native = (
-                {
-                    index: (max(-_I64, min(_I64, metadata.priority)), metadata.stable_key)
-                    for index, metadata in zip(
-                        metadata_indices, self._metadata.values(), strict=True
-                    )
-                    if index >= 0
-                },
-                {
-                    index: epoch
-                    for index, epoch in zip(epoch_indices, self._epochs.values(), strict=True)
-                    if index >= 0
-                },
+                self._native_metadata,
+                self._native_epochs,
                 [
                     (
                         _lowering.location_code(source),
@@ -620,8 +623,13 @@ class ResidencyController:
     def _record_access(self, request: ResidencyRequest) -> None:
         with self._lock:
             self._epoch += 1
+            resolve = self._engine.core.resolve
             for requirement in request.requirements:
-                self._epochs[requirement.handle] = self._epoch
+                handle = requirement.handle
+                self._epochs[handle] = self._epoch
+                index = resolve(handle)
+                if index is not None:
+                    self._native_epochs[index] = self._epoch
 
 
 def _normalize_streams(manager: ResidencyManager, streams: object, name: str) -> dict[Any, Any]:
