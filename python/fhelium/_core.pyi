@@ -87,6 +87,9 @@ _NativeConfig = tuple[
     dict[int, tuple[int, str | None]], dict[int, int], list[tuple[int, list[int]]]
 ]
 _Decision = tuple[
+    PlanIR,
+    SimulationView,
+    list[int],
     list[tuple[ActionKind, int, int, int]],
     list[tuple[ActionKind, int, int, int]],
     list[tuple[int, int, int, int, str]],
@@ -98,8 +101,11 @@ def decide_request(
     manager: CoreManager,
     request_name: str,
     requirements: list[tuple[int, int]],
-    reservations: list[tuple[int, int]],
+    reservations: list[tuple[int, int, str]],
     limit: int,
+    cuda_count: int,
+    completed_leases: list[int],
+    labels: list[str],
     native: _NativeConfig | None = None,
     python: tuple[Any, Any] | None = None,
 ) -> _Decision: ...

@@ -591,3 +591,68 @@ def test_cycling_search_with_the_default_limit_does_not_crash() -> None:
         f"decide crashed: returncode={result.returncode}, stderr={result.stderr[-2000:]!r}"
     )
     assert result.stdout.split() == ["limit", "100000", "100000"]
+
+
+# --------------------------------------------------------------------------------------------
+# The decided plan stays in the core's IR (controller.md#decide): nothing is lowered again
+# --------------------------------------------------------------------------------------------
+
+
+def test_decision_is_built_lazily_and_equals_the_plain_record(basic: Basic) -> None:
+    import copy
+    import pickle
+
+    from fhelium.residency import _lowering
+
+    req = request("need-c", (basic.c, CUDA0), reservations=[MemoryReservation(CUDA1, 8, "ws")])
+    lazy = basic.controller.decide(req)
+    other = basic.controller.decide(req)
+    # Read in different orders: evictions first here, explanation first there.
+    assert other.explanation.actions
+    assert lazy.evictions[0].action is lazy.plan.reclaim[0]
+    plain = ResidencyDecision(
+        lazy.manager_id,
+        lazy.expected_state_version,
+        lazy.explored_states,
+        lazy.request,
+        ResidencyPlan(req.name, lazy.plan.enter, (), req.reservations, lazy.plan.reclaim),
+        lazy.policy_name,
+        lazy.policy_config,
+        lazy.evictions,
+        basic.manager.explain(lazy.plan, expected_state_version=lazy.expected_state_version),
+    )
+    assert lazy == plain
+    assert plain == lazy
+    assert lazy == other
+    assert hash(lazy) == hash(plain) == hash(other)
+    assert repr(lazy) == repr(plain)
+    assert type(lazy).__name__ == type(lazy).__qualname__ == "ResidencyDecision"
+    for restored in (pickle.loads(pickle.dumps(lazy)), copy.copy(lazy), copy.deepcopy(lazy)):
+        assert restored == lazy
+        assert hash(restored) == hash(lazy)
+    # The plan carries the IR the core decided: its own lowering would give the same
+    # handle table, and it is never asked for.
+    lowered = lazy.plan._lowered()
+    assert lowered.handles == _lowering.lower_plan(lazy.plan).handles
+
+
+def test_decide_and_scope_never_lower_the_plan_again(
+    basic: Basic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fhelium.residency import _lowering
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a decided plan was lowered again")
+
+    monkeypatch.setattr(_lowering, "lower_plan", refuse)
+    monkeypatch.setattr(_lowering, "_lower", refuse)
+    req = request("need-c", (basic.c, CUDA0))
+    decision = basic.controller.decide(req)
+    assert decision.explanation.feasible
+    with basic.controller.scope(decision) as scope:
+        pass
+    assert scope.report is not None
+    assert [t.action for t in scope.report.transitions] == [
+        DropResident(basic.a, CUDA0),
+        EnsureResident(basic.c, CUDA0),
+    ]

@@ -8,15 +8,18 @@ decides, runs and borrows in one context.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
+from fhelium import _core
 from fhelium._core import ActionKind, decide_request
 from fhelium.errors import ResidencyHandleError, ResidencyOwnershipError, ResidencyPlanError
 from fhelium.residency import _lowering
 from fhelium.residency._locations import location_of
+from fhelium.residency._plans import _Explanation
 from fhelium.residency._records import trusted_builder
 from fhelium.residency._validation import (
     byte_count,
@@ -136,7 +139,185 @@ seal(ResidencyEviction, ResidencyDecision)
 _new_ensure = trusted_builder(EnsureResident)
 _new_move = trusted_builder(MoveResident)
 _new_drop = trusted_builder(DropResident)
+_new_eviction = trusted_builder(ResidencyEviction)
+_new_plan = trusted_builder(ResidencyPlan)
 _new_candidate = trusted_builder(ResidencyEvictionCandidate)
+
+
+class _Decision(ResidencyDecision):
+    """A `ResidencyDecision` over the core's decided plan IR and its simulation: the
+    plan's records, the evictions and the explanation are built on first access, once.
+    `decide` itself builds none of them, and a plan built from here carries the IR it
+    was decided as, so scope entry never lowers it again. It compares, hashes and
+    pickles like the plain record."""
+
+    __slots__ = ("_built_evictions", "_built_explanation", "_built_plan", "_source")
+    __qualname__ = "ResidencyDecision"
+
+    _built_evictions: tuple[ResidencyEviction, ...] | None
+    _built_explanation: ResidencyPlanExplanation | None
+    _built_plan: ResidencyPlan | None
+    # (core, plan IR, simulation, handle index per slot, reclaim rows, enter rows,
+    # eviction rows), as `decide_request` returned them.
+    _source: tuple[Any, ...] | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Called as the record's own constructor (`dataclasses.replace`): validate like
+        # ResidencyDecision and keep the fields.
+        plain = ResidencyDecision(*args, **kwargs)
+        self._set(
+            plain.manager_id,
+            plain.expected_state_version,
+            plain.explored_states,
+            plain.request,
+            plain.policy_name,
+            plain.policy_config,
+        )
+        init = object.__setattr__
+        init(self, "_built_plan", plain.plan)
+        init(self, "_built_evictions", plain.evictions)
+        init(self, "_built_explanation", plain.explanation)
+        init(self, "_source", None)
+
+    @classmethod
+    def _capture(
+        cls,
+        manager_id: str,
+        state_version: int,
+        explored: int,
+        request: ResidencyRequest,
+        policy: ResidencyPolicy,
+        source: tuple[Any, ...],
+    ) -> _Decision:
+        decision = object.__new__(cls)
+        decision._set(
+            manager_id,
+            state_version,
+            explored,
+            request,
+            policy.name,
+            tuple(policy.config_identity),
+        )
+        init = object.__setattr__
+        init(decision, "_built_plan", None)
+        init(decision, "_built_evictions", None)
+        init(decision, "_built_explanation", None)
+        init(decision, "_source", source)
+        return decision
+
+    def _set(
+        self,
+        manager_id: str,
+        state_version: int,
+        explored: int,
+        request: ResidencyRequest,
+        policy_name: str,
+        policy_config: tuple[tuple[str, object], ...],
+    ) -> None:
+        slots = ResidencyDecision.__dict__
+        slots["manager_id"].__set__(self, manager_id)
+        slots["expected_state_version"].__set__(self, state_version)
+        slots["explored_states"].__set__(self, explored)
+        slots["request"].__set__(self, request)
+        slots["policy_name"].__set__(self, policy_name)
+        slots["policy_config"].__set__(self, policy_config)
+
+    @property
+    def plan(self) -> ResidencyPlan:
+        plan = self._built_plan
+        if plan is None:
+            plan = self._build_plan()
+            object.__setattr__(self, "_built_plan", plan)
+        return plan
+
+    @property
+    def evictions(self) -> tuple[ResidencyEviction, ...]:
+        evictions = self._built_evictions
+        if evictions is None:
+            reclaim = self.plan.reclaim
+            source = cast(tuple[Any, ...], self._source)
+            evictions = tuple(
+                _new_eviction(reclaim[position], rank, location_of(code), nbytes, reason)
+                for position, rank, code, nbytes, reason in source[6]
+            )
+            object.__setattr__(self, "_built_evictions", evictions)
+        return evictions
+
+    @property
+    def explanation(self) -> ResidencyPlanExplanation:
+        explanation = self._built_explanation
+        if explanation is None:
+            source = cast(tuple[Any, ...], self._source)
+            explanation = _Explanation._capture(self.plan, source[2])
+            object.__setattr__(self, "_built_explanation", explanation)
+        return explanation
+
+    def _build_plan(self) -> ResidencyPlan:
+        core, ir, _simulation, slots, reclaim_rows, enter_rows, _evictions = cast(
+            tuple[Any, ...], self._source
+        )
+        handle_of = core.handle
+        handles = tuple(handle_of(index) for index in slots)
+
+        def action(row: tuple[ActionKind, int, int, int]) -> Any:
+            kind, slot, code, from_code = row
+            handle = handles[slot]
+            if kind == ActionKind.ENSURE:
+                return _new_ensure(handle, location_of(code))
+            if kind == ActionKind.MOVE:
+                return _new_move(
+                    handle, location_of(code), None if from_code < 0 else location_of(from_code)
+                )
+            return _new_drop(handle, location_of(code))
+
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            request = self.request
+            plan = _new_plan(
+                request.name,
+                tuple(action(row) for row in enter_rows),
+                (),
+                request.reservations,
+                tuple(action(row) for row in reclaim_rows),
+            )
+        finally:
+            if collecting:
+                gc.enable()
+        # Already the core's IR of exactly these records: never lowered again.
+        object.__setattr__(plan, "_ir", _lowering.LoweredPlan(ir, handles))
+        return plan
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ResidencyDecision):
+            return NotImplemented
+        return _decision_fields(self) == _decision_fields(other)
+
+    def __hash__(self) -> int:
+        return hash(_decision_fields(self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ResidencyDecision, _decision_fields(self))
+
+
+# Reads as the record it stands for, by name as by qualified name (repr, messages).
+_Decision.__name__ = "ResidencyDecision"
+
+
+def _decision_fields(decision: ResidencyDecision) -> tuple[Any, ...]:
+    """The record's fields in declaration order (what the dataclass compares and
+    hashes)."""
+    return (
+        decision.manager_id,
+        decision.expected_state_version,
+        decision.explored_states,
+        decision.request,
+        decision.plan,
+        decision.policy_name,
+        decision.policy_config,
+        decision.evictions,
+        decision.explanation,
+    )
 
 
 class ResidencyController:
@@ -150,6 +331,8 @@ class ResidencyController:
         "_lock",
         "_manager",
         "_metadata",
+        "_native_epochs",
+        "_native_metadata",
         "_policy",
     )
 
@@ -177,6 +360,12 @@ class ResidencyController:
         self._limit = search_state_limit
         self._metadata: dict[ResidencyHandle[Any], ResidencyPolicyMetadata] = {}
         self._epochs: dict[ResidencyHandle[Any], int] = {}
+        # The same two maps by handle index, kept as they change, for the native
+        # policy: `decide` passes them on without resolving every handle again. A
+        # discarded value keeps its entries; it has no materialisation, so it is never a
+        # candidate and its keys are never compared.
+        self._native_metadata: dict[int, tuple[int, str | None]] = {}
+        self._native_epochs: dict[int, int] = {}
         self._epoch = 0
         self._lock = threading.RLock()
 
@@ -204,7 +393,10 @@ class ResidencyController:
         with self._lock:
             manager = self._manager
             manager.snapshot()  # the lookup goes through a snapshot: reaps, refuses when closed
-            if not isinstance(handle, ResidencyHandle) or self._engine.core.resolve(handle) is None:
+            index = (
+                self._engine.core.resolve(handle) if isinstance(handle, ResidencyHandle) else None
+            )
+            if index is None:
                 raise ResidencyHandleError(
                     f"{handle!r} is not a live handle of manager {manager.manager_id!r}"
                 )
@@ -215,6 +407,10 @@ class ResidencyController:
                             f"stable_key {stable_key!r} is already used by another handle"
                         )
             self._metadata[handle] = metadata
+            self._native_metadata[index] = (
+                max(-_I64, min(_I64, metadata.priority)),
+                metadata.stable_key,
+            )
 
     # ------------------------------------------------------------------ decide
 
@@ -238,23 +434,22 @@ class ResidencyController:
                 engine.reap()
                 state_version = core.version
                 rows = self._requirement_rows(request)
-                outcome = self._search(request, rows)
-                plan, evictions, explored = self._plan(request, outcome)
-                explanation = manager.explain(plan, expected_state_version=state_version)
+                # The search, the plan's core IR and its simulation (the explanation),
+                # in one core call; explain's rule for completed pending leases.
+                (ir, simulation, slots, reclaim, enter, evictions, explored, _version) = (
+                    self._search(request, rows, engine.completed_pending_leases())
+                )
             finally:
                 core.exit()
-            if not explanation.feasible:
-                raise ResidencyPlanError(explanation.reason or "the decided plan is infeasible")
-            return ResidencyDecision(
+            if not simulation.feasible:
+                raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
+            return _Decision._capture(
                 manager.manager_id,
                 state_version,
                 explored,
                 request,
-                plan,
-                self._policy.name,
-                tuple(self._policy.config_identity),
-                evictions,
-                explanation,
+                self._policy,
+                (core, ir, simulation, slots, reclaim, enter, evictions),
             )
 
     def _requirement_rows(self, request: ResidencyRequest) -> list[tuple[int, int]]:
@@ -286,35 +481,37 @@ class ResidencyController:
                 )
         return rows
 
-    def _search(self, request: ResidencyRequest, rows: list[tuple[int, int]]) -> Any:
-        """The core's plan rows; the core raises each search failure as its error."""
-        core = self._engine.core
-        # The name appears only in those errors; the core holds it as UTF-8 text.
+    def _search(
+        self,
+        request: ResidencyRequest,
+        rows: list[tuple[int, int]],
+        completed_leases: list[int],
+    ) -> _core._Decision:
+        """The core's decided plan IR and its simulation; the core raises each search
+        failure as its error."""
+        engine = self._engine
+        core = engine.core
+        # The name appears in those errors and as the plan IR's name; the core holds it
+        # as UTF-8 text.
         name = _lowering.diagnostic_text(request.name)
         reservations = [
             (
                 _lowering.location_code(reservation.location),
                 byte_count(reservation.nbytes, f"reservation {reservation.label!r}"),
+                _lowering.diagnostic_text(reservation.label),
             )
             for reservation in request.reservations
         ]
+        simulated = (
+            engine.cuda_count or -1,
+            completed_leases,
+            [repr(reservation.label) for reservation in request.reservations],
+        )
         policy = self._policy
         if type(policy) is DeterministicTieredLRU:
-            metadata_indices = core.resolve_many(list(self._metadata))
-            epoch_indices = core.resolve_many(list(self._epochs))
             native = (
-                {
-                    index: (max(-_I64, min(_I64, metadata.priority)), metadata.stable_key)
-                    for index, metadata in zip(
-                        metadata_indices, self._metadata.values(), strict=True
-                    )
-                    if index >= 0
-                },
-                {
-                    index: epoch
-                    for index, epoch in zip(epoch_indices, self._epochs.values(), strict=True)
-                    if index >= 0
-                },
+                self._native_metadata,
+                self._native_epochs,
                 [
                     (
                         _lowering.location_code(source),
@@ -323,13 +520,16 @@ class ResidencyController:
                     for source, targets in policy._tiers
                 ],
             )
-            return decide_request(core, name, rows, reservations, self._limit, native=native)
+            return decide_request(
+                core, name, rows, reservations, self._limit, *simulated, native=native
+            )
         return decide_request(
             core,
             name,
             rows,
             reservations,
             self._limit,
+            *simulated,
             python=(self._order, self._fallbacks),
         )
 
@@ -372,34 +572,6 @@ class ResidencyController:
             _lowering.location_code(location)
             for location in self._policy.fallback_locations(location_of(code))
         ]
-
-    def _plan(
-        self, request: ResidencyRequest, outcome: Any
-    ) -> tuple[ResidencyPlan, tuple[ResidencyEviction, ...], int]:
-        handle_of = self._engine.core.handle
-
-        def action(row: tuple[ActionKind, int, int, int]) -> Any:
-            kind, index, code, from_code = row
-            handle = handle_of(index)
-            if kind == ActionKind.ENSURE:
-                return _new_ensure(handle, location_of(code))
-            if kind == ActionKind.MOVE:
-                return _new_move(
-                    handle, location_of(code), None if from_code < 0 else location_of(from_code)
-                )
-            return _new_drop(handle, location_of(code))
-
-        reclaim_rows, enter_rows, eviction_rows, explored, _version = outcome
-        reclaim = [action(row) for row in reclaim_rows]
-        enter = [action(row) for row in enter_rows]
-        evictions = tuple(
-            ResidencyEviction(reclaim[position], rank, location_of(code), nbytes, reason)
-            for position, rank, code, nbytes, reason in eviction_rows
-        )
-        plan = ResidencyPlan(
-            request.name, enter=enter, reclaim=reclaim, reservations=request.reservations
-        )
-        return plan, evictions, explored
 
     # ------------------------------------------------------------------ scope and use
 
@@ -451,8 +623,13 @@ class ResidencyController:
     def _record_access(self, request: ResidencyRequest) -> None:
         with self._lock:
             self._epoch += 1
+            resolve = self._engine.core.resolve
             for requirement in request.requirements:
-                self._epochs[requirement.handle] = self._epoch
+                handle = requirement.handle
+                self._epochs[handle] = self._epoch
+                index = resolve(handle)
+                if index is not None:
+                    self._native_epochs[index] = self._epoch
 
 
 def _normalize_streams(manager: ResidencyManager, streams: object, name: str) -> dict[Any, Any]:

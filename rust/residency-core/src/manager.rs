@@ -18,8 +18,8 @@ use arc_swap::ArcSwap;
 use crate::error::{CoreError, CoreResult};
 use crate::gate::Gate;
 use crate::location::Location;
-use crate::plan::Plan;
-use crate::search::{MatInfo, SearchValue};
+use crate::plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
+use crate::search::{MatInfo, Planned, SearchOutcome, SearchValue, SearchValues};
 use crate::simulate::{self, CompletedPending, CudaDevices, Simulation, SlotResolution};
 use crate::state::{HandleId, ReservationRecord, State, TokenKind, ValueRecord};
 use crate::value::{HandleName, HandleNameHasher, Recoverability, ValueSpec};
@@ -82,9 +82,11 @@ struct HoldRecord {
 /// Everything the controller's search reads from the manager.
 #[derive(Debug, Clone)]
 pub struct SearchInputs {
-    pub values: Vec<SearchValue>,
-    /// Handle index -> position in `values` (live handles only).
-    pub positions: HashMap<HandleId, usize>,
+    /// Every issued handle at its own index; a discarded one has no materialisation
+    /// and no source, so it is never a candidate.
+    pub values: SearchValues,
+    /// Per handle index, whether it is discarded.
+    pub discarded: Vec<bool>,
     pub books: Vec<(Location, u64, u64)>,
     pub budgets: std::collections::BTreeMap<Location, u64>,
     pub version: u64,
@@ -1035,43 +1037,104 @@ impl Manager {
         simulate::simulate(&inner.state, plan, resolutions, cuda, &completed, labels)
     }
 
-    /// The controller's planning state, read from the working state: live values in
-    /// registration order, the books, and the budgets (docs/concepts/controller.md#decide).
+    /// The core IR of a plan the search decided on this manager's `search_inputs`
+    /// (docs/concepts/controller.md#decide, step 6): no exit actions, handles interned
+    /// in first appearance order over reclaim then enter, as lowering a plan record
+    /// would; also each slot's handle index, for the glue's records and the simulation.
+    pub fn decided_plan(
+        &self,
+        name: &str,
+        outcome: &SearchOutcome,
+        reservations: Vec<Reservation>,
+    ) -> CoreResult<(Plan, Vec<HandleId>)> {
+        let inner = self.inner();
+        let mut slots: Vec<HandleId> = Vec::new();
+        let mut handles: Vec<HandleRef> = Vec::new();
+        let mut lower = |planned: &Planned| -> CoreResult<Action> {
+            // Search positions are handle indices (see `search_inputs`).
+            let value = match *planned {
+                Planned::Ensure { value, .. }
+                | Planned::Move { value, .. }
+                | Planned::Drop { value, .. } => value,
+            };
+            let index = HandleId::try_from(value).unwrap_or(HandleId::MAX);
+            let slot = if let Some(slot) = slots.iter().position(|&known| known == index) {
+                slot
+            } else {
+                let record = inner
+                    .state
+                    .record(index)
+                    .ok_or_else(|| CoreError::Internal {
+                        message: format!("search value {value} has no record"),
+                    })?;
+                handles.push(HandleRef {
+                    manager_id: Arc::clone(&self.manager_id),
+                    handle_id: Arc::clone(&record.handle_id),
+                    type_key: record.type_key,
+                });
+                slots.push(index);
+                slots.len() - 1
+            };
+            let handle = HandleSlot(u32::try_from(slot).unwrap_or(u32::MAX));
+            Ok(match *planned {
+                Planned::Ensure { location, .. } => Action::Ensure { handle, location },
+                Planned::Move { to, from, .. } => Action::Move { handle, to, from },
+                Planned::Drop { location, .. } => Action::Drop { handle, location },
+            })
+        };
+        let reclaim = outcome
+            .reclaim
+            .iter()
+            .map(&mut lower)
+            .collect::<CoreResult<Vec<_>>>()?;
+        let enter = outcome
+            .enter
+            .iter()
+            .map(&mut lower)
+            .collect::<CoreResult<Vec<_>>>()?;
+        let plan = Plan::new(name, handles, reclaim, enter, Vec::new(), reservations)?;
+        Ok((plan, slots))
+    }
+
+    /// The controller's planning state, read from the working state: every issued
+    /// handle at its own index (so in registration order), the books, and the budgets
+    /// (docs/concepts/controller.md#decide).
     pub fn search_inputs(&self) -> SearchInputs {
         let inner = self.inner();
         let state = &inner.state;
-        let mut values = Vec::new();
-        let mut positions = HashMap::new();
+        let count = state.values.len();
+        let mut values = SearchValues::with_capacity(count, count);
+        let mut discarded = Vec::with_capacity(count);
         for (index, record) in state.values.iter().enumerate() {
+            let handle = HandleId::try_from(index).unwrap_or(HandleId::MAX);
+            discarded.push(record.discarded);
             if record.discarded {
+                values.push(SearchValue::new(handle, handle, 0, false, None), []);
                 continue;
             }
-            let handle = HandleId::try_from(index).unwrap_or(HandleId::MAX);
-            let mut mats: Vec<MatInfo> = record
-                .materializations
-                .iter()
-                .map(|materialization| MatInfo {
-                    location: materialization.location,
-                    charged: materialization.charged_nbytes,
-                    use_count: materialization.use_count,
-                    hold_count: materialization.hold_count,
-                    pending_count: materialization.pending_count,
-                })
-                .collect();
-            mats.sort_by_key(|mat| mat.location);
-            positions.insert(handle, values.len());
-            values.push(SearchValue {
-                handle,
-                registration_index: handle,
-                charge: record.spec.storage_nbytes(),
-                exclusive: record.spec.is_exclusive(),
-                source: record.source,
-                mats,
-            });
+            values.push(
+                SearchValue::new(
+                    handle,
+                    handle,
+                    record.spec.storage_nbytes(),
+                    record.spec.is_exclusive(),
+                    record.source,
+                ),
+                record
+                    .materializations
+                    .iter()
+                    .map(|materialization| MatInfo {
+                        location: materialization.location,
+                        charged: materialization.charged_nbytes,
+                        use_count: materialization.use_count,
+                        hold_count: materialization.hold_count,
+                        pending_count: materialization.pending_count,
+                    }),
+            );
         }
         SearchInputs {
             values,
-            positions,
+            discarded,
             books: state
                 .locations
                 .iter()

@@ -8,7 +8,7 @@
 //! state and computing its memo signature cost what the plan changed, not what the
 //! manager holds.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use imbl::{HashMap as PMap, Vector};
@@ -35,7 +35,7 @@ impl MatInfo {
     }
 }
 
-/// A live value as decide sees it; immutable during one search.
+/// A value as decide sees it; immutable during one search.
 #[derive(Debug, Clone)]
 pub struct SearchValue {
     pub handle: HandleId,
@@ -44,8 +44,138 @@ pub struct SearchValue {
     pub charge: u64,
     pub exclusive: bool,
     pub source: Option<Location>,
-    /// Materialisations in canonical order.
-    pub mats: Vec<MatInfo>,
+    /// This value's materialisations: a range of the table's `mats`, set by `push`.
+    mats: (u32, u32),
+}
+
+impl SearchValue {
+    pub fn new(
+        handle: HandleId,
+        registration_index: u32,
+        charge: u64,
+        exclusive: bool,
+        source: Option<Location>,
+    ) -> Self {
+        Self {
+            handle,
+            registration_index,
+            charge,
+            exclusive,
+            source,
+            mats: (0, 0),
+        }
+    }
+}
+
+/// The planning state's values, in registration order, with their materialisations in
+/// one table: reading a manager with many values costs two allocations, not one per
+/// value. A value's position orders it like its registration index (the built-in
+/// policy's last tie-break relies on that).
+#[derive(Debug, Clone, Default)]
+pub struct SearchValues {
+    values: Vec<SearchValue>,
+    mats: Vec<MatInfo>,
+}
+
+impl SearchValues {
+    pub fn with_capacity(values: usize, mats: usize) -> Self {
+        Self {
+            values: Vec::with_capacity(values),
+            mats: Vec::with_capacity(mats),
+        }
+    }
+
+    /// Appends `value` with `mats`, which are kept in canonical (location) order.
+    pub fn push(&mut self, mut value: SearchValue, mats: impl IntoIterator<Item = MatInfo>) {
+        let start = self.mats.len();
+        self.mats.extend(mats);
+        self.mats[start..].sort_by_key(|mat| mat.location);
+        let index = |at: usize| u32::try_from(at).unwrap_or(u32::MAX);
+        value.mats = (index(start), index(self.mats.len()));
+        self.values.push(value);
+    }
+
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    pub fn get(&self, position: usize) -> Option<&SearchValue> {
+        self.values.get(position)
+    }
+
+    pub fn values(&self) -> &[SearchValue] {
+        &self.values
+    }
+
+    /// The materialisations of the value at `position`, in canonical order.
+    pub fn mats(&self, position: usize) -> &[MatInfo] {
+        let (start, end) = self.values[position].mats;
+        &self.mats[start as usize..end as usize]
+    }
+}
+
+impl std::ops::Index<usize> for SearchValues {
+    type Output = SearchValue;
+
+    fn index(&self, position: usize) -> &SearchValue {
+        &self.values[position]
+    }
+}
+
+/// A policy's total order of all value positions, listed lazily: `first` (sorted),
+/// then every other position in position order, then `last` (sorted). The built-in
+/// policy ranks every value without metadata or an access epoch alike but for its
+/// registration index, so only the few others need sorting.
+#[derive(Debug, Clone, Default)]
+pub struct GlobalOrder {
+    pub first: Vec<usize>,
+    pub last: Vec<usize>,
+    pub len: usize,
+    /// `first` and `last` together, skipped in the middle run.
+    placed: HashSet<usize>,
+}
+
+impl GlobalOrder {
+    pub fn new(first: Vec<usize>, last: Vec<usize>, len: usize) -> Self {
+        let placed = first.iter().chain(&last).copied().collect();
+        Self {
+            first,
+            last,
+            len,
+            placed,
+        }
+    }
+
+    /// The position after `cursor` moves past it, or `None` at the end.
+    fn next(&self, cursor: &mut (u8, usize)) -> Option<usize> {
+        loop {
+            let (run, index) = *cursor;
+            cursor.1 += 1;
+            match run {
+                0 => match self.first.get(index) {
+                    Some(&position) => return Some(position),
+                    None => *cursor = (1, 0),
+                },
+                1 if index < self.len => {
+                    if !self.placed.contains(&index) {
+                        return Some(index);
+                    }
+                }
+                1 => *cursor = (2, 0),
+                _ => return self.last.get(index).copied(),
+            }
+        }
+    }
+
+    /// Every position, once, in the policy's order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        let mut cursor = (0, 0);
+        std::iter::from_fn(move || self.next(&mut cursor))
+    }
 }
 
 /// One requirement `(value position, destination)`.
@@ -136,7 +266,7 @@ pub trait SearchPolicy {
     /// A total order of all value positions that `order` is a restriction of, when the
     /// policy has one (a key-based sort): candidates are then listed in it directly,
     /// without sorting per step.
-    fn global_order(&mut self, _values: &[SearchValue]) -> Option<Vec<usize>> {
+    fn global_order(&mut self, _values: &SearchValues) -> Option<GlobalOrder> {
         None
     }
     /// Called periodically so a long search can be interrupted.
@@ -205,33 +335,48 @@ pub struct SearchOutcome {
     pub explored: u64,
 }
 
+/// Policy keys of a value without metadata and never accessed.
+const PLAIN_KEYS: (i64, i64, Option<Arc<str>>) = (0, -1, None);
+
 /// The built-in `DeterministicTieredLRU`, natively: a stable sort by
 /// `(priority, epoch or -1, keyed first, key text, registration index)`.
 #[derive(Debug, Clone, Default)]
 pub struct TieredLru {
-    /// Per value position: `(priority, epoch, stable key)`.
-    pub keys: Vec<(i64, i64, Option<Arc<str>>)>,
-    pub registration: Vec<u32>,
+    /// `(priority, epoch, stable key)` by value position, for values with metadata or
+    /// an access epoch; every other value has `(0, -1, None)`.
+    pub keys: HashMap<usize, (i64, i64, Option<Arc<str>>)>,
     pub tiers: BTreeMap<Location, Vec<Location>>,
 }
 
 impl TieredLru {
-    /// The tiered LRU's key order between two value positions
-    /// (docs/concepts/controller.md#deterministictieredlru).
-    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
-        let (left_priority, left_epoch, left_key) = &self.keys[left];
-        let (right_priority, right_epoch, right_key) = &self.keys[right];
+    fn keys(&self, position: usize) -> &(i64, i64, Option<Arc<str>>) {
+        self.keys.get(&position).unwrap_or(&PLAIN_KEYS)
+    }
+
+    /// The key order without the registration tie-break.
+    fn compare_keys(
+        left: &(i64, i64, Option<Arc<str>>),
+        right: &(i64, i64, Option<Arc<str>>),
+    ) -> std::cmp::Ordering {
+        let (left_priority, left_epoch, left_key) = left;
+        let (right_priority, right_epoch, right_key) = right;
         left_priority
             .cmp(right_priority)
             .then(left_epoch.cmp(right_epoch))
             .then(left_key.is_none().cmp(&right_key.is_none()))
-            .then(
+            .then_with(|| {
                 left_key
                     .as_deref()
                     .unwrap_or("")
-                    .cmp(right_key.as_deref().unwrap_or("")),
-            )
-            .then(self.registration[left].cmp(&self.registration[right]))
+                    .cmp(right_key.as_deref().unwrap_or(""))
+            })
+    }
+
+    /// The tiered LRU's key order between two value positions
+    /// (docs/concepts/controller.md#deterministictieredlru). Positions are in
+    /// registration order, so comparing them compares registration indices.
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        Self::compare_keys(self.keys(left), self.keys(right)).then(left.cmp(&right))
     }
 }
 
@@ -242,10 +387,23 @@ impl SearchPolicy for TieredLru {
         Ok(order)
     }
 
-    fn global_order(&mut self, values: &[SearchValue]) -> Option<Vec<usize>> {
-        let mut order: Vec<usize> = (0..values.len()).collect();
-        order.sort_by(|&a, &b| self.compare(a, b));
-        Some(order)
+    fn global_order(&mut self, values: &SearchValues) -> Option<GlobalOrder> {
+        // Values with plain keys tie but for their positions: they form the middle
+        // run. Only the values with other keys are sorted, around it.
+        let (mut first, mut last): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
+        for (&position, keys) in &self.keys {
+            if position >= values.len() {
+                continue;
+            }
+            match Self::compare_keys(keys, &PLAIN_KEYS) {
+                std::cmp::Ordering::Less => first.push(position),
+                std::cmp::Ordering::Greater => last.push(position),
+                std::cmp::Ordering::Equal => {}
+            }
+        }
+        first.sort_by(|&a, &b| self.compare(a, b));
+        last.sort_by(|&a, &b| self.compare(a, b));
+        Some(GlobalOrder::new(first, last, values.len()))
     }
 
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
@@ -318,7 +476,7 @@ enum Candidates {
         blocked: Vec<usize>,
         /// 0: ordinary candidates, 1: required endpoints, 2: done.
         pass: u8,
-        position: usize,
+        cursor: (u8, usize),
     },
 }
 
@@ -354,7 +512,7 @@ type CapacityKey = (Signature, Location, u64, Vec<u32>, Vec<(u32, Location)>);
 
 #[allow(missing_debug_implementations)] // Borrows the policy, which need not be Debug.
 pub struct Search<'a, P: SearchPolicy> {
-    values: &'a [SearchValue],
+    values: &'a SearchValues,
     budgets: &'a BTreeMap<Location, u64>,
     requirements: &'a [Requirement],
     required: HashSet<(usize, Location)>,
@@ -363,14 +521,14 @@ pub struct Search<'a, P: SearchPolicy> {
     limit: u64,
     explored: u64,
     /// The policy's total order of value positions, when it has one.
-    global: Option<Vec<usize>>,
+    global: Option<GlobalOrder>,
     failed_requests: HashSet<Signature>,
     failed_capacities: HashSet<CapacityKey>,
 }
 
 impl<'a, P: SearchPolicy> Search<'a, P> {
     pub fn new(
-        values: &'a [SearchValue],
+        values: &'a SearchValues,
         budgets: &'a BTreeMap<Location, u64>,
         requirements: &'a [Requirement],
         reservations: &'a [(Location, u64)],
@@ -429,7 +587,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     fn mats<'s>(&'s self, state: &'s State, value: usize) -> &'s [MatInfo] {
         match state.changed.get(&value) {
             Some(mats) => mats,
-            None => &self.values[value].mats,
+            None => self.values.mats(value),
         }
     }
 
@@ -504,8 +662,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .iter()
             .filter_map(|(&value, mats)| {
                 let now: Vec<Location> = mats.iter().map(|mat| mat.location).collect();
-                let initial: Vec<Location> = self.values[value]
-                    .mats
+                let initial: Vec<Location> = self
+                    .values
+                    .mats(value)
                     .iter()
                     .map(|mat| mat.location)
                     .collect();
@@ -763,7 +922,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 location,
                 blocked: blocked.to_vec(),
                 pass: 0,
-                position: 0,
+                cursor: (0, 0),
             });
         }
         Ok(Candidates::Listed(
@@ -779,12 +938,11 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 location,
                 blocked,
                 pass,
-                position,
+                cursor,
             } => {
-                let order = self.global.as_deref()?;
+                let order = self.global.as_ref()?;
                 while *pass < 2 {
-                    while let Some(&value) = order.get(*position) {
-                        *position += 1;
+                    while let Some(value) = order.next(cursor) {
                         if blocked.contains(&value)
                             || self.required.contains(&(value, *location)) != (*pass == 1)
                         {
@@ -801,7 +959,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                         }
                     }
                     *pass += 1;
-                    *position = 0;
+                    *cursor = (0, 0);
                 }
                 None
             }
@@ -818,7 +976,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let mut required = Vec::new();
         let global = self.global.take();
         let order: Box<dyn Iterator<Item = usize>> = match &global {
-            Some(order) => Box::new(order.iter().copied()),
+            Some(order) => Box::new(order.iter()),
             None => Box::new(0..self.values.len()),
         };
         for value in order {

@@ -3,10 +3,11 @@
 
 #![allow(clippy::panic)] // Test assertions.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use residency_core::search::{
-    EvictionReason, MatInfo, Planned, Requirement, Search, SearchError, SearchValue, TieredLru,
+    EvictionReason, MatInfo, Planned, Requirement, Search, SearchError, SearchValue, SearchValues,
+    TieredLru,
 };
 use residency_core::{ActionKind, CoreError, Location};
 
@@ -23,32 +24,34 @@ fn mat(location: Location, charged: u64) -> MatInfo {
     }
 }
 
-fn value(index: u32, charge: u64, source: Option<Location>, mats: Vec<MatInfo>) -> SearchValue {
-    SearchValue {
-        handle: index,
-        registration_index: index,
-        charge,
-        exclusive: false,
-        source,
-        mats,
-    }
+fn value(
+    index: u32,
+    charge: u64,
+    source: Option<Location>,
+    mats: Vec<MatInfo>,
+) -> (SearchValue, Vec<MatInfo>) {
+    (SearchValue::new(index, index, charge, false, source), mats)
 }
 
-fn lru(values: &[SearchValue], tiers: &[(Location, Vec<Location>)]) -> TieredLru {
+fn table(values: Vec<(SearchValue, Vec<MatInfo>)>) -> SearchValues {
+    let mut table = SearchValues::default();
+    for (value, mats) in values {
+        table.push(value, mats);
+    }
+    table
+}
+
+fn lru(_values: &SearchValues, tiers: &[(Location, Vec<Location>)]) -> TieredLru {
     TieredLru {
-        keys: vec![(0, -1, None); values.len()],
-        registration: values
-            .iter()
-            .map(|value| value.registration_index)
-            .collect(),
+        keys: HashMap::new(),
         tiers: tiers.iter().cloned().collect(),
     }
 }
 
-fn books(values: &[SearchValue]) -> Vec<(Location, u64, u64)> {
+fn books(values: &SearchValues) -> Vec<(Location, u64, u64)> {
     let mut used: BTreeMap<Location, u64> = BTreeMap::new();
-    for value in values {
-        for mat in &value.mats {
+    for position in 0..values.len() {
+        for mat in values.mats(position) {
             *used.entry(mat.location).or_default() += mat.charged;
         }
     }
@@ -59,11 +62,11 @@ fn books(values: &[SearchValue]) -> Vec<(Location, u64, u64)> {
 
 #[test]
 fn reconstructible_values_are_dropped_oldest_first() {
-    let values = vec![
+    let values = table(vec![
         value(0, 10, Some(HOST), vec![mat(HOST, 10)]),
         value(1, 10, Some(HOST), vec![mat(HOST, 10)]),
         value(2, 10, Some(HOST), vec![]),
-    ];
+    ]);
     let budgets = BTreeMap::from([(HOST, 20)]);
     let requirements = [Requirement {
         value: 2,
@@ -97,10 +100,10 @@ fn reconstructible_values_are_dropped_oldest_first() {
 
 #[test]
 fn a_sole_must_preserve_copy_spills_to_its_tier() {
-    let values = vec![
+    let values = table(vec![
         value(0, 10, None, vec![mat(HOST, 10)]),
         value(1, 10, Some(PINNED), vec![]),
-    ];
+    ]);
     let budgets = BTreeMap::from([(HOST, 10)]);
     let requirements = [Requirement {
         value: 1,
@@ -131,10 +134,10 @@ fn a_sole_must_preserve_copy_spills_to_its_tier() {
 fn protected_values_are_never_victims_and_exhaustion_is_infeasible() {
     let mut protected = mat(HOST, 10);
     protected.hold_count = 1;
-    let values = vec![
+    let values = table(vec![
         value(0, 10, Some(HOST), vec![protected]),
         value(1, 10, Some(HOST), vec![]),
-    ];
+    ]);
     let budgets = BTreeMap::from([(HOST, 10)]);
     let requirements = [Requirement {
         value: 1,
@@ -157,10 +160,12 @@ fn protected_values_are_never_victims_and_exhaustion_is_infeasible() {
 
 #[test]
 fn the_state_limit_is_inconclusive_at_exactly_the_limit() {
-    let values: Vec<SearchValue> = (0..6)
-        .map(|index| value(index, 10, Some(HOST), vec![mat(HOST, 10)]))
-        .chain((6..9).map(|index| value(index, 10, Some(HOST), vec![])))
-        .collect();
+    let values = table(
+        (0..6)
+            .map(|index| value(index, 10, Some(HOST), vec![mat(HOST, 10)]))
+            .chain((6..9).map(|index| value(index, 10, Some(HOST), vec![])))
+            .collect(),
+    );
     let budgets = BTreeMap::from([(HOST, 60)]);
     let requirements: Vec<Requirement> = (6..9)
         .map(|value| Requirement {
@@ -254,4 +259,48 @@ fn planned_actions_name_their_kind() {
         kinds,
         [ActionKind::Ensure, ActionKind::Move, ActionKind::Drop]
     );
+}
+
+type Keys = (i64, i64, Option<std::sync::Arc<str>>);
+
+#[test]
+fn the_tiered_lru_lists_every_value_in_its_documented_order() {
+    use residency_core::search::SearchPolicy;
+    use std::sync::Arc;
+
+    let values = table((0..12).map(|index| value(index, 1, None, vec![])).collect());
+    let keyed: [(usize, Keys); 7] = [
+        (3, (0, -1, Some(Arc::from("b")))),
+        (5, (0, -1, Some(Arc::from("a")))),
+        (1, (-2, 4, None)),
+        (7, (0, 2, None)),
+        (9, (0, -1, None)),
+        (10, (1, -1, None)),
+        (11, (0, 2, None)),
+    ];
+    let mut policy = TieredLru {
+        keys: keyed.iter().cloned().collect(),
+        tiers: BTreeMap::new(),
+    };
+    let listed: Vec<usize> = policy
+        .global_order(&values)
+        .expect("a total order")
+        .iter()
+        .collect();
+    let key = |position: usize| {
+        let (priority, epoch, stable) = keyed
+            .iter()
+            .find(|(known, _)| *known == position)
+            .map_or((0, -1, None), |(_, keys)| keys.clone());
+        (
+            priority,
+            epoch,
+            u8::from(stable.is_none()),
+            stable.as_deref().unwrap_or("").to_owned(),
+            position,
+        )
+    };
+    let mut expected: Vec<usize> = (0..12).collect();
+    expected.sort_by_key(|&position| key(position));
+    assert_eq!(listed, expected);
 }

@@ -1155,6 +1155,12 @@ pub struct SimulationView {
     simulation: Simulation,
 }
 
+impl SimulationView {
+    pub fn new(simulation: Simulation) -> Self {
+        Self { simulation }
+    }
+}
+
 fn optional_code(location: Option<Location>) -> i64 {
     location.map_or(-1, |location| i64::from(location.code()))
 }

@@ -57,6 +57,12 @@ pub struct PlanIr {
 }
 
 impl PlanIr {
+    pub fn new(plan: Plan) -> Self {
+        Self {
+            plan: Arc::new(plan),
+        }
+    }
+
     pub fn plan(&self) -> &Arc<Plan> {
         &self.plan
     }

@@ -1,19 +1,25 @@
 //! The controller's search, called from Python: the built-in tiered LRU runs natively;
-//! any other policy is reached through two Python callables the glue provides.
+//! any other policy is reached through two Python callables the glue provides. The
+//! decided plan leaves as core IR with its simulation, computed in the same call, so the
+//! glue never lowers the plan's records again.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use residency_core::Location;
 use residency_core::search::{
-    Candidate, Planned, Requirement, Search, SearchError, SearchOutcome, SearchPolicy, TieredLru,
+    Candidate, GlobalOrder, Requirement, Search, SearchError, SearchOutcome, SearchPolicy,
+    SearchValues, TieredLru,
+};
+use residency_core::{
+    Action, ActionKind, CudaDevices, HandleId, Location, Reservation, SlotResolution,
 };
 
 use crate::errors::to_py_err;
 use crate::kinds::PyActionKind;
-use crate::manager::CoreManager;
+use crate::manager::{CoreManager, SimulationView};
+use crate::plan::PlanIr;
 
 fn location(code: u32) -> PyResult<Location> {
     Location::from_code(code).map_err(|err| PyValueError::new_err(err.to_string()))
@@ -21,11 +27,11 @@ fn location(code: u32) -> PyResult<Location> {
 
 /// A Python policy: `order(rows) -> list[int]` over `(handle, code, charged)` rows and
 /// `fallbacks(code) -> list[int]`. The first Python error is kept to re-raise as is.
+/// Search positions are handle indices (see `Manager::search_inputs`).
 struct PythonPolicy<'py> {
     py: Python<'py>,
     order: Bound<'py, PyAny>,
     fallbacks: Bound<'py, PyAny>,
-    handles: Vec<u32>,
     error: Option<PyErr>,
 }
 
@@ -42,7 +48,7 @@ impl SearchPolicy for PythonPolicy<'_> {
             .iter()
             .map(|candidate| {
                 (
-                    self.handles[candidate.value],
+                    u32::try_from(candidate.value).unwrap_or(u32::MAX),
                     candidate.location.code(),
                     candidate.charged,
                 )
@@ -100,10 +106,7 @@ impl SearchPolicy for NativePolicy<'_> {
         self.lru.fallback_locations(at)
     }
 
-    fn global_order(
-        &mut self,
-        values: &[residency_core::search::SearchValue],
-    ) -> Option<Vec<usize>> {
+    fn global_order(&mut self, values: &SearchValues) -> Option<GlobalOrder> {
         self.lru.global_order(values)
     }
 
@@ -115,17 +118,32 @@ impl SearchPolicy for NativePolicy<'_> {
     }
 }
 
+/// `(kind, plan handle slot, location code, from code or -1)`.
 type Row = (PyActionKind, u32, u32, i64);
 type EvictionRow = (usize, usize, u32, u64, String);
-/// `(reclaim, enter, evictions, explored_states, state_version)`.
-type Decision = (Vec<Row>, Vec<Row>, Vec<EvictionRow>, u64, u64);
+/// `(plan IR, its simulation, handle index per slot, reclaim rows, enter rows,
+/// evictions, explored_states, state_version)`.
+type Decision = (
+    PlanIr,
+    SimulationView,
+    Vec<HandleId>,
+    Vec<Row>,
+    Vec<Row>,
+    Vec<EvictionRow>,
+    u64,
+    u64,
+);
 
-/// The controller's search for the request named `request_name`: the plan's rows
-/// (see `encode`), or the failure raised, the search's own as its core error and a
-/// Python policy's as the policy raised it.
+/// The controller's decide for the request named `request_name`, in one call under the
+/// caller's gate hold (docs/concepts/controller.md#decide, steps 4 to 7): the search,
+/// the plan's core IR and its simulation against the same state. `reservations` are
+/// `(code, nbytes, label)`; `cuda_count` is -1 without CUDA, `completed_leases` and
+/// `labels` are as `simulate` takes them. The search's failures raise as their core
+/// errors, a Python policy's as the policy raised them.
 #[pyfunction]
 #[pyo3(signature = (
-    manager, request_name, requirements, reservations, limit, native=None, python=None
+    manager, request_name, requirements, reservations, limit, cuda_count, completed_leases,
+    labels, native=None, python=None
 ))]
 #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)] // pyo3 extracts owned values.
 pub fn decide_request<'py>(
@@ -133,76 +151,44 @@ pub fn decide_request<'py>(
     manager: &CoreManager,
     request_name: &str,
     requirements: Vec<(u32, u32)>,
-    reservations: Vec<(u32, u64)>,
+    reservations: Vec<(u32, u64, String)>,
     limit: u64,
+    cuda_count: i64,
+    completed_leases: Vec<u64>,
+    labels: Vec<String>,
     native: Option<NativeConfig>,
     python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
 ) -> PyResult<Decision> {
-    search(
-        py,
-        manager,
-        request_name,
-        requirements,
-        reservations,
-        limit,
-        native,
-        python,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn search<'py>(
-    py: Python<'py>,
-    manager: &CoreManager,
-    request_name: &str,
-    requirements: Vec<(u32, u32)>,
-    reservations: Vec<(u32, u64)>,
-    limit: u64,
-    native: Option<NativeConfig>,
-    python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-) -> PyResult<Decision> {
-    let inputs = manager.core().search_inputs();
+    let core = manager.core();
+    let inputs = core.search_inputs();
     let mut required = Vec::with_capacity(requirements.len());
     for (handle, code) in requirements {
-        let Some(&value) = inputs.positions.get(&handle) else {
+        if inputs.discarded.get(handle as usize) != Some(&false) {
             return Err(PyValueError::new_err(format!(
                 "handle index {handle} is not live"
             )));
-        };
+        }
         required.push(Requirement {
-            value,
+            value: handle as usize,
             location: location(code)?,
         });
     }
     let reservations = reservations
         .into_iter()
-        .map(|(code, nbytes)| Ok((location(code)?, nbytes)))
+        .map(|(code, nbytes, label)| {
+            Ok(Reservation {
+                location: location(code)?,
+                nbytes,
+                label: Arc::from(label),
+            })
+        })
         .collect::<PyResult<Vec<_>>>()?;
-    let handles: Vec<u32> = inputs.values.iter().map(|value| value.handle).collect();
+    let searched: Vec<(Location, u64)> = reservations
+        .iter()
+        .map(|reservation| (reservation.location, reservation.nbytes))
+        .collect();
     let (result, error) = if let Some(config) = native {
-        let mut lru = TieredLru {
-            keys: Vec::with_capacity(inputs.values.len()),
-            registration: inputs
-                .values
-                .iter()
-                .map(|value| value.registration_index)
-                .collect(),
-            tiers: BTreeMap::new(),
-        };
-        for value in &inputs.values {
-            let (priority, key) = config.0.get(&value.handle).cloned().unwrap_or((0, None));
-            let epoch = config.1.get(&value.handle).copied().unwrap_or(-1);
-            lru.keys.push((priority, epoch, key.map(Arc::from)));
-        }
-        for (source, destinations) in config.2 {
-            lru.tiers.insert(
-                location(source)?,
-                destinations
-                    .into_iter()
-                    .map(location)
-                    .collect::<PyResult<Vec<_>>>()?,
-            );
-        }
+        let lru = tiered_lru(config)?;
         let mut policy = NativePolicy {
             py,
             lru,
@@ -212,7 +198,7 @@ fn search<'py>(
             &inputs.values,
             &inputs.budgets,
             &required,
-            &reservations,
+            &searched,
             &mut policy,
             limit,
         );
@@ -223,14 +209,13 @@ fn search<'py>(
             py,
             order,
             fallbacks,
-            handles: handles.clone(),
             error: None,
         };
         let search = Search::new(
             &inputs.values,
             &inputs.budgets,
             &required,
-            &reservations,
+            &searched,
             &mut policy,
             limit,
         );
@@ -242,38 +227,71 @@ fn search<'py>(
     if let Some(err) = error {
         return Err(err);
     }
-    match result {
-        Ok(outcome) => Ok(encode(&outcome, &handles, inputs.version)),
+    let outcome = match result {
+        Ok(outcome) => outcome,
         Err(err) => {
             let err = err.into_core_error(request_name, limit, |value| {
-                let handle = inputs.values.get(value)?.handle;
-                let state = manager.core().current();
+                let state = core.current();
+                let handle = HandleId::try_from(value).ok()?;
                 Some(state.record(handle)?.handle_id.to_string())
             });
-            Err(to_py_err(py, err))
-        }
-    }
-}
-
-/// A found plan as the glue's rows: actions as `(kind, handle, location code, from
-/// code or -1)`, evictions as `(reclaim position, rank, released location code,
-/// released bytes, reason)`.
-fn encode(outcome: &SearchOutcome, handles: &[u32], version: u64) -> Decision {
-    let planned = |action: &Planned| -> Row {
-        let kind = action.kind().into();
-        match *action {
-            Planned::Ensure { value, location } | Planned::Drop { value, location } => {
-                (kind, handles[value], location.code(), -1)
-            }
-            Planned::Move { value, to, from } => (
-                kind,
-                handles[value],
-                to.code(),
-                from.map_or(-1, |from| i64::from(from.code())),
-            ),
+            return Err(to_py_err(py, err));
         }
     };
-    let evictions = outcome
+    let (plan, slots) = core
+        .decided_plan(request_name, &outcome, reservations)
+        .map_err(|err| to_py_err(py, err))?;
+    let resolutions: Vec<SlotResolution> = slots.iter().copied().map(Ok).collect();
+    let cuda = u32::try_from(cuda_count).map_or(CudaDevices::Unavailable, CudaDevices::Count);
+    let simulation = core.simulate(&plan, &resolutions, cuda, &completed_leases, &labels);
+    let evictions = eviction_rows(&outcome);
+    let reclaim = rows(plan.reclaim());
+    let enter = rows(plan.enter());
+    Ok((
+        PlanIr::new(plan),
+        SimulationView::new(simulation),
+        slots,
+        reclaim,
+        enter,
+        evictions,
+        outcome.explored,
+        inputs.version,
+    ))
+}
+
+/// The built-in policy from its configuration. Only values with metadata or an access
+/// epoch get keys: the others rank alike but for their registration.
+fn tiered_lru(config: NativeConfig) -> PyResult<TieredLru> {
+    let mut lru = TieredLru {
+        keys: HashMap::with_capacity(config.0.len().max(config.1.len())),
+        tiers: BTreeMap::new(),
+    };
+    for (&handle, (priority, key)) in &config.0 {
+        let epoch = config.1.get(&handle).copied().unwrap_or(-1);
+        lru.keys.insert(
+            handle as usize,
+            (*priority, epoch, key.as_deref().map(Arc::from)),
+        );
+    }
+    for (&handle, &epoch) in &config.1 {
+        lru.keys.entry(handle as usize).or_insert((0, epoch, None));
+    }
+    for (source, destinations) in config.2 {
+        lru.tiers.insert(
+            location(source)?,
+            destinations
+                .into_iter()
+                .map(location)
+                .collect::<PyResult<Vec<_>>>()?,
+        );
+    }
+    Ok(lru)
+}
+
+/// Evictions as `(reclaim position, rank, released location code, released bytes,
+/// reason)`.
+fn eviction_rows(outcome: &SearchOutcome) -> Vec<EvictionRow> {
+    outcome
         .evictions
         .iter()
         .enumerate()
@@ -286,14 +304,26 @@ fn encode(outcome: &SearchOutcome, handles: &[u32], version: u64) -> Decision {
                 eviction.reason.text(),
             )
         })
-        .collect();
-    (
-        outcome.reclaim.iter().map(planned).collect(),
-        outcome.enter.iter().map(planned).collect(),
-        evictions,
-        outcome.explored,
-        version,
-    )
+        .collect()
+}
+
+/// A decided plan's actions as the glue's rows, to build its records from when read.
+fn rows(actions: &[Action]) -> Vec<Row> {
+    actions
+        .iter()
+        .map(|action| {
+            let slot = action.handle().0;
+            let (kind, code, from) = match *action {
+                Action::Ensure { location, .. } => (ActionKind::Ensure, location.code(), None),
+                Action::Drop { location, .. } => (ActionKind::Drop, location.code(), None),
+                Action::Move { to, from, .. } => (ActionKind::Move, to.code(), from),
+                // A decided plan has no discard; the row shape still names it.
+                Action::Discard { .. } => (ActionKind::Discard, 0, None),
+            };
+            let from = from.map_or(-1, |from| i64::from(from.code()));
+            (kind.into(), slot, code, from)
+        })
+        .collect()
 }
 
 /// The built-in policy's configuration: per handle index `(priority, stable key)`,
