@@ -10,6 +10,7 @@ mod manager;
 mod measure;
 mod objects;
 mod plan;
+mod records;
 mod search;
 
 use pyo3::prelude::*;
@@ -27,6 +28,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<manager::CoreManager>()?;
     module.add_class::<manager::StateView>()?;
     module.add_class::<manager::SimulationView>()?;
+    module.add_class::<records::RecordBuilder>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;
     module.add_function(wrap_pyfunction!(search::decide_request, module)?)?;

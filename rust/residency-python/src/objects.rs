@@ -60,10 +60,6 @@ impl Objects {
         });
     }
 
-    pub fn len(&self) -> usize {
-        self.store().entries.len()
-    }
-
     pub fn handle(&self, py: Python<'_>, index: u32) -> Option<Py<PyAny>> {
         let store = self.store();
         store
