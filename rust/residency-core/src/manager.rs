@@ -387,6 +387,15 @@ impl Manager {
     }
 
     /// The index issued for `handle_id`, and whether that value is discarded.
+    /// Whether the value of an issued handle index was discarded (an index never
+    /// issued counts as discarded, as in `lookup`).
+    pub fn is_discarded(&self, handle: HandleId) -> bool {
+        self.inner()
+            .state
+            .record(handle)
+            .is_none_or(|record| record.discarded)
+    }
+
     pub fn lookup(&self, handle_id: &str) -> Option<(HandleId, bool)> {
         let inner = self.inner();
         let handle = *inner.handles.get(handle_id)?;

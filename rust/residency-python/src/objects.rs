@@ -24,6 +24,9 @@ struct Entry {
 #[derive(Debug, Default)]
 struct Store {
     entries: Vec<Entry>,
+    /// Issued handle objects by address. The store keeps every one alive for the
+    /// manager's whole life, so an address here names that very object.
+    addresses: HashMap<usize, u32>,
     labels: HashMap<u64, Py<PyAny>>,
     /// Releases that arrived while a source callback ran on another thread; each is
     /// a callable applied, oldest first, as soon as the callback has returned.
@@ -52,12 +55,18 @@ impl Objects {
     ) {
         let mut store = self.store();
         debug_assert_eq!(store.entries.len(), index as usize);
+        store.addresses.insert(handle.as_ptr().addr(), index);
         store.entries.push(Entry {
             handle,
             spec,
             source,
             values: value.into_iter().collect(),
         });
+    }
+
+    /// The index of `handle` when it is the very object this manager issued.
+    pub fn issued_index(&self, handle: &Bound<'_, PyAny>) -> Option<u32> {
+        self.store().addresses.get(&handle.as_ptr().addr()).copied()
     }
 
     pub fn handle(&self, py: Python<'_>, index: u32) -> Option<Py<PyAny>> {
