@@ -1,5 +1,6 @@
 """Typing for the compiled extension `fhelium._core` (Rust, PyO3)."""
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Final, final
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "LifetimeKind",
     "MoveOutcome",
     "PlanIR",
+    "RecordBuilder",
     "SimulationView",
     "StateView",
     "decide_request",
@@ -186,7 +188,6 @@ class CoreManager:
     def spec(self, index: int) -> Any: ...
     def source(self, index: int) -> Any | None: ...
     def value(self, index: int, at: int) -> Any: ...
-    def handles_and_specs(self, count: int) -> tuple[list[Any], list[Any]]: ...
     def label(self, token: int) -> Any | None: ...
     def plan_ensure(self, handle: int, at: int) -> tuple[EnsureOutcome, int, Any | None]: ...
     def plan_move(
@@ -257,9 +258,13 @@ class StateView:
     def closed(self) -> bool: ...
     @property
     def value_count(self) -> int: ...
-    def value_rows(
+    def value_entries(
         self,
-    ) -> list[tuple[int, bool, list[tuple[int, int, int, int, int, int]]]]: ...
+        manager: CoreManager,
+        value_records: RecordBuilder,
+        materialization_records: RecordBuilder,
+        location_of: Callable[[int], Any],
+    ) -> tuple[Any, ...]: ...
     def location_rows(
         self,
     ) -> list[tuple[int, int | None, int, int, int, int, int, int, int, int, int]]: ...
@@ -277,4 +282,17 @@ class SimulationView:
     @property
     def action_count(self) -> int: ...
     def peaks(self) -> list[tuple[int, int]]: ...
-    def rows(self) -> list[tuple[bool, bool, int, int, int, int, str | None]]: ...
+    def action_entries(
+        self,
+        actions: tuple[Any, ...],
+        action_records: RecordBuilder,
+        location_of: Callable[[int], Any],
+    ) -> tuple[Any, ...]: ...
+
+@final
+class RecordBuilder:
+    """Builds one frozen slots record class's instances in bulk, without its checks."""
+
+    def __new__(cls, record: type, fill: type, names: list[str]) -> RecordBuilder: ...
+    @property
+    def record_class(self) -> type: ...

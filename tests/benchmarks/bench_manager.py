@@ -155,7 +155,7 @@ def main() -> None:
         (
             "build every entry, 10k-value snapshot (ms)",
             median_us(lambda: bench_snapshot_build(ten_k), repeats) / 1e3,
-            20.0,
+            5.0,
         )
     )
     ten_k.close()

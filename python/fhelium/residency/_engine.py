@@ -39,7 +39,7 @@ from fhelium.residency._locations import (
     location_code_of,
     location_of,
 )
-from fhelium.residency._records import trusted_builder
+from fhelium.residency._records import bulk_builder, trusted_builder
 from fhelium.residency._runtime import (
     DeviceRuntime,
     TorchCudaRuntime,
@@ -94,8 +94,8 @@ _MUST_PRESERVE: Final = Recoverability.MUST_PRESERVE
 _ADOPTED_SPECS: dict[tuple[type, int, int, ReplicaMode], ResidencyValueSpec[Any]] = {}
 _new_spec = trusted_builder(ResidencyValueSpec)
 _new_report = trusted_builder(ResidencyTransitionReport)
-_new_value_snapshot = trusted_builder(ResidencyValueSnapshot)
-_new_materialization_snapshot = trusted_builder(MaterializationSnapshot)
+_VALUE_SNAPSHOTS = bulk_builder(ResidencyValueSnapshot)
+_MATERIALIZATION_SNAPSHOTS = bulk_builder(MaterializationSnapshot)
 _new_location_snapshot = trusted_builder(ResidencyLocationSnapshot)
 _new_reservation_snapshot = trusted_builder(ResidencyReservationSnapshot)
 
@@ -1174,32 +1174,9 @@ class _ManagerSnapshot(ResidencySnapshot[Any]):
         # Fields given at construction are never rebuilt.
         assert self._view is not None
         assert self._records is not None
-        handles, specs = self._records.handles_and_specs(self._view.value_count)
-        entries = []
-        for index, (source, discarded, rows) in enumerate(self._view.value_rows()):
-            materializations = tuple(
-                _new_materialization_snapshot(
-                    location_of(code),
-                    specs[index].logical_nbytes,
-                    storage,
-                    charged,
-                    uses,
-                    holds,
-                    pending,
-                )
-                for code, storage, charged, uses, holds, pending in rows
-            )
-            entries.append(
-                _new_value_snapshot(
-                    handles[index],
-                    specs[index],
-                    materializations,
-                    source >= 0,
-                    location_of(source) if source >= 0 else None,
-                    discarded,
-                )
-            )
-        return tuple(entries)
+        return self._view.value_entries(
+            self._records, _VALUE_SNAPSHOTS, _MATERIALIZATION_SNAPSHOTS, location_of
+        )
 
     def _plain(self) -> ResidencySnapshot[Any]:
         return ResidencySnapshot(

@@ -22,7 +22,7 @@ from fhelium.errors import (
 )
 from fhelium.residency import _lowering
 from fhelium.residency._locations import location_of
-from fhelium.residency._records import trusted_builder
+from fhelium.residency._records import bulk_builder, trusted_builder
 from fhelium.residency._validation import index_int, require_non_empty_str
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.plan import (
@@ -56,7 +56,7 @@ __all__ = [
 
 _ACTION_TYPES: Final = (EnsureResident, MoveResident, DropResident, DiscardValue)
 _new_report = trusted_builder(ResidencyPlanReport)
-_new_action_explanation = trusted_builder(ResidencyActionExplanation)
+_ACTION_EXPLANATIONS = bulk_builder(ResidencyActionExplanation)
 _time_ns = time.time_ns
 
 
@@ -327,27 +327,7 @@ class _Explanation(ResidencyPlanExplanation):
         collecting = gc.isenabled()
         gc.disable()
         try:
-            return tuple(
-                _new_action_explanation(
-                    action,
-                    executable,
-                    no_op,
-                    None if source < 0 else location_of(source),
-                    None if destination < 0 else location_of(destination),
-                    logical,
-                    storage,
-                    reason,
-                )
-                for action, (
-                    executable,
-                    no_op,
-                    source,
-                    destination,
-                    logical,
-                    storage,
-                    reason,
-                ) in zip(ordered, simulation.rows(), strict=False)
-            )
+            return simulation.action_entries(ordered, _ACTION_EXPLANATIONS, location_of)
         finally:
             if collecting:
                 gc.enable()

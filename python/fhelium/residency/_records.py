@@ -2,7 +2,8 @@
 
 The public constructors validate every field, which is right for callers and wasteful
 for the manager's hot paths (reports, handles, snapshot entries), whose fields come
-from the core's invariants. These builders fill the slots directly.
+from the core's invariants. These builders fill the slots directly: one record per
+call here, or many per call in the extension for the records users read in bulk.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-__all__ = ["trusted_builder"]
+from fhelium import _core
+
+__all__ = ["bulk_builder", "trusted_builder"]
 
 R = TypeVar("R")
 
@@ -34,3 +37,27 @@ def trusted_builder(cls: type[R]) -> Callable[..., R]:
     # Field names are identifiers taken from the class itself.
     exec(source, namespace)
     return cast(Callable[..., R], namespace[f"trusted_{cls.__name__}"])
+
+
+def bulk_builder(cls: type[Any]) -> _core.RecordBuilder:
+    """The extension's builder for frozen slots dataclass ``cls``.
+
+    It fills an instance of a subclass that adds no slots and assigns attributes
+    plainly (``cls`` itself refuses every assignment), then gives the instance the
+    class ``cls``: the result is the record `trusted_builder` would build, made
+    without calling any Python code per record. The subclass never escapes.
+    """
+    names = [field.name for field in dataclasses.fields(cls)]
+    fill = type(
+        f"_{cls.__name__}Fill",
+        (cls,),
+        {
+            "__slots__": (),
+            "__module__": __name__,
+            "__init__": object.__init__,
+            # Both, or the type keeps a Python-level attribute hook for either.
+            "__setattr__": object.__setattr__,
+            "__delattr__": object.__delattr__,
+        },
+    )
+    return _core.RecordBuilder(cls, fill, names)

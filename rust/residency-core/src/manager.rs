@@ -399,6 +399,15 @@ impl Manager {
     }
 
     /// The index issued for `handle_id`, and whether that value is discarded.
+    /// Whether the value of an issued handle index was discarded (an index never
+    /// issued counts as discarded, as in `lookup`).
+    pub fn is_discarded(&self, handle: HandleId) -> bool {
+        self.inner()
+            .state
+            .record(handle)
+            .is_none_or(|record| record.discarded)
+    }
+
     pub fn lookup(&self, handle_id: &str) -> Option<(HandleId, bool)> {
         let name = HandleName::parse(handle_id)?;
         let inner = self.inner();
@@ -1069,7 +1078,7 @@ impl Manager {
                     })?;
                 handles.push(HandleRef {
                     manager_id: Arc::clone(&self.manager_id),
-                    handle_id: Arc::clone(&record.handle_id),
+                    handle_id: Arc::from(record.handle_id.to_string()),
                     type_key: record.type_key,
                 });
                 slots.push(index);

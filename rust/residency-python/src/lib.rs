@@ -11,6 +11,7 @@ mod manager;
 mod measure;
 mod objects;
 mod plan;
+mod records;
 mod search;
 
 use pyo3::prelude::*;
@@ -28,6 +29,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<manager::CoreManager>()?;
     module.add_class::<manager::StateView>()?;
     module.add_class::<manager::SimulationView>()?;
+    module.add_class::<records::RecordBuilder>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;
     module.add_function(wrap_pyfunction!(search::decide_request, module)?)?;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString, PyTuple};
+use pyo3::types::{PyString, PyTuple};
 use residency_core::gate::DEFAULT_POLL;
 use std::collections::HashMap;
 
@@ -25,6 +25,7 @@ use crate::execute::Context;
 use crate::kinds::{EnsureOutcome, LeaseState, LifetimeKind, MoveOutcome};
 use crate::objects::Objects;
 use crate::plan::PlanIr;
+use crate::records::RecordBuilder;
 use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
 
@@ -335,6 +336,10 @@ impl CoreManager {
         py: Python<'_>,
         handle: &Bound<'_, PyAny>,
     ) -> PyResult<Option<(HandleId, bool)>> {
+        // The common case, the issued object itself, needs no attribute or string.
+        if let Some(index) = self.objects.issued_index(handle) {
+            return Ok(Some((index, self.core.is_discarded(index))));
+        }
         let Ok(handle_id) = handle.getattr(pyo3::intern!(py, "handle_id")) else {
             return Ok(None);
         };
@@ -719,14 +724,6 @@ impl CoreManager {
         })
     }
 
-    /// `(handles, specs)` of the first `count` values, in issue order.
-    fn handles_and_specs(&self, py: Python<'_>, count: usize) -> (Vec<Py<PyAny>>, Vec<Py<PyAny>>) {
-        self.objects
-            .handles_and_specs(py, count.min(self.objects.len()))
-            .into_iter()
-            .unzip()
-    }
-
     /// The label a reservation was made with, exactly as given.
     fn label(&self, py: Python<'_>, token: u64) -> Option<Py<PyAny>> {
         self.objects.label(py, token)
@@ -1051,39 +1048,30 @@ impl StateView {
         self.state.values.len()
     }
 
-    /// Per value in issue order: `(source_code | -1, discarded, materialisations)`
-    /// where each materialisation is
-    /// `(location, storage, charged, use, hold, pending)`.
-    fn value_rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let rows = PyList::empty(py);
-        for record in &self.state.values {
-            let materializations = PyList::empty(py);
-            for materialization in &record.materializations {
-                materializations.append((
-                    materialization.location.code(),
-                    materialization.storage_nbytes,
-                    materialization.charged_nbytes,
-                    materialization.use_count,
-                    materialization.hold_count,
-                    materialization.pending_count,
-                ))?;
-            }
-            rows.append(PyTuple::new(
-                py,
-                [
-                    record
-                        .source
-                        .map_or(-1, |location| i64::from(location.code()))
-                        .into_pyobject(py)?
-                        .into_any(),
-                    pyo3::types::PyBool::new(py, record.discarded)
-                        .to_owned()
-                        .into_any(),
-                    materializations.into_any(),
-                ],
-            )?)?;
-        }
-        Ok(rows)
+    /// Every value entry in issue order, built by `value_records` with
+    /// materialisations built by `materialization_records`; handle and spec objects
+    /// come from `manager`, location records from `location_of(code)`.
+    fn value_entries<'py>(
+        &self,
+        py: Python<'py>,
+        manager: &CoreManager,
+        value_records: &RecordBuilder,
+        materialization_records: &RecordBuilder,
+        location_of: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        // Handle and spec objects are only ever appended: the view's prefix of them
+        // is the one it describes.
+        let objects = manager
+            .objects
+            .handles_and_specs(py, self.state.values.len());
+        crate::records::value_entries(
+            py,
+            self.state.values.iter().map(|record| &**record),
+            &objects,
+            value_records,
+            materialization_records,
+            location_of,
+        )
     }
 
     /// Per location in registration order: `(code, budget | None, used, reserved,
@@ -1161,10 +1149,6 @@ impl SimulationView {
     }
 }
 
-fn optional_code(location: Option<Location>) -> i64 {
-    location.map_or(-1, |location| i64::from(location.code()))
-}
-
 #[pymethods]
 impl SimulationView {
     #[getter]
@@ -1192,24 +1176,22 @@ impl SimulationView {
             .collect()
     }
 
-    /// Per action: `(executable, no_op, source|-1, destination|-1, logical, storage,
-    /// reason|None)`.
-    #[allow(clippy::type_complexity)]
-    fn rows(&self) -> Vec<(bool, bool, i64, i64, u64, u64, Option<String>)> {
-        self.simulation
-            .actions
-            .iter()
-            .map(|outcome| {
-                (
-                    outcome.executable,
-                    outcome.no_op,
-                    optional_code(outcome.source),
-                    optional_code(outcome.destination),
-                    outcome.logical_nbytes,
-                    outcome.storage_nbytes,
-                    outcome.reason.clone(),
-                )
-            })
-            .collect()
+    /// The action records, `actions` (the plan's, in execution order) paired with
+    /// the simulated outcomes up to the first failure; location records come from
+    /// `location_of(code)`.
+    fn action_entries<'py>(
+        &self,
+        py: Python<'py>,
+        actions: &Bound<'py, PyTuple>,
+        action_records: &RecordBuilder,
+        location_of: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        crate::records::action_entries(
+            py,
+            &self.simulation.actions,
+            actions,
+            action_records,
+            location_of,
+        )
     }
 }
