@@ -8,7 +8,6 @@
 //! outermost gate holder exits, so readers only ever see whole operations.
 
 use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -22,7 +21,7 @@ use crate::plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
 use crate::search::{MatInfo, Planned, SearchOutcome, SearchValue, SearchValues};
 use crate::simulate::{self, CompletedPending, CudaDevices, Simulation, SlotResolution};
 use crate::state::{HandleId, ReservationRecord, State, TokenKind, ValueRecord};
-use crate::value::{HandleName, HandleNameHasher, Recoverability, ValueSpec};
+use crate::value::{HandleName, Recoverability, ValueSpec};
 
 /// A backing storage identity: (device code, data pointer). Device code is -1 for
 /// host memory and the CUDA index otherwise.
@@ -110,7 +109,6 @@ impl OpenLifetimes {
 #[derive(Debug, Default)]
 struct Inner {
     state: State,
-    handles: HashMap<HandleName, HandleId, BuildHasherDefault<HandleNameHasher>>,
     storage_owners: HashMap<StorageKey, (HandleId, Location)>,
     materialization_keys: HashMap<(HandleId, Location), Vec<StorageKey>>,
     leases: HashMap<u64, LeaseRecord>,
@@ -128,11 +126,18 @@ pub struct Manager {
     /// Set when a whole operation changed the state since it was last published.
     /// Publishing costs a state clone and a swap, so it waits until a reader asks.
     stale: AtomicBool,
+    /// Scrambles the index each issued id carries (see `HandleName::issue`).
+    index_key: u32,
     inner: Mutex<Inner>,
 }
 
 fn new_uuid() -> Arc<str> {
     Arc::from(uuid::Uuid::new_v4().to_string())
+}
+
+/// Type keys are a small counter of the value types a process uses.
+fn narrow_type_key(type_key: u64) -> CoreResult<u32> {
+    u32::try_from(type_key).map_err(|_| CoreError::invalid("more than 2**32 value types"))
 }
 
 fn handle_error(message: String) -> CoreError {
@@ -243,6 +248,9 @@ impl Manager {
             gate: Gate::new(),
             published: ArcSwap::from_pointee(state.clone()),
             stale: AtomicBool::new(false),
+            // Truncation is the point: 32 random bits.
+            #[allow(clippy::cast_possible_truncation)]
+            index_key: uuid::Uuid::new_v4().as_u128() as u32,
             inner: Mutex::new(Inner {
                 state,
                 ..Inner::default()
@@ -399,24 +407,12 @@ impl Manager {
     }
 
     /// The index issued for `handle_id`, and whether that value is discarded.
-    /// Whether the value of an issued handle index was discarded (an index never
-    /// issued counts as discarded, as in `lookup`).
-    pub fn is_discarded(&self, handle: HandleId) -> bool {
-        self.inner()
-            .state
-            .record(handle)
-            .is_none_or(|record| record.discarded)
-    }
-
     pub fn lookup(&self, handle_id: &str) -> Option<(HandleId, bool)> {
         let name = HandleName::parse(handle_id)?;
+        let handle = name.index(self.index_key);
         let inner = self.inner();
-        let handle = *inner.handles.get(&name)?;
-        let discarded = inner
-            .state
-            .record(handle)
-            .is_none_or(|record| record.discarded);
-        Some((handle, discarded))
+        let record = inner.state.record(handle)?;
+        (record.handle_id == name).then_some((handle, record.discarded))
     }
 
     // ----- registration ---------------------------------------------------------
@@ -435,17 +431,19 @@ impl Manager {
         }
         let mut inner = self.inner();
         inner.state.register_location(source_location);
-        let handle_id = HandleName::random();
+        let handle_id = HandleName::issue(
+            HandleId::try_from(inner.state.values.len()).unwrap_or(HandleId::MAX),
+            self.index_key,
+        );
         let handle = inner.state.push_record(ValueRecord {
             handle_id,
-            type_key,
+            type_key: narrow_type_key(type_key)?,
             spec,
             source: Some(source_location),
             discarded: false,
             materializations: Vec::new(),
         });
         inner.state.bump();
-        inner.handles.insert(handle_id, handle);
         inner.dirty = true;
         Ok((handle, handle_id))
     }
@@ -461,10 +459,13 @@ impl Manager {
         keys: &[StorageKey],
     ) -> CoreResult<(HandleId, HandleName)> {
         let mut inner = self.inner();
-        let handle_id = HandleName::random();
+        let handle_id = HandleName::issue(
+            HandleId::try_from(inner.state.values.len()).unwrap_or(HandleId::MAX),
+            self.index_key,
+        );
         let handle = inner.state.push_record(ValueRecord {
             handle_id,
-            type_key,
+            type_key: narrow_type_key(type_key)?,
             spec,
             source: None,
             discarded: false,
@@ -483,7 +484,6 @@ impl Manager {
             inner.state.pop_record();
             return Err(err);
         }
-        inner.handles.insert(handle_id, handle);
         Ok((handle, handle_id))
     }
 
@@ -1003,7 +1003,6 @@ impl Manager {
         inner.holds.clear();
         inner.storage_owners.clear();
         inner.materialization_keys.clear();
-        inner.handles.clear();
         let state = &mut inner.state;
         state.values = imbl::Vector::new();
         state.reservations = imbl::OrdMap::new();
@@ -1079,7 +1078,7 @@ impl Manager {
                 handles.push(HandleRef {
                     manager_id: Arc::clone(&self.manager_id),
                     handle_id: Arc::from(record.handle_id.to_string()),
-                    type_key: record.type_key,
+                    type_key: u64::from(record.type_key),
                 });
                 slots.push(index);
                 slots.len() - 1

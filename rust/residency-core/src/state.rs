@@ -40,7 +40,8 @@ impl Materialization {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValueRecord {
     pub handle_id: HandleName,
-    pub type_key: u64,
+    /// The glue's key of the value type (small, so it is kept as 32 bits).
+    pub type_key: u32,
     pub spec: ValueSpec,
     /// The reconstruction source's location, while a source is registered.
     pub source: Option<Location>,

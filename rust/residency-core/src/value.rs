@@ -107,41 +107,32 @@ mod tests {
 /// The id a manager issues for a value: a random (version 4) UUID, kept as its 128
 /// bits (as two words, so the handle index stays 8-byte aligned and compact) and
 /// written out in the hyphenated form handles carry.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HandleName([u64; 2]);
 
-/// The ids are random, so their own bits are already a good hash.
-impl std::hash::Hash for HandleName {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        state.write_u64(self.0[0] ^ self.0[1]);
-    }
-}
-
-/// A hasher for keys that hash as one random word (handle names): it keeps the
-/// word. Anything else is folded in FNV-style, so it still works as a hasher.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct HandleNameHasher(u64);
-
-impl std::hash::Hasher for HandleNameHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-
-    fn write_u64(&mut self, word: u64) {
-        self.0 ^= word;
-    }
-}
+/// An odd multiplier and its inverse modulo 2**32: consecutive indices land far
+/// apart in the id, so issued ids look as random as any other version 4 UUID.
+const SCRAMBLE: u32 = 0x9E37_79B1;
+const UNSCRAMBLE: u32 = 0x0E8B_2F51;
 
 impl HandleName {
-    /// A fresh random id.
-    pub fn random() -> Self {
-        Self::from_u128(uuid::Uuid::new_v4().as_u128())
+    /// A fresh random id that also carries `index`, scrambled under the manager's
+    /// `key`, in 32 of its random bits: looking a handle up by its id then needs no
+    /// index of names (a million handles would pay for one in memory), only a check
+    /// that the record at that index carries this very id.
+    pub fn issue(index: u32, key: u32) -> Self {
+        let mut name = Self::from_u128(uuid::Uuid::new_v4().as_u128());
+        let scrambled = index.wrapping_mul(SCRAMBLE) ^ key;
+        name.0[1] = (name.0[1] & !u64::from(u32::MAX)) | u64::from(scrambled);
+        name
+    }
+
+    /// The index `issue` put in this id under `key`.
+    pub fn index(self, key: u32) -> u32 {
+        // Truncation is the point: the low 32 bits carry the index.
+        #[allow(clippy::cast_possible_truncation)]
+        let scrambled = self.0[1] as u32;
+        (scrambled ^ key).wrapping_mul(UNSCRAMBLE)
     }
 
     /// The id written as `text`, if `text` is exactly the hyphenated lower-case form
@@ -199,7 +190,14 @@ mod handle_name_tests {
 
     #[test]
     fn text_round_trips_and_other_spellings_name_nothing() {
-        let name = HandleName::random();
+        let name = HandleName::issue(41, 0xDEAD_BEEF);
+        assert_eq!(name.index(0xDEAD_BEEF), 41);
+        for index in [0, 1, 2, 1 << 20, u32::MAX] {
+            assert_eq!(HandleName::issue(index, 7).index(7), index);
+        }
+        let parsed = uuid::Uuid::parse_str(&name.to_string()).expect("a UUID");
+        assert_eq!(parsed.get_version_num(), 4);
+        assert_eq!(parsed.get_variant(), uuid::Variant::RFC4122);
         let mut buffer = [0u8; 36];
         let text = name.encode(&mut buffer).to_owned();
         assert_eq!(text, name.to_string());
@@ -209,6 +207,6 @@ mod handle_name_tests {
         assert_eq!(HandleName::parse(&text.replace('-', "")), None);
         assert_eq!(HandleName::parse(&format!("{{{text}}}")), None);
         assert_eq!(HandleName::parse("handle-1"), None);
-        assert_ne!(HandleName::random(), name);
+        assert_ne!(HandleName::issue(41, 0xDEAD_BEEF), name);
     }
 }

@@ -336,10 +336,6 @@ impl CoreManager {
         py: Python<'_>,
         handle: &Bound<'_, PyAny>,
     ) -> PyResult<Option<(HandleId, bool)>> {
-        // The common case, the issued object itself, needs no attribute or string.
-        if let Some(index) = self.objects.issued_index(handle) {
-            return Ok(Some((index, self.core.is_discarded(index))));
-        }
         let Ok(handle_id) = handle.getattr(pyo3::intern!(py, "handle_id")) else {
             return Ok(None);
         };

@@ -25,9 +25,6 @@ struct Store {
     entries: Vec<Entry>,
     /// The object of each materialisation, by (handle index, location code).
     values: HashMap<(u32, u32), Py<PyAny>>,
-    /// Issued handle objects by address. The store keeps every one alive for the
-    /// manager's whole life, so an address here names that very object.
-    addresses: HashMap<usize, u32>,
     labels: HashMap<u64, Py<PyAny>>,
     /// Releases that arrived while a source callback ran on another thread; each is
     /// a callable applied, oldest first, as soon as the callback has returned.
@@ -56,7 +53,6 @@ impl Objects {
     ) {
         let mut store = self.store();
         debug_assert_eq!(store.entries.len(), index as usize);
-        store.addresses.insert(handle.as_ptr().addr(), index);
         store.entries.push(Entry {
             handle,
             spec,
@@ -65,11 +61,6 @@ impl Objects {
         if let Some((code, value)) = value {
             store.values.insert((index, code), value);
         }
-    }
-
-    /// The index of `handle` when it is the very object this manager issued.
-    pub fn issued_index(&self, handle: &Bound<'_, PyAny>) -> Option<u32> {
-        self.store().addresses.get(&handle.as_ptr().addr()).copied()
     }
 
     pub fn handle(&self, py: Python<'_>, index: u32) -> Option<Py<PyAny>> {
