@@ -94,6 +94,8 @@ _MUST_PRESERVE: Final = Recoverability.MUST_PRESERVE
 _ADOPTED_SPECS: dict[tuple[type, int, int, ReplicaMode], ResidencyValueSpec[Any]] = {}
 _new_spec = trusted_builder(ResidencyValueSpec)
 _new_report = trusted_builder(ResidencyTransitionReport)
+_REPORT_RECORDS = bulk_builder(ResidencyTransitionReport)
+_HANDLE_RECORDS = bulk_builder(ResidencyHandle)
 _VALUE_SNAPSHOTS = bulk_builder(ResidencyValueSnapshot)
 _MATERIALIZATION_SNAPSHOTS = bulk_builder(MaterializationSnapshot)
 _new_location_snapshot = trusted_builder(ResidencyLocationSnapshot)
@@ -179,7 +181,7 @@ class Engine:
             MoveResident,
             DropResident,
             DiscardValue,
-            _new_report,
+            _REPORT_RECORDS,
             runtime,
             type(runtime) is TorchCudaRuntime,
             pinning_possible(),
@@ -194,7 +196,7 @@ class Engine:
             ReplicaMode.EXCLUSIVE,
         )
         # The trace keeps the newest `capacity` reports; 0 disables it.
-        self.core = _core.CoreManager(entries, ResidencyHandle, context, min(capacity, sys.maxsize))
+        self.core = _core.CoreManager(entries, _HANDLE_RECORDS, context, min(capacity, sys.maxsize))
         self.manager_id: str = self.core.manager_id
         # The public manager this engine serves, set by it; weak, so the engine never
         # keeps its owner alive.

@@ -186,10 +186,12 @@ class ResidencyLease(Lifetime):
         release point (`wait=True` waits for that). Idempotent."""
         if not self._active:
             return
+        engine = self._engine
         if self._location.kind == "cuda":
-            self._engine.release_lease(self._token, self._location, self._streams, wait=wait)
-        else:
-            self._engine.release_host_lease(self._token)
+            engine.release_lease(self._token, self._location, self._streams, wait=wait)
+        elif not engine.core.release_host_lease_now(self._token):
+            # The gate is busy or releases are queued: the waiting path.
+            engine.release_host_lease(self._token)
         # `_untrack` inlined: lease release is on the per-kernel hot path.
         self._active = False
         LIVE.pop(id(self), None)

@@ -233,7 +233,19 @@ class ResidencyManager:
 
         CUDA locations need the `consumer_stream` that will read the values.
         """
-        return self._engine.acquire(handles, at=at, consumer_stream=consumer_stream)
+        engine = self._engine
+        if (
+            consumer_stream is None
+            and type(handles) is tuple
+            and len(handles) == 1
+            and type(handles[0]) is ResidencyHandle
+            and not engine.pending_events
+        ):
+            # One handle at a host location in one core call; it declines the rest.
+            lease: ResidencyLease | None = engine.core.acquire_host(engine, handles, at)
+            if lease is not None:
+                return lease
+        return engine.acquire(handles, at=at, consumer_stream=consumer_stream)
 
     def hold(
         self, handles: Iterable[ResidencyHandle[Any]], *, at: ResidencyLocation

@@ -971,10 +971,6 @@ impl Manager {
         true
     }
 
-    pub fn open_lifetimes(&self) -> OpenLifetimes {
-        self.inner().open_lifetimes()
-    }
-
     /// Closes the manager. Without `force`, open lifetimes refuse the close.
     pub fn close(&self, force: bool) -> CoreResult<()> {
         let mut inner = self.inner();

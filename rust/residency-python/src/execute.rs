@@ -20,6 +20,7 @@ use residency_core::{CoreError, EnsurePlan, HandleId, Location, MovePlan};
 use crate::errors::to_py_err;
 use crate::manager::CoreManager;
 use crate::measure::{self, Facts};
+use crate::records::RecordBuilder;
 
 /// What the engine hands over once: the classes it recognises, the report builder,
 /// the runtime, and the shared records and strings reports carry.
@@ -29,7 +30,8 @@ pub struct Context {
     move_: Py<PyAny>,
     drop: Py<PyAny>,
     discard: Py<PyAny>,
-    report: Py<PyAny>,
+    /// Builds transition reports without running Python code.
+    report: Py<RecordBuilder>,
     runtime: Py<PyAny>,
     /// The runtime measures with torch directly, so this crate can too.
     native_measure: bool,
@@ -65,7 +67,7 @@ impl Context {
             move_: item(1)?,
             drop: item(2)?,
             discard: item(3)?,
-            report: item(4)?,
+            report: items.get_item(4)?.cast::<RecordBuilder>()?.clone().unbind(),
             runtime: item(5)?,
             native_measure: items.get_item(6)?.extract()?,
             pinning_possible: items.get_item(7)?.extract()?,
@@ -349,11 +351,8 @@ fn execute_prepared(
         none.clone(),
         outcome.reason.unwrap_or(none),
     ];
-    let report = context
-        .report
-        .bind(py)
-        .call1(PyTuple::new(py, fields)?)?
-        .unbind();
+    let fields: Vec<&Bound<'_, PyAny>> = fields.iter().collect();
+    let report = context.report.get().build(py, &fields)?.unbind();
     manager.record(py, &report);
     Ok(Some(report))
 }

@@ -63,8 +63,8 @@ fn spec(logical: u64, storage: u64, exclusive: bool, reconstructible: bool) -> P
 pub struct CoreManager {
     core: Arc<Manager>,
     objects: Objects,
-    /// Builds the handle records this manager issues.
-    handles: HandleFactory,
+    /// Builds the handle records this manager issues, without running Python code.
+    handles: Py<RecordBuilder>,
     /// One string object for the id every handle of this manager carries.
     manager_id: Py<PyString>,
     /// What the one-call transition path needs (see `execute`); `None` disables it.
@@ -78,55 +78,6 @@ pub struct CoreManager {
 struct Trace {
     capacity: usize,
     reports: VecDeque<Py<PyAny>>,
-}
-
-/// Builds handle records without running Python code: `object.__new__` and the
-/// record's slot descriptors, the same steps its trusted builder takes.
-#[derive(Debug)]
-struct HandleFactory {
-    class: Py<PyAny>,
-    new: Py<PyAny>,
-    set_manager_id: Py<PyAny>,
-    set_handle_id: Py<PyAny>,
-    set_value_type: Py<PyAny>,
-}
-
-impl HandleFactory {
-    /// From the handle record class.
-    fn new(class: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let py = class.py();
-        let slots = class.getattr(pyo3::intern!(py, "__dict__"))?;
-        let setter = |name: &str| -> PyResult<Py<PyAny>> {
-            Ok(slots
-                .get_item(name)?
-                .getattr(pyo3::intern!(py, "__set__"))?
-                .unbind())
-        };
-        Ok(Self {
-            class: class.clone().unbind(),
-            new: py
-                .get_type::<pyo3::types::PyAny>()
-                .getattr(pyo3::intern!(py, "__new__"))?
-                .unbind(),
-            set_manager_id: setter("manager_id")?,
-            set_handle_id: setter("handle_id")?,
-            set_value_type: setter("value_type")?,
-        })
-    }
-
-    fn build(
-        &self,
-        py: Python<'_>,
-        manager_id: &Bound<'_, PyString>,
-        handle_id: &str,
-        value_type: Py<PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        let handle = self.new.bind(py).call1((self.class.bind(py),))?;
-        self.set_manager_id.bind(py).call1((&handle, manager_id))?;
-        self.set_handle_id.bind(py).call1((&handle, handle_id))?;
-        self.set_value_type.bind(py).call1((&handle, value_type))?;
-        Ok(handle.unbind())
-    }
 }
 
 fn unknown_index(index: HandleId) -> PyErr {
@@ -326,8 +277,14 @@ impl CoreManager {
     ) -> PyResult<Py<PyAny>> {
         let mut buffer = [0u8; 36];
         let text = handle_id.encode(&mut buffer);
-        self.handles
-            .build(py, self.manager_id.bind(py), text, value_type)
+        let text = PyString::new(py, text).into_any();
+        let value_type = value_type.into_bound(py);
+        let manager_id = self.manager_id.bind(py).as_any();
+        Ok(self
+            .handles
+            .get()
+            .build(py, &[manager_id, &text, &value_type])?
+            .unbind())
     }
 
     /// `(index, discarded)` when `handle` is (or equals) a handle this manager issued.
@@ -388,11 +345,11 @@ impl CoreManager {
 #[pymethods]
 impl CoreManager {
     #[new]
-    #[pyo3(signature = (budgets, handle_class, context=None, trace_capacity=0))]
+    #[pyo3(signature = (budgets, handle_records, context=None, trace_capacity=0))]
     fn new(
         py: Python<'_>,
         budgets: Vec<(u32, u64)>,
-        handle_class: &Bound<'_, PyAny>,
+        handle_records: &Bound<'_, PyAny>,
         context: Option<&Bound<'_, PyTuple>>,
         trace_capacity: usize,
     ) -> PyResult<Self> {
@@ -406,7 +363,11 @@ impl CoreManager {
             core,
             manager_id,
             objects: Objects::default(),
-            handles: HandleFactory::new(handle_class)?,
+            handles: {
+                let builder = handle_records.cast::<RecordBuilder>()?;
+                builder.get().expect_fields(3)?;
+                builder.clone().unbind()
+            },
             context: context.map(Context::from_tuple).transpose()?,
             trace: Mutex::new(Trace {
                 capacity: trace_capacity,
@@ -541,10 +502,6 @@ impl CoreManager {
         Self::lift(py, self.core.gate().check_reentrant())
     }
 
-    fn set_callback_active(&self, active: bool) {
-        self.core.set_callback_active(active);
-    }
-
     // ----- observations -------------------------------------------------------
 
     #[getter]
@@ -555,11 +512,6 @@ impl CoreManager {
     #[getter]
     fn closed(&self) -> bool {
         self.core.is_closed()
-    }
-
-    #[getter]
-    fn pending_leases(&self) -> u64 {
-        self.core.pending_leases()
     }
 
     fn locations(&self) -> Vec<u32> {
@@ -584,11 +536,6 @@ impl CoreManager {
             py,
             self.core.materialization_locations(handle),
         )?))
-    }
-
-    /// `None` when balanced, else a description of the first imbalance.
-    fn check_books(&self) -> Option<String> {
-        self.core.check_books().err()
     }
 
     // ----- registration ---------------------------------------------------------
@@ -807,10 +754,6 @@ impl CoreManager {
         Ok(())
     }
 
-    fn charge_temporary(&self, py: Python<'_>, handle: HandleId) -> PyResult<u32> {
-        Ok(Self::lift(py, self.core.charge_temporary(handle))?.code())
-    }
-
     fn release_temporary(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<()> {
         Self::lift(py, self.core.release_temporary(handle, location(at)?))
     }
@@ -918,10 +861,6 @@ impl CoreManager {
         self.core.release_pending(token)
     }
 
-    fn pending_lease_tokens(&self) -> Vec<u64> {
-        self.core.pending_lease_tokens()
-    }
-
     /// Releases a lifetime token in one call if the gate is free: `None` when another
     /// thread holds it (take the waiting path).
     fn release_now(
@@ -941,6 +880,18 @@ impl CoreManager {
         };
         self.core.exit();
         Ok(Some(released))
+    }
+
+    /// Releases a host lease at once when the gate is free and nothing is queued;
+    /// `False` sends the caller down the waiting path (nothing has changed then).
+    fn release_host_lease_now(&self, token: u64) -> bool {
+        if self.objects.deferred_pending() || !matches!(self.core.try_enter(false, true), Ok(true))
+        {
+            return false;
+        }
+        self.core.release_lease(token);
+        self.core.exit();
+        true
     }
 
     fn release_hold(&self, token: u64) -> bool {
@@ -965,17 +916,6 @@ impl CoreManager {
     fn release_reservation(&self, token: u64) -> bool {
         drop(self.objects.take_label(token));
         self.core.release_reservation(token)
-    }
-
-    /// `(active_leases, pending_leases, holds, reservations)`.
-    fn open_lifetimes(&self) -> (u64, u64, u64, u64) {
-        let open = self.core.open_lifetimes();
-        (
-            open.active_leases,
-            open.pending_leases,
-            open.holds,
-            open.reservations,
-        )
     }
 
     /// Simulates a lowered plan (preflight and `explain`). `resolutions[slot]` is the
@@ -1124,11 +1064,6 @@ impl StateView {
             })
             .collect()
     }
-
-    /// `None` when every location's books balance, else the first imbalance.
-    fn check_books(&self) -> Option<String> {
-        self.state.books_balance().err()
-    }
 }
 
 /// The result of one simulation. Per-action rows are produced only when asked for,
@@ -1155,11 +1090,6 @@ impl SimulationView {
     #[getter]
     fn reason(&self) -> Option<&str> {
         self.simulation.reason.as_deref()
-    }
-
-    #[getter]
-    fn action_count(&self) -> usize {
-        self.simulation.actions.len()
     }
 
     /// `(code, peak_bytes)` per simulated location, in the documented order
