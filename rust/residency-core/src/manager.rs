@@ -408,11 +408,28 @@ impl Manager {
 
     /// The index issued for `handle_id`, and whether that value is discarded.
     pub fn lookup(&self, handle_id: &str) -> Option<(HandleId, bool)> {
-        let name = HandleName::parse(handle_id)?;
-        let handle = name.index(self.index_key);
+        Self::lookup_in(&self.inner(), self.index_key, handle_id)
+    }
+
+    /// `lookup` for many ids under one lock.
+    pub fn lookup_many<'a>(
+        &self,
+        handle_ids: impl IntoIterator<Item = Option<&'a str>>,
+    ) -> Vec<Option<(HandleId, bool)>> {
         let inner = self.inner();
+        handle_ids
+            .into_iter()
+            .map(|id| id.and_then(|id| Self::lookup_in(&inner, self.index_key, id)))
+            .collect()
+    }
+
+    fn lookup_in(inner: &Inner, index_key: u32, handle_id: &str) -> Option<(HandleId, bool)> {
+        let handle = HandleName::index_in_text(handle_id, index_key)?;
         let record = inner.state.record(handle)?;
-        (record.handle_id == name).then_some((handle, record.discarded))
+        record
+            .handle_id
+            .is_written_as(handle_id)
+            .then_some((handle, record.discarded))
     }
 
     // ----- registration ---------------------------------------------------------

@@ -127,25 +127,30 @@ impl HandleName {
         name
     }
 
-    /// The index `issue` put in this id under `key`.
-    pub fn index(self, key: u32) -> u32 {
-        // Truncation is the point: the low 32 bits carry the index.
-        #[allow(clippy::cast_possible_truncation)]
-        let scrambled = self.0[1] as u32;
-        (scrambled ^ key).wrapping_mul(UNSCRAMBLE)
+    /// The index an id written as `text` would carry under `key`, read from its
+    /// last eight hex digits alone; `None` if those are not lower-case hex digits.
+    /// The caller still checks the whole text against the id issued at that index.
+    pub fn index_in_text(text: &str, key: u32) -> Option<u32> {
+        let bytes = text.as_bytes();
+        if bytes.len() != 36 {
+            return None;
+        }
+        let mut scrambled: u32 = 0;
+        for &byte in &bytes[28..] {
+            let digit = match byte {
+                b'0'..=b'9' => byte - b'0',
+                b'a'..=b'f' => byte - b'a' + 10,
+                _ => return None,
+            };
+            scrambled = (scrambled << 4) | u32::from(digit);
+        }
+        Some((scrambled ^ key).wrapping_mul(UNSCRAMBLE))
     }
 
-    /// The id written as `text`, if `text` is exactly the hyphenated lower-case form
-    /// this type writes (any other spelling names no issued value).
-    pub fn parse(text: &str) -> Option<Self> {
-        let parsed = uuid::Uuid::try_parse(text).ok()?;
-        let name = Self::from_u128(parsed.as_u128());
-        (text.len() == uuid::fmt::Hyphenated::LENGTH
-            && parsed
-                .hyphenated()
-                .encode_lower(&mut uuid::Uuid::encode_buffer())
-                == text)
-            .then_some(name)
+    /// Whether `text` is exactly this id's hyphenated lower-case spelling.
+    pub fn is_written_as(&self, text: &str) -> bool {
+        let mut buffer = [0u8; 36];
+        self.encode(&mut buffer) == text
     }
 }
 
@@ -191,9 +196,9 @@ mod handle_name_tests {
     #[test]
     fn text_round_trips_and_other_spellings_name_nothing() {
         let name = HandleName::issue(41, 0xDEAD_BEEF);
-        assert_eq!(name.index(0xDEAD_BEEF), 41);
         for index in [0, 1, 2, 1 << 20, u32::MAX] {
-            assert_eq!(HandleName::issue(index, 7).index(7), index);
+            let issued = HandleName::issue(index, 7).to_string();
+            assert_eq!(HandleName::index_in_text(&issued, 7), Some(index));
         }
         let parsed = uuid::Uuid::parse_str(&name.to_string()).expect("a UUID");
         assert_eq!(parsed.get_version_num(), 4);
@@ -201,12 +206,15 @@ mod handle_name_tests {
         let mut buffer = [0u8; 36];
         let text = name.encode(&mut buffer).to_owned();
         assert_eq!(text, name.to_string());
-        assert_eq!(HandleName::parse(&text), Some(name));
+        assert_eq!(HandleName::index_in_text(&text, 0xDEAD_BEEF), Some(41));
+        assert!(name.is_written_as(&text));
+        assert!(!name.is_written_as(&text.to_uppercase()));
         assert_eq!(format!("{name:?}"), format!("\"{text}\""));
-        assert_eq!(HandleName::parse(&text.to_uppercase()), None);
-        assert_eq!(HandleName::parse(&text.replace('-', "")), None);
-        assert_eq!(HandleName::parse(&format!("{{{text}}}")), None);
-        assert_eq!(HandleName::parse("handle-1"), None);
+        assert_eq!(
+            HandleName::index_in_text(&text.replace('-', ""), 0xDEAD_BEEF),
+            None
+        );
+        assert_eq!(HandleName::index_in_text("handle-1", 0xDEAD_BEEF), None);
         assert_ne!(HandleName::issue(41, 0xDEAD_BEEF), name);
     }
 }

@@ -624,11 +624,35 @@ impl CoreManager {
 
     /// `resolve` for each handle, with -1 where it gives `None`.
     fn resolve_many(&self, py: Python<'_>, handles: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<i64>> {
-        handles
+        // The ids first, then one core lookup and one object-store pass for them all.
+        let ids: Vec<Option<Bound<'_, pyo3::types::PyString>>> = handles
             .iter()
             .map(|handle| {
-                Ok(match self.lookup(py, handle)? {
-                    Some((index, false)) => i64::from(index),
+                handle
+                    .getattr(pyo3::intern!(py, "handle_id"))
+                    .ok()
+                    .and_then(|id| id.cast_into::<pyo3::types::PyString>().ok())
+            })
+            .collect();
+        let texts: Vec<Option<&str>> = ids
+            .iter()
+            .map(|id| id.as_ref().and_then(|id| id.to_str().ok()))
+            .collect();
+        let found = self.core.lookup_many(texts.iter().copied());
+        let issued = self
+            .objects
+            .handles_at(py, found.iter().map(|entry| entry.map(|(index, _)| index)));
+        handles
+            .iter()
+            .zip(found)
+            .zip(issued)
+            .map(|((handle, entry), issued)| {
+                Ok(match (entry, issued) {
+                    (Some((index, false)), Some(issued))
+                        if issued.bind(py).is(handle) || issued.bind(py).eq(handle)? =>
+                    {
+                        i64::from(index)
+                    }
                     _ => -1,
                 })
             })

@@ -71,6 +71,23 @@ impl Objects {
             .map(|entry| entry.handle.clone_ref(py))
     }
 
+    /// The issued handle objects at `indices`, under one lock.
+    pub fn handles_at(
+        &self,
+        py: Python<'_>,
+        indices: impl IntoIterator<Item = Option<u32>>,
+    ) -> Vec<Option<Py<PyAny>>> {
+        let store = self.store();
+        indices
+            .into_iter()
+            .map(|index| {
+                index
+                    .and_then(|index| store.entries.get(index as usize))
+                    .map(|entry| entry.handle.clone_ref(py))
+            })
+            .collect()
+    }
+
     pub fn spec(&self, py: Python<'_>, index: u32) -> Option<Py<PyAny>> {
         let store = self.store();
         store
