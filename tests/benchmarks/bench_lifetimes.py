@@ -53,7 +53,7 @@ def main() -> None:
             median_us(
                 lambda: per_op(lambda: acquire(handles, at=PAGEABLE_HOST).release(), count), repeats
             ),
-            2.5,
+            1.5,
         ),
         (
             "hold + release, host (us)",
@@ -87,7 +87,7 @@ def main() -> None:
             (
                 "lease acquire + release, simulated CUDA (us)",
                 median_us(lambda: per_op(cuda_round_trip, count), repeats),
-                6.0,
+                3.0,
             )
         )
 

@@ -93,7 +93,7 @@ def main() -> None:
         (
             "preflight + execution, 10k ensure/drop actions (us/action)",
             statistics.median(per_action),
-            4.0,
+            1.5,
         ),
     ]
     width = max(len(name) for name, _, _ in rows)
