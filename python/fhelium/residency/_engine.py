@@ -315,16 +315,13 @@ class Engine:
         at: ResidencyLocation | None = None,
         replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE,
     ) -> ResidencyHandle[ValueT]:
-        """Take ownership of an existing value as a MUST_PRESERVE managed value."""
+        """Take ownership of an existing value as a MUST_PRESERVE managed value.
+
+        The general path: the facade first offers host values to the core's one-call
+        `adopt_host`, which declines whatever needs this path."""
         if not isinstance(value, TensorResident):
             raise TypeError(f"value must be a TensorResident, got {type(value).__name__}")
         core = self.core
-        if type(replica_mode) is ReplicaMode and not self.pending_events:
-            adopted: ResidencyHandle[ValueT] | None = core.adopt_host(
-                value, at, replica_mode, replica_mode is ReplicaMode.EXCLUSIVE
-            )
-            if adopted is not None:
-                return adopted
         core.enter_transition()
         try:
             if self.pending_events or self.deferred:
@@ -383,16 +380,12 @@ class Engine:
         *,
         source_location: ResidencyLocation = PAGEABLE_HOST,
     ) -> ResidencyHandle[ValueT]:
-        """Register a reconstructible value; `source.load()` runs only when needed."""
+        """Register a reconstructible value; `source.load()` runs only when needed.
+
+        The general path, behind the facade's one-call `register_host`."""
         if not isinstance(spec, ResidencyValueSpec):
             raise TypeError(f"spec must be a ResidencyValueSpec, got {type(spec).__name__}")
         core = self.core
-        if type(spec) is ResidencyValueSpec and not self.pending_events:
-            registered: ResidencyHandle[ValueT] | None = core.register_host(
-                spec, source, source_location
-            )
-            if registered is not None:
-                return registered
         if not callable(getattr(source, "load", None)):
             raise TypeError("source must have a callable load() method")
         core.enter_transition()

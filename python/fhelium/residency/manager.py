@@ -107,7 +107,19 @@ class ResidencyManager:
         replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE,
     ) -> ResidencyHandle[ValueT]:
         """Take ownership of an existing value as a MUST_PRESERVE managed value."""
-        return self._engine.adopt(value, at=at, replica_mode=replica_mode)
+        engine = self._engine
+        if (
+            type(replica_mode) is ReplicaMode
+            and isinstance(value, TensorResident)
+            and not engine.pending_events
+        ):
+            # A host value in one core call; it declines what needs the full path.
+            adopted: ResidencyHandle[ValueT] | None = engine.core.adopt_host(
+                value, at, replica_mode, replica_mode is ReplicaMode.EXCLUSIVE
+            )
+            if adopted is not None:
+                return adopted
+        return engine.adopt(value, at=at, replica_mode=replica_mode)
 
     def register_source(
         self,

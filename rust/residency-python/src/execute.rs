@@ -134,6 +134,11 @@ impl Context {
         if location.is(&self.pinned) {
             return Ok(Some(Location::PinnedHost));
         }
+        // Only location records (or their subclasses) name a location; anything else
+        // is the general path's to refuse with its TypeError.
+        if !location.is_instance(&self.pageable.bind(py).get_type())? {
+            return Ok(None);
+        }
         let Ok(kind) = location.getattr(intern!(py, "kind")) else {
             return Ok(None);
         };
