@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from fhelium.residency.plan import MemoryReservation, ResidencyAction, ResidencyPlan
 
 __all__ = [
+    "ACTION_KINDS",
     "U64_MAX",
     "LoweredPlan",
     "diagnostic_text",
@@ -74,33 +75,44 @@ def location_code(location: ResidencyLocation) -> int:
     return 2 + index
 
 
+# The action record classes and their kinds, registered by `plan` when it defines
+# them: the plan module imports this one, never the other way round.
+ACTION_KINDS: dict[type, ActionKind] = {}
+
+
+def _kind_of(action: object) -> ActionKind:
+    kind = ACTION_KINDS.get(type(action))
+    if kind is not None:
+        return kind
+    for cls, registered in ACTION_KINDS.items():  # a subclass of one of the four
+        if isinstance(action, cls):
+            return registered
+    raise TypeError(f"not a residency action: {action!r}")
+
+
 def _encode_actions(
     actions: Iterable[ResidencyAction],
     slots: dict[ResidencyHandle[Any], int],
 ) -> list[tuple[ActionKind, int, int, int]]:
-    from fhelium.residency.plan import DiscardValue, DropResident, EnsureResident, MoveResident
-
     encoded: list[tuple[ActionKind, int, int, int]] = []
     for action in actions:
         slot = slots.setdefault(action.handle, len(slots))
-        if isinstance(action, EnsureResident):
-            encoded.append((ActionKind.ENSURE, slot, location_code(action.location), _NO_LOCATION))
-        elif isinstance(action, MoveResident):
-            source = action.from_location
+        kind = _kind_of(action)
+        if kind == ActionKind.MOVE:
+            source = action.from_location  # type: ignore[union-attr]
             encoded.append(
                 (
-                    ActionKind.MOVE,
+                    kind,
                     slot,
-                    location_code(action.to),
+                    location_code(action.to),  # type: ignore[union-attr]
                     _NO_LOCATION if source is None else location_code(source),
                 )
             )
-        elif isinstance(action, DropResident):
-            encoded.append((ActionKind.DROP, slot, location_code(action.location), _NO_LOCATION))
-        elif isinstance(action, DiscardValue):
-            encoded.append((ActionKind.DISCARD, slot, _NO_LOCATION, _NO_LOCATION))
-        else:  # pragma: no cover - ResidencyPlan validates element types first.
-            raise TypeError(f"not a residency action: {action!r}")
+        elif kind == ActionKind.DISCARD:
+            encoded.append((kind, slot, _NO_LOCATION, _NO_LOCATION))
+        else:
+            location = action.location  # type: ignore[union-attr]
+            encoded.append((kind, slot, location_code(location), _NO_LOCATION))
     return encoded
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
+from fhelium._core import ActionKind
 from fhelium.residency import _lowering
 from fhelium.residency._validation import (
     require_count,
@@ -176,3 +177,12 @@ class ResidencyPlan(_LoweredPlanSlot):
 
 
 seal(EnsureResident, MoveResident, DropResident, DiscardValue, MemoryReservation, ResidencyPlan)
+
+_lowering.ACTION_KINDS.update(
+    {
+        EnsureResident: ActionKind.ENSURE,
+        MoveResident: ActionKind.MOVE,
+        DropResident: ActionKind.DROP,
+        DiscardValue: ActionKind.DISCARD,
+    }
+)
