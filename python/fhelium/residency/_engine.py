@@ -129,22 +129,6 @@ def normalize_handles(handles: object) -> tuple[ResidencyHandle[Any], ...]:
     return normalized
 
 
-_ACTION_KINDS: Final[dict[type, ActionKind]] = {
-    EnsureResident: ActionKind.ENSURE,
-    MoveResident: ActionKind.MOVE,
-    DropResident: ActionKind.DROP,
-    DiscardValue: ActionKind.DISCARD,
-}
-
-
-def _action_kind(action: object) -> ActionKind:
-    """The kind of an action whose class is a subclass of one of the four."""
-    for cls, kind in _ACTION_KINDS.items():
-        if isinstance(action, cls):
-            return kind
-    raise TypeError(f"not a residency action: {type(action).__name__}")
-
-
 class Engine:
     """Everything one manager does, behind the public `ResidencyManager` facade.
 
@@ -444,9 +428,9 @@ class Engine:
         if index is None:
             index = self.resolve(action.handle)
         spec = core.spec(index)
-        kind = _ACTION_KINDS.get(type(action))
+        kind = _lowering.ACTION_KINDS.get(type(action))
         if kind is None:
-            kind = _action_kind(action)
+            kind = _lowering.action_kind(action)
         device: torch.device | None = None
         before: tuple[int | None, int | None] = _NO_SAMPLE
         if kind == ActionKind.ENSURE:

@@ -8,10 +8,41 @@ from __future__ import annotations
 
 import atexit
 import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from fhelium.errors import ResidencyLifetimeClosedError
+from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["LIVE", "Lifetime", "chain_context"]
+__all__ = ["LIVE", "Lifetime", "LifetimeOwner", "chain_context"]
+
+
+class LifetimeOwner(Protocol):
+    """What a lease, hold or reservation asks of the manager engine that issued it.
+
+    Lifetimes name this shape rather than the engine class, so the engine can build
+    them without the two modules importing each other.
+    """
+
+    manager_id: str
+    owner: Callable[[], object | None]
+    core: Any
+
+    def check_stream(self, stream: object, location: Any) -> None: ...
+    def borrowed(self, token: int, handle: Any, location: Any) -> TensorResident: ...
+    def release_lease(
+        self,
+        token: int,
+        location: Any,
+        streams: list[Any],
+        *,
+        wait: bool,
+        finalizing: bool = False,
+    ) -> None: ...
+    def release_host_lease(self, token: int, finalizing: bool = False) -> None: ...
+    def release_hold(self, token: int, *, finalizing: bool = False) -> None: ...
+    def release_reservation(self, token: int, *, finalizing: bool = False) -> None: ...
+
 
 # Every live lifetime object, so that those still active at interpreter exit are
 # finalized while the runtime still works (weakref.finalize's atexit behaviour,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from fhelium import _core
 from fhelium._core import ActionKind
@@ -16,12 +16,12 @@ from fhelium._core import ActionKind
 if TYPE_CHECKING:
     from fhelium.residency.location import ResidencyLocation
     from fhelium.residency.model import ResidencyHandle
-    from fhelium.residency.plan import MemoryReservation, ResidencyAction, ResidencyPlan
 
 __all__ = [
     "ACTION_KINDS",
     "U64_MAX",
     "LoweredPlan",
+    "action_kind",
     "diagnostic_text",
     "location_code",
     "lower_actions",
@@ -75,12 +75,38 @@ def location_code(location: ResidencyLocation) -> int:
     return 2 + index
 
 
+class _Reservation(Protocol):
+    @property
+    def location(self) -> ResidencyLocation: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def label(self) -> str: ...
+
+
+class _Plan(Protocol):
+    """The fields of a `ResidencyPlan` that lowering reads (the plan module imports
+    this one, so it is named by shape here)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def reclaim(self) -> tuple[Any, ...]: ...
+    @property
+    def enter(self) -> tuple[Any, ...]: ...
+    @property
+    def exit(self) -> tuple[Any, ...]: ...
+    @property
+    def reservations(self) -> tuple[_Reservation, ...]: ...
+
+
 # The action record classes and their kinds, registered by `plan` when it defines
 # them: the plan module imports this one, never the other way round.
 ACTION_KINDS: dict[type, ActionKind] = {}
 
 
-def _kind_of(action: object) -> ActionKind:
+def action_kind(action: object) -> ActionKind:
+    """The kind of an action record, subclasses included."""
     kind = ACTION_KINDS.get(type(action))
     if kind is not None:
         return kind
@@ -91,27 +117,27 @@ def _kind_of(action: object) -> ActionKind:
 
 
 def _encode_actions(
-    actions: Iterable[ResidencyAction],
+    actions: Iterable[Any],
     slots: dict[ResidencyHandle[Any], int],
 ) -> list[tuple[ActionKind, int, int, int]]:
     encoded: list[tuple[ActionKind, int, int, int]] = []
     for action in actions:
         slot = slots.setdefault(action.handle, len(slots))
-        kind = _kind_of(action)
+        kind = action_kind(action)
         if kind == ActionKind.MOVE:
-            source = action.from_location  # type: ignore[union-attr]
+            source = action.from_location
             encoded.append(
                 (
                     kind,
                     slot,
-                    location_code(action.to),  # type: ignore[union-attr]
+                    location_code(action.to),
                     _NO_LOCATION if source is None else location_code(source),
                 )
             )
         elif kind == ActionKind.DISCARD:
             encoded.append((kind, slot, _NO_LOCATION, _NO_LOCATION))
         else:
-            location = action.location  # type: ignore[union-attr]
+            location = action.location
             encoded.append((kind, slot, location_code(location), _NO_LOCATION))
     return encoded
 
@@ -123,22 +149,22 @@ class LoweredPlan(NamedTuple):
     handles: tuple[ResidencyHandle[Any], ...]
 
 
-def lower_actions(name: str, actions: Iterable[ResidencyAction]) -> LoweredPlan:
+def lower_actions(name: str, actions: Iterable[Any]) -> LoweredPlan:
     """Lowers `execute_actions`' single phase (kept in the IR's enter phase)."""
     return _lower(name, (), actions, (), ())
 
 
-def lower_plan(plan: ResidencyPlan) -> LoweredPlan:
+def lower_plan(plan: _Plan) -> LoweredPlan:
     """Lowers a validated plan in one call into the core."""
     return _lower(plan.name, plan.reclaim, plan.enter, plan.exit, plan.reservations)
 
 
 def _lower(
     name: str,
-    reclaim_actions: Iterable[ResidencyAction],
-    enter_actions: Iterable[ResidencyAction],
-    exit_actions: Iterable[ResidencyAction],
-    plan_reservations: Iterable[MemoryReservation],
+    reclaim_actions: Iterable[Any],
+    enter_actions: Iterable[Any],
+    exit_actions: Iterable[Any],
+    plan_reservations: Iterable[_Reservation],
 ) -> LoweredPlan:
     slots: dict[ResidencyHandle[Any], int] = {}
     reclaim = _encode_actions(reclaim_actions, slots)

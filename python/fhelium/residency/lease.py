@@ -11,15 +11,12 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fhelium.residency._lifetime import LIVE, Lifetime
+from fhelium.residency._lifetime import LIVE, Lifetime, LifetimeOwner
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
 from fhelium.values.tensor_resident import TensorResident
-
-if TYPE_CHECKING:
-    from fhelium.residency._engine import Engine
 
 __all__ = ["BorrowedValues", "ResidencyHold", "ResidencyLease", "ResidencyReservation"]
 
@@ -28,7 +25,7 @@ __all__ = ["BorrowedValues", "ResidencyHold", "ResidencyLease", "ResidencyReserv
 _RETAINED: list[object] = []
 
 
-def _warn_abandoned(kind: str, engine: Engine, location: object, outcome: str) -> None:
+def _warn_abandoned(kind: str, engine: LifetimeOwner, location: object, outcome: str) -> None:
     warnings.warn(
         f"an abandoned {kind} of residency manager {engine.manager_id!r} at {location} "
         f"was never released; {outcome}. Release {kind}s explicitly (or use them as "
@@ -39,7 +36,7 @@ def _warn_abandoned(kind: str, engine: Engine, location: object, outcome: str) -
 
 
 def _finalize_lease(
-    engine: Engine, token: int, location: ResidencyLocation, streams: list[Any]
+    engine: LifetimeOwner, token: int, location: ResidencyLocation, streams: list[Any]
 ) -> None:
     try:
         engine.release_lease(token, location, streams, wait=True, finalizing=True)
@@ -62,7 +59,7 @@ def _finalize_lease(
     )
 
 
-def _finalize_hold(engine: Engine, token: int, location: ResidencyLocation) -> None:
+def _finalize_hold(engine: LifetimeOwner, token: int, location: ResidencyLocation) -> None:
     try:
         engine.release_hold(token, finalizing=True)
     except BaseException:
@@ -71,7 +68,7 @@ def _finalize_hold(engine: Engine, token: int, location: ResidencyLocation) -> N
     _warn_abandoned("hold", engine, location, "it was released")
 
 
-def _finalize_reservation(engine: Engine, token: int, location: ResidencyLocation) -> None:
+def _finalize_reservation(engine: LifetimeOwner, token: int, location: ResidencyLocation) -> None:
     try:
         engine.release_reservation(token, finalizing=True)
     except BaseException:
@@ -136,7 +133,7 @@ class ResidencyLease(Lifetime):
     def __init__(
         self,
         *,
-        manager: Engine,
+        manager: LifetimeOwner,
         token: int,
         handles: tuple[ResidencyHandle[Any], ...],
         location: ResidencyLocation,
@@ -215,7 +212,7 @@ class ResidencyHold(Lifetime):
     def __init__(
         self,
         *,
-        manager: Engine,
+        manager: LifetimeOwner,
         token: int,
         handles: tuple[ResidencyHandle[Any], ...],
         location: ResidencyLocation,
@@ -267,7 +264,7 @@ class ResidencyReservation(Lifetime):
     def __init__(
         self,
         *,
-        manager: Engine,
+        manager: LifetimeOwner,
         token: int,
         location: ResidencyLocation,
         nbytes: int,
@@ -309,7 +306,7 @@ class ResidencyReservation(Lifetime):
 
 
 def new_lease(
-    engine: Engine,
+    engine: LifetimeOwner,
     token: int,
     handles: tuple[ResidencyHandle[Any], ...],
     location: ResidencyLocation,

@@ -381,24 +381,15 @@ fn ensure<'py>(
             });
         }
         EnsurePlan::Copy { source } => {
-            let value = manager.value_object(py, index, source)?;
-            let copied = copy_to_host(context, py, &value, at)?;
-            install(manager, py, index, at, &copied, false)?;
+            copy_in(manager, py, index, source, at, false)?;
             source
         }
         EnsurePlan::Reconstruct { source_location } => {
-            let loaded = manager.load_for(py, index, source_location)?;
-            manager.drain_deferred(py)?;
-            reconstruct_into(manager, py, index, source_location, at, &loaded, false)?;
+            load_in(manager, py, index, source_location, at, false)?;
             source_location
         }
     };
-    Ok(Outcome {
-        no_op: false,
-        source: Some(context.location(py, source)?),
-        destination: Some(location.clone()),
-        reason: None,
-    })
+    installed(context, py, source, location)
 }
 
 fn move_<'py>(
@@ -427,26 +418,70 @@ fn move_<'py>(
             source
         }
         MovePlan::Copy { source } => {
-            let value = manager.value_object(py, index, source)?;
-            let copied = copy_to_host(context, py, &value, to)?;
-            install(manager, py, index, to, &copied, true)?;
+            copy_in(manager, py, index, source, to, true)?;
             lift(py, core.remove(index, source))?;
             manager.forget_value(index, source);
             source
         }
         MovePlan::Reconstruct { source_location } => {
-            let loaded = manager.load_for(py, index, source_location)?;
-            manager.drain_deferred(py)?;
-            reconstruct_into(manager, py, index, source_location, to, &loaded, true)?;
+            load_in(manager, py, index, source_location, to, true)?;
             source_location
         }
     };
+    installed(context, py, source, location)
+}
+
+/// The outcome of an install at `location` from `source`.
+fn installed<'py>(
+    context: &Context,
+    py: Python<'py>,
+    source: Location,
+    location: &Bound<'py, PyAny>,
+) -> PyResult<Outcome<'py>> {
     Ok(Outcome {
         no_op: false,
         source: Some(context.location(py, source)?),
         destination: Some(location.clone()),
         reason: None,
     })
+}
+
+/// Copies the materialisation at `source` to the host location `at` and installs it.
+fn copy_in(
+    manager: &CoreManager,
+    py: Python<'_>,
+    index: HandleId,
+    source: Location,
+    at: Location,
+    exclusive_transition: bool,
+) -> PyResult<()> {
+    let context = manager.context().expect("checked by the caller");
+    let value = manager.value_object(py, index, source)?;
+    let copied = copy_to_host(context, py, &value, at)?;
+    install(manager, py, index, at, &copied, exclusive_transition)
+}
+
+/// Runs the source's `load()` (the core has charged `source_location`), applies the
+/// releases that arrived meanwhile, and installs the loaded value at `at`.
+fn load_in(
+    manager: &CoreManager,
+    py: Python<'_>,
+    index: HandleId,
+    source_location: Location,
+    at: Location,
+    exclusive_transition: bool,
+) -> PyResult<()> {
+    let loaded = manager.load_for(py, index, source_location)?;
+    manager.drain_deferred(py)?;
+    reconstruct_into(
+        manager,
+        py,
+        index,
+        source_location,
+        at,
+        &loaded,
+        exclusive_transition,
+    )
 }
 
 fn copy_to_host<'py>(
