@@ -128,7 +128,7 @@ def test_builder_refuses_a_class_it_cannot_fill(sim: Any) -> None:
     assert builder.record_class is MaterializationSnapshot
     # A builder for the wrong record class is refused before anything is built.
     manager, _ = _manager()
-    view = manager._engine.core.current()
+    view, _ = manager._engine.core.snapshot_state()
     with pytest.raises(ValueError, match="fields"):
         view.value_entries(manager._engine.core, builder, builder, lambda code: None)
     manager.close()

@@ -431,13 +431,13 @@ class ResidencyController:
             # docs/concepts/controller.md#decide).
             core.enter(True, True)
             try:
-                engine.reap()
+                core.reap()
                 state_version = core.version
                 rows = self._requirement_rows(request)
                 # The search, the plan's core IR and its simulation (the explanation),
                 # in one core call; explain's rule for completed pending leases.
                 (ir, simulation, slots, reclaim, enter, evictions, explored, _version) = (
-                    self._search(request, rows, engine.completed_pending_leases())
+                    self._search(request, rows, core.completed_pending())
                 )
             finally:
                 core.exit()

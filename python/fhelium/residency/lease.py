@@ -325,3 +325,22 @@ def new_lease(
     lease._active = True
     LIVE[id(lease)] = weakref.ref(lease)
     return lease
+
+
+def new_hold(
+    engine: LifetimeOwner,
+    token: int,
+    handles: tuple[ResidencyHandle[Any], ...],
+    location: ResidencyLocation,
+) -> ResidencyHold:
+    """The manager's constructor for holds it has just admitted."""
+    return ResidencyHold(manager=engine, token=token, handles=handles, location=location)
+
+
+def new_reservation(
+    engine: LifetimeOwner, token: int, location: ResidencyLocation, nbytes: int, label: str
+) -> ResidencyReservation:
+    """The manager's constructor for reservations it has just admitted."""
+    return ResidencyReservation(
+        manager=engine, token=token, location=location, nbytes=nbytes, label=label
+    )

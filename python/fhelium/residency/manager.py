@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from fhelium.errors import ResidencyPlanExecutionError
 from fhelium.residency import _plans
-from fhelium.residency._engine import Engine
+from fhelium.residency._engine import Engine, normalize_handles
 from fhelium.residency._lifetime import Lifetime, chain_context
 from fhelium.residency._records import trusted_builder
 from fhelium.residency.lease import ResidencyHold, ResidencyLease, ResidencyReservation
@@ -108,11 +108,7 @@ class ResidencyManager:
     ) -> ResidencyHandle[ValueT]:
         """Take ownership of an existing value as a MUST_PRESERVE managed value."""
         engine = self._engine
-        if (
-            type(replica_mode) is ReplicaMode
-            and isinstance(value, TensorResident)
-            and not engine.pending_events
-        ):
+        if type(replica_mode) is ReplicaMode and isinstance(value, TensorResident):
             # A host value in one core call; it declines what needs the full path.
             adopted: ResidencyHandle[ValueT] | None = engine.core.adopt_host(
                 value, at, replica_mode, replica_mode is ReplicaMode.EXCLUSIVE
@@ -130,7 +126,7 @@ class ResidencyManager:
     ) -> ResidencyHandle[ValueT]:
         """Register a reconstructible value; `source.load()` runs only when needed."""
         engine = self._engine
-        if type(spec) is ResidencyValueSpec and not engine.pending_events:
+        if type(spec) is ResidencyValueSpec:
             # The common case in one core call; it declines what needs the full path.
             registered: ResidencyHandle[ValueT] | None = engine.core.register_host(
                 spec, source, source_location
@@ -246,18 +242,10 @@ class ResidencyManager:
         CUDA locations need the `consumer_stream` that will read the values.
         """
         engine = self._engine
-        if (
-            consumer_stream is None
-            and type(handles) is tuple
-            and len(handles) == 1
-            and type(handles[0]) is ResidencyHandle
-            and not engine.pending_events
-        ):
-            # One handle at a host location in one core call; it declines the rest.
-            lease: ResidencyLease | None = engine.core.acquire_host(engine, handles, at)
-            if lease is not None:
-                return lease
-        return engine.acquire(handles, at=at, consumer_stream=consumer_stream)
+        lease: ResidencyLease = engine.core.acquire(
+            engine, normalize_handles(handles), at, consumer_stream
+        )
+        return lease
 
     def hold(
         self, handles: Iterable[ResidencyHandle[Any]], *, at: ResidencyLocation
@@ -292,9 +280,7 @@ class ResidencyManager:
         self._engine.close(wait=wait, force=force)
 
     def __enter__(self) -> ResidencyManager:
-        core = self._engine.core
-        core.enter(True, False)
-        core.exit()
+        self._engine.core.check_open()
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:

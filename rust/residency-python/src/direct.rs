@@ -10,7 +10,6 @@ use std::sync::{Mutex, PoisonError};
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
 use residency_core::{Location, Recoverability, ReplicaMode, ValueSpec};
 
 use crate::errors::to_py_err;
@@ -155,9 +154,7 @@ pub fn register(
     source: &Bound<'_, PyAny>,
     source_location: &Bound<'_, PyAny>,
 ) -> PyResult<Option<Py<PyAny>>> {
-    let Some(context) = manager.context() else {
-        return Ok(None);
-    };
+    let context = manager.context();
     let Some(location) = context.host_code(py, source_location)? else {
         return Ok(None);
     };
@@ -205,9 +202,7 @@ pub fn adopt(
     replica_mode: &Bound<'_, PyAny>,
     exclusive: bool,
 ) -> PyResult<Option<Py<PyAny>>> {
-    let Some(context) = manager.context() else {
-        return Ok(None);
-    };
+    let context = manager.context();
     let requested = if at.is_none() {
         None
     } else {
@@ -231,7 +226,7 @@ fn adopt_locked(
     replica_mode: &Bound<'_, PyAny>,
     exclusive: bool,
 ) -> PyResult<Option<Py<PyAny>>> {
-    let context = manager.context().expect("checked by the caller");
+    let context = manager.context();
     let core = manager.core();
     if core.pending_leases() > 0 {
         return Ok(None);
@@ -289,56 +284,4 @@ fn adopt_locked(
         value.clone().unbind(),
     )?;
     Ok(Some(handle))
-}
-
-/// Borrows `handles` (already normalised) at a host location for a new lease built
-/// by the engine's `new_lease(engine, token, handles, location, streams)`.
-pub fn acquire(
-    manager: &CoreManager,
-    py: Python<'_>,
-    engine: &Bound<'_, PyAny>,
-    handles: &Bound<'_, PyTuple>,
-    at: &Bound<'_, PyAny>,
-) -> PyResult<Option<Py<PyAny>>> {
-    let Some(context) = manager.context() else {
-        return Ok(None);
-    };
-    let Some(location) = context.host_code(py, at)? else {
-        return Ok(None);
-    };
-    manager.enter_gate(py, true, true)?;
-    let result = (|| {
-        let core = manager.core();
-        if core.pending_leases() > 0 {
-            return Ok(None);
-        }
-        manager.drain_deferred(py)?;
-        let mut indices = Vec::with_capacity(handles.len());
-        for handle in handles.iter() {
-            match manager.resolve_live(py, &handle)? {
-                Some(index) => indices.push(index),
-                None => return Ok(None),
-            }
-        }
-        let token = core
-            .acquire(&indices, location)
-            .map_err(|err| to_py_err(py, err))?;
-        let lease = context.new_lease(py).call1((
-            engine,
-            token,
-            handles,
-            at,
-            pyo3::types::PyList::empty(py),
-        ));
-        match lease {
-            Ok(lease) => Ok(Some(lease.unbind())),
-            Err(err) => {
-                // Nothing may keep the tokens of a lease that was never handed out.
-                core.release_lease(token);
-                Err(err)
-            }
-        }
-    })();
-    manager.core().exit();
-    result
 }

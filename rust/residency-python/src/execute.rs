@@ -1,20 +1,18 @@
-//! One transition end to end in one call: the path every host action takes.
+//! One transition end to end in one call: the path every action takes.
 //!
-//! An ensure, move, drop or discard whose locations are all on the host runs here
-//! without returning to the Python glue: the core decides and charges, the
-//! reconstruction source's `load()` and the runtime's host copy are the only Python
-//! code called, values are measured and validated here, and the transition report is
-//! built here. Anything else (a CUDA location, a transfer stream, pending CUDA
-//! leases to reap, a subclassed action, a handle that does not resolve) is declined
-//! before any state changes, and the glue takes its general path, which follows the
-//! same rules (docs/concepts/transitions.md).
+//! An ensure, move, drop or discard runs here without returning to the Python glue:
+//! the core decides and charges, values are measured and validated here, and the
+//! transition report is built here. Python code runs only for the reconstruction
+//! source's `load()`, the runtime's copies, event recording and synchronisation,
+//! stream checks and allocator samples (docs/concepts/transitions.md).
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use pyo3::IntoPyObjectExt;
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyString, PyTuple};
+use pyo3::types::{PyDict, PyString, PyTuple};
 use residency_core::{CoreError, EnsurePlan, HandleId, Location, MovePlan};
 
 use crate::errors::to_py_err;
@@ -51,13 +49,19 @@ pub struct Context {
     /// Builds a lease: `(engine, token, handles, location, streams)`.
     new_lease: Py<PyAny>,
     exclusive: Py<PyAny>,
+    /// CUDA devices the runtime reports (0 without CUDA).
+    cuda_count: u32,
+    /// Builds a hold: `(engine, token, handles, location)`.
+    new_hold: Py<PyAny>,
+    /// Builds a reservation: `(engine, token, location, nbytes, label)`.
+    new_reservation: Py<PyAny>,
 }
 
 impl Context {
     /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
     /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
     /// (ensure_noop, move_noop, drop_noop), type_key, spec_builder, must_preserve,
-    /// new_lease, exclusive)`.
+    /// new_lease, exclusive, cuda_count, new_hold, new_reservation)`.
     pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
         let item = |index: usize| items.get_item(index).map(Bound::unbind);
         let reasons = items.get_item(11)?;
@@ -82,6 +86,9 @@ impl Context {
             must_preserve: item(14)?,
             new_lease: item(15)?,
             exclusive: item(16)?,
+            cuda_count: items.get_item(17)?.extract()?,
+            new_hold: item(18)?,
+            new_reservation: item(19)?,
         })
     }
 
@@ -122,6 +129,103 @@ impl Context {
         self.new_lease.bind(py)
     }
 
+    pub(crate) fn new_hold<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.new_hold.bind(py)
+    }
+
+    pub(crate) fn new_reservation<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.new_reservation.bind(py)
+    }
+
+    pub(crate) fn runtime<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.runtime.bind(py)
+    }
+
+    pub(crate) fn cuda_count(&self) -> u32 {
+        self.cuda_count
+    }
+
+    /// The code of a location record: a `TypeError` for anything else, a
+    /// `ValueError` for a CUDA device this process cannot use
+    /// (docs/concepts/locations-and-budgets.md).
+    pub(crate) fn location_code(
+        &self,
+        py: Python<'_>,
+        location: &Bound<'_, PyAny>,
+    ) -> PyResult<Location> {
+        if location.is(&self.pageable) {
+            return Ok(Location::PageableHost);
+        }
+        if location.is(&self.pinned) {
+            return Ok(Location::PinnedHost);
+        }
+        if !location.is_instance(&self.pageable.bind(py).get_type())? {
+            return Err(PyTypeError::new_err(format!(
+                "expected a ResidencyLocation, got {}",
+                location.get_type().name()?
+            )));
+        }
+        let kind = location.getattr(intern!(py, "kind"))?;
+        match kind.cast::<PyString>()?.to_str()? {
+            "pageable-host" => return Ok(Location::PageableHost),
+            "pinned-host" => return Ok(Location::PinnedHost),
+            _ => {}
+        }
+        let index: u32 = location
+            .getattr(intern!(py, "device"))?
+            .getattr(intern!(py, "index"))?
+            .extract()?;
+        if self.cuda_count == 0 {
+            return Err(PyValueError::new_err(format!(
+                "{} is not usable: CUDA is not available",
+                location.str()?
+            )));
+        }
+        if index >= self.cuda_count {
+            return Err(PyValueError::new_err(format!(
+                "{} is not usable: only {} CUDA device(s) present",
+                location.str()?,
+                self.cuda_count
+            )));
+        }
+        Location::cuda(index).map_err(|err| to_py_err(py, err))
+    }
+
+    /// A transfer or consumer stream must be a CUDA stream on the location's device.
+    pub(crate) fn check_stream(
+        &self,
+        py: Python<'_>,
+        stream: &Bound<'_, PyAny>,
+        location: &Bound<'_, PyAny>,
+        at: Location,
+    ) -> PyResult<()> {
+        let runtime = self.runtime.bind(py);
+        if !runtime
+            .call_method1(intern!(py, "is_stream"), (stream,))?
+            .is_truthy()?
+        {
+            return Err(PyTypeError::new_err(format!(
+                "stream must be a CUDA stream, got {}",
+                stream.get_type().name()?
+            )));
+        }
+        if !matches!(at, Location::Cuda(_)) {
+            return Err(PyValueError::new_err(format!(
+                "a stream was given for host location {}",
+                location.str()?
+            )));
+        }
+        let device = runtime.call_method1(intern!(py, "stream_device"), (stream,))?;
+        if device.ne(location.getattr(intern!(py, "device"))?)? {
+            return Err(PyValueError::new_err(format!(
+                "stream is on {}, but the location is {}",
+                device.str()?,
+                location.str()?
+            )));
+        }
+        Ok(())
+    }
+
     /// The code of a host location record; `None` for anything else.
     pub(crate) fn host_code(
         &self,
@@ -152,7 +256,12 @@ impl Context {
         })
     }
 
-    fn location<'py>(&self, py: Python<'py>, location: Location) -> PyResult<Bound<'py, PyAny>> {
+    /// The location record of a code.
+    pub(crate) fn location<'py>(
+        &self,
+        py: Python<'py>,
+        location: Location,
+    ) -> PyResult<Bound<'py, PyAny>> {
         match location {
             Location::PageableHost => Ok(self.pageable.bind(py).clone()),
             Location::PinnedHost => Ok(self.pinned.bind(py).clone()),
@@ -169,7 +278,7 @@ enum Kind {
     Discard,
 }
 
-fn now_ns() -> u64 {
+pub(crate) fn now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |elapsed| {
@@ -193,142 +302,187 @@ struct Outcome<'py> {
     reason: Option<Bound<'py, PyAny>>,
 }
 
-/// Runs `action` if it is a host action, taking the gate for it; `None` declines.
-pub fn run_host(
+/// Allocator figures around a transition that touches a CUDA device.
+struct Sample<'py> {
+    allocated: Bound<'py, PyAny>,
+    reserved: Bound<'py, PyAny>,
+}
+
+/// Runs `action` as one transition, taking the gate for it.
+pub fn run(
     manager: &CoreManager,
     py: Python<'_>,
     action: &Bound<'_, PyAny>,
-) -> PyResult<Option<Py<PyAny>>> {
-    let Some(prepared) = prepare(manager, py, action)? else {
-        return Ok(None);
-    };
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Py<PyAny>> {
     manager.enter_transition_gate(py)?;
-    let result = execute_prepared(manager, py, action, &prepared);
+    let result = execute(manager, py, action, stream);
     manager.core().end_transition();
     manager.core().exit();
     result
 }
 
-/// Runs `action` if it is a host action; the caller holds the gate (a plan phase).
+/// Runs a host action (no transfer stream); the caller holds the gate (a plan phase).
+/// Never declines: the `Option` is kept for callers that fall back otherwise.
 pub fn execute_host(
     manager: &CoreManager,
     py: Python<'_>,
     action: &Bound<'_, PyAny>,
 ) -> PyResult<Option<Py<PyAny>>> {
-    let Some(prepared) = prepare(manager, py, action)? else {
-        return Ok(None);
-    };
-    execute_prepared(manager, py, action, &prepared)
+    execute(manager, py, action, None).map(Some)
 }
 
-/// What an action names, read before the gate is taken.
-struct Prepared<'py> {
-    kind: Kind,
-    handle: Bound<'py, PyAny>,
-    location: Option<(Location, Bound<'py, PyAny>)>,
-    from: Option<Location>,
+/// The action's kind: by exact class first, then as a subclass of one of the four.
+fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<Kind> {
+    let action_type = action.get_type();
+    let classes = [
+        (&context.ensure, Kind::Ensure),
+        (&context.move_, Kind::Move),
+        (&context.drop, Kind::Drop),
+        (&context.discard, Kind::Discard),
+    ];
+    for (class, kind) in classes {
+        if action_type.is(class) {
+            return Ok(kind);
+        }
+    }
+    for (class, kind) in classes {
+        if action.is_instance(class.bind(action.py()))? {
+            return Ok(kind);
+        }
+    }
+    Err(PyTypeError::new_err(format!(
+        "not a residency action: {}",
+        action.repr()?
+    )))
 }
 
-fn prepare<'py>(
+/// An action's locations, checked, with its transfer stream checked against them.
+enum Step<'py> {
+    Ensure {
+        at: Location,
+        location: Bound<'py, PyAny>,
+    },
+    Move {
+        to: Location,
+        location: Bound<'py, PyAny>,
+        from: Option<Location>,
+    },
+    Drop {
+        at: Location,
+        location: Bound<'py, PyAny>,
+    },
+    Discard,
+}
+
+fn read_step<'py>(
     manager: &CoreManager,
     py: Python<'py>,
     action: &Bound<'py, PyAny>,
-) -> PyResult<Option<Prepared<'py>>> {
-    let Some(context) = manager.context() else {
-        return Ok(None);
-    };
-    let action_type = action.get_type();
-    let kind = if action_type.is(&context.ensure) {
-        Kind::Ensure
-    } else if action_type.is(&context.drop) {
-        Kind::Drop
-    } else if action_type.is(&context.move_) {
-        Kind::Move
-    } else if action_type.is(&context.discard) {
-        Kind::Discard
-    } else {
-        return Ok(None);
-    };
-    let handle = action.getattr(intern!(py, "handle"))?;
-    let (location, from) = match kind {
-        Kind::Discard => (None, None),
-        Kind::Ensure | Kind::Drop => {
+    stream: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Step<'py>> {
+    let context = manager.context();
+    Ok(match action_kind(context, action)? {
+        Kind::Ensure => {
             let location = action.getattr(intern!(py, "location"))?;
-            let Some(code) = context.host_code(py, &location)? else {
-                return Ok(None);
-            };
-            (Some((code, location)), None)
+            let at = context.location_code(py, &location)?;
+            if let Some(stream) = stream {
+                context.check_stream(py, stream, &location, at)?;
+            }
+            Step::Ensure { at, location }
         }
         Kind::Move => {
-            let to = action.getattr(intern!(py, "to"))?;
-            let Some(code) = context.host_code(py, &to)? else {
-                return Ok(None);
-            };
+            let location = action.getattr(intern!(py, "to"))?;
+            let to = context.location_code(py, &location)?;
             let from = action.getattr(intern!(py, "from_location"))?;
             let from = if from.is_none() {
                 None
             } else {
-                let Some(from) = context.host_code(py, &from)? else {
-                    return Ok(None);
-                };
-                Some(from)
+                Some(context.location_code(py, &from)?)
             };
-            (Some((code, to)), from)
+            if let Some(stream) = stream {
+                context.check_stream(py, stream, &location, to)?;
+            }
+            Step::Move { to, location, from }
         }
-    };
-    Ok(Some(Prepared {
-        kind,
-        handle,
-        location,
-        from,
-    }))
+        Kind::Drop => {
+            let location = action.getattr(intern!(py, "location"))?;
+            let at = context.location_code(py, &location)?;
+            if stream.is_some() {
+                return Err(PyValueError::new_err(
+                    "DropResident does not take a transfer stream",
+                ));
+            }
+            Step::Drop { at, location }
+        }
+        Kind::Discard => {
+            if stream.is_some() {
+                return Err(PyValueError::new_err(
+                    "DiscardValue does not take a transfer stream",
+                ));
+            }
+            Step::Discard
+        }
+    })
 }
 
-fn execute_prepared(
+/// Runs `action` inside a transition; the caller holds the gate.
+pub fn execute(
     manager: &CoreManager,
     py: Python<'_>,
     action: &Bound<'_, PyAny>,
-    prepared: &Prepared<'_>,
-) -> PyResult<Option<Py<PyAny>>> {
-    let Some(context) = manager.context() else {
-        return Ok(None);
-    };
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Py<PyAny>> {
+    let context = manager.context();
     let core = manager.core();
-    // Reaping pending CUDA leases needs their events, which the glue holds.
-    if core.pending_leases() > 0 {
-        return Ok(None);
-    }
-    manager.drain_deferred(py)?;
-    let Some(index) = manager.resolve_live(py, &prepared.handle)? else {
-        return Ok(None);
-    };
-    // A discard, or a move choosing its own source, that may involve a CUDA
-    // materialisation samples the allocator: the general path does that.
-    let samples_cuda = matches!(prepared.kind, Kind::Discard)
-        || (matches!(prepared.kind, Kind::Move) && prepared.from.is_none());
-    if samples_cuda
-        && lift(py, core.materialization_locations(index))?
-            .iter()
-            .any(|location| matches!(location, Location::Cuda(_)))
-    {
-        return Ok(None);
-    }
+    crate::lifetimes::reap(manager, py)?;
     let started = now_ns();
-    let outcome = match (prepared.kind, &prepared.location) {
-        (Kind::Ensure, Some((at, location))) => ensure(manager, py, index, *at, location)?,
-        (Kind::Move, Some((to, location))) => {
-            move_(manager, py, index, *to, location, prepared.from)?
+    let handle = action.getattr(intern!(py, "handle"))?;
+    let Some(index) = manager.resolve_live(py, &handle)? else {
+        return Err(manager.handle_error(py, &handle)?);
+    };
+    let step = read_step(manager, py, action, stream)?;
+    let device = match &step {
+        Step::Ensure { at, location } | Step::Drop { at, location } => {
+            if matches!(at, Location::Cuda(_)) {
+                Some(location.getattr(intern!(py, "device"))?)
+            } else {
+                None
+            }
         }
-        (Kind::Drop, Some((at, location))) => {
-            let dropped = manager.drop_value(py, index, *at)?;
+        Step::Move { to, from, .. } => {
+            let mut touched = vec![*to];
+            match from {
+                Some(from) => touched.push(*from),
+                None => touched.extend(lift(py, core.materialization_locations(index))?),
+            }
+            first_cuda(context, py, &touched)?
+        }
+        Step::Discard => first_cuda(
+            context,
+            py,
+            &lift(py, core.materialization_locations(index))?,
+        )?,
+    };
+    let before = match &device {
+        Some(cuda) => sample(context, py, cuda)?,
+        None => None,
+    };
+    let outcome = match step {
+        Step::Ensure { at, location } => ensure(manager, py, index, at, &location, stream)?,
+        Step::Move { to, location, from } => {
+            move_(manager, py, index, to, &location, from, stream)?
+        }
+        Step::Drop { at, location } => {
+            let dropped = manager.drop_value(py, index, at)?;
             Outcome {
                 no_op: !dropped,
-                source: Some(location.clone()),
+                source: Some(location),
                 destination: None,
                 reason: (!dropped).then(|| context.drop_noop.bind(py).clone()),
             }
         }
-        _ => {
+        Step::Discard => {
             manager.discard_value(py, index)?;
             Outcome {
                 no_op: false,
@@ -338,28 +492,108 @@ fn execute_prepared(
             }
         }
     };
+    let after = match &device {
+        Some(cuda) => sample(context, py, cuda)?,
+        None => None,
+    };
     let spec = lift(py, core.value_spec(index))?;
+    let report = report(
+        context,
+        py,
+        action,
+        outcome,
+        (spec.logical_nbytes(), spec.storage_nbytes()),
+        started,
+        device,
+        (before, after),
+    )?;
+    manager.record(py, &report);
+    Ok(report)
+}
+
+/// The transition report, built without running Python code.
+#[allow(clippy::too_many_arguments)]
+fn report<'py>(
+    context: &Context,
+    py: Python<'py>,
+    action: &Bound<'py, PyAny>,
+    outcome: Outcome<'py>,
+    (logical, storage): (u64, u64),
+    started: u64,
+    device: Option<Bound<'py, PyAny>>,
+    (before, after): (Option<Sample<'py>>, Option<Sample<'py>>),
+) -> PyResult<Py<PyAny>> {
     let none = py.None().into_bound(py);
+    let (allocated_before, reserved_before) = figures(&none, before);
+    let (allocated_after, reserved_after) = figures(&none, after);
     let fields = [
         action.clone(),
         outcome.no_op.into_bound_py_any(py)?,
         outcome.source.unwrap_or_else(|| none.clone()),
         outcome.destination.unwrap_or_else(|| none.clone()),
-        spec.logical_nbytes().into_bound_py_any(py)?,
-        spec.storage_nbytes().into_bound_py_any(py)?,
+        logical.into_bound_py_any(py)?,
+        storage.into_bound_py_any(py)?,
         started.into_bound_py_any(py)?,
         now_ns().max(started).into_bound_py_any(py)?,
-        none.clone(),
-        none.clone(),
-        none.clone(),
-        none.clone(),
-        none.clone(),
+        device.unwrap_or_else(|| none.clone()),
+        allocated_before,
+        reserved_before,
+        allocated_after,
+        reserved_after,
         outcome.reason.unwrap_or(none),
     ];
     let fields: Vec<&Bound<'_, PyAny>> = fields.iter().collect();
-    let report = context.report.get().build(py, &fields)?.unbind();
-    manager.record(py, &report);
-    Ok(Some(report))
+    Ok(context.report.get().build(py, &fields)?.unbind())
+}
+
+fn figures<'py>(
+    none: &Bound<'py, PyAny>,
+    sample: Option<Sample<'py>>,
+) -> (Bound<'py, PyAny>, Bound<'py, PyAny>) {
+    match sample {
+        Some(sample) => (sample.allocated, sample.reserved),
+        None => (none.clone(), none.clone()),
+    }
+}
+
+/// The device of the first CUDA location among `locations`.
+fn first_cuda<'py>(
+    context: &Context,
+    py: Python<'py>,
+    locations: &[Location],
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    locations
+        .iter()
+        .find(|location| matches!(location, Location::Cuda(_)))
+        .map(|location| {
+            context
+                .location(py, *location)?
+                .getattr(intern!(py, "device"))
+        })
+        .transpose()
+}
+
+/// The allocator's figures on `device`; a runtime that cannot say gives none.
+fn sample<'py>(
+    context: &Context,
+    py: Python<'py>,
+    device: &Bound<'py, PyAny>,
+) -> PyResult<Option<Sample<'py>>> {
+    let runtime = context.runtime.bind(py);
+    let figures = runtime
+        .call_method1(intern!(py, "memory_allocated"), (device,))
+        .and_then(|allocated| {
+            let reserved = runtime.call_method1(intern!(py, "memory_reserved"), (device,))?;
+            Ok(Sample {
+                allocated,
+                reserved,
+            })
+        });
+    match figures {
+        Ok(sample) => Ok(Some(sample)),
+        Err(err) if err.is_instance_of::<PyException>(py) => Ok(None),
+        Err(err) => Err(err),
+    }
 }
 
 fn ensure<'py>(
@@ -368,8 +602,9 @@ fn ensure<'py>(
     index: HandleId,
     at: Location,
     location: &Bound<'py, PyAny>,
+    stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Outcome<'py>> {
-    let context = manager.context().expect("checked by the caller");
+    let context = manager.context();
     let core = manager.core();
     let source = match lift(py, core.plan_ensure(index, at))? {
         EnsurePlan::NoOp => {
@@ -381,11 +616,11 @@ fn ensure<'py>(
             });
         }
         EnsurePlan::Copy { source } => {
-            copy_in(manager, py, index, source, at, false)?;
+            copy_in(manager, py, index, source, at, false, stream)?;
             source
         }
         EnsurePlan::Reconstruct { source_location } => {
-            load_in(manager, py, index, source_location, at, false)?;
+            load_in(manager, py, index, source_location, at, false, stream)?;
             source_location
         }
     };
@@ -399,8 +634,9 @@ fn move_<'py>(
     to: Location,
     location: &Bound<'py, PyAny>,
     from: Option<Location>,
+    stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Outcome<'py>> {
-    let context = manager.context().expect("checked by the caller");
+    let context = manager.context();
     let core = manager.core();
     let source = match lift(py, core.plan_move(index, to, from))? {
         MovePlan::NoOp { source } => {
@@ -418,13 +654,13 @@ fn move_<'py>(
             source
         }
         MovePlan::Copy { source } => {
-            copy_in(manager, py, index, source, to, true)?;
+            copy_in(manager, py, index, source, to, true, stream)?;
             lift(py, core.remove(index, source))?;
             manager.forget_value(index, source);
             source
         }
         MovePlan::Reconstruct { source_location } => {
-            load_in(manager, py, index, source_location, to, true)?;
+            load_in(manager, py, index, source_location, to, true, stream)?;
             source_location
         }
     };
@@ -446,7 +682,7 @@ fn installed<'py>(
     })
 }
 
-/// Copies the materialisation at `source` to the host location `at` and installs it.
+/// Copies the materialisation at `source` to `at` and installs it.
 fn copy_in(
     manager: &CoreManager,
     py: Python<'_>,
@@ -454,10 +690,10 @@ fn copy_in(
     source: Location,
     at: Location,
     exclusive_transition: bool,
+    stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    let context = manager.context().expect("checked by the caller");
     let value = manager.value_object(py, index, source)?;
-    let copied = copy_to_host(context, py, &value, at)?;
+    let copied = copy_to(manager.context(), py, &value, source, at, stream)?;
     install(manager, py, index, at, &copied, exclusive_transition)
 }
 
@@ -470,6 +706,7 @@ fn load_in(
     source_location: Location,
     at: Location,
     exclusive_transition: bool,
+    stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let loaded = manager.load_for(py, index, source_location)?;
     manager.drain_deferred(py)?;
@@ -481,25 +718,81 @@ fn load_in(
         at,
         &loaded,
         exclusive_transition,
+        stream,
     )
 }
 
-fn copy_to_host<'py>(
+/// Host copies are synchronous. A CUDA copy is enqueued on the transfer stream (the
+/// device's current stream without one) and waited for through an event; if it
+/// fails, the stream is synchronised before the error propagates, because the copy
+/// may still be reading its source (docs/concepts/transitions.md).
+fn copy_to<'py>(
     context: &Context,
     py: Python<'py>,
     value: &Bound<'py, PyAny>,
+    source: Location,
     at: Location,
+    stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let runtime = context.runtime.bind(py);
     match at {
         Location::PinnedHost => runtime.call_method1(intern!(py, "copy_to_pinned"), (value,)),
-        _ => runtime.call_method1(intern!(py, "copy_to_pageable"), (value,)),
+        Location::PageableHost => runtime.call_method1(intern!(py, "copy_to_pageable"), (value,)),
+        Location::Cuda(_) => {
+            let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
+            let copy_stream = match stream {
+                Some(stream) => stream.clone(),
+                None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
+            };
+            let copied = (|| {
+                let options = PyDict::new(py);
+                options.set_item(
+                    intern!(py, "non_blocking"),
+                    source != Location::PageableHost,
+                )?;
+                let copied = runtime.call_method(
+                    intern!(py, "copy_to_cuda"),
+                    (value, &device, &copy_stream),
+                    Some(&options),
+                )?;
+                let event = runtime.call_method1(intern!(py, "record_event"), (&copy_stream,))?;
+                runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+                Ok(copied)
+            })();
+            let Err(error) = copied else {
+                return copied;
+            };
+            // Interrupts too: the copy may still be reading the source on the stream.
+            if let Err(cleanup) =
+                runtime.call_method1(intern!(py, "synchronize_stream"), (&copy_stream,))
+            {
+                if !cleanup.is_instance_of::<PyException>(py) {
+                    // As a raise inside an except block would: the original error is
+                    // the cleanup error's context.
+                    cleanup
+                        .value(py)
+                        .setattr(intern!(py, "__context__"), error.value(py))?;
+                    return Err(cleanup);
+                }
+                let note = format!(
+                    "cleanup after the failed transfer to {} also failed: copy stream \
+                     synchronize raised {}",
+                    device.str()?,
+                    cleanup.value(py).repr()?
+                );
+                error
+                    .value(py)
+                    .call_method1(intern!(py, "add_note"), (note,))?;
+            }
+            Err(error)
+        }
     }
 }
 
 /// After the core took the temporary charge at `source` and `load()` returned:
 /// validate the loaded value there, then install it there or copy it to `at`. The
 /// temporary charge is returned on every path.
+#[allow(clippy::too_many_arguments)]
 fn reconstruct_into(
     manager: &CoreManager,
     py: Python<'_>,
@@ -508,6 +801,7 @@ fn reconstruct_into(
     at: Location,
     loaded: &Bound<'_, PyAny>,
     exclusive_transition: bool,
+    stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let core = manager.core();
     let mut charged = true;
@@ -521,8 +815,7 @@ fn reconstruct_into(
         } else {
             validate(manager, py, index, source, loaded, true)?;
             lift(py, core.admit(index, at))?;
-            let context = manager.context().expect("checked by the caller");
-            let copied = copy_to_host(context, py, loaded, at)?;
+            let copied = copy_to(manager.context(), py, loaded, source, at, stream)?;
             install(manager, py, index, at, &copied, exclusive_transition)
         }
     })();
@@ -581,7 +874,7 @@ fn validate<'py>(
     value: &Bound<'py, PyAny>,
     check_bytes: bool,
 ) -> PyResult<Facts<'py>> {
-    let context = manager.context().expect("checked by the caller");
+    let context = manager.context();
     let spec = manager.spec_object(py, index)?;
     let value_type = spec.bind(py).getattr(intern!(py, "value_type"))?;
     if !value.is_instance(&value_type)? {

@@ -7,6 +7,7 @@ mod direct;
 mod errors;
 mod execute;
 mod kinds;
+mod lifetimes;
 mod manager;
 mod measure;
 mod objects;

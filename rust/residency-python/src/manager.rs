@@ -16,13 +16,13 @@ use residency_core::gate::DEFAULT_POLL;
 use std::collections::HashMap;
 
 use residency_core::{
-    CoreError, CudaDevices, EnsurePlan, HandleId, HandleName, Location, Manager, MovePlan,
-    Recoverability, ReplicaMode, Simulation, SlotResolution, State, StorageKey, ValueSpec,
+    CoreError, CudaDevices, HandleId, HandleName, Location, Manager, Recoverability, ReplicaMode,
+    Simulation, SlotResolution, State, StorageKey, ValueSpec,
 };
 
 use crate::direct::AdoptedShapes;
 use crate::execute::Context;
-use crate::kinds::{EnsureOutcome, LeaseState, LifetimeKind, MoveOutcome};
+use crate::kinds::LifetimeKind;
 use crate::objects::Objects;
 use crate::plan::PlanIr;
 use crate::records::RecordBuilder;
@@ -67,8 +67,8 @@ pub struct CoreManager {
     handles: Py<RecordBuilder>,
     /// One string object for the id every handle of this manager carries.
     manager_id: Py<PyString>,
-    /// What the one-call transition path needs (see `execute`); `None` disables it.
-    context: Option<Context>,
+    /// The engine's classes, builders and runtime (see `execute::Context`).
+    context: Context,
     trace: Mutex<Trace>,
     adopted_shapes: AdoptedShapes,
 }
@@ -91,21 +91,103 @@ impl CoreManager {
         &self.core
     }
 
-    pub(crate) fn context(&self) -> Option<&Context> {
-        self.context.as_ref()
+    pub(crate) fn context(&self) -> &Context {
+        &self.context
     }
 
-    pub(crate) fn adopted_shapes(&self) -> &AdoptedShapes {
-        &self.adopted_shapes
+    pub(crate) fn objects(&self) -> &Objects {
+        &self.objects
     }
 
-    pub(crate) fn enter_gate(
+    /// Passes the gate and the requested guards, waiting (without the interpreter)
+    /// for another thread's operation; fails fast if a source callback starts
+    /// meanwhile.
+    pub(crate) fn enter_core(
         &self,
         py: Python<'_>,
         check_closed: bool,
         check_reentrant: bool,
-    ) -> PyResult<()> {
-        self.enter(py, check_closed, check_reentrant)
+    ) -> Result<(), CoreError> {
+        if self.core.try_enter(check_closed, check_reentrant)? {
+            return Ok(());
+        }
+        let core = Arc::clone(&self.core);
+        py.detach(move || core.enter(DEFAULT_POLL, check_closed, check_reentrant))
+    }
+
+    /// Runs `operation` holding the gate.
+    pub(crate) fn with_gate<T>(
+        &self,
+        py: Python<'_>,
+        check_closed: bool,
+        check_reentrant: bool,
+        operation: impl FnOnce() -> PyResult<T>,
+    ) -> PyResult<T> {
+        Self::lift(py, self.enter_core(py, check_closed, check_reentrant))?;
+        let result = operation();
+        self.core.exit();
+        result
+    }
+
+    /// The precise error for a handle that does not resolve: another manager's, a
+    /// discarded value's, or one this manager never issued.
+    pub(crate) fn handle_error(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+    ) -> PyResult<PyErr> {
+        let manager_id = handle.getattr(pyo3::intern!(py, "manager_id"))?;
+        let handle_id = handle.getattr(pyo3::intern!(py, "handle_id"))?;
+        let own = self.manager_id.bind(py);
+        let message = if manager_id.ne(own)? {
+            format!(
+                "handle {} belongs to manager {}, not {}",
+                handle_id.repr()?,
+                manager_id.repr()?,
+                own.repr()?
+            )
+        } else if self
+            .lookup(py, handle)?
+            .is_some_and(|(_, discarded)| discarded)
+        {
+            format!("Value {} is discarded", handle_id.repr()?)
+        } else {
+            format!(
+                "unknown handle {} (value type {}) for manager {}",
+                handle_id.repr()?,
+                handle
+                    .getattr(pyo3::intern!(py, "value_type"))?
+                    .getattr(pyo3::intern!(py, "__name__"))?,
+                own.repr()?
+            )
+        };
+        Ok(to_py_err(py, CoreError::Handle { message }))
+    }
+
+    /// Releases a lifetime token at once when the gate is free and nothing is queued;
+    /// `None` sends the caller down the waiting path (nothing has changed then).
+    pub(crate) fn release_now(&self, kind: LifetimeKind, token: u64) -> Option<bool> {
+        // Queued releases go first, in order: the waiting path applies them.
+        if self.objects.deferred_pending() || !matches!(self.core.try_enter(false, true), Ok(true))
+        {
+            return None;
+        }
+        let released = match kind {
+            LifetimeKind::Lease => self.core.release_lease(token),
+            LifetimeKind::Hold => self.core.release_hold(token),
+            LifetimeKind::Reservation => self.release_reservation_token(token),
+        };
+        self.core.exit();
+        Some(released)
+    }
+
+    pub(crate) fn release_reservation_token(&self, token: u64) -> bool {
+        drop(self.objects.take_label(token));
+        self.core.release_reservation(token)
+    }
+
+    pub(crate) fn adopted_shapes(&self) -> &AdoptedShapes {
+        &self.adopted_shapes
     }
 
     /// Records a reconstructible value and issues its handle.
@@ -165,9 +247,11 @@ impl CoreManager {
         Ok(())
     }
 
+    /// Applies the releases queued while a source callback ran, oldest first; the
+    /// caller holds the gate.
     pub(crate) fn drain_deferred(&self, py: Python<'_>) -> PyResult<()> {
-        while let Some(apply) = self.objects.pop_deferred() {
-            apply.bind(py).call0()?;
+        while let Some(release) = self.objects.pop_deferred() {
+            crate::lifetimes::apply(self, py, release)?;
         }
         Ok(())
     }
@@ -209,7 +293,13 @@ impl CoreManager {
         index: HandleId,
         at: Location,
     ) -> PyResult<Bound<'py, PyAny>> {
-        Ok(self.value(py, index, at.code())?.into_bound(py))
+        let value = self.objects.value(py, index, at.code()).ok_or_else(|| {
+            pyo3::exceptions::PyRuntimeError::new_err(format!(
+                "internal error: value {index} has no object at location code {}",
+                at.code()
+            ))
+        })?;
+        Ok(value.into_bound(py))
     }
 
     pub(crate) fn forget_value(&self, index: HandleId, at: Location) {
@@ -345,17 +435,23 @@ impl CoreManager {
 #[pymethods]
 impl CoreManager {
     #[new]
-    #[pyo3(signature = (budgets, handle_records, context=None, trace_capacity=0))]
+    #[pyo3(signature = (budgets, budget_bytes, handle_records, context, trace_capacity=0))]
     fn new(
         py: Python<'_>,
-        budgets: Vec<(u32, u64)>,
+        budgets: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+        budget_bytes: &Bound<'_, PyAny>,
         handle_records: &Bound<'_, PyAny>,
-        context: Option<&Bound<'_, PyTuple>>,
+        context: &Bound<'_, PyTuple>,
         trace_capacity: usize,
     ) -> PyResult<Self> {
+        let context = Context::from_tuple(context)?;
+        // Per entry, the location first, then its byte count (`budget_bytes` checks it).
         let budgets = budgets
-            .into_iter()
-            .map(|(code, budget)| Ok((location(code)?, budget)))
+            .iter()
+            .map(|(location, budget)| {
+                let code = context.location_code(py, location)?;
+                Ok((code, budget_bytes.call1((budget, location))?.extract()?))
+            })
             .collect::<PyResult<Vec<_>>>()?;
         let core = Arc::new(Manager::new(&budgets));
         let manager_id = PyString::new(py, core.manager_id()).unbind();
@@ -368,7 +464,7 @@ impl CoreManager {
                 builder.get().expect_fields(3)?;
                 builder.clone().unbind()
             },
-            context: context.map(Context::from_tuple).transpose()?,
+            context,
             trace: Mutex::new(Trace {
                 capacity: trace_capacity,
                 reports: VecDeque::new(),
@@ -389,27 +485,31 @@ impl CoreManager {
         crate::direct::adopt(self, py, value, at, replica_mode, exclusive)
     }
 
-    /// Borrows normalised `handles` at a host location in one call; `None` when the
-    /// general path is needed.
-    fn acquire_host(
+    // ----- one-call operations ------------------------------------------------------
+
+    /// Runs one action as a transition, taking the gate (docs/concepts/transitions.md).
+    #[pyo3(signature = (action, stream=None))]
+    fn run(
         &self,
         py: Python<'_>,
-        engine: &Bound<'_, PyAny>,
-        handles: &Bound<'_, PyTuple>,
-        at: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<Py<PyAny>>> {
-        crate::direct::acquire(self, py, engine, handles, at)
+        action: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        crate::execute::run(self, py, action, stream)
     }
 
-    // ----- one-call transitions ------------------------------------------------------
-
-    /// Runs a host action end to end, taking the gate; `None` when the action needs
-    /// the general path (nothing has changed then).
-    fn run_host(&self, py: Python<'_>, action: &Bound<'_, PyAny>) -> PyResult<Option<Py<PyAny>>> {
-        crate::execute::run_host(self, py, action)
+    /// `run` for a caller that already holds the gate (a plan phase).
+    #[pyo3(signature = (action, stream=None))]
+    fn execute(
+        &self,
+        py: Python<'_>,
+        action: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        crate::execute::execute(self, py, action, stream)
     }
 
-    /// `run_host` for a caller that already holds the gate (a plan phase).
+    /// `execute` without a stream; never `None` (kept for callers that fall back).
     fn execute_host(
         &self,
         py: Python<'_>,
@@ -418,48 +518,172 @@ impl CoreManager {
         crate::execute::execute_host(self, py, action)
     }
 
+    /// Borrows normalised `handles` at `at`; CUDA needs the consumer stream.
+    #[pyo3(signature = (engine, handles, at, consumer_stream=None))]
+    fn acquire(
+        &self,
+        py: Python<'_>,
+        engine: &Bound<'_, PyAny>,
+        handles: &Bound<'_, PyTuple>,
+        at: &Bound<'_, PyAny>,
+        consumer_stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        crate::lifetimes::acquire(self, py, engine, handles, at, consumer_stream)
+    }
+
+    /// Protects the ready materialisations of normalised `handles` at `at`.
+    fn hold(
+        &self,
+        py: Python<'_>,
+        engine: &Bound<'_, PyAny>,
+        handles: &Bound<'_, PyTuple>,
+        at: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        crate::lifetimes::hold(self, py, engine, handles, at)
+    }
+
+    /// Charges `nbytes` (a non-negative int) of headroom at `location`; `label` is a
+    /// checked non-empty string.
+    fn reserve(
+        &self,
+        py: Python<'_>,
+        engine: &Bound<'_, PyAny>,
+        location: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+        label: &Bound<'_, PyString>,
+    ) -> PyResult<Py<PyAny>> {
+        crate::lifetimes::reserve(self, py, engine, location, nbytes, label)
+    }
+
+    /// Admits a plan's reservation; the caller holds the gate.
+    fn reserve_locked(
+        &self,
+        py: Python<'_>,
+        location: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+        label: &Bound<'_, PyString>,
+    ) -> PyResult<u64> {
+        let at = self.context.location_code(py, location)?;
+        crate::lifetimes::reserve_locked(self, py, at, nbytes, label)
+    }
+
+    /// Releases a hold, a reservation or a host lease, waiting for the gate or
+    /// queueing behind a running source callback as needed.
+    #[pyo3(signature = (kind, token, finalizing=false))]
+    fn release(
+        &self,
+        py: Python<'_>,
+        kind: LifetimeKind,
+        token: u64,
+        finalizing: bool,
+    ) -> PyResult<()> {
+        crate::lifetimes::release(self, py, kind, token, finalizing)
+    }
+
+    /// Releases a lease at `location`; a CUDA lease records events on `streams`.
+    /// `stacklevel` places the warnings a fallback raises.
+    #[pyo3(signature = (token, location, streams, *, wait, finalizing=false, stacklevel=2))]
+    #[allow(clippy::too_many_arguments)]
+    fn release_lease(
+        &self,
+        py: Python<'_>,
+        token: u64,
+        location: &Bound<'_, PyAny>,
+        streams: &Bound<'_, pyo3::types::PyList>,
+        wait: bool,
+        finalizing: bool,
+        stacklevel: i32,
+    ) -> PyResult<()> {
+        crate::lifetimes::release_lease(
+            self, py, token, location, streams, wait, finalizing, stacklevel,
+        )
+    }
+
+    /// Releases a host lease at once when the gate is free and nothing is queued;
+    /// `False` sends the caller down the waiting path (nothing has changed then).
+    fn release_host_lease_now(&self, token: u64) -> bool {
+        self.release_now(LifetimeKind::Lease, token).is_some()
+    }
+
+    /// Releases a reservation token; the caller holds the gate.
+    fn release_reservation(&self, token: u64) -> bool {
+        self.release_reservation_token(token)
+    }
+
+    /// The managed object a lease borrows, while the lease still covers it.
+    fn borrowed(
+        &self,
+        py: Python<'_>,
+        token: u64,
+        handle: &Bound<'_, PyAny>,
+        location: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        crate::lifetimes::borrowed(self, py, token, handle, location)
+    }
+
+    /// Applies queued releases and releases completed pending CUDA leases; the caller
+    /// holds the gate.
+    fn reap(&self, py: Python<'_>) -> PyResult<()> {
+        crate::lifetimes::reap(self, py)
+    }
+
+    /// Pending CUDA leases whose events have all completed (they protect nothing).
+    fn completed_pending(&self, py: Python<'_>) -> Vec<u64> {
+        crate::lifetimes::completed_pending(self, py)
+    }
+
+    /// Closes the manager (docs/concepts/lifetimes.md#close).
+    #[pyo3(signature = (*, wait, force))]
+    fn close(&self, py: Python<'_>, wait: bool, force: bool) -> PyResult<()> {
+        crate::lifetimes::close(self, py, wait, force)
+    }
+
+    /// Checks a location record, returning its code.
+    fn location_code(&self, py: Python<'_>, location: &Bound<'_, PyAny>) -> PyResult<u32> {
+        Ok(self.context.location_code(py, location)?.code())
+    }
+
+    /// Checks a stream for `location`.
+    fn check_stream(
+        &self,
+        py: Python<'_>,
+        stream: &Bound<'_, PyAny>,
+        location: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let at = self.context.location_code(py, location)?;
+        self.context.check_stream(py, stream, location, at)
+    }
+
+    /// The precise error for a handle that does not resolve.
+    #[pyo3(name = "handle_error")]
+    fn handle_error_py(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<PyErr> {
+        self.handle_error(py, handle)
+    }
+
     // ----- the trace and deferred releases ----------------------------------------------
 
-    /// Appends a report the glue built to the trace.
-    #[pyo3(name = "record")]
-    fn record_report(&self, py: Python<'_>, report: Py<PyAny>) {
-        self.record(py, &report);
+    /// The retained transition reports, oldest first.
+    fn trace_reports(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        self.with_gate(py, false, false, || {
+            let trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
+            Ok(trace
+                .reports
+                .iter()
+                .map(|report| report.clone_ref(py))
+                .collect())
+        })
     }
 
-    fn trace_reports(&self, py: Python<'_>) -> Vec<Py<PyAny>> {
-        let trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
-        trace
-            .reports
-            .iter()
-            .map(|report| report.clone_ref(py))
-            .collect()
-    }
-
-    fn clear_trace(&self) {
-        let released = {
-            let mut trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
-            std::mem::take(&mut trace.reports)
-        };
-        drop(released);
-    }
-
-    /// Queues a release that arrived while a source callback ran on another thread.
-    fn defer(&self, apply: Py<PyAny>) {
-        self.objects.defer(apply);
-    }
-
-    fn deferred_pending(&self) -> bool {
-        self.objects.deferred_pending()
-    }
-
-    /// Applies the queued releases, oldest first; the caller holds the gate.
-    #[pyo3(name = "drain_deferred")]
-    fn drain_deferred_py(&self, py: Python<'_>) -> PyResult<()> {
-        self.drain_deferred(py)
-    }
-
-    fn clear_deferred(&self) {
-        drop(self.objects.clear_deferred());
+    /// Empties the trace; state and version are unchanged.
+    fn clear_trace(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_gate(py, false, false, || {
+            let released = {
+                let mut trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
+                std::mem::take(&mut trace.reports)
+            };
+            drop(released);
+            Ok(())
+        })
     }
 
     #[getter]
@@ -472,13 +696,7 @@ impl CoreManager {
     /// Passes the gate and the requested guards; waits (without the GIL) for another
     /// thread's operation, failing fast if a source callback starts meanwhile.
     fn enter(&self, py: Python<'_>, check_closed: bool, check_reentrant: bool) -> PyResult<()> {
-        let entered = Self::lift(py, self.core.try_enter(check_closed, check_reentrant))?;
-        if entered {
-            return Ok(());
-        }
-        let core = Arc::clone(&self.core);
-        let result = py.detach(move || core.enter(DEFAULT_POLL, check_closed, check_reentrant));
-        Self::lift(py, result)
+        Self::lift(py, self.enter_core(py, check_closed, check_reentrant))
     }
 
     fn exit(&self) {
@@ -487,9 +705,7 @@ impl CoreManager {
 
     /// `enter(closed, reentrant)` and mark this thread as the transition owner.
     fn enter_transition(&self, py: Python<'_>) -> PyResult<()> {
-        self.enter(py, true, true)?;
-        self.core.begin_transition();
-        Ok(())
+        self.enter_transition_gate(py)
     }
 
     fn exit_transition(&self) {
@@ -497,16 +713,25 @@ impl CoreManager {
         self.core.exit();
     }
 
-    /// Fails when this thread is executing a transition on this manager.
-    fn check_reentrant(&self, py: Python<'_>) -> PyResult<()> {
-        Self::lift(py, self.core.gate().check_reentrant())
-    }
-
     // ----- observations -------------------------------------------------------
+
+    /// Raises `ResidencyClosedError` on a closed manager, after any running
+    /// operation has finished.
+    fn check_open(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_gate(py, true, false, || Ok(()))
+    }
 
     #[getter]
     fn version(&self) -> u64 {
         self.core.version()
+    }
+
+    /// The state version after reaping completed CUDA leases, under the gate.
+    fn checked_version(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with_gate(py, true, true, || {
+            crate::lifetimes::reap(self, py)?;
+            Ok(self.core.version())
+        })
     }
 
     #[getter]
@@ -514,28 +739,30 @@ impl CoreManager {
         self.core.is_closed()
     }
 
-    fn locations(&self) -> Vec<u32> {
-        codes(&self.core.locations())
+    /// The registered location records: budgeted ones first, then in first-use order.
+    fn location_records(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        self.with_gate(py, false, false, || {
+            self.core
+                .locations()
+                .into_iter()
+                .map(|location| Ok(self.context.location(py, location)?.unbind()))
+                .collect()
+        })
     }
 
-    /// The lock-free snapshot, or `None` when pending leases must be reaped first.
-    fn try_published(&self, py: Python<'_>) -> PyResult<Option<StateView>> {
-        let state = Self::lift(py, self.core.try_published_snapshot())?;
-        Ok(state.map(|state| StateView { state }))
-    }
-
-    /// The working state, inside the gate.
-    fn current(&self) -> StateView {
-        StateView {
-            state: self.core.current(),
+    /// A consistent published state for a snapshot and the time it was captured: the
+    /// lock-free one when nothing waits to be reaped, else one taken under the gate.
+    fn snapshot_state(&self, py: Python<'_>) -> PyResult<(StateView, u64)> {
+        if !self.objects.deferred_pending()
+            && let Some(state) = Self::lift(py, self.core.try_published_snapshot())?
+        {
+            return Ok((StateView { state }, crate::execute::now_ns()));
         }
-    }
-
-    fn materialization_locations(&self, py: Python<'_>, handle: HandleId) -> PyResult<Vec<u32>> {
-        Ok(codes(&Self::lift(
-            py,
-            self.core.materialization_locations(handle),
-        )?))
+        self.with_gate(py, true, true, || {
+            crate::lifetimes::reap(self, py)?;
+            let state = self.core.current();
+            Ok((StateView { state }, crate::execute::now_ns()))
+        })
     }
 
     // ----- registration ---------------------------------------------------------
@@ -678,268 +905,9 @@ impl CoreManager {
             .ok_or_else(|| unknown_index(index))
     }
 
-    fn source(&self, py: Python<'_>, index: HandleId) -> Option<Py<PyAny>> {
-        self.objects.source(py, index)
-    }
-
-    /// The object of the materialisation at `at`.
-    fn value(&self, py: Python<'_>, index: HandleId, at: u32) -> PyResult<Py<PyAny>> {
-        self.objects.value(py, index, at).ok_or_else(|| {
-            pyo3::exceptions::PyRuntimeError::new_err(format!(
-                "internal error: value {index} has no object at location code {at}"
-            ))
-        })
-    }
-
     /// The label a reservation was made with, exactly as given.
     fn label(&self, py: Python<'_>, token: u64) -> Option<Py<PyAny>> {
         self.objects.label(py, token)
-    }
-
-    // ----- transitions ------------------------------------------------------------
-
-    /// What an ensure needs, with the location it names (-1 for none) and, for a
-    /// reconstruction, the loaded value.
-    fn plan_ensure<'py>(
-        &self,
-        py: Python<'py>,
-        handle: HandleId,
-        at: u32,
-    ) -> PyResult<(EnsureOutcome, i64, Option<Bound<'py, PyAny>>)> {
-        let plan = Self::lift(py, self.core.plan_ensure(handle, location(at)?))?;
-        let outcome = EnsureOutcome::from(&plan);
-        Ok(match plan {
-            EnsurePlan::NoOp => (outcome, -1, None),
-            EnsurePlan::Copy { source } => (outcome, i64::from(source.code()), None),
-            EnsurePlan::Reconstruct { source_location } => (
-                outcome,
-                i64::from(source_location.code()),
-                self.load_charged(py, handle, source_location)?,
-            ),
-        })
-    }
-
-    /// What a move needs, with the source it names (-1 for none) and, for a
-    /// reconstruction, the loaded value. A removed source is already committed.
-    #[pyo3(signature = (handle, to, from_location=None))]
-    fn plan_move<'py>(
-        &self,
-        py: Python<'py>,
-        handle: HandleId,
-        to: u32,
-        from_location: Option<u32>,
-    ) -> PyResult<(MoveOutcome, i64, Option<Bound<'py, PyAny>>)> {
-        let from = from_location.map(location).transpose()?;
-        let code = |location: Location| i64::from(location.code());
-        let plan = Self::lift(py, self.core.plan_move(handle, location(to)?, from))?;
-        let outcome = MoveOutcome::from(&plan);
-        Ok(match plan {
-            MovePlan::NoOp { source } => (outcome, source.map_or(-1, code), None),
-            MovePlan::RemovedSource { source } => {
-                drop(self.objects.take_value(handle, source.code()));
-                (outcome, code(source), None)
-            }
-            MovePlan::Copy { source } => (outcome, code(source), None),
-            MovePlan::Reconstruct { source_location } => (
-                outcome,
-                code(source_location),
-                self.load_charged(py, handle, source_location)?,
-            ),
-        })
-    }
-
-    fn admit(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<()> {
-        Self::lift(py, self.core.admit(handle, location(at)?))
-    }
-
-    /// Installs a value loaded at its source location there, returning the
-    /// temporary charge just before the install (load and install share it).
-    #[allow(clippy::too_many_arguments)]
-    fn install_loaded(
-        &self,
-        py: Python<'_>,
-        handle: HandleId,
-        at: u32,
-        logical: u64,
-        storage: u64,
-        keys: Vec<StorageKey>,
-        exclusive_transition: bool,
-        value: Py<PyAny>,
-    ) -> PyResult<()> {
-        let code = at;
-        let at = location(at)?;
-        Self::lift(py, self.core.release_temporary(handle, at))?;
-        Self::lift(
-            py,
-            self.core
-                .install(handle, at, logical, storage, &keys, exclusive_transition),
-        )?;
-        drop(self.objects.set_value(handle, code, value));
-        Ok(())
-    }
-
-    fn release_temporary(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<()> {
-        Self::lift(py, self.core.release_temporary(handle, location(at)?))
-    }
-
-    fn check_materialization(
-        &self,
-        py: Python<'_>,
-        handle: HandleId,
-        logical: u64,
-        storage: u64,
-    ) -> PyResult<()> {
-        Self::lift(
-            py,
-            self.core.check_materialization(handle, logical, storage),
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn install(
-        &self,
-        py: Python<'_>,
-        handle: HandleId,
-        at: u32,
-        logical: u64,
-        storage: u64,
-        keys: Vec<StorageKey>,
-        exclusive_transition: bool,
-        value: Py<PyAny>,
-    ) -> PyResult<()> {
-        Self::lift(
-            py,
-            self.core.install(
-                handle,
-                location(at)?,
-                logical,
-                storage,
-                &keys,
-                exclusive_transition,
-            ),
-        )?;
-        drop(self.objects.set_value(handle, at, value));
-        Ok(())
-    }
-
-    fn remove(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<()> {
-        Self::lift(py, self.core.remove(handle, location(at)?))?;
-        drop(self.objects.take_value(handle, at));
-        Ok(())
-    }
-
-    /// Drops one materialisation and its object; `False` is the no-op.
-    fn drop_materialization(&self, py: Python<'_>, handle: HandleId, at: u32) -> PyResult<bool> {
-        let dropped = Self::lift(py, self.core.drop_materialization(handle, location(at)?))?;
-        if dropped {
-            drop(self.objects.take_value(handle, at));
-        }
-        Ok(dropped)
-    }
-
-    /// Ends a value: its materialisations and source object go with it.
-    fn discard(&self, py: Python<'_>, handle: HandleId) -> PyResult<()> {
-        self.discard_value(py, handle)
-    }
-
-    // ----- protections and lifetimes ----------------------------------------------
-
-    fn check_resident(&self, py: Python<'_>, handles: Vec<HandleId>, at: u32) -> PyResult<()> {
-        Self::lift(py, self.core.check_resident(&handles, location(at)?))
-    }
-
-    fn acquire(&self, py: Python<'_>, handles: Vec<HandleId>, at: u32) -> PyResult<u64> {
-        Self::lift(py, self.core.acquire(&handles, location(at)?))
-    }
-
-    fn hold(&self, py: Python<'_>, handles: Vec<HandleId>, at: u32) -> PyResult<u64> {
-        Self::lift(py, self.core.hold(&handles, location(at)?))
-    }
-
-    fn lease_state(&self, token: u64) -> LeaseState {
-        LeaseState::from(self.core.lease_state(token))
-    }
-
-    #[getter]
-    fn callback_active(&self) -> bool {
-        self.core.gate().callback_active()
-    }
-
-    fn callback_running_elsewhere(&self) -> bool {
-        self.core.gate().callback_running_elsewhere()
-    }
-
-    fn lease_covers(&self, token: u64, handle: HandleId) -> bool {
-        self.core.lease_covers(token, handle)
-    }
-
-    fn release_lease(&self, token: u64) -> bool {
-        self.core.release_lease(token)
-    }
-
-    fn lease_to_pending(&self, token: u64) -> bool {
-        self.core.lease_to_pending(token)
-    }
-
-    fn release_pending(&self, token: u64) -> bool {
-        self.core.release_pending(token)
-    }
-
-    /// Releases a lifetime token in one call if the gate is free: `None` when another
-    /// thread holds it (take the waiting path).
-    fn release_now(
-        &self,
-        py: Python<'_>,
-        kind: LifetimeKind,
-        token: u64,
-    ) -> PyResult<Option<bool>> {
-        // Queued releases go first, in order: the waiting path applies them.
-        if self.objects.deferred_pending() || !Self::lift(py, self.core.try_enter(false, true))? {
-            return Ok(None);
-        }
-        let released = match kind {
-            LifetimeKind::Lease => self.core.release_lease(token),
-            LifetimeKind::Hold => self.core.release_hold(token),
-            LifetimeKind::Reservation => self.release_reservation(token),
-        };
-        self.core.exit();
-        Ok(Some(released))
-    }
-
-    /// Releases a host lease at once when the gate is free and nothing is queued;
-    /// `False` sends the caller down the waiting path (nothing has changed then).
-    fn release_host_lease_now(&self, token: u64) -> bool {
-        if self.objects.deferred_pending() || !matches!(self.core.try_enter(false, true), Ok(true))
-        {
-            return false;
-        }
-        self.core.release_lease(token);
-        self.core.exit();
-        true
-    }
-
-    fn release_hold(&self, token: u64) -> bool {
-        self.core.release_hold(token)
-    }
-
-    /// Admits a reservation; `text` is the label's UTF-8 form the core keeps, and
-    /// `label` the object itself, reported back exactly as given.
-    fn reserve(
-        &self,
-        py: Python<'_>,
-        at: u32,
-        nbytes: u64,
-        text: &str,
-        label: Py<PyAny>,
-    ) -> PyResult<u64> {
-        let token = Self::lift(py, self.core.reserve(location(at)?, nbytes, text))?;
-        self.objects.set_label(token, label);
-        Ok(token)
-    }
-
-    fn release_reservation(&self, token: u64) -> bool {
-        drop(self.objects.take_label(token));
-        self.core.release_reservation(token)
     }
 
     /// Simulates a lowered plan (preflight and `explain`). `resolutions[slot]` is the
@@ -974,13 +942,6 @@ impl CoreManager {
         let simulation =
             py.detach(move || core.simulate(&plan, &slots, cuda, &completed_leases, &labels));
         SimulationView { simulation }
-    }
-
-    fn close(&self, py: Python<'_>, force: bool) -> PyResult<()> {
-        Self::lift(py, self.core.close(force))?;
-        drop(self.objects.clear());
-        drop(self.objects.clear_deferred());
-        Ok(())
     }
 }
 

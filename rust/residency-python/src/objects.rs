@@ -11,6 +11,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::prelude::*;
 
+use crate::lifetimes::Deferred;
+
 /// One value's objects. Kept small: a million registered values are a common case,
 /// and most have no materialisation at a given moment.
 #[derive(Debug)]
@@ -26,9 +28,12 @@ struct Store {
     /// The object of each materialisation, by (handle index, location code).
     values: HashMap<(u32, u32), Py<PyAny>>,
     labels: HashMap<u64, Py<PyAny>>,
-    /// Releases that arrived while a source callback ran on another thread; each is
-    /// a callable applied, oldest first, as soon as the callback has returned.
-    deferred: VecDeque<Py<PyAny>>,
+    /// Releases that arrived while a source callback ran on another thread, applied
+    /// oldest first as soon as the callback has returned.
+    deferred: VecDeque<Deferred>,
+    /// The events recorded at the release of each pending CUDA lease, in release
+    /// order; the lease protects its memory until they have all completed.
+    pending: Vec<(u64, Vec<Py<PyAny>>)>,
 }
 
 #[derive(Debug, Default)]
@@ -176,19 +181,49 @@ impl Objects {
         released
     }
 
-    pub fn defer(&self, apply: Py<PyAny>) {
-        self.store().deferred.push_back(apply);
+    pub fn defer(&self, release: Deferred) {
+        self.store().deferred.push_back(release);
     }
 
     pub fn deferred_pending(&self) -> bool {
         !self.store().deferred.is_empty()
     }
 
-    pub fn pop_deferred(&self) -> Option<Py<PyAny>> {
+    pub fn pop_deferred(&self) -> Option<Deferred> {
         self.store().deferred.pop_front()
     }
 
-    pub fn clear_deferred(&self) -> VecDeque<Py<PyAny>> {
+    pub fn clear_deferred(&self) -> VecDeque<Deferred> {
         std::mem::take(&mut self.store().deferred)
+    }
+
+    pub fn add_pending(&self, token: u64, events: Vec<Py<PyAny>>) {
+        self.store().pending.push((token, events));
+    }
+
+    /// The pending leases and their events, in release order.
+    pub fn pending(&self, py: Python<'_>) -> Vec<(u64, Vec<Py<PyAny>>)> {
+        self.store()
+            .pending
+            .iter()
+            .map(|(token, events)| {
+                let events = events.iter().map(|event| event.clone_ref(py)).collect();
+                (*token, events)
+            })
+            .collect()
+    }
+
+    /// Forgets a pending lease's events; they are released after the lock.
+    pub fn take_pending(&self, token: u64) -> Option<Vec<Py<PyAny>>> {
+        let mut store = self.store();
+        let position = store
+            .pending
+            .iter()
+            .position(|(known, _)| *known == token)?;
+        Some(store.pending.remove(position).1)
+    }
+
+    pub fn clear_pending(&self) -> Vec<(u64, Vec<Py<PyAny>>)> {
+        std::mem::take(&mut self.store().pending)
     }
 }

@@ -1,0 +1,532 @@
+//! Leases, holds and reservations end to end, and what keeps CUDA memory protected
+//! after a lease's release: the events recorded on its consumer streams.
+//!
+//! Every operation here takes the manager's gate itself. Python code runs only
+//! where the runtime must act (stream checks, event recording and queries,
+//! synchronisation) and to build the lifetime objects handed back. The rules are
+//! written in docs/concepts/lifetimes.md.
+
+use std::ffi::CString;
+
+use pyo3::exceptions::{PyException, PyRuntimeError, PyRuntimeWarning, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString, PyTuple};
+use residency_core::{CoreError, HandleId, LeaseState, Location};
+
+use crate::errors::{ResidencyUnavailableError, to_py_err};
+use crate::kinds::LifetimeKind;
+use crate::manager::CoreManager;
+
+/// A release that arrived while a source callback ran on another thread: applied,
+/// oldest first, as soon as the callback has returned.
+#[derive(Debug)]
+pub enum Deferred {
+    /// A lease's, hold's or reservation's tokens go; `missing_ok` forgives an unknown
+    /// token (a finaliser, or a manager closed meanwhile).
+    Release {
+        kind: LifetimeKind,
+        token: u64,
+        missing_ok: bool,
+    },
+    /// A CUDA lease's tokens become pending on `events`, or go when they are known
+    /// complete.
+    Pending {
+        token: u64,
+        events: Vec<Py<PyAny>>,
+        completed: bool,
+    },
+}
+
+fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
+    result.map_err(|err| to_py_err(py, err))
+}
+
+fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
+    let message = CString::new(message.replace('\0', " "))
+        .map_err(|err| PyValueError::new_err(err.to_string()))?;
+    PyErr::warn(py, &py.get_type::<PyRuntimeWarning>(), &message, stacklevel)
+}
+
+/// Applies one release; the caller holds the gate.
+pub fn apply(manager: &CoreManager, py: Python<'_>, release: Deferred) -> PyResult<()> {
+    let core = manager.core();
+    match release {
+        Deferred::Release {
+            kind,
+            token,
+            missing_ok,
+        } => {
+            let released = match kind {
+                LifetimeKind::Lease => {
+                    core.release_lease(token);
+                    return Ok(());
+                }
+                LifetimeKind::Hold => core.release_hold(token),
+                LifetimeKind::Reservation => manager.release_reservation_token(token),
+            };
+            check_released(manager, kind, token, released, missing_ok)
+        }
+        Deferred::Pending {
+            token,
+            events,
+            completed,
+        } => {
+            if core.lease_to_pending(token) {
+                if completed {
+                    core.release_pending(token);
+                } else {
+                    manager.objects().add_pending(token, events);
+                }
+            }
+            let _ = py;
+            Ok(())
+        }
+    }
+}
+
+fn check_released(
+    manager: &CoreManager,
+    kind: LifetimeKind,
+    token: u64,
+    released: bool,
+    missing_ok: bool,
+) -> PyResult<()> {
+    if released || missing_ok || manager.core().is_closed() {
+        return Ok(());
+    }
+    let what = match kind {
+        LifetimeKind::Lease => return Ok(()),
+        LifetimeKind::Hold => "hold",
+        LifetimeKind::Reservation => "reservation",
+    };
+    Err(PyRuntimeError::new_err(format!(
+        "internal error: unknown {what} token {token}"
+    )))
+}
+
+/// Applies the releases queued while a callback ran, then releases the pending CUDA
+/// leases whose events have all completed. The caller holds the gate.
+pub fn reap(manager: &CoreManager, py: Python<'_>) -> PyResult<()> {
+    manager.drain_deferred(py)?;
+    let core = manager.core();
+    if core.pending_leases() == 0 {
+        return Ok(());
+    }
+    let runtime = manager.context().runtime(py);
+    let query = intern!(py, "event_query");
+    for (token, events) in manager.objects().pending(py) {
+        let mut completed = true;
+        for event in &events {
+            if !runtime.call_method1(query, (event,))?.is_truthy()? {
+                completed = false;
+                break;
+            }
+        }
+        if completed {
+            core.release_pending(token);
+            drop(manager.objects().take_pending(token));
+        }
+    }
+    Ok(())
+}
+
+/// Pending leases whose events all report complete, released or not: they no
+/// longer protect anything. A query that raises keeps its lease protecting.
+pub fn completed_pending(manager: &CoreManager, py: Python<'_>) -> Vec<u64> {
+    let runtime = manager.context().runtime(py);
+    let query = intern!(py, "event_query");
+    manager
+        .objects()
+        .pending(py)
+        .into_iter()
+        .filter(|(_, events)| {
+            events.iter().all(|event| {
+                runtime
+                    .call_method1(query, (event,))
+                    .and_then(|done| done.is_truthy())
+                    .unwrap_or(false)
+            })
+        })
+        .map(|(token, _)| token)
+        .collect()
+}
+
+/// Releases a lease, hold or reservation token, waiting for the gate if another
+/// thread holds it. While a source callback runs elsewhere (or a finaliser fires
+/// inside one) the release is queued instead and applied as soon as it ends.
+pub fn release(
+    manager: &CoreManager,
+    py: Python<'_>,
+    kind: LifetimeKind,
+    token: u64,
+    finalizing: bool,
+) -> PyResult<()> {
+    if let Some(released) = manager.release_now(kind, token) {
+        return check_released(manager, kind, token, released, finalizing);
+    }
+    release_waiting(
+        manager,
+        py,
+        Deferred::Release {
+            kind,
+            token,
+            missing_ok: finalizing,
+        },
+        finalizing,
+    )
+}
+
+fn release_waiting(
+    manager: &CoreManager,
+    py: Python<'_>,
+    release: Deferred,
+    finalizing: bool,
+) -> PyResult<()> {
+    let core = manager.core();
+    let gate = core.gate();
+    loop {
+        match manager.enter_core(py, false, true) {
+            Ok(()) => {
+                let result = manager
+                    .drain_deferred(py)
+                    .and_then(|()| apply(manager, py, release));
+                core.exit();
+                return result;
+            }
+            Err(err @ CoreError::Reentrancy { .. }) => {
+                if gate.callback_running_elsewhere() || (finalizing && gate.callback_active()) {
+                    break;
+                }
+                if gate.callback_active() {
+                    // The callback is this thread's own.
+                    return Err(to_py_err(py, err));
+                }
+                // Either this thread is mid-transition (this raises), or the callback
+                // ended since the attempt: try again.
+                lift(py, gate.check_reentrant())?;
+            }
+            Err(err) => return Err(to_py_err(py, err)),
+        }
+    }
+    manager.objects().defer(release);
+    if !gate.callback_active() {
+        // The callback ended while the release was queued: apply it now.
+        match manager.enter_core(py, false, false) {
+            Ok(()) => {
+                let result = manager.drain_deferred(py);
+                core.exit();
+                result?;
+            }
+            // Another callback started; its transition drains the queue.
+            Err(CoreError::Reentrancy { .. }) => {}
+            Err(err) => return Err(to_py_err(py, err)),
+        }
+    }
+    Ok(())
+}
+
+/// A lease's release. On the host its use tokens go at once. On CUDA an event is
+/// recorded on every consumer stream and the memory stays protected until they have
+/// all completed (`wait=True` waits for that here).
+#[allow(clippy::too_many_arguments)]
+pub fn release_lease(
+    manager: &CoreManager,
+    py: Python<'_>,
+    token: u64,
+    location: &Bound<'_, PyAny>,
+    streams: &Bound<'_, PyList>,
+    wait: bool,
+    finalizing: bool,
+    stacklevel: i32,
+) -> PyResult<()> {
+    let context = manager.context();
+    let core = manager.core();
+    if !matches!(context.location_code(py, location)?, Location::Cuda(_)) {
+        return release(manager, py, LifetimeKind::Lease, token, finalizing);
+    }
+    if core.lease_state(token) != LeaseState::Active {
+        return Ok(()); // unknown (a forced close) or already released
+    }
+    let runtime = context.runtime(py);
+    let streams: Vec<Bound<'_, PyAny>> = streams.iter().collect();
+    if streams.is_empty() {
+        let device = location.getattr(intern!(py, "device"))?;
+        runtime.call_method1(intern!(py, "synchronize_device"), (device,))?;
+        release(manager, py, LifetimeKind::Lease, token, finalizing)?;
+        return warn(
+            py,
+            &format!(
+                "a CUDA lease at {} had no consumer streams; a full-device synchronisation \
+                 was used to release it",
+                location.str()?
+            ),
+            stacklevel,
+        );
+    }
+    // Every stream was checked against this location when it joined the lease, and a
+    // stream never changes device.
+    let record = intern!(py, "record_event");
+    let recorded: PyResult<Vec<Py<PyAny>>> = streams
+        .iter()
+        .map(|stream| Ok(runtime.call_method1(record, (stream,))?.unbind()))
+        .collect();
+    let events = match recorded {
+        Ok(events) => events,
+        Err(err) if err.is_instance_of::<PyException>(py) => {
+            // Without events, the streams are waited for instead.
+            for stream in &streams {
+                runtime.call_method1(intern!(py, "synchronize_stream"), (stream,))?;
+            }
+            release(manager, py, LifetimeKind::Lease, token, finalizing)?;
+            return warn(
+                py,
+                &format!(
+                    "recording release events at {} failed; the consumer streams were \
+                     synchronised instead",
+                    location.str()?
+                ),
+                stacklevel,
+            );
+        }
+        Err(err) => return Err(err),
+    };
+    if wait {
+        for event in &events {
+            runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+        }
+    }
+    let pending = Deferred::Pending {
+        token,
+        events,
+        completed: wait,
+    };
+    match manager.enter_core(py, false, true) {
+        Ok(()) => {
+            let result = manager
+                .drain_deferred(py)
+                .and_then(|()| apply(manager, py, pending));
+            core.exit();
+            result
+        }
+        Err(CoreError::Reentrancy { .. }) => release_waiting(manager, py, pending, finalizing),
+        Err(err) => Err(to_py_err(py, err)),
+    }
+}
+
+/// Per handle in order, the lookup and then residency: a non-resident handle before
+/// an unknown one reports unavailability. The caller holds the gate.
+fn resolve_in_order(
+    manager: &CoreManager,
+    py: Python<'_>,
+    handles: &Bound<'_, PyTuple>,
+    at: Location,
+) -> PyResult<Vec<HandleId>> {
+    let mut indices = Vec::with_capacity(handles.len());
+    for handle in handles.iter() {
+        if let Some(index) = manager.resolve_live(py, &handle)? {
+            indices.push(index);
+            continue;
+        }
+        if !indices.is_empty() {
+            lift(py, manager.core().check_resident(&indices, at))?;
+        }
+        return Err(manager.handle_error(py, &handle)?);
+    }
+    Ok(indices)
+}
+
+/// Borrows the ready materialisations of normalised `handles` at `at`, atomically.
+/// A CUDA location needs the consumer stream that will read them.
+pub fn acquire(
+    manager: &CoreManager,
+    py: Python<'_>,
+    engine: &Bound<'_, PyAny>,
+    handles: &Bound<'_, PyTuple>,
+    at: &Bound<'_, PyAny>,
+    consumer_stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Py<PyAny>> {
+    manager.with_gate(py, true, true, || {
+        let context = manager.context();
+        let location = context.location_code(py, at)?;
+        if matches!(location, Location::Cuda(_)) && consumer_stream.is_none() {
+            return Err(PyValueError::new_err(format!(
+                "acquiring at {} needs the consumer_stream that will read the values",
+                at.str()?
+            )));
+        }
+        reap(manager, py)?;
+        if let Some(stream) = consumer_stream {
+            context.check_stream(py, stream, at, location)?;
+        }
+        let indices = resolve_in_order(manager, py, handles, location)?;
+        let core = manager.core();
+        let token = lift(py, core.acquire(&indices, location))?;
+        let streams = match consumer_stream {
+            Some(stream) => PyList::new(py, [stream])?,
+            None => PyList::empty(py),
+        };
+        match context
+            .new_lease(py)
+            .call1((engine, token, handles, at, streams))
+        {
+            Ok(lease) => Ok(lease.unbind()),
+            Err(err) => {
+                // Nothing may keep the tokens of a lease that was never handed out.
+                core.release_lease(token);
+                Err(err)
+            }
+        }
+    })
+}
+
+/// Protects the ready materialisations of normalised `handles` at `at` from removal.
+pub fn hold(
+    manager: &CoreManager,
+    py: Python<'_>,
+    engine: &Bound<'_, PyAny>,
+    handles: &Bound<'_, PyTuple>,
+    at: &Bound<'_, PyAny>,
+) -> PyResult<Py<PyAny>> {
+    manager.with_gate(py, true, true, || {
+        let context = manager.context();
+        let location = context.location_code(py, at)?;
+        reap(manager, py)?;
+        let indices = resolve_in_order(manager, py, handles, location)?;
+        let core = manager.core();
+        let token = lift(py, core.hold(&indices, location))?;
+        match context.new_hold(py).call1((engine, token, handles, at)) {
+            Ok(hold) => Ok(hold.unbind()),
+            Err(err) => {
+                core.release_hold(token);
+                Err(err)
+            }
+        }
+    })
+}
+
+/// Charges `nbytes` of headroom at `location` until released. The label is checked by
+/// the caller; the core keeps its UTF-8 form for diagnostics.
+pub fn reserve(
+    manager: &CoreManager,
+    py: Python<'_>,
+    engine: &Bound<'_, PyAny>,
+    location: &Bound<'_, PyAny>,
+    nbytes: &Bound<'_, PyAny>,
+    label: &Bound<'_, PyString>,
+) -> PyResult<Py<PyAny>> {
+    manager.with_gate(py, true, true, || {
+        let context = manager.context();
+        let code = context.location_code(py, location)?;
+        let token = reserve_locked(manager, py, code, nbytes, label)?;
+        match context
+            .new_reservation(py)
+            .call1((engine, token, location, nbytes, label))
+        {
+            Ok(reservation) => Ok(reservation.unbind()),
+            Err(err) => {
+                manager.release_reservation_token(token);
+                Err(err)
+            }
+        }
+    })
+}
+
+/// Admits a reservation; the caller holds the gate.
+pub fn reserve_locked(
+    manager: &CoreManager,
+    py: Python<'_>,
+    at: Location,
+    nbytes: &Bound<'_, PyAny>,
+    label: &Bound<'_, PyString>,
+) -> PyResult<u64> {
+    let Ok(count) = nbytes.extract::<u64>() else {
+        return Err(PyValueError::new_err(format!(
+            "nbytes of {nbytes} bytes exceeds the supported maximum of 2**64 - 1"
+        )));
+    };
+    let text = label.to_string_lossy();
+    let token = lift(py, manager.core().reserve(at, count, &text))?;
+    manager
+        .objects()
+        .set_label(token, label.clone().into_any().unbind());
+    Ok(token)
+}
+
+/// The managed object a lease borrows, while the lease still covers it.
+pub fn borrowed(
+    manager: &CoreManager,
+    py: Python<'_>,
+    token: u64,
+    handle: &Bound<'_, PyAny>,
+    location: &Bound<'_, PyAny>,
+) -> PyResult<Py<PyAny>> {
+    manager.with_gate(py, false, true, || {
+        let core = manager.core();
+        let index = manager
+            .resolve_live(py, handle)?
+            .filter(|index| core.lease_covers(token, *index));
+        let value = match index {
+            Some(index) => {
+                let at = manager.context().location_code(py, location)?;
+                manager.objects().value(py, index, at.code())
+            }
+            None => None,
+        };
+        value.ok_or_else(|| {
+            let handle_id = handle
+                .getattr(intern!(py, "handle_id"))
+                .and_then(|id| id.repr().map(|text| text.to_string()))
+                .unwrap_or_default();
+            let location = location
+                .str()
+                .map(|text| text.to_string())
+                .unwrap_or_default();
+            ResidencyUnavailableError::new_err(format!(
+                "value {handle_id} is no longer borrowed at {location} (its lease ended \
+                 with a forced close or the value was discarded)"
+            ))
+        })
+    })
+}
+
+/// Closes the manager (see docs/concepts/lifetimes.md#close). A closed manager
+/// returns at once.
+pub fn close(manager: &CoreManager, py: Python<'_>, wait: bool, force: bool) -> PyResult<()> {
+    manager.with_gate(py, false, false, || {
+        let core = manager.core();
+        if core.is_closed() {
+            return Ok(());
+        }
+        lift(py, core.gate().check_reentrant())?;
+        manager.drain_deferred(py)?;
+        let context = manager.context();
+        let runtime = context.runtime(py);
+        if wait {
+            for (token, events) in manager.objects().pending(py) {
+                for event in &events {
+                    runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+                }
+                core.release_pending(token);
+                drop(manager.objects().take_pending(token));
+            }
+        } else {
+            reap(manager, py)?;
+        }
+        if force && context.cuda_count() > 0 {
+            for location in core.locations() {
+                if matches!(location, Location::Cuda(_)) {
+                    let device = context
+                        .location(py, location)?
+                        .getattr(intern!(py, "device"))?;
+                    runtime.call_method1(intern!(py, "synchronize_device"), (device,))?;
+                }
+            }
+        }
+        lift(py, core.close(force))?;
+        drop(manager.objects().clear());
+        drop(manager.objects().clear_pending());
+        drop(manager.objects().clear_deferred());
+        Ok(())
+    })
+}
