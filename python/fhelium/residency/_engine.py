@@ -171,6 +171,8 @@ class Engine:
             self.cuda_count,
             new_hold,
             new_reservation,
+            normalize_handles,
+            ResidencyHandle,
         )
         # The trace keeps the newest `capacity` reports; 0 disables it.
         # Each budget's location is checked by the core, then its byte count here.
@@ -389,16 +391,14 @@ class Engine:
 
         CUDA locations need the `consumer_stream` that will read the values.
         """
-        lease: ResidencyLease = self.core.acquire(
-            self, normalize_handles(handles), at, consumer_stream
-        )
+        lease: ResidencyLease = self.core.acquire(self, handles, at, consumer_stream)
         return lease
 
     def hold(
         self, handles: Iterable[ResidencyHandle[Any]], *, at: ResidencyLocation
     ) -> ResidencyHold:
         """Protect already-ready materialisations at `at` from removal until released."""
-        hold: ResidencyHold = self.core.hold(self, normalize_handles(handles), at)
+        hold: ResidencyHold = self.core.hold(self, handles, at)
         return hold
 
     def reserve(

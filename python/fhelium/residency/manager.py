@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from fhelium.errors import ResidencyPlanExecutionError
 from fhelium.residency import _plans
-from fhelium.residency._engine import Engine, normalize_handles
+from fhelium.residency._engine import Engine
 from fhelium.residency._lifetime import Lifetime, chain_context
 from fhelium.residency._records import trusted_builder
 from fhelium.residency.lease import ResidencyHold, ResidencyLease, ResidencyReservation
@@ -242,9 +242,7 @@ class ResidencyManager:
         CUDA locations need the `consumer_stream` that will read the values.
         """
         engine = self._engine
-        lease: ResidencyLease = engine.core.acquire(
-            engine, normalize_handles(handles), at, consumer_stream
-        )
+        lease: ResidencyLease = engine.core.acquire(engine, handles, at, consumer_stream)
         return lease
 
     def hold(

@@ -6,6 +6,7 @@
 //! source's `load()`, the runtime's copies, event recording and synchronisation,
 //! stream checks and allocator samples (docs/concepts/transitions.md).
 
+use std::sync::{Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use pyo3::IntoPyObjectExt;
@@ -55,13 +56,23 @@ pub struct Context {
     new_hold: Py<PyAny>,
     /// Builds a reservation: `(engine, token, location, nbytes, label)`.
     new_reservation: Py<PyAny>,
+    /// Normalises a `handles` argument into a tuple of distinct handles.
+    normalize_handles: Py<PyAny>,
+    handle_class: Py<PyAny>,
+    /// Streams already checked, with their location: a stream never changes device,
+    /// so one checked again is not asked about twice. Bounded; the newest last.
+    checked_streams: Mutex<Vec<(Py<PyAny>, Location)>>,
 }
+
+/// How many checked streams a manager remembers.
+const CHECKED_STREAMS: usize = 8;
 
 impl Context {
     /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
     /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
     /// (ensure_noop, move_noop, drop_noop), type_key, spec_builder, must_preserve,
-    /// new_lease, exclusive, cuda_count, new_hold, new_reservation)`.
+    /// new_lease, exclusive, cuda_count, new_hold, new_reservation,
+    /// normalize_handles, handle_class)`.
     pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
         let item = |index: usize| items.get_item(index).map(Bound::unbind);
         let reasons = items.get_item(11)?;
@@ -89,6 +100,9 @@ impl Context {
             cuda_count: items.get_item(17)?.extract()?,
             new_hold: item(18)?,
             new_reservation: item(19)?,
+            normalize_handles: item(20)?,
+            handle_class: item(21)?,
+            checked_streams: Mutex::new(Vec::new()),
         })
     }
 
@@ -135,6 +149,26 @@ impl Context {
 
     pub(crate) fn new_reservation<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
         self.new_reservation.bind(py)
+    }
+
+    /// A non-empty tuple of distinct handles, first occurrences kept; the common
+    /// single-handle tuple is taken as it is.
+    pub(crate) fn normalized_handles<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        if let Ok(tuple) = handles.cast_exact::<PyTuple>()
+            && tuple.len() == 1
+            && tuple.get_item(0)?.get_type().is(&self.handle_class)
+        {
+            return Ok(tuple.clone());
+        }
+        Ok(self
+            .normalize_handles
+            .bind(py)
+            .call1((handles,))?
+            .cast_into::<PyTuple>()?)
     }
 
     pub(crate) fn runtime<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
@@ -199,6 +233,15 @@ impl Context {
         location: &Bound<'_, PyAny>,
         at: Location,
     ) -> PyResult<()> {
+        if self
+            .checked_streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .any(|(known, known_at)| known.is(stream) && *known_at == at)
+        {
+            return Ok(());
+        }
         let runtime = self.runtime.bind(py);
         if !runtime
             .call_method1(intern!(py, "is_stream"), (stream,))?
@@ -223,6 +266,15 @@ impl Context {
                 location.str()?
             )));
         }
+        let forgotten = {
+            let mut checked = self
+                .checked_streams
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            checked.push((stream.clone().unbind(), at));
+            (checked.len() > CHECKED_STREAMS).then(|| checked.remove(0))
+        };
+        drop(forgotten);
         Ok(())
     }
 

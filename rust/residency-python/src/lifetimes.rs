@@ -336,16 +336,17 @@ fn resolve_in_order(
     Ok(indices)
 }
 
-/// Borrows the ready materialisations of normalised `handles` at `at`, atomically.
+/// Borrows the ready materialisations of `handles` at `at`, atomically.
 /// A CUDA location needs the consumer stream that will read them.
 pub fn acquire(
     manager: &CoreManager,
     py: Python<'_>,
     engine: &Bound<'_, PyAny>,
-    handles: &Bound<'_, PyTuple>,
+    handles: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
     consumer_stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
+    let handles = &manager.context().normalized_handles(py, handles)?;
     manager.with_gate(py, true, true, || {
         let context = manager.context();
         let location = context.location_code(py, at)?;
@@ -380,14 +381,15 @@ pub fn acquire(
     })
 }
 
-/// Protects the ready materialisations of normalised `handles` at `at` from removal.
+/// Protects the ready materialisations of `handles` at `at` from removal.
 pub fn hold(
     manager: &CoreManager,
     py: Python<'_>,
     engine: &Bound<'_, PyAny>,
-    handles: &Bound<'_, PyTuple>,
+    handles: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
+    let handles = &manager.context().normalized_handles(py, handles)?;
     manager.with_gate(py, true, true, || {
         let context = manager.context();
         let location = context.location_code(py, at)?;

@@ -524,7 +524,7 @@ impl CoreManager {
         &self,
         py: Python<'_>,
         engine: &Bound<'_, PyAny>,
-        handles: &Bound<'_, PyTuple>,
+        handles: &Bound<'_, PyAny>,
         at: &Bound<'_, PyAny>,
         consumer_stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
@@ -536,7 +536,7 @@ impl CoreManager {
         &self,
         py: Python<'_>,
         engine: &Bound<'_, PyAny>,
-        handles: &Bound<'_, PyTuple>,
+        handles: &Bound<'_, PyAny>,
         at: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
         crate::lifetimes::hold(self, py, engine, handles, at)
