@@ -23,6 +23,7 @@ from fhelium.errors import (
     ResidencyMaterializationError,
 )
 from fhelium.residency import _lowering
+from fhelium.residency._lifetime import ENGINES
 from fhelium.residency._locations import (
     CUDA_BASE,
     PLACEMENT,
@@ -187,6 +188,7 @@ class Engine:
         # The public manager this engine serves, set by it; weak, so the engine never
         # keeps its owner alive.
         self.owner: Callable[[], object | None] = _no_owner
+        ENGINES.add(self)
 
     # ------------------------------------------------------------------ identity
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from fhelium.errors import ResidencyLifetimeClosedError
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["LIVE", "Lifetime", "LifetimeOwner", "chain_context"]
+__all__ = ["ENGINES", "LIVE", "Lifetime", "LifetimeOwner", "chain_context"]
 
 
 class LifetimeOwner(Protocol):
@@ -44,15 +44,23 @@ class LifetimeOwner(Protocol):
     def release_reservation(self, token: int, *, finalizing: bool = False) -> None: ...
 
 
-# Every live lifetime object, so that those still active at interpreter exit are
-# finalized while the runtime still works (weakref.finalize's atexit behaviour,
-# without its per-object cost on the acquire/release hot path).
-# Keyed by id(): an entry leaves on release or on collection, never outlives its object.
+# Every live lifetime object other than a lease, so that those still active at
+# interpreter exit are finalized while the runtime still works (weakref.finalize's
+# atexit behaviour, without its per-object cost). Keyed by id(): an entry leaves on
+# release or on collection, never outlives its object.
 LIVE: dict[int, weakref.ref[Lifetime]] = {}
+
+# Every manager engine. Each tracks its own unreleased leases in the core (the
+# acquire/release hot path pays no Python bookkeeping for it), and hands them over
+# at interpreter exit.
+ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 @atexit.register
 def _finalize_at_exit() -> None:
+    for engine in list(ENGINES):
+        for lease in engine.core.live_leases():
+            lease._abandon()
     for reference in list(LIVE.values()):
         lifetime = reference()
         if lifetime is not None:

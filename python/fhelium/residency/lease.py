@@ -9,11 +9,10 @@ while a kernel may still read it.
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from fhelium.residency._lifetime import LIVE, Lifetime, LifetimeOwner
+from fhelium.residency._lifetime import Lifetime, LifetimeOwner
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
 from fhelium.values.tensor_resident import TensorResident
@@ -150,6 +149,14 @@ class ResidencyLease(Lifetime):
         self._entered = False
         self._track()
 
+    def _track(self) -> None:
+        # Leases are tracked by their manager's core, until released.
+        self._active = True
+        self._engine.core.track_lease(self._token, self)
+
+    def _untrack(self) -> None:
+        self._active = False
+
     def _finalize(self) -> None:
         _finalize_lease(self._engine, self._token, self._location, self._streams)
 
@@ -189,9 +196,8 @@ class ResidencyLease(Lifetime):
         elif not engine.core.release_host_lease_now(self._token):
             # The gate is busy or releases are queued: the waiting path.
             engine.release_host_lease(self._token)
-        # `_untrack` inlined: lease release is on the per-kernel hot path.
+        # The core stopped tracking the lease as it released it.
         self._active = False
-        LIVE.pop(id(self), None)
 
     close = release
 
@@ -313,7 +319,8 @@ def new_lease(
     consumer_streams: list[Any],
 ) -> ResidencyLease:
     """The manager's constructor for leases it has just admitted (the hot path):
-    the same state as `ResidencyLease(...)`, without keyword-argument overhead."""
+    the same state as `ResidencyLease(...)`, without keyword-argument overhead. The
+    core tracks the lease once this returns."""
     lease = object.__new__(ResidencyLease)
     lease._engine = engine
     lease._token = token
@@ -323,7 +330,6 @@ def new_lease(
     lease._streams = consumer_streams
     lease._entered = False
     lease._active = True
-    LIVE[id(lease)] = weakref.ref(lease)
     return lease
 
 

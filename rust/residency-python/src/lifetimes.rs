@@ -11,7 +11,7 @@ use std::ffi::CString;
 use pyo3::exceptions::{PyException, PyRuntimeError, PyRuntimeWarning, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString, PyTuple};
+use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::{CoreError, HandleId, LeaseState, Location};
 
 use crate::errors::{ResidencyUnavailableError, to_py_err};
@@ -162,6 +162,9 @@ pub fn release(
     token: u64,
     finalizing: bool,
 ) -> PyResult<()> {
+    if kind == LifetimeKind::Lease {
+        drop(manager.objects().untrack_lease(token));
+    }
     if let Some(released) = manager.release_now(kind, token) {
         return check_released(manager, kind, token, released, finalizing);
     }
@@ -242,6 +245,7 @@ pub fn release_lease(
 ) -> PyResult<()> {
     let context = manager.context();
     let core = manager.core();
+    drop(manager.objects().untrack_lease(token));
     if !matches!(context.location_code(py, location)?, Location::Cuda(_)) {
         return release(manager, py, LifetimeKind::Lease, token, finalizing);
     }
@@ -367,10 +371,17 @@ pub fn acquire(
             Some(stream) => PyList::new(py, [stream])?,
             None => PyList::empty(py),
         };
-        match context
+        let lease = context
             .new_lease(py)
             .call1((engine, token, handles, at, streams))
-        {
+            .and_then(|lease| {
+                let reference = PyWeakrefReference::new(&lease)?;
+                manager
+                    .objects()
+                    .track_lease(token, reference.into_any().unbind());
+                Ok(lease)
+            });
+        match lease {
             Ok(lease) => Ok(lease.unbind()),
             Err(err) => {
                 // Nothing may keep the tokens of a lease that was never handed out.
@@ -379,6 +390,18 @@ pub fn acquire(
             }
         }
     })
+}
+
+/// The lease objects not yet released that are still alive, oldest first.
+pub fn live_leases(manager: &CoreManager, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+    let mut live = Vec::new();
+    for reference in manager.objects().tracked_leases(py) {
+        let lease = reference.bind(py).call0()?;
+        if !lease.is_none() {
+            live.push(lease.unbind());
+        }
+    }
+    Ok(live)
 }
 
 /// Protects the ready materialisations of `handles` at `at` from removal.

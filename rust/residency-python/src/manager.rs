@@ -602,7 +602,21 @@ impl CoreManager {
     /// Releases a host lease at once when the gate is free and nothing is queued;
     /// `False` sends the caller down the waiting path (nothing has changed then).
     fn release_host_lease_now(&self, token: u64) -> bool {
+        drop(self.objects.untrack_lease(token));
         self.release_now(LifetimeKind::Lease, token).is_some()
+    }
+
+    /// Tracks a lease object built by the glue itself, until it is released.
+    fn track_lease(&self, token: u64, lease: &Bound<'_, PyAny>) -> PyResult<()> {
+        let reference = pyo3::types::PyWeakrefReference::new(lease)?;
+        self.objects
+            .track_lease(token, reference.into_any().unbind());
+        Ok(())
+    }
+
+    /// The lease objects not yet released that are still alive, oldest first.
+    fn live_leases(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        crate::lifetimes::live_leases(self, py)
     }
 
     /// Releases a reservation token; the caller holds the gate.

@@ -34,6 +34,9 @@ struct Store {
     /// The events recorded at the release of each pending CUDA lease, in release
     /// order; the lease protects its memory until they have all completed.
     pending: Vec<(u64, Vec<Py<PyAny>>)>,
+    /// A weak reference to each lease object not yet released, by token: at
+    /// interpreter exit the leases still alive are finalised while the runtime works.
+    leases: HashMap<u64, Py<PyAny>>,
 }
 
 #[derive(Debug, Default)]
@@ -221,6 +224,31 @@ impl Objects {
             .iter()
             .position(|(known, _)| *known == token)?;
         Some(store.pending.remove(position).1)
+    }
+
+    pub fn track_lease(&self, token: u64, reference: Py<PyAny>) {
+        drop(self.store().leases.insert(token, reference));
+    }
+
+    /// Forgets a lease object; its weak reference is released after the lock.
+    pub fn untrack_lease(&self, token: u64) -> Option<Py<PyAny>> {
+        self.store().leases.remove(&token)
+    }
+
+    /// The weak references of the leases not yet released, in token order.
+    pub fn tracked_leases(&self, py: Python<'_>) -> Vec<Py<PyAny>> {
+        let store = self.store();
+        let mut tracked: Vec<(u64, Py<PyAny>)> = store
+            .leases
+            .iter()
+            .map(|(token, reference)| (*token, reference.clone_ref(py)))
+            .collect();
+        drop(store);
+        tracked.sort_by_key(|(token, _)| *token);
+        tracked
+            .into_iter()
+            .map(|(_, reference)| reference)
+            .collect()
     }
 
     pub fn clear_pending(&self) -> Vec<(u64, Vec<Py<PyAny>>)> {
