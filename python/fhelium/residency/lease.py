@@ -192,7 +192,7 @@ class ResidencyLease(Lifetime):
             return
         engine = self._engine
         if self._location.kind == "cuda":
-            engine.release_lease(self._token, self._location, self._streams, wait=wait)
+            engine.core.release_lease(self._token, self._location, self._streams, wait=wait)
         elif not engine.core.release_host_lease_now(self._token):
             # The gate is busy or releases are queued: the waiting path.
             engine.release_host_lease(self._token)

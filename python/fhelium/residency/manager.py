@@ -63,7 +63,7 @@ class ResidencyManager:
     accounting at every location and optional strict budgets.
     """
 
-    __slots__ = ("__weakref__", "_engine")
+    __slots__ = ("__weakref__", "_core", "_engine")
 
     def __init__(
         self,
@@ -73,6 +73,9 @@ class ResidencyManager:
     ) -> None:
         self._engine = Engine(budgets, trace_capacity)
         self._engine.owner = weakref.ref(self)
+        # The core runs each primitive end to end (the engine's `transition`); the
+        # facade calls it directly on the per-step hot path.
+        self._core = self._engine.core
 
     # ------------------------------------------------------------------ identity
 
@@ -142,7 +145,7 @@ class ResidencyManager:
     ) -> ResidencyTransitionReport:
         """Install the value at `at`, keeping existing replicas (no-op if resident)."""
         if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
-            return self._engine.transition(_new_ensure(handle, at), stream)
+            return self._core.run(_new_ensure(handle, at), stream)  # type: ignore[no-any-return]
         return self._engine.transition(EnsureResident(handle, at), stream)
 
     def copy(
@@ -165,7 +168,9 @@ class ResidencyManager:
             and type(to) is ResidencyLocation
             and (from_location is None or type(from_location) is ResidencyLocation)
         ):
-            return self._engine.transition(_new_move(handle, to, from_location), stream)
+            return self._core.run(  # type: ignore[no-any-return]
+                _new_move(handle, to, from_location), stream
+            )
         return self._engine.transition(MoveResident(handle, to, from_location), stream)
 
     def drop(
@@ -173,7 +178,7 @@ class ResidencyManager:
     ) -> ResidencyTransitionReport:
         """Remove one unprotected materialisation, keeping the managed value."""
         if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
-            return self._engine.transition(_new_drop(handle, at), None)
+            return self._core.run(_new_drop(handle, at))  # type: ignore[no-any-return]
         return self._engine.transition(DropResident(handle, at), None)
 
     def discard(self, handle: ResidencyHandle[Any]) -> ResidencyTransitionReport:
@@ -241,8 +246,7 @@ class ResidencyManager:
 
         CUDA locations need the `consumer_stream` that will read the values.
         """
-        engine = self._engine
-        lease: ResidencyLease = engine.core.acquire(engine, handles, at, consumer_stream)
+        lease: ResidencyLease = self._core.acquire(self._engine, handles, at, consumer_stream)
         return lease
 
     def hold(

@@ -62,10 +62,33 @@ pub struct Context {
     /// Streams already checked, with their location: a stream never changes device,
     /// so one checked again is not asked about twice. Bounded; the newest last.
     checked_streams: Mutex<Vec<(Py<PyAny>, Location)>>,
+    /// CUDA location records already checked (records are immutable), and the shared
+    /// record of each CUDA code; both bounded.
+    checked_cuda: Mutex<Vec<(Py<PyAny>, Location)>>,
+    shared_cuda: Mutex<Vec<(Location, Py<PyAny>)>>,
 }
 
-/// How many checked streams a manager remembers.
-const CHECKED_STREAMS: usize = 8;
+/// How many checked streams, and CUDA location records, a manager remembers.
+const REMEMBERED: usize = 8;
+
+/// What `find` reads from the first remembered entry it accepts.
+fn remembered<T, R>(entries: &Mutex<Vec<T>>, find: impl Fn(&T) -> Option<R>) -> Option<R> {
+    entries
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .iter()
+        .find_map(find)
+}
+
+/// Remembers `entry`, forgetting the oldest beyond the bound.
+fn remember<T>(entries: &Mutex<Vec<T>>, entry: T) {
+    let forgotten = {
+        let mut entries = entries.lock().unwrap_or_else(PoisonError::into_inner);
+        entries.push(entry);
+        (entries.len() > REMEMBERED).then(|| entries.remove(0))
+    };
+    drop(forgotten);
+}
 
 impl Context {
     /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
@@ -103,6 +126,8 @@ impl Context {
             normalize_handles: item(20)?,
             handle_class: item(21)?,
             checked_streams: Mutex::new(Vec::new()),
+            checked_cuda: Mutex::new(Vec::new()),
+            shared_cuda: Mutex::new(Vec::new()),
         })
     }
 
@@ -193,6 +218,11 @@ impl Context {
         if location.is(&self.pinned) {
             return Ok(Location::PinnedHost);
         }
+        if let Some(known) = remembered(&self.checked_cuda, |(record, known)| {
+            record.is(location).then_some(*known)
+        }) {
+            return Ok(known);
+        }
         if !location.is_instance(&self.pageable.bind(py).get_type())? {
             return Err(PyTypeError::new_err(format!(
                 "expected a ResidencyLocation, got {}",
@@ -222,7 +252,9 @@ impl Context {
                 self.cuda_count
             )));
         }
-        Location::cuda(index).map_err(|err| to_py_err(py, err))
+        let checked = Location::cuda(index).map_err(|err| to_py_err(py, err))?;
+        remember(&self.checked_cuda, (location.clone().unbind(), checked));
+        Ok(checked)
     }
 
     /// A transfer or consumer stream must be a CUDA stream on the location's device.
@@ -233,12 +265,10 @@ impl Context {
         location: &Bound<'_, PyAny>,
         at: Location,
     ) -> PyResult<()> {
-        if self
-            .checked_streams
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .any(|(known, known_at)| known.is(stream) && *known_at == at)
+        if remembered(&self.checked_streams, |(known, known_at)| {
+            (known.is(stream) && *known_at == at).then_some(())
+        })
+        .is_some()
         {
             return Ok(());
         }
@@ -266,15 +296,7 @@ impl Context {
                 location.str()?
             )));
         }
-        let forgotten = {
-            let mut checked = self
-                .checked_streams
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            checked.push((stream.clone().unbind(), at));
-            (checked.len() > CHECKED_STREAMS).then(|| checked.remove(0))
-        };
-        drop(forgotten);
+        remember(&self.checked_streams, (stream.clone().unbind(), at));
         Ok(())
     }
 
@@ -317,7 +339,16 @@ impl Context {
         match location {
             Location::PageableHost => Ok(self.pageable.bind(py).clone()),
             Location::PinnedHost => Ok(self.pinned.bind(py).clone()),
-            Location::Cuda(_) => self.location_of.bind(py).call1((location.code(),)),
+            Location::Cuda(_) => {
+                if let Some(record) = remembered(&self.shared_cuda, |(known, record)| {
+                    (*known == location).then(|| record.clone_ref(py))
+                }) {
+                    return Ok(record.into_bound(py));
+                }
+                let record = self.location_of.bind(py).call1((location.code(),))?;
+                remember(&self.shared_cuda, (location, record.clone().unbind()));
+                Ok(record)
+            }
         }
     }
 }

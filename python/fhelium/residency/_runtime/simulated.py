@@ -377,7 +377,10 @@ class SimulatedRuntime:
 
     def record_event(self, stream: Any) -> SimulatedEvent:
         self._enter("record_event")
-        event = SimulatedEvent(_check_stream(stream), completed=self._auto_complete)
+        # Built field by field: every CUDA lease release records one.
+        event = object.__new__(SimulatedEvent)
+        event._stream = stream if type(stream) is SimulatedStream else _check_stream(stream)
+        event._completed = self._auto_complete
         if not self._auto_complete:
             with self._lock:
                 self._pending.add(event)
@@ -385,6 +388,8 @@ class SimulatedRuntime:
 
     def event_query(self, event: Any) -> bool:
         self._enter("event_query")
+        if type(event) is SimulatedEvent:
+            return event._completed
         return _check_event(event).completed
 
     def synchronize_event(self, event: Any) -> None:
