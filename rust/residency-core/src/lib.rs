@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod fasthash;
 pub mod gate;
 pub mod location;
 pub mod manager;
@@ -16,6 +17,7 @@ pub mod state;
 pub mod value;
 
 pub use error::{CoreError, CoreResult};
+pub use fasthash::{FastMap, FastSet};
 pub use location::{Location, MAX_CUDA_INDEX};
 pub use manager::{
     EnsurePlan, LeaseState, Manager, MovePlan, OpenLifetimes, SearchInputs, StorageKey,

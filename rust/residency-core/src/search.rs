@@ -8,7 +8,9 @@
 //! state and computing its memo signature cost what the plan changed, not what the
 //! manager holds.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
+
+use crate::fasthash::{FastMap, FastSet};
 use std::sync::Arc;
 
 use imbl::{HashMap as PMap, Vector};
@@ -136,7 +138,7 @@ pub struct GlobalOrder {
     pub last: Vec<usize>,
     pub len: usize,
     /// `first` and `last` together, skipped in the middle run.
-    placed: HashSet<usize>,
+    placed: FastSet<usize>,
 }
 
 impl GlobalOrder {
@@ -344,7 +346,7 @@ const PLAIN_KEYS: (i64, i64, Option<Arc<str>>) = (0, -1, None);
 pub struct TieredLru {
     /// `(priority, epoch, stable key)` by value position, for values with metadata or
     /// an access epoch; every other value has `(0, -1, None)`.
-    pub keys: HashMap<usize, (i64, i64, Option<Arc<str>>)>,
+    pub keys: FastMap<usize, (i64, i64, Option<Arc<str>>)>,
     pub tiers: BTreeMap<Location, Vec<Location>>,
 }
 
@@ -447,8 +449,8 @@ struct Resume {
     /// Values the prefix read and locations whose capacity it checked: a reclaim that
     /// touches such a value, or raises the charge at such a location, could change
     /// the prefix, and then the request is simulated from the start.
-    values: HashSet<usize>,
-    locations: HashSet<Location>,
+    values: FastSet<usize>,
+    locations: FastSet<Location>,
     /// The books of the simulated state, to carry a descendant's reclaims over.
     base_books: Vec<Books>,
 }
@@ -495,8 +497,8 @@ type Resumed = (
     State,
     Vec<Planned>,
     usize,
-    HashSet<usize>,
-    HashSet<Location>,
+    FastSet<usize>,
+    FastSet<Location>,
 );
 
 /// A failed simulation: why, and where a descendant may resume it.
@@ -515,15 +517,15 @@ pub struct Search<'a, P: SearchPolicy> {
     values: &'a SearchValues,
     budgets: &'a BTreeMap<Location, u64>,
     requirements: &'a [Requirement],
-    required: HashSet<(usize, Location)>,
+    required: FastSet<(usize, Location)>,
     reservations: &'a [(Location, u64)],
     policy: &'a mut P,
     limit: u64,
     explored: u64,
     /// The policy's total order of value positions, when it has one.
     global: Option<GlobalOrder>,
-    failed_requests: HashSet<Signature>,
-    failed_capacities: HashSet<CapacityKey>,
+    failed_requests: FastSet<Signature>,
+    failed_capacities: FastSet<CapacityKey>,
 }
 
 impl<'a, P: SearchPolicy> Search<'a, P> {
@@ -549,8 +551,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             limit,
             explored: 0,
             global,
-            failed_requests: HashSet::new(),
-            failed_capacities: HashSet::new(),
+            failed_requests: FastSet::default(),
+            failed_capacities: FastSet::default(),
         }
     }
 
@@ -768,7 +770,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 resumed
             } else {
                 let mut trial = state.clone();
-                let mut locations = HashSet::new();
+                let mut locations = FastSet::default();
                 for &(location, nbytes) in self.reservations {
                     if !self.fits(&trial, location, nbytes) {
                         return Err((
@@ -784,7 +786,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     let books = Self::books_mut(&mut trial, location);
                     books.reserved = books.reserved.saturating_add(nbytes);
                 }
-                (trial, Vec::new(), 0, HashSet::new(), locations)
+                (trial, Vec::new(), 0, FastSet::default(), locations)
             };
         for (index, requirement) in self.requirements.iter().enumerate().skip(start) {
             let (value, destination) = (requirement.value, requirement.location);
@@ -792,8 +794,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             let failed = |capacity: Capacity,
                           trial: &State,
                           actions: &Vec<Planned>,
-                          values: &HashSet<usize>,
-                          locations: &HashSet<Location>| {
+                          values: &FastSet<usize>,
+                          locations: &FastSet<Location>| {
                 let mats = values
                     .iter()
                     .filter_map(|&known| {

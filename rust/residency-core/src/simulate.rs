@@ -5,7 +5,7 @@
 //! plan's slots resolved by the caller, protection comes from the live token counts,
 //! and nothing here calls a source or moves a value.
 
-use std::collections::HashMap;
+use crate::fasthash::FastMap;
 use std::fmt::Write as _;
 
 use crate::location::Location;
@@ -48,7 +48,7 @@ pub struct Simulation {
 
 /// Protection counts a pending lease contributes but that no longer protect (its
 /// events completed), keyed by `(handle, location)`.
-pub type CompletedPending = HashMap<(HandleId, Location), u32>;
+pub type CompletedPending = FastMap<(HandleId, Location), u32>;
 
 #[derive(Debug, Clone)]
 struct Books {

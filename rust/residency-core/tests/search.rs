@@ -3,7 +3,7 @@
 
 #![allow(clippy::panic)] // Test assertions.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use residency_core::search::{
     EvictionReason, MatInfo, Planned, Requirement, Search, SearchError, SearchValue, SearchValues,
@@ -43,7 +43,7 @@ fn table(values: Vec<(SearchValue, Vec<MatInfo>)>) -> SearchValues {
 
 fn lru(_values: &SearchValues, tiers: &[(Location, Vec<Location>)]) -> TieredLru {
     TieredLru {
-        keys: HashMap::new(),
+        keys: residency_core::FastMap::default(),
         tiers: tiers.iter().cloned().collect(),
     }
 }

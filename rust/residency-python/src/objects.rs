@@ -6,10 +6,11 @@
 //! change here happens in the same binding call as the core change it mirrors, so
 //! the two never disagree. The mutex is never held while Python code runs.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::prelude::*;
+use residency_core::FastMap;
 
 use crate::lifetimes::Deferred;
 
@@ -26,8 +27,8 @@ struct Entry {
 struct Store {
     entries: Vec<Entry>,
     /// The object of each materialisation, by (handle index, location code).
-    values: HashMap<(u32, u32), Py<PyAny>>,
-    labels: HashMap<u64, Py<PyAny>>,
+    values: FastMap<(u32, u32), Py<PyAny>>,
+    labels: FastMap<u64, Py<PyAny>>,
     /// Releases that arrived while a source callback ran on another thread, applied
     /// oldest first as soon as the callback has returned.
     deferred: VecDeque<Deferred>,
@@ -36,7 +37,7 @@ struct Store {
     pending: Vec<(u64, Vec<Py<PyAny>>)>,
     /// A weak reference to each lease object not yet released, by token: at
     /// interpreter exit the leases still alive are finalised while the runtime works.
-    leases: HashMap<u64, Py<PyAny>>,
+    leases: FastMap<u64, Py<PyAny>>,
 }
 
 #[derive(Debug, Default)]

@@ -13,7 +13,7 @@ use residency_core::search::{
     SearchValues, TieredLru,
 };
 use residency_core::{
-    Action, ActionKind, CudaDevices, HandleId, Location, Reservation, SlotResolution,
+    Action, ActionKind, CudaDevices, FastMap, HandleId, Location, Reservation, SlotResolution,
 };
 
 use crate::errors::to_py_err;
@@ -263,7 +263,11 @@ pub fn decide_request<'py>(
 /// epoch get keys: the others rank alike but for their registration.
 fn tiered_lru(config: NativeConfig) -> PyResult<TieredLru> {
     let mut lru = TieredLru {
-        keys: HashMap::with_capacity(config.0.len().max(config.1.len())),
+        keys: {
+            let mut keys = FastMap::default();
+            keys.reserve(config.0.len().max(config.1.len()));
+            keys
+        },
         tiers: BTreeMap::new(),
     };
     for (&handle, (priority, key)) in &config.0 {
