@@ -400,3 +400,32 @@ def test_explain_treats_completed_pending_leases_as_unprotected(rt: LoggingRunti
     assert explanation.actions[0].executable is True
     assert_not_reaped(manager, rt)  # explain itself did not reap
     assert mat(manager.snapshot(), handle, CUDA0).pending_event_count == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Checked streams are remembered (transitions.md#stream-validation)
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_stream_checked_once_is_not_asked_about_again(rt: LoggingRuntime) -> None:
+    manager = ResidencyManager()
+    handle = replicated(manager, CUDA0, CUDA1)
+    s0 = cuda_stream(rt)
+    manager.acquire([handle], at=CUDA0, consumer_stream=s0).release(wait=True)
+    asked = (rt.calls["is_stream"], rt.calls["stream_device"])
+    for _ in range(3):
+        manager.acquire([handle], at=CUDA0, consumer_stream=s0).release(wait=True)
+        manager.ensure(handle, CUDA0, stream=s0)
+    assert (rt.calls["is_stream"], rt.calls["stream_device"]) == asked
+    # Remembered with its location: the same stream is still refused elsewhere.
+    with pytest.raises(ValueError, match="stream is on"):
+        manager.acquire([handle], at=CUDA1, consumer_stream=s0)
+    with pytest.raises(ValueError, match="host location"):
+        manager.ensure(handle, PAGEABLE_HOST, stream=s0)
+    # A new stream is checked, and a faulty runtime answer still surfaces for it.
+    s1 = cuda_stream(rt)
+    rt.fail_next("stream_device", exc=RuntimeError("injected"))
+    with pytest.raises(RuntimeError, match="injected"):
+        manager.acquire([handle], at=CUDA0, consumer_stream=s1)
+    manager.acquire([handle], at=CUDA0, consumer_stream=s1).release(wait=True)
+    manager.close()
