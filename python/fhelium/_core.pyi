@@ -1,6 +1,6 @@
 """Typing for the compiled extension `fhelium._core` (Rust, PyO3)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Final, final
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "StateView",
     "decide_request",
     "lower_plan",
+    "lower_records",
     "measure_tensors",
 ]
 
@@ -84,6 +85,16 @@ def lower_plan(
     reservations: list[tuple[int, int, str]],
     /,
 ) -> PlanIR: ...
+def lower_records(
+    name: str,
+    reclaim: Iterable[Any],
+    enter: Iterable[Any],
+    exit: Iterable[Any],
+    reservations: Iterable[Any],
+    kinds: dict[type, ActionKind],
+    type_key: Callable[[type], int],
+    /,
+) -> tuple[PlanIR, tuple[Any, ...]]: ...
 
 _NativeConfig = tuple[
     dict[int, tuple[int, str | None]], dict[int, int], list[tuple[int, list[int]]]
@@ -131,6 +142,13 @@ class CoreManager:
     def acquire_host(self, engine: Any, handles: tuple[Any, ...], at: Any) -> Any | None: ...
     def register_host(self, spec_record: Any, source: Any, source_location: Any) -> Any | None: ...
     def execute_host(self, action: Any) -> Any | None: ...
+    def run_phase(
+        self,
+        actions: tuple[Any, ...],
+        fallback: Callable[[Any, Any], Any],
+        transitions: list[Any],
+        stream_for: Callable[[Any], Any] | None = None,
+    ) -> None: ...
     def record(self, report: Any) -> None: ...
     def trace_reports(self) -> list[Any]: ...
     def clear_trace(self) -> None: ...
