@@ -19,6 +19,7 @@ import pytest
 from fhelium.residency import _lowering
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, cuda_location
 from fhelium.residency.manager import ResidencyManager
+from fhelium.residency.model import ResidencyHandle
 from fhelium.residency.plan import (
     DiscardValue,
     DropResident,
@@ -233,3 +234,20 @@ def test_a_signal_handler_error_between_host_actions_is_wrapped(sim: Any) -> Non
     assert len(error.partial_report.transitions) == error.failed_action_index
     assert error.partial_report.started_at_ns >= started
     assert isinstance(error.__cause__, RuntimeError)
+
+
+def test_handles_with_equal_hashes_are_told_apart_by_equality() -> None:
+    class Colliding(ResidencyHandle[Any]):
+        __slots__ = ()
+
+        def __hash__(self) -> int:
+            return 7
+
+    first, second, third = (Colliding("m", f"h{index}", ResidentTensor) for index in range(3))
+    twin = Colliding("m", "h1", ResidentTensor)
+    actions = [EnsureResident(handle, PAGEABLE_HOST) for handle in (first, second, twin, third)]
+    lowered = _lowering.lower_actions("p", [*actions, DropResident(second, PAGEABLE_HOST)])
+    assert len(lowered.handles) == 3
+    assert lowered.handles[0] is first
+    assert lowered.handles[1] is second
+    assert lowered.handles[2] is third

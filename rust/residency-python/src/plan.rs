@@ -6,7 +6,10 @@
 //! a Python dict keyed by handle uses. `lower_plan` takes the same plan already
 //! encoded as tuples (the controller's tests and tools build such tables by hand).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
@@ -111,6 +114,19 @@ pub fn lower_plan(
             type_key,
         })
         .collect();
+    build(py, name, handles, reclaim, enter, exit, reservations)
+}
+
+/// The IR from encoded actions and reservations, validated by the core.
+fn build(
+    py: Python<'_>,
+    name: String,
+    handles: Vec<HandleRef>,
+    reclaim: Vec<ActionTuple>,
+    enter: Vec<ActionTuple>,
+    exit: Vec<ActionTuple>,
+    reservations: Vec<(i64, u64, String)>,
+) -> PyResult<PlanIr> {
     let reservations = reservations
         .into_iter()
         .map(|(code, nbytes, label)| {
@@ -224,56 +240,121 @@ fn location_code(location: &Bound<'_, PyAny>) -> PyResult<i64> {
 
 /// `text` as the core's UTF-8 diagnostics: lone surrogates become U+FFFD, exactly as
 /// the glue's `diagnostic_text` does.
-fn diagnostic_text(text: &Bound<'_, PyAny>) -> PyResult<String> {
+fn diagnostic_text<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, str>> {
     if let Ok(exact) = text.cast_exact::<PyString>()
         && let Ok(utf8) = exact.to_str()
     {
-        return Ok(utf8.to_owned());
+        return Ok(Cow::Borrowed(utf8));
     }
     let py = text.py();
     if text.call_method0(intern!(py, "isascii"))?.is_truthy()? {
-        return text.extract();
+        return Ok(Cow::Owned(text.extract()?));
     }
-    text.call_method1(intern!(py, "encode"), ("utf-8", "surrogatepass"))?
-        .call_method1(intern!(py, "decode"), ("utf-8", "replace"))?
-        .extract()
+    Ok(Cow::Owned(
+        text.call_method1(intern!(py, "encode"), ("utf-8", "surrogatepass"))?
+            .call_method1(intern!(py, "decode"), ("utf-8", "replace"))?
+            .extract()?,
+    ))
 }
 
-/// The plan's handle table, in first-appearance order.
+/// Hashes an address or a Python hash, which are already well spread, in one multiply.
+#[derive(Default, Clone, Copy)]
+struct WordHasher(u64);
+
+impl Hasher for WordHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_usize(&mut self, word: usize) {
+        // Fold the high half down: the table indexes by the low bits, and aligned
+        // addresses have none of their own.
+        let mixed = (word as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = mixed ^ (mixed >> 32);
+    }
+
+    #[allow(clippy::cast_sign_loss)] // the bits are what is hashed
+    fn write_isize(&mut self, word: isize) {
+        self.write_usize(word as usize);
+    }
+}
+
+type WordMap<K, V> = HashMap<K, V, BuildHasherDefault<WordHasher>>;
+
+/// The plan's handle table, in first-appearance order, keyed as a Python dict keyed
+/// by the handle records would be: by their hash, then identity or equality.
 struct Slots<'py> {
-    /// Keyed by the handle records themselves: their hash and equality decide.
-    table: Bound<'py, PyDict>,
     handles: Vec<Bound<'py, PyAny>>,
-    /// Every object seen, by address, with its slot (kept alive while lowering).
-    seen: HashMap<usize, (u32, Bound<'py, PyAny>)>,
+    /// The first slot whose handle has a given hash; `collisions` holds the others.
+    by_hash: WordMap<isize, u32>,
+    collisions: Vec<(isize, u32)>,
+    /// Every object seen, by address, with its slot; `kept` keeps the ones that are
+    /// not in the table alive while lowering, so no address is reused meanwhile.
+    seen: WordMap<usize, u32>,
+    kept: Vec<Bound<'py, PyAny>>,
 }
 
 impl<'py> Slots<'py> {
-    fn new(py: Python<'py>) -> Self {
+    fn new() -> Self {
         Self {
-            table: PyDict::new(py),
             handles: Vec::new(),
-            seen: HashMap::new(),
+            by_hash: WordMap::default(),
+            collisions: Vec::new(),
+            seen: WordMap::default(),
+            kept: Vec::new(),
         }
     }
 
-    /// `table.setdefault(handle, len(table))`, asked once per distinct object.
+    /// The slot of `handle`, appended to the table when no equal handle is in it.
     fn slot(&mut self, handle: Bound<'py, PyAny>) -> PyResult<u32> {
         let address = handle.as_ptr().addr();
-        if let Some((slot, _)) = self.seen.get(&address) {
+        if let Some(slot) = self.seen.get(&address) {
             return Ok(*slot);
         }
-        let py = handle.py();
-        let next = self.handles.len();
-        let slot: u32 = self
-            .table
-            .call_method1(intern!(py, "setdefault"), (&handle, next))?
-            .extract()?;
-        if slot as usize == next {
-            self.handles.push(handle.clone());
-        }
-        self.seen.insert(address, (slot, handle));
+        let hash = handle.hash()?;
+        let slot = if let Some(slot) = self.find(hash, &handle)? {
+            self.kept.push(handle);
+            slot
+        } else {
+            let slot = u32::try_from(self.handles.len())
+                .map_err(|_| PyValueError::new_err("a plan names at most 2**32 handles"))?;
+            match self.by_hash.entry(hash) {
+                Entry::Vacant(entry) => {
+                    entry.insert(slot);
+                }
+                // The first handle with this hash keeps the map's entry.
+                Entry::Occupied(_) => self.collisions.push((hash, slot)),
+            }
+            self.handles.push(handle);
+            slot
+        };
+        self.seen.insert(address, slot);
         Ok(slot)
+    }
+
+    fn find(&self, hash: isize, handle: &Bound<'py, PyAny>) -> PyResult<Option<u32>> {
+        let Some(&first) = self.by_hash.get(&hash) else {
+            return Ok(None);
+        };
+        let candidates = std::iter::once(first).chain(
+            self.collisions
+                .iter()
+                .filter(move |(other, _)| *other == hash)
+                .map(|(_, slot)| *slot),
+        );
+        for slot in candidates {
+            let known = &self.handles[slot as usize];
+            if known.is(handle) || known.eq(handle)? {
+                return Ok(Some(slot));
+            }
+        }
+        Ok(None)
     }
 }
 
@@ -342,16 +423,26 @@ pub fn lower_records<'py>(
     type_key: &Bound<'py, PyAny>,
 ) -> PyResult<(PlanIr, Bound<'py, PyTuple>)> {
     let kinds = Kinds::new(kinds)?;
-    let mut slots = Slots::new(py);
+    let mut slots = Slots::new();
     let mut codes = Codes::default();
     let reclaim = encode_actions(reclaim, &kinds, &mut slots, &mut codes)?;
     let enter = encode_actions(enter, &kinds, &mut slots, &mut codes)?;
     let exit = encode_actions(exit, &kinds, &mut slots, &mut codes)?;
     let mut type_keys: Vec<(Bound<'py, PyAny>, u64)> = Vec::new();
+    // Handles of one manager share their manager id object: converted once.
+    let mut manager_ids: Option<(Bound<'py, PyAny>, Arc<str>)> = None;
     let mut handles = Vec::with_capacity(slots.handles.len());
     for handle in &slots.handles {
-        let manager_id = diagnostic_text(&handle.getattr(intern!(py, "manager_id"))?)?;
-        let handle_id = diagnostic_text(&handle.getattr(intern!(py, "handle_id"))?)?;
+        let manager_id = handle.getattr(intern!(py, "manager_id"))?;
+        let manager_id = match &manager_ids {
+            Some((known, text)) if known.is(&manager_id) => Arc::clone(text),
+            _ => {
+                let text: Arc<str> = Arc::from(diagnostic_text(&manager_id)?);
+                manager_ids = Some((manager_id, Arc::clone(&text)));
+                text
+            }
+        };
+        let handle_id = Arc::from(diagnostic_text(&handle.getattr(intern!(py, "handle_id"))?)?);
         let value_type = handle.getattr(intern!(py, "value_type"))?;
         let key = if let Some((_, key)) = type_keys.iter().find(|(known, _)| known.is(&value_type))
         {
@@ -363,7 +454,11 @@ pub fn lower_records<'py>(
             }
             key
         };
-        handles.push((manager_id, handle_id, key));
+        handles.push(HandleRef {
+            manager_id,
+            handle_id,
+            type_key: key,
+        });
     }
     let mut encoded_reservations = Vec::new();
     for reservation in reservations.try_iter()? {
@@ -371,12 +466,12 @@ pub fn lower_records<'py>(
         encoded_reservations.push((
             codes.of(&reservation.getattr(intern!(py, "location"))?)?,
             saturated(&reservation.getattr(intern!(py, "nbytes"))?)?,
-            diagnostic_text(&reservation.getattr(intern!(py, "label"))?)?,
+            diagnostic_text(&reservation.getattr(intern!(py, "label"))?)?.into_owned(),
         ));
     }
-    let ir = lower_plan(
+    let ir = build(
         py,
-        diagnostic_text(name)?,
+        diagnostic_text(name)?.into_owned(),
         handles,
         reclaim,
         enter,
