@@ -7,6 +7,7 @@
 
 pub mod error;
 pub mod gate;
+pub mod hash;
 pub mod location;
 pub mod manager;
 pub mod plan;
@@ -16,6 +17,7 @@ pub mod state;
 pub mod value;
 
 pub use error::{CoreError, CoreResult};
+pub use hash::{WordHasher, WordMap};
 pub use location::{Location, MAX_CUDA_INDEX};
 pub use manager::{
     EnsurePlan, LeaseState, Manager, MovePlan, OpenLifetimes, SearchInputs, StorageKey,

@@ -7,7 +7,7 @@
 //! steps that commit. The state is published for lock-free readers when the
 //! outermost gate holder exits, so readers only ever see whole operations.
 
-use std::collections::HashMap;
+use crate::hash::WordMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -109,10 +109,10 @@ impl OpenLifetimes {
 #[derive(Debug, Default)]
 struct Inner {
     state: State,
-    storage_owners: HashMap<StorageKey, (HandleId, Location)>,
-    materialization_keys: HashMap<(HandleId, Location), Vec<StorageKey>>,
-    leases: HashMap<u64, LeaseRecord>,
-    holds: HashMap<u64, HoldRecord>,
+    storage_owners: WordMap<StorageKey, (HandleId, Location)>,
+    materialization_keys: WordMap<(HandleId, Location), Vec<StorageKey>>,
+    leases: WordMap<u64, LeaseRecord>,
+    holds: WordMap<u64, HoldRecord>,
     next_token: u64,
     /// Published state is stale once a mutation happened since the last publish.
     dirty: bool,

@@ -6,10 +6,11 @@
 //! change here happens in the same binding call as the core change it mirrors, so
 //! the two never disagree. The mutex is never held while Python code runs.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::prelude::*;
+use residency_core::WordMap;
 
 /// One value's objects. Kept small: a million registered values are a common case,
 /// and most have no materialisation at a given moment.
@@ -24,8 +25,8 @@ struct Entry {
 struct Store {
     entries: Vec<Entry>,
     /// The object of each materialisation, by (handle index, location code).
-    values: HashMap<(u32, u32), Py<PyAny>>,
-    labels: HashMap<u64, Py<PyAny>>,
+    values: WordMap<(u32, u32), Py<PyAny>>,
+    labels: WordMap<u64, Py<PyAny>>,
     /// Releases that arrived while a source callback ran on another thread; each is
     /// a callable applied, oldest first, as soon as the callback has returned.
     deferred: VecDeque<Py<PyAny>>,

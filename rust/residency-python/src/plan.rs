@@ -7,16 +7,16 @@
 //! encoded as tuples (the controller's tests and tools build such tables by hand).
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple, PyType};
-use residency_core::{Action, ActionKind, HandleRef, HandleSlot, Location, Plan, Reservation};
+use residency_core::{
+    Action, ActionKind, HandleRef, HandleSlot, Location, Plan, Reservation, WordMap,
+};
 
 use crate::errors::to_py_err;
 use crate::kinds::PyActionKind;
@@ -256,36 +256,6 @@ fn diagnostic_text<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, str>> {
             .extract()?,
     ))
 }
-
-/// Hashes an address or a Python hash, which are already well spread, in one multiply.
-#[derive(Default, Clone, Copy)]
-struct WordHasher(u64);
-
-impl Hasher for WordHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-
-    fn write_usize(&mut self, word: usize) {
-        // Fold the high half down: the table indexes by the low bits, and aligned
-        // addresses have none of their own.
-        let mixed = (word as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = mixed ^ (mixed >> 32);
-    }
-
-    #[allow(clippy::cast_sign_loss)] // the bits are what is hashed
-    fn write_isize(&mut self, word: isize) {
-        self.write_usize(word as usize);
-    }
-}
-
-type WordMap<K, V> = HashMap<K, V, BuildHasherDefault<WordHasher>>;
 
 /// The plan's handle table, in first-appearance order, keyed as a Python dict keyed
 /// by the handle records would be: by their hash, then identity or equality.
