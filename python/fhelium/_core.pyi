@@ -18,6 +18,7 @@ __all__ = [
     "StateView",
     "decide_request",
     "lower_plan",
+    "lower_records",
     "measure_tensors",
 ]
 
@@ -84,6 +85,16 @@ def lower_plan(
     reservations: list[tuple[int, int, str]],
     /,
 ) -> PlanIR: ...
+def lower_records(
+    name: str,
+    reclaim: Iterable[Any],
+    enter: Iterable[Any],
+    exit: Iterable[Any],
+    reservations: Iterable[Any],
+    kinds: dict[type, ActionKind],
+    type_key: Callable[[type], int],
+    /,
+) -> tuple[PlanIR, tuple[Any, ...]]: ...
 
 _NativeConfig = tuple[
     dict[int, tuple[int, str | None]], dict[int, int], list[tuple[int, list[int]]]
@@ -161,6 +172,13 @@ class CoreManager:
     def location_code(self, location: Any) -> int: ...
     def check_stream(self, stream: Any, location: Any) -> None: ...
     def handle_error(self, handle: Any) -> BaseException: ...
+    def run_phase(
+        self,
+        actions: tuple[Any, ...],
+        fallback: Callable[[Any, Any], Any],
+        transitions: list[Any],
+        stream_for: Callable[[Any], Any] | None = None,
+    ) -> None: ...
     def trace_reports(self) -> list[Any]: ...
     def clear_trace(self) -> None: ...
     @property

@@ -1,7 +1,9 @@
 """Lowering of plan records into the Rust core's plan IR, once per plan.
 
 Handles are interned into a per-plan table and value types get process-wide integer
-keys, so the core can tell apart handles that differ only in their value type.
+keys, so the core can tell apart handles that differ only in their value type. The
+core reads the records in one call (`_core.lower_records`); nothing here loops over
+actions.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ __all__ = [
     "saturate",
     "type_key",
 ]
-
-_NO_LOCATION = -1
 
 _type_keys: dict[type, int] = {}
 _type_keys_lock = threading.Lock()
@@ -116,32 +116,6 @@ def action_kind(action: object) -> ActionKind:
     raise TypeError(f"not a residency action: {action!r}")
 
 
-def _encode_actions(
-    actions: Iterable[Any],
-    slots: dict[ResidencyHandle[Any], int],
-) -> list[tuple[ActionKind, int, int, int]]:
-    encoded: list[tuple[ActionKind, int, int, int]] = []
-    for action in actions:
-        slot = slots.setdefault(action.handle, len(slots))
-        kind = action_kind(action)
-        if kind == ActionKind.MOVE:
-            source = action.from_location
-            encoded.append(
-                (
-                    kind,
-                    slot,
-                    location_code(action.to),
-                    _NO_LOCATION if source is None else location_code(source),
-                )
-            )
-        elif kind == ActionKind.DISCARD:
-            encoded.append((kind, slot, _NO_LOCATION, _NO_LOCATION))
-        else:
-            location = action.location
-            encoded.append((kind, slot, location_code(location), _NO_LOCATION))
-    return encoded
-
-
 class LoweredPlan(NamedTuple):
     """A plan's core IR and its handle table (slot order: first appearance)."""
 
@@ -166,25 +140,17 @@ def _lower(
     exit_actions: Iterable[Any],
     plan_reservations: Iterable[_Reservation],
 ) -> LoweredPlan:
-    slots: dict[ResidencyHandle[Any], int] = {}
-    reclaim = _encode_actions(reclaim_actions, slots)
-    enter = _encode_actions(enter_actions, slots)
-    exit_ = _encode_actions(exit_actions, slots)
-    handles = [
-        (
-            diagnostic_text(handle.manager_id),
-            diagnostic_text(handle.handle_id),
-            type_key(handle.value_type),
-        )
-        for handle in slots
-    ]
-    reservations = [
-        (
-            location_code(reservation.location),
-            saturate(reservation.nbytes),
-            diagnostic_text(reservation.label),
-        )
-        for reservation in plan_reservations
-    ]
-    ir = _core.lower_plan(diagnostic_text(name), handles, reclaim, enter, exit_, reservations)
-    return LoweredPlan(ir, tuple(slots))
+    """One call into the core, which reads the records themselves: action kinds by
+    `ACTION_KINDS` (subclasses included), location records as codes, handles interned
+    in first-appearance order by their own hash and equality, and every text as
+    `diagnostic_text` gives it."""
+    ir, handles = _core.lower_records(
+        name,
+        reclaim_actions,
+        enter_actions,
+        exit_actions,
+        plan_reservations,
+        ACTION_KINDS,
+        type_key,
+    )
+    return LoweredPlan(ir, handles)

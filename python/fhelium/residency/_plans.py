@@ -144,36 +144,37 @@ def _run_phase(
 ) -> None:
     """Executes one phase in order; wraps a failure with the committed prefix.
 
-    The cyclic garbage collector is paused for the loop: a plan allocates a report per
-    action, and full collections triggered in the middle would scan the whole heap
+    The whole phase is one call into the core: each action takes the one-call host
+    path, or the engine's general path where that declines, and its report is
+    appended to `transitions` as it commits. On a failure the list holds exactly the
+    committed prefix, so its growth is the index of the failed action.
+
+    The cyclic garbage collector is paused for the phase: a plan allocates a report
+    per action, and full collections triggered in the middle would scan the whole heap
     repeatedly for nothing. It runs again, once, after the phase.
     """
     if not actions:
         return
-    execute = engine.execute
-    execute_host = engine.core.execute_host
-    append = transitions.append
+    committed = len(transitions)
+    stream_for = (lambda action: _stream_for(action, streams)) if streams else None
     collecting = gc.isenabled()
     gc.disable()
     try:
-        for index, action in enumerate(actions):
-            try:
-                stream = _stream_for(action, streams) if streams else None
-                report = execute_host(action) if stream is None else None
-                append(execute(action, stream) if report is None else report)
-            except Exception as error:
-                raise _execution_error(
-                    plan_name,
-                    phase,
-                    transitions,
-                    started,
-                    error,
-                    failed_action=action,
-                    failed_action_index=index,
-                ) from error
-            except BaseException as error:
-                _note_committed(error, plan_name, transitions)
-                raise
+        engine.core.run_phase(actions, engine.execute, transitions, stream_for)
+    except Exception as error:
+        index = len(transitions) - committed
+        raise _execution_error(
+            plan_name,
+            phase,
+            transitions,
+            started,
+            error,
+            failed_action=actions[index],
+            failed_action_index=index,
+        ) from error
+    except BaseException as error:
+        _note_committed(error, plan_name, transitions)
+        raise
     finally:
         if collecting:
             gc.enable()

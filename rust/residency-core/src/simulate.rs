@@ -5,6 +5,8 @@
 //! plan's slots resolved by the caller, protection comes from the live token counts,
 //! and nothing here calls a source or moves a value.
 
+use std::cell::Cell;
+
 use crate::fasthash::FastMap;
 use std::fmt::Write as _;
 
@@ -167,6 +169,9 @@ struct Simulator<'a> {
     completed: &'a CompletedPending,
     books: Vec<Books>,
     slots: Vec<Option<SlotState>>,
+    /// The record read last: an action reads its value's record several times, and
+    /// the state's persistent vector is a tree walk per read.
+    last_record: Cell<Option<(HandleId, &'a ValueRecord)>>,
 }
 
 impl<'a> Simulator<'a> {
@@ -195,12 +200,21 @@ impl<'a> Simulator<'a> {
             completed,
             books,
             slots: vec![None; plan.handles().len()],
+            last_record: Cell::new(None),
         }
     }
 
-    fn record(&self, handle: HandleId) -> &ValueRecord {
+    fn record(&self, handle: HandleId) -> &'a ValueRecord {
+        if let Some((last, record)) = self.last_record.get()
+            && last == handle
+        {
+            return record;
+        }
         // Resolved slots name issued, live handles.
-        &self.state.values[handle as usize]
+        let state: &'a State = self.state;
+        let record: &'a ValueRecord = &state.values[handle as usize];
+        self.last_record.set(Some((handle, record)));
+        record
     }
 
     /// Prepares a location: validated, and registered in the simulation on first use.

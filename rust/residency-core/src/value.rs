@@ -147,10 +147,19 @@ impl HandleName {
         Some((scrambled ^ key).wrapping_mul(UNSCRAMBLE))
     }
 
-    /// Whether `text` is exactly this id's hyphenated lower-case spelling.
+    /// Whether `text` is exactly this id's hyphenated lower-case spelling
+    /// (`8-4-4-4-12` hex digits). Every handle lookup asks this, so the spelling is
+    /// written with a table into a stack buffer and compared in one go.
     pub fn is_written_as(&self, text: &str) -> bool {
-        let mut buffer = [0u8; 36];
-        self.encode(&mut buffer) == text
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        // Where each byte's two digits start: the hyphens sit at 8, 13, 18 and 23.
+        const STARTS: [usize; 16] = [0, 2, 4, 6, 9, 11, 14, 16, 19, 21, 24, 26, 28, 30, 32, 34];
+        let mut written = [b'-'; 36];
+        for (&start, byte) in STARTS.iter().zip(self.as_u128().to_be_bytes()) {
+            written[start] = DIGITS[usize::from(byte >> 4)];
+            written[start + 1] = DIGITS[usize::from(byte & 0xF)];
+        }
+        written == text.as_bytes()
     }
 }
 
@@ -209,6 +218,26 @@ mod handle_name_tests {
         assert_eq!(HandleName::index_in_text(&text, 0xDEAD_BEEF), Some(41));
         assert!(name.is_written_as(&text));
         assert!(!name.is_written_as(&text.to_uppercase()));
+        assert!(!name.is_written_as(&text.replace('-', "_")));
+        assert!(!name.is_written_as(&text[..35]));
+        for index in 0..64 {
+            let other = HandleName::issue(index, 3);
+            let mut buffer = [0u8; 36];
+            let written = other.encode(&mut buffer).to_owned();
+            assert!(other.is_written_as(&written));
+            assert!(!name.is_written_as(&written));
+            // A change in any one position is another spelling.
+            for position in 0..36 {
+                let mut changed = written.clone().into_bytes();
+                changed[position] = if changed[position] == b'0' {
+                    b'1'
+                } else {
+                    b'0'
+                };
+                let changed = String::from_utf8(changed).expect("ASCII");
+                assert!(!other.is_written_as(&changed), "{changed}");
+            }
+        }
         assert_eq!(format!("{name:?}"), format!("\"{text}\""));
         assert_eq!(
             HandleName::index_in_text(&text.replace('-', ""), 0xDEAD_BEEF),

@@ -11,6 +11,7 @@ mod lifetimes;
 mod manager;
 mod measure;
 mod objects;
+mod phases;
 mod plan;
 mod records;
 mod search;
@@ -32,6 +33,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<manager::SimulationView>()?;
     module.add_class::<records::RecordBuilder>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
+    module.add_function(wrap_pyfunction!(plan::lower_records, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;
     module.add_function(wrap_pyfunction!(search::decide_request, module)?)?;
     Ok(())

@@ -674,6 +674,21 @@ impl CoreManager {
         self.handle_error(py, handle)
     }
 
+    /// Runs one plan phase in order; the caller holds the gate. Each report is
+    /// appended to `transitions` as it commits, so on failure the list holds the
+    /// committed prefix and the error propagates unchanged (see `phases`).
+    #[pyo3(signature = (actions, fallback, transitions, stream_for=None))]
+    fn run_phase(
+        &self,
+        py: Python<'_>,
+        actions: &Bound<'_, PyTuple>,
+        fallback: &Bound<'_, PyAny>,
+        transitions: &Bound<'_, pyo3::types::PyList>,
+        stream_for: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        crate::phases::run_phase(self, py, actions, fallback, transitions, stream_for)
+    }
+
     // ----- the trace and deferred releases ----------------------------------------------
 
     /// The retained transition reports, oldest first.

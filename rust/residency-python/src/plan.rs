@@ -1,13 +1,22 @@
 //! Lowering of `ResidencyPlan` into the core's plan IR, once per plan.
 //!
-//! The glue interns handles into a table and encodes each action as a small tuple;
-//! this keeps the conversion to one boundary crossing per plan, not per action.
+//! `lower_records` reads the action and reservation records themselves, in one call
+//! per plan: it tells the four action classes apart, turns location records into
+//! codes, and interns handles into the plan's table with the same hash and equality
+//! a Python dict keyed by handle uses. `lower_plan` takes the same plan already
+//! encoded as tuples (the controller's tests and tools build such tables by hand).
 
+use std::borrow::Cow;
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use residency_core::{Action, ActionKind, HandleRef, HandleSlot, Location, Plan, Reservation};
+use pyo3::types::{PyDict, PyInt, PyString, PyTuple, PyType};
+use residency_core::{
+    Action, ActionKind, FastMap, HandleRef, HandleSlot, Location, Plan, Reservation,
+};
 
 use crate::errors::to_py_err;
 use crate::kinds::PyActionKind;
@@ -105,6 +114,19 @@ pub fn lower_plan(
             type_key,
         })
         .collect();
+    build(py, name, handles, reclaim, enter, exit, reservations)
+}
+
+/// The IR from encoded actions and reservations, validated by the core.
+fn build(
+    py: Python<'_>,
+    name: String,
+    handles: Vec<HandleRef>,
+    reclaim: Vec<ActionTuple>,
+    enter: Vec<ActionTuple>,
+    exit: Vec<ActionTuple>,
+    reservations: Vec<(i64, u64, String)>,
+) -> PyResult<PlanIr> {
     let reservations = reservations
         .into_iter()
         .map(|(code, nbytes, label)| {
@@ -127,4 +149,304 @@ pub fn lower_plan(
     Ok(PlanIr {
         plan: Arc::new(plan),
     })
+}
+
+/// The kinds of the action record classes, in the glue's registration order: an
+/// exact class matches by identity, a subclass by `isinstance` in this order.
+struct Kinds<'py> {
+    classes: Vec<(Bound<'py, PyType>, PyActionKind)>,
+}
+
+impl<'py> Kinds<'py> {
+    fn new(kinds: &Bound<'py, PyDict>) -> PyResult<Self> {
+        let classes = kinds
+            .iter()
+            .map(|(class, kind)| Ok((class.cast_into::<PyType>()?, kind.extract()?)))
+            .collect::<PyResult<_>>()?;
+        Ok(Self { classes })
+    }
+
+    fn of(&self, action: &Bound<'py, PyAny>) -> PyResult<PyActionKind> {
+        let action_type = action.get_type();
+        if let Some((_, kind)) = self
+            .classes
+            .iter()
+            .find(|(class, _)| class.is(&action_type))
+        {
+            return Ok(*kind);
+        }
+        for (class, kind) in &self.classes {
+            if action.is_instance(class)? {
+                return Ok(*kind);
+            }
+        }
+        Err(PyTypeError::new_err(format!(
+            "not a residency action: {}",
+            action.repr()?
+        )))
+    }
+}
+
+/// The core's location code of a location record: 0 pageable host, 1 pinned host,
+/// 2 + CUDA index. The records seen so far are remembered by identity (each is kept
+/// alive here, so its address stays its own).
+#[derive(Default)]
+struct Codes<'py> {
+    known: Vec<(Bound<'py, PyAny>, i64)>,
+}
+
+/// Distinct location objects and value types remembered per call; plans name few.
+const KNOWN_LOCATIONS: usize = 16;
+const KNOWN_TYPES: usize = 16;
+
+impl<'py> Codes<'py> {
+    fn of(&mut self, location: &Bound<'py, PyAny>) -> PyResult<i64> {
+        if let Some((_, code)) = self.known.iter().find(|(known, _)| known.is(location)) {
+            return Ok(*code);
+        }
+        let code = location_code(location)?;
+        if self.known.len() < KNOWN_LOCATIONS {
+            self.known.push((location.clone(), code));
+        }
+        Ok(code)
+    }
+}
+
+fn location_code(location: &Bound<'_, PyAny>) -> PyResult<i64> {
+    let py = location.py();
+    let kind = location.getattr(intern!(py, "kind"))?;
+    let is = |text: &str| -> PyResult<bool> {
+        match kind.cast_exact::<PyString>() {
+            Ok(kind) => Ok(kind.to_str().is_ok_and(|kind| kind == text)),
+            Err(_) => kind.eq(text),
+        }
+    };
+    if is("pageable-host")? {
+        return Ok(0);
+    }
+    if is("pinned-host")? {
+        return Ok(1);
+    }
+    let index = location
+        .getattr(intern!(py, "device"))?
+        .getattr(intern!(py, "index"))?;
+    if index.is_none() {
+        // A location record always names an indexed CUDA device.
+        return Err(PyAssertionError::new_err(()));
+    }
+    let index: i64 = index.add(2)?.extract()?;
+    Ok(index)
+}
+
+/// `text` as the core's UTF-8 diagnostics: lone surrogates become U+FFFD, exactly as
+/// the glue's `diagnostic_text` does.
+fn diagnostic_text<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, str>> {
+    if let Ok(exact) = text.cast_exact::<PyString>()
+        && let Ok(utf8) = exact.to_str()
+    {
+        return Ok(Cow::Borrowed(utf8));
+    }
+    let py = text.py();
+    if text.call_method0(intern!(py, "isascii"))?.is_truthy()? {
+        return Ok(Cow::Owned(text.extract()?));
+    }
+    Ok(Cow::Owned(
+        text.call_method1(intern!(py, "encode"), ("utf-8", "surrogatepass"))?
+            .call_method1(intern!(py, "decode"), ("utf-8", "replace"))?
+            .extract()?,
+    ))
+}
+
+/// The plan's handle table, in first-appearance order, keyed as a Python dict keyed
+/// by the handle records would be: by their hash, then identity or equality.
+struct Slots<'py> {
+    handles: Vec<Bound<'py, PyAny>>,
+    /// The first slot whose handle has a given hash; `collisions` holds the others.
+    by_hash: FastMap<isize, u32>,
+    collisions: Vec<(isize, u32)>,
+    /// Every object seen, by address, with its slot; `kept` keeps the ones that are
+    /// not in the table alive while lowering, so no address is reused meanwhile.
+    seen: FastMap<usize, u32>,
+    kept: Vec<Bound<'py, PyAny>>,
+}
+
+impl<'py> Slots<'py> {
+    fn new() -> Self {
+        Self {
+            handles: Vec::new(),
+            by_hash: FastMap::default(),
+            collisions: Vec::new(),
+            seen: FastMap::default(),
+            kept: Vec::new(),
+        }
+    }
+
+    /// The slot of `handle`, appended to the table when no equal handle is in it.
+    fn slot(&mut self, handle: Bound<'py, PyAny>) -> PyResult<u32> {
+        let address = handle.as_ptr().addr();
+        if let Some(slot) = self.seen.get(&address) {
+            return Ok(*slot);
+        }
+        let hash = handle.hash()?;
+        let slot = if let Some(slot) = self.find(hash, &handle)? {
+            self.kept.push(handle);
+            slot
+        } else {
+            let slot = u32::try_from(self.handles.len())
+                .map_err(|_| PyValueError::new_err("a plan names at most 2**32 handles"))?;
+            match self.by_hash.entry(hash) {
+                Entry::Vacant(entry) => {
+                    entry.insert(slot);
+                }
+                // The first handle with this hash keeps the map's entry.
+                Entry::Occupied(_) => self.collisions.push((hash, slot)),
+            }
+            self.handles.push(handle);
+            slot
+        };
+        self.seen.insert(address, slot);
+        Ok(slot)
+    }
+
+    fn find(&self, hash: isize, handle: &Bound<'py, PyAny>) -> PyResult<Option<u32>> {
+        let Some(&first) = self.by_hash.get(&hash) else {
+            return Ok(None);
+        };
+        let candidates = std::iter::once(first).chain(
+            self.collisions
+                .iter()
+                .filter(move |(other, _)| *other == hash)
+                .map(|(_, slot)| *slot),
+        );
+        for slot in candidates {
+            let known = &self.handles[slot as usize];
+            if known.is(handle) || known.eq(handle)? {
+                return Ok(Some(slot));
+            }
+        }
+        Ok(None)
+    }
+}
+
+fn encode_actions<'py>(
+    actions: &Bound<'py, PyAny>,
+    kinds: &Kinds<'py>,
+    slots: &mut Slots<'py>,
+    codes: &mut Codes<'py>,
+) -> PyResult<Vec<ActionTuple>> {
+    let py = actions.py();
+    let mut encoded = Vec::with_capacity(actions.len().unwrap_or(0));
+    for action in actions.try_iter()? {
+        let action = action?;
+        let slot = slots.slot(action.getattr(intern!(py, "handle"))?)?;
+        let kind = kinds.of(&action)?;
+        encoded.push(match kind {
+            PyActionKind::Move => {
+                let to = codes.of(&action.getattr(intern!(py, "to"))?)?;
+                let source = action.getattr(intern!(py, "from_location"))?;
+                let from = if source.is_none() {
+                    -1
+                } else {
+                    codes.of(&source)?
+                };
+                (kind, slot, to, from)
+            }
+            PyActionKind::Discard => (kind, slot, -1, -1),
+            PyActionKind::Ensure | PyActionKind::Drop => {
+                let location = codes.of(&action.getattr(intern!(py, "location"))?)?;
+                (kind, slot, location, -1)
+            }
+        });
+    }
+    Ok(encoded)
+}
+
+/// A reservation's byte count as the core keeps it: larger counts saturate.
+fn saturated(nbytes: &Bound<'_, PyAny>) -> PyResult<u64> {
+    match nbytes.extract::<u64>() {
+        Ok(nbytes) => Ok(nbytes),
+        Err(err) => {
+            if nbytes.cast::<PyInt>().is_ok() && nbytes.gt(u64::MAX)? {
+                Ok(u64::MAX)
+            } else {
+                Err(err)
+            }
+        }
+    }
+}
+
+/// Lowers a plan from its records in one call: `reclaim`, `enter` and `exit` are
+/// iterables of action records, `reservations` of reservation records; `kinds` maps
+/// each action class to its kind and `type_key` gives a value type's process-wide
+/// key. Returns the IR and the handle table (slot order: first appearance).
+#[pyfunction]
+#[pyo3(signature = (name, reclaim, enter, exit, reservations, kinds, type_key, /))]
+#[allow(clippy::too_many_arguments)] // the plan's fields, positionally
+pub fn lower_records<'py>(
+    py: Python<'py>,
+    name: &Bound<'py, PyAny>,
+    reclaim: &Bound<'py, PyAny>,
+    enter: &Bound<'py, PyAny>,
+    exit: &Bound<'py, PyAny>,
+    reservations: &Bound<'py, PyAny>,
+    kinds: &Bound<'py, PyDict>,
+    type_key: &Bound<'py, PyAny>,
+) -> PyResult<(PlanIr, Bound<'py, PyTuple>)> {
+    let kinds = Kinds::new(kinds)?;
+    let mut slots = Slots::new();
+    let mut codes = Codes::default();
+    let reclaim = encode_actions(reclaim, &kinds, &mut slots, &mut codes)?;
+    let enter = encode_actions(enter, &kinds, &mut slots, &mut codes)?;
+    let exit = encode_actions(exit, &kinds, &mut slots, &mut codes)?;
+    let mut type_keys: Vec<(Bound<'py, PyAny>, u64)> = Vec::new();
+    // Handles of one manager share their manager id object: converted once.
+    let mut manager_ids: Option<(Bound<'py, PyAny>, Arc<str>)> = None;
+    let mut handles = Vec::with_capacity(slots.handles.len());
+    for handle in &slots.handles {
+        let manager_id = handle.getattr(intern!(py, "manager_id"))?;
+        let manager_id = match &manager_ids {
+            Some((known, text)) if known.is(&manager_id) => Arc::clone(text),
+            _ => {
+                let text: Arc<str> = Arc::from(diagnostic_text(&manager_id)?);
+                manager_ids = Some((manager_id, Arc::clone(&text)));
+                text
+            }
+        };
+        let handle_id = Arc::from(diagnostic_text(&handle.getattr(intern!(py, "handle_id"))?)?);
+        let value_type = handle.getattr(intern!(py, "value_type"))?;
+        let key = if let Some((_, key)) = type_keys.iter().find(|(known, _)| known.is(&value_type))
+        {
+            *key
+        } else {
+            let key: u64 = type_key.call1((&value_type,))?.extract()?;
+            if type_keys.len() < KNOWN_TYPES {
+                type_keys.push((value_type, key));
+            }
+            key
+        };
+        handles.push(HandleRef {
+            manager_id,
+            handle_id,
+            type_key: key,
+        });
+    }
+    let mut encoded_reservations = Vec::new();
+    for reservation in reservations.try_iter()? {
+        let reservation = reservation?;
+        encoded_reservations.push((
+            codes.of(&reservation.getattr(intern!(py, "location"))?)?,
+            saturated(&reservation.getattr(intern!(py, "nbytes"))?)?,
+            diagnostic_text(&reservation.getattr(intern!(py, "label"))?)?.into_owned(),
+        ));
+    }
+    let ir = build(
+        py,
+        diagnostic_text(name)?.into_owned(),
+        handles,
+        reclaim,
+        enter,
+        exit,
+        encoded_reservations,
+    )?;
+    Ok((ir, PyTuple::new(py, &slots.handles)?))
 }
