@@ -357,11 +357,6 @@ class Engine:
         report: ResidencyTransitionReport = self.core.run(action, stream)
         return report
 
-    def execute(self, action: ResidencyAction, stream: Any) -> ResidencyTransitionReport:
-        """Runs one action inside a transition; the caller holds the gate."""
-        report: ResidencyTransitionReport = self.core.execute(action, stream)
-        return report
-
     # ------------------------------------------------------------------ lifetimes
 
     def reserve_locked(self, reservation: MemoryReservation) -> int:

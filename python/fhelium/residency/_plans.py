@@ -160,7 +160,7 @@ def _run_phase(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        engine.core.run_phase(actions, engine.execute, transitions, stream_for)
+        engine.core.run_phase(actions, transitions, stream_for)
     except Exception as error:
         index = len(transitions) - committed
         raise _execution_error(

@@ -405,16 +405,6 @@ pub fn run(
     result
 }
 
-/// Runs a host action (no transfer stream); the caller holds the gate (a plan phase).
-/// Never declines: the `Option` is kept for callers that fall back otherwise.
-pub fn execute_host(
-    manager: &CoreManager,
-    py: Python<'_>,
-    action: &Bound<'_, PyAny>,
-) -> PyResult<Option<Py<PyAny>>> {
-    execute(manager, py, action, None).map(Some)
-}
-
 /// The action's kind: by exact class first, then as a subclass of one of the four.
 fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<Kind> {
     let action_type = action.get_type();

@@ -498,26 +498,6 @@ impl CoreManager {
         crate::execute::run(self, py, action, stream)
     }
 
-    /// `run` for a caller that already holds the gate (a plan phase).
-    #[pyo3(signature = (action, stream=None))]
-    fn execute(
-        &self,
-        py: Python<'_>,
-        action: &Bound<'_, PyAny>,
-        stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::execute::execute(self, py, action, stream)
-    }
-
-    /// `execute` without a stream; never `None` (kept for callers that fall back).
-    fn execute_host(
-        &self,
-        py: Python<'_>,
-        action: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<Py<PyAny>>> {
-        crate::execute::execute_host(self, py, action)
-    }
-
     /// Borrows normalised `handles` at `at`; CUDA needs the consumer stream.
     #[pyo3(signature = (engine, handles, at, consumer_stream=None))]
     fn acquire(
@@ -677,16 +657,15 @@ impl CoreManager {
     /// Runs one plan phase in order; the caller holds the gate. Each report is
     /// appended to `transitions` as it commits, so on failure the list holds the
     /// committed prefix and the error propagates unchanged (see `phases`).
-    #[pyo3(signature = (actions, fallback, transitions, stream_for=None))]
+    #[pyo3(signature = (actions, transitions, stream_for=None))]
     fn run_phase(
         &self,
         py: Python<'_>,
         actions: &Bound<'_, PyTuple>,
-        fallback: &Bound<'_, PyAny>,
         transitions: &Bound<'_, pyo3::types::PyList>,
         stream_for: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        crate::phases::run_phase(self, py, actions, fallback, transitions, stream_for)
+        crate::phases::run_phase(self, py, actions, transitions, stream_for)
     }
 
     // ----- the trace and deferred releases ----------------------------------------------

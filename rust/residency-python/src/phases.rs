@@ -1,5 +1,5 @@
-//! One plan phase in one call: each action in order through the one-call host path,
-//! and through the engine's general path where that declines.
+//! One plan phase in one call: each action in order through the one-call
+//! transition path, with its transfer stream.
 //!
 //! The caller holds the transition gate for the whole phase. Each action's report is
 //! appended to the caller's list as soon as it is committed, so when an action fails
@@ -13,14 +13,11 @@ use crate::execute;
 use crate::manager::CoreManager;
 
 /// Runs `actions` in order, appending each report to `transitions`. `stream_for`
-/// gives an action's transfer stream (`None` when the phase has no streams); an
-/// action with a stream, or one the host path declines, goes to
-/// `fallback(action, stream)`.
+/// gives an action's transfer stream (`None` when the phase has no streams).
 pub fn run_phase(
     manager: &CoreManager,
     py: Python<'_>,
     actions: &Bound<'_, PyTuple>,
-    fallback: &Bound<'_, PyAny>,
     transitions: &Bound<'_, PyList>,
     stream_for: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
@@ -29,18 +26,12 @@ pub fn run_phase(
         // of a loop in Python.
         py.check_signals()?;
         let stream = match stream_for {
-            Some(stream_for) => stream_for.call1((&action,))?,
-            None => py.None().into_bound(py),
+            Some(stream_for) => {
+                Some(stream_for.call1((&action,))?).filter(|stream| !stream.is_none())
+            }
+            None => None,
         };
-        let report = if stream.is_none() {
-            execute::execute_host(manager, py, &action)?
-        } else {
-            None
-        };
-        match report {
-            Some(report) => transitions.append(report)?,
-            None => transitions.append(fallback.call1((&action, stream))?)?,
-        }
+        transitions.append(execute::execute(manager, py, &action, stream.as_ref())?)?;
     }
     Ok(())
 }
