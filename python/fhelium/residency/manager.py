@@ -108,14 +108,11 @@ class ResidencyManager:
     ) -> ResidencyHandle[ValueT]:
         """Take ownership of an existing value as a MUST_PRESERVE managed value."""
         engine = self._engine
-        if (
-            type(replica_mode) is ReplicaMode
-            and isinstance(value, TensorResident)
-            and not engine.pending_events
-        ):
-            # A host value in one core call; it declines what needs the full path.
+        if not engine.pending_events:
+            # A host value in one core call; it declines what needs the full path
+            # (a value that is not a TensorResident, a mode that is not a ReplicaMode).
             adopted: ResidencyHandle[ValueT] | None = engine.core.adopt_host(
-                value, at, replica_mode, replica_mode is ReplicaMode.EXCLUSIVE
+                value, at, replica_mode
             )
             if adopted is not None:
                 return adopted
@@ -130,8 +127,9 @@ class ResidencyManager:
     ) -> ResidencyHandle[ValueT]:
         """Register a reconstructible value; `source.load()` runs only when needed."""
         engine = self._engine
-        if type(spec) is ResidencyValueSpec and not engine.pending_events:
-            # The common case in one core call; it declines what needs the full path.
+        if not engine.pending_events:
+            # The common case in one core call; it declines what needs the full path
+            # (a spec that is not exactly a ResidencyValueSpec among the cases).
             registered: ResidencyHandle[ValueT] | None = engine.core.register_host(
                 spec, source, source_location
             )

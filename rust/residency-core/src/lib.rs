@@ -7,6 +7,7 @@
 
 pub mod error;
 pub mod gate;
+pub mod hash;
 pub mod location;
 pub mod manager;
 pub mod plan;

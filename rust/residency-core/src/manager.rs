@@ -16,6 +16,7 @@ use arc_swap::ArcSwap;
 
 use crate::error::{CoreError, CoreResult};
 use crate::gate::Gate;
+use crate::hash::IntMap;
 use crate::location::Location;
 use crate::plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
 use crate::search::{MatInfo, Planned, SearchOutcome, SearchValue, SearchValues};
@@ -109,8 +110,8 @@ impl OpenLifetimes {
 #[derive(Debug, Default)]
 struct Inner {
     state: State,
-    storage_owners: HashMap<StorageKey, (HandleId, Location)>,
-    materialization_keys: HashMap<(HandleId, Location), Vec<StorageKey>>,
+    storage_owners: IntMap<StorageKey, (HandleId, Location)>,
+    materialization_keys: IntMap<(HandleId, Location), Vec<StorageKey>>,
     leases: HashMap<u64, LeaseRecord>,
     holds: HashMap<u64, HoldRecord>,
     next_token: u64,
@@ -327,6 +328,27 @@ impl Manager {
 
     pub fn end_transition(&self) {
         self.gate.end_transition();
+    }
+
+    /// `enter(closed, reentrant)` and `begin_transition` in one step, for the one-call
+    /// paths: `true` when the gate is free (or this thread's), the manager is open, no
+    /// CUDA lease is pending and this thread is in no transition. `false` changes
+    /// nothing; the caller then enters the general way, which waits or raises.
+    pub fn try_begin_quiet_transition(&self) -> bool {
+        // Lock order: gate, then inner.
+        self.gate.try_begin_transition(|| {
+            let inner = self.inner();
+            !inner.state.closed && inner.state.pending_leases == 0
+        })
+    }
+
+    /// `end_transition` then `exit`, in one step.
+    pub fn end_transition_and_exit(&self) {
+        self.gate.end_transition_and_exit(|| {
+            if self.inner().dirty {
+                self.stale.store(true, Ordering::Release);
+            }
+        });
     }
 
     pub fn set_callback_active(&self, active: bool) {

@@ -377,16 +377,17 @@ impl CoreManager {
         })
     }
 
-    /// Adopts a host value in one call; `None` when the general path is needed.
+    /// Adopts a host value in one call; `None` when the general path is needed (a
+    /// value that is not a `TensorResident` or a mode that is not a `ReplicaMode`
+    /// among the cases).
     fn adopt_host(
         &self,
         py: Python<'_>,
         value: &Bound<'_, PyAny>,
         at: &Bound<'_, PyAny>,
         replica_mode: &Bound<'_, PyAny>,
-        exclusive: bool,
     ) -> PyResult<Option<Py<PyAny>>> {
-        crate::direct::adopt(self, py, value, at, replica_mode, exclusive)
+        crate::direct::adopt(self, py, value, at, replica_mode)
     }
 
     /// Borrows normalised `handles` at a host location in one call; `None` when the

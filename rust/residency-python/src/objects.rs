@@ -10,6 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::prelude::*;
+use residency_core::hash::IntMap;
 
 /// One value's objects. Kept small: a million registered values are a common case,
 /// and most have no materialisation at a given moment.
@@ -24,7 +25,7 @@ struct Entry {
 struct Store {
     entries: Vec<Entry>,
     /// The object of each materialisation, by (handle index, location code).
-    values: HashMap<(u32, u32), Py<PyAny>>,
+    values: IntMap<(u32, u32), Py<PyAny>>,
     labels: HashMap<u64, Py<PyAny>>,
     /// Releases that arrived while a source callback ran on another thread; each is
     /// a callable applied, oldest first, as soon as the callback has returned.
