@@ -20,7 +20,7 @@ from fhelium.errors import (
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, cuda_location
 from fhelium.residency.manager import ResidencyManager
 from fhelium.residency.model import ResidencyHandle, ResidencyValueSpec
-from fhelium.values import ResidentTensor, TensorBundle
+from fhelium.values import ResidentTensor, TensorBundle, TensorResident
 from helpers.manager import (
     CUDA0,
     CUDA1,
@@ -131,6 +131,27 @@ def test_adopt_rejects_non_resident_values_with_type_error(value: object) -> Non
     with pytest.raises(TypeError):
         manager.adopt(value)  # type: ignore[arg-type]
     assert manager.state_version == 0
+
+
+def test_adopt_accepts_a_virtual_tensor_resident_subclass() -> None:
+    # Registered with the abstract base rather than derived from it: `isinstance`
+    # says yes, so adopt does too.
+    class Registered:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+        @property
+        def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
+            return (self.tensor,)
+
+    TensorResident.register(Registered)
+    manager = ResidencyManager()
+    value = Registered(torch.zeros(4))
+    handle = manager.adopt(value)  # type: ignore[type-var]
+    assert handle.value_type is Registered
+    snapshot = manager.snapshot()
+    assert mat_locs(snapshot, handle) == (PAGEABLE_HOST,)
+    assert val_snap(snapshot, handle).spec.storage_nbytes == 16
 
 
 @pytest.mark.parametrize("mode", ["exclusive", "replicable", None, 1], ids=repr)

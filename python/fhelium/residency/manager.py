@@ -111,13 +111,11 @@ class ResidencyManager:
     ) -> ResidencyHandle[ValueT]:
         """Take ownership of an existing value as a MUST_PRESERVE managed value."""
         engine = self._engine
-        if type(replica_mode) is ReplicaMode and isinstance(value, TensorResident):
-            # A host value in one core call; it declines what needs the full path.
-            adopted: ResidencyHandle[ValueT] | None = engine.core.adopt_host(
-                value, at, replica_mode, replica_mode is ReplicaMode.EXCLUSIVE
-            )
-            if adopted is not None:
-                return adopted
+        # A host value in one core call; it declines what needs the full path (a value
+        # that is not a TensorResident, a mode that is not a ReplicaMode, CUDA).
+        adopted: ResidencyHandle[ValueT] | None = self._core.adopt_host(value, at, replica_mode)
+        if adopted is not None:
+            return adopted
         return engine.adopt(value, at=at, replica_mode=replica_mode)
 
     def register_source(
@@ -129,13 +127,13 @@ class ResidencyManager:
     ) -> ResidencyHandle[ValueT]:
         """Register a reconstructible value; `source.load()` runs only when needed."""
         engine = self._engine
-        if type(spec) is ResidencyValueSpec:
-            # The common case in one core call; it declines what needs the full path.
-            registered: ResidencyHandle[ValueT] | None = engine.core.register_host(
-                spec, source, source_location
-            )
-            if registered is not None:
-                return registered
+        # The common case in one core call; it declines what needs the full path (a
+        # spec that is not exactly a ResidencyValueSpec among the cases).
+        registered: ResidencyHandle[ValueT] | None = self._core.register_host(
+            spec, source, source_location
+        )
+        if registered is not None:
+            return registered
         return engine.register_source(spec, source, source_location=source_location)
 
     # ------------------------------------------------------------------ primitives

@@ -137,7 +137,15 @@ impl Gate {
     /// `on_release` first, while no other thread can enter.
     pub fn exit_with(&self, on_release: impl FnOnce()) {
         let me = thread::current().id();
-        let mut state = self.lock();
+        self.release_level(self.lock(), me, on_release);
+    }
+
+    fn release_level(
+        &self,
+        mut state: MutexGuard<'_, GateState>,
+        me: ThreadId,
+        on_release: impl FnOnce(),
+    ) {
         if state.owner != Some(me) {
             return;
         }
@@ -186,6 +194,44 @@ impl Gate {
         if state.transition_owner == Some(thread::current().id()) {
             state.transition_owner = None;
         }
+    }
+
+    /// `try_enter`, `check_reentrant` and `begin_transition` in one step, for the
+    /// one-call paths. `true`: this thread holds the lock (one more level) and owns
+    /// the transition. `false` changes nothing: a callback is running, another thread
+    /// holds the lock, this thread is already in a transition, or `admit` (called
+    /// with the lock's bookkeeping held, so it must not touch the gate) refused. The
+    /// caller then takes the general path, which waits or raises the precise error.
+    pub fn try_begin_transition(&self, admit: impl FnOnce() -> bool) -> bool {
+        if self.callback_active() {
+            return false;
+        }
+        let me = thread::current().id();
+        let mut state = self.lock();
+        if state.transition_owner == Some(me)
+            || state.owner.is_some_and(|owner| owner != me)
+            || !admit()
+        {
+            return false;
+        }
+        if state.owner.is_some() {
+            state.depth += 1;
+        } else {
+            state.owner = Some(me);
+            state.depth = 1;
+        }
+        state.transition_owner = Some(me);
+        true
+    }
+
+    /// `end_transition` then `exit_with(on_release)`, in one step.
+    pub fn end_transition_and_exit(&self, on_release: impl FnOnce()) {
+        let me = thread::current().id();
+        let mut state = self.lock();
+        if state.transition_owner == Some(me) {
+            state.transition_owner = None;
+        }
+        self.release_level(state, me, on_release);
     }
 
     /// Sets or clears the manager-wide callback flag and wakes every waiter, so
@@ -287,5 +333,42 @@ mod tests {
         );
         gate.end_transition();
         assert!(gate.check_reentrant().is_ok());
+    }
+
+    #[test]
+    fn one_step_transition_takes_nothing_unless_everything_admits() {
+        let gate = Arc::new(Gate::new());
+        assert!(!gate.try_begin_transition(|| false));
+        assert!(!gate.held_by_me());
+        assert!(gate.try_begin_transition(|| true));
+        assert!(gate.held_by_me());
+        assert!(gate.check_reentrant().is_err());
+        // Already in a transition: declined, and the depth is unchanged.
+        assert!(!gate.try_begin_transition(|| true));
+        let other = Arc::clone(&gate);
+        assert!(
+            !thread::spawn(move || other.try_begin_transition(|| true))
+                .join()
+                .expect("no panic")
+        );
+        let mut released = false;
+        gate.end_transition_and_exit(|| released = true);
+        assert!(released);
+        assert!(!gate.held_by_me());
+        assert!(gate.check_reentrant().is_ok());
+        // Nested inside a plain hold of the lock: one more level, released in turn.
+        assert_eq!(gate.try_enter(), Ok(true));
+        assert!(gate.try_begin_transition(|| true));
+        let mut released = false;
+        gate.end_transition_and_exit(|| released = true);
+        assert!(!released);
+        assert!(gate.held_by_me());
+        assert!(gate.check_reentrant().is_ok());
+        gate.exit();
+        assert!(!gate.held_by_me());
+        gate.set_callback_active(true);
+        assert!(!gate.try_begin_transition(|| true));
+        gate.set_callback_active(false);
+        assert!(!gate.held_by_me());
     }
 }

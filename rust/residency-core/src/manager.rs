@@ -329,6 +329,27 @@ impl Manager {
         self.gate.end_transition();
     }
 
+    /// `enter(closed, reentrant)` and `begin_transition` in one step, for the one-call
+    /// paths: `true` when the gate is free (or this thread's), the manager is open, no
+    /// CUDA lease is pending and this thread is in no transition. `false` changes
+    /// nothing; the caller then enters the general way, which waits or raises.
+    pub fn try_begin_quiet_transition(&self) -> bool {
+        // Lock order: gate, then inner.
+        self.gate.try_begin_transition(|| {
+            let inner = self.inner();
+            !inner.state.closed && inner.state.pending_leases == 0
+        })
+    }
+
+    /// `end_transition` then `exit`, in one step.
+    pub fn end_transition_and_exit(&self) {
+        self.gate.end_transition_and_exit(|| {
+            if self.inner().dirty {
+                self.stale.store(true, Ordering::Release);
+            }
+        });
+    }
+
     pub fn set_callback_active(&self, active: bool) {
         self.gate.set_callback_active(active);
     }

@@ -5,11 +5,13 @@
 //! pending CUDA leases to reap, a value placed somewhere other than it claims, a
 //! handle that does not resolve. The general path then raises the precise error.
 
-use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyTuple, PyType};
+use residency_core::FastMap;
 use residency_core::{Location, Recoverability, ReplicaMode, ValueSpec};
 
 use crate::errors::to_py_err;
@@ -26,9 +28,9 @@ type ShapeEntry = (u64, Py<PyAny>, Py<PyAny>);
 
 #[derive(Debug, Default)]
 pub struct AdoptedShapes {
-    shapes: Mutex<HashMap<ShapeKey, ShapeEntry>>,
+    shapes: Mutex<FastMap<ShapeKey, ShapeEntry>>,
     /// Type keys by type address, the type kept alive beside its key.
-    type_keys: Mutex<HashMap<usize, (u64, Py<PyAny>)>>,
+    type_keys: Mutex<FastMap<usize, (u64, Py<PyAny>)>>,
     /// The spec record registered last and what was read from it: callers register
     /// many values with one immutable spec record.
     last_spec: Mutex<Option<SpecReading>>,
@@ -145,6 +147,36 @@ impl AdoptedShapes {
     }
 }
 
+/// The classes the one-call paths accept, looked up once per process.
+static VALUE_SPEC: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static REPLICA_MODE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static TENSOR_RESIDENT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `isinstance(value, TensorResident)`. `TensorResident` is an abstract base class,
+/// whose `isinstance` runs a Python-level hook; a class that derives from it answers
+/// from its method resolution order alone (the hook would say yes to it too), and
+/// anything else (a registered virtual subclass) still asks `isinstance`.
+fn is_tensor_resident(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let base = TENSOR_RESIDENT.import(py, "fhelium.values.tensor_resident", "TensorResident")?;
+    if let Ok(mro) = value.get_type().getattr(intern!(py, "__mro__"))
+        && let Ok(mro) = mro.cast::<PyTuple>()
+        && mro.iter().any(|class| class.is(base))
+    {
+        return Ok(true);
+    }
+    value.is_instance(base)
+}
+
+/// Takes the gate as a transition for a one-call path, then applies queued releases
+/// and reaps completed CUDA leases, as every transition does first.
+fn begin(manager: &CoreManager, py: Python<'_>) -> PyResult<()> {
+    let core = manager.core();
+    if !core.try_begin_quiet_transition() {
+        manager.enter_transition_gate(py)?;
+    }
+    crate::lifetimes::reap(manager, py).inspect_err(|_| core.end_transition_and_exit())
+}
+
 /// Registers a reconstructible value whose source lives on the host, from a spec
 /// record of the exact class; `None` when the general path is needed.
 pub fn register(
@@ -155,6 +187,10 @@ pub fn register(
     source_location: &Bound<'_, PyAny>,
 ) -> PyResult<Option<Py<PyAny>>> {
     let context = manager.context();
+    let spec_class = VALUE_SPEC.import(py, "fhelium.residency.model", "ResidencyValueSpec")?;
+    if !spec_record.get_type().is(spec_class) {
+        return Ok(None);
+    }
     let Some(location) = context.host_code(py, source_location)? else {
         return Ok(None);
     };
@@ -169,40 +205,38 @@ pub fn register(
     else {
         return Ok(None);
     };
-    manager.enter_transition_gate(py)?;
-    let result = (|| {
-        if manager.core().pending_leases() > 0 {
-            return Ok(None);
-        }
-        manager.drain_deferred(py)?;
-        manager
-            .register_checked(
-                py,
-                type_key,
-                spec,
-                location,
-                value_type,
-                spec_record.clone().unbind(),
-                source.clone().unbind(),
-            )
-            .map(Some)
-    })();
-    manager.core().end_transition();
-    manager.core().exit();
-    result
+    begin(manager, py)?;
+    let result = {
+        manager.register_checked(
+            py,
+            type_key,
+            spec,
+            location,
+            value_type,
+            spec_record.clone().unbind(),
+            source.clone().unbind(),
+        )
+    };
+    manager.core().end_transition_and_exit();
+    result.map(Some)
 }
 
 /// Adopts a host value: `at` is a host location record or `None` (the value's own
-/// placement decides), `replica_mode` the `ReplicaMode` member.
+/// placement decides), `replica_mode` a `ReplicaMode` member. `None` for anything
+/// else (a value that is not a `TensorResident`, a mode of another type).
 pub fn adopt(
     manager: &CoreManager,
     py: Python<'_>,
     value: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
     replica_mode: &Bound<'_, PyAny>,
-    exclusive: bool,
 ) -> PyResult<Option<Py<PyAny>>> {
     let context = manager.context();
+    let mode_class = REPLICA_MODE.import(py, "fhelium.residency.model", "ReplicaMode")?;
+    if !replica_mode.get_type().is(mode_class) || !is_tensor_resident(py, value)? {
+        return Ok(None);
+    }
+    let exclusive = context.is_exclusive(replica_mode);
     let requested = if at.is_none() {
         None
     } else {
@@ -211,10 +245,9 @@ pub fn adopt(
             None => return Ok(None),
         }
     };
-    manager.enter_transition_gate(py)?;
+    begin(manager, py)?;
     let result = adopt_locked(manager, py, value, requested, replica_mode, exclusive);
-    manager.core().end_transition();
-    manager.core().exit();
+    manager.core().end_transition_and_exit();
     result
 }
 
@@ -227,11 +260,6 @@ fn adopt_locked(
     exclusive: bool,
 ) -> PyResult<Option<Py<PyAny>>> {
     let context = manager.context();
-    let core = manager.core();
-    if core.pending_leases() > 0 {
-        return Ok(None);
-    }
-    manager.drain_deferred(py)?;
     let facts = crate::execute::measure(context, py, value)?;
     if facts.device_code != -1 {
         return Ok(None);

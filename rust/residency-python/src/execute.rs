@@ -398,10 +398,11 @@ pub fn run(
     action: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
-    manager.enter_transition_gate(py)?;
+    if !manager.core().try_begin_quiet_transition() {
+        manager.enter_transition_gate(py)?;
+    }
     let result = execute(manager, py, action, stream);
-    manager.core().end_transition();
-    manager.core().exit();
+    manager.core().end_transition_and_exit();
     result
 }
 
@@ -782,7 +783,7 @@ fn load_in(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let loaded = manager.load_for(py, index, source_location)?;
-    manager.drain_deferred(py)?;
+    manager.drain_deferred();
     reconstruct_into(
         manager,
         py,

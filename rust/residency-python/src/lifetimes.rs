@@ -8,7 +8,7 @@
 
 use std::ffi::CString;
 
-use pyo3::exceptions::{PyException, PyRuntimeError, PyRuntimeWarning, PyValueError};
+use pyo3::exceptions::{PyException, PyRuntimeWarning, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
@@ -22,13 +22,10 @@ use crate::manager::CoreManager;
 /// oldest first, as soon as the callback has returned.
 #[derive(Debug)]
 pub enum Deferred {
-    /// A lease's, hold's or reservation's tokens go; `missing_ok` forgives an unknown
-    /// token (a finaliser, or a manager closed meanwhile).
-    Release {
-        kind: LifetimeKind,
-        token: u64,
-        missing_ok: bool,
-    },
+    /// A lease's, hold's or reservation's tokens go. A token already gone is no
+    /// error: two threads may release one lifetime at once, a finaliser may race an
+    /// explicit release, and a forced close ends every token.
+    Release { kind: LifetimeKind, token: u64 },
     /// A CUDA lease's tokens become pending on `events`, or go when they are known
     /// complete.
     Pending {
@@ -49,23 +46,15 @@ fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
 }
 
 /// Applies one release; the caller holds the gate.
-pub fn apply(manager: &CoreManager, py: Python<'_>, release: Deferred) -> PyResult<()> {
+pub fn apply(manager: &CoreManager, release: Deferred) {
     let core = manager.core();
     match release {
-        Deferred::Release {
-            kind,
-            token,
-            missing_ok,
-        } => {
-            let released = match kind {
-                LifetimeKind::Lease => {
-                    core.release_lease(token);
-                    return Ok(());
-                }
+        Deferred::Release { kind, token } => {
+            match kind {
+                LifetimeKind::Lease => core.release_lease(token),
                 LifetimeKind::Hold => core.release_hold(token),
                 LifetimeKind::Reservation => manager.release_reservation_token(token),
             };
-            check_released(manager, kind, token, released, missing_ok)
         }
         Deferred::Pending {
             token,
@@ -79,36 +68,14 @@ pub fn apply(manager: &CoreManager, py: Python<'_>, release: Deferred) -> PyResu
                     manager.objects().add_pending(token, events);
                 }
             }
-            let _ = py;
-            Ok(())
         }
     }
-}
-
-fn check_released(
-    manager: &CoreManager,
-    kind: LifetimeKind,
-    token: u64,
-    released: bool,
-    missing_ok: bool,
-) -> PyResult<()> {
-    if released || missing_ok || manager.core().is_closed() {
-        return Ok(());
-    }
-    let what = match kind {
-        LifetimeKind::Lease => return Ok(()),
-        LifetimeKind::Hold => "hold",
-        LifetimeKind::Reservation => "reservation",
-    };
-    Err(PyRuntimeError::new_err(format!(
-        "internal error: unknown {what} token {token}"
-    )))
 }
 
 /// Applies the releases queued while a callback ran, then releases the pending CUDA
 /// leases whose events have all completed. The caller holds the gate.
 pub fn reap(manager: &CoreManager, py: Python<'_>) -> PyResult<()> {
-    manager.drain_deferred(py)?;
+    manager.drain_deferred();
     let core = manager.core();
     if core.pending_leases() == 0 {
         return Ok(());
@@ -165,19 +132,10 @@ pub fn release(
     if kind == LifetimeKind::Lease {
         drop(manager.objects().untrack_lease(token));
     }
-    if let Some(released) = manager.release_now(kind, token) {
-        return check_released(manager, kind, token, released, finalizing);
+    if manager.release_now(kind, token).is_some() {
+        return Ok(());
     }
-    release_waiting(
-        manager,
-        py,
-        Deferred::Release {
-            kind,
-            token,
-            missing_ok: finalizing,
-        },
-        finalizing,
-    )
+    release_waiting(manager, py, Deferred::Release { kind, token }, finalizing)
 }
 
 fn release_waiting(
@@ -191,11 +149,10 @@ fn release_waiting(
     loop {
         match manager.enter_core(py, false, true) {
             Ok(()) => {
-                let result = manager
-                    .drain_deferred(py)
-                    .and_then(|()| apply(manager, py, release));
+                manager.drain_deferred();
+                apply(manager, release);
                 core.exit();
-                return result;
+                return Ok(());
             }
             Err(err @ CoreError::Reentrancy { .. }) => {
                 if gate.callback_running_elsewhere() || (finalizing && gate.callback_active()) {
@@ -217,9 +174,8 @@ fn release_waiting(
         // The callback ended while the release was queued: apply it now.
         match manager.enter_core(py, false, false) {
             Ok(()) => {
-                let result = manager.drain_deferred(py);
+                manager.drain_deferred();
                 core.exit();
-                result?;
             }
             // Another callback started; its transition drains the queue.
             Err(CoreError::Reentrancy { .. }) => {}
@@ -307,11 +263,10 @@ pub fn release_lease(
     };
     match manager.enter_core(py, false, true) {
         Ok(()) => {
-            let result = manager
-                .drain_deferred(py)
-                .and_then(|()| apply(manager, py, pending));
+            manager.drain_deferred();
+            apply(manager, pending);
             core.exit();
-            result
+            Ok(())
         }
         Err(CoreError::Reentrancy { .. }) => release_waiting(manager, py, pending, finalizing),
         Err(err) => Err(to_py_err(py, err)),
@@ -524,7 +479,7 @@ pub fn close(manager: &CoreManager, py: Python<'_>, wait: bool, force: bool) -> 
             return Ok(());
         }
         lift(py, core.gate().check_reentrant())?;
-        manager.drain_deferred(py)?;
+        manager.drain_deferred();
         let context = manager.context();
         let runtime = context.runtime(py);
         if wait {

@@ -249,11 +249,10 @@ impl CoreManager {
 
     /// Applies the releases queued while a source callback ran, oldest first; the
     /// caller holds the gate.
-    pub(crate) fn drain_deferred(&self, py: Python<'_>) -> PyResult<()> {
+    pub(crate) fn drain_deferred(&self) {
         while let Some(release) = self.objects.pop_deferred() {
-            crate::lifetimes::apply(self, py, release)?;
+            crate::lifetimes::apply(self, release);
         }
-        Ok(())
     }
 
     /// The index of a live handle of this manager, else `None`.
@@ -473,16 +472,17 @@ impl CoreManager {
         })
     }
 
-    /// Adopts a host value in one call; `None` when the general path is needed.
+    /// Adopts a host value in one call; `None` when the general path is needed (a
+    /// value that is not a `TensorResident` or a mode that is not a `ReplicaMode`
+    /// among the cases).
     fn adopt_host(
         &self,
         py: Python<'_>,
         value: &Bound<'_, PyAny>,
         at: &Bound<'_, PyAny>,
         replica_mode: &Bound<'_, PyAny>,
-        exclusive: bool,
     ) -> PyResult<Option<Py<PyAny>>> {
-        crate::direct::adopt(self, py, value, at, replica_mode, exclusive)
+        crate::direct::adopt(self, py, value, at, replica_mode)
     }
 
     // ----- one-call operations ------------------------------------------------------
