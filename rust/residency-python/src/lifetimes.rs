@@ -129,13 +129,16 @@ pub fn release(
     token: u64,
     finalizing: bool,
 ) -> PyResult<()> {
-    if kind == LifetimeKind::Lease {
+    let released = if manager.release_now(kind, token).is_some() {
+        Ok(())
+    } else {
+        release_waiting(manager, py, Deferred::Release { kind, token }, finalizing)
+    };
+    if kind == LifetimeKind::Lease && released.is_ok() {
+        // Released (or queued): the at-exit finalizer has nothing left to do for it.
         drop(manager.objects().untrack_lease(token));
     }
-    if manager.release_now(kind, token).is_some() {
-        return Ok(());
-    }
-    release_waiting(manager, py, Deferred::Release { kind, token }, finalizing)
+    released
 }
 
 fn release_waiting(
@@ -188,6 +191,7 @@ fn release_waiting(
 /// A lease's release. On the host its use tokens go at once. On CUDA an event is
 /// recorded on every consumer stream and the memory stays protected until they have
 /// all completed (`wait=True` waits for that here).
+/// A lease whose release fails stays tracked, so the at-exit finalizer tries again.
 #[allow(clippy::too_many_arguments)]
 pub fn release_lease(
     manager: &CoreManager,
@@ -199,9 +203,28 @@ pub fn release_lease(
     finalizing: bool,
     stacklevel: i32,
 ) -> PyResult<()> {
+    let released = release_lease_tokens(
+        manager, py, token, location, streams, wait, finalizing, stacklevel,
+    );
+    if released.is_ok() {
+        drop(manager.objects().untrack_lease(token));
+    }
+    released
+}
+
+#[allow(clippy::too_many_arguments)]
+fn release_lease_tokens(
+    manager: &CoreManager,
+    py: Python<'_>,
+    token: u64,
+    location: &Bound<'_, PyAny>,
+    streams: &Bound<'_, PyList>,
+    wait: bool,
+    finalizing: bool,
+    stacklevel: i32,
+) -> PyResult<()> {
     let context = manager.context();
     let core = manager.core();
-    drop(manager.objects().untrack_lease(token));
     if !matches!(context.location_code(py, location)?, Location::Cuda(_)) {
         return release(manager, py, LifetimeKind::Lease, token, finalizing);
     }

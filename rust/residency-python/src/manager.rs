@@ -582,8 +582,11 @@ impl CoreManager {
     /// Releases a host lease at once when the gate is free and nothing is queued;
     /// `False` sends the caller down the waiting path (nothing has changed then).
     fn release_host_lease_now(&self, token: u64) -> bool {
-        drop(self.objects.untrack_lease(token));
-        self.release_now(LifetimeKind::Lease, token).is_some()
+        let released = self.release_now(LifetimeKind::Lease, token).is_some();
+        if released {
+            drop(self.objects.untrack_lease(token));
+        }
+        released
     }
 
     /// Tracks a lease object built by the glue itself, until it is released.
