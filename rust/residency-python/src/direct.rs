@@ -170,11 +170,8 @@ fn is_tensor_resident(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool
 /// Takes the gate as a transition for a one-call path, then applies queued releases
 /// and reaps completed CUDA leases, as every transition does first.
 fn begin(manager: &CoreManager, py: Python<'_>) -> PyResult<()> {
-    let core = manager.core();
-    if !core.try_begin_quiet_transition() {
-        manager.enter_transition_gate(py)?;
-    }
-    crate::lifetimes::reap(manager, py).inspect_err(|_| core.end_transition_and_exit())
+    manager.enter_transition_gate(py)?;
+    crate::lifetimes::reap(manager, py).inspect_err(|_| manager.core().end_transition_and_exit())
 }
 
 /// Registers a reconstructible value whose source lives on the host, from a spec

@@ -398,9 +398,7 @@ pub fn run(
     action: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
-    if !manager.core().try_begin_quiet_transition() {
-        manager.enter_transition_gate(py)?;
-    }
+    manager.enter_transition_gate(py)?;
     let result = execute(manager, py, action, stream);
     manager.core().end_transition_and_exit();
     result

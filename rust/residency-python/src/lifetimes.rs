@@ -129,7 +129,7 @@ pub fn release(
     token: u64,
     finalizing: bool,
 ) -> PyResult<()> {
-    let released = if manager.release_now(kind, token).is_some() {
+    let released = if manager.release_now(kind, token) {
         Ok(())
     } else {
         release_waiting(manager, py, Deferred::Release { kind, token }, finalizing)
@@ -296,6 +296,13 @@ fn release_lease_tokens(
     }
 }
 
+/// The lifetime object built for a new token, or, when building it failed, the
+/// error after `give_back` released the token: nothing may keep the tokens of a
+/// lifetime that was never handed out.
+fn handed_out(built: PyResult<Bound<'_, PyAny>>, give_back: impl FnOnce()) -> PyResult<Py<PyAny>> {
+    built.map(Bound::unbind).inspect_err(|_| give_back())
+}
+
 /// Per handle in order, the lookup and then residency: a non-resident handle before
 /// an unknown one reports unavailability. The caller holds the gate.
 fn resolve_in_order(
@@ -359,14 +366,9 @@ pub fn acquire(
                     .track_lease(token, reference.into_any().unbind());
                 Ok(lease)
             });
-        match lease {
-            Ok(lease) => Ok(lease.unbind()),
-            Err(err) => {
-                // Nothing may keep the tokens of a lease that was never handed out.
-                core.release_lease(token);
-                Err(err)
-            }
-        }
+        handed_out(lease, || {
+            core.release_lease(token);
+        })
     })
 }
 
@@ -398,13 +400,12 @@ pub fn hold(
         let indices = resolve_in_order(manager, py, handles, location)?;
         let core = manager.core();
         let token = lift(py, core.hold(&indices, location))?;
-        match context.new_hold(py).call1((engine, token, handles, at)) {
-            Ok(hold) => Ok(hold.unbind()),
-            Err(err) => {
+        handed_out(
+            context.new_hold(py).call1((engine, token, handles, at)),
+            || {
                 core.release_hold(token);
-                Err(err)
-            }
-        }
+            },
+        )
     })
 }
 
@@ -422,16 +423,14 @@ pub fn reserve(
         let context = manager.context();
         let code = context.location_code(py, location)?;
         let token = reserve_locked(manager, py, code, nbytes, label)?;
-        match context
-            .new_reservation(py)
-            .call1((engine, token, location, nbytes, label))
-        {
-            Ok(reservation) => Ok(reservation.unbind()),
-            Err(err) => {
+        handed_out(
+            context
+                .new_reservation(py)
+                .call1((engine, token, location, nbytes, label)),
+            || {
                 manager.release_reservation_token(token);
-                Err(err)
-            }
-        }
+            },
+        )
     })
 }
 

@@ -164,21 +164,22 @@ impl CoreManager {
         Ok(to_py_err(py, CoreError::Handle { message }))
     }
 
-    /// Releases a lifetime token at once when the gate is free and nothing is queued;
-    /// `None` sends the caller down the waiting path (nothing has changed then).
-    pub(crate) fn release_now(&self, kind: LifetimeKind, token: u64) -> Option<bool> {
+    /// Releases a lifetime token at once when the gate is free and nothing is queued
+    /// (a token already gone is no error); `false` sends the caller down the waiting
+    /// path (nothing has changed then).
+    pub(crate) fn release_now(&self, kind: LifetimeKind, token: u64) -> bool {
         // Queued releases go first, in order: the waiting path applies them.
         if self.objects.deferred_pending() || !matches!(self.core.try_enter(false, true), Ok(true))
         {
-            return None;
+            return false;
         }
-        let released = match kind {
+        match kind {
             LifetimeKind::Lease => self.core.release_lease(token),
             LifetimeKind::Hold => self.core.release_hold(token),
             LifetimeKind::Reservation => self.release_reservation_token(token),
         };
         self.core.exit();
-        Some(released)
+        true
     }
 
     pub(crate) fn release_reservation_token(&self, token: u64) -> bool {
@@ -239,9 +240,13 @@ impl CoreManager {
         Ok(handle)
     }
 
-    /// The gate for a transition: wait without the interpreter, then mark this thread
-    /// as the transition owner.
+    /// The gate for a transition: at once when it is free and nothing is off (one
+    /// step), else the general way, which waits without the interpreter or raises;
+    /// then this thread is the transition owner.
     pub(crate) fn enter_transition_gate(&self, py: Python<'_>) -> PyResult<()> {
+        if self.core.try_begin_quiet_transition() {
+            return Ok(());
+        }
         self.enter(py, true, true)?;
         self.core.begin_transition();
         Ok(())
@@ -582,7 +587,7 @@ impl CoreManager {
     /// Releases a host lease at once when the gate is free and nothing is queued;
     /// `False` sends the caller down the waiting path (nothing has changed then).
     fn release_host_lease_now(&self, token: u64) -> bool {
-        let released = self.release_now(LifetimeKind::Lease, token).is_some();
+        let released = self.release_now(LifetimeKind::Lease, token);
         if released {
             drop(self.objects.untrack_lease(token));
         }
