@@ -13,6 +13,7 @@ __all__ = [
     "LifetimeKind",
     "MoveOutcome",
     "PlanIR",
+    "PlanRun",
     "RecordBuilder",
     "SimulationView",
     "StateView",
@@ -170,13 +171,27 @@ class CoreManager:
     def location_code(self, location: Any) -> int: ...
     def check_stream(self, stream: Any, location: Any) -> None: ...
     def handle_error(self, handle: Any) -> BaseException: ...
-    def run_phase(
+    # Plans, each in one call: gate, checks, preflight and phases (see PlanRun).
+    def execute_plan(
         self,
+        run: PlanRun,
+        ir: PlanIR,
+        handles: tuple[Any, ...],
         actions: tuple[Any, ...],
-        transitions: list[Any],
-        stream_for: Callable[[Any], Any] | None = None,
+        transfer_streams: object,
+        expected_version: object,
     ) -> None: ...
-    def trace_reports(self) -> list[Any]: ...
+    def enter_scope(
+        self,
+        run: PlanRun,
+        ir: PlanIR,
+        handles: tuple[Any, ...],
+        plan: Any,
+        transfer_streams: object,
+        expected_version: object,
+    ) -> None: ...
+    def exit_scope(self, run: PlanRun, actions: tuple[Any, ...]) -> None: ...
+    def trace_reports(self) -> tuple[Any, ...]: ...
     def clear_trace(self) -> None: ...
     @property
     def manager_id(self) -> str: ...
@@ -270,6 +285,20 @@ class SimulationView:
         action_records: RecordBuilder,
         location_of: Callable[[int], Any],
     ) -> tuple[Any, ...]: ...
+
+@final
+class PlanRun:
+    """How far one plan run got: its committed transitions (records built when read),
+    the phase in progress, and the reservation tokens a scope holds."""
+
+    def __new__(cls, reports: RecordBuilder) -> PlanRun: ...
+    def __len__(self) -> int: ...
+    @property
+    def phase(self) -> str | None: ...
+    @property
+    def position(self) -> int: ...
+    def reports(self) -> tuple[Any, ...]: ...
+    def take_tokens(self) -> list[int]: ...
 
 @final
 class RecordBuilder:

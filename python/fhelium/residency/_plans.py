@@ -1,22 +1,23 @@
 """Plans: `execute_actions`, `explain`, and scopes (docs/concepts/plans.md).
 
-Preflight and `explain` are one call into the core's simulation; execution is the
-manager's ordinary action path run in order, non-transactionally, with every
-committed transition reported when something fails half-way.
+`execute_actions`, scope entry and scope exit are each one call into the core, which
+takes the gate, checks, preflights and runs the phases; this module checks argument
+shapes before and wraps a failure after, from what the core's `PlanRun` recorded.
+`explain` is one call into the core's simulation. Transition records are built when
+a report is read.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from fhelium import _core
 from fhelium.errors import (
     ResidencyError,
-    ResidencyPlanError,
     ResidencyPlanExecutionError,
     ResidencyStaleStateError,
 )
@@ -55,7 +56,10 @@ __all__ = [
 ]
 
 _ACTION_TYPES: Final = (EnsureResident, MoveResident, DropResident, DiscardValue)
+# The action classes themselves: a list of only these needs no per-action check.
+_EXACT_ACTION_TYPES: Final = frozenset(_ACTION_TYPES)
 _new_report = trusted_builder(ResidencyPlanReport)
+_REPORT_RECORDS = bulk_builder(ResidencyTransitionReport)
 _ACTION_EXPLANATIONS = bulk_builder(ResidencyActionExplanation)
 _time_ns = time.time_ns
 
@@ -72,31 +76,6 @@ def _check_version(engine: Engine, expected: int | None) -> None:
         actual = engine.core.version
         if actual != expected:
             raise ResidencyStaleStateError(expected_version=expected, actual_version=actual)
-
-
-def _streams(engine: Engine, transfer_streams: object) -> dict[ResidencyLocation, Any]:
-    """A Mapping of validated CUDA locations to streams on them (see
-    docs/concepts/plans.md#transfer-streams)."""
-    if transfer_streams is None:
-        return {}
-    if not isinstance(transfer_streams, Mapping):
-        raise TypeError(
-            f"transfer_streams must be a Mapping, got {type(transfer_streams).__name__}"
-        )
-    streams: dict[ResidencyLocation, Any] = {}
-    for location, stream in transfer_streams.items():
-        engine.location_code(location)
-        engine.check_stream(stream, location)
-        streams[location] = stream
-    return streams
-
-
-def _stream_for(action: ResidencyAction, streams: dict[ResidencyLocation, Any]) -> Any:
-    if isinstance(action, EnsureResident):
-        return streams.get(action.location)
-    if isinstance(action, MoveResident):
-        return streams.get(action.to)
-    return None
 
 
 def _simulate(
@@ -123,72 +102,15 @@ def _simulate(
     )
 
 
-def _preflight(
-    engine: Engine,
-    lowered: _lowering.LoweredPlan,
-    reservations: Iterable[MemoryReservation] = (),
-) -> None:
-    simulation = _simulate(engine, lowered, reservations, completed_leases=[])
-    if not simulation.feasible:
-        raise ResidencyPlanError(simulation.reason or "the plan is infeasible")
-
-
-def _run_phase(
-    engine: Engine,
-    plan_name: str,
-    phase: str,
-    actions: tuple[ResidencyAction, ...],
-    streams: dict[ResidencyLocation, Any],
-    transitions: list[ResidencyTransitionReport],
-    started: int,
-) -> None:
-    """Executes one phase in order; wraps a failure with the committed prefix.
-
-    The whole phase is one call into the core: each action takes the one-call host
-    path, or the engine's general path where that declines, and its report is
-    appended to `transitions` as it commits. On a failure the list holds exactly the
-    committed prefix, so its growth is the index of the failed action.
-
-    The cyclic garbage collector is paused for the phase: a plan allocates a report
-    per action, and full collections triggered in the middle would scan the whole heap
-    repeatedly for nothing. It runs again, once, after the phase.
-    """
-    if not actions:
-        return
-    committed = len(transitions)
-    stream_for = (lambda action: _stream_for(action, streams)) if streams else None
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        engine.core.run_phase(actions, transitions, stream_for)
-    except Exception as error:
-        index = len(transitions) - committed
-        raise _execution_error(
-            plan_name,
-            phase,
-            transitions,
-            started,
-            error,
-            failed_action=actions[index],
-            failed_action_index=index,
-        ) from error
-    except BaseException as error:
-        _note_committed(error, plan_name, transitions)
-        raise
-    finally:
-        if collecting:
-            gc.enable()
-
-
 def _execution_error(
     plan_name: str,
     phase: str,
-    transitions: list[ResidencyTransitionReport],
+    run: _core.PlanRun,
     started: int,
     error: BaseException,
     **failed: Any,
 ) -> ResidencyPlanExecutionError:
-    partial = _new_report(plan_name, tuple(transitions), started, max(started, _time_ns()))
+    partial = _new_report(plan_name, run.reports(), started, max(started, _time_ns()))
     return ResidencyPlanExecutionError(
         plan_name=plan_name,
         phase=phase,
@@ -201,12 +123,10 @@ def _execution_error(
     )
 
 
-def _note_committed(
-    error: BaseException, plan_name: str, transitions: list[ResidencyTransitionReport]
-) -> None:
-    if transitions:
+def _note_committed(error: BaseException, plan_name: str, committed: int) -> None:
+    if committed:
         error.add_note(
-            f"{len(transitions)} transition(s) of plan {plan_name!r} completed before this "
+            f"{committed} transition(s) of plan {plan_name!r} completed before this "
             "and stay committed"
         )
 
@@ -222,26 +142,64 @@ def execute_actions(
     transfer_streams: object,
     expected_state_version: object,
 ) -> ResidencyPlanReport:
+    """Checks the arguments, then runs the whole plan in one call into the core."""
     require_non_empty_str(name, "name")
     normalized = tuple(actions)
-    for position, action in enumerate(normalized):
-        if not isinstance(action, _ACTION_TYPES):
-            raise TypeError(
-                f"actions[{position}] must be a residency action, got {type(action).__name__}"
-            )
+    if not _EXACT_ACTION_TYPES.issuperset(map(type, normalized)):
+        for position, action in enumerate(normalized):
+            if not isinstance(action, _ACTION_TYPES):
+                raise TypeError(
+                    f"actions[{position}] must be a residency action, got {type(action).__name__}"
+                )
+    lowered = _lowering.lower_actions(name, normalized)
+    run = _core.PlanRun(_REPORT_RECORDS)
     started = _time_ns()
-    core = engine.core
-    core.enter_transition()
     try:
-        engine.reap()
-        _check_version(engine, optional_version(expected_state_version))
-        streams = _streams(engine, transfer_streams)
-        _preflight(engine, _lowering.lower_actions(name, normalized))
-        transitions: list[ResidencyTransitionReport] = []
-        _run_phase(engine, name, "execute", normalized, streams, transitions, started)
-        return _new_report(name, tuple(transitions), started, max(started, _time_ns()))
-    finally:
-        core.exit_transition()
+        engine.core.execute_plan(
+            run, lowered.ir, lowered.handles, normalized, transfer_streams, expected_state_version
+        )
+    except Exception as error:
+        raise _failure(name, run, started, error, normalized, ()) from error
+    except BaseException as error:
+        _note_committed(error, name, len(run))
+        raise
+    return _PlanReport._capture(name, run, started, max(started, _time_ns()))
+
+
+def _failure(
+    plan_name: str,
+    run: _core.PlanRun,
+    started: int,
+    error: Exception,
+    actions: tuple[ResidencyAction, ...],
+    reservations: tuple[MemoryReservation, ...],
+) -> Exception:
+    """`error` as the run left it: unchanged when it came before the first phase,
+    else a `ResidencyPlanExecutionError` naming the failed action or reservation and
+    carrying the committed prefix."""
+    phase = run.phase
+    if phase is None:
+        return error
+    position = run.position
+    if phase == "reserve":
+        return _execution_error(
+            plan_name,
+            phase,
+            run,
+            started,
+            error,
+            failed_reservation=reservations[position],
+            failed_reservation_index=position,
+        )
+    return _execution_error(
+        plan_name,
+        phase,
+        run,
+        started,
+        error,
+        failed_action=actions[position],
+        failed_action_index=position,
+    )
 
 
 # ---------------------------------------------------------------------- explain
@@ -361,90 +319,127 @@ def _explanation_fields(explanation: ResidencyPlanExplanation) -> tuple[Any, ...
 
 @dataclass(slots=True)
 class ScopeRun:
-    """What an entered scope holds until it closes: its normalised streams, its
-    reservation tokens and the transitions committed so far."""
+    """What an entered scope holds until it closes: the core's record of the run
+    (its streams, reservation tokens and committed transitions) and its start."""
 
     plan: ResidencyPlan
-    streams: dict[ResidencyLocation, Any]
-    tokens: list[int] = field(default_factory=list)
-    transitions: list[ResidencyTransitionReport] = field(default_factory=list)
-    started: int = 0
-
-
-def _release_tokens_locked(engine: Engine, tokens: list[int]) -> None:
-    """Releases scope reservations in reverse order while holding the gate."""
-    core = engine.core
-    while tokens:
-        core.release_reservation(tokens.pop())
+    run: _core.PlanRun
+    started: int
 
 
 def enter_scope(
     engine: Engine, plan: ResidencyPlan, expected: int | None, transfer_streams: object
 ) -> ScopeRun:
-    """Scope entry under one gate hold: version check, preflight, reclaim, reserve,
-    enter (see docs/concepts/plans.md)."""
-    name = plan.name
+    """Scope entry in one call into the core: version check, streams, preflight,
+    reclaim, reserve, enter (see docs/concepts/plans.md)."""
+    lowered = plan._lowered()
+    run = _core.PlanRun(_REPORT_RECORDS)
     started = _time_ns()
-    core = engine.core
-    core.enter_transition()
     try:
-        engine.reap()
-        _check_version(engine, expected)
-        streams = _streams(engine, transfer_streams)
-        _preflight(engine, plan._lowered(), plan.reservations)
-        run = ScopeRun(plan, streams, started=started)
-        transitions, tokens = run.transitions, run.tokens
-        try:
-            _run_phase(engine, name, "reclaim", plan.reclaim, streams, transitions, started)
-            for position, reservation in enumerate(plan.reservations):
-                try:
-                    tokens.append(engine.reserve_locked(reservation))
-                except Exception as error:
-                    raise _execution_error(
-                        name,
-                        "reserve",
-                        transitions,
-                        started,
-                        error,
-                        failed_reservation=reservation,
-                        failed_reservation_index=position,
-                    ) from error
-            _run_phase(engine, name, "enter", plan.enter, streams, transitions, started)
-        except BaseException:
-            _release_tokens_locked(engine, tokens)
-            raise
-        return run
-    finally:
-        core.exit_transition()
-
-
-def exit_scope(engine: Engine, run: ScopeRun) -> ResidencyPlanReport:
-    """Scope close: exit actions (no preflight), then the reservations."""
-    plan = run.plan
-    core = engine.core
-    try:
-        core.enter_transition()
-    except BaseException:
-        # A reservation never outlives its closed scope, even when the manager cannot
-        # be entered now (a release during another thread's callback defers).
-        abandon_scope(engine, run)
+        engine.core.enter_scope(run, lowered.ir, lowered.handles, plan, transfer_streams, expected)
+    except Exception as error:
+        failed = (plan.reclaim, plan.enter)[run.phase == "enter"]
+        raise _failure(plan.name, run, started, error, failed, plan.reservations) from error
+    except BaseException as error:
+        _note_committed(error, plan.name, len(run))
         raise
+    return ScopeRun(plan, run, started)
+
+
+def exit_scope(engine: Engine, scope: ScopeRun) -> ResidencyPlanReport:
+    """Scope close: exit actions (no preflight), then the reservations."""
+    plan, run = scope.plan, scope.run
     try:
-        transitions = run.transitions
-        try:
-            _run_phase(engine, plan.name, "exit", plan.exit, run.streams, transitions, run.started)
-        finally:
-            _release_tokens_locked(engine, run.tokens)
-        return _new_report(plan.name, tuple(transitions), run.started, max(run.started, _time_ns()))
-    finally:
-        core.exit_transition()
+        engine.core.exit_scope(run, plan.exit)
+    except Exception as error:
+        if run.phase != "exit":
+            # The manager could not be entered: a reservation never outlives its
+            # closed scope, so it goes back on the deferred path.
+            abandon_scope(engine, scope)
+            raise
+        raise _failure(plan.name, run, scope.started, error, plan.exit, ()) from error
+    except BaseException as error:
+        if run.phase != "exit":
+            abandon_scope(engine, scope)
+        else:
+            _note_committed(error, plan.name, len(run))
+        raise
+    return _PlanReport._capture(plan.name, run, scope.started, max(scope.started, _time_ns()))
 
 
-def abandon_scope(engine: Engine, run: ScopeRun) -> None:
+def abandon_scope(engine: Engine, scope: ScopeRun) -> None:
     """Gives an entered scope's reservations back without running its exit actions."""
-    tokens, run.tokens = run.tokens, []
-    for token in reversed(tokens):
+    for token in scope.run.take_tokens():
         try:
             engine.release_reservation(token, finalizing=True)
         except Exception:
             continue
+
+
+# ---------------------------------------------------------------------- reports
+
+
+class _PlanReport(ResidencyPlanReport):
+    """A `ResidencyPlanReport` whose transition records are built on first access,
+    once: a run read only for its timing builds none of them."""
+
+    __slots__ = ("_built", "_run")
+    __qualname__ = "ResidencyPlanReport"
+
+    _built: tuple[ResidencyTransitionReport, ...] | None
+    _run: _core.PlanRun | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Called as the record's own constructor: validate and keep the fields.
+        plain = ResidencyPlanReport(*args, **kwargs)
+        self._set(plain.plan_name, plain.started_at_ns, plain.completed_at_ns)
+        init = object.__setattr__
+        init(self, "_built", plain.transitions)
+        init(self, "_run", None)
+
+    @classmethod
+    def _capture(
+        cls, plan_name: str, run: _core.PlanRun, started: int, completed: int
+    ) -> _PlanReport:
+        report = object.__new__(cls)
+        report._set(plan_name, started, completed)
+        init = object.__setattr__
+        init(report, "_built", None)
+        init(report, "_run", run)
+        return report
+
+    def _set(self, plan_name: str, started: int, completed: int) -> None:
+        slots = ResidencyPlanReport.__dict__
+        slots["plan_name"].__set__(self, plan_name)
+        slots["started_at_ns"].__set__(self, started)
+        slots["completed_at_ns"].__set__(self, completed)
+
+    @property
+    def transitions(self) -> tuple[ResidencyTransitionReport, ...]:
+        built = self._built
+        if built is None:
+            run = cast(_core.PlanRun, self._run)
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                built = cast(tuple[ResidencyTransitionReport, ...], run.reports())
+            finally:
+                if collecting:
+                    gc.enable()
+            object.__setattr__(self, "_built", built)
+        return built
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ResidencyPlanReport):
+            return NotImplemented
+        return _report_fields(self) == _report_fields(other)
+
+    def __hash__(self) -> int:
+        return hash(_report_fields(self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ResidencyPlanReport, _report_fields(self))
+
+
+def _report_fields(report: ResidencyPlanReport) -> tuple[Any, ...]:
+    return (report.plan_name, report.transitions, report.started_at_ns, report.completed_at_ns)

@@ -16,6 +16,7 @@ pyo3::import_exception!(fhelium.errors, ResidencyInUseError);
 pyo3::import_exception!(fhelium.errors, ResidencyMaterializationError);
 pyo3::import_exception!(fhelium.errors, ResidencyOwnershipError);
 pyo3::import_exception!(fhelium.errors, ResidencyPlanError);
+pyo3::import_exception!(fhelium.errors, ResidencyStaleStateError);
 pyo3::import_exception!(fhelium.errors, ResidencySearchLimitError);
 pyo3::import_exception!(fhelium.errors, ResidencyReentrancyError);
 pyo3::import_exception!(fhelium.errors, ResidencyClosedError);

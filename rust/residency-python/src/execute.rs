@@ -6,14 +6,15 @@
 //! source's `load()`, the runtime's copies, event recording and synchronisation,
 //! stream checks and allocator samples (docs/concepts/transitions.md).
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 use residency_core::{CoreError, EnsurePlan, HandleId, Location, MovePlan};
 
 use crate::errors::to_py_err;
@@ -129,6 +130,19 @@ impl Context {
             checked_cuda: Mutex::new(Vec::new()),
             shared_cuda: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The builder of transition report records.
+    pub(crate) fn report_builder<'py>(&'py self, _py: Python<'py>) -> &'py RecordBuilder {
+        self.report.get()
+    }
+
+    pub(crate) fn ensure_class<'py>(&'py self, py: Python<'py>) -> &'py Bound<'py, PyAny> {
+        self.ensure.bind(py)
+    }
+
+    pub(crate) fn move_class<'py>(&'py self, py: Python<'py>) -> &'py Bound<'py, PyAny> {
+        self.move_.bind(py)
     }
 
     pub(crate) fn type_key(&self, py: Python<'_>, value_type: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -391,6 +405,12 @@ struct Sample<'py> {
     reserved: Bound<'py, PyAny>,
 }
 
+impl Sample<'_> {
+    fn unbind(self) -> (Py<PyAny>, Py<PyAny>) {
+        (self.allocated.unbind(), self.reserved.unbind())
+    }
+}
+
 /// Runs `action` as one transition, taking the gate for it.
 pub fn run(
     manager: &CoreManager,
@@ -399,9 +419,11 @@ pub fn run(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     manager.enter_transition_gate(py)?;
-    let result = execute(manager, py, action, stream);
+    let result = execute(manager, py, action, stream, None);
     manager.core().end_transition_and_exit();
-    result
+    Ok(result?
+        .report(py, manager.context().report_builder(py))?
+        .unbind())
 }
 
 /// The action's kind: by exact class first, then as a subclass of one of the four.
@@ -498,20 +520,27 @@ fn read_step<'py>(
     })
 }
 
-/// Runs `action` inside a transition; the caller holds the gate.
+/// Runs `action` inside a transition; the caller holds the gate. `resolved` is the
+/// action's handle index when the caller resolved it already (a preflighted plan).
 pub fn execute(
     manager: &CoreManager,
     py: Python<'_>,
     action: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Py<PyAny>> {
+    resolved: Option<HandleId>,
+) -> PyResult<Arc<Transition>> {
     let context = manager.context();
     let core = manager.core();
     crate::lifetimes::reap(manager, py)?;
     let started = now_ns();
-    let handle = action.getattr(intern!(py, "handle"))?;
-    let Some(index) = manager.resolve_live(py, &handle)? else {
-        return Err(manager.handle_error(py, &handle)?);
+    let index = if let Some(index) = resolved {
+        index
+    } else {
+        let handle = action.getattr(intern!(py, "handle"))?;
+        let Some(index) = manager.resolve_live(py, &handle)? else {
+            return Err(manager.handle_error(py, &handle)?);
+        };
+        index
     };
     let step = read_step(manager, py, action, stream)?;
     let device = match &step {
@@ -569,62 +598,129 @@ pub fn execute(
         None => None,
     };
     let spec = lift(py, core.value_spec(index))?;
-    let report = report(
-        context,
-        py,
-        action,
-        outcome,
-        (spec.logical_nbytes(), spec.storage_nbytes()),
+    let allocator = device.map(|device| {
+        Box::new(Allocator {
+            device: device.unbind(),
+            before: before.map(Sample::unbind),
+            after: after.map(Sample::unbind),
+        })
+    });
+    let transition = Arc::new(Transition {
+        action: action.clone().unbind(),
+        no_op: outcome.no_op,
+        source: outcome.source.map(Bound::unbind),
+        destination: outcome.destination.map(Bound::unbind),
+        logical: spec.logical_nbytes(),
+        storage: spec.storage_nbytes(),
         started,
-        device,
-        (before, after),
-    )?;
-    manager.record(py, &report);
-    Ok(report)
+        completed: now_ns().max(started),
+        allocator,
+        reason: outcome.reason.map(Bound::unbind),
+        report: PyOnceLock::new(),
+    });
+    manager.record(&transition);
+    Ok(transition)
 }
 
-/// The transition report, built without running Python code.
-#[allow(clippy::too_many_arguments)]
-fn report<'py>(
-    context: &Context,
+/// The report records of `transitions`, in order, each built once.
+pub fn reports<'py>(
     py: Python<'py>,
-    action: &Bound<'py, PyAny>,
-    outcome: Outcome<'py>,
-    (logical, storage): (u64, u64),
-    started: u64,
-    device: Option<Bound<'py, PyAny>>,
-    (before, after): (Option<Sample<'py>>, Option<Sample<'py>>),
-) -> PyResult<Py<PyAny>> {
-    let none = py.None().into_bound(py);
-    let (allocated_before, reserved_before) = figures(&none, before);
-    let (allocated_after, reserved_after) = figures(&none, after);
-    let fields = [
-        action.clone(),
-        outcome.no_op.into_bound_py_any(py)?,
-        outcome.source.unwrap_or_else(|| none.clone()),
-        outcome.destination.unwrap_or_else(|| none.clone()),
-        logical.into_bound_py_any(py)?,
-        storage.into_bound_py_any(py)?,
-        started.into_bound_py_any(py)?,
-        now_ns().max(started).into_bound_py_any(py)?,
-        device.unwrap_or_else(|| none.clone()),
-        allocated_before,
-        reserved_before,
-        allocated_after,
-        reserved_after,
-        outcome.reason.unwrap_or(none),
-    ];
-    let fields: Vec<&Bound<'_, PyAny>> = fields.iter().collect();
-    Ok(context.report.get().build(py, &fields)?.unbind())
+    builder: &RecordBuilder,
+    transitions: &[Arc<Transition>],
+) -> PyResult<Bound<'py, PyTuple>> {
+    let reports = transitions
+        .iter()
+        .map(|transition| transition.report(py, builder))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyTuple::new(py, reports)
 }
 
-fn figures<'py>(
-    none: &Bound<'py, PyAny>,
-    sample: Option<Sample<'py>>,
-) -> (Bound<'py, PyAny>, Bound<'py, PyAny>) {
-    match sample {
-        Some(sample) => (sample.allocated, sample.reserved),
-        None => (none.clone(), none.clone()),
+/// One committed transition, kept as plain data until its report is read: a plan
+/// builds no report objects while it runs, and the trace and the plan's report share
+/// one record per transition, built once (docs/concepts/transitions.md#reports).
+pub struct Transition {
+    action: Py<PyAny>,
+    no_op: bool,
+    source: Option<Py<PyAny>>,
+    destination: Option<Py<PyAny>>,
+    logical: u64,
+    storage: u64,
+    started: u64,
+    completed: u64,
+    allocator: Option<Box<Allocator>>,
+    reason: Option<Py<PyAny>>,
+    report: PyOnceLock<Py<PyAny>>,
+}
+
+impl std::fmt::Debug for Transition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transition")
+            .field("action", &self.action)
+            .field("no_op", &self.no_op)
+            .field("started", &self.started)
+            .field("completed", &self.completed)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The allocator's device and figures around a transition that touched CUDA.
+#[derive(Debug)]
+struct Allocator {
+    device: Py<PyAny>,
+    before: Option<(Py<PyAny>, Py<PyAny>)>,
+    after: Option<(Py<PyAny>, Py<PyAny>)>,
+}
+
+impl Transition {
+    /// The transition's report record, built on first use without running Python
+    /// code; later calls return the same object.
+    pub fn report<'py>(
+        &self,
+        py: Python<'py>,
+        builder: &RecordBuilder,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.report
+            .get_or_try_init(py, || self.build(py, builder))
+            .map(|report| report.bind(py).clone())
+    }
+
+    fn build(&self, py: Python<'_>, builder: &RecordBuilder) -> PyResult<Py<PyAny>> {
+        let none = py.None().into_bound(py);
+        let optional = |object: &Option<Py<PyAny>>| {
+            object
+                .as_ref()
+                .map_or_else(|| none.clone(), |object| object.bind(py).clone())
+        };
+        let figures = |sample: Option<&(Py<PyAny>, Py<PyAny>)>| match sample {
+            Some((allocated, reserved)) => (allocated.bind(py).clone(), reserved.bind(py).clone()),
+            None => (none.clone(), none.clone()),
+        };
+        let allocator = self.allocator.as_deref();
+        let (allocated_before, reserved_before) =
+            figures(allocator.and_then(|allocator| allocator.before.as_ref()));
+        let (allocated_after, reserved_after) =
+            figures(allocator.and_then(|allocator| allocator.after.as_ref()));
+        let fields = [
+            self.action.bind(py).clone(),
+            PyBool::new(py, self.no_op).to_owned().into_any(),
+            optional(&self.source),
+            optional(&self.destination),
+            self.logical.into_bound_py_any(py)?,
+            self.storage.into_bound_py_any(py)?,
+            self.started.into_bound_py_any(py)?,
+            self.completed.into_bound_py_any(py)?,
+            allocator.map_or_else(
+                || none.clone(),
+                |allocator| allocator.device.bind(py).clone(),
+            ),
+            allocated_before,
+            reserved_before,
+            allocated_after,
+            reserved_after,
+            optional(&self.reason),
+        ];
+        let fields: Vec<&Bound<'_, PyAny>> = fields.iter().collect();
+        Ok(builder.build(py, &fields)?.unbind())
     }
 }
 
@@ -1000,7 +1096,8 @@ pub(crate) fn measure<'py>(
     // whose tensors disagree.
     let facts = runtime.call_method1(intern!(py, "measure"), (value,))?;
     Ok(Facts {
-        device: facts.get_item(0)?,
+        device: Some(facts.get_item(0)?),
+        first: None,
         device_code: facts.get_item(1)?.extract()?,
         pinned: facts.get_item(2)?.extract()?,
         logical: facts.get_item(3)?.extract()?,
@@ -1020,12 +1117,13 @@ fn check_placement(
     let name = value.get_type().name()?;
     let location = context.location(py, at)?;
     let device = location.getattr(intern!(py, "device"))?;
-    if !facts.device.eq(&device)? {
+    let measured = facts.device()?;
+    if !measured.eq(&device)? {
         return Err(materialization_error(
             py,
             format!(
                 "{name} is on {}, but the location is {}",
-                facts.device.str()?,
+                measured.str()?,
                 location.str()?
             ),
         ));

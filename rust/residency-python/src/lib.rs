@@ -11,8 +11,8 @@ mod lifetimes;
 mod manager;
 mod measure;
 mod objects;
-mod phases;
 mod plan;
+mod plans;
 mod records;
 mod search;
 
@@ -32,6 +32,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<manager::StateView>()?;
     module.add_class::<manager::SimulationView>()?;
     module.add_class::<records::RecordBuilder>()?;
+    module.add_class::<plans::PlanRun>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(plan::lower_records, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;

@@ -21,10 +21,11 @@ use residency_core::{
 };
 
 use crate::direct::AdoptedShapes;
-use crate::execute::Context;
+use crate::execute::{Context, Transition};
 use crate::kinds::LifetimeKind;
 use crate::objects::Objects;
 use crate::plan::PlanIr;
+use crate::plans::PlanRun;
 use crate::records::RecordBuilder;
 use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
@@ -77,7 +78,7 @@ pub struct CoreManager {
 #[derive(Debug, Default)]
 struct Trace {
     capacity: usize,
-    reports: VecDeque<Py<PyAny>>,
+    reports: VecDeque<Arc<Transition>>,
 }
 
 fn unknown_index(index: HandleId) -> PyErr {
@@ -272,6 +273,47 @@ impl CoreManager {
         })
     }
 
+    /// The index of each live handle of this manager, else `None`: one core lookup
+    /// and one object-store pass for them all.
+    pub(crate) fn resolve_handles(
+        &self,
+        py: Python<'_>,
+        handles: &[Bound<'_, PyAny>],
+    ) -> PyResult<Vec<Option<HandleId>>> {
+        let ids: Vec<Option<Bound<'_, PyString>>> = handles
+            .iter()
+            .map(|handle| {
+                handle
+                    .getattr(pyo3::intern!(py, "handle_id"))
+                    .ok()
+                    .and_then(|id| id.cast_into::<PyString>().ok())
+            })
+            .collect();
+        let texts: Vec<Option<&str>> = ids
+            .iter()
+            .map(|id| id.as_ref().and_then(|id| id.to_str().ok()))
+            .collect();
+        let found = self.core.lookup_many(texts.iter().copied());
+        let issued = self
+            .objects
+            .handles_at(py, found.iter().map(|entry| entry.map(|(index, _)| index)));
+        handles
+            .iter()
+            .zip(found)
+            .zip(issued)
+            .map(|((handle, entry), issued)| {
+                Ok(match (entry, issued) {
+                    (Some((index, false)), Some(issued))
+                        if issued.bind(py).is(handle) || issued.bind(py).eq(handle)? =>
+                    {
+                        Some(index)
+                    }
+                    _ => None,
+                })
+            })
+            .collect()
+    }
+
     pub(crate) fn drop_value(
         &self,
         py: Python<'_>,
@@ -347,13 +389,13 @@ impl CoreManager {
         }
     }
 
-    pub(crate) fn record(&self, py: Python<'_>, report: &Py<PyAny>) {
+    pub(crate) fn record(&self, transition: &Arc<Transition>) {
         let evicted = {
             let mut trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
             if trace.capacity == 0 {
                 return;
             }
-            trace.reports.push_back(report.clone_ref(py));
+            trace.reports.push_back(Arc::clone(transition));
             if trace.reports.len() > trace.capacity {
                 trace.reports.pop_front()
             } else {
@@ -662,32 +704,78 @@ impl CoreManager {
         self.handle_error(py, handle)
     }
 
-    /// Runs one plan phase in order; the caller holds the gate. Each report is
-    /// appended to `transitions` as it commits, so on failure the list holds the
-    /// committed prefix and the error propagates unchanged (see `phases`).
-    #[pyo3(signature = (actions, transitions, stream_for=None))]
-    fn run_phase(
+    /// `execute_actions` in one call: gate, checks, preflight and the "execute"
+    /// phase (see `plans`).
+    #[pyo3(signature = (run, ir, handles, actions, transfer_streams, expected_version))]
+    #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
+    fn execute_plan(
         &self,
         py: Python<'_>,
+        run: &PlanRun,
+        ir: &PlanIr,
+        handles: &Bound<'_, PyTuple>,
         actions: &Bound<'_, PyTuple>,
-        transitions: &Bound<'_, pyo3::types::PyList>,
-        stream_for: Option<&Bound<'_, PyAny>>,
+        transfer_streams: Option<&Bound<'_, PyAny>>,
+        expected_version: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        crate::phases::run_phase(self, py, actions, transitions, stream_for)
+        crate::plans::execute_plan(
+            self,
+            py,
+            run,
+            ir,
+            handles,
+            actions,
+            transfer_streams,
+            expected_version,
+        )
+    }
+
+    /// Scope entry in one call: gate, checks, preflight, reclaim, reserve, enter.
+    #[pyo3(signature = (run, ir, handles, plan, transfer_streams, expected_version))]
+    #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
+    fn enter_scope(
+        &self,
+        py: Python<'_>,
+        run: &PlanRun,
+        ir: &PlanIr,
+        handles: &Bound<'_, PyTuple>,
+        plan: &Bound<'_, PyAny>,
+        transfer_streams: Option<&Bound<'_, PyAny>>,
+        expected_version: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        crate::plans::enter_scope(
+            self,
+            py,
+            run,
+            ir,
+            handles,
+            plan,
+            transfer_streams,
+            expected_version,
+        )
+    }
+
+    /// Scope exit in one call: the exit actions, then the scope's reservations.
+    fn exit_scope(
+        &self,
+        py: Python<'_>,
+        run: &PlanRun,
+        actions: &Bound<'_, PyTuple>,
+    ) -> PyResult<()> {
+        crate::plans::exit_scope(self, py, run, actions)
     }
 
     // ----- the trace and deferred releases ----------------------------------------------
 
     /// The retained transition reports, oldest first.
-    fn trace_reports(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
-        self.with_gate(py, false, false, || {
+    fn trace_reports<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let transitions: Vec<Arc<Transition>> = self.with_gate(py, false, false, || {
             let trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
-            Ok(trace
-                .reports
-                .iter()
-                .map(|report| report.clone_ref(py))
-                .collect())
-        })
+            Ok(trace.reports.iter().cloned().collect())
+        })?;
+        // Built outside the gate: building allocates, and a collection it triggers may
+        // run finalizers that release leases.
+        crate::execute::reports(py, self.context().report_builder(py), &transitions)
     }
 
     /// Empties the trace; state and version are unchanged.
@@ -867,39 +955,11 @@ impl CoreManager {
 
     /// `resolve` for each handle, with -1 where it gives `None`.
     fn resolve_many(&self, py: Python<'_>, handles: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<i64>> {
-        // The ids first, then one core lookup and one object-store pass for them all.
-        let ids: Vec<Option<Bound<'_, pyo3::types::PyString>>> = handles
-            .iter()
-            .map(|handle| {
-                handle
-                    .getattr(pyo3::intern!(py, "handle_id"))
-                    .ok()
-                    .and_then(|id| id.cast_into::<pyo3::types::PyString>().ok())
-            })
-            .collect();
-        let texts: Vec<Option<&str>> = ids
-            .iter()
-            .map(|id| id.as_ref().and_then(|id| id.to_str().ok()))
-            .collect();
-        let found = self.core.lookup_many(texts.iter().copied());
-        let issued = self
-            .objects
-            .handles_at(py, found.iter().map(|entry| entry.map(|(index, _)| index)));
-        handles
-            .iter()
-            .zip(found)
-            .zip(issued)
-            .map(|((handle, entry), issued)| {
-                Ok(match (entry, issued) {
-                    (Some((index, false)), Some(issued))
-                        if issued.bind(py).is(handle) || issued.bind(py).eq(handle)? =>
-                    {
-                        i64::from(index)
-                    }
-                    _ => -1,
-                })
-            })
-            .collect()
+        Ok(self
+            .resolve_handles(py, &handles)?
+            .into_iter()
+            .map(|index| index.map_or(-1, i64::from))
+            .collect())
     }
 
     /// Whether `handle` names a value of this manager that was discarded.

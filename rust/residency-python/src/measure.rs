@@ -12,8 +12,10 @@ use pyo3::{IntoPyObjectExt, intern};
 /// What one pass over a value's tensors found.
 #[derive(Debug)]
 pub struct Facts<'py> {
-    /// The first tensor's `torch.device`.
-    pub device: Bound<'py, PyAny>,
+    /// The value's `torch.device` where already known; else `first`'s is asked for
+    /// when needed (only messages name it).
+    pub device: Option<Bound<'py, PyAny>>,
+    pub first: Option<Bound<'py, PyAny>>,
     /// -1 on the host, the CUDA index on CUDA, -2 elsewhere.
     pub device_code: i64,
     /// `Some(all pinned)`, or `None` for a host value mixing pinned and pageable.
@@ -22,6 +24,19 @@ pub struct Facts<'py> {
     pub storage: u64,
     /// (device code, data pointer) per unique non-empty storage.
     pub keys: Vec<(i64, u64)>,
+}
+
+impl<'py> Facts<'py> {
+    /// The value's `torch.device` (its first tensor's).
+    pub fn device(&self) -> PyResult<Bound<'py, PyAny>> {
+        match (&self.device, &self.first) {
+            (Some(device), _) => Ok(device.clone()),
+            (None, Some(first)) => first.getattr(intern!(first.py(), "device")),
+            (None, None) => Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "internal error: a measurement without a device",
+            )),
+        }
+    }
 }
 
 /// Measures `tensors`, or `None` for an inconsistent value (no tensors, mixed
@@ -34,7 +49,6 @@ pub fn measure<'py>(
     let Ok(first) = tensors.get_item(0) else {
         return Ok(None);
     };
-    let device = first.getattr(intern!(py, "device"))?;
     let on_host = first.getattr(intern!(py, "is_cpu"))?.is_truthy()?;
     // -2 marks a device that is neither the host nor CUDA (meta, mps, ...): it never
     // matches a residency location's code.
@@ -48,9 +62,15 @@ pub fn measure<'py>(
     let mut all_pinned = on_host;
     let mut any_pinned = false;
     let mut logical: u64 = 0;
+    // Only a device that is neither the host nor CUDA is compared as an object.
+    let device = if device_code == -2 {
+        Some(first.getattr(intern!(py, "device"))?)
+    } else {
+        None
+    };
     let mut storages: Vec<(u64, u64)> = Vec::with_capacity(tensors.len());
     for (position, tensor) in tensors.iter().enumerate() {
-        if position > 0 && !same_device(py, &tensor, &device, device_code)? {
+        if position > 0 && !same_device(py, &tensor, device.as_ref(), device_code)? {
             return Ok(None);
         }
         let nbytes: u64 = tensor.getattr(intern!(py, "nbytes"))?.extract()?;
@@ -82,6 +102,7 @@ pub fn measure<'py>(
         .collect();
     Ok(Some(Facts {
         device,
+        first: Some(first),
         device_code,
         pinned,
         logical,
@@ -114,7 +135,7 @@ pub fn measure_tensors<'py>(
     Ok(Some(PyTuple::new(
         py,
         [
-            facts.device,
+            facts.device()?,
             facts.device_code.into_bound_py_any(py)?,
             facts.pinned.into_bound_py_any(py)?,
             facts.logical.into_bound_py_any(py)?,
@@ -129,13 +150,13 @@ pub fn measure_tensors<'py>(
 fn same_device(
     py: Python<'_>,
     tensor: &Bound<'_, PyAny>,
-    device: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
     device_code: i64,
 ) -> PyResult<bool> {
-    match device_code {
-        -1 => tensor.getattr(intern!(py, "is_cpu"))?.is_truthy(),
-        -2 => tensor.getattr(intern!(py, "device"))?.eq(device),
-        index => Ok(tensor.getattr(intern!(py, "is_cuda"))?.is_truthy()?
+    match (device_code, device) {
+        (-1, _) => tensor.getattr(intern!(py, "is_cpu"))?.is_truthy(),
+        (-2, Some(device)) => tensor.getattr(intern!(py, "device"))?.eq(device),
+        (index, _) => Ok(tensor.getattr(intern!(py, "is_cuda"))?.is_truthy()?
             && tensor
                 .call_method0(intern!(py, "get_device"))?
                 .extract::<i64>()?
