@@ -1,6 +1,7 @@
 """Plan benchmarks: `explain` of a 20k-action plan over 10k values (alone, and with all
 of its action records built), and preflight plus execution of 10k ensure/drop actions
-on the host, net of the sources' own loads.
+on the host, net of the sources' own loads (alone, and with every transition record of
+the report built and read).
 
 Run: python tests/benchmarks/bench_plans.py [--quick]
 """
@@ -80,11 +81,18 @@ def main() -> None:
     actions = [EnsureResident(handle, PAGEABLE_HOST) for handle in runners] + [
         DropResident(handle, PAGEABLE_HOST) for handle in runners
     ]
-    per_action = []
+    per_action, per_action_read = [], []
     for _ in range(repeats):
         started = time.perf_counter()
         manager.execute_actions(actions)
         per_action.append((time.perf_counter() - started) / len(actions) * 1e6)
+    # The same, with every transition record of the report built and read.
+    for _ in range(repeats):
+        started = time.perf_counter()
+        report = manager.execute_actions(actions)
+        assert sum(transition.no_op for transition in report.transitions) == 0
+        per_action_read.append((time.perf_counter() - started) / len(actions) * 1e6)
+        del report
 
     rows = [
         ("explain, 20k actions over 10k values (ms)", statistics.median(explain_ms), 4.0),
@@ -94,6 +102,11 @@ def main() -> None:
             "preflight + execution, 10k ensure/drop actions (us/action)",
             statistics.median(per_action),
             1.5,
+        ),
+        (
+            "  the same, reading every transition record (us/action)",
+            statistics.median(per_action_read),
+            None,
         ),
     ]
     width = max(len(name) for name, _, _ in rows)

@@ -139,3 +139,26 @@ def test_a_plan_that_ends_a_value_before_naming_it_again_never_runs() -> None:
         with pytest.raises(ResidencyPlanError):
             manager.execute_actions(actions)
         assert manager.state_version == version
+
+
+def test_a_plan_resolved_before_follows_discards_and_managers() -> None:
+    # A plan keeps its handles' last resolution; it must never outlive a discard or
+    # carry over to another manager.
+    first = ResidencyManager()
+    handle = first.register_source(spec(), Source(fresh()))
+    plan = ResidencyPlan("again", enter=[EnsureResident(handle, PAGEABLE_HOST)])
+    assert first.explain(plan).feasible
+    second = ResidencyManager()
+    foreign = second.explain(plan)
+    assert not foreign.feasible
+    assert "belongs to manager" in (foreign.reason or "")
+    assert first.explain(plan).feasible
+    other = first.register_source(spec(), Source(fresh()))
+    first.discard(other)
+    assert first.explain(plan).feasible
+    first.discard(handle)
+    ended = first.explain(plan)
+    assert not ended.feasible
+    assert "discarded" in (ended.reason or "")
+    with pytest.raises(ResidencyPlanError, match="discarded"), ResidencyScope(first, plan):
+        pass

@@ -58,7 +58,6 @@ from fhelium.residency.plan import (
     DiscardValue,
     DropResident,
     EnsureResident,
-    MemoryReservation,
     MoveResident,
     ResidencyAction,
 )
@@ -212,13 +211,6 @@ class Engine:
     def check_stream(self, stream: object, location: ResidencyLocation) -> None:
         self.core.check_stream(stream, location)
 
-    def resolve(self, handle: ResidencyHandle[Any]) -> int:
-        """The index of a live handle of this manager, else the precise handle error."""
-        index = self.core.resolve(handle)
-        if index is not None:
-            return index
-        return self.handle_error(handle)
-
     def handle_error(self, handle: ResidencyHandle[Any]) -> NoReturn:
         raise self.core.handle_error(handle)
 
@@ -358,24 +350,6 @@ class Engine:
         return report
 
     # ------------------------------------------------------------------ lifetimes
-
-    def reserve_locked(self, reservation: MemoryReservation) -> int:
-        """Admits a plan reservation exactly like `reserve`; the caller holds the gate."""
-        token: int = self.core.reserve_locked(
-            reservation.location, reservation.nbytes, reservation.label
-        )
-        return token
-
-    def completed_pending_leases(self) -> list[int]:
-        """Pending leases whose events all report complete (explain's protection
-        rule); a query that raises keeps its lease protecting."""
-        completed: list[int] = self.core.completed_pending()
-        return completed
-
-    def reap(self) -> None:
-        """Applies queued releases and releases pending CUDA leases whose events all
-        completed; the caller holds the gate (see docs/concepts/lifetimes.md)."""
-        self.core.reap()
 
     def acquire(
         self,

@@ -17,9 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from fhelium import _core
 from fhelium.errors import (
-    ResidencyError,
     ResidencyPlanExecutionError,
-    ResidencyStaleStateError,
 )
 from fhelium.residency import _lowering
 from fhelium.residency._locations import location_of
@@ -69,37 +67,6 @@ def optional_version(value: object) -> int | None:
     if value is None:
         return None
     return index_int(value, "expected_state_version")
-
-
-def _check_version(engine: Engine, expected: int | None) -> None:
-    if expected is not None:
-        actual = engine.core.version
-        if actual != expected:
-            raise ResidencyStaleStateError(expected_version=expected, actual_version=actual)
-
-
-def _simulate(
-    engine: Engine,
-    lowered: _lowering.LoweredPlan,
-    reservations: Iterable[MemoryReservation],
-    *,
-    completed_leases: list[int],
-) -> _core.SimulationView:
-    """One call into the core's simulation, with the plan's handles resolved."""
-    resolutions = engine.core.resolve_many(list(lowered.handles))
-    errors: dict[int, str] = {}
-    if -1 in resolutions:
-        for slot, (handle, resolved) in enumerate(zip(lowered.handles, resolutions, strict=True)):
-            if resolved == -1:
-                try:
-                    engine.resolve(handle)
-                except ResidencyError as error:
-                    errors[slot] = str(error)
-    cuda_count = engine.cuda_count or -1
-    labels = [repr(reservation.label) for reservation in reservations]
-    return engine.core.simulate(
-        lowered.ir, resolutions, errors, cuda_count, completed_leases, labels
-    )
 
 
 def _execution_error(
@@ -208,22 +175,13 @@ def _failure(
 def explain(
     engine: Engine, plan: ResidencyPlan, *, expected_state_version: object
 ) -> ResidencyPlanExplanation:
+    """One call into the core, which takes the gate, checks the version and
+    simulates; nothing is reaped (completed pending leases merely stop protecting)."""
     if not isinstance(plan, ResidencyPlan):
         raise TypeError(f"plan must be a ResidencyPlan, got {type(plan).__name__}")
-    core = engine.core
-    core.enter(True, True)
-    try:
-        # No reap: explain observes; completed pending leases merely stop protecting.
-        _check_version(engine, optional_version(expected_state_version))
-        simulation = _simulate(
-            engine,
-            plan._lowered(),
-            plan.reservations,
-            completed_leases=engine.completed_pending_leases(),
-        )
-        return _Explanation._capture(plan, simulation)
-    finally:
-        core.exit()
+    lowered = plan._lowered()
+    simulation = engine.core.explain_plan(lowered.ir, lowered.handles, plan, expected_state_version)
+    return _Explanation._capture(plan, simulation)
 
 
 class _Explanation(ResidencyPlanExplanation):

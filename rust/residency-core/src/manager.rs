@@ -116,6 +116,8 @@ struct Inner {
     next_token: u64,
     /// Published state is stale once a mutation happened since the last publish.
     dirty: bool,
+    /// How many values were discarded: a handle's resolution changes only then.
+    discards: u64,
 }
 
 #[derive(Debug)]
@@ -358,6 +360,13 @@ impl Manager {
 
     pub fn version(&self) -> u64 {
         self.inner().state.version
+    }
+
+    /// How many values this manager discarded so far. A handle that resolves (or
+    /// fails to) keeps doing so until this count changes: values are only ever added,
+    /// and a discard is the one change that ends one.
+    pub fn discards(&self) -> u64 {
+        self.inner().discards
     }
 
     pub fn is_closed(&self) -> bool {
@@ -813,6 +822,7 @@ impl Manager {
             inner.remove(handle, location);
         }
         inner.state.mark_discarded(handle);
+        inner.discards += 1;
         inner.dirty = true;
         Ok(removed)
     }

@@ -13,11 +13,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 use residency_core::gate::DEFAULT_POLL;
-use std::collections::HashMap;
 
 use residency_core::{
-    CoreError, CudaDevices, HandleId, HandleName, Location, Manager, Recoverability, ReplicaMode,
-    Simulation, SlotResolution, State, StorageKey, ValueSpec,
+    CoreError, HandleId, HandleName, Location, Manager, Recoverability, ReplicaMode, Simulation,
+    State, StorageKey, ValueSpec,
 };
 
 use crate::direct::AdoptedShapes;
@@ -582,18 +581,6 @@ impl CoreManager {
         crate::lifetimes::reserve(self, py, engine, location, nbytes, label)
     }
 
-    /// Admits a plan's reservation; the caller holds the gate.
-    fn reserve_locked(
-        &self,
-        py: Python<'_>,
-        location: &Bound<'_, PyAny>,
-        nbytes: &Bound<'_, PyAny>,
-        label: &Bound<'_, PyString>,
-    ) -> PyResult<u64> {
-        let at = self.context.location_code(py, location)?;
-        crate::lifetimes::reserve_locked(self, py, at, nbytes, label)
-    }
-
     /// Releases a hold, a reservation or a host lease, waiting for the gate or
     /// queueing behind a running source callback as needed.
     #[pyo3(signature = (kind, token, finalizing=false))]
@@ -647,11 +634,6 @@ impl CoreManager {
     /// The lease objects not yet released that are still alive, oldest first.
     fn live_leases(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
         crate::lifetimes::live_leases(self, py)
-    }
-
-    /// Releases a reservation token; the caller holds the gate.
-    fn release_reservation(&self, token: u64) -> bool {
-        self.release_reservation_token(token)
     }
 
     /// The managed object a lease borrows, while the lease still covers it.
@@ -753,6 +735,20 @@ impl CoreManager {
             transfer_streams,
             expected_version,
         )
+    }
+
+    /// `explain` in one call: gate, version check, handle resolution, simulation.
+    #[pyo3(signature = (ir, handles, plan, expected_version))]
+    fn explain_plan(
+        &self,
+        py: Python<'_>,
+        ir: &PlanIr,
+        handles: &Bound<'_, PyTuple>,
+        plan: &Bound<'_, PyAny>,
+        expected_version: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<SimulationView> {
+        crate::plans::explain(self, py, ir, handles, plan, expected_version)
+            .map(SimulationView::new)
     }
 
     /// Scope exit in one call: the exit actions, then the scope's reservations.
@@ -953,15 +949,6 @@ impl CoreManager {
         Ok((!discarded).then_some(index))
     }
 
-    /// `resolve` for each handle, with -1 where it gives `None`.
-    fn resolve_many(&self, py: Python<'_>, handles: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<i64>> {
-        Ok(self
-            .resolve_handles(py, &handles)?
-            .into_iter()
-            .map(|index| index.map_or(-1, i64::from))
-            .collect())
-    }
-
     /// Whether `handle` names a value of this manager that was discarded.
     fn is_discarded(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<bool> {
         Ok(self
@@ -984,40 +971,6 @@ impl CoreManager {
     /// The label a reservation was made with, exactly as given.
     fn label(&self, py: Python<'_>, token: u64) -> Option<Py<PyAny>> {
         self.objects.label(py, token)
-    }
-
-    /// Simulates a lowered plan (preflight and `explain`). `resolutions[slot]` is the
-    /// handle index or -1, with the handle error's message in `errors[slot]`;
-    /// `cuda_count` is -1 without CUDA.
-    #[allow(clippy::too_many_arguments)]
-    fn simulate(
-        &self,
-        py: Python<'_>,
-        plan: &PlanIr,
-        resolutions: Vec<i64>,
-        errors: HashMap<usize, String>,
-        cuda_count: i64,
-        completed_leases: Vec<u64>,
-        labels: Vec<String>,
-    ) -> SimulationView {
-        let slots: Vec<SlotResolution> = resolutions
-            .iter()
-            .enumerate()
-            .map(|(slot, &index)| match HandleId::try_from(index) {
-                Ok(handle) => Ok(handle),
-                Err(_) => Err(errors
-                    .get(&slot)
-                    .cloned()
-                    .unwrap_or_else(|| "unknown handle".to_owned())),
-            })
-            .collect();
-        let cuda = u32::try_from(cuda_count).map_or(CudaDevices::Unavailable, CudaDevices::Count);
-        let core = Arc::clone(&self.core);
-        let plan = Arc::clone(plan.plan());
-        // Pure computation over the core's state: other threads may run meanwhile.
-        let simulation =
-            py.detach(move || core.simulate(&plan, &slots, cuda, &completed_leases, &labels));
-        SimulationView { simulation }
     }
 }
 

@@ -8,14 +8,14 @@
 
 use std::borrow::Cow;
 use std::collections::hash_map::Entry;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple, PyType};
 use residency_core::{
-    Action, ActionKind, FastMap, HandleRef, HandleSlot, Location, Plan, Reservation,
+    Action, ActionKind, FastMap, HandleRef, HandleSlot, Location, Plan, Reservation, SlotResolution,
 };
 
 use crate::errors::to_py_err;
@@ -63,17 +63,47 @@ fn actions(tuples: Vec<ActionTuple>) -> PyResult<Vec<Action>> {
 #[derive(Debug)]
 pub struct PlanIr {
     plan: Arc<Plan>,
+    /// The handle slots' last resolution, with the manager and discard count it holds
+    /// for: a plan preflighted or explained again resolves nothing again.
+    resolved: Mutex<Option<Resolution>>,
+}
+
+/// A plan's handle slots resolved against one manager.
+#[derive(Debug)]
+struct Resolution {
+    manager_id: Arc<str>,
+    discards: u64,
+    slots: Arc<[SlotResolution]>,
 }
 
 impl PlanIr {
     pub fn new(plan: Plan) -> Self {
         Self {
             plan: Arc::new(plan),
+            resolved: Mutex::new(None),
         }
     }
 
     pub fn plan(&self) -> &Arc<Plan> {
         &self.plan
+    }
+
+    /// The slots' resolution remembered for `manager_id` at `discards`, if any.
+    pub fn resolution(&self, manager_id: &str, discards: u64) -> Option<Arc<[SlotResolution]>> {
+        let resolved = self.resolved.lock().unwrap_or_else(PoisonError::into_inner);
+        resolved
+            .as_ref()
+            .filter(|known| known.discards == discards && &*known.manager_id == manager_id)
+            .map(|known| Arc::clone(&known.slots))
+    }
+
+    /// Remembers the slots' resolution against `manager_id` at `discards`.
+    pub fn remember(&self, manager_id: &Arc<str>, discards: u64, slots: &Arc<[SlotResolution]>) {
+        *self.resolved.lock().unwrap_or_else(PoisonError::into_inner) = Some(Resolution {
+            manager_id: Arc::clone(manager_id),
+            discards,
+            slots: Arc::clone(slots),
+        });
     }
 }
 
@@ -146,9 +176,7 @@ fn build(
         reservations,
     )
     .map_err(|err| to_py_err(py, err))?;
-    Ok(PlanIr {
-        plan: Arc::new(plan),
-    })
+    Ok(PlanIr::new(plan))
 }
 
 /// The kinds of the action record classes, in the glue's registration order: an

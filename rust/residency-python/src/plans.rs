@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyMapping, PyString, PyTuple};
-use residency_core::{Action, CudaDevices, HandleId, Location, SlotResolution};
+use residency_core::{Action, CudaDevices, HandleId, Location, Simulation, SlotResolution};
 
 use crate::errors::{ResidencyPlanError, ResidencyStaleStateError};
 use crate::execute::{self, Transition};
@@ -223,8 +223,22 @@ fn prepare(
     reservations: &[Bound<'_, PyAny>],
     transfer_streams: Option<&Bound<'_, PyAny>>,
     expected_version: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Vec<Option<HandleId>>> {
+) -> PyResult<Arc<[SlotResolution]>> {
     crate::lifetimes::reap(manager, py)?;
+    check_version(manager, py, expected_version)?;
+    let streams = read_streams(manager, py, transfer_streams)?;
+    let slots = preflight(manager, py, ir, handles, labels(py, reservations)?)?;
+    run.state().streams = streams;
+    Ok(slots)
+}
+
+/// Raises `ResidencyStaleStateError` unless `expected_version` is `None` or the
+/// current version.
+fn check_version(
+    manager: &CoreManager,
+    py: Python<'_>,
+    expected_version: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
     if let Some(expected) = expected_version
         .filter(|expected| !expected.is_none())
         .map(|expected| version_index(py, expected))
@@ -241,8 +255,12 @@ fn prepare(
             return Err(PyErr::from_value(error));
         }
     }
-    let streams = read_streams(manager, py, transfer_streams)?;
-    let labels = reservations
+    Ok(())
+}
+
+/// The reservations' labels as the simulation's messages quote them.
+fn labels(py: Python<'_>, reservations: &[Bound<'_, PyAny>]) -> PyResult<Vec<String>> {
+    reservations
         .iter()
         .map(|reservation| {
             Ok(reservation
@@ -251,10 +269,7 @@ fn prepare(
                 .to_string_lossy()
                 .into_owned())
         })
-        .collect::<PyResult<Vec<String>>>()?;
-    let slots = preflight(manager, py, ir, handles, labels)?;
-    run.state().streams = streams;
-    Ok(slots)
+        .collect()
 }
 
 /// `expected_state_version` as an index int: a bool or a non-integer is a
@@ -315,39 +330,18 @@ fn read_streams(
 
 /// The core's simulation of the whole plan against the current state; an infeasible
 /// plan raises `ResidencyPlanError` with the simulation's reason. Returns each
-/// handle slot's index.
+/// handle slot's resolution.
 fn preflight(
     manager: &CoreManager,
     py: Python<'_>,
     ir: &PlanIr,
     handles: &Bound<'_, PyTuple>,
     labels: Vec<String>,
-) -> PyResult<Vec<Option<HandleId>>> {
-    let handles: Vec<Bound<'_, PyAny>> = handles.iter().collect();
-    let resolutions = manager.resolve_handles(py, &handles)?;
-    let slots = resolutions
-        .iter()
-        .zip(&handles)
-        .map(|(resolution, handle)| match resolution {
-            Some(index) => Ok(Ok(*index)),
-            None => Ok(Err(manager
-                .handle_error(py, handle)?
-                .value(py)
-                .str()?
-                .to_string_lossy()
-                .into_owned())),
-        })
-        .collect::<PyResult<Vec<SlotResolution>>>()?;
-    let cuda = match manager.context().cuda_count() {
-        0 => CudaDevices::Unavailable,
-        count => CudaDevices::Count(count),
-    };
-    let core = Arc::clone(manager.core());
-    let plan = Arc::clone(ir.plan());
-    // Pure computation over the core's state, as in `explain`.
-    let simulation = py.detach(move || core.simulate(&plan, &slots, cuda, &[], &labels));
+) -> PyResult<Arc<[SlotResolution]>> {
+    let slots = resolve(manager, py, ir, handles)?;
+    let simulation = simulate(manager, py, ir, &slots, Vec::new(), labels);
     if simulation.feasible {
-        Ok(resolutions)
+        Ok(slots)
     } else {
         Err(ResidencyPlanError::new_err(
             simulation
@@ -355,6 +349,80 @@ fn preflight(
                 .unwrap_or_else(|| "the plan is infeasible".to_owned()),
         ))
     }
+}
+
+/// `explain`: the checks, then the simulation with completed pending leases no
+/// longer protecting (docs/concepts/plans.md#explain). Nothing is reaped: explain
+/// only observes.
+pub fn explain(
+    manager: &CoreManager,
+    py: Python<'_>,
+    ir: &PlanIr,
+    handles: &Bound<'_, PyTuple>,
+    plan: &Bound<'_, PyAny>,
+    expected_version: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Simulation> {
+    manager.with_gate(py, true, true, || {
+        check_version(manager, py, expected_version)?;
+        let reservations = plan.getattr(intern!(py, "reservations"))?;
+        let reservations: Vec<Bound<'_, PyAny>> =
+            reservations.try_iter()?.collect::<PyResult<_>>()?;
+        let labels = labels(py, &reservations)?;
+        let completed = crate::lifetimes::completed_pending(manager, py);
+        let slots = resolve(manager, py, ir, handles)?;
+        Ok(simulate(manager, py, ir, &slots, completed, labels))
+    })
+}
+
+/// Each handle slot's index, or the error naming it, against the current state. A
+/// plan keeps its last resolution, which holds until the manager discards a value.
+fn resolve(
+    manager: &CoreManager,
+    py: Python<'_>,
+    ir: &PlanIr,
+    handles: &Bound<'_, PyTuple>,
+) -> PyResult<Arc<[SlotResolution]>> {
+    let core = manager.core();
+    let discards = core.discards();
+    if let Some(slots) = ir.resolution(core.manager_id(), discards) {
+        return Ok(slots);
+    }
+    let handles: Vec<Bound<'_, PyAny>> = handles.iter().collect();
+    let slots = manager
+        .resolve_handles(py, &handles)?
+        .into_iter()
+        .zip(&handles)
+        .map(|(resolution, handle)| match resolution {
+            Some(index) => Ok(Ok(index)),
+            None => Ok(Err(manager
+                .handle_error(py, handle)?
+                .value(py)
+                .str()?
+                .to_string_lossy()
+                .into_owned())),
+        })
+        .collect::<PyResult<Arc<[SlotResolution]>>>()?;
+    ir.remember(core.manager_id(), discards, &slots);
+    Ok(slots)
+}
+
+fn simulate(
+    manager: &CoreManager,
+    py: Python<'_>,
+    ir: &PlanIr,
+    slots: &Arc<[SlotResolution]>,
+    completed: Vec<u64>,
+    labels: Vec<String>,
+) -> Simulation {
+    let cuda = match manager.context().cuda_count() {
+        0 => CudaDevices::Unavailable,
+        count => CudaDevices::Count(count),
+    };
+    let core = Arc::clone(manager.core());
+    let plan = Arc::clone(ir.plan());
+    let slots = Arc::clone(slots);
+    // Pure computation over the core's state: other threads may wait meanwhile.
+    py.detach(move || core.simulate(&plan, &slots, cuda, &completed, &labels))
 }
 
 /// The handle index of each action of a preflighted phase, by position.
@@ -366,11 +434,14 @@ fn preflight(
 struct Resolved(Vec<Option<HandleId>>);
 
 impl Resolved {
-    fn new(actions: &[Action], slots: &[Option<HandleId>]) -> Self {
+    fn new(actions: &[Action], slots: &[SlotResolution]) -> Self {
         Self(
             actions
                 .iter()
-                .map(|action| slots.get(action.handle().index()).copied().flatten())
+                .map(|action| match slots.get(action.handle().index()) {
+                    Some(Ok(index)) => Some(*index),
+                    _ => None,
+                })
                 .collect(),
         )
     }
