@@ -19,21 +19,16 @@ from typing import Any, Final, NoReturn, TypeVar, cast
 
 from fhelium import _core
 from fhelium._core import LifetimeKind
-from fhelium.errors import (
-    ResidencyMaterializationError,
-)
 from fhelium.residency import _lowering
 from fhelium.residency._lifetime import ENGINES
 from fhelium.residency._locations import (
     CUDA_BASE,
-    PLACEMENT,
     location_of,
 )
 from fhelium.residency._records import bulk_builder, trusted_builder
 from fhelium.residency._runtime import (
     DeviceRuntime,
     TorchCudaRuntime,
-    ValueFacts,
     current_runtime,
 )
 from fhelium.residency._runtime.torch_runtime import pinning_possible
@@ -51,7 +46,6 @@ from fhelium.residency.model import (
     Recoverability,
     ReplicaMode,
     ResidencyHandle,
-    ResidencySource,
     ResidencyValueSpec,
 )
 from fhelium.residency.plan import (
@@ -79,12 +73,8 @@ _REASON_ENSURE_NOOP: Final = "destination already resident"
 _REASON_MOVE_NOOP: Final = "destination already owns the selected replica"
 _REASON_DROP_NOOP: Final = "materialization already absent"
 
-_new_ensure = trusted_builder(EnsureResident)
 _MUST_PRESERVE: Final = Recoverability.MUST_PRESERVE
-# Spec records of adopted values by shape; bounded by the program's value shapes.
-_ADOPTED_SPECS: dict[tuple[type, int, int, ReplicaMode], ResidencyValueSpec[Any]] = {}
 _new_spec = trusted_builder(ResidencyValueSpec)
-_new_report = trusted_builder(ResidencyTransitionReport)
 _REPORT_RECORDS = bulk_builder(ResidencyTransitionReport)
 _HANDLE_RECORDS = bulk_builder(ResidencyHandle)
 _VALUE_SNAPSHOTS = bulk_builder(ResidencyValueSnapshot)
@@ -213,133 +203,6 @@ class Engine:
 
     def handle_error(self, handle: ResidencyHandle[Any]) -> NoReturn:
         raise self.core.handle_error(handle)
-
-    def _check_placement(
-        self, facts: ValueFacts, location: ResidencyLocation, value: TensorResident
-    ) -> None:
-        """The value's device and pinning must match the location."""
-        name = type(value).__name__
-        if facts.device != location.device:
-            raise ResidencyMaterializationError(
-                f"{name} is on {facts.device}, but the location is {location}"
-            )
-        if facts.device.type != "cpu":
-            return
-        if facts.pinned is None:
-            raise ResidencyMaterializationError(f"{name} mixes pinned and pageable host tensors")
-        if location.kind == "pinned-host" and not facts.pinned:
-            raise ResidencyMaterializationError(
-                f"{name} is not in pinned memory, but the location is {location}"
-            )
-        if location.kind == "pageable-host" and facts.pinned:
-            raise ResidencyMaterializationError(
-                f"{name} is in pinned memory, but the location is {location}"
-            )
-
-    # ------------------------------------------------------------------ registration
-
-    def adopt(
-        self,
-        value: ValueT,
-        *,
-        at: ResidencyLocation | None = None,
-        replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE,
-    ) -> ResidencyHandle[ValueT]:
-        """Take ownership of an existing value as a MUST_PRESERVE managed value.
-
-        The general path: the facade first offers host values to the core's one-call
-        `adopt_host`, which declines whatever needs this path."""
-        if not isinstance(value, TensorResident):
-            raise TypeError(f"value must be a TensorResident, got {type(value).__name__}")
-        core = self.core
-        core.enter_transition()
-        try:
-            self.core.reap()
-            if at is None:
-                facts = self.runtime.measure(value)
-                device = facts.device
-                if device.type == "cuda":
-                    at = location_of(CUDA_BASE + (device.index or 0))
-                elif facts.pinned is None:
-                    raise ResidencyMaterializationError(
-                        f"{type(value).__name__} mixes pinned and pageable host tensors"
-                    )
-                else:
-                    at = PINNED_HOST if facts.pinned else PAGEABLE_HOST
-                code = self.location_code(at)
-            else:
-                code = self.location_code(at)
-                facts = self.runtime.measure(value)
-            if (facts.device_code, facts.pinned) != PLACEMENT[code]:
-                self._check_placement(facts, at, value)
-            if not isinstance(replica_mode, ReplicaMode):
-                raise TypeError(
-                    f"replica_mode must be a ReplicaMode, got {type(replica_mode).__name__}"
-                )
-            value_type = type(value)
-            logical = facts.logical_nbytes
-            storage = facts.storage_nbytes
-            charge = max(logical, storage)
-            shape = (value_type, logical, charge, replica_mode)
-            spec = _ADOPTED_SPECS.get(shape)
-            if spec is None:
-                # Specs are immutable, and values of one shape share one spec record.
-                spec = _new_spec(value_type, logical, charge, replica_mode, _MUST_PRESERVE)
-                _ADOPTED_SPECS[shape] = spec
-            handle: ResidencyHandle[ValueT] = core.adopt(
-                _lowering.type_key(value_type),
-                logical,
-                charge,
-                replica_mode is ReplicaMode.EXCLUSIVE,
-                code,
-                storage,
-                facts.storage_keys,
-                value_type,
-                spec,
-                value,
-            )
-            return handle
-        finally:
-            core.exit_transition()
-
-    def register_source(
-        self,
-        spec: ResidencyValueSpec[ValueT],
-        source: ResidencySource[ValueT],
-        *,
-        source_location: ResidencyLocation = PAGEABLE_HOST,
-    ) -> ResidencyHandle[ValueT]:
-        """Register a reconstructible value; `source.load()` runs only when needed.
-
-        The general path, behind the facade's one-call `register_host`."""
-        if not isinstance(spec, ResidencyValueSpec):
-            raise TypeError(f"spec must be a ResidencyValueSpec, got {type(spec).__name__}")
-        core = self.core
-        if not callable(getattr(source, "load", None)):
-            raise TypeError("source must have a callable load() method")
-        core.enter_transition()
-        try:
-            self.core.reap()
-            code = self.location_code(source_location)
-            if spec.recoverability is not Recoverability.RECONSTRUCTIBLE:
-                raise ValueError(
-                    "register_source requires Recoverability.RECONSTRUCTIBLE; "
-                    "use adopt() for values that must be preserved"
-                )
-            value_type = spec.value_type
-            handle: ResidencyHandle[ValueT] = core.register_source(
-                _lowering.type_key(value_type),
-                byte_count(spec.logical_nbytes, "spec.logical_nbytes"),
-                byte_count(spec.storage_nbytes, "spec.storage_nbytes"),
-                spec.replica_mode is ReplicaMode.EXCLUSIVE,
-                code,
-                value_type,
-                spec,
-                source,
-            )
-            return handle
-        finally:
-            core.exit_transition()
 
     # ------------------------------------------------------------------ transitions
 

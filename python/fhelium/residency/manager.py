@@ -110,13 +110,8 @@ class ResidencyManager:
         replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE,
     ) -> ResidencyHandle[ValueT]:
         """Take ownership of an existing value as a MUST_PRESERVE managed value."""
-        engine = self._engine
-        # A host value in one core call; it declines what needs the full path (a value
-        # that is not a TensorResident, a mode that is not a ReplicaMode, CUDA).
-        adopted: ResidencyHandle[ValueT] | None = self._core.adopt_host(value, at, replica_mode)
-        if adopted is not None:
-            return adopted
-        return engine.adopt(value, at=at, replica_mode=replica_mode)
+        handle: ResidencyHandle[ValueT] = self._core.adopt(value, at, replica_mode)
+        return handle
 
     def register_source(
         self,
@@ -126,15 +121,8 @@ class ResidencyManager:
         source_location: ResidencyLocation = PAGEABLE_HOST,
     ) -> ResidencyHandle[ValueT]:
         """Register a reconstructible value; `source.load()` runs only when needed."""
-        engine = self._engine
-        # The common case in one core call; it declines what needs the full path (a
-        # spec that is not exactly a ResidencyValueSpec among the cases).
-        registered: ResidencyHandle[ValueT] | None = self._core.register_host(
-            spec, source, source_location
-        )
-        if registered is not None:
-            return registered
-        return engine.register_source(spec, source, source_location=source_location)
+        handle: ResidencyHandle[ValueT] = self._core.register_source(spec, source, source_location)
+        return handle
 
     # ------------------------------------------------------------------ primitives
 

@@ -1,12 +1,10 @@
-//! `adopt` and host leases in one call each.
-//!
-//! Like the host transitions in `execute`, these decline (return `None`, having
-//! changed nothing) whenever the glue's general path is needed: a CUDA location,
-//! pending CUDA leases to reap, a value placed somewhere other than it claims, a
-//! handle that does not resolve. The general path then raises the precise error.
+//! `adopt` and `register_source` in one call each: the argument checks, the gate,
+//! the measurement and placement checks, and the core's record, with the precise
+//! error for each refusal.
 
 use std::sync::{Mutex, PoisonError};
 
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -16,6 +14,7 @@ use residency_core::{Location, Recoverability, ReplicaMode, ValueSpec};
 
 use crate::errors::to_py_err;
 use crate::manager::CoreManager;
+use crate::measure::Facts;
 
 /// Spec records and type keys of adopted values, by (type, logical, charge,
 /// exclusive). Values of one shape share one immutable spec record. The type object
@@ -58,7 +57,7 @@ impl AdoptedShapes {
     }
 
     /// What registering with `spec_record` needs: its type key, core spec and value
-    /// type. `None` for a spec the general path must refuse (`MUST_PRESERVE`, byte
+    /// type. `None` for a spec `register_source` refuses (`MUST_PRESERVE`, byte
     /// counts past 2**64 - 1).
     fn read_spec(
         &self,
@@ -147,7 +146,7 @@ impl AdoptedShapes {
     }
 }
 
-/// The classes the one-call paths accept, looked up once per process.
+/// The classes `adopt` and `register_source` check for, looked up once per process.
 static VALUE_SPEC: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static REPLICA_MODE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static TENSOR_RESIDENT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -167,83 +166,122 @@ fn is_tensor_resident(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool
     value.is_instance(base)
 }
 
-/// Takes the gate as a transition for a one-call path, then applies queued releases
+/// Takes the gate as a transition for `adopt` or `register_source`, then applies queued releases
 /// and reaps completed CUDA leases, as every transition does first.
 fn begin(manager: &CoreManager, py: Python<'_>) -> PyResult<()> {
     manager.enter_transition_gate(py)?;
     crate::lifetimes::reap(manager, py).inspect_err(|_| manager.core().end_transition_and_exit())
 }
 
-/// Registers a reconstructible value whose source lives on the host, from a spec
-/// record of the exact class; `None` when the general path is needed.
+/// Registers a reconstructible value (docs/concepts/values.md#register-a-source).
+///
+/// Argument types are checked before the gate; the location, the spec's
+/// recoverability and its byte counts inside it, in that order.
 pub fn register(
     manager: &CoreManager,
     py: Python<'_>,
     spec_record: &Bound<'_, PyAny>,
     source: &Bound<'_, PyAny>,
     source_location: &Bound<'_, PyAny>,
-) -> PyResult<Option<Py<PyAny>>> {
-    let context = manager.context();
+) -> PyResult<Py<PyAny>> {
     let spec_class = VALUE_SPEC.import(py, "fhelium.residency.model", "ResidencyValueSpec")?;
-    if !spec_record.get_type().is(spec_class) {
-        return Ok(None);
+    if !spec_record.is_instance(spec_class)? {
+        return Err(PyTypeError::new_err(format!(
+            "spec must be a ResidencyValueSpec, got {}",
+            spec_record.get_type().name()?
+        )));
     }
-    let Some(location) = context.host_code(py, source_location)? else {
-        return Ok(None);
-    };
     match source.getattr(intern!(py, "load")) {
         Ok(load) if load.is_callable() => {}
-        _ => return Ok(None),
+        _ => {
+            return Err(PyTypeError::new_err(
+                "source must have a callable load() method",
+            ));
+        }
     }
+    begin(manager, py)?;
+    let result = register_locked(manager, py, spec_record, source, source_location);
+    manager.core().end_transition_and_exit();
+    result
+}
+
+fn register_locked(
+    manager: &CoreManager,
+    py: Python<'_>,
+    spec_record: &Bound<'_, PyAny>,
+    source: &Bound<'_, PyAny>,
+    source_location: &Bound<'_, PyAny>,
+) -> PyResult<Py<PyAny>> {
+    let context = manager.context();
+    let location = context.location_code(py, source_location)?;
     let Some((type_key, spec, value_type)) =
         manager
             .adopted_shapes()
             .read_spec(py, context, spec_record)?
     else {
-        return Ok(None);
+        return Err(refused_spec(py, context, spec_record)?);
     };
-    begin(manager, py)?;
-    let result = {
-        manager.register_checked(
-            py,
-            type_key,
-            spec,
-            location,
-            value_type,
-            spec_record.clone().unbind(),
-            source.clone().unbind(),
-        )
-    };
-    manager.core().end_transition_and_exit();
-    result.map(Some)
+    manager.register_checked(
+        py,
+        type_key,
+        spec,
+        location,
+        value_type,
+        spec_record.clone().unbind(),
+        source.clone().unbind(),
+    )
 }
 
-/// Adopts a host value: `at` is a host location record or `None` (the value's own
-/// placement decides), `replica_mode` a `ReplicaMode` member. `None` for anything
-/// else (a value that is not a `TensorResident`, a mode of another type).
+/// Why `read_spec` refused a spec: it must be preserved, or a byte count exceeds
+/// what the core accounts.
+fn refused_spec(
+    py: Python<'_>,
+    context: &crate::execute::Context,
+    spec_record: &Bound<'_, PyAny>,
+) -> PyResult<PyErr> {
+    if context.is_must_preserve(&spec_record.getattr(intern!(py, "recoverability"))?) {
+        return Ok(PyValueError::new_err(
+            "register_source requires Recoverability.RECONSTRUCTIBLE; \
+             use adopt() for values that must be preserved",
+        ));
+    }
+    for (field, name) in [
+        (intern!(py, "logical_nbytes"), "spec.logical_nbytes"),
+        (intern!(py, "storage_nbytes"), "spec.storage_nbytes"),
+    ] {
+        let nbytes = spec_record.getattr(field)?;
+        if nbytes.extract::<u64>().is_err() {
+            return Ok(PyValueError::new_err(format!(
+                "{name} of {nbytes} bytes exceeds the supported maximum of 2**64 - 1"
+            )));
+        }
+    }
+    Ok(PyRuntimeError::new_err(
+        "internal error: a spec was refused for no reason",
+    ))
+}
+
+/// Adopts a value as a `MUST_PRESERVE` managed value
+/// (docs/concepts/values.md#adopt): `at` is a location record, or `None` for the
+/// value's own placement.
+///
+/// The value's type is checked before the gate; inside it the location, the value's
+/// placement and then `replica_mode`, in that order.
 pub fn adopt(
     manager: &CoreManager,
     py: Python<'_>,
     value: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
     replica_mode: &Bound<'_, PyAny>,
-) -> PyResult<Option<Py<PyAny>>> {
-    let context = manager.context();
-    let mode_class = REPLICA_MODE.import(py, "fhelium.residency.model", "ReplicaMode")?;
-    if !replica_mode.get_type().is(mode_class) || !is_tensor_resident(py, value)? {
-        return Ok(None);
+) -> PyResult<Py<PyAny>> {
+    if !is_tensor_resident(py, value)? {
+        return Err(PyTypeError::new_err(format!(
+            "value must be a TensorResident, got {}",
+            value.get_type().name()?
+        )));
     }
-    let exclusive = context.is_exclusive(replica_mode);
-    let requested = if at.is_none() {
-        None
-    } else {
-        match context.host_code(py, at)? {
-            Some(location) => Some(location),
-            None => return Ok(None),
-        }
-    };
     begin(manager, py)?;
-    let result = adopt_locked(manager, py, value, requested, replica_mode, exclusive);
+    let result = adopt_locked(manager, py, value, at, replica_mode);
     manager.core().end_transition_and_exit();
     result
 }
@@ -252,25 +290,26 @@ fn adopt_locked(
     manager: &CoreManager,
     py: Python<'_>,
     value: &Bound<'_, PyAny>,
-    requested: Option<Location>,
+    at: &Bound<'_, PyAny>,
     replica_mode: &Bound<'_, PyAny>,
-    exclusive: bool,
-) -> PyResult<Option<Py<PyAny>>> {
+) -> PyResult<Py<PyAny>> {
     let context = manager.context();
-    let facts = crate::execute::measure(context, py, value)?;
-    if facts.device_code != -1 {
-        return Ok(None);
-    }
-    // A value placed elsewhere than `at` (or mixing pinned and pageable tensors) is
-    // the general path's to refuse, with its precise message.
-    let location = match facts.pinned {
-        Some(true) => Location::PinnedHost,
-        Some(false) => Location::PageableHost,
-        None => return Ok(None),
+    let (location, facts) = if at.is_none() {
+        let facts = crate::execute::measure(context, py, value)?;
+        (placement_of(manager, py, value, &facts)?, facts)
+    } else {
+        let location = context.location_code(py, at)?;
+        (location, crate::execute::measure(context, py, value)?)
     };
-    if requested.is_some_and(|requested| requested != location) {
-        return Ok(None);
+    crate::execute::check_measured(context, py, &facts, location, value)?;
+    let mode_class = REPLICA_MODE.import(py, "fhelium.residency.model", "ReplicaMode")?;
+    if !replica_mode.is_instance(mode_class)? {
+        return Err(PyTypeError::new_err(format!(
+            "replica_mode must be a ReplicaMode, got {}",
+            replica_mode.get_type().name()?
+        )));
     }
+    let exclusive = context.is_exclusive(replica_mode);
     let value_type = value.get_type();
     let logical = facts.logical;
     let charge = logical.max(facts.storage);
@@ -297,7 +336,7 @@ fn adopt_locked(
         Recoverability::MustPreserve,
     )
     .map_err(|err| to_py_err(py, err))?;
-    let handle = manager.adopt_measured(
+    manager.adopt_measured(
         py,
         type_key,
         spec,
@@ -307,6 +346,33 @@ fn adopt_locked(
         value_type.into_any().unbind(),
         spec_record,
         value.clone().unbind(),
-    )?;
-    Ok(Some(handle))
+    )
+}
+
+/// Where a value adopted without `at` lives: its CUDA device, else pinned or
+/// pageable host memory as its tensors are. A value on another device is taken as
+/// pageable, which its placement check then refuses by name.
+fn placement_of(
+    manager: &CoreManager,
+    py: Python<'_>,
+    value: &Bound<'_, PyAny>,
+    facts: &Facts<'_>,
+) -> PyResult<Location> {
+    let context = manager.context();
+    if let Ok(index) = u32::try_from(facts.device_code) {
+        let cuda = Location::cuda(index).map_err(|err| to_py_err(py, err))?;
+        // The shared record, checked against the devices the runtime reports.
+        return context.location_code(py, &context.location(py, cuda)?);
+    }
+    match facts.pinned {
+        Some(true) if facts.device_code == -1 => Ok(Location::PinnedHost),
+        None => Err(crate::execute::materialization_error(
+            py,
+            format!(
+                "{} mixes pinned and pageable host tensors",
+                value.get_type().name()?
+            ),
+        )),
+        _ => Ok(Location::PageableHost),
+    }
 }

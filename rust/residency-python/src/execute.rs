@@ -314,36 +314,6 @@ impl Context {
         Ok(())
     }
 
-    /// The code of a host location record; `None` for anything else.
-    pub(crate) fn host_code(
-        &self,
-        py: Python<'_>,
-        location: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<Location>> {
-        if location.is(&self.pageable) {
-            return Ok(Some(Location::PageableHost));
-        }
-        if location.is(&self.pinned) {
-            return Ok(Some(Location::PinnedHost));
-        }
-        // Only location records (or their subclasses) name a location; anything else
-        // is the general path's to refuse with its TypeError.
-        if !location.is_instance(&self.pageable.bind(py).get_type())? {
-            return Ok(None);
-        }
-        let Ok(kind) = location.getattr(intern!(py, "kind")) else {
-            return Ok(None);
-        };
-        let Ok(kind) = kind.cast::<PyString>() else {
-            return Ok(None);
-        };
-        Ok(match kind.to_str()? {
-            "pageable-host" => Some(Location::PageableHost),
-            "pinned-host" => Some(Location::PinnedHost),
-            _ => None,
-        })
-    }
-
     /// The location record of a code.
     pub(crate) fn location<'py>(
         &self,
@@ -387,7 +357,7 @@ fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
     result.map_err(|err| to_py_err(py, err))
 }
 
-fn materialization_error(py: Python<'_>, message: String) -> PyErr {
+pub(crate) fn materialization_error(py: Python<'_>, message: String) -> PyErr {
     to_py_err(py, CoreError::Materialization { message })
 }
 
@@ -1059,14 +1029,7 @@ fn validate<'py>(
         ));
     }
     let facts = measure(context, py, value)?;
-    let expected = match at {
-        Location::PageableHost => (-1, Some(false)),
-        Location::PinnedHost => (-1, Some(true)),
-        Location::Cuda(device) => (i64::from(device), Some(false)),
-    };
-    if (facts.device_code, facts.pinned) != expected {
-        check_placement(context, py, &facts, at, value)?;
-    }
+    check_measured(context, py, &facts, at, value)?;
     if check_bytes {
         lift(
             py,
@@ -1104,6 +1067,26 @@ pub(crate) fn measure<'py>(
         storage: facts.get_item(4)?.extract()?,
         keys: facts.get_item(5)?.extract()?,
     })
+}
+
+/// Refuses a value measured somewhere other than `at`, by name.
+pub(crate) fn check_measured(
+    context: &Context,
+    py: Python<'_>,
+    facts: &Facts<'_>,
+    at: Location,
+    value: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let expected = match at {
+        Location::PageableHost => (-1, Some(false)),
+        Location::PinnedHost => (-1, Some(true)),
+        Location::Cuda(device) => (i64::from(device), Some(false)),
+    };
+    if (facts.device_code, facts.pinned) == expected {
+        Ok(())
+    } else {
+        check_placement(context, py, facts, at, value)
+    }
 }
 
 /// The placement error for a value measured somewhere other than `at`.

@@ -9,14 +9,12 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 use residency_core::gate::DEFAULT_POLL;
 
 use residency_core::{
-    CoreError, HandleId, HandleName, Location, Manager, Recoverability, ReplicaMode, Simulation,
-    State, StorageKey, ValueSpec,
+    CoreError, HandleId, HandleName, Location, Manager, Simulation, State, StorageKey, ValueSpec,
 };
 
 use crate::direct::AdoptedShapes;
@@ -31,30 +29,8 @@ use std::sync::{Mutex, PoisonError};
 
 use crate::errors::to_py_err;
 
-fn location(code: u32) -> PyResult<Location> {
-    Location::from_code(code).map_err(|err| PyValueError::new_err(err.to_string()))
-}
-
 fn codes(locations: &[Location]) -> Vec<u32> {
     locations.iter().map(|location| location.code()).collect()
-}
-
-fn spec(logical: u64, storage: u64, exclusive: bool, reconstructible: bool) -> PyResult<ValueSpec> {
-    ValueSpec::new(
-        logical,
-        storage,
-        if exclusive {
-            ReplicaMode::Exclusive
-        } else {
-            ReplicaMode::Replicable
-        },
-        if reconstructible {
-            Recoverability::Reconstructible
-        } else {
-            Recoverability::MustPreserve
-        },
-    )
-    .map_err(|err| PyValueError::new_err(err.to_string()))
 }
 
 /// One manager's core state, shared by the facade and its lifetime objects.
@@ -518,16 +494,14 @@ impl CoreManager {
         })
     }
 
-    /// Adopts a host value in one call; `None` when the general path is needed (a
-    /// value that is not a `TensorResident` or a mode that is not a `ReplicaMode`
-    /// among the cases).
-    fn adopt_host(
+    /// `adopt` in one call (see `direct`).
+    fn adopt(
         &self,
         py: Python<'_>,
         value: &Bound<'_, PyAny>,
         at: &Bound<'_, PyAny>,
         replica_mode: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<Py<PyAny>>> {
+    ) -> PyResult<Py<PyAny>> {
         crate::direct::adopt(self, py, value, at, replica_mode)
     }
 
@@ -867,74 +841,14 @@ impl CoreManager {
 
     // ----- registration ---------------------------------------------------------
 
-    /// Adopts a measured value installed at `at` and returns its new handle.
-    #[allow(clippy::too_many_arguments)]
-    fn adopt(
-        &self,
-        py: Python<'_>,
-        type_key: u64,
-        logical: u64,
-        charge: u64,
-        exclusive: bool,
-        at: u32,
-        storage: u64,
-        keys: Vec<StorageKey>,
-        value_type: Py<PyAny>,
-        spec_record: Py<PyAny>,
-        value: Py<PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        let spec = spec(logical, charge, exclusive, false)?;
-        let (index, handle_id) = Self::lift(
-            py,
-            self.core
-                .adopt(type_key, spec, location(at)?, storage, &keys),
-        )?;
-        let handle = self.issue_handle(py, handle_id, value_type)?;
-        self.objects.push(
-            index,
-            handle.clone_ref(py),
-            spec_record,
-            None,
-            Some((at, value)),
-        );
-        Ok(handle)
-    }
-
-    /// Registers a reconstructible value and returns its new handle.
-    #[allow(clippy::too_many_arguments)]
+    /// `register_source` in one call (see `direct`).
     fn register_source(
-        &self,
-        py: Python<'_>,
-        type_key: u64,
-        logical: u64,
-        storage: u64,
-        exclusive: bool,
-        source_location: u32,
-        value_type: Py<PyAny>,
-        spec_record: Py<PyAny>,
-        source: Py<PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        let spec = spec(logical, storage, exclusive, true)?;
-        self.register_checked(
-            py,
-            type_key,
-            spec,
-            location(source_location)?,
-            value_type,
-            spec_record,
-            source,
-        )
-    }
-
-    /// Registers a host-sourced value from its spec record in one call; `None` when
-    /// the general path is needed.
-    fn register_host(
         &self,
         py: Python<'_>,
         spec_record: &Bound<'_, PyAny>,
         source: &Bound<'_, PyAny>,
         source_location: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<Py<PyAny>>> {
+    ) -> PyResult<Py<PyAny>> {
         crate::direct::register(self, py, spec_record, source, source_location)
     }
 
