@@ -425,22 +425,19 @@ class ResidencyController:
             manager = self._manager
             engine = self._engine
             core = engine.core
-            # One gate hold from the state read to the explanation: no other thread can
-            # change what was planned on in between. A completed event reaped afterwards
-            # makes the decision stale at scope entry, never here (see
+
+            # The core holds the gate from the state read to the explanation: no other
+            # thread can change what was planned on in between. A completed event reaped
+            # afterwards makes the decision stale at scope entry, never here (see
             # docs/concepts/controller.md#decide).
-            core.enter(True, True)
-            try:
-                core.reap()
-                state_version = core.version
+            def planned(completed: list[int]) -> tuple[Any, ...]:
                 rows = self._requirement_rows(request)
                 # The search, the plan's core IR and its simulation (the explanation),
                 # in one core call; explain's rule for completed pending leases.
-                (ir, simulation, slots, reclaim, enter, evictions, explored, _version) = (
-                    self._search(request, rows, core.completed_pending())
-                )
-            finally:
-                core.exit()
+                return self._search(request, rows, completed)
+
+            state_version, found = core.decide(planned)
+            (ir, simulation, slots, reclaim, enter, evictions, explored, _version) = found
             if not simulation.feasible:
                 raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
             return _Decision._capture(

@@ -223,7 +223,7 @@ impl CoreManager {
         if self.core.try_begin_quiet_transition() {
             return Ok(());
         }
-        self.enter(py, true, true)?;
+        Self::lift(py, self.enter_core(py, true, true))?;
         self.core.begin_transition();
         Ok(())
     }
@@ -621,17 +621,6 @@ impl CoreManager {
         crate::lifetimes::borrowed(self, py, token, handle, location)
     }
 
-    /// Applies queued releases and releases completed pending CUDA leases; the caller
-    /// holds the gate.
-    fn reap(&self, py: Python<'_>) -> PyResult<()> {
-        crate::lifetimes::reap(self, py)
-    }
-
-    /// Pending CUDA leases whose events have all completed (they protect nothing).
-    fn completed_pending(&self, py: Python<'_>) -> Vec<u64> {
-        crate::lifetimes::completed_pending(self, py)
-    }
-
     /// Closes the manager (docs/concepts/lifetimes.md#close).
     #[pyo3(signature = (*, wait, force))]
     fn close(&self, py: Python<'_>, wait: bool, force: bool) -> PyResult<()> {
@@ -725,6 +714,19 @@ impl CoreManager {
             .map(SimulationView::new)
     }
 
+    /// The controller's decision under one gate hold: queued releases and completed
+    /// CUDA leases are reaped, then `planned(completed)` runs with the pending
+    /// leases whose events completed (which no longer protect). Returns the state
+    /// version it planned on and what `planned` returned.
+    fn decide(&self, py: Python<'_>, planned: &Bound<'_, PyAny>) -> PyResult<(u64, Py<PyAny>)> {
+        self.with_gate(py, true, true, || {
+            crate::lifetimes::reap(self, py)?;
+            let version = self.core.version();
+            let completed = crate::lifetimes::completed_pending(self, py);
+            Ok((version, planned.call1((completed,))?.unbind()))
+        })
+    }
+
     /// Scope exit in one call: the exit actions, then the scope's reservations.
     fn exit_scope(
         &self,
@@ -763,28 +765,6 @@ impl CoreManager {
     #[getter]
     fn manager_id(&self, py: Python<'_>) -> Py<PyString> {
         self.manager_id.clone_ref(py)
-    }
-
-    // ----- the gate -------------------------------------------------------------
-
-    /// Passes the gate and the requested guards; waits (without the GIL) for another
-    /// thread's operation, failing fast if a source callback starts meanwhile.
-    fn enter(&self, py: Python<'_>, check_closed: bool, check_reentrant: bool) -> PyResult<()> {
-        Self::lift(py, self.enter_core(py, check_closed, check_reentrant))
-    }
-
-    fn exit(&self) {
-        self.core.exit();
-    }
-
-    /// `enter(closed, reentrant)` and mark this thread as the transition owner.
-    fn enter_transition(&self, py: Python<'_>) -> PyResult<()> {
-        self.enter_transition_gate(py)
-    }
-
-    fn exit_transition(&self) {
-        self.core.end_transition();
-        self.core.exit();
     }
 
     // ----- observations -------------------------------------------------------
