@@ -77,6 +77,9 @@ _MUST_PRESERVE: Final = Recoverability.MUST_PRESERVE
 _new_spec = trusted_builder(ResidencyValueSpec)
 _REPORT_RECORDS = bulk_builder(ResidencyTransitionReport)
 _HANDLE_RECORDS = bulk_builder(ResidencyHandle)
+_NEW_ENSURE = bulk_builder(EnsureResident)
+_NEW_MOVE = bulk_builder(MoveResident)
+_NEW_DROP = bulk_builder(DropResident)
 _VALUE_SNAPSHOTS = bulk_builder(ResidencyValueSnapshot)
 _MATERIALIZATION_SNAPSHOTS = bulk_builder(MaterializationSnapshot)
 _new_location_snapshot = trusted_builder(ResidencyLocationSnapshot)
@@ -163,6 +166,7 @@ class Engine:
             new_reservation,
             normalize_handles,
             ResidencyHandle,
+            (_NEW_ENSURE, _NEW_MOVE, _NEW_DROP),
         )
         # The trace keeps the newest `capacity` reports; 0 disables it.
         # Each budget's location is checked by the core, then its byte count here.

@@ -16,7 +16,6 @@ from fhelium.errors import ResidencyPlanExecutionError
 from fhelium.residency import _plans
 from fhelium.residency._engine import Engine
 from fhelium.residency._lifetime import Lifetime, chain_context
-from fhelium.residency._records import trusted_builder
 from fhelium.residency.lease import ResidencyHold, ResidencyLease, ResidencyReservation
 from fhelium.residency.location import PAGEABLE_HOST, ResidencyLocation
 from fhelium.residency.model import (
@@ -44,10 +43,6 @@ from fhelium.values.tensor_resident import TensorResident
 __all__ = ["ResidencyManager", "ResidencyScope"]
 
 ValueT = TypeVar("ValueT", bound=TensorResident)
-
-_new_ensure = trusted_builder(EnsureResident)
-_new_move = trusted_builder(MoveResident)
-_new_drop = trusted_builder(DropResident)
 
 
 def engine_of(manager: ResidencyManager) -> Engine:
@@ -131,7 +126,7 @@ class ResidencyManager:
     ) -> ResidencyTransitionReport:
         """Install the value at `at`, keeping existing replicas (no-op if resident)."""
         if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
-            return self._core.run(_new_ensure(handle, at), stream)  # type: ignore[no-any-return]
+            return self._core.ensure(handle, at, stream)  # type: ignore[no-any-return]
         return self._engine.transition(EnsureResident(handle, at), stream)
 
     def copy(
@@ -154,8 +149,8 @@ class ResidencyManager:
             and type(to) is ResidencyLocation
             and (from_location is None or type(from_location) is ResidencyLocation)
         ):
-            return self._core.run(  # type: ignore[no-any-return]
-                _new_move(handle, to, from_location), stream
+            return self._core.move_to(  # type: ignore[no-any-return]
+                handle, to, from_location, stream
             )
         return self._engine.transition(MoveResident(handle, to, from_location), stream)
 
@@ -164,7 +159,7 @@ class ResidencyManager:
     ) -> ResidencyTransitionReport:
         """Remove one unprotected materialisation, keeping the managed value."""
         if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
-            return self._core.run(_new_drop(handle, at))  # type: ignore[no-any-return]
+            return self._core.drop(handle, at)  # type: ignore[no-any-return]
         return self._engine.transition(DropResident(handle, at), None)
 
     def discard(self, handle: ResidencyHandle[Any]) -> ResidencyTransitionReport:

@@ -60,6 +60,10 @@ pub struct Context {
     /// Normalises a `handles` argument into a tuple of distinct handles.
     normalize_handles: Py<PyAny>,
     handle_class: Py<PyAny>,
+    /// Build the action records of `ensure`, `move` and `drop` called directly.
+    new_ensure: Py<RecordBuilder>,
+    new_move: Py<RecordBuilder>,
+    new_drop: Py<RecordBuilder>,
     /// Streams already checked, with their location: a stream never changes device,
     /// so one checked again is not asked about twice. Bounded; the newest last.
     checked_streams: Mutex<Vec<(Py<PyAny>, Location)>>,
@@ -96,9 +100,18 @@ impl Context {
     /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
     /// (ensure_noop, move_noop, drop_noop), type_key, spec_builder, must_preserve,
     /// new_lease, exclusive, cuda_count, new_hold, new_reservation,
-    /// normalize_handles, handle_class)`.
+    /// normalize_handles, handle_class, (ensure, move, drop action builders))`.
     pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
         let item = |index: usize| items.get_item(index).map(Bound::unbind);
+        let builder = |index: usize, position: usize| -> PyResult<Py<RecordBuilder>> {
+            Ok(items
+                .get_item(index)?
+                .cast::<PyTuple>()?
+                .get_item(position)?
+                .cast::<RecordBuilder>()?
+                .clone()
+                .unbind())
+        };
         let reasons = items.get_item(11)?;
         let reasons = reasons.cast::<PyTuple>()?;
         Ok(Self {
@@ -126,6 +139,9 @@ impl Context {
             new_reservation: item(19)?,
             normalize_handles: item(20)?,
             handle_class: item(21)?,
+            new_ensure: builder(22, 0)?,
+            new_move: builder(22, 1)?,
+            new_drop: builder(22, 2)?,
             checked_streams: Mutex::new(Vec::new()),
             checked_cuda: Mutex::new(Vec::new()),
             shared_cuda: Mutex::new(Vec::new()),
@@ -394,6 +410,34 @@ pub fn run(
     Ok(result?
         .report(py, manager.context().report_builder(py))?
         .unbind())
+}
+
+/// `ensure(handle, at)`, `move(handle, to, from_location)` or `drop(handle, at)`
+/// called directly with a handle and location records of the exact classes: the
+/// action record is built here, then run as one transition.
+pub fn run_direct(
+    manager: &CoreManager,
+    py: Python<'_>,
+    kind: DirectKind,
+    fields: &[&Bound<'_, PyAny>],
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Py<PyAny>> {
+    let context = manager.context();
+    let builder = match kind {
+        DirectKind::Ensure => &context.new_ensure,
+        DirectKind::Move => &context.new_move,
+        DirectKind::Drop => &context.new_drop,
+    };
+    let action = builder.get().build(py, fields)?;
+    run(manager, py, &action, stream)
+}
+
+/// The primitives `run_direct` builds actions for.
+#[derive(Debug, Clone, Copy)]
+pub enum DirectKind {
+    Ensure,
+    Move,
+    Drop,
 }
 
 /// The action's kind: by exact class first, then as a subclass of one of the four.

@@ -18,7 +18,7 @@ use residency_core::{
 };
 
 use crate::direct::AdoptedShapes;
-use crate::execute::{Context, Transition};
+use crate::execute::{Context, DirectKind, Transition};
 use crate::kinds::LifetimeKind;
 use crate::objects::Objects;
 use crate::plan::PlanIr;
@@ -516,6 +516,48 @@ impl CoreManager {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         crate::execute::run(self, py, action, stream)
+    }
+
+    /// `ensure` with a handle and location of the exact record classes, the action
+    /// record built here (see `execute::run_direct`).
+    #[pyo3(signature = (handle, at, stream=None))]
+    fn ensure(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+        at: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        crate::execute::run_direct(self, py, DirectKind::Ensure, &[handle, at], stream)
+    }
+
+    /// `move`, as `ensure` is above.
+    #[pyo3(signature = (handle, to, from_location, stream=None))]
+    fn move_to(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+        to: &Bound<'_, PyAny>,
+        from_location: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        crate::execute::run_direct(
+            self,
+            py,
+            DirectKind::Move,
+            &[handle, to, from_location],
+            stream,
+        )
+    }
+
+    /// `drop`, as `ensure` is above.
+    fn drop(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+        at: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        crate::execute::run_direct(self, py, DirectKind::Drop, &[handle, at], None)
     }
 
     /// Borrows normalised `handles` at `at`; CUDA needs the consumer stream.
