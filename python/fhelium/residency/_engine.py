@@ -38,7 +38,6 @@ from fhelium.residency.lease import (
     ResidencyLease,
     ResidencyReservation,
     new_hold,
-    new_lease,
     new_reservation,
 )
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
@@ -159,7 +158,7 @@ class Engine:
             _lowering.type_key,
             _new_spec,
             _MUST_PRESERVE,
-            new_lease,
+            ResidencyLease,
             ReplicaMode.EXCLUSIVE,
             self.cuda_count,
             new_hold,

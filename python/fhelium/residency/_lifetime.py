@@ -112,7 +112,8 @@ class Lifetime:
 
     def _enter_once(self, noun: str) -> None:
         self._require_active()
-        if self._entered:
+        # Unset until the first entry on a lease the manager built.
+        if getattr(self, "_entered", False):
             raise RuntimeError(f"a {noun} can be entered only once")
         self._entered = True
 

@@ -91,7 +91,8 @@ class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
     def __getitem__(self, handle: ResidencyHandle[Any]) -> TensorResident:
         lease = self._lease
         lease._require_active()
-        handle_set = lease._handle_set
+        # Unset until the first lookup: many leases are never looked into.
+        handle_set = getattr(lease, "_handle_set", None)
         if handle_set is None:
             handle_set = lease._handle_set = frozenset(lease._handles)
         if handle not in handle_set:
@@ -309,28 +310,6 @@ class ResidencyReservation(Lifetime):
             f"ResidencyReservation(label={self.label!r}, location={self.location}, "
             f"nbytes={self.nbytes}, {state})"
         )
-
-
-def new_lease(
-    engine: LifetimeOwner,
-    token: int,
-    handles: tuple[ResidencyHandle[Any], ...],
-    location: ResidencyLocation,
-    consumer_streams: list[Any],
-) -> ResidencyLease:
-    """The manager's constructor for leases it has just admitted (the hot path):
-    the same state as `ResidencyLease(...)`, without keyword-argument overhead. The
-    core tracks the lease once this returns."""
-    lease = object.__new__(ResidencyLease)
-    lease._engine = engine
-    lease._token = token
-    lease._handles = handles
-    lease._handle_set = None
-    lease._location = location
-    lease._streams = consumer_streams
-    lease._entered = False
-    lease._active = True
-    return lease
 
 
 def new_hold(

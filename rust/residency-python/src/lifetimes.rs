@@ -11,6 +11,7 @@ use std::ffi::CString;
 use pyo3::exceptions::{PyException, PyRuntimeWarning, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::{CoreError, HandleId, LeaseState, Location};
 
@@ -356,20 +357,56 @@ pub fn acquire(
             Some(stream) => PyList::new(py, [stream])?,
             None => PyList::empty(py),
         };
-        let lease = context
-            .new_lease(py)
-            .call1((engine, token, handles, at, streams))
-            .and_then(|lease| {
-                let reference = PyWeakrefReference::new(&lease)?;
-                manager
-                    .objects()
-                    .track_lease(token, reference.into_any().unbind());
-                Ok(lease)
-            });
+        let lease = new_lease(
+            py,
+            context.lease_class(py),
+            engine,
+            token,
+            handles,
+            at,
+            &streams,
+        )
+        .and_then(|lease| {
+            let reference = PyWeakrefReference::new(&lease)?;
+            manager
+                .objects()
+                .track_lease(token, reference.into_any().unbind());
+            Ok(lease)
+        });
         handed_out(lease, || {
             core.release_lease(token);
         })
     })
+}
+
+/// `object.__new__`, looked up once per process.
+static OBJECT_NEW: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// A lease the manager has just admitted: an instance of the lease class with the
+/// state its constructor sets, built without running Python code. `_entered` and
+/// `_handle_set` stay unset until first used.
+fn new_lease<'py>(
+    py: Python<'py>,
+    class: &Bound<'py, PyAny>,
+    engine: &Bound<'py, PyAny>,
+    token: u64,
+    handles: &Bound<'py, PyAny>,
+    location: &Bound<'py, PyAny>,
+    streams: &Bound<'py, PyList>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let new = OBJECT_NEW.get_or_try_init(py, || {
+        py.get_type::<PyAny>()
+            .getattr(intern!(py, "__new__"))
+            .map(Bound::unbind)
+    })?;
+    let lease = new.bind(py).call1((class,))?;
+    lease.setattr(intern!(py, "_engine"), engine)?;
+    lease.setattr(intern!(py, "_token"), token)?;
+    lease.setattr(intern!(py, "_handles"), handles)?;
+    lease.setattr(intern!(py, "_location"), location)?;
+    lease.setattr(intern!(py, "_streams"), streams)?;
+    lease.setattr(intern!(py, "_active"), true)?;
+    Ok(lease)
 }
 
 /// The lease objects not yet released that are still alive, oldest first.
