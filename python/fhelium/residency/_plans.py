@@ -9,11 +9,12 @@ a report is read.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final, cast
 
 from fhelium import _core
 from fhelium.errors import (
@@ -184,12 +185,39 @@ def explain(
     return _Explanation._capture(plan, simulation)
 
 
-class _Explanation(ResidencyPlanExplanation):
+class _LazyRecord:
+    """Equality, hashing and pickling for a record subclass that builds a field on
+    first access: exactly those of the plain record `_record` with the same fields."""
+
+    __slots__ = ()
+    _record: ClassVar[type]
+
+    def _values(self) -> tuple[Any, ...]:
+        return _field_values(self, self._record)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self._record):
+            return NotImplemented
+        return self._values() == _field_values(other, self._record)
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self._record, self._values())
+
+
+def _field_values(record: object, cls: type) -> tuple[Any, ...]:
+    return tuple(getattr(record, field.name) for field in dataclasses.fields(cls))
+
+
+class _Explanation(_LazyRecord, ResidencyPlanExplanation):
     """A `ResidencyPlanExplanation` whose per-action records are built on first
     access, once: an `explain` read only for `feasible` builds none of them."""
 
     __slots__ = ("_actions", "_plan", "_simulation")
     __qualname__ = "ResidencyPlanExplanation"
+    _record = ResidencyPlanExplanation
 
     _actions: tuple[ResidencyActionExplanation, ...] | None
     _plan: ResidencyPlan | None
@@ -248,28 +276,6 @@ class _Explanation(ResidencyPlanExplanation):
         finally:
             if collecting:
                 gc.enable()
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ResidencyPlanExplanation):
-            return NotImplemented
-        return _explanation_fields(self) == _explanation_fields(other)
-
-    def __hash__(self) -> int:
-        return hash(_explanation_fields(self))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (ResidencyPlanExplanation, _explanation_fields(self))
-
-
-def _explanation_fields(explanation: ResidencyPlanExplanation) -> tuple[Any, ...]:
-    return (
-        explanation.plan_name,
-        explanation.actions,
-        explanation.reservations,
-        explanation.predicted_peak_bytes,
-        explanation.feasible,
-        explanation.reason,
-    )
 
 
 # ---------------------------------------------------------------------- scopes
@@ -337,12 +343,13 @@ def abandon_scope(engine: Engine, scope: ScopeRun) -> None:
 # ---------------------------------------------------------------------- reports
 
 
-class _PlanReport(ResidencyPlanReport):
+class _PlanReport(_LazyRecord, ResidencyPlanReport):
     """A `ResidencyPlanReport` whose transition records are built on first access,
     once: a run read only for its timing builds none of them."""
 
     __slots__ = ("_built", "_run")
     __qualname__ = "ResidencyPlanReport"
+    _record = ResidencyPlanReport
 
     _built: tuple[ResidencyTransitionReport, ...] | None
     _run: _core.PlanRun | None
@@ -386,18 +393,3 @@ class _PlanReport(ResidencyPlanReport):
                     gc.enable()
             object.__setattr__(self, "_built", built)
         return built
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ResidencyPlanReport):
-            return NotImplemented
-        return _report_fields(self) == _report_fields(other)
-
-    def __hash__(self) -> int:
-        return hash(_report_fields(self))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (ResidencyPlanReport, _report_fields(self))
-
-
-def _report_fields(report: ResidencyPlanReport) -> tuple[Any, ...]:
-    return (report.plan_name, report.transitions, report.started_at_ns, report.completed_at_ns)

@@ -166,11 +166,18 @@ fn is_tensor_resident(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool
     value.is_instance(base)
 }
 
-/// Takes the gate as a transition for `adopt` or `register_source`, then applies queued releases
-/// and reaps completed CUDA leases, as every transition does first.
-fn begin(manager: &CoreManager, py: Python<'_>) -> PyResult<()> {
+/// Runs `operation` as a transition for `adopt` or `register_source`: the gate is
+/// taken, queued releases applied and completed CUDA leases reaped first, as every
+/// transition does, and the gate is released after.
+fn in_transition<T>(
+    manager: &CoreManager,
+    py: Python<'_>,
+    operation: impl FnOnce() -> PyResult<T>,
+) -> PyResult<T> {
     manager.enter_transition_gate(py)?;
-    crate::lifetimes::reap(manager, py).inspect_err(|_| manager.core().end_transition_and_exit())
+    let result = crate::lifetimes::reap(manager, py).and_then(|()| operation());
+    manager.core().end_transition_and_exit();
+    result
 }
 
 /// Registers a reconstructible value (docs/concepts/values.md#register-a-source).
@@ -199,10 +206,9 @@ pub fn register(
             ));
         }
     }
-    begin(manager, py)?;
-    let result = register_locked(manager, py, spec_record, source, source_location);
-    manager.core().end_transition_and_exit();
-    result
+    in_transition(manager, py, || {
+        register_locked(manager, py, spec_record, source, source_location)
+    })
 }
 
 fn register_locked(
@@ -280,10 +286,9 @@ pub fn adopt(
             value.get_type().name()?
         )));
     }
-    begin(manager, py)?;
-    let result = adopt_locked(manager, py, value, at, replica_mode);
-    manager.core().end_transition_and_exit();
-    result
+    in_transition(manager, py, || {
+        adopt_locked(manager, py, value, at, replica_mode)
+    })
 }
 
 fn adopt_locked(
