@@ -9,6 +9,7 @@ __all__ = [
     "ActionKind",
     "CoreManager",
     "EnsureOutcome",
+    "LeaseFinalizer",
     "LeaseState",
     "LifetimeKind",
     "MoveOutcome",
@@ -164,6 +165,7 @@ class CoreManager:
     ) -> None: ...
     def release_host_lease_now(self, token: int) -> bool: ...
     def track_lease(self, token: int, lease: Any) -> None: ...
+    def untrack_lease(self, token: int) -> None: ...
     def live_leases(self) -> list[Any]: ...
     def borrowed(self, token: int, handle: Any, location: Any) -> Any: ...
     def close(self, *, wait: bool, force: bool) -> None: ...
@@ -249,6 +251,13 @@ class SimulationView:
         action_records: RecordBuilder,
         location_of: Callable[[int], Any],
     ) -> tuple[Any, ...]: ...
+
+@final
+class LeaseFinalizer:
+    """The callback of a tracked lease's weak reference: finalizes a lease collected
+    before its release."""
+
+    def __call__(self, reference: Any, /) -> None: ...
 
 @final
 class PlanRun:

@@ -16,11 +16,12 @@ import subprocess
 import sys
 import textwrap
 import warnings
+import weakref
 
 import pytest
 
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
-from fhelium.residency.manager import ResidencyManager
+from fhelium.residency.manager import ResidencyManager, engine_of
 from helpers.lifetimes import (
     LoggingRuntime,
     cuda_stream,
@@ -271,3 +272,39 @@ def test_interpreter_exit_with_live_lifetimes(mode: str) -> None:
     for kind in ("lease", "hold", "reservation"):
         assert kind in lowered, stderr
     assert "Traceback" not in stderr, stderr
+
+
+def test_abandoned_lease_in_a_reference_cycle_is_released_by_the_collector(
+    rt: LoggingRuntime,
+) -> None:
+    # Leases are finalized from the core's weak reference, not their own finalizer:
+    # one that only the cyclic collector can free is released all the same.
+    manager = ResidencyManager()
+    handle = replicated(manager)
+    lease = manager.acquire([handle], at=PAGEABLE_HOST)
+    cycle: list[object] = [lease]
+    cycle.append(cycle)
+    with recorded_warnings() as caught:
+        del lease, cycle
+        gc.collect()
+    _names(_one_resource_warning(caught), "lease", manager, PAGEABLE_HOST)
+    assert mat(manager.snapshot(), handle, PAGEABLE_HOST).use_count == 0
+    manager.close()
+
+
+def test_a_released_lease_leaves_nothing_behind(rt: LoggingRuntime) -> None:
+    # Released in time, a lease warns about nothing when freed, and neither it nor
+    # its manager's core keeps the other alive.
+    manager = ResidencyManager()
+    handle = replicated(manager)
+    lease = manager.acquire([handle], at=PAGEABLE_HOST)
+    lease.release()
+    engine = weakref.ref(engine_of(manager))
+    with recorded_warnings() as caught:
+        del lease
+        gc.collect()
+    assert of_category(caught, ResourceWarning) == []
+    manager.close()
+    del manager
+    gc.collect()
+    assert engine() is None

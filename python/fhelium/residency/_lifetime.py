@@ -129,6 +129,16 @@ class Lifetime:
             self._untrack()
             self._finalize()
 
+
+class FinalizedLifetime(Lifetime):
+    """A lifetime whose own finalizer releases it when it is collected still active.
+
+    Leases are not: the manager's core keeps a weak reference to each unreleased
+    lease, whose callback finalizes it, so a lease released in time costs no
+    finalizer call when it is freed."""
+
+    __slots__ = ()
+
     def __del__(self) -> None:
         # Interpreter teardown may have cleared module globals; nothing is left to do.
         if getattr(self, "_active", False):

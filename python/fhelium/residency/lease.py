@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from fhelium.residency._lifetime import Lifetime, LifetimeOwner
+from fhelium.residency._lifetime import FinalizedLifetime, Lifetime, LifetimeOwner
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
 from fhelium.values.tensor_resident import TensorResident
@@ -151,12 +151,14 @@ class ResidencyLease(Lifetime):
         self._track()
 
     def _track(self) -> None:
-        # Leases are tracked by their manager's core, until released.
+        # Leases are tracked by their manager's core, until released; collected
+        # still active, the core's weak reference finalizes them.
         self._active = True
         self._engine.core.track_lease(self._token, self)
 
     def _untrack(self) -> None:
         self._active = False
+        self._engine.core.untrack_lease(self._token)
 
     def _finalize(self) -> None:
         _finalize_lease(self._engine, self._token, self._location, self._streams)
@@ -211,7 +213,7 @@ class ResidencyLease(Lifetime):
         return f"ResidencyLease({len(self._handles)} value(s) at {self._location}, {state})"
 
 
-class ResidencyHold(Lifetime):
+class ResidencyHold(FinalizedLifetime):
     """Longer-lived retention of materialisations at one location; exposes no values."""
 
     __slots__ = ("_engine", "_handles", "_location", "_token")
@@ -263,7 +265,7 @@ class ResidencyHold(Lifetime):
         return f"ResidencyHold({len(self._handles)} value(s) at {self._location}, {state})"
 
 
-class ResidencyReservation(Lifetime):
+class ResidencyReservation(FinalizedLifetime):
     """Accounting headroom at one location; allocates nothing."""
 
     __slots__ = ("_engine", "_token", "label", "location", "nbytes")

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from fhelium.errors import ResidencyPlanExecutionError
 from fhelium.residency import _plans
 from fhelium.residency._engine import Engine
-from fhelium.residency._lifetime import Lifetime, chain_context
+from fhelium.residency._lifetime import FinalizedLifetime, chain_context
 from fhelium.residency.lease import ResidencyHold, ResidencyLease, ResidencyReservation
 from fhelium.residency.location import PAGEABLE_HOST, ResidencyLocation
 from fhelium.residency.model import (
@@ -275,7 +275,7 @@ class ResidencyManager:
             raise
 
 
-class ResidencyScope(Lifetime):
+class ResidencyScope(FinalizedLifetime):
     """A single-use context for one plan: reclaim, reserve and enter on entry; exit
     actions and reservation release on exit. Nestable; never suppresses the body's
     exception."""

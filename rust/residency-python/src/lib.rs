@@ -33,6 +33,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<manager::SimulationView>()?;
     module.add_class::<records::RecordBuilder>()?;
     module.add_class::<plans::PlanRun>()?;
+    module.add_class::<lifetimes::LeaseFinalizer>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(plan::lower_records, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;

@@ -367,16 +367,80 @@ pub fn acquire(
             &streams,
         )
         .and_then(|lease| {
-            let reference = PyWeakrefReference::new(&lease)?;
-            manager
-                .objects()
-                .track_lease(token, reference.into_any().unbind());
+            track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
             Ok(lease)
         });
         handed_out(lease, || {
             core.release_lease(token);
         })
     })
+}
+
+/// Tracks an unreleased lease by a weak reference whose callback finalizes it if it
+/// is collected before its release (docs/concepts/lifetimes.md#finalizers).
+pub fn track_lease(
+    manager: &CoreManager,
+    py: Python<'_>,
+    engine: &Bound<'_, PyAny>,
+    token: u64,
+    location: &Bound<'_, PyAny>,
+    streams: &Bound<'_, PyAny>,
+    lease: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let finalizer = Bound::new(
+        py,
+        LeaseFinalizer {
+            engine: engine.clone().unbind(),
+            token,
+            location: location.clone().unbind(),
+            streams: streams.clone().unbind(),
+        },
+    )?;
+    let reference = PyWeakrefReference::new_with(lease, finalizer)?;
+    manager
+        .objects()
+        .track_lease(token, reference.into_any().unbind());
+    Ok(())
+}
+
+/// `fhelium.residency.lease._finalize_lease`, looked up once per process.
+static FINALIZE_LEASE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// The callback of a tracked lease's weak reference: a lease collected while its
+/// manager still tracks it was never released, and is finalized as the lifetime
+/// objects' own finalizers do (released safely, with a `ResourceWarning`).
+///
+/// It holds the manager's engine only while the lease is tracked: releasing the
+/// lease drops the weak reference, and this callback with it.
+#[pyclass(frozen, module = "fhelium._core", name = "LeaseFinalizer")]
+#[derive(Debug)]
+pub struct LeaseFinalizer {
+    engine: Py<PyAny>,
+    token: u64,
+    location: Py<PyAny>,
+    streams: Py<PyAny>,
+}
+
+#[pymethods]
+impl LeaseFinalizer {
+    fn __call__(&self, py: Python<'_>, _reference: &Bound<'_, PyAny>) -> PyResult<()> {
+        let engine = self.engine.bind(py);
+        let core = engine.getattr(intern!(py, "core"))?;
+        let core = core.cast::<CoreManager>()?;
+        // Already released or finalized (at exit, say): nothing is left to do.
+        let Some(reference) = core.get().objects().untrack_lease(self.token) else {
+            return Ok(());
+        };
+        drop(reference);
+        let finalize = FINALIZE_LEASE.import(py, "fhelium.residency.lease", "_finalize_lease")?;
+        finalize.call1((
+            engine,
+            self.token,
+            self.location.bind(py),
+            self.streams.bind(py),
+        ))?;
+        Ok(())
+    }
 }
 
 /// `object.__new__`, looked up once per process.

@@ -640,11 +640,21 @@ impl CoreManager {
     }
 
     /// Tracks a lease object built by the glue itself, until it is released.
-    fn track_lease(&self, token: u64, lease: &Bound<'_, PyAny>) -> PyResult<()> {
-        let reference = pyo3::types::PyWeakrefReference::new(lease)?;
-        self.objects
-            .track_lease(token, reference.into_any().unbind());
-        Ok(())
+    fn track_lease(&self, py: Python<'_>, token: u64, lease: &Bound<'_, PyAny>) -> PyResult<()> {
+        crate::lifetimes::track_lease(
+            self,
+            py,
+            &lease.getattr(pyo3::intern!(py, "_engine"))?,
+            token,
+            &lease.getattr(pyo3::intern!(py, "_location"))?,
+            &lease.getattr(pyo3::intern!(py, "_streams"))?,
+            lease,
+        )
+    }
+
+    /// Stops tracking a lease (finalized by its own object, at exit).
+    fn untrack_lease(&self, token: u64) {
+        drop(self.objects.untrack_lease(token));
     }
 
     /// The lease objects not yet released that are still alive, oldest first.
