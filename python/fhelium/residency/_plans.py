@@ -150,24 +150,13 @@ def _failure(
         return error
     position = run.position
     if phase == "reserve":
-        return _execution_error(
-            plan_name,
-            phase,
-            run,
-            started,
-            error,
-            failed_reservation=reservations[position],
-            failed_reservation_index=position,
-        )
-    return _execution_error(
-        plan_name,
-        phase,
-        run,
-        started,
-        error,
-        failed_action=actions[position],
-        failed_action_index=position,
-    )
+        failed = {
+            "failed_reservation": reservations[position],
+            "failed_reservation_index": position,
+        }
+    else:
+        failed = {"failed_action": actions[position], "failed_action_index": position}
+    return _execution_error(plan_name, phase, run, started, error, **failed)
 
 
 # ---------------------------------------------------------------------- explain
