@@ -11,6 +11,7 @@ runtime, which provides pinned host memory and two CUDA devices backed by CPU te
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 
@@ -229,6 +230,34 @@ def test_copy_is_ensure_under_another_parameter_name() -> None:
         manager.copy(handle, at=PAGEABLE_HOST)  # type: ignore[call-arg]
     with pytest.raises(TypeError):
         manager.ensure(handle, to=PAGEABLE_HOST)  # type: ignore[call-arg]
+
+
+def test_repeated_calls_report_the_arguments_they_were_given(sim: object) -> None:
+    # Action records of repeated calls may be shared, but each report names exactly
+    # the objects its call passed: an equal copy of the handle, or another location
+    # or source, is never reported as a record built for an earlier call.
+    manager = ResidencyManager()
+    handle = manager.adopt(tensor_value(4), replica_mode=REPLICABLE)
+    twin = copy.copy(handle)
+    assert twin == handle
+    assert twin is not handle
+    first = manager.ensure(handle, CUDA0)
+    again = manager.drop(handle, CUDA0)
+    by_twin = manager.ensure(twin, CUDA0)
+    assert first.action.handle is handle
+    assert again.action == DropResident(handle, CUDA0)
+    assert by_twin.action.handle is twin
+    assert manager.drop(twin, CUDA0).action.handle is twin
+    moved = manager.move(handle, CUDA0, from_location=PAGEABLE_HOST)
+    assert moved.action == MoveResident(handle, CUDA0, PAGEABLE_HOST)
+    moved_back = manager.move(handle, PAGEABLE_HOST)
+    assert moved_back.action == MoveResident(handle, PAGEABLE_HOST, None)
+    assert moved_back.action.from_location is None
+    for _ in range(3):
+        report = manager.ensure(handle, CUDA0)
+        assert report.action == EnsureResident(handle, CUDA0)
+        assert manager.drop(handle, CUDA0).action == DropResident(handle, CUDA0)
+    assert_balanced(manager.snapshot())
 
 
 def test_ensure_reports_contain_spec_bytes_not_actual_storage() -> None:

@@ -71,6 +71,59 @@ pub struct Context {
     /// record of each CUDA code; both bounded.
     checked_cuda: Mutex<Vec<(Py<PyAny>, Location)>>,
     shared_cuda: Mutex<Vec<(Location, Py<PyAny>)>>,
+    /// Action records `run_direct` built, reused for the same call (see `Actions`).
+    direct_actions: Actions,
+}
+
+/// How many action records of direct calls a manager keeps for reuse.
+const KEPT_ACTIONS: usize = 16;
+
+/// The action records built for direct `ensure`, `move` and `drop` calls, kept in a
+/// small table keyed by the call's kind and argument objects: a value ensured and
+/// dropped again and again gets one record per call shape, not one per call. Records
+/// are immutable, so an equal record may be shared (docs/concepts/transitions.md#reports),
+/// and a kept record holds its arguments alive, so an address in a key stays its own.
+#[derive(Debug, Default)]
+struct Actions {
+    slots: Mutex<[Option<KeptAction>; KEPT_ACTIONS]>,
+}
+
+/// One kept record with its call's key.
+type KeptAction = (ActionKey, Py<PyAny>);
+
+/// A direct call's kind and the addresses of its handle and location arguments.
+type ActionKey = (u8, [usize; 3]);
+
+impl Actions {
+    fn slot(key: &ActionKey) -> usize {
+        let (kind, [handle, at, from]) = *key;
+        ((handle >> 4) ^ (at >> 4) ^ (from >> 4) ^ usize::from(kind)) % KEPT_ACTIONS
+    }
+
+    fn get<'py>(&self, py: Python<'py>, key: &ActionKey) -> Option<Bound<'py, PyAny>> {
+        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        match &slots[Self::slot(key)] {
+            Some((known, record)) if known == key => Some(record.bind(py).clone()),
+            _ => None,
+        }
+    }
+
+    fn keep(&self, key: ActionKey, record: Py<PyAny>) {
+        let replaced = {
+            let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+            slots[Self::slot(&key)].replace((key, record))
+        };
+        // Released outside the lock: freeing a record may run Python code.
+        drop(replaced);
+    }
+
+    /// Forgets every kept record (a value was discarded, or the manager closed), so
+    /// no handle is held alive for reuse any longer.
+    fn clear(&self) {
+        let forgotten =
+            std::mem::take(&mut *self.slots.lock().unwrap_or_else(PoisonError::into_inner));
+        drop(forgotten);
+    }
 }
 
 /// How many checked streams, and CUDA location records, a manager remembers.
@@ -142,6 +195,7 @@ impl Context {
             new_ensure: builder(22, 0)?,
             new_move: builder(22, 1)?,
             new_drop: builder(22, 2)?,
+            direct_actions: Actions::default(),
             checked_streams: Mutex::new(Vec::new()),
             checked_cuda: Mutex::new(Vec::new()),
             shared_cuda: Mutex::new(Vec::new()),
@@ -330,6 +384,11 @@ impl Context {
         Ok(())
     }
 
+    /// Forgets the action records kept for direct calls (see `Actions`).
+    pub(crate) fn forget_direct_actions(&self) {
+        self.direct_actions.clear();
+    }
+
     /// The location record of a code.
     pub(crate) fn location<'py>(
         &self,
@@ -423,13 +482,47 @@ pub fn run_direct(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let context = manager.context();
-    let builder = match kind {
-        DirectKind::Ensure => &context.new_ensure,
-        DirectKind::Move => &context.new_move,
-        DirectKind::Drop => &context.new_drop,
+    let (builder, code) = match kind {
+        DirectKind::Ensure => (&context.new_ensure, 0),
+        DirectKind::Move => (&context.new_move, 1),
+        DirectKind::Drop => (&context.new_drop, 2),
     };
-    let action = builder.get().build(py, fields)?;
-    run(manager, py, &action, stream)
+    let address = |position: usize| {
+        fields
+            .get(position)
+            .map_or(0, |field| field.as_ptr().addr())
+    };
+    let key = (code, [address(0), address(1), address(2)]);
+    let action = if let Some(action) = context.direct_actions.get(py, &key) {
+        action
+    } else {
+        let action = builder.get().build(py, fields)?;
+        context.direct_actions.keep(key, action.clone().unbind());
+        action
+    };
+    let (Some(handle), Some(location)) = (fields.first(), fields.get(1)) else {
+        return Err(PyTypeError::new_err(
+            "internal error: a direct call without its arguments",
+        ));
+    };
+    let (kind, from) = match kind {
+        DirectKind::Ensure => (Kind::Ensure, None),
+        DirectKind::Move => (Kind::Move, fields.get(2)),
+        DirectKind::Drop => (Kind::Drop, None),
+    };
+    manager.enter_transition_gate(py)?;
+    // The same order of checks as `execute`: the handle, then the locations.
+    let result = (|| {
+        crate::lifetimes::reap(manager, py)?;
+        let started = now_ns();
+        let Some(index) = manager.resolve_live(py, handle)? else {
+            return Err(manager.handle_error(py, handle)?);
+        };
+        let step = step(manager, py, kind, location, from, stream)?;
+        execute_step(manager, py, &action, index, step, stream, started)
+    })();
+    manager.core().end_transition_and_exit();
+    Ok(result?.report(py, context.report_builder(py))?.unbind())
 }
 
 /// The primitives `run_direct` builds actions for.
@@ -490,38 +583,76 @@ fn read_step<'py>(
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Step<'py>> {
     let context = manager.context();
-    Ok(match action_kind(context, action)? {
+    let kind = action_kind(context, action)?;
+    match kind {
+        Kind::Ensure | Kind::Drop => step(
+            manager,
+            py,
+            kind,
+            &action.getattr(intern!(py, "location"))?,
+            None,
+            stream,
+        ),
+        Kind::Move => step(
+            manager,
+            py,
+            kind,
+            &action.getattr(intern!(py, "to"))?,
+            Some(&&action.getattr(intern!(py, "from_location"))?),
+            stream,
+        ),
+        Kind::Discard => step(manager, py, kind, action, None, stream),
+    }
+}
+
+/// The step of an action of `kind` with its location fields (`location` is the
+/// destination of a move and unused for a discard), checked with its stream.
+fn step<'py>(
+    manager: &CoreManager,
+    py: Python<'py>,
+    kind: Kind,
+    location: &Bound<'py, PyAny>,
+    from: Option<&&Bound<'py, PyAny>>,
+    stream: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Step<'py>> {
+    let context = manager.context();
+    Ok(match kind {
         Kind::Ensure => {
-            let location = action.getattr(intern!(py, "location"))?;
-            let at = context.location_code(py, &location)?;
+            let at = context.location_code(py, location)?;
             if let Some(stream) = stream {
-                context.check_stream(py, stream, &location, at)?;
+                context.check_stream(py, stream, location, at)?;
             }
-            Step::Ensure { at, location }
+            Step::Ensure {
+                at,
+                location: location.clone(),
+            }
         }
         Kind::Move => {
-            let location = action.getattr(intern!(py, "to"))?;
-            let to = context.location_code(py, &location)?;
-            let from = action.getattr(intern!(py, "from_location"))?;
-            let from = if from.is_none() {
-                None
-            } else {
-                Some(context.location_code(py, &from)?)
+            let to = context.location_code(py, location)?;
+            let from = match from {
+                Some(from) if !from.is_none() => Some(context.location_code(py, from)?),
+                _ => None,
             };
             if let Some(stream) = stream {
-                context.check_stream(py, stream, &location, to)?;
+                context.check_stream(py, stream, location, to)?;
             }
-            Step::Move { to, location, from }
+            Step::Move {
+                to,
+                location: location.clone(),
+                from,
+            }
         }
         Kind::Drop => {
-            let location = action.getattr(intern!(py, "location"))?;
-            let at = context.location_code(py, &location)?;
+            let at = context.location_code(py, location)?;
             if stream.is_some() {
                 return Err(PyValueError::new_err(
                     "DropResident does not take a transfer stream",
                 ));
             }
-            Step::Drop { at, location }
+            Step::Drop {
+                at,
+                location: location.clone(),
+            }
         }
         Kind::Discard => {
             if stream.is_some() {
@@ -543,8 +674,6 @@ pub fn execute(
     stream: Option<&Bound<'_, PyAny>>,
     resolved: Option<HandleId>,
 ) -> PyResult<Arc<Transition>> {
-    let context = manager.context();
-    let core = manager.core();
     crate::lifetimes::reap(manager, py)?;
     let started = now_ns();
     let index = if let Some(index) = resolved {
@@ -557,6 +686,21 @@ pub fn execute(
         index
     };
     let step = read_step(manager, py, action, stream)?;
+    execute_step(manager, py, action, index, step, stream, started)
+}
+
+/// Runs the checked `step` of `action` on value `index`; the caller holds the gate.
+fn execute_step<'py>(
+    manager: &CoreManager,
+    py: Python<'py>,
+    action: &Bound<'py, PyAny>,
+    index: HandleId,
+    step: Step<'py>,
+    stream: Option<&Bound<'py, PyAny>>,
+    started: u64,
+) -> PyResult<Arc<Transition>> {
+    let context = manager.context();
+    let core = manager.core();
     let device = match &step {
         Step::Ensure { at, location } | Step::Drop { at, location } => {
             if matches!(at, Location::Cuda(_)) {

@@ -604,6 +604,7 @@ pub fn close(manager: &CoreManager, py: Python<'_>, wait: bool, force: bool) -> 
         lift(py, core.gate().check_reentrant())?;
         manager.drain_deferred();
         let context = manager.context();
+        context.forget_direct_actions();
         let runtime = context.runtime(py);
         if wait {
             for (token, events) in manager.objects().pending(py) {

@@ -305,6 +305,7 @@ impl CoreManager {
     pub(crate) fn discard_value(&self, py: Python<'_>, index: HandleId) -> PyResult<()> {
         let removed = Self::lift(py, self.core.discard(index))?;
         drop(self.objects.discard(index, &codes(&removed)));
+        self.context.forget_direct_actions();
         Ok(())
     }
 
