@@ -440,7 +440,7 @@ def test_allocator_sampling_failure_never_fails_a_transition(rt: tuple[Any, Spy]
     runtime, _ = rt
     manager = ResidencyManager()
     handle = manager.adopt(tensor_value(4), replica_mode=REPLICABLE)
-    runtime.fail_next("memory_allocated", exc=RuntimeError("nvml gone"), count=2)
+    runtime.fail_next("memory_sample", exc=RuntimeError("nvml gone"), count=2)
     report = manager.ensure(handle, CUDA0)
     assert report.allocator_device == DEV0
     assert report.allocator_allocated_bytes_before is None
@@ -468,7 +468,7 @@ def test_snapshot_reports_allocator_readings_for_cuda_locations_only(rt: tuple[A
 def test_snapshot_allocator_failure_gives_none(rt: tuple[Any, Spy]) -> None:
     runtime, _ = rt
     manager = ResidencyManager({CUDA0: 100})
-    runtime.fail_next("memory_allocated", exc=RuntimeError("gone"))
+    runtime.fail_next("memory_sample", exc=RuntimeError("gone"))
     snap = manager.snapshot()
     assert loc_snap(snap, CUDA0).allocator_allocated_bytes is None
     assert loc_snap(snap, CUDA0).budget_bytes == 100

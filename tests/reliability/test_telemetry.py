@@ -30,11 +30,11 @@ class FlakyTelemetry(SimulatedRuntime):
         self.fail_at = fail_at
         self.readings = 0
 
-    def memory_allocated(self, device: torch.device) -> int | None:
+    def memory_sample(self, device: torch.device) -> tuple[int, int] | None:
         self.readings += 1
         if self.readings == self.fail_at:
             raise RuntimeError("telemetry down")
-        return super().memory_allocated(device)
+        return super().memory_sample(device)
 
 
 # Four CUDA actions, each sampled before and after: eight readings.
@@ -66,4 +66,29 @@ def test_allocator_sampling_failures_never_fail_a_plan(fail_at: int) -> None:
     assert {m.location for m in entry.materializations} == {PAGEABLE_HOST, CUDA0}
     used = {loc.location: loc.used_bytes for loc in snapshot.locations}
     assert used == {PAGEABLE_HOST: 16, CUDA0: 16, CUDA1: 0}
+    manager.close()
+
+
+def test_each_transition_samples_the_allocator_once_before_and_once_after() -> None:
+    # A real allocator query costs more than a small copy, so a CUDA transition reads
+    # both figures in one query before and one after it, and a snapshot one per CUDA
+    # location: the simulated runtime counts the queries.
+    runtime = SimulatedRuntime(2)
+    with use_runtime(runtime):
+        manager = ResidencyManager()
+    value = manager.adopt(ResidentTensor(torch.arange(4.0)), replica_mode=ReplicaMode.REPLICABLE)
+    runtime.calls.clear()
+    ensured = manager.ensure(value, CUDA0)
+    dropped = manager.drop(value, CUDA0)
+    assert runtime.calls["memory_sample"] == 4
+    assert runtime.calls["memory_allocated"] == 0
+    assert runtime.calls["memory_reserved"] == 0
+    assert ensured.allocator_allocated_bytes_after == 16
+    assert ensured.allocator_reserved_bytes_after == 512
+    assert dropped.allocator_allocated_bytes_after == 0
+    runtime.calls.clear()
+    snapshot = manager.snapshot()
+    _ = snapshot.locations
+    assert runtime.calls["memory_sample"] == 1
+    assert runtime.calls["memory_allocated"] + runtime.calls["memory_reserved"] == 0
     manager.close()

@@ -541,15 +541,68 @@ def test_torch_allocator_readings_without_cuda() -> None:
 
 
 def test_torch_allocator_sampling_failure_reads_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    def boom(device: object = None) -> int:
+    def boom(*args: object) -> int:
         raise RuntimeError("allocator exploded")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", boom)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", boom)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", boom, raising=False)
     runtime = TorchCudaRuntime()
     assert runtime.memory_allocated(CUDA0) is None
     assert runtime.memory_reserved(CUDA0) is None
+    assert runtime.memory_sample(CUDA0) is None
+
+
+def _nested_stats(allocated: int, reserved: int) -> dict[str, object]:
+    """The shape of torch's nested allocator statistics, the two figures read here."""
+    return {
+        "allocated_bytes": {"all": {"current": allocated, "peak": allocated}},
+        "reserved_bytes": {"all": {"current": reserved, "peak": reserved}},
+    }
+
+
+def test_torch_allocator_sample_is_one_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both figures come from one query of the nested statistics; the public per-figure
+    # functions (each flattens and sorts the whole dictionary) are never called.
+    queried: list[object] = []
+
+    def nested(index: object) -> dict[str, object]:
+        queried.append(index)
+        return _nested_stats(1024, 4096)
+
+    def flattening(*args: object) -> int:
+        raise AssertionError("the flattening statistics call was used")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", nested, raising=False)
+    for name in ("memory_stats", "memory_allocated", "memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, flattening)
+    runtime = TorchCudaRuntime()
+    assert runtime.memory_sample(torch.device("cuda", 1)) == (1024, 4096)
+    assert queried == [1]
+    assert runtime.memory_allocated(CUDA0) == 1024
+    assert runtime.memory_reserved(CUDA0) == 4096
+
+
+def test_torch_allocator_sample_before_cuda_initialises(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch reports zero before CUDA is initialised; sampling does not initialise it.
+    def initialising(*args: object) -> object:
+        raise AssertionError("sampling queried (and so initialised) CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", initialising, raising=False)
+    assert TorchCudaRuntime().memory_sample(CUDA0) == (0, 0)
+
+
+def test_torch_allocator_sample_without_the_nested_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.delattr(torch._C, "_cuda_memoryStats", raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 7)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 512)
+    assert TorchCudaRuntime().memory_sample(CUDA0) == (7, 512)
 
 
 # --------------------------------------------------------------------------------------------
@@ -914,6 +967,7 @@ def test_fail_next_every_seam_method(sim: SimulatedRuntime) -> None:
         "synchronize_event": lambda: sim.synchronize_event(event),
         "memory_allocated": lambda: sim.memory_allocated(CUDA0),
         "memory_reserved": lambda: sim.memory_reserved(CUDA0),
+        "memory_sample": lambda: sim.memory_sample(CUDA0),
     }
     for name, call in calls.items():
         sim.fail_next(name, ArithmeticError)

@@ -454,10 +454,11 @@ def _location_entries(
         allocated = allocator_reserved = None
         if code >= CUDA_BASE:
             try:
-                allocated = runtime.memory_allocated(location.device)
-                allocator_reserved = runtime.memory_reserved(location.device)
+                sample = runtime.memory_sample(location.device)
             except Exception:
-                allocated = allocator_reserved = None
+                sample = None
+            if sample is not None:
+                allocated, allocator_reserved = sample
         entries.append(
             _new_location_snapshot(
                 location,

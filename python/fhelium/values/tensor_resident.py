@@ -101,10 +101,21 @@ class TensorResident(abc.ABC):
 
     @property
     def is_pinned(self) -> bool:
-        """True only for a CPU value whose every tensor is in page-locked memory."""
+        """True only for a CPU value whose tensors with storage are all in page-locked
+        memory (and that has at least one such tensor).
+
+        A tensor without storage bytes has no memory to pin: torch's pinned allocator
+        returns no storage for zero bytes, so it reports such a tensor as not pinned.
+        It neither makes nor breaks the value's pinning.
+        """
         if self.device.type != "cpu":
             return False
-        return all(tensor.is_pinned() for tensor in self._resident_tensors)
+        pinning = [
+            tensor.is_pinned()
+            for tensor in self._resident_tensors
+            if tensor.untyped_storage().nbytes() > 0
+        ]
+        return bool(pinning) and all(pinning)
 
     def to(
         self, device: torch.device | str | int, *, non_blocking: bool = False, copy: bool = False
@@ -144,8 +155,11 @@ def _pinned_clone(tensor: torch.Tensor) -> torch.Tensor:
         )
     except RuntimeError as exc:
         raise RuntimeError(_PINNED_UNAVAILABLE) from exc
-    # A build without a pinned allocator may silently hand back pageable memory.
-    if pinned.device.type != "cpu" or not pinned.is_pinned():
+    # A build without a pinned allocator may silently hand back pageable memory. Zero
+    # bytes get no storage at all, so an empty tensor cannot report pinned memory.
+    if pinned.device.type != "cpu" or (
+        not pinned.is_pinned() and pinned.untyped_storage().nbytes() > 0
+    ):
         raise RuntimeError(_PINNED_UNAVAILABLE)
     pinned.copy_(tensor, non_blocking=False)
     pinned.requires_grad_(tensor.requires_grad)
@@ -166,9 +180,12 @@ def _storage_keys(value: TensorResident) -> frozenset[tuple[torch.device, int]]:
 
 
 def _cpu_pinning_is_uniform(value: TensorResident) -> bool:
-    """False only for a host value that mixes pinned and pageable tensors."""
+    """False only for a host value that mixes pinned and pageable tensors (tensors
+    without storage bytes are neither)."""
     pinning = {
-        tensor.is_pinned() for tensor in value._resident_tensors if tensor.device.type == "cpu"
+        tensor.is_pinned()
+        for tensor in value._resident_tensors
+        if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() > 0
     }
     return len(pinning) <= 1
 

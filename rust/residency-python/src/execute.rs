@@ -906,13 +906,21 @@ fn sample<'py>(
     device: &Bound<'py, PyAny>,
 ) -> PyResult<Option<Sample<'py>>> {
     let runtime = context.runtime.bind(py);
+    // One call reads both figures (the runtime's `memory_sample`); `None` reads as
+    // no reading, like a failure.
     let figures = runtime
-        .call_method1(intern!(py, "memory_allocated"), (device,))
-        .and_then(|allocated| {
-            let reserved = runtime.call_method1(intern!(py, "memory_reserved"), (device,))?;
+        .call_method1(intern!(py, "memory_sample"), (device,))
+        .and_then(|figures| {
+            if figures.is_none() {
+                let none = py.None().into_bound(py);
+                return Ok(Sample {
+                    allocated: none.clone(),
+                    reserved: none,
+                });
+            }
             Ok(Sample {
-                allocated,
-                reserved,
+                allocated: figures.get_item(0)?,
+                reserved: figures.get_item(1)?,
             })
         });
     match figures {
@@ -1270,7 +1278,12 @@ pub(crate) fn check_measured(
         Location::PinnedHost => (-1, Some(true)),
         Location::Cuda(device) => (i64::from(device), Some(false)),
     };
-    if (facts.device_code, facts.pinned) == expected {
+    // A host value without storage bytes has no memory to pin: it is in place at
+    // either host location (docs/concepts/locations-and-budgets.md#pinned-host).
+    let storage_free_host = facts.device_code == -1
+        && facts.storage == 0
+        && matches!(at, Location::PageableHost | Location::PinnedHost);
+    if (facts.device_code, facts.pinned) == expected || storage_free_host {
         Ok(())
     } else {
         check_placement(context, py, facts, at, value)

@@ -84,14 +84,18 @@ pub fn measure<'py>(
                 Some(_) => {}
                 None => storages.push((pointer, size)),
             }
-        }
-        if on_host && pinning_possible {
-            let pinned = tensor.call_method0(intern!(py, "is_pinned"))?.is_truthy()?;
-            all_pinned &= pinned;
-            any_pinned |= pinned;
+            // Only memory can be pinned: a tensor without storage bytes is neither
+            // pinned nor pageable (docs/concepts/locations-and-budgets.md#pinned-host).
+            if on_host && pinning_possible {
+                let pinned = tensor.call_method0(intern!(py, "is_pinned"))?.is_truthy()?;
+                all_pinned &= pinned;
+                any_pinned |= pinned;
+            }
         }
     }
-    let all_pinned = all_pinned && pinning_possible;
+    // A host value without storage bytes reads as pageable; `execute::check_measured`
+    // accepts it at either host location.
+    let all_pinned = all_pinned && pinning_possible && !storages.is_empty();
     let pinned = (all_pinned || !any_pinned).then_some(all_pinned);
     let storage = storages
         .iter()

@@ -279,7 +279,9 @@ class SimulatedRuntime:
             size = storage.nbytes()
             if size and sizes.setdefault(storage.data_ptr(), size) != size:
                 _ = value.storage_nbytes  # raises the documented RuntimeError
-            if on_host:
+            if on_host and size:
+                # Only memory can be pinned: an empty tensor is neither pinned nor
+                # pageable, and an all-empty host value reads as pageable.
                 pinning.add(self._tensor_facts(tensor)[1])
         pinned: bool | None = (True in pinning) if len(pinning) <= 1 else None
         return ValueFacts(
@@ -295,14 +297,19 @@ class SimulatedRuntime:
         # Like TensorResident.is_pinned: the device check comes first and raises the same way.
         if self._value_device(value).type != "cpu":
             return False
-        return all(self._tensor_facts(tensor)[1] for tensor in value._resident_tensors)
+        pinning = [
+            self._tensor_facts(tensor)[1]
+            for tensor in value._resident_tensors
+            if tensor.untyped_storage().nbytes() > 0
+        ]
+        return bool(pinning) and all(pinning)
 
     def pinning_is_uniform(self, value: TensorResident) -> bool:
         self._enter("pinning_is_uniform")
         pinning = set()
         for tensor in value._resident_tensors:
             device, pinned = self._tensor_facts(tensor)
-            if device.type == "cpu":
+            if device.type == "cpu" and tensor.untyped_storage().nbytes() > 0:
                 pinning.add(pinned)
         return len(pinning) <= 1
 
@@ -399,13 +406,26 @@ class SimulatedRuntime:
     # --- observations ---------------------------------------------------------------
     def memory_allocated(self, device: torch.device) -> int | None:
         self._enter("memory_allocated")
+        return self._allocated(device)
+
+    def memory_reserved(self, device: torch.device) -> int | None:
+        self._enter("memory_reserved")
+        return self._reserved(device)
+
+    def memory_sample(self, device: torch.device) -> tuple[int, int] | None:
+        self._enter("memory_sample")
+        allocated, reserved = self._allocated(device), self._reserved(device)
+        if allocated is None or reserved is None:
+            return None
+        return allocated, reserved
+
+    def _allocated(self, device: torch.device) -> int | None:
         index = self._device_index(device)
         if index is None:
             return None
         return sum(entry.nbytes for entry in self._live_entries(self._devices[index]))
 
-    def memory_reserved(self, device: torch.device) -> int | None:
-        self._enter("memory_reserved")
+    def _reserved(self, device: torch.device) -> int | None:
         index = self._device_index(device)
         if index is None:
             return None
@@ -431,6 +451,15 @@ class SimulatedRuntime:
         """
         tensors = (value,) if isinstance(value, torch.Tensor) else value._resident_tensors
         facts = {self._tensor_facts(tensor) for tensor in tensors}
+        if len(facts) > 1:
+            # Empty tensors have no memory to pin: the others decide between the hosts.
+            with_storage = {
+                self._tensor_facts(tensor)
+                for tensor in tensors
+                if tensor.untyped_storage().nbytes() > 0
+            }
+            if len({device for device, _ in facts}) == 1 and len(with_storage) == 1:
+                facts = with_storage
         if not facts:
             raise RuntimeError(f"{type(value).__name__} has no tensor fields, so no placement")
         if len(facts) > 1:
@@ -527,6 +556,10 @@ class SimulatedRuntime:
         with self._lock:
             for tensor in tensors:
                 storage = tensor.untyped_storage()
+                if pinned and storage.nbytes() == 0:
+                    # As torch's pinned allocator: zero bytes get no pinned storage, so
+                    # an empty tensor stays a plain (pageable) CPU tensor.
+                    continue
                 self._registry[storage._cdata] = _Entry(storage, device, pinned)
             # Amortised sweep of dead entries, so a long test run does not grow the registry.
             if len(self._registry) >= self._sweep_at:

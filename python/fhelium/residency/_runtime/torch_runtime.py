@@ -144,22 +144,43 @@ class TorchCudaRuntime:
 
     # --- observations ---------------------------------------------------------------
     def memory_allocated(self, device: torch.device) -> int | None:
+        sample = self.memory_sample(device)
+        return None if sample is None else sample[0]
+
+    def memory_reserved(self, device: torch.device) -> int | None:
+        sample = self.memory_sample(device)
+        return None if sample is None else sample[1]
+
+    def memory_sample(self, device: torch.device) -> tuple[int, int] | None:
         # Sampling never fails a transition (docs/concepts/transitions.md#telemetry): any
-        # failure reads as "no reading".
+        # failure reads as "no reading". One query of the allocator's nested statistics
+        # gives both figures: `torch.cuda.memory_allocated` and `memory_reserved` each
+        # flatten and sort the whole statistics dictionary, which costs more than a
+        # small copy, and a transition samples twice.
         try:
             if device.type != "cuda" or not torch.cuda.is_available():
                 return None
-            return torch.cuda.memory_allocated(device)
+            if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                # What torch reports before CUDA is initialised, without initialising it.
+                return 0, 0
+            stats = _memory_stats(device.index)
+            if stats is None:
+                return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+            return (
+                int(stats["allocated_bytes"]["all"]["current"]),
+                int(stats["reserved_bytes"]["all"]["current"]),
+            )
         except Exception:
             return None
 
-    def memory_reserved(self, device: torch.device) -> int | None:
-        try:
-            if device.type != "cuda" or not torch.cuda.is_available():
-                return None
-            return torch.cuda.memory_reserved(device)
-        except Exception:
-            return None
+
+def _memory_stats(index: int | None) -> dict[str, Any] | None:
+    """The allocator's nested statistics for device ``index`` in one call, or None where
+    this torch has no such call (then the public per-figure functions are used)."""
+    nested = getattr(torch._C, "_cuda_memoryStats", None)
+    if nested is None:
+        return None
+    return nested(index)  # type: ignore[no-any-return]
 
 
 @functools.cache
