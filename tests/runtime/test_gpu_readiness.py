@@ -8,10 +8,19 @@ no storage for zero bytes, so an empty tensor never reports pinned memory.
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
-from fhelium.residency import PAGEABLE_HOST, PINNED_HOST, ReplicaMode, ResidencyManager
-from fhelium.residency._runtime import SimulatedRuntime, use_runtime
+from fhelium.residency import (
+    PAGEABLE_HOST,
+    PINNED_HOST,
+    ReplicaMode,
+    ResidencyManager,
+    cuda_location,
+)
+from fhelium.residency._runtime import SimulatedRuntime, torch_runtime, use_runtime
 from fhelium.values import ResidentTensor, TensorBundle
 from helpers.manager import CUDA0, assert_balanced, mat_locs
 
@@ -107,3 +116,101 @@ def test_native_measurement_ignores_empty_fields_for_pinning() -> None:
     empty_only = measure_tensors((torch.zeros(0), torch.zeros(0)), True)
     assert empty_only is not None
     assert empty_only[2] is False
+
+
+# --------------------------------------------------------------------------------------------
+# Default-stream handles of the CUDA stream protocol
+# (docs/concepts/lifetimes.md#consumer-streams): 0 and 1 name the legacy default stream,
+# 2 the per-thread one, always of the *current* device; cuda.core reports 1 for its
+# default stream.
+# --------------------------------------------------------------------------------------------
+
+
+class _LegacyDefaultStream:
+    """A foreign default stream that declares no device, as a bare protocol object."""
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, 1)
+
+
+class _Device:
+    def __init__(self, device_id: int) -> None:
+        self.device_id = device_id
+
+
+class _CudaCoreDefaultStream:
+    """cuda.core's shape: handle 1, and the device it belongs to."""
+
+    def __init__(self, device_id: int) -> None:
+        self.device = _Device(device_id)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, 1)
+
+
+def _pending_at(manager: ResidencyManager, location: object) -> int:
+    (entry,) = [e for e in manager.snapshot().locations if e.location == location]
+    return int(entry.pending_event_count)
+
+
+def test_a_lease_keeps_the_device_of_its_default_stream_handle() -> None:
+    # The consumer named "the default stream" while cuda:1 was current. The release
+    # runs on a thread whose current device is cuda:0, and must still record its
+    # event on cuda:1's default stream: recorded on cuda:0, protection would end
+    # when cuda:0's unrelated work does.
+    cuda1 = cuda_location("cuda:1")
+    runtime = SimulatedRuntime(2)
+    with use_runtime(runtime):
+        manager = ResidencyManager()
+    handle = manager.adopt(runtime.to_device(ResidentTensor(torch.arange(4.0)), "cuda:1"))
+    runtime.set_device(1)
+    lease = manager.acquire([handle], at=cuda1, consumer_stream=_LegacyDefaultStream())
+    releaser = threading.Thread(target=lease.release)
+    releaser.start()
+    releaser.join()
+    assert _pending_at(manager, cuda1) == 1
+    runtime.synchronize_device(torch.device("cuda", 0))
+    assert _pending_at(manager, cuda1) == 1, "the release event was recorded on cuda:0"
+    runtime.synchronize_device(torch.device("cuda", 1))
+    assert _pending_at(manager, cuda1) == 0
+    manager.close()
+
+
+def test_a_default_stream_handle_is_checked_against_the_current_device() -> None:
+    runtime = SimulatedRuntime(2)
+    with use_runtime(runtime):
+        manager = ResidencyManager()
+    handle = manager.adopt(runtime.to_device(ResidentTensor(torch.arange(4.0)), "cuda:1"))
+    cuda1 = cuda_location("cuda:1")
+    # cuda:0 is current: a bare default-stream handle is cuda:0's default stream.
+    with pytest.raises(ValueError, match="cuda:0"):
+        manager.acquire([handle], at=cuda1, consumer_stream=_LegacyDefaultStream())
+    # A stream object that declares its device is taken at its word.
+    with manager.acquire([handle], at=cuda1, consumer_stream=_CudaCoreDefaultStream(1)):
+        pass
+    manager.close()
+
+
+def test_torch_runtime_maps_default_stream_handles_to_torch_default_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch refuses ExternalStream(1); the runtime never builds one for 0, 1 or 2.
+    class _DefaultStream:
+        def __init__(self, device: torch.device) -> None:
+            self.device = device
+            self.device_index = device.index
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("torch refuses this stream id")
+
+    monkeypatch.setattr(torch_runtime, "_ExternalStream", refuse)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: _DefaultStream(device))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    runtime = torch_runtime.TorchCudaRuntime()
+    cuda1 = torch.device("cuda", 1)
+    bound = runtime.bind_stream(_LegacyDefaultStream(), cuda1)
+    assert isinstance(bound, _DefaultStream)
+    assert bound.device == cuda1
+    # Unbound, a bare handle is the current device's; a declared device wins.
+    assert runtime.stream_device(_LegacyDefaultStream()) == torch.device("cuda", 0)
+    assert runtime.stream_device(_CudaCoreDefaultStream(1)) == cuda1

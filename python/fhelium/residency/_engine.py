@@ -201,8 +201,9 @@ class Engine:
         docs/concepts/locations-and-budgets.md)."""
         return self.core.location_code(location)
 
-    def check_stream(self, stream: object, location: ResidencyLocation) -> None:
-        self.core.check_stream(stream, location)
+    def check_stream(self, stream: object, location: ResidencyLocation) -> object:
+        """Checks `stream` for `location`; returns the stream to keep for it there."""
+        return self.core.check_stream(stream, location)
 
     def handle_error(self, handle: ResidencyHandle[Any]) -> NoReturn:
         raise self.core.handle_error(handle)

@@ -184,9 +184,9 @@ class ResidencyLease(Lifetime):
         self._require_active()
         if self._location.kind != "cuda":
             raise ValueError(f"consumer streams apply to CUDA leases, not {self._location}")
-        self._engine.check_stream(stream, self._location)
-        if not any(known is stream for known in self._streams):
-            self._streams.append(stream)
+        bound = self._engine.check_stream(stream, self._location)
+        if not any(known is bound for known in self._streams):
+            self._streams.append(bound)
 
     def release(self, *, wait: bool = False) -> None:
         """End the borrow. CUDA: protection lasts until the consumer streams pass the

@@ -66,7 +66,7 @@ pub struct Context {
     new_drop: Py<RecordBuilder>,
     /// Streams already checked, with their location: a stream never changes device,
     /// so one checked again is not asked about twice. Bounded; the newest last.
-    checked_streams: Mutex<Vec<(Py<PyAny>, Location)>>,
+    checked_streams: Mutex<Vec<CheckedStream>>,
     /// CUDA location records already checked (records are immutable), and the shared
     /// record of each CUDA code; both bounded.
     checked_cuda: Mutex<Vec<(Py<PyAny>, Location)>>,
@@ -125,6 +125,9 @@ impl Actions {
         drop(forgotten);
     }
 }
+
+/// A stream checked for a location, and the stream the runtime binds it to there.
+type CheckedStream = (Py<PyAny>, Location, Py<PyAny>);
 
 /// How many checked streams, and CUDA location records, a manager remembers.
 const REMEMBERED: usize = 8;
@@ -342,19 +345,17 @@ impl Context {
     }
 
     /// A transfer or consumer stream must be a CUDA stream on the location's device.
-    pub(crate) fn check_stream(
+    pub(crate) fn check_stream<'py>(
         &self,
-        py: Python<'_>,
-        stream: &Bound<'_, PyAny>,
-        location: &Bound<'_, PyAny>,
+        py: Python<'py>,
+        stream: &Bound<'py, PyAny>,
+        location: &Bound<'py, PyAny>,
         at: Location,
-    ) -> PyResult<()> {
-        if remembered(&self.checked_streams, |(known, known_at)| {
-            (known.is(stream) && *known_at == at).then_some(())
-        })
-        .is_some()
-        {
-            return Ok(());
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(bound) = remembered(&self.checked_streams, |(known, known_at, bound)| {
+            (known.is(stream) && *known_at == at).then(|| bound.clone_ref(py))
+        }) {
+            return Ok(bound.into_bound(py));
         }
         let runtime = self.runtime.bind(py);
         if !runtime
@@ -372,16 +373,24 @@ impl Context {
                 location.str()?
             )));
         }
+        let location_device = location.getattr(intern!(py, "device"))?;
         let device = runtime.call_method1(intern!(py, "stream_device"), (stream,))?;
-        if device.ne(location.getattr(intern!(py, "device"))?)? {
+        if device.ne(&location_device)? {
             return Err(PyValueError::new_err(format!(
                 "stream is on {}, but the location is {}",
                 device.str()?,
                 location.str()?
             )));
         }
-        remember(&self.checked_streams, (stream.clone().unbind(), at));
-        Ok(())
+        // The stream as the manager keeps it: a default-stream handle, which names the
+        // current device's default stream, is fixed to this location's device here
+        // (docs/concepts/lifetimes.md#consumer-streams).
+        let bound = runtime.call_method1(intern!(py, "bind_stream"), (stream, &location_device))?;
+        remember(
+            &self.checked_streams,
+            (stream.clone().unbind(), at, bound.clone().unbind()),
+        );
+        Ok(bound)
     }
 
     /// Forgets the action records kept for direct calls (see `Actions`).

@@ -347,13 +347,13 @@ pub fn acquire(
             )));
         }
         reap(manager, py)?;
-        if let Some(stream) = consumer_stream {
-            context.check_stream(py, stream, at, location)?;
-        }
+        let consumer_stream = consumer_stream
+            .map(|stream| context.check_stream(py, stream, at, location))
+            .transpose()?;
         let indices = resolve_in_order(manager, py, handles, location)?;
         let core = manager.core();
         let token = lift(py, core.acquire(&indices, location))?;
-        let streams = match consumer_stream {
+        let streams = match &consumer_stream {
             Some(stream) => PyList::new(py, [stream])?,
             None => PyList::empty(py),
         };

@@ -685,13 +685,14 @@ impl CoreManager {
         Ok(self.context.location_code(py, location)?.code())
     }
 
-    /// Checks a stream for `location`.
-    fn check_stream(
+    /// Checks a stream for `location`, returning the stream the manager keeps for it
+    /// there (see `DeviceRuntime.bind_stream`).
+    fn check_stream<'py>(
         &self,
-        py: Python<'_>,
-        stream: &Bound<'_, PyAny>,
-        location: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+        py: Python<'py>,
+        stream: &Bound<'py, PyAny>,
+        location: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let at = self.context.location_code(py, location)?;
         self.context.check_stream(py, stream, location, at)
     }

@@ -41,6 +41,12 @@ _PINNED_UNAVAILABLE: Final = (
     "use pageable CPU storage"
 )
 
+# The CUDA stream protocol's special handles: 0 and 1 (CU_STREAM_LEGACY) name the legacy
+# default stream, 2 the per-thread default stream, both of the *current* device. Simulated
+# streams get handles above them.
+_DEFAULT_STREAM_HANDLES: Final = frozenset({0, 1, 2})
+_FIRST_STREAM_HANDLE: Final = 0x1000
+
 # The CUDA caching allocator rounds every block up to 512 bytes; reserved bytes do the same
 # so that reserved >= allocated holds the way it does on a real device.
 _BLOCK: Final = 512
@@ -61,13 +67,21 @@ class SimulatedStream:
     through the runtime, which is what `SimulatedRuntime.calls` observes.
     """
 
-    __slots__ = ("__weakref__", "_device", "_runtime")
+    __slots__ = ("__weakref__", "_device", "_handle", "_runtime")
 
     def __init__(self, runtime: SimulatedRuntime, device: torch.device | str | int) -> None:
         if not isinstance(runtime, SimulatedRuntime):
             raise TypeError(f"runtime must be a SimulatedRuntime, got {type(runtime).__name__}")
         self._runtime = runtime
         self._device = runtime._cuda_device(device)
+        self._handle = runtime._register_stream(self)
+
+    @property
+    def handle(self) -> int:
+        """The stream's simulated ``cudaStream_t``: what a foreign library wrapping this
+        stream reports through the CUDA stream protocol (never 0, 1 or 2, which name
+        default streams)."""
+        return self._handle
 
     @property
     def device(self) -> torch.device:
@@ -174,6 +188,13 @@ class SimulatedRuntime:
         self._sweep_at = 64
         self._pending: weakref.WeakSet[SimulatedEvent] = weakref.WeakSet()
         self._faults: dict[str, collections.deque[_Fault]] = {}
+        # Streams by simulated handle, for foreign objects that expose one through the
+        # CUDA stream protocol; and each thread's current device (0 until changed).
+        self._streams_by_handle: weakref.WeakValueDictionary[int, SimulatedStream] = (
+            weakref.WeakValueDictionary()
+        )
+        self._next_handle = _FIRST_STREAM_HANDLE
+        self._current = threading.local()
         self._default_streams = tuple(SimulatedStream(self, device) for device in self._devices)
         self.calls: collections.Counter[str] = collections.Counter()
         self.copies: list[SimulatedCopy] = []
@@ -351,8 +372,10 @@ class SimulatedRuntime:
         target = self._devices[index]
         if stream is None:
             stream = self._default_streams[index]
-        elif not isinstance(stream, SimulatedStream):
-            raise TypeError(f"expected a SimulatedStream, got {type(stream).__name__}")
+        else:
+            # A default-stream handle means the target device's default stream here,
+            # as the copy runs with the target device current.
+            stream = self._resolve_stream(stream, index)
         if stream.device != target:
             raise ValueError(f"stream {stream!r} is on {stream.device}, not on {target}")
         result = self._cuda_copy(value, target)
@@ -362,11 +385,15 @@ class SimulatedRuntime:
     # --- streams and events -------------------------------------------------------
     def is_stream(self, obj: object) -> bool:
         self._enter("is_stream")
-        return isinstance(obj, SimulatedStream)
+        return isinstance(obj, SimulatedStream) or hasattr(type(obj), "__cuda_stream__")
 
     def stream_device(self, stream: Any) -> torch.device:
         self._enter("stream_device")
-        return _check_stream(stream).device
+        return self._resolve_stream(stream, None).device
+
+    def bind_stream(self, stream: Any, device: torch.device) -> SimulatedStream:
+        self._enter("bind_stream")
+        return self._resolve_stream(stream, self._cuda_index(device))
 
     def current_stream(self, device: torch.device) -> SimulatedStream:
         self._enter("current_stream")
@@ -374,8 +401,8 @@ class SimulatedRuntime:
 
     def synchronize_stream(self, stream: Any) -> None:
         self._enter("synchronize_stream")
-        _check_stream(stream)
-        self._complete_where(lambda event: event.stream is stream)
+        resolved = self._resolve_stream(stream, None)
+        self._complete_where(lambda event: event.stream is resolved)
 
     def synchronize_device(self, device: torch.device) -> None:
         self._enter("synchronize_device")
@@ -386,7 +413,9 @@ class SimulatedRuntime:
         self._enter("record_event")
         # Built field by field: every CUDA lease release records one.
         event = object.__new__(SimulatedEvent)
-        event._stream = stream if type(stream) is SimulatedStream else _check_stream(stream)
+        event._stream = (
+            stream if type(stream) is SimulatedStream else self._resolve_stream(stream, None)
+        )
         event._completed = self._auto_complete
         if not self._auto_complete:
             with self._lock:
@@ -435,6 +464,15 @@ class SimulatedRuntime:
         )
 
     # --- test helpers (not counted, never fault-injected) ---------------------------
+    def current_device(self) -> int:
+        """The calling thread's current simulated CUDA device (0 until `set_device`)."""
+        return int(getattr(self._current, "index", 0))
+
+    def set_device(self, device: torch.device | str | int) -> None:
+        """Makes ``device`` the calling thread's current simulated CUDA device, as
+        ``torch.cuda.set_device`` does: default-stream handles then name its stream."""
+        self._current.index = self._cuda_index(device)
+
     def to_device(self, value: _V, device: torch.device | str | int) -> _V:
         """A copy of ``value`` in new storage on simulated CUDA ``device``."""
         return self._cuda_copy(value, self._cuda_device(device))
@@ -483,6 +521,46 @@ class SimulatedRuntime:
             return len(self._pending)
 
     # --- internals --------------------------------------------------------------------
+    def _register_stream(self, stream: SimulatedStream) -> int:
+        with self._lock:
+            handle = self._next_handle
+            self._next_handle += 1
+            self._streams_by_handle[handle] = stream
+        return handle
+
+    def _resolve_stream(self, stream: object, device_index: int | None) -> SimulatedStream:
+        """The simulated stream ``stream`` names: itself, or the stream behind a CUDA
+        stream protocol handle. A default-stream handle (0, 1, 2) names the default
+        stream of ``device_index`` when given, else of the object's declared device
+        (``device``/``device_id``, as cuda.core and CuPy expose), else of the calling
+        thread's current device, as with real CUDA."""
+        if type(stream) is SimulatedStream:
+            return stream
+        if not hasattr(type(stream), "__cuda_stream__"):
+            raise TypeError(
+                "expected a SimulatedStream or an object implementing __cuda_stream__, "
+                f"got {type(stream).__name__}"
+            )
+        protocol = stream.__cuda_stream__  # type: ignore[attr-defined]
+        version, handle = protocol() if callable(protocol) else protocol
+        if version != 0:
+            raise TypeError(f"unsupported CUDA stream protocol version {version}")
+        if handle in _DEFAULT_STREAM_HANDLES:
+            if device_index is None:
+                declared = getattr(stream, "device", None)
+                if declared is None:
+                    declared = getattr(stream, "device_id", None)
+                if declared is not None and not isinstance(declared, (int, str, torch.device)):
+                    declared = getattr(declared, "device_id", declared)  # cuda.core's Device
+                device_index = (
+                    self.current_device() if declared is None else self._cuda_index(declared)
+                )
+            return self._default_streams[device_index]
+        found = self._streams_by_handle.get(handle)
+        if found is None:
+            raise ValueError(f"{handle:#x} is not a stream of this simulated runtime")
+        return found
+
     def _cuda_index(self, device: torch.device | str | int) -> int:
         """The index of the simulated CUDA device named by ``device`` (else ``ValueError``)."""
         try:
@@ -600,12 +678,6 @@ def _strided_clone(tensor: torch.Tensor) -> torch.Tensor:
     clone.copy_(tensor, non_blocking=False)
     clone.requires_grad_(tensor.requires_grad)
     return clone
-
-
-def _check_stream(stream: object) -> SimulatedStream:
-    if not isinstance(stream, SimulatedStream):
-        raise TypeError(f"expected a SimulatedStream, got {type(stream).__name__}")
-    return stream
 
 
 def _check_event(event: object) -> SimulatedEvent:

@@ -96,7 +96,9 @@ class TorchCudaRuntime:
         Raises ``ValueError`` when the stream belongs to another device: enqueuing there
         would make the copy unordered with the work the caller synchronises on.
         """
-        cuda_stream = torch.cuda.current_stream(device) if stream is None else _as_stream(stream)
+        cuda_stream = (
+            torch.cuda.current_stream(device) if stream is None else _as_stream(stream, device)
+        )
         if cuda_stream.device_index != device.index:
             raise ValueError(f"stream {stream!r} is on {cuda_stream.device}, not on {device}")
         with _device_guard(device), _stream_guard(cuda_stream):
@@ -112,6 +114,9 @@ class TorchCudaRuntime:
         if isinstance(stream, _Stream):
             return stream.device
         return _protocol_stream_device(stream, _protocol_handle(stream))
+
+    def bind_stream(self, stream: Any, device: torch.device) -> torch.cuda.Stream:
+        return _as_stream(stream, device)
 
     def current_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.current_stream(device)
@@ -207,11 +212,21 @@ def _raise_like(value: TensorResident) -> NoReturn:
     raise AssertionError("measure() found an inconsistency the properties did not")
 
 
-def _as_stream(stream: object) -> torch.cuda.Stream:
-    """``stream`` itself when it is a torch stream, else a torch view of a protocol stream."""
+def _as_stream(stream: object, device: torch.device | None = None) -> torch.cuda.Stream:
+    """``stream`` itself when it is a torch stream, else a torch view of a protocol stream.
+
+    A default-stream handle (0 and 1, the legacy default stream; 2, the per-thread
+    default stream) becomes torch's default stream of ``device`` when given, else of
+    the device the handle names now: torch refuses to wrap these handles as an
+    ``ExternalStream``. The per-thread default stream is blocking with respect to the
+    legacy one, so work ordered on the legacy stream is ordered after it too.
+    """
     if isinstance(stream, _Stream):
         return stream
     handle = _protocol_handle(stream)
+    if handle in _DEFAULT_STREAM_HANDLES:
+        target = _protocol_stream_device(stream, handle) if device is None else device
+        return torch.cuda.default_stream(target)
     device = _protocol_stream_device(stream, handle)
     # ExternalStream only wraps the handle; it neither owns nor destroys the stream, so a
     # fresh wrapper per call is correct and costs no CUDA work.
@@ -250,7 +265,10 @@ def _protocol_stream_device(stream: object, handle: int) -> torch.device:
     cuda.core expose them) is the fallback for drivers older than ``cuStreamGetDevice``.
     """
     if handle in _DEFAULT_STREAM_HANDLES:
-        return torch.device("cuda", torch.cuda.current_device())
+        # "The default stream of the current device", unless the object says which
+        # device it belongs to (cuda.core's default stream reports handle 1).
+        declared = _declared_device_index(stream)
+        return torch.device("cuda", torch.cuda.current_device() if declared is None else declared)
     index = _driver_stream_device(handle)
     if index is None:
         index = _declared_device_index(stream)
