@@ -214,3 +214,60 @@ def test_torch_runtime_maps_default_stream_handles_to_torch_default_streams(
     # Unbound, a bare handle is the current device's; a declared device wins.
     assert runtime.stream_device(_LegacyDefaultStream()) == torch.device("cuda", 0)
     assert runtime.stream_device(_CudaCoreDefaultStream(1)) == cuda1
+
+
+# --------------------------------------------------------------------------------------------
+# Producer ordering (docs/concepts/values.md#cuda-values): a CUDA source is complete on its
+# device's current stream; a copy on another stream waits for that stream first.
+# --------------------------------------------------------------------------------------------
+
+
+class _FakeStream:
+    def __init__(self, name: str, index: int) -> None:
+        self.name = name
+        self.device_index = index
+        self.device = torch.device("cuda", index)
+        self.waited: list[_FakeStream] = []
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.waited.append(other)
+
+
+class _CudaValue:
+    """Stands for a TensorResident on a CUDA device (only what the copy reads)."""
+
+    def __init__(self, index: int) -> None:
+        self.device = torch.device("cuda", index)
+
+    def to(self, device: torch.device, *, copy: bool, non_blocking: bool) -> _CudaValue:
+        return _CudaValue(device.index or 0)
+
+
+@pytest.mark.parametrize("same_stream", [True, False])
+def test_a_copy_on_another_stream_waits_for_the_source_devices_current_stream(
+    monkeypatch: pytest.MonkeyPatch, same_stream: bool
+) -> None:
+    import contextlib
+
+    current = {0: _FakeStream("current:0", 0), 1: _FakeStream("current:1", 1)}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[device.index])
+    monkeypatch.setattr(torch_runtime, "_Stream", _FakeStream)
+    monkeypatch.setattr(torch_runtime, "_device_guard", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch_runtime, "_stream_guard", lambda stream: contextlib.nullcontext())
+    runtime = torch_runtime.TorchCudaRuntime()
+    transfer = current[1] if same_stream else _FakeStream("transfer:1", 1)
+    runtime.copy_to_cuda(
+        _CudaValue(0),  # type: ignore[arg-type]
+        torch.device("cuda", 1),
+        transfer,
+        non_blocking=True,
+    )
+    assert transfer.waited == [current[0]]
+    # A copy within one device on its current stream needs no wait.
+    runtime.copy_to_cuda(
+        _CudaValue(1),  # type: ignore[arg-type]
+        torch.device("cuda", 1),
+        current[1],
+        non_blocking=True,
+    )
+    assert current[1].waited == ([current[0]] if same_stream else [])

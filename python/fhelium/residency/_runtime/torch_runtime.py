@@ -95,12 +95,22 @@ class TorchCudaRuntime:
 
         Raises ``ValueError`` when the stream belongs to another device: enqueuing there
         would make the copy unordered with the work the caller synchronises on.
+
+        A CUDA source is complete on its device's current stream (the rule for every
+        value the manager is given, docs/concepts/values.md#cuda-values); a copy on any
+        other stream first waits for that stream, as torch requires of a tensor used
+        on a stream other than the one that produced it.
         """
         cuda_stream = (
             torch.cuda.current_stream(device) if stream is None else _as_stream(stream, device)
         )
         if cuda_stream.device_index != device.index:
             raise ValueError(f"stream {stream!r} is on {cuda_stream.device}, not on {device}")
+        source = value.device
+        if source.type == "cuda":
+            producer = torch.cuda.current_stream(source)
+            if producer != cuda_stream:
+                cuda_stream.wait_stream(producer)
         with _device_guard(device), _stream_guard(cuda_stream):
             return value.to(device, copy=True, non_blocking=non_blocking)
 
