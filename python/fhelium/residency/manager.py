@@ -26,9 +26,6 @@ from fhelium.residency.model import (
 )
 from fhelium.residency.plan import (
     DiscardValue,
-    DropResident,
-    EnsureResident,
-    MoveResident,
     ResidencyAction,
     ResidencyPlan,
 )
@@ -125,9 +122,8 @@ class ResidencyManager:
         self, handle: ResidencyHandle[Any], at: ResidencyLocation, *, stream: Any = None
     ) -> ResidencyTransitionReport:
         """Install the value at `at`, keeping existing replicas (no-op if resident)."""
-        if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
-            return self._core.ensure(handle, at, stream)  # type: ignore[no-any-return]
-        return self._engine.transition(EnsureResident(handle, at), stream)
+        # One call: the core builds the action record (checking argument classes).
+        return self._core.ensure(handle, at, stream)  # type: ignore[no-any-return]
 
     def copy(
         self, handle: ResidencyHandle[Any], to: ResidencyLocation, *, stream: Any = None
@@ -144,23 +140,13 @@ class ResidencyManager:
         stream: Any = None,
     ) -> ResidencyTransitionReport:
         """Install at `to`, then remove the selected source materialisation."""
-        if (
-            type(handle) is ResidencyHandle
-            and type(to) is ResidencyLocation
-            and (from_location is None or type(from_location) is ResidencyLocation)
-        ):
-            return self._core.move_to(  # type: ignore[no-any-return]
-                handle, to, from_location, stream
-            )
-        return self._engine.transition(MoveResident(handle, to, from_location), stream)
+        return self._core.move_to(handle, to, from_location, stream)  # type: ignore[no-any-return]
 
     def drop(
         self, handle: ResidencyHandle[Any], at: ResidencyLocation
     ) -> ResidencyTransitionReport:
         """Remove one unprotected materialisation, keeping the managed value."""
-        if type(handle) is ResidencyHandle and type(at) is ResidencyLocation:
-            return self._core.drop(handle, at)  # type: ignore[no-any-return]
-        return self._engine.transition(DropResident(handle, at), None)
+        return self._core.drop(handle, at)  # type: ignore[no-any-return]
 
     def discard(self, handle: ResidencyHandle[Any]) -> ResidencyTransitionReport:
         """End the managed value: remove every materialisation and its source."""

@@ -491,11 +491,24 @@ pub fn run_direct(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let context = manager.context();
-    let (builder, code) = match kind {
-        DirectKind::Ensure => (&context.new_ensure, 0),
-        DirectKind::Move => (&context.new_move, 1),
-        DirectKind::Drop => (&context.new_drop, 2),
+    let (builder, code, class) = match kind {
+        DirectKind::Ensure => (&context.new_ensure, 0, &context.ensure),
+        DirectKind::Move => (&context.new_move, 1, &context.move_),
+        DirectKind::Drop => (&context.new_drop, 2, &context.drop),
     };
+    // Arguments of other classes (subclasses, or not records at all) go through the
+    // action class's own constructor, which checks them.
+    let location_class = context.pageable.bind(py).get_type();
+    let exact = fields
+        .first()
+        .is_some_and(|handle| handle.get_type().is(&context.handle_class))
+        && fields.iter().skip(1).enumerate().all(|(position, field)| {
+            field.get_type().is(&location_class) || (position == 1 && field.is_none())
+        });
+    if !exact {
+        let action = class.bind(py).call1(PyTuple::new(py, fields)?)?;
+        return run(manager, py, &action, stream);
+    }
     let address = |position: usize| {
         fields
             .get(position)
