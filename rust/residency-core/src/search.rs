@@ -413,6 +413,66 @@ impl SearchPolicy for TieredLru {
     }
 }
 
+/// Schedule-aware eviction: for a known future sequence of requests, the candidate
+/// whose value is used farthest ahead goes first, and a value never used again before
+/// all others (Belady's MIN rule, which moves the fewest values for equal sizes).
+///
+/// Priorities and fallback tiers are the tiered LRU's: a lower priority is evicted
+/// first whatever the schedule says, and values whose next uses tie (never used
+/// again, or both first used at the same step) fall back to the tiered LRU's order
+/// (docs/concepts/controller.md#schedule-aware-eviction).
+#[derive(Debug, Clone, Default)]
+pub struct ScheduleAware {
+    /// Priorities, access epochs, stable keys and tiers, exactly as the tiered LRU.
+    pub lru: TieredLru,
+    /// The step at which each value position is next requested; a position absent
+    /// here is never requested again.
+    pub next_use: FastMap<usize, u64>,
+}
+
+impl ScheduleAware {
+    /// Next uses from a schedule of steps (each the value positions it requests),
+    /// standing at step `cursor`: the steps before it are done.
+    pub fn next_uses(schedule: &[Vec<usize>], cursor: usize) -> FastMap<usize, u64> {
+        let mut next_use = FastMap::default();
+        for (step, positions) in schedule.iter().enumerate().skip(cursor) {
+            let step = u64::try_from(step).unwrap_or(u64::MAX);
+            for &position in positions {
+                next_use.entry(position).or_insert(step);
+            }
+        }
+        next_use
+    }
+
+    /// The schedule key: never used again first, then the farthest next use.
+    fn distance(&self, position: usize) -> std::cmp::Reverse<u64> {
+        std::cmp::Reverse(self.next_use.get(&position).copied().unwrap_or(u64::MAX))
+    }
+
+    /// The eviction order between two value positions: priority, then the schedule,
+    /// then the tiered LRU's remaining keys and registration order.
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        let (left_priority, ..) = self.lru.keys(left);
+        let (right_priority, ..) = self.lru.keys(right);
+        left_priority
+            .cmp(right_priority)
+            .then_with(|| self.distance(left).cmp(&self.distance(right)))
+            .then_with(|| self.lru.compare(left, right))
+    }
+}
+
+impl SearchPolicy for ScheduleAware {
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
+        let mut order: Vec<usize> = (0..candidates.len()).collect();
+        order.sort_by(|&a, &b| self.compare(candidates[a].value, candidates[b].value));
+        Ok(order)
+    }
+
+    fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
+        self.lru.fallback_locations(location)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 struct Books {
     location: Location,

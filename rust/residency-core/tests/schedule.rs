@@ -1,0 +1,212 @@
+//! Schedule-aware eviction: its order on hand-built candidates, and, used as the
+//! victim choice of a cache of equal-size values, exactly the fewest misses any
+//! eviction choices could give (computed here by exhaustive search, independently of
+//! the farthest-next-use rule).
+
+#![allow(clippy::panic)] // Test assertions.
+
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+use residency_core::search::{Candidate, ScheduleAware, SearchPolicy, TieredLru};
+use residency_core::{FastMap, Location};
+
+fn candidates(values: &[usize]) -> Vec<Candidate> {
+    values
+        .iter()
+        .map(|&value| Candidate {
+            value,
+            location: Location::PageableHost,
+            charged: 1,
+        })
+        .collect()
+}
+
+fn policy(schedule: &[Vec<usize>], cursor: usize) -> ScheduleAware {
+    ScheduleAware {
+        lru: TieredLru::default(),
+        next_use: ScheduleAware::next_uses(schedule, cursor),
+    }
+}
+
+/// The evicted values, first evicted first.
+fn evicted_first(policy: &mut ScheduleAware, values: &[usize]) -> Vec<usize> {
+    let order = policy.order(&candidates(values)).expect("a native order");
+    order.into_iter().map(|index| values[index]).collect()
+}
+
+#[test]
+fn never_used_again_goes_first_then_the_farthest_next_use() {
+    // Steps: 0 uses {0}, 1 uses {1}, 2 uses {2, 0}; value 3 is never used again.
+    let schedule = vec![vec![0], vec![1], vec![2, 0]];
+    let mut at_start = policy(&schedule, 0);
+    assert_eq!(
+        evicted_first(&mut at_start, &[0, 1, 2, 3]),
+        vec![3, 2, 1, 0]
+    );
+    // Past step 0, value 0's next use is step 2, tied with value 2: registration
+    // order breaks the tie.
+    let mut after_first = policy(&schedule, 1);
+    assert_eq!(
+        evicted_first(&mut after_first, &[0, 1, 2, 3]),
+        vec![3, 0, 2, 1]
+    );
+    // Past the schedule, nothing is used again: the tiered LRU's order.
+    let mut past_end = policy(&schedule, 3);
+    assert_eq!(
+        evicted_first(&mut past_end, &[2, 0, 3, 1]),
+        vec![0, 1, 2, 3]
+    );
+}
+
+#[test]
+fn priority_dominates_the_schedule() {
+    let schedule = vec![vec![0], vec![1]];
+    let mut keys = FastMap::default();
+    // Value 0 is needed next, but has the lowest priority: it goes first.
+    keys.insert(0, (-5, -1, None));
+    let mut policy = ScheduleAware {
+        lru: TieredLru {
+            keys,
+            tiers: std::collections::BTreeMap::default(),
+        },
+        next_use: ScheduleAware::next_uses(&schedule, 0),
+    };
+    assert_eq!(evicted_first(&mut policy, &[1, 0, 2]), vec![0, 2, 1]);
+}
+
+#[test]
+fn fallback_tiers_are_the_tiered_lrus() {
+    let mut tiers = std::collections::BTreeMap::new();
+    tiers.insert(
+        Location::Cuda(0),
+        vec![Location::PinnedHost, Location::PageableHost],
+    );
+    let mut policy = ScheduleAware {
+        lru: TieredLru {
+            keys: FastMap::default(),
+            tiers,
+        },
+        next_use: FastMap::default(),
+    };
+    assert_eq!(
+        policy.fallback_locations(Location::Cuda(0)).expect("tiers"),
+        vec![Location::PinnedHost, Location::PageableHost]
+    );
+    assert!(
+        policy
+            .fallback_locations(Location::PinnedHost)
+            .expect("tiers")
+            .is_empty()
+    );
+}
+
+/// Misses of a cache of `capacity` equal-size values serving `requests`, evicting the
+/// first candidate of the schedule-aware order (the requests are the schedule, one
+/// value per step).
+fn policy_misses(requests: &[usize], capacity: usize) -> usize {
+    let schedule: Vec<Vec<usize>> = requests.iter().map(|&value| vec![value]).collect();
+    let mut cached: Vec<usize> = Vec::new();
+    let mut misses = 0;
+    for (step, &value) in requests.iter().enumerate() {
+        if cached.contains(&value) {
+            continue;
+        }
+        misses += 1;
+        if cached.len() == capacity {
+            let mut policy = policy(&schedule, step);
+            let victim = evicted_first(&mut policy, &cached)[0];
+            cached.retain(|&kept| kept != victim);
+        }
+        cached.push(value);
+    }
+    misses
+}
+
+/// The fewest misses any eviction choices give, by exhaustive search over them.
+fn fewest_misses(requests: &[usize], capacity: usize) -> usize {
+    fn search(
+        requests: &[usize],
+        capacity: usize,
+        step: usize,
+        cached: u32,
+        memo: &mut HashMap<(usize, u32), usize>,
+    ) -> usize {
+        let Some(&value) = requests.get(step) else {
+            return 0;
+        };
+        if let Some(&known) = memo.get(&(step, cached)) {
+            return known;
+        }
+        let bit = 1u32 << value;
+        let best = if cached & bit != 0 {
+            search(requests, capacity, step + 1, cached, memo)
+        } else if (cached.count_ones() as usize) < capacity {
+            1 + search(requests, capacity, step + 1, cached | bit, memo)
+        } else {
+            (0..32)
+                .filter(|victim| cached & (1 << victim) != 0)
+                .map(|victim| {
+                    1 + search(
+                        requests,
+                        capacity,
+                        step + 1,
+                        (cached & !(1 << victim)) | bit,
+                        memo,
+                    )
+                })
+                .min()
+                .unwrap_or(usize::MAX)
+        };
+        memo.insert((step, cached), best);
+        best
+    }
+    search(requests, capacity, 0, 0, &mut HashMap::new())
+}
+
+proptest! {
+    #[test]
+    fn schedule_aware_misses_are_the_fewest_possible_on_random_schedules(
+        requests in prop::collection::vec(0usize..6, 0..24),
+        capacity in 1usize..5,
+    ) {
+        prop_assert_eq!(policy_misses(&requests, capacity), fewest_misses(&requests, capacity));
+    }
+
+    #[test]
+    fn schedule_aware_misses_are_the_fewest_possible_on_cyclic_schedules(
+        cycle in 2usize..7,
+        passes in 1usize..5,
+        capacity in 1usize..6,
+    ) {
+        let requests: Vec<usize> = (0..passes).flat_map(|_| 0..cycle).collect();
+        let misses = policy_misses(&requests, capacity);
+        prop_assert_eq!(misses, fewest_misses(&requests, capacity));
+        // The cyclic order is LRU's worst case: once the cycle outgrows the cache, LRU
+        // misses every request, while MIN keeps values across passes.
+        if cycle > capacity {
+            prop_assert_eq!(lru_misses(&requests, capacity), requests.len());
+            if passes > 1 && capacity > 1 {
+                prop_assert!(misses < requests.len());
+            }
+        }
+    }
+}
+
+/// Misses of the same cache evicting the least recently used value.
+fn lru_misses(requests: &[usize], capacity: usize) -> usize {
+    let mut cached: Vec<usize> = Vec::new(); // least recently used first
+    let mut misses = 0;
+    for &value in requests {
+        if let Some(position) = cached.iter().position(|&kept| kept == value) {
+            cached.remove(position);
+        } else {
+            misses += 1;
+            if cached.len() == capacity {
+                cached.remove(0);
+            }
+        }
+        cached.push(value);
+    }
+    misses
+}
