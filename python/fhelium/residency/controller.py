@@ -627,6 +627,11 @@ class ResidencyController:
                 index = resolve(handle)
                 if index is not None:
                     self._native_epochs[index] = self._epoch
+        # A policy that follows a schedule is told what was used, outside the lock
+        # (docs/concepts/controller.md#schedule-aware-eviction).
+        observe = getattr(self._policy, "observe", None)
+        if callable(observe):
+            observe(requirement.handle for requirement in request.requirements)
 
 
 def _normalize_streams(manager: ResidencyManager, streams: object, name: str) -> dict[Any, Any]:
