@@ -123,6 +123,7 @@ def decide_request(
     labels: list[str],
     native: _NativeConfig | None = None,
     python: tuple[Any, Any] | None = None,
+    schedule: dict[int, int] | None = None,
 ) -> _Decision: ...
 def measure_tensors(
     tensors: tuple[Any, ...], pinning_possible: bool = True, /

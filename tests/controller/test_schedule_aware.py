@@ -77,15 +77,31 @@ def _misses(requests: tuple[int, ...], capacity: int, policy_of: Any) -> int:
     for request in schedule:
         with controller.use(request):
             pass
+    trace = manager.trace()
     misses = sum(
         1
-        for report in manager.trace()
+        for report in trace
         if isinstance(report.action, EnsureResident)
         and report.action.location == PINNED_HOST
         and not report.no_op
     )
     manager.close()
+    _LAST_ACTIONS[:] = [
+        (type(report.action).__name__, handles.index(report.action.handle)) for report in trace
+    ]
     return misses
+
+
+# The actions of the last `_misses` run, as (class name, value number): what two runs
+# with the same decisions share.
+_LAST_ACTIONS: list[tuple[str, int]] = []
+
+
+class _ConsultedFromPython(ScheduleAwarePolicy):
+    """A subclass: the controller consults it through `order_candidates`, not the
+    core's native implementation of the same order."""
+
+    __slots__ = ()
 
 
 @settings(max_examples=40, deadline=None)
@@ -161,3 +177,17 @@ def test_arguments_and_identity() -> None:
     same.advance()
     assert same.config_identity == policy.config_identity  # the position is not config
     assert ScheduleAwarePolicy([[b], [a]]).config_identity != policy.config_identity
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    requests=st.lists(st.integers(0, 6), max_size=20).map(tuple),
+    capacity=st.integers(1, 4),
+)
+def test_the_native_order_decides_as_the_policy_object_does(
+    requests: tuple[int, ...], capacity: int
+) -> None:
+    native = _misses(requests, capacity, ScheduleAwarePolicy)
+    native_actions = list(_LAST_ACTIONS)
+    consulted = _misses(requests, capacity, _ConsultedFromPython)
+    assert (native, native_actions) == (consulted, _LAST_ACTIONS)

@@ -41,6 +41,7 @@ from fhelium.residency.policy import (
     ResidencyPolicyMetadata,
 )
 from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
+from fhelium.residency.schedule import ScheduleAwarePolicy
 from fhelium.residency.snapshot import ResidencyPlanExplanation, ResidencyPlanReport
 from fhelium.values.tensor_resident import TensorResident
 
@@ -505,7 +506,22 @@ class ResidencyController:
             [repr(reservation.label) for reservation in request.reservations],
         )
         policy = self._policy
+        tiered: DeterministicTieredLRU | None = None
+        schedule: dict[int, int] | None = None
         if type(policy) is DeterministicTieredLRU:
+            tiered = policy
+        elif type(policy) is ScheduleAwarePolicy:
+            tiered = policy._tiered
+            # The same order, natively: each scheduled value's next use by handle
+            # index (docs/concepts/controller.md#schedule-aware-eviction).
+            resolve = core.resolve
+            schedule = {}
+            for handle in policy._uses:
+                step = policy.next_use(handle)
+                index = None if step is None else resolve(handle)
+                if step is not None and index is not None:
+                    schedule[index] = step
+        if tiered is not None:
             native = (
                 self._native_metadata,
                 self._native_epochs,
@@ -514,11 +530,18 @@ class ResidencyController:
                         _lowering.location_code(source),
                         [_lowering.location_code(target) for target in targets],
                     )
-                    for source, targets in policy._tiers
+                    for source, targets in tiered._tiers
                 ],
             )
             return decide_request(
-                core, name, rows, reservations, self._limit, *simulated, native=native
+                core,
+                name,
+                rows,
+                reservations,
+                self._limit,
+                *simulated,
+                native=native,
+                schedule=schedule,
             )
         return decide_request(
             core,

@@ -9,11 +9,12 @@ use std::sync::Arc;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use residency_core::search::{
-    Candidate, GlobalOrder, Requirement, Search, SearchError, SearchOutcome, SearchPolicy,
-    SearchValues, TieredLru,
+    Candidate, GlobalOrder, Requirement, ScheduleAware, Search, SearchError, SearchOutcome,
+    SearchPolicy, SearchValues, TieredLru,
 };
 use residency_core::{
-    Action, ActionKind, CudaDevices, FastMap, HandleId, Location, Reservation, SlotResolution,
+    Action, ActionKind, CudaDevices, FastMap, HandleId, Location, Reservation, SearchInputs,
+    SlotResolution,
 };
 
 use crate::errors::to_py_err;
@@ -90,24 +91,24 @@ impl SearchPolicy for PythonPolicy<'_> {
     }
 }
 
-/// The native policy, with Ctrl-C still honoured during long searches.
-struct NativePolicy<'py> {
+/// A native policy, with Ctrl-C still honoured during long searches.
+struct NativePolicy<'py, P> {
     py: Python<'py>,
-    lru: TieredLru,
+    policy: P,
     error: Option<PyErr>,
 }
 
-impl SearchPolicy for NativePolicy<'_> {
+impl<P: SearchPolicy> SearchPolicy for NativePolicy<'_, P> {
     fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
-        self.lru.order(candidates)
+        self.policy.order(candidates)
     }
 
     fn fallback_locations(&mut self, at: Location) -> Result<Vec<Location>, SearchError> {
-        self.lru.fallback_locations(at)
+        self.policy.fallback_locations(at)
     }
 
     fn global_order(&mut self, values: &SearchValues) -> Option<GlobalOrder> {
-        self.lru.global_order(values)
+        self.policy.global_order(values)
     }
 
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
@@ -116,6 +117,26 @@ impl SearchPolicy for NativePolicy<'_> {
             SearchError::Interrupted
         })
     }
+}
+
+/// Runs the search with `policy`; returns its result and the first Python error the
+/// policy met.
+fn search_with<P: SearchPolicy>(
+    inputs: &SearchInputs,
+    required: &[Requirement],
+    searched: &[(Location, u64)],
+    limit: u64,
+    policy: &mut P,
+) -> Result<SearchOutcome, SearchError> {
+    let search = Search::new(
+        &inputs.values,
+        &inputs.budgets,
+        required,
+        searched,
+        policy,
+        limit,
+    );
+    search.run(&inputs.books)
 }
 
 /// `(kind, plan handle slot, location code, from code or -1)`.
@@ -143,7 +164,7 @@ type Decision = (
 #[pyfunction]
 #[pyo3(signature = (
     manager, request_name, requirements, reservations, limit, cuda_count, completed_leases,
-    labels, native=None, python=None
+    labels, native=None, python=None, schedule=None
 ))]
 #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)] // pyo3 extracts owned values.
 pub fn decide_request<'py>(
@@ -158,6 +179,7 @@ pub fn decide_request<'py>(
     labels: Vec<String>,
     native: Option<NativeConfig>,
     python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    schedule: Option<HashMap<u32, u64>>,
 ) -> PyResult<Decision> {
     let core = manager.core();
     let inputs = core.search_inputs();
@@ -189,21 +211,31 @@ pub fn decide_request<'py>(
         .collect();
     let (result, error) = if let Some(config) = native {
         let lru = tiered_lru(config)?;
-        let mut policy = NativePolicy {
-            py,
-            lru,
-            error: None,
-        };
-        let search = Search::new(
-            &inputs.values,
-            &inputs.budgets,
-            &required,
-            &searched,
-            &mut policy,
-            limit,
-        );
-        let result = search.run(&inputs.books);
-        (result, policy.error)
+        if let Some(next_use) = schedule {
+            // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction).
+            let policy = ScheduleAware {
+                lru,
+                next_use: next_use
+                    .into_iter()
+                    .map(|(handle, step)| (handle as usize, step))
+                    .collect(),
+            };
+            let mut native = NativePolicy {
+                py,
+                policy,
+                error: None,
+            };
+            let result = search_with(&inputs, &required, &searched, limit, &mut native);
+            (result, native.error)
+        } else {
+            let mut native = NativePolicy {
+                py,
+                policy: lru,
+                error: None,
+            };
+            let result = search_with(&inputs, &required, &searched, limit, &mut native);
+            (result, native.error)
+        }
     } else if let Some((order, fallbacks)) = python {
         let mut policy = PythonPolicy {
             py,
@@ -211,15 +243,7 @@ pub fn decide_request<'py>(
             fallbacks,
             error: None,
         };
-        let search = Search::new(
-            &inputs.values,
-            &inputs.budgets,
-            &required,
-            &searched,
-            &mut policy,
-            limit,
-        );
-        let result = search.run(&inputs.books);
+        let result = search_with(&inputs, &required, &searched, limit, &mut policy);
         (result, policy.error)
     } else {
         return Err(PyValueError::new_err("decide needs a policy"));
