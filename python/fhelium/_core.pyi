@@ -16,6 +16,7 @@ __all__ = [
     "PlanIR",
     "PlanRun",
     "RecordBuilder",
+    "ScheduleIndex",
     "SimulationView",
     "StateView",
     "decide_request",
@@ -78,6 +79,14 @@ class LeaseState:
 class PlanIR:
     """A plan lowered into the Rust core: immutable, validated, shareable."""
 
+@final
+class ScheduleIndex:
+    """A schedule's steps as handle indices of one manager."""
+
+    @property
+    def discards(self) -> int: ...
+    def __len__(self) -> int: ...
+
 def lower_plan(
     name: str,
     handles: list[tuple[str, str, int]],
@@ -123,7 +132,7 @@ def decide_request(
     labels: list[str],
     native: _NativeConfig | None = None,
     python: tuple[Any, Any] | None = None,
-    schedule: dict[int, int] | None = None,
+    schedule: tuple[ScheduleIndex, int] | None = None,
 ) -> _Decision: ...
 def measure_tensors(
     tensors: tuple[Any, ...], pinning_possible: bool = True, /
@@ -173,6 +182,8 @@ class CoreManager:
     def location_code(self, location: Any) -> int: ...
     def check_stream(self, stream: Any, location: Any) -> Any: ...
     def handle_error(self, handle: Any) -> BaseException: ...
+    def schedule_index(self, steps: list[list[Any]]) -> ScheduleIndex: ...
+    def discard_count(self) -> int: ...
     # Plans, each in one call: gate, checks, preflight and phases (see PlanRun).
     def execute_plan(
         self,

@@ -191,3 +191,31 @@ def test_the_native_order_decides_as_the_policy_object_does(
     native_actions = list(_LAST_ACTIONS)
     consulted = _misses(requests, capacity, _ConsultedFromPython)
     assert (native, native_actions) == (consulted, _LAST_ACTIONS)
+
+
+@pytest.mark.parametrize("policy_class", [ScheduleAwarePolicy, _ConsultedFromPython])
+def test_decisions_follow_the_schedule_across_a_discard(policy_class: Any) -> None:
+    # The native path resolves the schedule's handles once; a discard makes it resolve
+    # them again, and the discarded value drops out of the schedule.
+    with use_runtime(SimulatedRuntime(0)):
+        manager = ResidencyManager({PINNED_HOST: 2 * CHARGE})
+    a, b, c, gone = (manager.register_source(SPEC, _Source()) for _ in range(4))
+
+    def request(handle: Any) -> ResidencyRequest:
+        return ResidencyRequest("step", [ResidencyRequirement(handle, PINNED_HOST)])
+
+    policy = policy_class([[a], [b], [c], [a], [gone], [b]])
+    controller = ResidencyController(manager, policy=policy)
+    for handle in (a, b):
+        with controller.use(request(handle)):
+            pass
+    assert policy.position == 2
+    first = controller.decide(request(c))
+    # a is next needed at step 3, b at step 5: b goes.
+    assert [e.action.handle for e in first.evictions] == [b]
+    manager.discard(gone)
+    again = controller.decide(request(c))
+    assert [e.action.handle for e in again.evictions] == [b]
+    policy.seek(5)  # only b is needed again: a goes
+    assert [e.action.handle for e in controller.decide(request(c)).evictions] == [a]
+    manager.close()

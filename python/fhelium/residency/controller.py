@@ -335,6 +335,7 @@ class ResidencyController:
         "_native_epochs",
         "_native_metadata",
         "_policy",
+        "_schedule_cache",
     )
 
     def __init__(
@@ -368,6 +369,8 @@ class ResidencyController:
         self._native_metadata: dict[int, tuple[int, str | None]] = {}
         self._native_epochs: dict[int, int] = {}
         self._epoch = 0
+        # The schedule-aware policy's steps as handle indices (see `_schedule_index`).
+        self._schedule_cache: tuple[ScheduleAwarePolicy, Any] | None = None
         self._lock = threading.RLock()
 
     @property
@@ -507,20 +510,15 @@ class ResidencyController:
         )
         policy = self._policy
         tiered: DeterministicTieredLRU | None = None
-        schedule: dict[int, int] | None = None
+        schedule: tuple[Any, int] | None = None
         if type(policy) is DeterministicTieredLRU:
             tiered = policy
         elif type(policy) is ScheduleAwarePolicy:
             tiered = policy._tiered
-            # The same order, natively: each scheduled value's next use by handle
-            # index (docs/concepts/controller.md#schedule-aware-eviction).
-            resolve = core.resolve
-            schedule = {}
-            for handle in policy._uses:
-                step = policy.next_use(handle)
-                index = None if step is None else resolve(handle)
-                if step is not None and index is not None:
-                    schedule[index] = step
+            # The same order, natively: the schedule as handle indices, resolved once
+            # per policy until a value is discarded, and the policy's position
+            # (docs/concepts/controller.md#schedule-aware-eviction).
+            schedule = (self._schedule_index(policy), policy.position)
         if tiered is not None:
             native = (
                 self._native_metadata,
@@ -552,6 +550,19 @@ class ResidencyController:
             *simulated,
             python=(self._order, self._fallbacks),
         )
+
+    def _schedule_index(self, policy: ScheduleAwarePolicy) -> Any:
+        core = self._engine.core
+        cached = self._schedule_cache
+        if (
+            cached is not None
+            and cached[0] is policy
+            and cached[1].discards == core.discard_count()
+        ):
+            return cached[1]
+        index = core.schedule_index([list(step) for step in policy.schedule])
+        self._schedule_cache = (policy, index)
+        return index
 
     def _order(self, rows: list[tuple[int, int, int]]) -> list[int]:
         """A Python policy's ordering, as positions into `rows`

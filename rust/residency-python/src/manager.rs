@@ -697,6 +697,33 @@ impl CoreManager {
         self.context.check_stream(py, stream, location, at)
     }
 
+    /// A schedule's steps (lists of handles) as live handle indices of this manager;
+    /// handles that do not resolve are left out (see `search::ScheduleIndex`).
+    #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
+    fn schedule_index(
+        &self,
+        py: Python<'_>,
+        steps: Vec<Vec<Bound<'_, PyAny>>>,
+    ) -> PyResult<crate::search::ScheduleIndex> {
+        let discards = self.core.discards();
+        let mut resolved = Vec::with_capacity(steps.len());
+        for step in &steps {
+            let mut indices = Vec::with_capacity(step.len());
+            for handle in step {
+                if let Some(index) = self.resolve_live(py, handle)? {
+                    indices.push(index as usize);
+                }
+            }
+            resolved.push(indices);
+        }
+        Ok(crate::search::ScheduleIndex::new(resolved, discards))
+    }
+
+    /// How many values this manager has discarded (a schedule index's validity).
+    fn discard_count(&self) -> u64 {
+        self.core.discards()
+    }
+
     /// The precise error for a handle that does not resolve.
     #[pyo3(name = "handle_error")]
     fn handle_error_py(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<PyErr> {

@@ -139,6 +139,36 @@ fn search_with<P: SearchPolicy>(
     search.run(&inputs.books)
 }
 
+/// A schedule's steps as handle indices of one manager, resolved once
+/// (`CoreManager.schedule_index`) and valid until the manager next discards a value:
+/// each decide computes next uses from it natively
+/// (docs/concepts/controller.md#schedule-aware-eviction).
+#[pyclass(frozen, module = "fhelium._core", name = "ScheduleIndex")]
+#[derive(Debug)]
+pub struct ScheduleIndex {
+    steps: Vec<Vec<usize>>,
+    discards: u64,
+}
+
+impl ScheduleIndex {
+    pub fn new(steps: Vec<Vec<usize>>, discards: u64) -> Self {
+        Self { steps, discards }
+    }
+}
+
+#[pymethods]
+impl ScheduleIndex {
+    /// The manager's discard count the handles were resolved at.
+    #[getter]
+    fn discards(&self) -> u64 {
+        self.discards
+    }
+
+    fn __len__(&self) -> usize {
+        self.steps.len()
+    }
+}
+
 /// `(kind, plan handle slot, location code, from code or -1)`.
 type Row = (PyActionKind, u32, u32, i64);
 type EvictionRow = (usize, usize, u32, u64, String);
@@ -179,7 +209,7 @@ pub fn decide_request<'py>(
     labels: Vec<String>,
     native: Option<NativeConfig>,
     python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-    schedule: Option<HashMap<u32, u64>>,
+    schedule: Option<(PyRef<'py, ScheduleIndex>, usize)>,
 ) -> PyResult<Decision> {
     let core = manager.core();
     let inputs = core.search_inputs();
@@ -210,32 +240,10 @@ pub fn decide_request<'py>(
         .map(|reservation| (reservation.location, reservation.nbytes))
         .collect();
     let (result, error) = if let Some(config) = native {
-        let lru = tiered_lru(config)?;
-        if let Some(next_use) = schedule {
-            // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction).
-            let policy = ScheduleAware {
-                lru,
-                next_use: next_use
-                    .into_iter()
-                    .map(|(handle, step)| (handle as usize, step))
-                    .collect(),
-            };
-            let mut native = NativePolicy {
-                py,
-                policy,
-                error: None,
-            };
-            let result = search_with(&inputs, &required, &searched, limit, &mut native);
-            (result, native.error)
-        } else {
-            let mut native = NativePolicy {
-                py,
-                policy: lru,
-                error: None,
-            };
-            let result = search_with(&inputs, &required, &searched, limit, &mut native);
-            (result, native.error)
-        }
+        let discards = core.discards();
+        native_search(
+            py, config, schedule, discards, &inputs, &required, &searched, limit,
+        )?
     } else if let Some((order, fallbacks)) = python {
         let mut policy = PythonPolicy {
             py,
@@ -281,6 +289,47 @@ pub fn decide_request<'py>(
         outcome.explored,
         inputs.version,
     ))
+}
+
+/// The search with a native policy: the tiered LRU, or the schedule-aware policy when
+/// a schedule index and position are given; the first Python error comes back too.
+#[allow(clippy::too_many_arguments)]
+fn native_search(
+    py: Python<'_>,
+    config: NativeConfig,
+    schedule: Option<(PyRef<'_, ScheduleIndex>, usize)>,
+    discards: u64,
+    inputs: &SearchInputs,
+    required: &[Requirement],
+    searched: &[(Location, u64)],
+    limit: u64,
+) -> PyResult<(Result<SearchOutcome, SearchError>, Option<PyErr>)> {
+    let lru = tiered_lru(config)?;
+    let Some((index, position)) = schedule else {
+        let mut native = NativePolicy {
+            py,
+            policy: lru,
+            error: None,
+        };
+        let result = search_with(inputs, required, searched, limit, &mut native);
+        return Ok((result, native.error));
+    };
+    if index.discards != discards {
+        return Err(PyValueError::new_err(
+            "the schedule index is stale: a value was discarded since it was built",
+        ));
+    }
+    // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction).
+    let mut native = NativePolicy {
+        py,
+        policy: ScheduleAware {
+            lru,
+            next_use: ScheduleAware::next_uses(&index.steps, position),
+        },
+        error: None,
+    };
+    let result = search_with(inputs, required, searched, limit, &mut native);
+    Ok((result, native.error))
 }
 
 /// The built-in policy from its configuration. Only values with metadata or an access
