@@ -461,6 +461,18 @@ impl ScheduleAware {
     }
 }
 
+impl ScheduleAware {
+    /// How a position compares with one that has plain keys and no next use: those
+    /// tie but for their registration, and form the middle run of the global order.
+    fn compare_with_plain(&self, position: usize) -> std::cmp::Ordering {
+        let keys = self.lru.keys(position);
+        keys.0
+            .cmp(&PLAIN_KEYS.0)
+            .then_with(|| self.distance(position).cmp(&std::cmp::Reverse(u64::MAX)))
+            .then_with(|| TieredLru::compare_keys(keys, &PLAIN_KEYS))
+    }
+}
+
 impl SearchPolicy for ScheduleAware {
     fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
         let mut order: Vec<usize> = (0..candidates.len()).collect();
@@ -468,8 +480,71 @@ impl SearchPolicy for ScheduleAware {
         Ok(order)
     }
 
+    fn global_order(&mut self, values: &SearchValues) -> Option<GlobalOrder> {
+        // Only positions with keys or a next use can differ from the plain middle run.
+        let mut keyed: Vec<usize> = self
+            .lru
+            .keys
+            .keys()
+            .chain(self.next_use.keys())
+            .copied()
+            .filter(|&position| position < values.len())
+            .collect();
+        keyed.sort_unstable();
+        keyed.dedup();
+        let (mut first, mut last): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
+        for position in keyed {
+            match self.compare_with_plain(position) {
+                std::cmp::Ordering::Less => first.push(position),
+                std::cmp::Ordering::Greater => last.push(position),
+                std::cmp::Ordering::Equal => {}
+            }
+        }
+        self.sort(&mut first);
+        self.sort(&mut last);
+        Some(GlobalOrder::new(first, last, values.len()))
+    }
+
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
         self.lru.fallback_locations(location)
+    }
+}
+
+impl ScheduleAware {
+    /// Sorts positions by `compare`, reading each position's keys once: the same
+    /// order as `compare` (priority, next use, epoch, keyed first, key text,
+    /// registration), as one tuple per position.
+    fn sort(&self, positions: &mut Vec<usize>) {
+        let mut keyed: Vec<_> = positions
+            .iter()
+            .map(|&position| {
+                let (priority, epoch, key) = self.lru.keys(position);
+                (
+                    *priority,
+                    self.distance(position),
+                    *epoch,
+                    key.is_none(),
+                    key.clone(),
+                    position,
+                )
+            })
+            .collect();
+        keyed.sort_unstable_by(|left, right| {
+            left.0
+                .cmp(&right.0)
+                .then(left.1.cmp(&right.1))
+                .then(left.2.cmp(&right.2))
+                .then(left.3.cmp(&right.3))
+                .then_with(|| {
+                    left.4
+                        .as_deref()
+                        .unwrap_or("")
+                        .cmp(right.4.as_deref().unwrap_or(""))
+                })
+                .then(left.5.cmp(&right.5))
+        });
+        positions.clear();
+        positions.extend(keyed.into_iter().map(|entry| entry.5));
     }
 }
 
