@@ -444,39 +444,35 @@ impl ScheduleAware {
         next_use
     }
 
-    /// The schedule key: never used again first, then the farthest next use.
-    fn distance(&self, position: usize) -> std::cmp::Reverse<u64> {
-        std::cmp::Reverse(self.next_use.get(&position).copied().unwrap_or(u64::MAX))
+    /// A position's eviction key, smallest first: priority, then the schedule (never
+    /// used again first, then the farthest next use), then the tiered LRU's epoch,
+    /// keyed-first, key text and registration order.
+    fn key(&self, position: usize) -> ScheduleKey<'_> {
+        let (priority, epoch, key) = self.lru.keys(position);
+        let next = self.next_use.get(&position).copied().unwrap_or(u64::MAX);
+        (
+            *priority,
+            std::cmp::Reverse(next),
+            *epoch,
+            key.is_none(),
+            key.as_deref().unwrap_or(""),
+            position,
+        )
     }
 
-    /// The eviction order between two value positions: priority, then the schedule,
-    /// then the tiered LRU's remaining keys and registration order.
-    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
-        let (left_priority, ..) = self.lru.keys(left);
-        let (right_priority, ..) = self.lru.keys(right);
-        left_priority
-            .cmp(right_priority)
-            .then_with(|| self.distance(left).cmp(&self.distance(right)))
-            .then_with(|| self.lru.compare(left, right))
+    /// Sorts value positions by their keys, each read once.
+    fn sort(&self, positions: &mut [usize]) {
+        positions.sort_by_cached_key(|&position| self.key(position));
     }
 }
 
-impl ScheduleAware {
-    /// How a position compares with one that has plain keys and no next use: those
-    /// tie but for their registration, and form the middle run of the global order.
-    fn compare_with_plain(&self, position: usize) -> std::cmp::Ordering {
-        let keys = self.lru.keys(position);
-        keys.0
-            .cmp(&PLAIN_KEYS.0)
-            .then_with(|| self.distance(position).cmp(&std::cmp::Reverse(u64::MAX)))
-            .then_with(|| TieredLru::compare_keys(keys, &PLAIN_KEYS))
-    }
-}
+/// `ScheduleAware::key`'s tuple.
+type ScheduleKey<'a> = (i64, std::cmp::Reverse<u64>, i64, bool, &'a str, usize);
 
 impl SearchPolicy for ScheduleAware {
     fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
         let mut order: Vec<usize> = (0..candidates.len()).collect();
-        order.sort_by(|&a, &b| self.compare(candidates[a].value, candidates[b].value));
+        order.sort_by_cached_key(|&index| self.key(candidates[index].value));
         Ok(order)
     }
 
@@ -492,9 +488,19 @@ impl SearchPolicy for ScheduleAware {
             .collect();
         keyed.sort_unstable();
         keyed.dedup();
+        // A value with plain keys and no next use: those tie but for their registration
+        // and form the middle run.
+        let plain = (
+            PLAIN_KEYS.0,
+            std::cmp::Reverse(u64::MAX),
+            PLAIN_KEYS.1,
+            true,
+            "",
+        );
         let (mut first, mut last): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
         for position in keyed {
-            match self.compare_with_plain(position) {
+            let (priority, next, epoch, unkeyed, text, _) = self.key(position);
+            match (priority, next, epoch, unkeyed, text).cmp(&plain) {
                 std::cmp::Ordering::Less => first.push(position),
                 std::cmp::Ordering::Greater => last.push(position),
                 std::cmp::Ordering::Equal => {}
@@ -507,44 +513,6 @@ impl SearchPolicy for ScheduleAware {
 
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
         self.lru.fallback_locations(location)
-    }
-}
-
-impl ScheduleAware {
-    /// Sorts positions by `compare`, reading each position's keys once: the same
-    /// order as `compare` (priority, next use, epoch, keyed first, key text,
-    /// registration), as one tuple per position.
-    fn sort(&self, positions: &mut Vec<usize>) {
-        let mut keyed: Vec<_> = positions
-            .iter()
-            .map(|&position| {
-                let (priority, epoch, key) = self.lru.keys(position);
-                (
-                    *priority,
-                    self.distance(position),
-                    *epoch,
-                    key.is_none(),
-                    key.clone(),
-                    position,
-                )
-            })
-            .collect();
-        keyed.sort_unstable_by(|left, right| {
-            left.0
-                .cmp(&right.0)
-                .then(left.1.cmp(&right.1))
-                .then(left.2.cmp(&right.2))
-                .then(left.3.cmp(&right.3))
-                .then_with(|| {
-                    left.4
-                        .as_deref()
-                        .unwrap_or("")
-                        .cmp(right.4.as_deref().unwrap_or(""))
-                })
-                .then(left.5.cmp(&right.5))
-        });
-        positions.clear();
-        positions.extend(keyed.into_iter().map(|entry| entry.5));
     }
 }
 
