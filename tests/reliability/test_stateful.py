@@ -773,6 +773,74 @@ class ResidencyMachine(RuleBasedStateMachine):
             if req.location.device.type == "cuda":
                 v.pending[req.location] += 1
 
+    @rule(
+        steps=st.lists(
+            st.lists(st.tuples(indices, locations), min_size=1, max_size=2), min_size=1, max_size=4
+        ),
+        reservations=small_reservations,
+        prefetch=st.integers(min_value=0, max_value=2),
+        stop=st.integers(min_value=1, max_value=5),
+    )
+    def controller_pipeline(
+        self,
+        steps: list[list[tuple[int, Loc]]],
+        reservations: list[tuple[Loc, int]],
+        prefetch: int,
+        stop: int,
+    ) -> None:
+        """A pipeline over up to four requests, broken off after `stop` steps: each step
+        sees its values, budgets hold throughout, and afterwards nothing of it remains
+        but the materialisations it installed and its steps' pending lease events."""
+        requests = []
+        for position, picks in enumerate(steps):
+            request, failure = self._request(picks, reservations if position == 1 else [])
+            if failure is not None:
+                return  # refusals of single requests are use's rules
+            requests.append(request)
+        pipeline = self.controller.run(requests, prefetch=prefetch, consumer_streams=self.streams)
+        try:
+            with pipeline:
+                self._drive(pipeline, stop)
+        except (ResidencyPlanError, ResidencyBudgetError) as exc:
+            event(f"pipeline: {type(exc).__name__}")
+        else:
+            event(f"pipeline: ok (prefetch {prefetch})")
+        assert self.m._engine.core.transfer_count() == 0
+        self._resync()
+
+    def _drive(self, pipeline: Any, stop: int) -> None:
+        for count, step in enumerate(pipeline, start=1):
+            for requirement in step.request.requirements:
+                assert step.value(requirement.handle, at=requirement.location) is not None
+            snap = self.m.snapshot()
+            for entry in snap.locations:
+                if entry.budget_bytes is not None:
+                    assert entry.used_bytes + entry.reserved_bytes <= entry.budget_bytes, entry
+            if count % 2:
+                self.runtime.complete_events()
+            if count >= stop:
+                break
+
+    def _resync(self) -> None:
+        """Checks that only the machine's own protections and reservations remain, then
+        takes materialisations, charges and pending events from a snapshot."""
+        snap = self.m.snapshot()
+        assert sum(r.nbytes for r in snap.reservations) == sum(self.md.reserved.values())
+        used: Counter[Loc] = Counter()
+        for entry, v in zip(snap.values, self.md.values, strict=True):
+            mats = {m.location: m for m in entry.materializations}
+            if v.must_preserve and not v.discarded:
+                assert mats, f"MUST_PRESERVE value {v.handle.handle_id} lost its last copy"
+            for loc, mat in mats.items():
+                assert (mat.use_count, mat.hold_count) == (v.uses[loc], v.holds[loc]), (
+                    v.handle.handle_id,
+                    loc,
+                )
+                used[loc] += mat.charged_nbytes
+            v.mats = set(mats)
+            v.pending = Counter({loc: mat.pending_event_count for loc, mat in mats.items()})
+        self.md.used = used
+
     # --- invariants --------------------------------------------------------------------------
     @invariant()
     def check_state(self) -> None:

@@ -109,8 +109,12 @@ def execute_actions(
     name: str,
     transfer_streams: object,
     expected_state_version: object,
+    asynchronous: bool = False,
 ) -> ResidencyPlanReport:
-    """Checks the arguments, then runs the whole plan in one call into the core."""
+    """Checks the arguments, then runs the whole plan in one call into the core.
+
+    With ``asynchronous`` (a prefetch), the CUDA copies of ``ensure`` actions are left
+    in flight (docs/concepts/controller.md#prefetch)."""
     require_non_empty_str(name, "name")
     normalized = tuple(actions)
     if not _EXACT_ACTION_TYPES.issuperset(map(type, normalized)):
@@ -124,7 +128,13 @@ def execute_actions(
     started = _time_ns()
     try:
         engine.core.execute_plan(
-            run, lowered.ir, lowered.handles, normalized, transfer_streams, expected_state_version
+            run,
+            lowered.ir,
+            lowered.handles,
+            normalized,
+            transfer_streams,
+            expected_state_version,
+            asynchronous=asynchronous,
         )
     except Exception as error:
         raise _failure(name, run, started, error, normalized, ()) from error

@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from fhelium import _core
 from fhelium._core import ActionKind, decide_request
@@ -44,6 +44,9 @@ from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
 from fhelium.residency.schedule import ScheduleAwarePolicy
 from fhelium.residency.snapshot import ResidencyPlanExplanation, ResidencyPlanReport
 from fhelium.values.tensor_resident import TensorResident
+
+if TYPE_CHECKING:
+    from fhelium.residency.pipeline import ResidencyPipeline
 
 __all__ = ["ResidencyController", "ResidencyDecision", "ResidencyEviction", "ResidencyUse"]
 
@@ -425,6 +428,11 @@ class ResidencyController:
         """
         if not isinstance(request, ResidencyRequest):
             raise TypeError(f"request must be a ResidencyRequest, got {type(request).__name__}")
+        return self._decide(request, None)
+
+    def _decide(self, request: ResidencyRequest, position: int | None) -> ResidencyDecision:
+        """`decide`, with a schedule-aware policy standing at step ``position`` when one
+        is given (a prefetch decides for a later step)."""
         with self._lock:
             manager = self._manager
             engine = self._engine
@@ -438,7 +446,7 @@ class ResidencyController:
                 rows = self._requirement_rows(request)
                 # The search, the plan's core IR and its simulation (the explanation),
                 # in one core call; explain's rule for completed pending leases.
-                return self._search(request, rows, completed)
+                return self._search(request, rows, completed, position)
 
             state_version, found = core.decide(planned)
             (ir, simulation, slots, reclaim, enter, evictions, explored, _version) = found
@@ -487,6 +495,7 @@ class ResidencyController:
         request: ResidencyRequest,
         rows: list[tuple[int, int]],
         completed_leases: list[int],
+        position: int | None = None,
     ) -> _core._Decision:
         """The core's decided plan IR and its simulation; the core raises each search
         failure as its error."""
@@ -518,7 +527,10 @@ class ResidencyController:
             # The same order, natively: the schedule as handle indices, resolved once
             # per policy until a value is discarded, and the policy's position
             # (docs/concepts/controller.md#schedule-aware-eviction).
-            schedule = (self._schedule_index(policy), policy.position)
+            schedule = (
+                self._schedule_index(policy),
+                policy.position if position is None else position,
+            )
         if tiered is not None:
             native = (
                 self._native_metadata,
@@ -541,6 +553,23 @@ class ResidencyController:
                 native=native,
                 schedule=schedule,
             )
+        if position is not None and isinstance(policy, ScheduleAwarePolicy):
+            # A Python schedule-aware policy reads its own position: it stands at the
+            # step decided for, and back where it was afterwards.
+            standing = policy.position
+            policy.seek(min(position, len(policy.schedule)))
+            try:
+                return decide_request(
+                    core,
+                    name,
+                    rows,
+                    reservations,
+                    self._limit,
+                    *simulated,
+                    python=(self._order, self._fallbacks),
+                )
+            finally:
+                policy.seek(standing)
         return decide_request(
             core,
             name,
@@ -651,6 +680,30 @@ class ResidencyController:
             transfer_streams=transfer_streams,
         )
 
+    def run(
+        self,
+        requests: Iterable[ResidencyRequest],
+        *,
+        prefetch: int = 0,
+        consumer_streams: Mapping[ResidencyLocation, Any] | None = None,
+        transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
+    ) -> ResidencyPipeline:
+        """Uses ``requests`` in order, one step at a time, issuing the transfers of the
+        next ``prefetch`` steps while each step runs.
+
+        Each step is an entered `ResidencyUse`, active until the next step is requested.
+        See docs/concepts/controller.md#prefetch.
+        """
+        from fhelium.residency.pipeline import ResidencyPipeline
+
+        return ResidencyPipeline(
+            self,
+            requests,
+            prefetch=prefetch,
+            consumer_streams=consumer_streams,
+            transfer_streams=transfer_streams,
+        )
+
     def _record_access(self, request: ResidencyRequest) -> None:
         with self._lock:
             self._epoch += 1
@@ -723,6 +776,7 @@ class ResidencyUse:
         "_controller",
         "_decision",
         "_exited",
+        "_leases",
         "_scope",
         "_stack",
         "_state",
@@ -763,6 +817,7 @@ class ResidencyUse:
         self._scope: ResidencyScope | None = None
         self._stack: contextlib.ExitStack | None = None
         self._values: _UseValues | None = None
+        self._leases: list[ResidencyLease] = []
         self._exited = False
         self._state = "new"
 
@@ -815,6 +870,7 @@ class ResidencyUse:
                     consumer_stream=self._consumer_streams.get(location),
                 )
                 values = stack.enter_context(lease)
+                self._leases.append(lease)
                 for requirement in requirements:
                     borrowed[requirement] = values
             controller._record_access(self.request)

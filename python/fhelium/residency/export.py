@@ -2,8 +2,9 @@
 
 `trace_events` turns transition reports, plan reports and timed snapshots into the
 Chrome trace-event JSON object (load it in ``chrome://tracing`` or ui.perfetto.dev);
-`write_trace` writes it to a file. `plot_memory` draws per-location memory over time
-into a PNG; it needs matplotlib (the ``plot`` extra).
+`write_trace` writes it to a file. Given a simulated runtime's `Timeline`, the trace also
+shows its copy and compute spans in virtual time. `plot_memory` draws per-location memory
+over time into a PNG; it needs matplotlib (the ``plot`` extra).
 """
 
 import json
@@ -11,6 +12,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
+from fhelium.residency._runtime.simulated import Timeline, TimelineSpan
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
 from fhelium.residency.plan import DiscardValue, DropResident, EnsureResident, MoveResident
 from fhelium.residency.snapshot import (
@@ -31,6 +33,16 @@ _DISCARDS_TID: Final = 1001
 _PLANS_TRACK: Final = "plans"
 _DISCARDS_TRACK: Final = "discards"
 _MIB: Final = float(1 << 20)
+# The simulated device timeline: its own process, one track per device and engine.
+_TIMELINE_PID: Final = 2
+_TIMELINE_PROCESS: Final = "simulated device timeline (virtual time)"
+_TIMELINE_ENGINES: Final = ("h2d", "d2h", "d2d", "compute")
+_TIMELINE_TRACKS: Final = {
+    "h2d": "H2D copy",
+    "d2h": "D2H copy",
+    "d2d": "D2D copy",
+    "compute": "compute",
+}
 _PLOT_EXTRA_HINT: Final = (
     "plot_memory needs matplotlib, which is an optional dependency; install the plot extra: "
     "pip install 'fhelium-residency[plot]'"
@@ -130,9 +142,88 @@ def _transition_args(report: ResidencyTransitionReport, plan_name: str | None) -
     return args
 
 
+def _timeline_tid(span: TimelineSpan) -> int:
+    index = span.device.index
+    return (
+        1
+        + len(_TIMELINE_ENGINES) * (0 if index is None else index)
+        + (_TIMELINE_ENGINES.index(span.engine))
+    )
+
+
+def _virtual_us(seconds: float) -> float:
+    # Microseconds, rounded to the nanosecond so that float noise does not show.
+    return round(seconds * 1e6, 3)
+
+
+def _timeline_events(timeline: Timeline) -> tuple[list[_Event], list[_Event], dict[str, object]]:
+    """(metadata events, span events, trace metadata) for a timeline's spans."""
+    spans, now = timeline._snapshot()
+    tracks: dict[int, str] = {}
+    for span in spans:
+        first = _timeline_tid(span) - _TIMELINE_ENGINES.index(span.engine)
+        for offset, engine in enumerate(_TIMELINE_ENGINES):
+            tracks[first + offset] = f"{span.device} {_TIMELINE_TRACKS[engine]}"
+    events: list[_Event] = [
+        {
+            "name": span.label,
+            "cat": f"timeline,{span.engine}",
+            "ph": "X",
+            "ts": _virtual_us(span.start),
+            "dur": _virtual_us(span.end - span.start),
+            "pid": _TIMELINE_PID,
+            "tid": _timeline_tid(span),
+            "args": {"device": str(span.device), "engine": span.engine, "bytes": span.nbytes},
+        }
+        for span in spans
+    ]
+    # Stable sort: equal (ts, tid) spans keep their enqueue order.
+    events.sort(key=lambda event: (event["ts"], event["tid"]))
+    metadata: list[_Event] = [
+        {
+            "name": "process_name",
+            "ph": "M",
+            "ts": 0,
+            "pid": _TIMELINE_PID,
+            "tid": 0,
+            "args": {"name": _TIMELINE_PROCESS},
+        }
+    ]
+    for tid in sorted(tracks):
+        metadata.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "ts": 0,
+                "pid": _TIMELINE_PID,
+                "tid": tid,
+                "args": {"name": tracks[tid]},
+            }
+        )
+        metadata.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "ts": 0,
+                "pid": _TIMELINE_PID,
+                "tid": tid,
+                "args": {"sort_index": tid},
+            }
+        )
+    summary: dict[str, object] = {
+        "clock": "virtual seconds from 0",
+        "now_s": now,
+        "makespan_s": max([now, *(span.end for span in spans)]),
+        "tracks": {tracks[tid]: tid for tid in sorted(tracks)},
+    }
+    return metadata, events, summary
+
+
 def trace_events(
     transitions: Iterable[ResidencyTransitionReport | ResidencyPlanReport],
     samples: Iterable[tuple[int, ResidencySnapshot[Any]]] = (),
+    *,
+    timeline: Timeline | None = None,
 ) -> dict[str, object]:
     """The Chrome/Perfetto trace-event JSON object for reports and timed snapshots.
 
@@ -147,7 +238,16 @@ def trace_events(
 
     Times are microseconds relative to the earliest timestamp among the inputs. Events
     are sorted by ``ts``, then ``tid``; the result is deterministic for a given input.
+
+    With ``timeline`` (a simulated runtime's `Timeline`), its spans are added as complete
+    events of a second process (pid 2, ``"simulated device timeline (virtual time)"``),
+    with four tracks per device that has spans, named like ``"cuda:0 H2D copy"``,
+    ``"cuda:0 D2H copy"``, ``"cuda:0 D2D copy"`` and ``"cuda:0 compute"``. Their ``ts``
+    and ``dur`` are microseconds of virtual time from 0, unrelated to the wall-clock
+    times of the first process; the document's metadata gains a ``"timeline"`` entry.
     """
+    if timeline is not None and not isinstance(timeline, Timeline):
+        raise TypeError(f"timeline must be a Timeline or None, got {type(timeline).__name__}")
     flat: list[tuple[ResidencyTransitionReport, str | None]] = []
     plans: list[ResidencyPlanReport] = []
     for index, item in enumerate(transitions):
@@ -294,16 +394,25 @@ def trace_events(
                 "args": {"sort_index": tid},
             }
         )
+    document_metadata: dict[str, object] = {
+        "producer": "fhelium.residency.export",
+        "clock": "time.time_ns",
+        "origin_ns": origin,
+        "manager_ids": sorted(manager_ids),
+        "tracks": {tracks[tid]: tid for tid in sorted(tracks)},
+    }
+    if timeline is None:
+        return {
+            "traceEvents": [*metadata, *events],
+            "displayTimeUnit": "ms",
+            "metadata": document_metadata,
+        }
+    timeline_metadata, timeline_events, summary = _timeline_events(timeline)
+    document_metadata["timeline"] = summary
     return {
-        "traceEvents": [*metadata, *events],
+        "traceEvents": [*metadata, *timeline_metadata, *events, *timeline_events],
         "displayTimeUnit": "ms",
-        "metadata": {
-            "producer": "fhelium.residency.export",
-            "clock": "time.time_ns",
-            "origin_ns": origin,
-            "manager_ids": sorted(manager_ids),
-            "tracks": {tracks[tid]: tid for tid in sorted(tracks)},
-        },
+        "metadata": document_metadata,
     }
 
 
@@ -311,9 +420,12 @@ def write_trace(
     path: str | os.PathLike[str],
     transitions: Iterable[ResidencyTransitionReport | ResidencyPlanReport],
     samples: Iterable[tuple[int, ResidencySnapshot[Any]]] = (),
+    *,
+    timeline: Timeline | None = None,
 ) -> None:
-    """Write `trace_events(transitions, samples)` to ``path`` as compact UTF-8 JSON."""
-    document = trace_events(transitions, samples)
+    """Write `trace_events(transitions, samples, timeline=timeline)` to ``path`` as compact
+    UTF-8 JSON."""
+    document = trace_events(transitions, samples, timeline=timeline)
     text = json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     with open(path, "w", encoding="utf-8") as stream:
         stream.write(text)

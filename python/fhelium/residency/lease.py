@@ -186,6 +186,8 @@ class ResidencyLease(Lifetime):
             raise ValueError(f"consumer streams apply to CUDA leases, not {self._location}")
         bound = self._engine.check_stream(stream, self._location)
         if not any(known is bound for known in self._streams):
+            # A value a prefetch is still copying in is read after its copy.
+            self._engine.core.wait_transfers(self._handles, self._location, bound)
             self._streams.append(bound)
 
     def release(self, *, wait: bool = False) -> None:

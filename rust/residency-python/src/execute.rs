@@ -1048,9 +1048,94 @@ fn copy_in(
     exclusive_transition: bool,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
+    // A source still being written by a transfer in flight is waited for first.
+    wait_in_flight(manager, py, index, source)?;
     let value = manager.value_object(py, index, source)?;
-    let copied = copy_to(manager.context(), py, &value, source, at, stream)?;
-    install(manager, py, index, at, &copied, exclusive_transition)
+    // Only an ensure's copy may stay in flight: a move removes its source at once.
+    let asynchronous = !exclusive_transition && asynchronous_to(manager, at);
+    let (copied, event) = copy_to(
+        manager.context(),
+        py,
+        &value,
+        source,
+        at,
+        stream,
+        asynchronous,
+    )?;
+    let installed = install(manager, py, index, at, &copied, exclusive_transition);
+    in_flight(manager, py, index, Some(source), at, event, None, installed)
+}
+
+/// Whether a copy to `at` is left in flight: during a prefetch, to a CUDA location.
+fn asynchronous_to(manager: &CoreManager, at: Location) -> bool {
+    matches!(at, Location::Cuda(_)) && manager.asynchronous()
+}
+
+/// Host-waits for the transfers still in flight into `(index, at)` before a copy
+/// reads it on another stream.
+fn wait_in_flight(
+    manager: &CoreManager,
+    py: Python<'_>,
+    index: HandleId,
+    at: Location,
+) -> PyResult<()> {
+    let events = manager.objects().transfer_events(py, &[index], at.code());
+    if events.is_empty() {
+        return Ok(());
+    }
+    let runtime = manager.context().runtime(py);
+    for event in &events {
+        runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+    }
+    Ok(())
+}
+
+/// After an asynchronous copy into `(index, at)` was installed: the destination, and
+/// the source materialisation it reads, stay protected by the copy's event as a
+/// pending lease each, and consumers at `at` wait for it. A copy whose install
+/// failed is waited for before the error returns: it may still be writing.
+#[allow(clippy::too_many_arguments)]
+fn in_flight(
+    manager: &CoreManager,
+    py: Python<'_>,
+    index: HandleId,
+    source: Option<Location>,
+    at: Location,
+    event: Option<Bound<'_, PyAny>>,
+    keepalive: Option<&Bound<'_, PyAny>>,
+    installed: PyResult<()>,
+) -> PyResult<()> {
+    let Some(event) = event else {
+        return installed;
+    };
+    let core = manager.core();
+    let synchronize = |result: PyResult<()>| -> PyResult<()> {
+        let runtime = manager.context().runtime(py);
+        let waited = runtime.call_method1(intern!(py, "synchronize_event"), (&event,));
+        result.and(waited.map(drop))
+    };
+    if installed.is_err() {
+        return synchronize(installed);
+    }
+    let Ok(token) = core.acquire(&[index], at) else {
+        return synchronize(Ok(()));
+    };
+    core.lease_to_pending(token);
+    let objects = manager.objects();
+    objects.add_pending(token, vec![event.clone().unbind()]);
+    objects.add_transfer(
+        token,
+        index,
+        at.code(),
+        keepalive.map(|kept| kept.clone().unbind()),
+    );
+    if let Some(source) = source {
+        if let Ok(read) = core.acquire(&[index], source) {
+            core.lease_to_pending(read);
+            objects.add_pending(read, vec![event.unbind()]);
+        }
+    }
+    Ok(())
 }
 
 /// Runs the source's `load()` (the core has charged `source_location`), applies the
@@ -1082,6 +1167,7 @@ fn load_in(
 /// device's current stream without one) and waited for through an event; if it
 /// fails, the stream is synchronised before the error propagates, because the copy
 /// may still be reading its source (docs/concepts/transitions.md).
+/// With `asynchronous`, a CUDA copy is not waited for: its event comes back with it.
 fn copy_to<'py>(
     context: &Context,
     py: Python<'py>,
@@ -1089,11 +1175,18 @@ fn copy_to<'py>(
     source: Location,
     at: Location,
     stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
+    asynchronous: bool,
+) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     let runtime = context.runtime.bind(py);
     match at {
-        Location::PinnedHost => runtime.call_method1(intern!(py, "copy_to_pinned"), (value,)),
-        Location::PageableHost => runtime.call_method1(intern!(py, "copy_to_pageable"), (value,)),
+        Location::PinnedHost => Ok((
+            runtime.call_method1(intern!(py, "copy_to_pinned"), (value,))?,
+            None,
+        )),
+        Location::PageableHost => Ok((
+            runtime.call_method1(intern!(py, "copy_to_pageable"), (value,))?,
+            None,
+        )),
         Location::Cuda(_) => {
             let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
             let copy_stream = match stream {
@@ -1112,8 +1205,11 @@ fn copy_to<'py>(
                     Some(&options),
                 )?;
                 let event = runtime.call_method1(intern!(py, "record_event"), (&copy_stream,))?;
+                if asynchronous {
+                    return Ok((copied, Some(event)));
+                }
                 runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-                Ok(copied)
+                Ok((copied, None))
             })();
             let Err(error) = copied else {
                 return copied;
@@ -1171,8 +1267,18 @@ fn reconstruct_into(
         } else {
             validate(manager, py, index, source, loaded, true)?;
             lift(py, core.admit(index, at))?;
-            let copied = copy_to(manager.context(), py, loaded, source, at, stream)?;
-            install(manager, py, index, at, &copied, exclusive_transition)
+            let asynchronous = !exclusive_transition && asynchronous_to(manager, at);
+            let (copied, event) = copy_to(
+                manager.context(),
+                py,
+                loaded,
+                source,
+                at,
+                stream,
+                asynchronous,
+            )?;
+            let installed = install(manager, py, index, at, &copied, exclusive_transition);
+            in_flight(manager, py, index, None, at, event, Some(loaded), installed)
         }
     })();
     if charged {

@@ -353,6 +353,14 @@ pub fn acquire(
         let indices = resolve_in_order(manager, py, handles, location)?;
         let core = manager.core();
         let token = lift(py, core.acquire(&indices, location))?;
+        if let Some(stream) = &consumer_stream {
+            // A value a prefetch is still copying in is read after its copy: the
+            // consumer stream waits for the transfer's event on the device.
+            if let Err(error) = wait_for_transfers(manager, py, &indices, location, stream) {
+                core.release_lease(token);
+                return Err(error);
+            }
+        }
         let streams = match &consumer_stream {
             Some(stream) => PyList::new(py, [stream])?,
             None => PyList::empty(py),
@@ -373,6 +381,103 @@ pub fn acquire(
         handed_out(lease, || {
             core.release_lease(token);
         })
+    })
+}
+
+/// Makes `stream` wait on the device for every transfer still in flight into
+/// `indices` at `location` (docs/concepts/controller.md#prefetch). The caller holds
+/// the gate and has reaped, so only incomplete transfers remain.
+fn wait_for_transfers(
+    manager: &CoreManager,
+    py: Python<'_>,
+    indices: &[HandleId],
+    location: Location,
+    stream: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let events = manager
+        .objects()
+        .transfer_events(py, indices, location.code());
+    if events.is_empty() {
+        return Ok(());
+    }
+    let runtime = manager.context().runtime(py);
+    for event in &events {
+        runtime.call_method1(intern!(py, "wait_event"), (stream, event))?;
+    }
+    Ok(())
+}
+
+/// Host-waits for the events of the pending leases among `tokens` and releases
+/// them; with `transfers`, also for every asynchronous transfer in flight.
+pub fn settle(
+    manager: &CoreManager,
+    py: Python<'_>,
+    tokens: &[u64],
+    transfers: bool,
+) -> PyResult<()> {
+    manager.with_gate(py, true, true, || {
+        manager.drain_deferred();
+        let core = manager.core();
+        let runtime = manager.context().runtime(py);
+        let wanted = |token: u64| tokens.contains(&token);
+        let in_flight = if transfers {
+            manager.objects().transfer_tokens()
+        } else {
+            Vec::new()
+        };
+        for (token, events) in manager.objects().pending(py) {
+            if !wanted(token) && !in_flight.contains(&token) {
+                continue;
+            }
+            for event in &events {
+                runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+            }
+            core.release_pending(token);
+            drop(manager.objects().take_pending(token));
+        }
+        // A transfer's source shares its event: now complete, reaping releases it.
+        reap(manager, py)
+    })
+}
+
+/// `ResidencyLease.add_consumer_stream`'s wait: the joining stream waits for the
+/// transfers still in flight into the lease's values.
+pub fn wait_transfers(
+    manager: &CoreManager,
+    py: Python<'_>,
+    handles: &Bound<'_, PyAny>,
+    at: &Bound<'_, PyAny>,
+    stream: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    if manager.objects().transfer_count() == 0 {
+        return Ok(());
+    }
+    let handles = &manager.context().normalized_handles(py, handles)?;
+    manager.with_gate(py, true, true, || {
+        let location = manager.context().location_code(py, at)?;
+        reap(manager, py)?;
+        let indices = resolve_in_order(manager, py, handles, location)?;
+        wait_for_transfers(manager, py, &indices, location, stream)
+    })
+}
+
+/// The pending tokens of the transfers still in flight into `handles` at `at`.
+pub fn transfers_into(
+    manager: &CoreManager,
+    py: Python<'_>,
+    handles: &Bound<'_, PyAny>,
+    at: &Bound<'_, PyAny>,
+) -> PyResult<Vec<u64>> {
+    if manager.objects().transfer_count() == 0 {
+        return Ok(Vec::new());
+    }
+    let handles = &manager.context().normalized_handles(py, handles)?;
+    manager.with_gate(py, true, true, || {
+        let location = manager.context().location_code(py, at)?;
+        let indices = resolve_in_order(manager, py, handles, location)?;
+        Ok(manager
+            .objects()
+            .transfer_tokens_into(&indices, location.code()))
     })
 }
 

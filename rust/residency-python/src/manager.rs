@@ -47,6 +47,9 @@ pub struct CoreManager {
     context: Context,
     trace: Mutex<Trace>,
     adopted_shapes: AdoptedShapes,
+    /// Set while a prefetch runs its plan: CUDA copies of `ensure` actions are
+    /// enqueued without waiting for them (docs/concepts/controller.md#prefetch).
+    asynchronous: std::sync::atomic::AtomicBool,
 }
 
 /// The retained transition reports: the newest `capacity`, oldest first.
@@ -65,6 +68,16 @@ fn unknown_index(index: HandleId) -> PyErr {
 impl CoreManager {
     pub fn core(&self) -> &Arc<Manager> {
         &self.core
+    }
+
+    /// Whether CUDA copies of `ensure` actions are left in flight (a prefetch).
+    pub(crate) fn asynchronous(&self) -> bool {
+        self.asynchronous.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_asynchronous(&self, asynchronous: bool) {
+        self.asynchronous
+            .store(asynchronous, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub(crate) fn context(&self) -> &Context {
@@ -492,6 +505,7 @@ impl CoreManager {
                 reports: VecDeque::new(),
             }),
             adopted_shapes: AdoptedShapes::default(),
+            asynchronous: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -732,7 +746,9 @@ impl CoreManager {
 
     /// `execute_actions` in one call: gate, checks, preflight and the "execute"
     /// phase (see `plans`).
-    #[pyo3(signature = (run, ir, handles, actions, transfer_streams, expected_version))]
+    /// With `asynchronous`, the CUDA copies of `ensure` actions are enqueued and left
+    /// in flight, each protected by its event (a prefetch).
+    #[pyo3(signature = (run, ir, handles, actions, transfer_streams, expected_version, *, asynchronous=false))]
     #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
     fn execute_plan(
         &self,
@@ -743,6 +759,7 @@ impl CoreManager {
         actions: &Bound<'_, PyTuple>,
         transfer_streams: Option<&Bound<'_, PyAny>>,
         expected_version: Option<&Bound<'_, PyAny>>,
+        asynchronous: bool,
     ) -> PyResult<()> {
         crate::plans::execute_plan(
             self,
@@ -753,7 +770,43 @@ impl CoreManager {
             actions,
             transfer_streams,
             expected_version,
+            asynchronous,
         )
+    }
+
+    /// Makes `stream`, a consumer stream joining a lease of `handles` at `at`, wait
+    /// for the transfers still in flight into them.
+    fn wait_transfers(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        at: &Bound<'_, PyAny>,
+        stream: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        crate::lifetimes::wait_transfers(self, py, handles, at, stream)
+    }
+
+    /// Host-waits for the pending leases `tokens` (and, with `transfers`, every
+    /// transfer in flight) and releases them.
+    #[pyo3(signature = (tokens, *, transfers=false))]
+    #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
+    fn settle(&self, py: Python<'_>, tokens: Vec<u64>, transfers: bool) -> PyResult<()> {
+        crate::lifetimes::settle(self, py, &tokens, transfers)
+    }
+
+    /// The pending tokens of the transfers still in flight into `handles` at `at`.
+    fn transfers_into(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        at: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u64>> {
+        crate::lifetimes::transfers_into(self, py, handles, at)
+    }
+
+    /// How many asynchronous transfers are still in flight (not yet reaped).
+    fn transfer_count(&self) -> usize {
+        self.objects.transfer_count()
     }
 
     /// Scope entry in one call: gate, checks, preflight, reclaim, reserve, enter.

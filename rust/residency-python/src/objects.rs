@@ -38,7 +38,25 @@ struct Store {
     /// A weak reference to each lease object not yet released, by token: at
     /// interpreter exit the leases still alive are finalised while the runtime works.
     leases: FastMap<u64, Py<PyAny>>,
+    /// Asynchronous transfers still in flight: the pending token protecting each
+    /// destination, which consumers there wait for on their streams.
+    transfers: Vec<Transfer>,
 }
+
+/// One asynchronous copy into `(index, code)`, protected by the pending lease
+/// `token` until its event completes (docs/concepts/controller.md#prefetch).
+#[derive(Debug)]
+struct Transfer {
+    token: u64,
+    index: u32,
+    code: u32,
+    /// What the copy reads when it is no materialisation (a loaded value), kept
+    /// alive until the copy has completed.
+    keepalive: Option<Py<PyAny>>,
+}
+
+/// Python objects released together, after the store's lock.
+pub type Released = Vec<Py<PyAny>>;
 
 #[derive(Debug, Default)]
 pub struct Objects {
@@ -217,14 +235,76 @@ impl Objects {
             .collect()
     }
 
-    /// Forgets a pending lease's events; they are released after the lock.
-    pub fn take_pending(&self, token: u64) -> Option<Vec<Py<PyAny>>> {
+    /// Forgets a pending lease's events, and the transfer it protected; they are
+    /// released after the lock.
+    pub fn take_pending(&self, token: u64) -> Option<(Released, Released)> {
         let mut store = self.store();
         let position = store
             .pending
             .iter()
             .position(|(known, _)| *known == token)?;
-        Some(store.pending.remove(position).1)
+        let events = store.pending.remove(position).1;
+        let mut kept = Vec::new();
+        store.transfers.retain_mut(|transfer| {
+            if transfer.token != token {
+                return true;
+            }
+            kept.extend(transfer.keepalive.take());
+            false
+        });
+        Some((events, kept))
+    }
+
+    /// Records an asynchronous copy into `(index, code)` protected by `token`.
+    pub fn add_transfer(&self, token: u64, index: u32, code: u32, keepalive: Option<Py<PyAny>>) {
+        self.store().transfers.push(Transfer {
+            token,
+            index,
+            code,
+            keepalive,
+        });
+    }
+
+    /// The events of the transfers still in flight into any of `indices` at `code`.
+    pub fn transfer_events(&self, py: Python<'_>, indices: &[u32], code: u32) -> Vec<Py<PyAny>> {
+        let store = self.store();
+        if store.transfers.is_empty() {
+            return Vec::new();
+        }
+        let mut events = Vec::new();
+        for transfer in &store.transfers {
+            if transfer.code != code || !indices.contains(&transfer.index) {
+                continue;
+            }
+            if let Some((_, pending)) = store.pending.iter().find(|(t, _)| *t == transfer.token) {
+                events.extend(pending.iter().map(|event| event.clone_ref(py)));
+            }
+        }
+        events
+    }
+
+    /// The pending tokens of the transfers in flight.
+    pub fn transfer_tokens(&self) -> Vec<u64> {
+        self.store()
+            .transfers
+            .iter()
+            .map(|transfer| transfer.token)
+            .collect()
+    }
+
+    /// The pending tokens of the transfers in flight into any of `indices` at `code`.
+    pub fn transfer_tokens_into(&self, indices: &[u32], code: u32) -> Vec<u64> {
+        self.store()
+            .transfers
+            .iter()
+            .filter(|transfer| transfer.code == code && indices.contains(&transfer.index))
+            .map(|transfer| transfer.token)
+            .collect()
+    }
+
+    /// How many asynchronous transfers are in flight.
+    pub fn transfer_count(&self) -> usize {
+        self.store().transfers.len()
     }
 
     pub fn track_lease(&self, token: u64, reference: Py<PyAny>) {
@@ -252,7 +332,15 @@ impl Objects {
             .collect()
     }
 
-    pub fn clear_pending(&self) -> Vec<(u64, Vec<Py<PyAny>>)> {
-        std::mem::take(&mut self.store().pending)
+    /// Forgets every pending lease and transfer; the objects are released after the
+    /// lock.
+    pub fn clear_pending(&self) -> (Vec<(u64, Released)>, Released) {
+        let mut store = self.store();
+        let pending = std::mem::take(&mut store.pending);
+        let kept = std::mem::take(&mut store.transfers)
+            .into_iter()
+            .filter_map(|transfer| transfer.keepalive)
+            .collect();
+        (pending, kept)
     }
 }

@@ -109,6 +109,7 @@ pub fn execute_plan(
     actions: &Bound<'_, PyTuple>,
     transfer_streams: Option<&Bound<'_, PyAny>>,
     expected_version: Option<&Bound<'_, PyAny>>,
+    asynchronous: bool,
 ) -> PyResult<()> {
     within_gate(manager, py, || {
         let slots = prepare(
@@ -122,7 +123,10 @@ pub fn execute_plan(
             expected_version,
         )?;
         let resolved = Resolved::new(ir.plan().enter(), &slots);
-        run_phase(manager, py, run, "execute", actions, Some(&resolved))
+        manager.set_asynchronous(asynchronous);
+        let result = run_phase(manager, py, run, "execute", actions, Some(&resolved));
+        manager.set_asynchronous(false);
+        result
     })
 }
 

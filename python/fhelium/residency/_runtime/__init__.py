@@ -17,6 +17,8 @@ from fhelium.residency._runtime.simulated import (
     SimulatedEvent,
     SimulatedRuntime,
     SimulatedStream,
+    Timeline,
+    TimelineSpan,
 )
 from fhelium.residency._runtime.torch_runtime import TorchCudaRuntime
 
@@ -27,6 +29,8 @@ __all__ = [
     "SimulatedRuntime",
     "SimulatedStream",
     "StorageKey",
+    "Timeline",
+    "TimelineSpan",
     "TorchCudaRuntime",
     "ValueFacts",
     "current_runtime",

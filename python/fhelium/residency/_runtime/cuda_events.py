@@ -126,6 +126,13 @@ class CudaEvent:
             _check(_cudart.cudaEventSynchronize(self._handle), "cudaEventSynchronize")
             self._completed = True
 
+    def wait_on(self, stream_handle: int) -> None:
+        """Makes the stream ``stream_handle`` wait for this event on the device."""
+        if not self._completed:
+            _check(
+                _cudart.cudaStreamWaitEvent(stream_handle, self._handle, 0), "cudaStreamWaitEvent"
+            )
+
     def __del__(self) -> None:
         handle, self._handle = self._handle, None
         if handle is not None:

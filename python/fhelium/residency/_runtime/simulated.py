@@ -3,12 +3,18 @@
 It lets CI, which has no GPU, drive every CUDA path of the manager: copies land in storages
 the runtime registers as "on cuda:N" or "pinned", streams and events are plain objects whose
 completion the test controls, and every call is counted and can be made to fail.
+
+With a `Timeline` the runtime also keeps virtual time: copies and declared compute occupy
+per-device engines for a modelled duration, events complete when the host clock reaches
+them, and the timeline's spans predict how copies and compute overlap
+(docs/concepts/simulation.md).
 """
 
 from __future__ import annotations
 
 import collections
 import inspect
+import math
 import threading
 import weakref
 from collections import _count_elements  # type: ignore[attr-defined]
@@ -22,7 +28,14 @@ from fhelium.residency._runtime.base import DeviceRuntime, ValueFacts
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["SimulatedCopy", "SimulatedEvent", "SimulatedRuntime", "SimulatedStream"]
+__all__ = [
+    "SimulatedCopy",
+    "SimulatedEvent",
+    "SimulatedRuntime",
+    "SimulatedStream",
+    "Timeline",
+    "TimelineSpan",
+]
 
 _V = TypeVar("_V", bound=TensorResident)
 
@@ -50,6 +63,237 @@ _FIRST_STREAM_HANDLE: Final = 0x1000
 # The CUDA caching allocator rounds every block up to 512 bytes; reserved bytes do the same
 # so that reserved >= allocated holds the way it does on a real device.
 _BLOCK: Final = 512
+
+# The engines of one simulated device in the timeline model, in track order: each runs one
+# piece of work at a time, and the four run concurrently with one another.
+_ENGINES: Final = ("h2d", "d2h", "d2d", "compute")
+_COPY_LABELS: Final = {"h2d": "H2D", "d2h": "D2H", "d2d": "D2D"}
+
+
+class TimelineSpan(NamedTuple):
+    """One piece of work on a simulated device's engine, in virtual seconds."""
+
+    device: torch.device
+    engine: str
+    start: float
+    end: float
+    # Bytes copied; 0 for compute.
+    nbytes: int
+    label: str
+
+
+class Timeline:
+    """A virtual-time model of a `SimulatedRuntime`'s copies and compute.
+
+    Give one to ``SimulatedRuntime(timeline=...)``; it then belongs to that runtime. Each
+    simulated device has four engines (``"h2d"``, ``"d2h"``, ``"d2d"``, ``"compute"``) that
+    each run one piece of work at a time; a copy takes its storage bytes divided by the
+    direction's bandwidth, compute takes what `SimulatedRuntime.compute` declares, and
+    host-side work takes no virtual time. The rules are in docs/concepts/simulation.md.
+
+    The bandwidths, in bytes per second, must be finite numbers > 0. The defaults are
+    about what a PCIe Gen5 x16 link sustains per direction (64 GB/s raw) and a round
+    figure for device memory.
+    """
+
+    __slots__ = (
+        "_d2d",
+        "_d2h",
+        "_free",
+        "_h2d",
+        "_horizon",
+        "_lock",
+        "_now",
+        "_owner",
+        "_spans",
+        "_tails",
+    )
+
+    def __init__(
+        self,
+        *,
+        h2d_bytes_per_s: float = 55e9,
+        d2h_bytes_per_s: float = 55e9,
+        d2d_bytes_per_s: float = 2e12,
+    ) -> None:
+        self._h2d = _positive(h2d_bytes_per_s, "h2d_bytes_per_s")
+        self._d2h = _positive(d2h_bytes_per_s, "d2h_bytes_per_s")
+        self._d2d = _positive(d2d_bytes_per_s, "d2d_bytes_per_s")
+        # Replaced by the owning runtime's lock when the timeline is attached to one.
+        self._lock = threading.Lock()
+        self._owner: weakref.ref[SimulatedRuntime] | None = None
+        self._now = 0.0
+        self._spans: list[TimelineSpan] = []
+        # When the last work enqueued on each stream ends.
+        self._tails: weakref.WeakKeyDictionary[SimulatedStream, float] = weakref.WeakKeyDictionary()
+        # When each (device, engine) is next free.
+        self._free: dict[tuple[torch.device, str], float] = {}
+        # The latest tail any stream of each device has had, so that a device
+        # synchronisation covers streams that have since been collected.
+        self._horizon: dict[torch.device, float] = {}
+
+    @property
+    def h2d_bytes_per_s(self) -> float:
+        return self._h2d
+
+    @property
+    def d2h_bytes_per_s(self) -> float:
+        return self._d2h
+
+    @property
+    def d2d_bytes_per_s(self) -> float:
+        return self._d2d
+
+    @property
+    def now(self) -> float:
+        """The host clock: virtual seconds the host has spent waiting for the devices."""
+        with self._lock:
+            return self._now
+
+    @property
+    def makespan(self) -> float:
+        """When everything enqueued so far is done: the latest of `now` and every span's
+        end."""
+        with self._lock:
+            return self._makespan_locked()
+
+    @property
+    def spans(self) -> tuple[TimelineSpan, ...]:
+        """Every copy and compute span, in enqueue order."""
+        with self._lock:
+            return tuple(self._spans)
+
+    def busy(self, engine: str, device: torch.device | str | int | None = None) -> float:
+        """Total seconds of the spans on ``engine`` (of ``device``, or of every device)."""
+        if not isinstance(engine, str):
+            raise TypeError(f"engine must be a str, got {type(engine).__name__}")
+        if engine not in _ENGINES:
+            raise ValueError(f"engine must be one of {_ENGINES}, got {engine!r}")
+        target = None if device is None else _normalize_cuda(device)
+        with self._lock:
+            return sum(
+                span.end - span.start
+                for span in self._spans
+                if span.engine == engine and (target is None or span.device == target)
+            )
+
+    def reset(self) -> None:
+        """Forget every span and set every clock back to 0.
+
+        Work enqueued before counts as done: events still pending complete.
+        """
+        owner = None if self._owner is None else self._owner()
+        with self._lock:
+            self._now = 0.0
+            self._spans.clear()
+            self._tails.clear()
+            self._free.clear()
+            self._horizon.clear()
+            if owner is not None:
+                owner._complete_pending_locked(lambda event: event._time is not None)
+
+    def __repr__(self) -> str:
+        with self._lock:
+            now, count = self._now, len(self._spans)
+        return (
+            f"Timeline(h2d_bytes_per_s={self._h2d!r}, d2h_bytes_per_s={self._d2h!r}, "
+            f"d2d_bytes_per_s={self._d2d!r}, now={now!r}, spans={count})"
+        )
+
+    def _snapshot(self) -> tuple[tuple[TimelineSpan, ...], float]:
+        """(spans, now), read together."""
+        with self._lock:
+            return tuple(self._spans), self._now
+
+    # --- used by the owning runtime, with its lock held -----------------------------
+    def _attach(self, runtime: SimulatedRuntime) -> None:
+        with self._lock:
+            if self._owner is not None:
+                raise ValueError("this Timeline already belongs to another SimulatedRuntime")
+            self._owner = weakref.ref(runtime)
+            self._lock = runtime._lock
+
+    def _makespan_locked(self) -> float:
+        return max([self._now, *(span.end for span in self._spans)])
+
+    def _tail(self, stream: SimulatedStream) -> float:
+        return self._tails.get(stream, 0.0)
+
+    def _set_tail(self, stream: SimulatedStream, time: float) -> None:
+        self._tails[stream] = time
+        device = stream.device
+        if time > self._horizon.get(device, 0.0):
+            self._horizon[device] = time
+
+    def _bandwidth(self, engine: str) -> float:
+        if engine == "h2d":
+            return self._h2d
+        if engine == "d2h":
+            return self._d2h
+        return self._d2d
+
+    def _occupy(
+        self,
+        device: torch.device,
+        engine: str,
+        ready: float,
+        seconds: float,
+        nbytes: int,
+        label: str,
+    ) -> TimelineSpan:
+        """Runs work of ``seconds`` on ``(device, engine)`` once it is free and ``ready``."""
+        key = (device, engine)
+        start = max(ready, self._free.get(key, 0.0))
+        span = TimelineSpan(device, engine, start, start + seconds, nbytes, label)
+        self._free[key] = span.end
+        self._spans.append(span)
+        return span
+
+    def _enqueue_copy(
+        self, stream: SimulatedStream, engine: str, nbytes: int, *, blocking: bool
+    ) -> None:
+        span = self._occupy(
+            stream.device,
+            engine,
+            max(self._now, self._tail(stream)),
+            nbytes / self._bandwidth(engine),
+            nbytes,
+            _copy_label(engine, nbytes),
+        )
+        self._set_tail(stream, span.end)
+        if blocking:
+            self._now = max(self._now, span.end)
+
+    def _download(self, default_stream: SimulatedStream, nbytes: int) -> None:
+        # Synchronous, after the device's default stream: the host waits for it.
+        span = self._occupy(
+            default_stream.device,
+            "d2h",
+            max(self._now, self._tail(default_stream)),
+            nbytes / self._d2h,
+            nbytes,
+            _copy_label("d2h", nbytes),
+        )
+        self._now = max(self._now, span.end)
+
+    def _compute(self, stream: SimulatedStream, seconds: float, label: str) -> TimelineSpan:
+        span = self._occupy(
+            stream.device, "compute", max(self._now, self._tail(stream)), seconds, 0, label
+        )
+        self._set_tail(stream, span.end)
+        return span
+
+    def _wait(self, stream: SimulatedStream, time: float) -> None:
+        if time > self._tail(stream):
+            self._set_tail(stream, time)
+
+    def _device_end(self, device: torch.device) -> float:
+        ends = [self._horizon.get(device, 0.0)]
+        ends += [self._free.get((device, engine), 0.0) for engine in _ENGINES]
+        return max(ends)
+
+    def _advance(self, time: float) -> None:
+        self._now = max(self._now, time)
 
 
 class SimulatedCopy(NamedTuple):
@@ -103,11 +347,12 @@ class SimulatedEvent:
     event, stream or device synchronisation.
     """
 
-    __slots__ = ("__weakref__", "_completed", "_stream")
+    __slots__ = ("__weakref__", "_completed", "_stream", "_time")
 
     def __init__(self, stream: SimulatedStream, *, completed: bool = False) -> None:
         self._stream = stream
         self._completed = completed
+        self._time: float | None = None
 
     @property
     def stream(self) -> SimulatedStream:
@@ -122,10 +367,23 @@ class SimulatedEvent:
         """Whether the simulated work before the event has finished (not counted)."""
         return self._completed
 
+    @property
+    def time(self) -> float | None:
+        """With a `Timeline`: the virtual time at which the work before the event ends
+        (the event completes once the host clock reaches it). None without one."""
+        return self._time
+
     def complete(self) -> None:
-        """Finish the simulated work before this event."""
-        self._completed = True
-        self._stream.runtime._forget_event(self)
+        """Finish the simulated work before this event.
+
+        With a `Timeline`, the host clock advances to the event's time, as a host
+        synchronisation on the event would.
+        """
+        if self._time is None:
+            self._completed = True
+            self._stream.runtime._forget_event(self)
+        else:
+            self._stream.runtime._sync_timeline(self._time, lambda event: event is self)
 
     def __repr__(self) -> str:
         state = "complete" if self._completed else "pending"
@@ -166,12 +424,21 @@ class SimulatedRuntime:
     create report their real torch placement.
 
     Test instrumentation: `calls` counts every seam method called; `fail_next` makes the
-    next call(s) of a method raise; `copies` logs every copy. The test helpers `to_device`,
-    `pin`, `placement` and `complete_events` are neither counted nor fault-injected.
+    next call(s) of a method raise; `copies` logs every copy and `waits` every
+    `wait_event`. The test helpers `to_device`, `pin`, `placement`, `complete_events` and
+    `compute` are neither counted nor fault-injected.
+
+    With ``timeline``, events complete by virtual time instead of by the test (see
+    `Timeline`); ``auto_complete`` cannot be combined with it.
     """
 
     def __init__(
-        self, device_count: int = 2, *, pinned: bool = True, auto_complete: bool = False
+        self,
+        device_count: int = 2,
+        *,
+        pinned: bool = True,
+        auto_complete: bool = False,
+        timeline: Timeline | None = None,
     ) -> None:
         if not isinstance(device_count, int) or isinstance(device_count, bool):
             raise TypeError(f"device_count must be an int, got {type(device_count).__name__}")
@@ -179,6 +446,16 @@ class SimulatedRuntime:
             raise ValueError(f"device_count must be >= 0, got {device_count}")
         if not isinstance(pinned, bool) or not isinstance(auto_complete, bool):
             raise TypeError("pinned and auto_complete must be bools")
+        if timeline is not None:
+            if not isinstance(timeline, Timeline):
+                raise TypeError(
+                    f"timeline must be a Timeline or None, got {type(timeline).__name__}"
+                )
+            if auto_complete:
+                raise ValueError(
+                    "auto_complete cannot be combined with a timeline: with one, events "
+                    "complete when the virtual host clock reaches them"
+                )
         self._device_count = device_count
         self._pinned = pinned
         self._auto_complete = auto_complete
@@ -198,6 +475,11 @@ class SimulatedRuntime:
         self._default_streams = tuple(SimulatedStream(self, device) for device in self._devices)
         self.calls: collections.Counter[str] = collections.Counter()
         self.copies: list[SimulatedCopy] = []
+        self.waits: list[tuple[SimulatedStream, SimulatedEvent]] = []
+        self._timeline: Timeline | None = None
+        if timeline is not None:
+            timeline._attach(self)
+            self._timeline = timeline
 
     @property
     def name(self) -> str:
@@ -211,10 +493,16 @@ class SimulatedRuntime:
     def auto_complete(self) -> bool:
         return self._auto_complete
 
+    @property
+    def timeline(self) -> Timeline | None:
+        """The runtime's virtual-time model, or None when it has none."""
+        return self._timeline
+
     def __repr__(self) -> str:
+        timeline = "" if self._timeline is None else f", timeline={self._timeline!r}"
         return (
             f"SimulatedRuntime(device_count={self._device_count}, pinned={self._pinned}, "
-            f"auto_complete={self._auto_complete})"
+            f"auto_complete={self._auto_complete}{timeline})"
         )
 
     # --- instrumentation ------------------------------------------------------------
@@ -350,12 +638,16 @@ class SimulatedRuntime:
         self._enter("copy_to_pageable")
         # Fresh CPU storage is unregistered, hence pageable, whatever the source was.
         result = value.to("cpu", copy=True, non_blocking=False)
+        if self._timeline is not None:
+            self._time_download(value)
         self._log(PAGEABLE_HOST, None, non_blocking=False)
         return result
 
     def copy_to_pinned(self, value: TensorResident) -> TensorResident:
         self._enter("copy_to_pinned")
         result = self._pinned_copy(value)
+        if self._timeline is not None:
+            self._time_download(value)
         self._log(PINNED_HOST, None, non_blocking=False)
         return result
 
@@ -379,6 +671,14 @@ class SimulatedRuntime:
         if stream.device != target:
             raise ValueError(f"stream {stream!r} is on {stream.device}, not on {target}")
         result = self._cuda_copy(value, target)
+        timeline = self._timeline
+        if timeline is not None:
+            by_device = self._storage_bytes_by_device(value)
+            engine = "d2d" if any(d.type == "cuda" for d in by_device) else "h2d"
+            with self._lock:
+                timeline._enqueue_copy(
+                    stream, engine, sum(by_device.values()), blocking=not non_blocking
+                )
         self._log(cuda_location(target), stream, non_blocking=non_blocking)
         return result
 
@@ -399,15 +699,41 @@ class SimulatedRuntime:
         self._enter("current_stream")
         return self._default_streams[self._cuda_index(device)]
 
+    def create_stream(self, device: torch.device) -> SimulatedStream:
+        self._enter("create_stream")
+        return SimulatedStream(self, device)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Orders later work on ``stream`` after ``event`` (no host blocking)."""
+        self._enter("wait_event")
+        resolved = self._resolve_stream(stream, None)
+        checked = _check_event(event)
+        with self._lock:
+            self.waits.append((resolved, checked))
+            if self._timeline is not None and checked._time is not None:
+                self._timeline._wait(resolved, checked._time)
+
     def synchronize_stream(self, stream: Any) -> None:
         self._enter("synchronize_stream")
         resolved = self._resolve_stream(stream, None)
-        self._complete_where(lambda event: event.stream is resolved)
+        timeline = self._timeline
+        if timeline is None:
+            self._complete_where(lambda event: event.stream is resolved)
+            return
+        with self._lock:
+            timeline._advance(timeline._tail(resolved))
+            self._complete_pending_locked(lambda event: event.stream is resolved)
 
     def synchronize_device(self, device: torch.device) -> None:
         self._enter("synchronize_device")
         target = self._cuda_device(device)
-        self._complete_where(lambda event: event.device == target)
+        timeline = self._timeline
+        if timeline is None:
+            self._complete_where(lambda event: event.device == target)
+            return
+        with self._lock:
+            timeline._advance(timeline._device_end(target))
+            self._complete_pending_locked(lambda event: event.device == target)
 
     def record_event(self, stream: Any) -> SimulatedEvent:
         self._enter("record_event")
@@ -416,6 +742,16 @@ class SimulatedRuntime:
         event._stream = (
             stream if type(stream) is SimulatedStream else self._resolve_stream(stream, None)
         )
+        timeline = self._timeline
+        if timeline is not None:
+            with self._lock:
+                time = timeline._tail(event._stream)
+                event._time = time
+                event._completed = time <= timeline._now
+                if not event._completed:
+                    self._pending.add(event)
+            return event
+        event._time = None
         event._completed = self._auto_complete
         if not self._auto_complete:
             with self._lock:
@@ -424,9 +760,20 @@ class SimulatedRuntime:
 
     def event_query(self, event: Any) -> bool:
         self._enter("event_query")
-        if type(event) is SimulatedEvent:
-            return event._completed
-        return _check_event(event).completed
+        timeline = self._timeline
+        if timeline is None:
+            if type(event) is SimulatedEvent:
+                return event._completed
+            return _check_event(event).completed
+        checked = _check_event(event)
+        time = checked._time
+        if time is None:
+            return checked._completed
+        with self._lock:
+            if not checked._completed and time <= timeline._now:
+                checked._completed = True
+                self._pending.discard(checked)
+            return checked._completed
 
     def synchronize_event(self, event: Any) -> None:
         self._enter("synchronize_event")
@@ -512,8 +859,37 @@ class SimulatedRuntime:
         return PINNED_HOST if pinned else PAGEABLE_HOST
 
     def complete_events(self) -> int:
-        """Complete every pending event; returns how many were completed."""
-        return self._complete_where(lambda event: True)
+        """Complete every pending event; returns how many were completed.
+
+        With a `Timeline`, the host clock advances to the latest of their times, as a
+        host synchronisation on all of them would.
+        """
+        if self._timeline is None:
+            return self._complete_where(lambda event: True)
+        with self._lock:
+            times = [event._time for event in self._pending if event._time is not None]
+            self._timeline._advance(max(times, default=0.0))
+            return self._complete_pending_locked(lambda event: True)
+
+    def compute(self, stream: Any, seconds: float, *, label: str = "compute") -> TimelineSpan:
+        """Declares that ``seconds`` of kernels are enqueued on ``stream``; returns the span.
+
+        The work occupies the stream's device's compute engine after everything enqueued
+        on ``stream`` before it, without blocking the host. Needs a `Timeline`
+        (``RuntimeError`` otherwise); ``seconds`` must be a finite number >= 0.
+        """
+        timeline = self._timeline
+        if timeline is None:
+            raise RuntimeError(
+                "compute needs a timeline: build the runtime with "
+                "SimulatedRuntime(timeline=Timeline())"
+            )
+        duration = _non_negative(seconds, "seconds")
+        if not isinstance(label, str):
+            raise TypeError(f"label must be a str, got {type(label).__name__}")
+        resolved = self._resolve_stream(stream, None)
+        with self._lock:
+            return timeline._compute(resolved, duration, label)
 
     def pending_event_count(self) -> int:
         """Events recorded by this runtime that are still incomplete (not counted)."""
@@ -666,6 +1042,56 @@ class SimulatedRuntime:
         with self._lock:
             self._pending.discard(event)
 
+    def _complete_pending_locked(self, predicate: Callable[[SimulatedEvent], bool]) -> int:
+        """With the timeline's clock moved: completes the pending events it has reached,
+        and those ``predicate`` selects."""
+        timeline = self._timeline
+        now = math.inf if timeline is None else timeline._now
+        done = [
+            event
+            for event in self._pending
+            if (event._time is not None and event._time <= now) or predicate(event)
+        ]
+        for event in done:
+            event._completed = True
+            self._pending.discard(event)
+        return len(done)
+
+    def _sync_timeline(self, time: float, predicate: Callable[[SimulatedEvent], bool]) -> None:
+        """The host waits until virtual ``time``."""
+        timeline = self._timeline
+        with self._lock:
+            if timeline is not None:
+                timeline._advance(time)
+            self._complete_pending_locked(predicate)
+
+    def _storage_bytes_by_device(self, value: TensorResident) -> dict[torch.device, int]:
+        """The value's unique non-empty storage bytes, by simulated device."""
+        by_device: dict[torch.device, int] = {}
+        seen: set[int] = set()
+        for tensor in value._resident_tensors:
+            device = self._tensor_facts(tensor)[0]
+            by_device.setdefault(device, 0)
+            storage = tensor.untyped_storage()
+            size = storage.nbytes()
+            if size and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                by_device[device] += size
+        return by_device
+
+    def _time_download(self, value: TensorResident) -> None:
+        """A device-to-host copy of the value's simulated CUDA storages, one per device."""
+        timeline = self._timeline
+        assert timeline is not None
+        by_device = self._storage_bytes_by_device(value)
+        with self._lock:
+            for device in sorted(
+                (d for d in by_device if d.type == "cuda"), key=lambda d: d.index or 0
+            ):
+                index = self._device_index(device)
+                if index is not None:
+                    timeline._download(self._default_streams[index], by_device[device])
+
     def _log(
         self, destination: ResidencyLocation, stream: SimulatedStream | None, *, non_blocking: bool
     ) -> None:
@@ -684,6 +1110,59 @@ def _check_event(event: object) -> SimulatedEvent:
     if not isinstance(event, SimulatedEvent):
         raise TypeError(f"expected a SimulatedEvent, got {type(event).__name__}")
     return event
+
+
+def _number(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return number
+
+
+def _positive(value: object, name: str) -> float:
+    number = _number(value, name)
+    if number <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return number
+
+
+def _non_negative(value: object, name: str) -> float:
+    number = _number(value, name)
+    if number < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return number
+
+
+def _normalize_cuda(device: torch.device | str | int) -> torch.device:
+    """``device`` as an indexed CUDA device (``ValueError`` for anything else)."""
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}")
+    try:
+        normalized = (
+            torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        )
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{device!r} is not a CUDA device") from exc
+    if normalized.type != "cuda":
+        raise ValueError(f"{device!r} is not a CUDA device")
+    return torch.device("cuda", normalized.index or 0)
+
+
+def _copy_label(engine: str, nbytes: int) -> str:
+    return f"{_COPY_LABELS[engine]} {_format_bytes(nbytes)}"
+
+
+def _format_bytes(nbytes: int) -> str:
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    value = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024.0
+        if value < 1024.0:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024.0:.1f} PiB"
 
 
 if TYPE_CHECKING:

@@ -157,6 +157,16 @@ class TorchCudaRuntime:
     def synchronize_event(self, event: CudaEvent | torch.cuda.Event) -> None:
         event.synchronize()
 
+    def wait_event(self, stream: Any, event: CudaEvent | torch.cuda.Event) -> None:
+        cuda_stream = _as_stream(stream)
+        if isinstance(event, CudaEvent):
+            event.wait_on(cuda_stream.cuda_stream)
+        else:
+            cuda_stream.wait_event(event)
+
+    def create_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
     # --- observations ---------------------------------------------------------------
     def memory_allocated(self, device: torch.device) -> int | None:
         sample = self.memory_sample(device)

@@ -1,0 +1,398 @@
+"""`ResidencyController.run`: a sequence of requests used one step at a time, with the
+transfers of the next steps issued ahead so they overlap the current step's compute.
+
+See docs/concepts/controller.md#prefetch for the rules this module implements.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from fhelium.errors import (
+    ResidencyBudgetError,
+    ResidencyClosedError,
+    ResidencyPlanError,
+    ResidencyStaleStateError,
+)
+from fhelium.residency import _plans
+from fhelium.residency._validation import require_strict_int
+from fhelium.residency.lease import ResidencyHold, ResidencyReservation
+from fhelium.residency.location import ResidencyLocation
+from fhelium.residency.model import ResidencyHandle
+from fhelium.residency.request import ResidencyRequest
+from fhelium.residency.schedule import ScheduleAwarePolicy
+
+if TYPE_CHECKING:
+    from fhelium.residency.controller import ResidencyController, ResidencyUse
+
+__all__ = ["ResidencyPipeline"]
+
+# A decision goes stale when a pending lease completes between `decide` and scope entry
+# (on a GPU, events complete on their own); the step decides again, this many times at
+# most before the error is raised.
+_STALE_RETRIES: Final = 64
+
+
+class _Staged:
+    """What keeps a prefetched step's values and headroom until its turn: a hold per
+    location and its request's reservations."""
+
+    __slots__ = ("holds", "reservations")
+
+    def __init__(self) -> None:
+        self.holds: list[ResidencyHold] = []
+        self.reservations: list[ResidencyReservation] = []
+
+    def release(self) -> None:
+        """Releases every hold and reservation, all of them even when one raises."""
+        lifetimes: list[ResidencyHold | ResidencyReservation] = [
+            *self.reservations,
+            *self.holds,
+        ]
+        self.holds, self.reservations = [], []
+        error: BaseException | None = None
+        for lifetime in lifetimes:
+            try:
+                lifetime.release()
+            except BaseException as failure:
+                error = error or failure
+        if error is not None:
+            raise error
+
+
+class ResidencyPipeline(Iterator["ResidencyUse"]):
+    """The steps of `ResidencyController.run`, each an entered `ResidencyUse`.
+
+    Iterate it; each step stays active until the next one is requested. Closing it
+    (``close()``, leaving its ``with`` block, or dropping it, as breaking out of a
+    ``for`` loop over it does) ends the active step and releases everything the
+    pipeline holds. See docs/concepts/controller.md#prefetch.
+    """
+
+    # The steps run in a generator over `_state`, which never refers back to the
+    # pipeline: dropping the pipeline drops the generator at once, and closing a
+    # generator runs its cleanup.
+    __slots__ = ("_state", "_steps")
+
+    def __init__(
+        self,
+        controller: ResidencyController,
+        requests: Iterable[ResidencyRequest],
+        *,
+        prefetch: int,
+        consumer_streams: Mapping[ResidencyLocation, Any] | None,
+        transfer_streams: Mapping[ResidencyLocation, Any] | None,
+    ) -> None:
+        self._state = _Pipeline(
+            controller,
+            requests,
+            prefetch=prefetch,
+            consumer_streams=consumer_streams,
+            transfer_streams=transfer_streams,
+        )
+        self._steps = self._state.run()
+
+    # ------------------------------------------------------------------ protocol
+
+    def __iter__(self) -> ResidencyPipeline:
+        return self
+
+    def __next__(self) -> ResidencyUse:
+        state = self._state
+        if state.closed:
+            raise StopIteration
+        try:
+            return next(self._steps)
+        except BaseException:
+            state.closed = True
+            raise
+
+    def close(self) -> None:
+        """Ends the active step and releases what the pipeline holds. Idempotent."""
+        self._state.closed = True
+        self._steps.close()
+
+    def __enter__(self) -> ResidencyPipeline:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> None:
+        self.close()
+
+    @property
+    def prefetch(self) -> int:
+        """How many steps ahead transfers are issued."""
+        return self._state.prefetch
+
+    @property
+    def position(self) -> int:
+        """How many steps have been entered so far."""
+        return self._state.position
+
+    @property
+    def current(self) -> ResidencyUse | None:
+        """The active step, or None between steps and once closed."""
+        return self._state.current
+
+    @property
+    def staged(self) -> tuple[int, ...]:
+        """The indices of the later steps whose transfers were already issued."""
+        return tuple(sorted(self._state.staged))
+
+    def __repr__(self) -> str:
+        state = self._state
+        return (
+            f"ResidencyPipeline(prefetch={state.prefetch}, position={state.position}, "
+            f"staged={list(self.staged)}, {'closed' if state.closed else 'open'})"
+        )
+
+
+class _Pipeline:
+    """A pipeline's state and its steps (`run`)."""
+
+    __slots__ = (
+        "closed",
+        "consumers",
+        "controller",
+        "created",
+        "current",
+        "position",
+        "prefetch",
+        "requests",
+        "staged",
+        "transfers",
+    )
+
+    def __init__(
+        self,
+        controller: ResidencyController,
+        requests: Iterable[ResidencyRequest],
+        *,
+        prefetch: int,
+        consumer_streams: Mapping[ResidencyLocation, Any] | None,
+        transfer_streams: Mapping[ResidencyLocation, Any] | None,
+    ) -> None:
+        from fhelium.residency.controller import _normalize_streams
+
+        if isinstance(requests, (str, bytes, ResidencyRequest)) or not isinstance(
+            requests, Iterable
+        ):
+            raise TypeError(
+                f"requests must be an iterable of ResidencyRequest, got {type(requests).__name__}"
+            )
+        if require_strict_int(prefetch, "prefetch") < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        manager = controller.manager
+        self.controller = controller
+        self.requests = iter(requests)
+        self.prefetch = prefetch
+        self.consumers = _normalize_streams(manager, consumer_streams, "consumer_streams")
+        self.transfers = _normalize_streams(manager, transfer_streams, "transfer_streams")
+        # Transfer streams the pipeline created, by location, for prefetches.
+        self.created: dict[ResidencyLocation, Any] = {}
+        self.current: ResidencyUse | None = None
+        self.staged: dict[int, _Staged] = {}
+        self.position = 0
+        self.closed = False
+
+    # ------------------------------------------------------------------ the steps
+
+    def run(self) -> Generator[ResidencyUse, None, None]:
+        ahead: collections.deque[tuple[int, ResidencyRequest]] = collections.deque()
+        # Lease tokens of the steps already ended, oldest first: what a step that does
+        # not fit may wait for. Waiting for a newer step's leases also completes the
+        # older ones on the same streams, so a few suffice.
+        ended: collections.deque[list[int]] = collections.deque(maxlen=self.prefetch + 2)
+        exhausted = False
+        fetched = 0
+        try:
+            while True:
+                while not exhausted and len(ahead) <= self.prefetch:
+                    try:
+                        request = next(self.requests)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    index, fetched = fetched, fetched + 1
+                    if not isinstance(request, ResidencyRequest):
+                        raise TypeError(
+                            f"requests[{index}] must be a ResidencyRequest, "
+                            f"got {type(request).__name__}"
+                        )
+                    ahead.append((index, request))
+                if not ahead:
+                    return
+                index, request = ahead[0]
+                self.current = self._enter(index, request, ended)
+                self.position = index + 1
+                # Once this step has ended, the copies its values came in by are done
+                # too (its consumers waited for them): waiting for the step waits for
+                # them.
+                core = self.controller._engine.core
+                tokens = [
+                    token
+                    for lease in self.current._leases
+                    if lease.location.kind == "cuda"
+                    for token in (lease._token, *core.transfers_into(lease.handles, lease.location))
+                ]
+                for later, upcoming in list(ahead)[1:]:
+                    if later not in self.staged and not self._stage(
+                        later, later - index, upcoming, ended
+                    ):
+                        break
+                yield self.current
+                use, self.current = self.current, None
+                use.__exit__(None, None, None)
+                if tokens:
+                    ended.append(tokens)
+                ahead.popleft()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Ends the active step, releases every staged step, and waits for the transfers
+        still in flight, so nothing of the pipeline's outlives it."""
+        use, self.current = self.current, None
+        staged, self.staged = self.staged, {}
+        error: BaseException | None = None
+        if use is not None:
+            try:
+                use.__exit__(None, None, None)
+            except BaseException as failure:
+                error = failure
+        for step in staged.values():
+            try:
+                step.release()
+            except BaseException as failure:
+                error = error or failure
+        try:
+            self.controller._engine.core.settle([], transfers=True)
+        except ResidencyClosedError:
+            pass  # a closed manager holds nothing any more
+        except BaseException as failure:
+            error = error or failure
+        self.closed = True
+        if error is not None:
+            raise error
+
+    def _enter(
+        self,
+        index: int,
+        request: ResidencyRequest,
+        ended: collections.deque[list[int]],
+    ) -> ResidencyUse:
+        """Enters step ``index``'s use; when it does not fit, waits for the oldest ended
+        step's leases and tries again."""
+        from fhelium.residency.controller import ResidencyUse
+
+        staged = self.staged.pop(index, None)
+        if staged is not None:
+            # Its values stay where the prefetch put them: the use requires them there,
+            # so its decision never evicts them, and its scope takes the reservations
+            # these held.
+            staged.release()
+        stale = 0
+        while True:
+            use = ResidencyUse(
+                controller=self.controller,
+                request=request,
+                consumer_streams=self._streams_for(request, self.consumers),
+                transfer_streams=self._transfer_streams(request),
+            )
+            try:
+                return use.__enter__()
+            except ResidencyStaleStateError:
+                stale += 1
+                if stale > _STALE_RETRIES:
+                    raise
+            except (ResidencyPlanError, ResidencyBudgetError):
+                if not self._wait_oldest(ended):
+                    raise
+
+    def _stage(
+        self,
+        index: int,
+        distance: int,
+        request: ResidencyRequest,
+        ended: collections.deque[list[int]],
+    ) -> bool:
+        """Issues step ``index``'s transfers ahead of its turn, ``distance`` steps after
+        the active one, and holds its values and headroom; False when it does not fit
+        even after waiting for the steps already ended."""
+        controller = self.controller
+        policy = controller.policy
+        position = None
+        if isinstance(policy, ScheduleAwarePolicy):
+            # The policy already stands past the active step.
+            position = min(len(policy.schedule), policy.position + distance - 1)
+        while True:
+            try:
+                decision = controller._decide(request, position)
+                break
+            except (ResidencyPlanError, ResidencyBudgetError):
+                if not self._wait_oldest(ended):
+                    return False
+        plan = decision.plan
+        actions = (*plan.reclaim, *plan.enter)
+        staged = _Staged()
+        self.staged[index] = staged
+        manager = controller.manager
+        if actions:
+            _plans.execute_actions(
+                controller._engine,
+                actions,
+                name=request.name,
+                transfer_streams=self._transfer_streams(request),
+                expected_state_version=None,
+                asynchronous=True,
+            )
+        by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]] = {}
+        for requirement in request.requirements:
+            by_location.setdefault(requirement.location, []).append(requirement.handle)
+        for location, handles in by_location.items():
+            staged.holds.append(manager.hold(handles, at=location))
+        for reservation in request.reservations:
+            staged.reservations.append(
+                manager.reserve(reservation.location, reservation.nbytes, label=reservation.label)
+            )
+        return True
+
+    def _wait_oldest(self, ended: collections.deque[list[int]]) -> bool:
+        """Waits for the oldest ended step's leases and releases them; False when no
+        ended step is left to wait for."""
+        if not ended:
+            return False
+        self.controller._engine.core.settle(ended.popleft())
+        return True
+
+    # ------------------------------------------------------------------ streams
+
+    @staticmethod
+    def _streams_for(
+        request: ResidencyRequest, streams: Mapping[ResidencyLocation, Any]
+    ) -> dict[ResidencyLocation, Any]:
+        wanted = {
+            requirement.location
+            for requirement in request.requirements
+            if requirement.location.kind == "cuda"
+        }
+        return {location: stream for location, stream in streams.items() if location in wanted}
+
+    def _transfer_streams(self, request: ResidencyRequest) -> dict[ResidencyLocation, Any]:
+        """The request's transfer streams: the caller's, else, when prefetching, one the
+        pipeline created per CUDA location (copies then leave the consumer's stream
+        free)."""
+        streams = self._streams_for(request, self.transfers)
+        if self.prefetch == 0:
+            return streams
+        runtime = self.controller._engine.runtime
+        for requirement in request.requirements:
+            location = requirement.location
+            if location.kind != "cuda" or location in streams:
+                continue
+            created = self.created.get(location)
+            if created is None:
+                created = self.created[location] = runtime.create_stream(location.device)
+            streams[location] = created
+        return streams
