@@ -32,6 +32,7 @@ from fhelium.residency._runtime import SimulatedRuntime, use_runtime
 from fhelium.residency.pipeline import ResidencyPipeline
 from fhelium.residency.schedule import ScheduleAwarePolicy
 from fhelium.values import ResidentTensor
+from helpers.controller import fewest_misses
 from helpers.manager import assert_balanced
 
 CUDA = cuda_location("cuda:0")
@@ -409,3 +410,31 @@ def test_a_copy_reading_an_in_flight_value_waits_for_it(runtime: SimulatedRuntim
         value = env.manager.acquire([env.handles[1]], at=PINNED_HOST)
         assert float(value.values[env.handles[1]].tensor[0]) == 1.0
         value.release()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    order=st.lists(st.integers(0, 5), min_size=1, max_size=14),
+    slots=st.integers(1, 4),
+    cyclic=st.booleans(),
+)
+def test_without_prefetch_schedule_aware_loads_as_few_as_possible(
+    order: list[int], slots: int, cyclic: bool
+) -> None:
+    # Each step waits for the ended steps before it evicts, so the value just used is
+    # a candidate like any other, and the count is Belady's MIN (here: the fewest
+    # misses over every choice of victims, by exhaustive search).
+    if cyclic:
+        order = [step % (slots + 2) for step in range(len(order))]
+    runtime = SimulatedRuntime(1, pinned=True)
+    with use_runtime(runtime):
+        env = _Env(runtime, slots, 6)
+        requests = env.requests([(index,) for index in order])
+        controller = ResidencyController(env.manager, policy=ScheduleAwarePolicy(requests))
+        with controller.run(requests, consumer_streams={CUDA: env.stream}) as steps:
+            for _step in steps:
+                pass  # never completed by hand: the pipeline waits where it must
+        loads = sum(source.loads for source in env.sources)
+        assert loads == fewest_misses(tuple(order), slots)
+        runtime.complete_events()
+        env.manager.close()

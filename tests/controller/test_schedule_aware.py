@@ -6,7 +6,6 @@ request of a cyclic schedule that outgrows the budget."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -32,6 +31,7 @@ from fhelium.residency._runtime import SimulatedRuntime, use_runtime
 from fhelium.residency.policy import ResidencyEvictionCandidate, ResidencyPolicyMetadata
 from fhelium.residency.schedule import ScheduleAwarePolicy
 from fhelium.values import ResidentTensor
+from helpers.controller import fewest_misses
 
 CHARGE = 32
 SPEC = ResidencyValueSpec(
@@ -42,24 +42,6 @@ SPEC = ResidencyValueSpec(
 class _Source:
     def load(self) -> ResidentTensor:
         return ResidentTensor(torch.zeros(CHARGE // 4))
-
-
-def _fewest_misses(requests: tuple[int, ...], capacity: int) -> int:
-    """The fewest misses of a cache of `capacity` equal values, over every choice of
-    victims (exhaustive search with memoisation)."""
-
-    @functools.cache
-    def search(step: int, cached: frozenset[int]) -> int:
-        if step == len(requests):
-            return 0
-        value = requests[step]
-        if value in cached:
-            return search(step + 1, cached)
-        if len(cached) < capacity:
-            return 1 + search(step + 1, cached | {value})
-        return 1 + min(search(step + 1, (cached - {victim}) | {value}) for victim in cached)
-
-    return search(0, frozenset())
 
 
 def _misses(requests: tuple[int, ...], capacity: int, policy_of: Any) -> int:
@@ -113,7 +95,7 @@ def test_misses_are_the_fewest_possible_on_random_schedules(
     requests: tuple[int, ...], capacity: int
 ) -> None:
     misses = _misses(requests, capacity, ScheduleAwarePolicy)
-    assert misses == _fewest_misses(requests, capacity)
+    assert misses == fewest_misses(requests, capacity)
 
 
 @settings(max_examples=20, deadline=None)
@@ -123,7 +105,7 @@ def test_a_cyclic_schedule_misses_the_minimum_and_lru_misses_every_request(
 ) -> None:
     requests = tuple(value for _ in range(passes) for value in range(cycle))
     misses = _misses(requests, capacity, ScheduleAwarePolicy)
-    assert misses == _fewest_misses(requests, capacity)
+    assert misses == fewest_misses(requests, capacity)
     if cycle > capacity:
         assert _misses(requests, capacity, lambda _: DeterministicTieredLRU()) == len(requests)
         if passes > 1 and capacity > 1:

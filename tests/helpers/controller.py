@@ -13,6 +13,7 @@ implementation.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -180,3 +181,21 @@ DECISION_FIELDS = (
     "evictions",
     "explanation",
 )
+
+
+def fewest_misses(requests: tuple[int, ...], capacity: int) -> int:
+    """The fewest misses of a cache of `capacity` equal values, over every choice of
+    victims (exhaustive search with memoisation)."""
+
+    @functools.cache
+    def search(step: int, cached: frozenset[int]) -> int:
+        if step == len(requests):
+            return 0
+        value = requests[step]
+        if value in cached:
+            return search(step + 1, cached)
+        if len(cached) < capacity:
+            return 1 + search(step + 1, cached | {value})
+        return 1 + min(search(step + 1, (cached - {victim}) | {value}) for victim in cached)
+
+    return search(0, frozenset())

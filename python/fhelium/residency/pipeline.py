@@ -200,10 +200,10 @@ class _Pipeline:
 
     def run(self) -> Generator[ResidencyUse, None, None]:
         ahead: collections.deque[tuple[int, ResidencyRequest]] = collections.deque()
-        # Lease tokens of the steps already ended, oldest first: what a step that does
-        # not fit may wait for. Waiting for a newer step's leases also completes the
-        # older ones on the same streams, so a few suffice.
-        ended: collections.deque[list[int]] = collections.deque(maxlen=self.prefetch + 2)
+        # The lease (and transfer) tokens of the steps already ended, oldest first:
+        # what a step that does not fit may wait for. Entries that completed on their
+        # own are dropped from the front as they are met.
+        ended: collections.deque[list[int]] = collections.deque()
         exhausted = False
         fetched = 0
         try:
@@ -236,12 +236,12 @@ class _Pipeline:
                     if lease.location.kind == "cuda"
                     for token in (lease._token, *core.transfers_into(lease.handles, lease.location))
                 ]
-                for later, upcoming in list(ahead)[1:]:
-                    if later not in self.staged and not self._stage(
-                        later, later - index, upcoming, ended
-                    ):
-                        break
+                # Before the body: what fits without waiting for anything. After it
+                # (its work is queued, so a wait cannot starve the device): the rest,
+                # waiting for ended steps where that frees memory or better victims.
+                self._stage_ahead(index, ahead, ended, wait=False)
                 yield self.current
+                self._stage_ahead(index, ahead, ended, wait=True)
                 use, self.current = self.current, None
                 use.__exit__(None, None, None)
                 if tokens:
@@ -292,6 +292,21 @@ class _Pipeline:
             # so its decision never evicts them, and its scope takes the reservations
             # these held.
             staged.release()
+        controller = self.controller
+        core = controller._engine.core
+        while ended:
+            # A step that must evict while ended steps still protect values waits for
+            # them first: their values may be the better victims (in a cyclic
+            # schedule, the one just used is the one needed farthest ahead).
+            if not core.pending_among(ended[0]):
+                ended.popleft()
+                continue
+            try:
+                if not controller._decide(request, None).plan.reclaim:
+                    break
+            except (ResidencyPlanError, ResidencyBudgetError):
+                pass  # waiting below may make it fit
+            self._wait_oldest(ended)
         stale = 0
         while True:
             use = ResidencyUse(
@@ -310,29 +325,57 @@ class _Pipeline:
                 if not self._wait_oldest(ended):
                     raise
 
+    def _stage_ahead(
+        self,
+        index: int,
+        ahead: collections.deque[tuple[int, ResidencyRequest]],
+        ended: collections.deque[list[int]],
+        *,
+        wait: bool,
+    ) -> None:
+        """Stages the steps after the active one ``index`` in order, up to the first
+        that cannot be staged now."""
+        for later, upcoming in list(ahead)[1:]:
+            if later not in self.staged and not self._stage(
+                later, later - index, upcoming, ended, wait=wait
+            ):
+                return
+
     def _stage(
         self,
         index: int,
         distance: int,
         request: ResidencyRequest,
         ended: collections.deque[list[int]],
+        *,
+        wait: bool,
     ) -> bool:
         """Issues step ``index``'s transfers ahead of its turn, ``distance`` steps after
-        the active one, and holds its values and headroom; False when it does not fit
-        even after waiting for the steps already ended."""
+        the active one, and holds its values and headroom. False when it does not fit,
+        or would evict while ended steps still protect values (their memory, once
+        free, may hold better victims): with ``wait``, the oldest ended step is waited
+        for and the step decided again, until none is left to wait for."""
         controller = self.controller
         policy = controller.policy
         position = None
         if isinstance(policy, ScheduleAwarePolicy):
             # The policy already stands past the active step.
             position = min(len(policy.schedule), policy.position + distance - 1)
+        core = controller._engine.core
         while True:
             try:
                 decision = controller._decide(request, position)
-                break
             except (ResidencyPlanError, ResidencyBudgetError):
-                if not self._wait_oldest(ended):
-                    return False
+                if wait and self._wait_oldest(ended):
+                    continue
+                return False
+            while ended and not core.pending_among(ended[0]):
+                ended.popleft()  # completed on their own: nothing to wait for
+            if not decision.plan.reclaim or not ended:
+                break
+            if not wait:
+                return False
+            self._wait_oldest(ended)
         plan = decision.plan
         actions = (*plan.reclaim, *plan.enter)
         staged = _Staged()

@@ -804,6 +804,16 @@ impl CoreManager {
         crate::lifetimes::transfers_into(self, py, handles, at)
     }
 
+    /// The tokens among `tokens` of leases still pending on their events (nothing is
+    /// reaped here).
+    #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
+    fn pending_among(&self, tokens: Vec<u64>) -> Vec<u64> {
+        tokens
+            .into_iter()
+            .filter(|&token| self.core.lease_state(token) == residency_core::LeaseState::Pending)
+            .collect()
+    }
+
     /// How many asynchronous transfers are still in flight (not yet reaped).
     fn transfer_count(&self) -> usize {
         self.objects.transfer_count()
