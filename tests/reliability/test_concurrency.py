@@ -297,6 +297,28 @@ def _run(runtime: SimulatedRuntime) -> None:
             decision = controller.decide(request)
             assert decision.request == request
 
+        def pipeline() -> None:
+            chosen = rng.choices(replicable, k=rng.randint(2, 4))
+            requests = [
+                ResidencyRequest(
+                    f"pipe-{index}-{position}",
+                    [ResidencyRequirement(handle, rng.choice(LOCATIONS))],
+                )
+                for position, handle in enumerate(chosen)
+            ]
+            prefetch = rng.randint(0, 2)
+            with controller.run(requests, prefetch=prefetch, consumer_streams=streams) as steps:
+                for step in steps:
+                    (requirement,) = step.request.requirements
+                    value = _retry(
+                        lambda step=step, requirement=requirement: step.value(
+                            requirement.handle, at=requirement.location
+                        )
+                    )
+                    assert value is not None
+            assert steps.current is None
+            assert steps.staged == ()
+
         operations: list[tuple[str, float, Callable[[], Any]]] = [
             ("ensure", 14, lambda: manager.ensure(rng.choice(replicable), rng.choice(LOCATIONS))),
             ("drop", 12, lambda: manager.drop(rng.choice(replicable), rng.choice(LOCATIONS))),
@@ -310,6 +332,7 @@ def _run(runtime: SimulatedRuntime) -> None:
             ("execute_actions", 8, execute),
             ("explain", 5, explain),
             ("decide", 5, decide),
+            ("pipeline", 5, pipeline),
         ]
         names = [op[0] for op in operations]
         weights = [op[1] for op in operations]

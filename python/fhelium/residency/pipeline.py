@@ -7,6 +7,7 @@ See docs/concepts/controller.md#prefetch for the rules this module implements.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -14,6 +15,7 @@ from fhelium.errors import (
     ResidencyBudgetError,
     ResidencyClosedError,
     ResidencyPlanError,
+    ResidencyReentrancyError,
     ResidencyStaleStateError,
 )
 from fhelium.residency import _plans
@@ -33,6 +35,10 @@ __all__ = ["ResidencyPipeline"]
 # (on a GPU, events complete on their own); the step decides again, this many times at
 # most before the error is raised.
 _STALE_RETRIES: Final = 64
+# Closing waits for copies in flight; another thread's source callback refuses the gate
+# meanwhile, so the wait is retried this often, this long apart.
+_SETTLE_RETRIES: Final = 2000
+_SETTLE_PAUSE_S: Final = 0.0005
 
 
 class _Staged:
@@ -267,14 +273,27 @@ class _Pipeline:
             except BaseException as failure:
                 error = error or failure
         try:
-            self.controller._engine.core.settle([], transfers=True)
-        except ResidencyClosedError:
-            pass  # a closed manager holds nothing any more
+            self._settle_transfers()
         except BaseException as failure:
             error = error or failure
         self.closed = True
         if error is not None:
             raise error
+
+    def _settle_transfers(self) -> None:
+        """Waits for every copy in flight and releases its protections. While another
+        thread's source callback runs the gate refuses; the wait is tried again for
+        up to a second, and after that the protections are reaped as their events
+        complete, like a released lease's."""
+        core = self.controller._engine.core
+        for _ in range(_SETTLE_RETRIES):
+            try:
+                core.settle([], transfers=True)
+                return
+            except ResidencyClosedError:
+                return  # a closed manager holds nothing any more
+            except ResidencyReentrancyError:
+                time.sleep(_SETTLE_PAUSE_S)
 
     def _enter(
         self,
