@@ -946,13 +946,17 @@ def test_controller_rejects_bad_input_cleanly(data: Any) -> None:
                 if use is not None:
                     entered = call("use.__enter__", use.__enter__, plain_runtime_error=junk_policy)
                     if entered is not None:
-                        handle, at = d(world.handle_ish()), d(loc_ish)
-                        call(
-                            "use.value",
-                            lambda u=use, h=handle, a=at: u.value(h, at=a),
-                            key_error=True,
-                        )
-                        call("use.__exit__", lambda u=use: u.__exit__(None, None, None))
+                        # Exited even when Hypothesis stops drawing mid-example: an
+                        # abandoned use would warn wherever the collector meets it.
+                        try:
+                            handle, at = d(world.handle_ish()), d(loc_ish)
+                            call(
+                                "use.value",
+                                lambda u=use, h=handle, a=at: u.value(h, at=a),
+                                key_error=True,
+                            )
+                        finally:
+                            call("use.__exit__", lambda u=use: u.__exit__(None, None, None))
     finally:
         world.finish()
 
