@@ -1,10 +1,13 @@
-"""`python -m fhelium.residency demo`: a bounded-memory streaming workload.
+"""`python -m fhelium.residency demo`: layer weights streamed through a bounded device.
 
-Weight shards live on disk as safetensors files and are registered as reconstructible
-values. A budgeted compute location (cuda:0 on a GPU machine; a simulated cuda:0
-backed by CPU tensors otherwise) holds only a few at a time. Each stage asks the
-controller for a window of shards plus workspace, computes on the borrowed values, and
-moves on; the controller evicts what the next stage does not need.
+A transformer-like stack of layer weights lives on disk as safetensors files, is
+registered as reconstructible values and staged once in pinned host memory. A compute
+location (cuda:0 on a GPU machine; a simulated cuda:0 with the timeline model
+otherwise) has a budget that holds only a third of them. Several passes over the
+layers run three ways: the tiered LRU, the schedule-aware policy, and the
+schedule-aware policy with prefetch, which copies the next layer in while the current
+one computes. The table compares the bytes moved, loads, evictions, peak against
+budget and time (CUDA events on a GPU, the timeline model's prediction on the CPU).
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ import contextlib
 import os
 import sys
 import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +25,21 @@ import torch
 
 from fhelium.residency import (
     PINNED_HOST,
+    DropResident,
     EnsureResident,
     MemoryReservation,
     ReplicaMode,
     ResidencyController,
     ResidencyLocation,
     ResidencyManager,
-    ResidencyPlanReport,
     ResidencyRequest,
     ResidencyRequirement,
     ResidencySnapshot,
     ResidencyTransitionReport,
     cuda_location,
 )
-from fhelium.residency._runtime import SimulatedRuntime, use_runtime
+from fhelium.residency.schedule import ScheduleAwarePolicy
+from fhelium.residency.simulation import SimulatedRuntime, Timeline, use_runtime
 from fhelium.residency.sources import SafetensorsSource
 from fhelium.values import ResidentTensor
 
@@ -59,179 +62,374 @@ def _shards(cache: Path, count: int, width: int) -> list[Path]:
     return paths
 
 
-@contextlib.contextmanager
-def _compute_location(
-    device: str,
-) -> Iterator[tuple[ResidencyLocation, Any, str, torch.device]]:
-    """(location, consumer stream, description, torch device for the compute)."""
-    use_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if use_gpu:
-        yield (
-            cuda_location("cuda:0"),
-            torch.cuda.Stream(device=0),  # type: ignore[no-untyped-call]
-            torch.cuda.get_device_name(0),
-            torch.device("cuda", 0),
-        )
-        return
-    runtime = SimulatedRuntime(1, pinned=True, auto_complete=True)
-    with use_runtime(runtime):
-        yield (
-            cuda_location("cuda:0"),
-            runtime.current_stream(torch.device("cuda", 0)),
-            "simulated cuda:0 (no GPU: CPU tensors stand in for device memory)",
-            torch.device("cpu"),
-        )
+class _Compute:
+    """Where the demo computes: a CUDA device, or a simulated one with a timeline."""
+
+    def __init__(self, device: str, *, h2d_gbps: float, tflops: float) -> None:
+        self.location = cuda_location("cuda:0")
+        self.on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        self.tflops = tflops
+        self.runtime: SimulatedRuntime | None = None
+        if self.on_gpu:
+            self.torch_device = torch.device("cuda", 0)
+            self.description = torch.cuda.get_device_name(0)
+            self.stream: Any = torch.cuda.current_stream(self.torch_device)
+        else:
+            bandwidth = h2d_gbps * 1e9
+            self.runtime = SimulatedRuntime(
+                1,
+                pinned=True,
+                timeline=Timeline(h2d_bytes_per_s=bandwidth, d2h_bytes_per_s=bandwidth),
+            )
+            self.torch_device = torch.device("cpu")
+            self.description = (
+                "simulated cuda:0 (no GPU: CPU tensors stand in for device memory; times are "
+                f"the timeline model's, {h2d_gbps:g} GB/s per copy direction, "
+                f"{tflops:g} TFLOP/s compute)"
+            )
+            self.stream = self.runtime.current_stream(torch.device("cuda", 0))
+
+    @property
+    def timeline(self) -> Timeline | None:
+        return None if self.runtime is None else self.runtime.timeline
+
+    def installed(self) -> contextlib.AbstractContextManager[Any]:
+        if self.runtime is None:
+            return contextlib.nullcontext()
+        return use_runtime(self.runtime)
+
+    def kernels(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the body's kernels go: the consumer stream the leases protect."""
+        if self.on_gpu:
+            return torch.cuda.stream(self.stream)
+        return contextlib.nullcontext()
+
+    def declare(self, flops: float, label: str) -> None:
+        """On the simulated device, the body's compute time in the timeline model."""
+        if self.runtime is not None:
+            self.runtime.compute(self.stream, flops / (self.tflops * 1e12), label=label)
+
+    def synchronize(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize(self.torch_device)
+        elif self.runtime is not None:
+            self.runtime.synchronize_device(torch.device("cuda", 0))
+
+    def clock_ns(self) -> int:
+        """The plot's clock: wall time on a GPU; otherwise the model's virtual time at
+        which the device finishes the work declared so far (the host runs ahead)."""
+        timeline = self.timeline
+        if timeline is None:
+            return time.perf_counter_ns()
+        ends = [span.end for span in timeline.spans if span.engine == "compute"]
+        return round(max([timeline.now, *ends]) * 1e9)
 
 
-def _bytes_moved(
-    transitions: Sequence[ResidencyTransitionReport],
-) -> Counter[tuple[str, str]]:
-    moved: Counter[tuple[str, str]] = Counter()
-    for report in transitions:
-        if report.no_op or report.destination is None:
+def _fewest_loads(schedule: Sequence[int], capacity: int) -> int:
+    """Belady's MIN: the loads of a cache of `capacity` equal values that always evicts
+    the value needed farthest ahead (no choice of victims loads fewer)."""
+    upcoming: dict[int, list[int]] = {}
+    for position in range(len(schedule) - 1, -1, -1):
+        upcoming.setdefault(schedule[position], []).append(position)
+    cached: set[int] = set()
+    loads = 0
+    for value in schedule:
+        upcoming[value].pop()
+        if value in cached:
             continue
-        source = "disk" if report.source is None else str(report.source)
-        moved[(source, str(report.destination))] += report.storage_nbytes
-    return moved
+        loads += 1
+        if len(cached) >= capacity:
+
+            def next_use(candidate: int) -> float:
+                later = upcoming[candidate]
+                return later[-1] if later else float("inf")
+
+            cached.remove(max(cached, key=next_use))
+        cached.add(value)
+    return loads
+
+
+_RUNS: tuple[tuple[str, bool, int], ...] = (
+    ("lru", False, 0),
+    ("schedule-aware", True, 0),
+    ("schedule-aware + prefetch", True, 1),
+)
+
+
+def _traffic(
+    transitions: Sequence[ResidencyTransitionReport], compute: ResidencyLocation
+) -> dict[str, int]:
+    """Bytes moved host-to-device and device-to-host, loads into and evictions from
+    the compute location, from a run's transition reports."""
+    figures = {"h2d_bytes": 0, "d2h_bytes": 0, "loads": 0, "evictions": 0}
+    for report in transitions:
+        if report.no_op:
+            continue
+        source, destination = report.source, report.destination
+        if destination == compute:
+            figures["loads"] += 1
+            if source is None or source.kind != "cuda":
+                figures["h2d_bytes"] += report.storage_nbytes
+        elif destination is not None and destination.kind != "cuda" and source == compute:
+            figures["d2h_bytes"] += report.storage_nbytes
+        if source == compute and destination != compute:
+            figures["evictions"] += 1
+    return figures
 
 
 def run_demo(
     out: Path,
     *,
-    shards: int = 24,
-    width: int = 512,
-    window: int = 3,
-    stages: int = 40,
-    budget_shards: float = 4.5,
+    layers: int = 24,
+    width: int | None = None,
+    batch: int | None = None,
+    passes: int = 3,
+    budget_layers: int = 8,
     device: str = "auto",
     cache: Path | None = None,
     quiet: bool = False,
+    h2d_gbps: float = 55.0,
+    tflops: float = 60.0,
 ) -> dict[str, Any]:
-    """Runs the workload; returns the summary figures and writes the trace and plot."""
+    """Streams `passes` passes over `layers` layer weights through a compute budget of
+    `budget_layers` of them, three ways; returns the summary and writes the trace and
+    the plot. Sizes default to a few GB of weights on a GPU and to a scaled-down copy
+    on the CPU."""
+    compute = _Compute(device, h2d_gbps=h2d_gbps, tflops=tflops)
+    if width is None:
+        width = 5792 if compute.on_gpu else 256
+    if batch is None:
+        batch = 2048
+    if layers < 1 or passes < 1 or width < 1 or batch < 1:
+        raise ValueError("layers, passes, width and batch must be >= 1")
+    if not budget_layers >= 2:
+        raise ValueError("budget_layers must be >= 2 (one step computing, one arriving)")
+    log = print if not quiet else (lambda *_: None)
     started = time.perf_counter()
-    shard_bytes = width * width * 4
-    workspace = 64 * width * 4 * 2
+    layer_bytes = width * width * 4
+    workspace = batch * width * 4 * 2
+    budget = budget_layers * layer_bytes + workspace
     cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / (
         "fhelium-residency-demo"
     )
-    paths = _shards(cache, shards, width)
+    paths = _shards(cache, layers, width)
     out.mkdir(parents=True, exist_ok=True)
-    with _compute_location(device) as (compute, stream, description, compute_device):
-        budget = int(budget_shards * shard_bytes) + workspace
-        staging = shards * shard_bytes
-        manager = ResidencyManager({compute: budget, PINNED_HOST: staging})
-        controller = ResidencyController(manager)
+    location = compute.location
+    schedule = [layer for _ in range(passes) for layer in range(layers)]
+    with compute.installed():
+        manager = ResidencyManager(
+            {location: budget, PINNED_HOST: layers * layer_bytes},
+            trace_capacity=8 * len(schedule) + 64,
+        )
         handles = []
         for path in paths:
             source: SafetensorsSource[ResidentTensor] = SafetensorsSource(path, "weight")
             handles.append(
                 manager.register_source(source.spec(replica_mode=ReplicaMode.REPLICABLE), source)
             )
-        # Stage every shard once in pinned host memory: the compute location then
-        # fills from there (fast host-to-device copies) and an eviction is a drop.
+        # Every layer is staged once in pinned host memory: the compute location fills
+        # from there with fast, asynchronous host-to-device copies, and an eviction is a
+        # drop.
         manager.execute_actions(
             [EnsureResident(handle, PINNED_HOST) for handle in handles], name="staging"
         )
-        log = print if not quiet else (lambda *_: None)
-        log(f"fhelium.residency demo: {shards} shards of {shard_bytes / MIB:.1f} MiB on disk")
-        log(f"compute location: {description}; budget {budget / MIB:.2f} MiB")
-        log(f"staging: pinned host, {staging / MIB:.1f} MiB")
-        activation = torch.randn(64, width, generator=torch.Generator().manual_seed(7)).to(
-            compute_device
+        log(
+            f"fhelium.residency demo: {passes} passes over {layers} layers of "
+            f"{layer_bytes / MIB:.1f} MiB ({layers * layer_bytes / MIB:.0f} MiB of weights)"
         )
-        on_gpu = compute_device.type == "cuda"
-        samples: list[tuple[int, ResidencySnapshot[Any]]] = [(time.time_ns(), manager.snapshot())]
-        plans: list[ResidencyPlanReport] = []
-        evictions = 0
-        checksum = 0.0
-        for stage in range(stages):
-            first = (stage * 2) % shards
-            chosen = [handles[(first + offset) % shards] for offset in range(window)]
-            request = ResidencyRequest(
-                f"stage-{stage:03d}",
-                [ResidencyRequirement(handle, compute) for handle in chosen],
-                [MemoryReservation(compute, workspace, "activations")],
+        log(
+            f"compute: {compute.description}; budget {budget / MIB:.1f} MiB "
+            f"({budget_layers} layers + {workspace / MIB:.1f} MiB of activations)"
+        )
+        requests = [
+            ResidencyRequest(
+                f"pass-{step // layers}-layer-{layer:03d}",
+                [ResidencyRequirement(handles[layer], location)],
+                [MemoryReservation(location, workspace, "activations")],
             )
-            with controller.use(request, consumer_streams={compute: stream}) as use:
-                evictions += len(use.decision.evictions)
-                # The kernels run on the consumer stream the leases protect.
-                with torch.cuda.stream(stream) if on_gpu else contextlib.nullcontext():
-                    output = activation
-                    for handle in chosen:
-                        weight = use.value(handle, at=compute)
-                        assert isinstance(weight, ResidentTensor)
-                        output = torch.tanh(output @ weight.tensor)
-                    checksum += float(output.sum())
-                activation = output
-                # Mid-stage: the window is leased and the workspace reserved.
-                samples.append((time.time_ns(), manager.snapshot()))
-            if use.report is not None:
-                plans.append(use.report)
-            snapshot = manager.snapshot()
-            samples.append((time.time_ns(), snapshot))
-            books = next(entry for entry in snapshot.locations if entry.location == compute)
-            log(
-                f"  stage {stage + 1:>3}/{stages}: {len(use.decision.evictions)} evicted, "
-                f"{books.used_bytes / MIB:5.2f} MiB used of {budget / MIB:.2f} MiB"
+            for step, layer in enumerate(schedule)
+        ]
+        flops = 2.0 * batch * width * width
+        runs: dict[str, dict[str, Any]] = {}
+        run_samples: dict[str, list[tuple[int, ResidencySnapshot[Any]]]] = {}
+        last_transitions: tuple[ResidencyTransitionReport, ...] = ()
+        for name, aware, prefetch in _RUNS:
+            # A cold start: nothing of the last run stays on the device.
+            compute.synchronize()
+            manager.execute_actions(
+                [DropResident(handle, location) for handle in handles], name="cold-start"
             )
-        transitions = manager.trace()
-        final = manager.snapshot()
+            manager.clear_trace()
+            if compute.timeline is not None:
+                compute.timeline.reset()
+            policy: ScheduleAwarePolicy | None = ScheduleAwarePolicy(requests) if aware else None
+            controller = ResidencyController(manager, policy=policy)
+            activation = torch.randn(batch, width, generator=torch.Generator().manual_seed(7)).to(
+                compute.torch_device
+            )
+            checksum = torch.zeros((), device=compute.torch_device)
+            samples: list[tuple[int, ResidencySnapshot[Any]]] = []
+            origin = compute.clock_ns()
+            timer = _GpuTimer(compute) if compute.on_gpu else None
+            with controller.run(
+                requests, prefetch=prefetch, consumer_streams={location: compute.stream}
+            ) as steps:
+                for step in steps:
+                    (requirement,) = step.request.requirements
+                    weight = step.value(requirement.handle, at=location)
+                    assert isinstance(weight, ResidentTensor)
+                    with compute.kernels():
+                        activation = torch.tanh(activation @ weight.tensor)
+                        checksum += activation[0, 0]
+                    compute.declare(flops, step.request.name)
+                    samples.append((compute.clock_ns() - origin, manager.snapshot()))
+            compute.synchronize()
+            seconds = timer.stop() if timer is not None else compute.timeline.makespan  # type: ignore[union-attr]
+            samples.append((compute.clock_ns() - origin, manager.snapshot()))
+            transitions = manager.trace()
+            figures = _traffic(transitions, location)
+            peak = max(
+                entry.used_bytes + entry.reserved_bytes
+                for _, snapshot in samples
+                for entry in snapshot.locations
+                if entry.location == location
+            )
+            runs[name] = {
+                **figures,
+                "prefetch": prefetch,
+                "peak_bytes": peak,
+                "seconds": seconds,
+                "checksum": float(checksum),
+            }
+            run_samples[name] = samples
+            last_transitions = transitions
         manager.close(force=True)
-    elapsed = time.perf_counter() - started
-    from fhelium.residency.export import plot_memory, write_trace
+    time_kind = "measured (CUDA events)" if compute.on_gpu else "predicted (timeline model)"
+    fewest = _fewest_loads(schedule, budget_layers)
+    from fhelium.residency.export import write_trace
 
-    write_trace(out / "trace.json", [*transitions, *plans], samples)
-    plotted = True
-    try:
-        plot_memory(samples, out / "memory.png", title="fhelium.residency demo")
-    except ImportError as error:
-        plotted = False
-        log(f"memory.png skipped: {error}")
-    moved = _bytes_moved(transitions)
-    bytes_moved = {f"{a} -> {b}": n for (a, b), n in sorted(moved.items())}
-    peaks = {
-        str(entry.location): (entry.peak_charged_bytes, entry.budget_bytes)
-        for entry in final.locations
-    }
-    summary = {
-        "stages": stages,
-        "evictions": evictions,
-        "bytes_moved": bytes_moved,
-        "peak_vs_budget": peaks,
-        "seconds": elapsed,
-        "checksum": checksum,
+    write_trace(
+        out / "trace.json",
+        last_transitions,
+        run_samples[_RUNS[-1][0]],
+        timeline=compute.timeline,
+    )
+    plotted = _plot_runs(run_samples, budget, location, out / "memory.png", time_kind, log)
+    summary: dict[str, Any] = {
+        "device": compute.description,
+        "layers": layers,
+        "passes": passes,
+        "layer_bytes": layer_bytes,
+        "budget_bytes": budget,
+        "time": time_kind,
+        "fewest_loads": fewest,
+        "runs": runs,
+        "seconds": time.perf_counter() - started,
         "trace": str(out / "trace.json"),
         "plot": str(out / "memory.png") if plotted else None,
     }
-    log("summary:")
-    log(f"  stages {stages}, evictions {evictions}, {elapsed:.2f} s")
-    for pair, nbytes in bytes_moved.items():
-        log(f"  moved {pair}: {nbytes / MIB:.1f} MiB")
-    for location, (peak, limit) in peaks.items():
-        limit_text = "unbudgeted" if limit is None else f"budget {limit / MIB:.2f} MiB"
-        log(f"  peak at {location}: {peak / MIB:.2f} MiB ({limit_text})")
-    log(f"  wrote {summary['trace']}" + (f" and {summary['plot']}" if plotted else ""))
+    log("")
+    log(
+        f"{'run':<27}{'H2D MiB':>9}{'D2H MiB':>9}{'loads':>7}{'evicted':>9}"
+        f"{'peak/budget MiB':>17}{'time ms':>10}"
+    )
+    for name, figures in runs.items():
+        log(
+            f"{name:<27}{figures['h2d_bytes'] / MIB:>9.1f}{figures['d2h_bytes'] / MIB:>9.1f}"
+            f"{figures['loads']:>7}{figures['evictions']:>9}"
+            f"{figures['peak_bytes'] / MIB:>9.1f}/{budget / MIB:<7.1f}"
+            f"{figures['seconds'] * 1e3:>10.2f}"
+        )
+    log(f"time: {time_kind}. Belady's MIN at this budget: {fewest} loads of {len(schedule)}.")
+    log(f"wrote {summary['trace']}" + (f" and {summary['plot']}" if plotted else ""))
     return summary
+
+
+class _GpuTimer:
+    """A run's makespan on the GPU, between two CUDA events on the consumer stream."""
+
+    def __init__(self, compute: _Compute) -> None:
+        compute.synchronize()
+        self._compute = compute
+        self._start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self._start.record(compute.stream)
+
+    def stop(self) -> float:
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end.record(self._compute.stream)
+        end.synchronize()
+        return float(self._start.elapsed_time(end)) / 1e3
+
+
+def _plot_runs(
+    runs: dict[str, list[tuple[int, ResidencySnapshot[Any]]]],
+    budget: int,
+    location: ResidencyLocation,
+    path: Path,
+    time_kind: str,
+    log: Any,
+) -> bool:
+    """One panel per run: the compute location's bytes over the run's time."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        log("memory.png skipped: matplotlib is missing (pip install 'fhelium-residency[plot]')")
+        return False
+    figure = Figure(figsize=(4.0 * len(runs), 3.4), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(runs), sharex=True, sharey=True, squeeze=False)[0]
+    for ax, (name, samples) in zip(axes, runs.items(), strict=True):
+        times = [time_ns / 1e6 for time_ns, _ in samples]
+        used, charged = [], []
+        for _, snapshot in samples:
+            entry = next(e for e in snapshot.locations if e.location == location)
+            used.append(entry.used_bytes / MIB)
+            charged.append((entry.used_bytes + entry.reserved_bytes) / MIB)
+        ax.step(times, used, where="post", label="layers")
+        ax.step(times, charged, where="post", linestyle="-.", label="layers + activations")
+        ax.axhline(budget / MIB, color="tab:red", linestyle="--", label="budget")
+        ax.set_title(name, fontsize="medium")
+        ax.set_xlabel(f"time (ms, {time_kind.split(' ', maxsplit=1)[0]})")
+        ax.set_ylim(bottom=0.0)
+        ax.grid(visible=True, alpha=0.3)
+    axes[0].set_ylabel(f"{location.name} MiB")
+    axes[-1].legend(loc="lower right", fontsize="small")
+    figure.suptitle("fhelium.residency demo: one budget, three ways")
+    figure.savefig(path, format="png")
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fhelium-residency", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the bounded-memory streaming demo")
+    demo = commands.add_parser("demo", help="stream layer weights through a bounded device")
     demo.add_argument("--out", type=Path, default=Path("residency-demo"), help="output folder")
-    demo.add_argument("--stages", type=int, default=40)
-    demo.add_argument("--shards", type=int, default=24)
-    demo.add_argument("--width", type=int, default=512, help="shard matrices are width x width")
+    demo.add_argument("--layers", type=int, default=24)
+    demo.add_argument("--passes", type=int, default=3)
+    demo.add_argument("--budget-layers", type=int, default=8, help="layers the budget holds")
+    demo.add_argument("--width", type=int, default=None, help="layers are width x width")
+    demo.add_argument("--batch", type=int, default=None, help="activation rows")
     demo.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    demo.add_argument("--cache", type=Path, default=None, help="where the shard files live")
+    demo.add_argument("--cache", type=Path, default=None, help="where the layer files live")
+    demo.add_argument(
+        "--h2d-gbps", type=float, default=55.0, help="CPU only: the model's copy bandwidth"
+    )
+    demo.add_argument(
+        "--tflops", type=float, default=60.0, help="CPU only: the model's compute rate"
+    )
     arguments = parser.parse_args(argv)
     run_demo(
         arguments.out,
-        shards=arguments.shards,
+        layers=arguments.layers,
         width=arguments.width,
-        stages=arguments.stages,
+        batch=arguments.batch,
+        passes=arguments.passes,
+        budget_layers=arguments.budget_layers,
         device=arguments.device,
         cache=arguments.cache,
+        h2d_gbps=arguments.h2d_gbps,
+        tflops=arguments.tflops,
     )
     return 0
 

@@ -23,6 +23,7 @@ from fhelium.residency._validation import require_strict_int
 from fhelium.residency.lease import ResidencyHold, ResidencyReservation
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
+from fhelium.residency.plan import MemoryReservation
 from fhelium.residency.request import ResidencyRequest
 from fhelium.residency.schedule import ScheduleAwarePolicy
 
@@ -42,30 +43,38 @@ _SETTLE_PAUSE_S: Final = 0.0005
 
 
 class _Staged:
-    """What keeps a prefetched step's values and headroom until its turn: a hold per
-    location and its request's reservations."""
+    """What keeps a prefetched step's values until its turn: a hold per location. Its
+    request's reservations count toward the pipeline's headroom guard."""
 
-    __slots__ = ("holds", "reservations")
+    __slots__ = ("holds", "needs")
 
-    def __init__(self) -> None:
+    def __init__(self, needs: dict[ResidencyLocation, int]) -> None:
         self.holds: list[ResidencyHold] = []
-        self.reservations: list[ResidencyReservation] = []
+        self.needs = needs
 
     def release(self) -> None:
-        """Releases every hold and reservation, all of them even when one raises."""
-        lifetimes: list[ResidencyHold | ResidencyReservation] = [
-            *self.reservations,
-            *self.holds,
-        ]
-        self.holds, self.reservations = [], []
-        error: BaseException | None = None
-        for lifetime in lifetimes:
-            try:
-                lifetime.release()
-            except BaseException as failure:
-                error = error or failure
-        if error is not None:
-            raise error
+        """Releases every hold, all of them even when one raises."""
+        holds, self.holds = self.holds, []
+        _release_all(holds)
+
+
+def _release_all(lifetimes: Iterable[ResidencyHold | ResidencyReservation]) -> None:
+    error: BaseException | None = None
+    for lifetime in lifetimes:
+        try:
+            lifetime.release()
+        except BaseException as failure:
+            error = error or failure
+    if error is not None:
+        raise error
+
+
+def _needs(request: ResidencyRequest) -> dict[ResidencyLocation, int]:
+    """A request's reservation bytes per location."""
+    needs: dict[ResidencyLocation, int] = {}
+    for reservation in request.reservations:
+        needs[reservation.location] = needs.get(reservation.location, 0) + reservation.nbytes
+    return needs
 
 
 class ResidencyPipeline(Iterator["ResidencyUse"]):
@@ -158,11 +167,13 @@ class _Pipeline:
     """A pipeline's state and its steps (`run`)."""
 
     __slots__ = (
+        "active",
         "closed",
         "consumers",
         "controller",
         "created",
         "current",
+        "guard",
         "position",
         "prefetch",
         "requests",
@@ -199,6 +210,11 @@ class _Pipeline:
         self.created: dict[ResidencyLocation, Any] = {}
         self.current: ResidencyUse | None = None
         self.staged: dict[int, _Staged] = {}
+        # Headroom kept for the staged steps' reservations beyond the active step's own
+        # (docs/concepts/controller.md#staging), per location.
+        self.guard: dict[ResidencyLocation, list[ResidencyReservation]] = {}
+        # The active step's reservation bytes per location.
+        self.active: dict[ResidencyLocation, int] = {}
         self.position = 0
         self.closed = False
 
@@ -273,6 +289,10 @@ class _Pipeline:
             except BaseException as failure:
                 error = error or failure
         try:
+            self._release_guard()
+        except BaseException as failure:
+            error = error or failure
+        try:
             self._settle_transfers()
         except BaseException as failure:
             error = error or failure
@@ -308,9 +328,11 @@ class _Pipeline:
         staged = self.staged.pop(index, None)
         if staged is not None:
             # Its values stay where the prefetch put them: the use requires them there,
-            # so its decision never evicts them, and its scope takes the reservations
-            # these held.
+            # so its decision never evicts them.
             staged.release()
+        # The headroom kept for the staged steps is free for this step's own scope; what
+        # the steps still staged need beyond it is kept again once it is entered.
+        self._release_guard()
         controller = self.controller
         core = controller._engine.core
         while ended:
@@ -335,7 +357,7 @@ class _Pipeline:
                 transfer_streams=self._transfer_streams(request),
             )
             try:
-                return use.__enter__()
+                entered = use.__enter__()
             except ResidencyStaleStateError:
                 stale += 1
                 if stale > _STALE_RETRIES:
@@ -343,6 +365,44 @@ class _Pipeline:
             except (ResidencyPlanError, ResidencyBudgetError):
                 if not self._wait_oldest(ended):
                     raise
+            else:
+                self.active = _needs(request)
+                try:
+                    self._keep_guard({})
+                except BaseException:
+                    entered.__exit__(None, None, None)
+                    raise
+                return entered
+
+    def _guard_bytes(self, location: ResidencyLocation) -> int:
+        return sum(reservation.nbytes for reservation in self.guard.get(location, ()))
+
+    def _extra(self, needs: dict[ResidencyLocation, int]) -> dict[ResidencyLocation, int]:
+        """Per location, the headroom the staged steps (and a step needing ``needs``)
+        would find missing at their entry, beyond the active step's reservation and the
+        guard: each staged step must find the largest of their reservations free."""
+        wanted: dict[ResidencyLocation, int] = dict(needs)
+        for staged in self.staged.values():
+            for location, nbytes in staged.needs.items():
+                wanted[location] = max(wanted.get(location, 0), nbytes)
+        extra: dict[ResidencyLocation, int] = {}
+        for location, nbytes in wanted.items():
+            missing = nbytes - self.active.get(location, 0) - self._guard_bytes(location)
+            if missing > 0:
+                extra[location] = missing
+        return extra
+
+    def _keep_guard(self, needs: dict[ResidencyLocation, int]) -> None:
+        """Reserves the headroom `_extra` finds missing."""
+        manager = self.controller.manager
+        for location, nbytes in self._extra(needs).items():
+            self.guard.setdefault(location, []).append(
+                manager.reserve(location, nbytes, label="prefetch headroom")
+            )
+
+    def _release_guard(self) -> None:
+        guard, self.guard = self.guard, {}
+        _release_all(reservation for kept in guard.values() for reservation in kept)
 
     def _stage_ahead(
         self,
@@ -381,9 +441,21 @@ class _Pipeline:
             # The policy already stands past the active step.
             position = min(len(policy.schedule), policy.position + distance - 1)
         core = controller._engine.core
+        needs = _needs(request)
         while True:
+            # The step's values, with the headroom its reservations (and the staged
+            # steps') would find missing at its entry, decided together.
+            extra = self._extra(needs)
+            staging = ResidencyRequest(
+                request.name,
+                request.requirements,
+                tuple(
+                    MemoryReservation(location, nbytes, "prefetch headroom")
+                    for location, nbytes in extra.items()
+                ),
+            )
             try:
-                decision = controller._decide(request, position)
+                decision = controller._decide(staging, position)
             except (ResidencyPlanError, ResidencyBudgetError):
                 if wait and self._wait_oldest(ended):
                     continue
@@ -397,7 +469,7 @@ class _Pipeline:
             self._wait_oldest(ended)
         plan = decision.plan
         actions = (*plan.reclaim, *plan.enter)
-        staged = _Staged()
+        staged = _Staged(needs)
         self.staged[index] = staged
         manager = controller.manager
         if actions:
@@ -414,10 +486,7 @@ class _Pipeline:
             by_location.setdefault(requirement.location, []).append(requirement.handle)
         for location, handles in by_location.items():
             staged.holds.append(manager.hold(handles, at=location))
-        for reservation in request.reservations:
-            staged.reservations.append(
-                manager.reserve(reservation.location, reservation.nbytes, label=reservation.label)
-            )
+        self._keep_guard({})
         return True
 
     def _wait_oldest(self, ended: collections.deque[list[int]]) -> bool:
