@@ -3,7 +3,11 @@
 alone: the decision's plan, evictions and explanation are built when first read, and
 the benchmark reads only the evictions, after the clock stops. The same with the
 schedule-aware policy, every cached value scheduled again after the request (no
-target: printed for comparison).
+target: printed for comparison). And the controller's own cost per step of a cyclic
+stream of 64 layers through a simulated cuda:0 that holds 8, each step one `use` or
+one step of `controller.run` with prefetch 0 or 1 (events complete at once, so the
+figure is host-side bookkeeping only: decisions, staging, copies of small values,
+leases and reports), every step's value read.
 
 Run: python tests/benchmarks/bench_controller.py [--quick]
 """
@@ -69,6 +73,54 @@ def decide_ms(count: int, repeats: int, *, scheduled: bool = False) -> float:
     return statistics.median(timings)
 
 
+def step_us(prefetch: int | None, steps: int, repeats: int) -> float:
+    """Microseconds per step of a cyclic stream; `prefetch` None is a `use` per step."""
+    from fhelium.residency import PINNED_HOST, cuda_location
+    from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+
+    class Unsampled(SimulatedRuntime):
+        """No allocator readings: the simulation's own sampling (a sweep of every
+        storage it made) would otherwise dominate the figure."""
+
+        def memory_sample(self, device: torch.device) -> tuple[int, int] | None:
+            return None
+
+    runtime = Unsampled(1, auto_complete=True)
+    cuda0 = cuda_location("cuda:0")
+    stream = runtime.current_stream(torch.device("cuda", 0))
+    timings = []
+    with use_runtime(runtime):
+        manager = ResidencyManager({cuda0: 8 * 32, PINNED_HOST: 64 * 32})
+        handles = [
+            manager.adopt(
+                runtime.pin(ResidentTensor(torch.zeros(8))),
+                at=PINNED_HOST,
+                replica_mode=ReplicaMode.REPLICABLE,
+            )
+            for _ in range(64)
+        ]
+        requests = [
+            ResidencyRequest(f"step-{step}", [ResidencyRequirement(handles[step % 64], cuda0)])
+            for step in range(steps)
+        ]
+        controller = ResidencyController(manager, policy=ScheduleAwarePolicy(requests))
+        streams = {cuda0: stream}
+        for _ in range(repeats):
+            controller.policy.seek(0)  # type: ignore[attr-defined]
+            started = time.perf_counter()
+            if prefetch is None:
+                for request in requests:
+                    with controller.use(request, consumer_streams=streams) as use:
+                        use.value(request.requirements[0].handle, at=cuda0)
+            else:
+                with controller.run(requests, prefetch=prefetch, consumer_streams=streams) as run:
+                    for step in run:
+                        step.value(step.request.requirements[0].handle, at=cuda0)
+            timings.append((time.perf_counter() - started) / steps * 1e6)
+        manager.close()
+    return statistics.median(timings)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
@@ -88,6 +140,9 @@ def main() -> None:
             decide_ms(100_000, max(1, repeats // 2), scheduled=True),
             None,
         ),
+        ("stream step, use (us)", step_us(None, 512, repeats), None),
+        ("stream step, run prefetch=0 (us)", step_us(0, 512, repeats), None),
+        ("stream step, run prefetch=1 (us)", step_us(1, 512, repeats), None),
     ]
     width = max(len(name) for name, _, _ in rows)
     for name, measured, target in rows:

@@ -804,14 +804,19 @@ impl CoreManager {
         crate::lifetimes::transfers_into(self, py, handles, at)
     }
 
-    /// The tokens among `tokens` of leases still pending on their events (nothing is
-    /// reaped here).
+    /// The tokens among `tokens` of leases still pending on their events, after
+    /// reaping the leases whose events completed.
     #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
-    fn pending_among(&self, tokens: Vec<u64>) -> Vec<u64> {
-        tokens
-            .into_iter()
-            .filter(|&token| self.core.lease_state(token) == residency_core::LeaseState::Pending)
-            .collect()
+    fn pending_among(&self, py: Python<'_>, tokens: Vec<u64>) -> PyResult<Vec<u64>> {
+        self.with_gate(py, true, true, || {
+            crate::lifetimes::reap(self, py)?;
+            Ok(tokens
+                .into_iter()
+                .filter(|&token| {
+                    self.core.lease_state(token) == residency_core::LeaseState::Pending
+                })
+                .collect())
+        })
     }
 
     /// How many asynchronous transfers are still in flight (not yet reaped).
