@@ -462,6 +462,9 @@ class SimulatedRuntime:
         self._devices = tuple(torch.device("cuda", index) for index in range(device_count))
         self._lock = threading.Lock()
         self._registry: dict[int, _Entry] = {}
+        # The registry's CUDA entries again, per device: an allocator reading sweeps only
+        # its device's storages, not every pinned one the simulation made.
+        self._on_device: dict[torch.device, dict[int, _Entry]] = {}
         self._sweep_at = 64
         self._pending: weakref.WeakSet[SimulatedEvent] = weakref.WeakSet()
         self._faults: dict[str, collections.deque[_Fault]] = {}
@@ -1014,7 +1017,10 @@ class SimulatedRuntime:
                     # As torch's pinned allocator: zero bytes get no pinned storage, so
                     # an empty tensor stays a plain (pageable) CPU tensor.
                     continue
-                self._registry[storage._cdata] = _Entry(storage, device, pinned)
+                entry = _Entry(storage, device, pinned)
+                self._registry[storage._cdata] = entry
+                if device.type == "cuda":
+                    self._on_device.setdefault(device, {})[storage._cdata] = entry
             # Amortised sweep of dead entries, so a long test run does not grow the registry.
             if len(self._registry) >= self._sweep_at:
                 self._sweep_locked()
@@ -1023,12 +1029,19 @@ class SimulatedRuntime:
     def _sweep_locked(self) -> None:
         dead = [key for key, entry in self._registry.items() if not entry.alive()]
         for key in dead:
-            del self._registry[key]
+            entry = self._registry.pop(key)
+            self._on_device.get(entry.device, {}).pop(key, None)
 
     def _live_entries(self, device: torch.device) -> list[_Entry]:
         with self._lock:
-            self._sweep_locked()
-            return [entry for entry in self._registry.values() if entry.device == device]
+            entries = self._on_device.get(device, {})
+            dead = [key for key, entry in entries.items() if not entry.alive()]
+            for key in dead:
+                del entries[key]
+                # A newer storage may have taken the key in the registry meanwhile.
+                if (known := self._registry.get(key)) is not None and not known.alive():
+                    del self._registry[key]
+            return list(entries.values())
 
     def _complete_where(self, predicate: Callable[[SimulatedEvent], bool]) -> int:
         with self._lock:
