@@ -335,7 +335,9 @@ class _Pipeline:
         self._release_guard()
         controller = self.controller
         core = controller._engine.core
-        while ended:
+        # A staged step's values are in place and its reservations' headroom was kept:
+        # it evicts nothing, so there is nothing to wait for first.
+        while ended and staged is None:
             # A step that must evict while ended steps still protect values waits for
             # them first: their values may be the better victims (in a cyclic
             # schedule, the one just used is the one needed farthest ahead).
