@@ -30,3 +30,15 @@ def test_automatic_residency_example_runs(capsys: pytest.CaptureFixture[str]) ->
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 7, lines
     assert any("[]" not in line for line in lines[1:]), "later steps evict"
+
+
+def test_streaming_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    text = README.read_text(encoding="utf-8")
+    match = re.search(
+        r"## Streaming with a schedule and prefetch\n\n.*?```python\n(.*?)```", text, re.S
+    )
+    assert match is not None, "README lost its streaming example"
+    namespace: dict[str, object] = {}
+    exec(compile(match.group(1), str(README), "exec"), namespace)
+    output = capsys.readouterr().out
+    assert output.endswith("ms predicted\n"), output
