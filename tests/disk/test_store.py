@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,23 @@ def _child(root: Path, owner: str, how: str) -> Path:
 def test_files_are_removed_at_interpreter_exit(tmp_path: Path) -> None:
     directory = _child(tmp_path, "exits", "exit")
     assert not directory.exists()
+
+
+def test_a_forked_child_leaves_its_parents_files(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    file = store.write("v", ResidentTensor(torch.ones(10)))
+    with warnings.catch_warnings():
+        # Python 3.12 warns that forking a threaded process may deadlock; the child
+        # only runs the finalizer and exits.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child exits through the finalizers, as an interpreter would
+        store._finalizer()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert file.path.exists()
+    store.close()
+    assert not store.directory.exists()
 
 
 def test_a_killed_owners_directory_is_refused_or_cleaned(tmp_path: Path) -> None:

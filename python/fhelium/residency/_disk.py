@@ -119,6 +119,11 @@ def _remove_quietly(directory: Path) -> None:
         directory.rmdir()
 
 
+def _remove_owned(directory: Path, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:
+        _remove_quietly(directory)
+
+
 def _fsync_directory(directory: Path) -> None:
     descriptor = os.open(directory, os.O_RDONLY)
     try:
@@ -162,8 +167,9 @@ class DiskStore:
             raise ResidencyMaterializationError(
                 f"cannot create the disk directory {self.directory}: {error}"
             ) from error
-        # Files left at interpreter exit are removed then.
-        self._finalizer = weakref.finalize(self, _remove_quietly, self.directory)
+        # Files left at interpreter exit are removed then, by this process only (a
+        # forked child inherits the finalizer, not the directory).
+        self._finalizer = weakref.finalize(self, _remove_owned, self.directory, os.getpid())
 
     # ------------------------------------------------------------------ owners
 
