@@ -49,7 +49,7 @@ import torch
 from fhelium.errors import ResidencyInUseError, ResidencyMaterializationError
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["DiskFile", "DiskStore"]
+__all__ = ["DiskFile", "DiskStore", "DiskTier"]
 
 PREFIX: Final = "fhelium-residency-"
 OWNER: Final = "owner.json"
@@ -382,3 +382,61 @@ def _layout(
         ),
     }
     return header, tuple(storages), tuple(fields), blobs
+
+
+class DiskTier:
+    """A manager's disk locations: one `DiskStore` per directory, opened on first
+    write, all removed at close. The binding calls it to write, read and remove the
+    materialisations at disk locations (docs/concepts/locations-and-budgets.md#disk)."""
+
+    __slots__ = ("owner_id", "stores", "written")
+
+    def __init__(self) -> None:
+        self.owner_id = ""
+        self.stores: dict[str, DiskStore] = {}
+        self.written = 0  # names every file uniquely
+
+    def _store(self, path: str) -> DiskStore:
+        store = self.stores.get(path)
+        if store is None:
+            store = self.stores[path] = DiskStore(path, self.owner_id)
+        return store
+
+    def write(self, location: Any, value: TensorResident, runtime: Any) -> DiskFile:
+        """Writes a host value (a CUDA one is first copied to pageable memory) to a
+        new file."""
+        if runtime.value_device(value).type != "cpu":
+            value = runtime.copy_to_pageable(value)
+        self.written += 1
+        return self._store(location.path).write(f"value-{self.written}", value)
+
+    def read(self, file: DiskFile, pinned: bool, runtime: Any) -> TensorResident:
+        """The stored value in pageable memory (mapped), or in pinned memory."""
+        store = next(
+            (store for store in self.stores.values() if store.directory == file.path.parent),
+            None,
+        )
+        if store is None:
+            raise ResidencyMaterializationError(f"{file.path} belongs to no open disk store")
+        value = store.read(file)
+        return runtime.copy_to_pinned(value) if pinned else value
+
+    def remove(self, file: object) -> None:
+        if isinstance(file, DiskFile):
+            for store in self.stores.values():
+                if file.path.parent == store.directory:
+                    store.remove(file)
+                    return
+
+    def facts(self, file: DiskFile) -> tuple[int, int]:
+        """(logical bytes, storage bytes) of a stored value."""
+        logical = sum(
+            int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+            for _, dtype, _, shape, _ in file.fields
+        )
+        return logical, sum(length for _, length in file.storages)
+
+    def close(self) -> None:
+        stores, self.stores = self.stores, {}
+        for store in stores.values():
+            store.close()

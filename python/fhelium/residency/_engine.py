@@ -20,9 +20,11 @@ from typing import Any, Final, NoReturn, TypeVar, cast
 from fhelium import _core
 from fhelium._core import LifetimeKind
 from fhelium.residency import _lowering
+from fhelium.residency._disk import DiskTier
 from fhelium.residency._lifetime import ENGINES
 from fhelium.residency._locations import (
     CUDA_BASE,
+    disk_code,
     location_of,
 )
 from fhelium.residency._records import bulk_builder, trusted_builder
@@ -142,6 +144,8 @@ class Engine:
         self.runtime: DeviceRuntime = current_runtime()
         runtime = self.runtime
         self.cuda_count: int = runtime.device_count() if runtime.cuda_available() else 0
+        # The manager's files at disk locations; named after the manager once it has an id.
+        disk = DiskTier()
         context = (
             EnsureResident,
             MoveResident,
@@ -166,6 +170,8 @@ class Engine:
             normalize_handles,
             ResidencyHandle,
             (_NEW_ENSURE, _NEW_MOVE, _NEW_DROP),
+            disk,
+            disk_code,
         )
         # The trace keeps the newest `capacity` reports; 0 disables it.
         # Each budget's location is checked by the core, then its byte count here.
@@ -177,6 +183,7 @@ class Engine:
             min(capacity, sys.maxsize),
         )
         self.manager_id: str = self.core.manager_id
+        disk.owner_id = self.manager_id
         # The public manager this engine serves, set by it; weak, so the engine never
         # keeps its owner alive.
         self.owner: Callable[[], object | None] = _no_owner

@@ -1,9 +1,11 @@
-"""Residency locations: pageable host, pinned host, or one indexed CUDA device.
+"""Residency locations: pageable host, pinned host, one indexed CUDA device, or a
+directory on local storage.
 
 Locations are plain normalised records; whether a CUDA device exists is the manager's
 question, not the record's.
 """
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -20,6 +22,7 @@ __all__ = [
     "cuda_location",
 ]
 
+# The documented kinds; a `DiskLocation` (fhelium.residency.disk) is kind "disk".
 ResidencyLocationKind: TypeAlias = Literal["pageable-host", "pinned-host", "cuda"]
 
 _CUDA_MAX_INDEX = 127
@@ -70,7 +73,12 @@ class ResidencyLocation:
 
     def __post_init__(self) -> None:
         kind: object = self.kind
-        if kind == "cuda":
+        if kind == "disk":
+            if not isinstance(self, DiskLocation):
+                raise ValueError("a disk location is made by disk_location(path)")
+            object.__setattr__(self, "kind", "disk")
+            object.__setattr__(self, "device", _CPU)
+        elif kind == "cuda":
             object.__setattr__(self, "kind", "cuda")
             object.__setattr__(self, "device", _validate_cuda_device(self.device))
         elif kind in _HOST_KINDS:
@@ -82,14 +90,17 @@ class ResidencyLocation:
             object.__setattr__(self, "device", _CPU)
         else:
             raise ValueError(
-                f"unsupported kind: expected 'pageable-host', 'pinned-host' or 'cuda', got {kind!r}"
+                "unsupported kind: expected 'pageable-host', 'pinned-host', 'cuda' or 'disk', "
+                f"got {kind!r}"
             )
 
     @property
     def name(self) -> str:
-        """``"pageable-host"``, ``"pinned-host"`` or ``"cuda:N"``."""
+        """``"pageable-host"``, ``"pinned-host"``, ``"cuda:N"`` or ``"disk:<path>"``."""
         if self.kind == "cuda":
             return f"cuda:{self.device.index}"
+        if isinstance(self, DiskLocation):
+            return f"disk:{self.path}"
         return self.kind
 
     def __str__(self) -> str:
@@ -105,4 +116,25 @@ def cuda_location(device: torch.device | str) -> ResidencyLocation:
     return ResidencyLocation("cuda", _validate_cuda_device(device))
 
 
-seal(ResidencyLocation)
+@dataclass(frozen=True, slots=True, init=False)
+class DiskLocation(ResidencyLocation):
+    """A directory on local storage (``fhelium.residency.disk.disk_location``): kind
+    ``"disk"``, device ``cpu``, and the directory's absolute, normalised ``path``."""
+
+    path: str
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"a disk location needs a directory path, got {type(path).__name__}")
+        text = os.fspath(path)
+        if not isinstance(text, str) or not text or "\0" in text:
+            raise ValueError(f"a disk location needs a non-empty directory path, got {text!r}")
+        object.__setattr__(self, "path", os.path.normpath(os.path.abspath(text)))
+        object.__setattr__(self, "kind", "disk")
+        object.__setattr__(self, "device", _CPU)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (DiskLocation, (self.path,))
+
+
+seal(ResidencyLocation, DiskLocation)

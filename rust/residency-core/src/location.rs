@@ -1,8 +1,9 @@
-//! Where a materialisation lives: pageable host, pinned host or an indexed CUDA device.
+//! Where a materialisation lives: pageable host, pinned host, an indexed CUDA device,
+//! or a directory on local storage.
 //!
-//! The derived ordering is the canonical source order (pageable, pinned, then CUDA by
-//! ascending index; docs/concepts/values.md#source-order), so `min()` over candidate
-//! locations picks a source.
+//! The derived ordering is the canonical source order (pageable, pinned, CUDA by
+//! ascending index, then disk directories; docs/concepts/values.md#source-order), so
+//! `min()` over candidate locations picks a source.
 
 use std::fmt;
 
@@ -10,6 +11,10 @@ use crate::error::{CoreError, CoreResult};
 
 /// The highest CUDA device index a location may name.
 pub const MAX_CUDA_INDEX: u8 = 127;
+/// The highest disk directory index (the glue numbers directories as first named).
+pub const MAX_DISK_INDEX: u8 = 127;
+/// The first disk location code: CUDA codes end just below it.
+const DISK_BASE: u32 = 2 + MAX_CUDA_INDEX as u32 + 1;
 
 /// A residency location. The variant order is the canonical order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -17,6 +22,7 @@ pub enum Location {
     PageableHost,
     PinnedHost,
     Cuda(u8),
+    Disk(u8),
 }
 
 impl Location {
@@ -30,12 +36,24 @@ impl Location {
         }
     }
 
-    /// The compact code used across the language boundary: 0 pageable, 1 pinned, 2 + index.
+    /// Builds a disk location, rejecting indices above [`MAX_DISK_INDEX`].
+    pub fn disk(index: u32) -> CoreResult<Self> {
+        match u8::try_from(index) {
+            Ok(index) if index <= MAX_DISK_INDEX => Ok(Self::Disk(index)),
+            _ => Err(CoreError::InvalidArgument {
+                message: format!("disk index {index} exceeds the maximum {MAX_DISK_INDEX}"),
+            }),
+        }
+    }
+
+    /// The compact code used across the language boundary: 0 pageable, 1 pinned,
+    /// 2 + index for CUDA, 130 + index for a disk directory.
     pub fn code(self) -> u32 {
         match self {
             Self::PageableHost => 0,
             Self::PinnedHost => 1,
             Self::Cuda(index) => 2 + u32::from(index),
+            Self::Disk(index) => DISK_BASE + u32::from(index),
         }
     }
 
@@ -44,8 +62,13 @@ impl Location {
         match code {
             0 => Ok(Self::PageableHost),
             1 => Ok(Self::PinnedHost),
+            other if other >= DISK_BASE => Self::disk(other - DISK_BASE),
             other => Self::cuda(other - 2),
         }
+    }
+
+    pub fn is_disk(self) -> bool {
+        matches!(self, Self::Disk(_))
     }
 
     pub fn is_cuda(self) -> bool {
@@ -59,7 +82,8 @@ impl Location {
         }
     }
 
-    /// The location name: `pageable-host`, `pinned-host` or `cuda:N`.
+    /// The location name: `pageable-host`, `pinned-host`, `cuda:N` or `disk:N` (the
+    /// glue names a disk location by its directory).
     pub fn name(self) -> String {
         self.to_string()
     }
@@ -71,6 +95,7 @@ impl fmt::Display for Location {
             Self::PageableHost => f.write_str("pageable-host"),
             Self::PinnedHost => f.write_str("pinned-host"),
             Self::Cuda(index) => write!(f, "cuda:{index}"),
+            Self::Disk(index) => write!(f, "disk:{index}"),
         }
     }
 }

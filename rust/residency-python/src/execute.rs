@@ -40,6 +40,10 @@ pub struct Context {
     pageable: Py<PyAny>,
     pinned: Py<PyAny>,
     location_of: Py<PyAny>,
+    /// The manager's disk tier (`fhelium.residency._disk.DiskTier`) and the glue's
+    /// numbering of disk directories (`_locations.disk_code`).
+    pub(crate) disk: Py<PyAny>,
+    disk_code: Py<PyAny>,
     ensure_noop: Py<PyAny>,
     move_noop: Py<PyAny>,
     drop_noop: Py<PyAny>,
@@ -198,6 +202,8 @@ impl Context {
             new_ensure: builder(22, 0)?,
             new_move: builder(22, 1)?,
             new_drop: builder(22, 2)?,
+            disk: item(23)?,
+            disk_code: item(24)?,
             direct_actions: Actions::default(),
             checked_streams: Mutex::new(Vec::new()),
             checked_cuda: Mutex::new(Vec::new()),
@@ -320,6 +326,12 @@ impl Context {
         match kind.cast::<PyString>()?.to_str()? {
             "pageable-host" => return Ok(Location::PageableHost),
             "pinned-host" => return Ok(Location::PinnedHost),
+            "disk" => {
+                let code: u32 = self.disk_code.bind(py).call1((location,))?.extract()?;
+                let checked = Location::from_code(code).map_err(|err| to_py_err(py, err))?;
+                remember(&self.checked_cuda, (location.clone().unbind(), checked));
+                return Ok(checked);
+            }
             _ => {}
         }
         let index: u32 = location
@@ -407,7 +419,7 @@ impl Context {
         match location {
             Location::PageableHost => Ok(self.pageable.bind(py).clone()),
             Location::PinnedHost => Ok(self.pinned.bind(py).clone()),
-            Location::Cuda(_) => {
+            Location::Cuda(_) | Location::Disk(_) => {
                 if let Some(record) = remembered(&self.shared_cuda, |(known, record)| {
                     (*known == location).then(|| record.clone_ref(py))
                 }) {
@@ -1178,7 +1190,25 @@ fn copy_to<'py>(
     asynchronous: bool,
 ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     let runtime = context.runtime.bind(py);
+    let disk = context.disk.bind(py);
+    if let Location::Disk(_) = source {
+        // Read back: mapped into pageable memory, read into pinned memory, or through
+        // pageable memory to a device.
+        let pinned = at == Location::PinnedHost;
+        let read = disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?;
+        if !matches!(at, Location::Cuda(_)) {
+            return Ok((read, None));
+        }
+        return copy_to(context, py, &read, Location::PageableHost, at, stream, asynchronous);
+    }
     match at {
+        Location::Disk(_) => Ok((
+            disk.call_method1(
+                intern!(py, "write"),
+                (context.location(py, at)?, value, runtime),
+            )?,
+            None,
+        )),
         Location::PinnedHost => Ok((
             runtime.call_method1(intern!(py, "copy_to_pinned"), (value,))?,
             None,
@@ -1337,6 +1367,30 @@ fn validate<'py>(
     check_bytes: bool,
 ) -> PyResult<Facts<'py>> {
     let context = manager.context();
+    if let Location::Disk(_) = at {
+        // A stored file: its byte counts are those of the value written.
+        let (logical, storage): (u64, u64) = context
+            .disk
+            .bind(py)
+            .call_method1(intern!(py, "facts"), (value,))?
+            .extract()?;
+        let facts = Facts {
+            device: None,
+            first: None,
+            device_code: -2,
+            pinned: None,
+            logical,
+            storage,
+            keys: Vec::new(),
+        };
+        if check_bytes {
+            lift(
+                py,
+                manager.core().check_materialization(index, logical, storage),
+            )?;
+        }
+        return Ok(facts);
+    }
     let spec = manager.spec_object(py, index)?;
     let value_type = spec.bind(py).getattr(intern!(py, "value_type"))?;
     if !value.is_instance(&value_type)? {
@@ -1405,6 +1459,8 @@ pub(crate) fn check_measured(
         Location::PageableHost => (-1, Some(false)),
         Location::PinnedHost => (-1, Some(true)),
         Location::Cuda(device) => (i64::from(device), Some(false)),
+        // Only the disk tier's files are installed there, never a value itself.
+        Location::Disk(_) => (i64::MIN, None),
     };
     // A host value without storage bytes has no memory to pin: it is in place at
     // either host location (docs/concepts/locations-and-budgets.md#pinned-host).

@@ -340,6 +340,13 @@ pub fn acquire(
     manager.with_gate(py, true, true, || {
         let context = manager.context();
         let location = context.location_code(py, at)?;
+        if let Location::Disk(_) = location {
+            return Err(PyValueError::new_err(format!(
+                "{} cannot be borrowed: a value on disk is a file; ensure it on a host or \
+                 CUDA location and acquire it there",
+                at.str()?
+            )));
+        }
         if matches!(location, Location::Cuda(_)) && consumer_stream.is_none() {
             return Err(PyValueError::new_err(format!(
                 "acquiring at {} needs the consumer_stream that will read the values",
@@ -733,6 +740,8 @@ pub fn close(manager: &CoreManager, py: Python<'_>, wait: bool, force: bool) -> 
             }
         }
         lift(py, core.close(force))?;
+        // Every file of the manager's disk locations goes with it.
+        context.disk.bind(py).call_method0(intern!(py, "close"))?;
         drop(manager.objects().clear());
         drop(manager.objects().clear_pending());
         drop(manager.objects().clear_deferred());

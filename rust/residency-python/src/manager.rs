@@ -310,16 +310,35 @@ impl CoreManager {
     ) -> PyResult<bool> {
         let dropped = Self::lift(py, self.core.drop_materialization(index, at))?;
         if dropped {
-            drop(self.objects.take_value(index, at.code()));
+            self.forget_value(index, at);
         }
         Ok(dropped)
     }
 
     pub(crate) fn discard_value(&self, py: Python<'_>, index: HandleId) -> PyResult<()> {
         let removed = Self::lift(py, self.core.discard(index))?;
-        drop(self.objects.discard(index, &codes(&removed)));
+        let values = self.objects.discard(index, &codes(&removed));
+        for (location, value) in removed.iter().zip(&values) {
+            if location.is_disk() {
+                self.remove_file(py, value);
+            }
+        }
+        drop(values);
         self.context.forget_direct_actions();
         Ok(())
+    }
+
+    /// Removes the file of a materialisation on disk; a failure is reported as
+    /// unraisable (the record is gone either way, and the directory goes at close).
+    fn remove_file(&self, py: Python<'_>, file: &Py<PyAny>) {
+        let removed = self
+            .context
+            .disk
+            .bind(py)
+            .call_method1(pyo3::intern!(py, "remove"), (file,));
+        if let Err(error) = removed {
+            error.write_unraisable(py, None);
+        }
     }
 
     pub(crate) fn value_object<'py>(
@@ -338,7 +357,12 @@ impl CoreManager {
     }
 
     pub(crate) fn forget_value(&self, index: HandleId, at: Location) {
-        drop(self.objects.take_value(index, at.code()));
+        let value = self.objects.take_value(index, at.code());
+        if let (Location::Disk(_), Some(file)) = (at, &value) {
+            // A materialisation on disk is a file: it goes with its record.
+            Python::attach(|py| self.remove_file(py, file));
+        }
+        drop(value);
     }
 
     pub(crate) fn keep_value(
