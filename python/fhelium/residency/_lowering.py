@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from fhelium import _core
 from fhelium._core import ActionKind
+from fhelium.residency._locations import disk_code
+from fhelium.residency.location import DiskLocation
 
 if TYPE_CHECKING:
     from fhelium.residency.location import ResidencyLocation
@@ -64,12 +66,15 @@ def type_key(value_type: type) -> int:
 
 
 def location_code(location: ResidencyLocation) -> int:
-    """The core's location code: 0 pageable host, 1 pinned host, 2 + CUDA index."""
+    """The core's location code: 0 pageable host, 1 pinned host, 2 + CUDA index, and
+    130 + index for a disk directory (see `_locations`)."""
     kind = location.kind
     if kind == "pageable-host":
         return 0
     if kind == "pinned-host":
         return 1
+    if isinstance(location, DiskLocation):
+        return disk_code(location)
     index = location.device.index
     assert index is not None  # ResidencyLocation guarantees an indexed CUDA device.
     return 2 + index

@@ -12,8 +12,9 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
+from fhelium.residency._locations import DISK_BASE, disk_code
 from fhelium.residency._runtime.simulated import Timeline, TimelineSpan
-from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
+from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, DiskLocation, ResidencyLocation
 from fhelium.residency.plan import DiscardValue, DropResident, EnsureResident, MoveResident
 from fhelium.residency.snapshot import (
     ResidencyPlanReport,
@@ -28,6 +29,7 @@ _PID: Final = 1
 _PAGEABLE_TID: Final = 1
 _PINNED_TID: Final = 2
 _CUDA_TID_BASE: Final = 16
+_DISK_TID_BASE: Final = _CUDA_TID_BASE + 128
 _PLANS_TID: Final = 1000
 _DISCARDS_TID: Final = 1001
 _PLANS_TRACK: Final = "plans"
@@ -57,6 +59,9 @@ def _location_tid(location: ResidencyLocation) -> int:
         return _PAGEABLE_TID
     if location == PINNED_HOST:
         return _PINNED_TID
+    if isinstance(location, DiskLocation):
+        # After every CUDA track, in the order the process first named the directory.
+        return _DISK_TID_BASE + disk_code(location) - DISK_BASE
     index = location.device.index
     return _CUDA_TID_BASE + (0 if index is None else index)
 

@@ -131,6 +131,7 @@ mod tests {
         let all: Vec<Location> = [Location::PageableHost, Location::PinnedHost]
             .into_iter()
             .chain((0..=MAX_CUDA_INDEX).map(Location::Cuda))
+            .chain((0..=MAX_DISK_INDEX).map(Location::Disk))
             .collect();
         for window in all.windows(2) {
             assert!(window[0] < window[1]);
@@ -148,7 +149,10 @@ mod tests {
             Location::cuda(128),
             Err(CoreError::InvalidArgument { .. })
         ));
-        assert!(Location::from_code(2 + 128).is_err());
+        // CUDA codes end where disk codes begin; past the last disk code nothing is.
+        assert_eq!(Location::from_code(2 + 128), Ok(Location::Disk(0)));
+        assert!(Location::disk(128).is_err());
+        assert!(Location::from_code(130 + 128).is_err());
         assert!(Location::from_code(u32::MAX).is_err());
     }
 

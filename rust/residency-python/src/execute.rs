@@ -1199,7 +1199,15 @@ fn copy_to<'py>(
         if !matches!(at, Location::Cuda(_)) {
             return Ok((read, None));
         }
-        return copy_to(context, py, &read, Location::PageableHost, at, stream, asynchronous);
+        return copy_to(
+            context,
+            py,
+            &read,
+            Location::PageableHost,
+            at,
+            stream,
+            asynchronous,
+        );
     }
     match at {
         Location::Disk(_) => Ok((
@@ -1386,7 +1394,9 @@ fn validate<'py>(
         if check_bytes {
             lift(
                 py,
-                manager.core().check_materialization(index, logical, storage),
+                manager
+                    .core()
+                    .check_materialization(index, logical, storage),
             )?;
         }
         return Ok(facts);

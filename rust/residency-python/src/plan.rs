@@ -255,6 +255,14 @@ fn location_code(location: &Bound<'_, PyAny>) -> PyResult<i64> {
     if is("pinned-host")? {
         return Ok(1);
     }
+    if is("disk")? {
+        // The glue numbers disk directories (`_lowering.location_code`).
+        let lowering = py.import(intern!(py, "fhelium.residency._lowering"))?;
+        return lowering
+            .getattr(intern!(py, "location_code"))?
+            .call1((location,))?
+            .extract();
+    }
     let index = location
         .getattr(intern!(py, "device"))?
         .getattr(intern!(py, "index"))?;
