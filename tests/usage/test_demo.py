@@ -144,3 +144,30 @@ def test_command_line_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_bad_sizes_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="budget_layers"):
         run_demo(tmp_path, layers=4, budget_layers=1, device="cpu", cache=tmp_path, quiet=True)
+
+
+def test_the_disk_mode_keeps_what_the_host_cannot_hold_on_disk(tmp_path: Path) -> None:
+    spill = tmp_path / "spill"
+    summary = run_demo(
+        tmp_path / "out",
+        layers=9,
+        width=64,
+        batch=256,
+        passes=2,
+        budget_layers=3,
+        device="cpu",
+        cache=tmp_path / "cache",
+        quiet=True,
+        disk=spill,
+        host_layers=3,
+    )
+    runs = summary["runs"]
+    assert list(runs) == ["lru", "schedule-aware", "schedule-aware + prefetch"]
+    for figures in runs.values():
+        # Six of nine layers live only on disk: every load of one of them reads it.
+        assert figures["disk_read_bytes"] > 0
+        assert figures["disk_read_bytes"] % LAYER_BYTES == 0
+    checksums = {round(figures["checksum"], 3) for figures in runs.values()}
+    assert len(checksums) == 1
+    # The manager closed: none of its files is left.
+    assert [path for path in spill.rglob("*") if path.is_file()] == []

@@ -28,6 +28,7 @@ from fhelium.residency import (
     DropResident,
     EnsureResident,
     MemoryReservation,
+    MoveResident,
     ReplicaMode,
     ResidencyController,
     ResidencyLocation,
@@ -38,6 +39,7 @@ from fhelium.residency import (
     ResidencyTransitionReport,
     cuda_location,
 )
+from fhelium.residency.disk import DiskLocation, disk_location
 from fhelium.residency.schedule import ScheduleAwarePolicy
 from fhelium.residency.simulation import SimulatedRuntime, Timeline, use_runtime
 from fhelium.residency.sources import SafetensorsSource
@@ -161,11 +163,13 @@ def _traffic(
 ) -> dict[str, int]:
     """Bytes moved host-to-device and device-to-host, loads into and evictions from
     the compute location, from a run's transition reports."""
-    figures = {"h2d_bytes": 0, "d2h_bytes": 0, "loads": 0, "evictions": 0}
+    figures = {"h2d_bytes": 0, "d2h_bytes": 0, "disk_read_bytes": 0, "loads": 0, "evictions": 0}
     for report in transitions:
         if report.no_op:
             continue
         source, destination = report.source, report.destination
+        if isinstance(source, DiskLocation):
+            figures["disk_read_bytes"] += report.storage_nbytes
         if destination == compute:
             figures["loads"] += 1
             if source is None or source.kind != "cuda":
@@ -190,11 +194,18 @@ def run_demo(
     quiet: bool = False,
     h2d_gbps: float = 55.0,
     tflops: float = 60.0,
+    disk: Path | None = None,
+    host_layers: int | None = None,
 ) -> dict[str, Any]:
     """Streams `passes` passes over `layers` layer weights through a compute budget of
     `budget_layers` of them, three ways; returns the summary and writes the trace and
     the plot. Sizes default to a few GB of weights on a GPU and to a scaled-down copy
-    on the CPU."""
+    on the CPU.
+
+    With `disk`, the weights are the manager's own (adopted, must be preserved), the
+    pinned host's budget holds only `host_layers` of them (default: a third), and the
+    rest live in a disk location in that directory, read back whenever a step needs
+    them."""
     compute = _Compute(device, h2d_gbps=h2d_gbps, tflops=tflops)
     if width is None:
         width = 5792 if compute.on_gpu else 256
@@ -216,23 +227,44 @@ def run_demo(
     out.mkdir(parents=True, exist_ok=True)
     location = compute.location
     schedule = [layer for _ in range(passes) for layer in range(layers)]
+    pinned_layers = layers if disk is None else (host_layers or max(1, layers // 3))
     with compute.installed():
-        manager = ResidencyManager(
-            {location: budget, PINNED_HOST: layers * layer_bytes},
-            trace_capacity=8 * len(schedule) + 64,
-        )
+        budgets: dict[ResidencyLocation, int] = {
+            location: budget,
+            PINNED_HOST: pinned_layers * layer_bytes,
+        }
+        spill = None if disk is None else disk_location(disk)
+        if spill is not None:
+            budgets[spill] = layers * layer_bytes
+        manager = ResidencyManager(budgets, trace_capacity=8 * len(schedule) + 64)
         handles = []
         for path in paths:
             source: SafetensorsSource[ResidentTensor] = SafetensorsSource(path, "weight")
-            handles.append(
-                manager.register_source(source.spec(replica_mode=ReplicaMode.REPLICABLE), source)
+            if spill is None:
+                handles.append(
+                    manager.register_source(
+                        source.spec(replica_mode=ReplicaMode.REPLICABLE), source
+                    )
+                )
+            else:
+                # The manager's own copy, which must be kept: the pinned host holds a
+                # few, the disk the rest.
+                handles.append(manager.adopt(source.load(), replica_mode=ReplicaMode.REPLICABLE))
+        # Every layer is staged once in pinned host memory (or, past its budget, on
+        # disk): the compute location fills from there with fast host-to-device copies,
+        # and an eviction from it is a drop.
+        if spill is None:
+            manager.execute_actions(
+                [EnsureResident(handle, PINNED_HOST) for handle in handles], name="staging"
             )
-        # Every layer is staged once in pinned host memory: the compute location fills
-        # from there with fast, asynchronous host-to-device copies, and an eviction is a
-        # drop.
-        manager.execute_actions(
-            [EnsureResident(handle, PINNED_HOST) for handle in handles], name="staging"
-        )
+        else:
+            manager.execute_actions(
+                [
+                    MoveResident(handle, PINNED_HOST if index < pinned_layers else spill)
+                    for index, handle in enumerate(handles)
+                ],
+                name="staging",
+            )
         log(
             f"fhelium.residency demo: {passes} passes over {layers} layers of "
             f"{layer_bytes / MIB:.1f} MiB ({layers * layer_bytes / MIB:.0f} MiB of weights)"
@@ -241,6 +273,11 @@ def run_demo(
             f"compute: {compute.description}; budget {budget / MIB:.1f} MiB "
             f"({budget_layers} layers + {workspace / MIB:.1f} MiB of activations)"
         )
+        if spill is not None:
+            log(
+                f"host: pinned budget of {pinned_layers} layers; the other "
+                f"{layers - pinned_layers} live on {spill.name}"
+            )
         requests = [
             ResidencyRequest(
                 f"pass-{step // layers}-layer-{layer:03d}",
@@ -339,6 +376,7 @@ def run_demo(
             f"{figures['loads']:>7}{figures['evictions']:>9}"
             f"{figures['peak_bytes'] / MIB:>9.1f}/{budget / MIB:<7.1f}"
             f"{figures['seconds'] * 1e3:>10.2f}"
+            + (f"   read {figures['disk_read_bytes'] / MIB:.1f} MiB from disk" if disk else "")
         )
     log(f"time: {time_kind}. Belady's MIN at this budget: {fewest} loads of {len(schedule)}.")
     log(f"wrote {summary['trace']}" + (f" and {summary['plot']}" if plotted else ""))
@@ -418,6 +456,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--tflops", type=float, default=60.0, help="CPU only: the model's compute rate"
     )
+    demo.add_argument(
+        "--disk", type=Path, default=None, help="keep the layers past --host-layers on disk here"
+    )
+    demo.add_argument(
+        "--host-layers", type=int, default=None, help="with --disk: layers the pinned host holds"
+    )
     arguments = parser.parse_args(argv)
     run_demo(
         arguments.out,
@@ -430,6 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cache=arguments.cache,
         h2d_gbps=arguments.h2d_gbps,
         tflops=arguments.tflops,
+        disk=arguments.disk,
+        host_layers=arguments.host_layers,
     )
     return 0
 
