@@ -21,6 +21,7 @@ from fhelium.residency import (
     DeterministicTieredLRU,
     DropResident,
     EnsureResident,
+    Recoverability,
     ReplicaMode,
     ResidencyController,
     ResidencyLocation,
@@ -28,6 +29,7 @@ from fhelium.residency import (
     ResidencyPlan,
     ResidencyRequest,
     ResidencyRequirement,
+    ResidencyValueSpec,
     _disk,
     cuda_location,
 )
@@ -116,6 +118,25 @@ def test_disk_cannot_be_borrowed_but_can_be_held(tmp_path: Path) -> None:
     with manager.hold([handle], at=disk), pytest.raises(Exception, match=r"protected|in use"):
         manager.drop(handle, disk)
     manager.drop(handle, disk)
+    manager.close()
+
+
+def test_values_reach_disk_only_by_ensure_or_move(tmp_path: Path) -> None:
+    disk = disk_location(tmp_path)
+    manager = ResidencyManager({disk: 1 << 20})
+    with pytest.raises(ResidencyMaterializationError, match="only by ensure or move"):
+        manager.adopt(ResidentTensor(torch.ones(3)), at=disk)
+
+    class Source:
+        def load(self) -> ResidentTensor:
+            return ResidentTensor(torch.ones(3))
+
+    spec = ResidencyValueSpec(
+        ResidentTensor, 12, 12, ReplicaMode.REPLICABLE, Recoverability.RECONSTRUCTIBLE
+    )
+    with pytest.raises(ValueError, match="source_location cannot be the disk"):
+        manager.register_source(spec, Source(), source_location=disk)
+    assert manager.snapshot().values == ()
     manager.close()
 
 

@@ -31,6 +31,7 @@ Teardown releases every lifetime and `close()` must succeed.
 from __future__ import annotations
 
 import copy
+import tempfile
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ from fhelium.residency import (
     ResidencyRequest,
     ResidencyRequirement,
 )
+from fhelium.residency.disk import disk_location
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
 from helpers.manager import (
     ALL_LOCATIONS,
@@ -88,10 +90,15 @@ from helpers.manager import (
 
 Loc = ResidencyLocation
 
+# One disk directory for the whole module: every manager makes a directory of its own
+# inside it and removes it at close.
+DISK = disk_location(tempfile.mkdtemp(prefix="residency-stateful-"))
+MACHINE_LOCATIONS = (*ALL_LOCATIONS, DISK)
+
 BUDGET_CONFIGS: tuple[dict[Loc, int], ...] = (
-    {CUDA0: 24, PINNED_HOST: 32},
+    {CUDA0: 24, PINNED_HOST: 32, DISK: 24},
     {CUDA0: 16, CUDA1: 40},
-    {PINNED_HOST: 16, CUDA1: 24, PAGEABLE_HOST: 64},
+    {PINNED_HOST: 16, CUDA1: 24, PAGEABLE_HOST: 64, DISK: 48},
     {CUDA0: 32, CUDA1: 16, PINNED_HOST: 24},
 )
 
@@ -273,7 +280,7 @@ class Model:
 # Strategies
 # --------------------------------------------------------------------------------------------
 
-locations = st.sampled_from(ALL_LOCATIONS)
+locations = st.sampled_from(MACHINE_LOCATIONS)
 maybe_location = st.one_of(st.none(), locations)
 indices = st.integers(min_value=0, max_value=31)
 action_specs = st.tuples(
@@ -389,6 +396,7 @@ class ResidencyMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.live()) < MAX_LIVE and len(self.md.values) < MAX_VALUES)
     @rule(loc=locations, n=st.sampled_from([1, 2, 4, 8]), exclusive=st.booleans())
     def adopt(self, loc: Loc, n: int, exclusive: bool) -> None:
+        loc = PAGEABLE_HOST if loc == DISK else loc  # a value is never adopted on disk
         mode = EXCLUSIVE if exclusive else REPLICABLE
         value = on(self.runtime, loc, tensor_value(n))
         trial = self.md.clone()
@@ -409,6 +417,7 @@ class ResidencyMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.live()) < MAX_LIVE and len(self.md.values) < MAX_VALUES)
     @rule(loc=locations, n=st.sampled_from([1, 2, 4, 8]), exclusive=st.booleans())
     def register_source(self, loc: Loc, n: int, exclusive: bool) -> None:
+        loc = PAGEABLE_HOST if loc == DISK else loc  # a source never loads onto disk
         mode = EXCLUSIVE if exclusive else REPLICABLE
         source = Source(sim_factory(self.runtime, loc, n))
         handle = self.m.register_source(spec(n, replica=mode), source, source_location=loc)
@@ -557,6 +566,12 @@ class ResidencyMachine(RuleBasedStateMachine):
         chosen = self.choose(picks)
         if resident and chosen[0].mats:  # aim at a location the first value occupies
             loc = sorted(chosen[0].mats, key=canonical_key)[picks[0] % len(chosen[0].mats)]
+        if loc == DISK:
+            before = self.m.state_version
+            with pytest.raises(ValueError, match="cannot be borrowed"):
+                self.m.acquire([v.handle for v in chosen], at=loc)
+            assert self.m.state_version == before
+            return
         failure = self._lifetime_failure(chosen, loc)
         stream = self.streams.get(loc)
         lease = self.attempt(
@@ -662,10 +677,16 @@ class ResidencyMachine(RuleBasedStateMachine):
 
     # --- controller --------------------------------------------------------------------------
     def _request(
-        self, picks: list[tuple[int, Loc]], reservations: list[tuple[Loc, int]]
+        self,
+        picks: list[tuple[int, Loc]],
+        reservations: list[tuple[Loc, int]],
+        *,
+        borrowed: bool = False,
     ) -> tuple[ResidencyRequest, Failure | None]:
         requirements: list[ResidencyRequirement] = []
-        for index, loc in picks:
+        for index, pick in picks:
+            # A use borrows every requirement, and a disk location cannot be borrowed.
+            loc = PAGEABLE_HOST if borrowed and pick == DISK else pick
             req = ResidencyRequirement(self.pick(index).handle, loc)
             if req not in requirements:
                 requirements.append(req)
@@ -734,7 +755,7 @@ class ResidencyMachine(RuleBasedStateMachine):
     def controller_use(
         self, picks: list[tuple[int, Loc]], reservations: list[tuple[Loc, int]]
     ) -> None:
-        request, failure = self._request(picks, reservations)
+        request, failure = self._request(picks, reservations, borrowed=True)
         cuda_locs = {r.location for r in request.requirements if r.location.device.type == "cuda"}
         consumer = {loc: self.streams[loc] for loc in cuda_locs}
         use = self.controller.use(request, consumer_streams=consumer)
@@ -793,7 +814,9 @@ class ResidencyMachine(RuleBasedStateMachine):
         but the materialisations it installed and its steps' pending lease events."""
         requests = []
         for position, picks in enumerate(steps):
-            request, failure = self._request(picks, reservations if position == 1 else [])
+            request, failure = self._request(
+                picks, reservations if position == 1 else [], borrowed=True
+            )
             if failure is not None:
                 return  # refusals of single requests are use's rules
             requests.append(request)
@@ -878,7 +901,7 @@ class ResidencyMachine(RuleBasedStateMachine):
                 for k in range(3):
                     total[k] += counts[k]
         registered = {e.location for e in snap.locations}
-        for loc in ALL_LOCATIONS:
+        for loc in MACHINE_LOCATIONS:
             if model.used[loc] or model.reserved[loc]:
                 assert loc in registered, loc
         for e in snap.locations:

@@ -6,6 +6,7 @@
 //! `min()` over candidate locations picks a source.
 
 use std::fmt;
+use std::sync::{PoisonError, RwLock};
 
 use crate::error::{CoreError, CoreResult};
 
@@ -15,6 +16,22 @@ pub const MAX_CUDA_INDEX: u8 = 127;
 pub const MAX_DISK_INDEX: u8 = 127;
 /// The first disk location code: CUDA codes end just below it.
 const DISK_BASE: u32 = 2 + MAX_CUDA_INDEX as u32 + 1;
+
+/// The names the glue gave disk directories, by index: process-wide, like the
+/// numbering itself, so every message names a directory by its path.
+static DISK_NAMES: RwLock<Vec<String>> = RwLock::new(Vec::new());
+
+/// Records the name of disk location `index` (the glue's `disk:<path>`).
+pub fn name_disk(index: u8, name: &str) {
+    let mut names = DISK_NAMES.write().unwrap_or_else(PoisonError::into_inner);
+    let slot = usize::from(index);
+    if names.len() <= slot {
+        names.resize(slot + 1, String::new());
+    }
+    if names[slot].is_empty() {
+        name.clone_into(&mut names[slot]);
+    }
+}
 
 /// A residency location. The variant order is the canonical order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -95,7 +112,16 @@ impl fmt::Display for Location {
             Self::PageableHost => f.write_str("pageable-host"),
             Self::PinnedHost => f.write_str("pinned-host"),
             Self::Cuda(index) => write!(f, "cuda:{index}"),
-            Self::Disk(index) => write!(f, "disk:{index}"),
+            Self::Disk(index) => {
+                let names = DISK_NAMES.read().unwrap_or_else(PoisonError::into_inner);
+                match names
+                    .get(usize::from(*index))
+                    .filter(|name| !name.is_empty())
+                {
+                    Some(name) => f.write_str(name),
+                    None => write!(f, "disk:{index}"),
+                }
+            }
         }
     }
 }

@@ -220,6 +220,12 @@ fn register_locked(
 ) -> PyResult<Py<PyAny>> {
     let context = manager.context();
     let location = context.location_code(py, source_location)?;
+    if location.is_disk() {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "a source loads into memory, so source_location cannot be the disk location {}",
+            source_location.str()?
+        )));
+    }
     let Some((type_key, spec, value_type)) =
         manager
             .adopted_shapes()

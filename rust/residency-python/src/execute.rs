@@ -329,6 +329,10 @@ impl Context {
             "disk" => {
                 let code: u32 = self.disk_code.bind(py).call1((location,))?.extract()?;
                 let checked = Location::from_code(code).map_err(|err| to_py_err(py, err))?;
+                if let Location::Disk(index) = checked {
+                    // Messages name the directory, as the record does.
+                    residency_core::location::name_disk(index, &location.str()?.to_cow()?);
+                }
                 remember(&self.checked_cuda, (location.clone().unbind(), checked));
                 return Ok(checked);
             }
@@ -1494,6 +1498,16 @@ fn check_placement(
 ) -> PyResult<()> {
     let name = value.get_type().name()?;
     let location = context.location(py, at)?;
+    if at.is_disk() {
+        return Err(materialization_error(
+            py,
+            format!(
+                "{name} is in memory, but the location is {}: values reach a disk location \
+                 only by ensure or move",
+                location.str()?
+            ),
+        ));
+    }
     let device = location.getattr(intern!(py, "device"))?;
     let measured = facts.device()?;
     if !measured.eq(&device)? {
