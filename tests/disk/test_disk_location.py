@@ -332,3 +332,35 @@ def test_the_trace_and_the_plot_give_disk_its_own_track(tmp_path: Path) -> None:
     assert disk_tids[0] > 16
     plot_memory(samples, tmp_path / "memory.png")
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("failing", ["copy_to_pageable", "copy_to_cuda"])
+def test_a_copy_failing_midway_loses_nothing(tmp_path: Path, failing: str) -> None:
+    disk = disk_location(tmp_path)
+    runtime = SimulatedRuntime(1)
+    with use_runtime(runtime):
+        manager = ResidencyManager({CUDA0: 1 << 20, disk: 1 << 20})
+        handle = manager.adopt(
+            runtime.to_device(ResidentTensor(torch.arange(64.0)), "cuda:0"),
+            replica_mode=ReplicaMode.EXCLUSIVE,
+        )
+        if failing == "copy_to_cuda":
+            manager.move(handle, disk)
+        runtime.fail_next(failing)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            manager.move(handle, CUDA0 if failing == "copy_to_cuda" else disk)
+        # The only copy is where it was, whole, and nothing else is charged or written.
+        where = [disk.name] if failing == "copy_to_cuda" else ["cuda:0"]
+        assert _where(manager, handle) == where
+        books = {e.location: e for e in manager.snapshot().locations}
+        other = CUDA0 if failing == "copy_to_cuda" else disk
+        assert books[other].used_bytes == 0
+        assert books[other].reserved_bytes == 0
+        files = [name for name in _files(disk) if name.endswith(".safetensors")]
+        assert len(files) == (1 if failing == "copy_to_cuda" else 0)
+        manager.move(handle, PAGEABLE_HOST)  # and it still reads back intact
+        with manager.acquire([handle], at=PAGEABLE_HOST) as values:
+            got = values[handle]
+            assert isinstance(got, ResidentTensor)
+            assert torch.equal(got.tensor, torch.arange(64.0))
+        manager.close()
