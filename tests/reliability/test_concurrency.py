@@ -34,10 +34,12 @@ import collections
 import os
 import random
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,6 +67,7 @@ from fhelium.residency import (
     ResidencyRequirement,
 )
 from fhelium.residency._runtime import SimulatedRuntime, SimulatedStream, use_runtime
+from fhelium.residency.disk import disk_location
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST
 from helpers.manager import (
     CUDA0,
@@ -193,7 +196,9 @@ def test_eight_threads_mixed_operations_on_one_manager() -> None:
 
 
 def _run(runtime: SimulatedRuntime) -> None:
-    manager = ResidencyManager(dict(BUDGETS), trace_capacity=64)
+    spill = tempfile.mkdtemp(prefix="residency-concurrency-")
+    disk = disk_location(spill)
+    manager = ResidencyManager({**BUDGETS, disk: 12 * NBYTES}, trace_capacity=64)
     controller = ResidencyController(manager)
     # MUST_PRESERVE replicable values adopted at pageable host (never dropped to zero copies:
     # dropping the last copy is an expected ResidencyOwnershipError)
@@ -319,6 +324,14 @@ def _run(runtime: SimulatedRuntime) -> None:
             assert steps.current is None
             assert steps.staged == ()
 
+        def disk_cycle() -> None:
+            # To disk and back: spilled, read back (bitwise), dropped again.
+            handle = rng.choice(replicable)
+            manager.ensure(handle, disk)
+            if rng.random() < 0.5:
+                manager.ensure(handle, PAGEABLE_HOST)
+            manager.drop(handle, disk)
+
         operations: list[tuple[str, float, Callable[[], Any]]] = [
             ("ensure", 14, lambda: manager.ensure(rng.choice(replicable), rng.choice(LOCATIONS))),
             ("drop", 12, lambda: manager.drop(rng.choice(replicable), rng.choice(LOCATIONS))),
@@ -333,6 +346,7 @@ def _run(runtime: SimulatedRuntime) -> None:
             ("explain", 5, explain),
             ("decide", 5, decide),
             ("pipeline", 5, pipeline),
+            ("disk", 5, disk_cycle),
         ]
         names = [op[0] for op in operations]
         weights = [op[1] for op in operations]
@@ -432,6 +446,8 @@ def _run(runtime: SimulatedRuntime) -> None:
         assert by_handle[h].materializations != ()
     assert slow_source.calls > 0
     manager.close()
+    # Every file of the disk location went with the manager.
+    assert [path for path in Path(spill).rglob("*") if path.is_file()] == []
 
     refusals = sum(stats.refused.values())
     print(
