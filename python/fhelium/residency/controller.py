@@ -7,32 +7,29 @@ decides, runs and borrows in one context.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, cast
+from collections.abc import Iterable, Mapping
+from typing import Any, Final, cast
 
 from fhelium import _core
 from fhelium._core import ActionKind, decide_request
 from fhelium.errors import ResidencyHandleError, ResidencyOwnershipError, ResidencyPlanError
 from fhelium.residency import _lowering
+from fhelium.residency._decisions import ResidencyDecision, ResidencyEviction
 from fhelium.residency._locations import location_of
 from fhelium.residency._plans import _Explanation
 from fhelium.residency._records import trusted_builder
+from fhelium.residency._use import ResidencyUse
 from fhelium.residency._validation import (
     byte_count,
-    require_count,
-    require_instance,
     require_non_empty_str,
     require_strict_int,
-    seal,
 )
-from fhelium.residency.lease import BorrowedValues, ResidencyLease
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.manager import ResidencyManager, ResidencyScope, engine_of
 from fhelium.residency.model import ReplicaMode, ResidencyHandle
+from fhelium.residency.pipeline import ResidencyPipeline
 from fhelium.residency.plan import DropResident, EnsureResident, MoveResident, ResidencyPlan
 from fhelium.residency.policy import (
     DeterministicTieredLRU,
@@ -40,105 +37,15 @@ from fhelium.residency.policy import (
     ResidencyPolicy,
     ResidencyPolicyMetadata,
 )
-from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
+from fhelium.residency.request import ResidencyRequest
 from fhelium.residency.schedule import ScheduleAwarePolicy
-from fhelium.residency.snapshot import ResidencyPlanExplanation, ResidencyPlanReport
-from fhelium.values.tensor_resident import TensorResident
-
-if TYPE_CHECKING:
-    from fhelium.residency.pipeline import ResidencyPipeline
+from fhelium.residency.snapshot import ResidencyPlanExplanation
 
 __all__ = ["ResidencyController", "ResidencyDecision", "ResidencyEviction", "ResidencyUse"]
 
 _DEFAULT_METADATA: Final = ResidencyPolicyMetadata()
 _I64 = (1 << 63) - 1
 
-
-@dataclass(frozen=True, slots=True)
-class ResidencyEviction:
-    """One reclaim action the controller chose, and why."""
-
-    action: DropResident[Any] | MoveResident[Any]
-    rank: int
-    released_location: ResidencyLocation
-    released_nbytes: int
-    reason: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.action, DropResident | MoveResident):
-            raise TypeError(
-                f"action must be a DropResident or MoveResident, got {type(self.action).__name__}"
-            )
-        require_count(self.rank, "rank")
-        require_instance(self.released_location, ResidencyLocation, "released_location")
-        require_count(self.released_nbytes, "released_nbytes")
-        require_non_empty_str(self.reason, "reason")
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class ResidencyDecision:
-    """A tensor-free, manager-bound decision: the plan, its evictions and evidence."""
-
-    manager_id: str
-    expected_state_version: int
-    explored_states: int
-    request: ResidencyRequest
-    plan: ResidencyPlan
-    policy_name: str
-    policy_config: tuple[tuple[str, object], ...]
-    evictions: tuple[ResidencyEviction, ...]
-    explanation: ResidencyPlanExplanation
-
-    def __init__(
-        self,
-        manager_id: str,
-        expected_state_version: int,
-        explored_states: int,
-        request: ResidencyRequest,
-        plan: ResidencyPlan,
-        policy_name: str,
-        policy_config: Any,
-        evictions: Any,
-        explanation: ResidencyPlanExplanation,
-    ) -> None:
-        require_non_empty_str(manager_id, "manager_id")
-        require_count(expected_state_version, "expected_state_version")
-        if require_strict_int(explored_states, "explored_states") <= 0:
-            raise ValueError(f"explored_states must be > 0, got {explored_states}")
-        require_instance(request, ResidencyRequest, "request")
-        require_instance(plan, ResidencyPlan, "plan")
-        require_non_empty_str(policy_name, "policy_name")
-        config = tuple(policy_config)
-        for item in config:
-            if not isinstance(item, tuple) or len(item) != 2:
-                raise TypeError(f"policy_config items must be 2-tuples, got {item!r}")
-            require_non_empty_str(item[0], "policy_config key")
-        chosen = tuple(evictions)
-        for eviction in chosen:
-            require_instance(eviction, ResidencyEviction, "evictions element")
-        require_instance(explanation, ResidencyPlanExplanation, "explanation")
-        if plan.name != request.name:
-            raise ValueError(f"plan name {plan.name!r} differs from request {request.name!r}")
-        if explanation.plan_name != plan.name:
-            raise ValueError("the explanation is of another plan")
-        if not explanation.feasible:
-            raise ValueError("a decision needs a feasible explanation")
-        fields = (
-            ("manager_id", manager_id),
-            ("expected_state_version", expected_state_version),
-            ("explored_states", explored_states),
-            ("request", request),
-            ("plan", plan),
-            ("policy_name", policy_name),
-            ("policy_config", config),
-            ("evictions", chosen),
-            ("explanation", explanation),
-        )
-        for name, value in fields:
-            object.__setattr__(self, name, value)
-
-
-seal(ResidencyEviction, ResidencyDecision)
 
 _new_ensure = trusted_builder(EnsureResident)
 _new_move = trusted_builder(MoveResident)
@@ -694,8 +601,6 @@ class ResidencyController:
         Each step is an entered `ResidencyUse`, active until the next step is requested.
         See docs/concepts/controller.md#prefetch.
         """
-        from fhelium.residency.pipeline import ResidencyPipeline
-
         return ResidencyPipeline(
             self,
             requests,
@@ -719,178 +624,3 @@ class ResidencyController:
         observe = getattr(self._policy, "observe", None)
         if callable(observe):
             observe(requirement.handle for requirement in request.requirements)
-
-
-def _normalize_streams(manager: ResidencyManager, streams: object, name: str) -> dict[Any, Any]:
-    """Stream-mapping normalisation for `use` (docs/concepts/controller.md#use); CUDA
-    availability is not checked here."""
-    if streams is None:
-        return {}
-    if not isinstance(streams, Mapping):
-        raise TypeError(f"{name} must be a Mapping, got {type(streams).__name__}")
-    runtime = engine_of(manager).runtime
-    normalized: dict[Any, Any] = {}
-    for location, stream in streams.items():
-        if not isinstance(location, ResidencyLocation):
-            raise TypeError(f"{name} keys must be ResidencyLocation, got {type(location).__name__}")
-        if not runtime.is_stream(stream):
-            raise TypeError(f"{name} values must be CUDA streams, got {type(stream).__name__}")
-        if location.kind != "cuda":
-            raise ValueError(f"{name} key {location} is not a CUDA location")
-        if runtime.stream_device(stream) != location.device:
-            raise ValueError(f"{name} stream for {location} is on another device")
-        normalized[location] = stream
-    return normalized
-
-
-class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
-    """Borrowed values by requirement; valid while the use's leases are active."""
-
-    __slots__ = ("_borrowed",)
-
-    def __init__(self, borrowed: dict[ResidencyRequirement, BorrowedValues]) -> None:
-        self._borrowed = borrowed
-
-    def __getitem__(self, requirement: ResidencyRequirement) -> TensorResident:
-        return self._borrowed[requirement][requirement.handle]
-
-    def __iter__(self) -> Iterator[ResidencyRequirement]:
-        for requirement, borrowed in self._borrowed.items():
-            borrowed._lease._require_active()
-            yield requirement
-
-    def __len__(self) -> int:
-        for borrowed in self._borrowed.values():
-            borrowed._lease._require_active()
-        return len(self._borrowed)
-
-
-class ResidencyUse:
-    """Decide, enter the plan's scope and borrow, as one context.
-
-    See docs/concepts/controller.md#use.
-    """
-
-    __slots__ = (
-        "_consumer_streams",
-        "_controller",
-        "_decision",
-        "_exited",
-        "_leases",
-        "_scope",
-        "_stack",
-        "_state",
-        "_transfer_streams",
-        "_values",
-        "request",
-    )
-
-    def __init__(
-        self,
-        *,
-        controller: ResidencyController,
-        request: ResidencyRequest,
-        consumer_streams: Mapping[ResidencyLocation, Any] | None,
-        transfer_streams: Mapping[ResidencyLocation, Any] | None,
-    ) -> None:
-        if not isinstance(request, ResidencyRequest):
-            raise TypeError(f"request must be a ResidencyRequest, got {type(request).__name__}")
-        manager = controller._manager
-        consumers = _normalize_streams(manager, consumer_streams, "consumer_streams")
-        needed = {
-            requirement.location
-            for requirement in request.requirements
-            if requirement.location.kind == "cuda"
-        }
-        if set(consumers) != needed:
-            missing = sorted(str(location) for location in needed - set(consumers))
-            unexpected = sorted(str(location) for location in set(consumers) - needed)
-            raise ValueError(
-                "consumer_streams must name exactly the request's CUDA locations; "
-                f"missing {missing}, unexpected {unexpected}"
-            )
-        self._controller = controller
-        self.request = request
-        self._consumer_streams = consumers
-        self._transfer_streams = _normalize_streams(manager, transfer_streams, "transfer_streams")
-        self._decision: ResidencyDecision | None = None
-        self._scope: ResidencyScope | None = None
-        self._stack: contextlib.ExitStack | None = None
-        self._values: _UseValues | None = None
-        self._leases: list[ResidencyLease] = []
-        self._exited = False
-        self._state = "new"
-
-    @property
-    def decision(self) -> ResidencyDecision:
-        if self._decision is None:
-            raise RuntimeError("no decision yet: enter the use first")
-        return self._decision
-
-    @property
-    def values(self) -> Mapping[ResidencyRequirement, TensorResident]:
-        if self._state != "active" or self._values is None:
-            raise RuntimeError("values are available only inside the active use")
-        return self._values
-
-    def value(self, handle: ResidencyHandle[Any], *, at: ResidencyLocation) -> TensorResident:
-        return self.values[ResidencyRequirement(handle, at)]
-
-    @property
-    def report(self) -> ResidencyPlanReport | None:
-        """The scope's report after a successful entry and exit, otherwise None."""
-        if self._scope is None or not self._exited:
-            return None
-        return self._scope.report
-
-    @property
-    def exit_error(self) -> BaseException | None:
-        return None if self._scope is None else self._scope.exit_error
-
-    def __enter__(self) -> ResidencyUse:
-        if self._state != "new":
-            raise RuntimeError("a ResidencyUse can be entered only once")
-        self._state = "entering"
-        controller = self._controller
-        manager = controller._manager
-        stack = contextlib.ExitStack()
-        try:
-            self._decision = controller.decide(self.request)
-            scope = controller.scope(self._decision, transfer_streams=self._transfer_streams)
-            stack.enter_context(scope)
-            self._scope = scope
-            by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
-            for requirement in self.request.requirements:
-                by_location.setdefault(requirement.location, []).append(requirement)
-            borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
-            for location, requirements in by_location.items():
-                lease: ResidencyLease = manager.acquire(
-                    [requirement.handle for requirement in requirements],
-                    at=location,
-                    consumer_stream=self._consumer_streams.get(location),
-                )
-                values = stack.enter_context(lease)
-                self._leases.append(lease)
-                for requirement in requirements:
-                    borrowed[requirement] = values
-            controller._record_access(self.request)
-        except BaseException:
-            self._state = "closed"
-            stack.close()
-            raise
-        self._stack = stack
-        self._values = _UseValues(borrowed)
-        self._state = "active"
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> bool:
-        if self._state != "active" or self._stack is None:
-            return False
-        self._state = "closed"
-        stack, self._stack = self._stack, None
-        try:
-            suppressed = bool(stack.__exit__(exc_type, exc, traceback))
-        finally:
-            self._values = None
-        self._exited = True
-        return suppressed

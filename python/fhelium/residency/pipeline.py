@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Generator, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from fhelium.errors import (
     ResidencyBudgetError,
@@ -19,6 +19,7 @@ from fhelium.errors import (
     ResidencyStaleStateError,
 )
 from fhelium.residency import _plans
+from fhelium.residency._use import Controller, ResidencyUse, normalize_streams
 from fhelium.residency._validation import require_strict_int
 from fhelium.residency.lease import ResidencyHold, ResidencyReservation
 from fhelium.residency.location import ResidencyLocation
@@ -26,9 +27,6 @@ from fhelium.residency.model import ResidencyHandle
 from fhelium.residency.plan import MemoryReservation
 from fhelium.residency.request import ResidencyRequest
 from fhelium.residency.schedule import ScheduleAwarePolicy
-
-if TYPE_CHECKING:
-    from fhelium.residency.controller import ResidencyController, ResidencyUse
 
 __all__ = ["ResidencyPipeline"]
 
@@ -77,7 +75,7 @@ def _needs(request: ResidencyRequest) -> dict[ResidencyLocation, int]:
     return needs
 
 
-class ResidencyPipeline(Iterator["ResidencyUse"]):
+class ResidencyPipeline(Iterator[ResidencyUse]):
     """The steps of `ResidencyController.run`, each an entered `ResidencyUse`.
 
     Iterate it; each step stays active until the next one is requested. Closing it
@@ -93,7 +91,7 @@ class ResidencyPipeline(Iterator["ResidencyUse"]):
 
     def __init__(
         self,
-        controller: ResidencyController,
+        controller: Controller,
         requests: Iterable[ResidencyRequest],
         *,
         prefetch: int,
@@ -183,15 +181,13 @@ class _Pipeline:
 
     def __init__(
         self,
-        controller: ResidencyController,
+        controller: Controller,
         requests: Iterable[ResidencyRequest],
         *,
         prefetch: int,
         consumer_streams: Mapping[ResidencyLocation, Any] | None,
         transfer_streams: Mapping[ResidencyLocation, Any] | None,
     ) -> None:
-        from fhelium.residency.controller import _normalize_streams
-
         if isinstance(requests, (str, bytes, ResidencyRequest)) or not isinstance(
             requests, Iterable
         ):
@@ -204,8 +200,8 @@ class _Pipeline:
         self.controller = controller
         self.requests = iter(requests)
         self.prefetch = prefetch
-        self.consumers = _normalize_streams(manager, consumer_streams, "consumer_streams")
-        self.transfers = _normalize_streams(manager, transfer_streams, "transfer_streams")
+        self.consumers = normalize_streams(manager, consumer_streams, "consumer_streams")
+        self.transfers = normalize_streams(manager, transfer_streams, "transfer_streams")
         # Transfer streams the pipeline created, by location, for prefetches.
         self.created: dict[ResidencyLocation, Any] = {}
         self.current: ResidencyUse | None = None
@@ -323,8 +319,6 @@ class _Pipeline:
     ) -> ResidencyUse:
         """Enters step ``index``'s use; when it does not fit, waits for the oldest ended
         step's leases and tries again."""
-        from fhelium.residency.controller import ResidencyUse
-
         staged = self.staged.pop(index, None)
         if staged is not None:
             # Its values stay where the prefetch put them: the use requires them there,

@@ -1,0 +1,221 @@
+"""`ResidencyUse`: decide, enter the decision's scope and borrow, as one context.
+
+It lives below the controller so that the pipeline, which the controller builds, can
+make its steps without importing the controller; `fhelium.residency.controller`
+re-exports it, and it reads as defined there. See docs/concepts/controller.md#use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+from fhelium.residency._decisions import ResidencyDecision
+from fhelium.residency.lease import BorrowedValues, ResidencyLease
+from fhelium.residency.location import ResidencyLocation
+from fhelium.residency.manager import ResidencyManager, ResidencyScope, engine_of
+from fhelium.residency.model import ResidencyHandle
+from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
+from fhelium.residency.snapshot import ResidencyPlanReport
+from fhelium.values.tensor_resident import TensorResident
+
+__all__ = ["Controller", "ResidencyUse", "normalize_streams"]
+
+
+class Controller(Protocol):
+    """What a use and a pipeline ask of the `ResidencyController` they serve."""
+
+    _manager: ResidencyManager
+
+    @property
+    def manager(self) -> ResidencyManager: ...
+    @property
+    def policy(self) -> Any: ...
+    @property
+    def _engine(self) -> Any: ...
+    def decide(self, request: ResidencyRequest) -> ResidencyDecision: ...
+    def _decide(self, request: ResidencyRequest, position: int | None) -> ResidencyDecision: ...
+    def scope(
+        self, decision: ResidencyDecision, *, transfer_streams: Any = None
+    ) -> ResidencyScope: ...
+    def _record_access(self, request: ResidencyRequest) -> None: ...
+
+
+def normalize_streams(manager: ResidencyManager, streams: object, name: str) -> dict[Any, Any]:
+    """Stream-mapping normalisation for `use` (docs/concepts/controller.md#use); CUDA
+    availability is not checked here."""
+    if streams is None:
+        return {}
+    if not isinstance(streams, Mapping):
+        raise TypeError(f"{name} must be a Mapping, got {type(streams).__name__}")
+    runtime = engine_of(manager).runtime
+    normalized: dict[Any, Any] = {}
+    for location, stream in streams.items():
+        if not isinstance(location, ResidencyLocation):
+            raise TypeError(f"{name} keys must be ResidencyLocation, got {type(location).__name__}")
+        if not runtime.is_stream(stream):
+            raise TypeError(f"{name} values must be CUDA streams, got {type(stream).__name__}")
+        if location.kind != "cuda":
+            raise ValueError(f"{name} key {location} is not a CUDA location")
+        if runtime.stream_device(stream) != location.device:
+            raise ValueError(f"{name} stream for {location} is on another device")
+        normalized[location] = stream
+    return normalized
+
+
+class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
+    """Borrowed values by requirement; valid while the use's leases are active."""
+
+    __slots__ = ("_borrowed",)
+
+    def __init__(self, borrowed: dict[ResidencyRequirement, BorrowedValues]) -> None:
+        self._borrowed = borrowed
+
+    def __getitem__(self, requirement: ResidencyRequirement) -> TensorResident:
+        return self._borrowed[requirement][requirement.handle]
+
+    def __iter__(self) -> Iterator[ResidencyRequirement]:
+        for requirement, borrowed in self._borrowed.items():
+            borrowed._lease._require_active()
+            yield requirement
+
+    def __len__(self) -> int:
+        for borrowed in self._borrowed.values():
+            borrowed._lease._require_active()
+        return len(self._borrowed)
+
+
+class ResidencyUse:
+    """Decide, enter the plan's scope and borrow, as one context.
+
+    See docs/concepts/controller.md#use.
+    """
+
+    __slots__ = (
+        "_consumer_streams",
+        "_controller",
+        "_decision",
+        "_exited",
+        "_leases",
+        "_scope",
+        "_stack",
+        "_state",
+        "_transfer_streams",
+        "_values",
+        "request",
+    )
+
+    def __init__(
+        self,
+        *,
+        controller: Controller,
+        request: ResidencyRequest,
+        consumer_streams: Mapping[ResidencyLocation, Any] | None,
+        transfer_streams: Mapping[ResidencyLocation, Any] | None,
+    ) -> None:
+        if not isinstance(request, ResidencyRequest):
+            raise TypeError(f"request must be a ResidencyRequest, got {type(request).__name__}")
+        manager = controller._manager
+        consumers = normalize_streams(manager, consumer_streams, "consumer_streams")
+        needed = {
+            requirement.location
+            for requirement in request.requirements
+            if requirement.location.kind == "cuda"
+        }
+        if set(consumers) != needed:
+            missing = sorted(str(location) for location in needed - set(consumers))
+            unexpected = sorted(str(location) for location in set(consumers) - needed)
+            raise ValueError(
+                "consumer_streams must name exactly the request's CUDA locations; "
+                f"missing {missing}, unexpected {unexpected}"
+            )
+        self._controller = controller
+        self.request = request
+        self._consumer_streams = consumers
+        self._transfer_streams = normalize_streams(manager, transfer_streams, "transfer_streams")
+        self._decision: ResidencyDecision | None = None
+        self._scope: ResidencyScope | None = None
+        self._stack: contextlib.ExitStack | None = None
+        self._values: _UseValues | None = None
+        self._leases: list[ResidencyLease] = []
+        self._exited = False
+        self._state = "new"
+
+    @property
+    def decision(self) -> ResidencyDecision:
+        if self._decision is None:
+            raise RuntimeError("no decision yet: enter the use first")
+        return self._decision
+
+    @property
+    def values(self) -> Mapping[ResidencyRequirement, TensorResident]:
+        if self._state != "active" or self._values is None:
+            raise RuntimeError("values are available only inside the active use")
+        return self._values
+
+    def value(self, handle: ResidencyHandle[Any], *, at: ResidencyLocation) -> TensorResident:
+        return self.values[ResidencyRequirement(handle, at)]
+
+    @property
+    def report(self) -> ResidencyPlanReport | None:
+        """The scope's report after a successful entry and exit, otherwise None."""
+        if self._scope is None or not self._exited:
+            return None
+        return self._scope.report
+
+    @property
+    def exit_error(self) -> BaseException | None:
+        return None if self._scope is None else self._scope.exit_error
+
+    def __enter__(self) -> ResidencyUse:
+        if self._state != "new":
+            raise RuntimeError("a ResidencyUse can be entered only once")
+        self._state = "entering"
+        controller = self._controller
+        manager = controller._manager
+        stack = contextlib.ExitStack()
+        try:
+            self._decision = controller.decide(self.request)
+            scope = controller.scope(self._decision, transfer_streams=self._transfer_streams)
+            stack.enter_context(scope)
+            self._scope = scope
+            by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
+            for requirement in self.request.requirements:
+                by_location.setdefault(requirement.location, []).append(requirement)
+            borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
+            for location, requirements in by_location.items():
+                lease: ResidencyLease = manager.acquire(
+                    [requirement.handle for requirement in requirements],
+                    at=location,
+                    consumer_stream=self._consumer_streams.get(location),
+                )
+                values = stack.enter_context(lease)
+                self._leases.append(lease)
+                for requirement in requirements:
+                    borrowed[requirement] = values
+            controller._record_access(self.request)
+        except BaseException:
+            self._state = "closed"
+            stack.close()
+            raise
+        self._stack = stack
+        self._values = _UseValues(borrowed)
+        self._state = "active"
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> bool:
+        if self._state != "active" or self._stack is None:
+            return False
+        self._state = "closed"
+        stack, self._stack = self._stack, None
+        try:
+            suppressed = bool(stack.__exit__(exc_type, exc, traceback))
+        finally:
+            self._values = None
+        self._exited = True
+        return suppressed
+
+
+# Reads as the controller's, which re-exports it (repr, messages, documentation).
+ResidencyUse.__module__ = "fhelium.residency.controller"
