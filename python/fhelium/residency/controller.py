@@ -7,9 +7,10 @@ decides, runs and borrows in one context.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final, cast
 
 from fhelium import _core
@@ -229,6 +230,17 @@ def _decision_fields(decision: ResidencyDecision) -> tuple[Any, ...]:
         decision.evictions,
         decision.explanation,
     )
+
+
+@contextlib.contextmanager
+def _standing_at(policy: ScheduleAwarePolicy, position: int) -> Iterator[None]:
+    """The policy stands at step ``position`` for the block, then where it stood."""
+    standing = policy.position
+    policy.seek(min(position, len(policy.schedule)))
+    try:
+        yield
+    finally:
+        policy.seek(standing)
 
 
 class ResidencyController:
@@ -460,32 +472,21 @@ class ResidencyController:
                 native=native,
                 schedule=schedule,
             )
+        standing: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if position is not None and isinstance(policy, ScheduleAwarePolicy):
             # A Python schedule-aware policy reads its own position: it stands at the
             # step decided for, and back where it was afterwards.
-            standing = policy.position
-            policy.seek(min(position, len(policy.schedule)))
-            try:
-                return decide_request(
-                    core,
-                    name,
-                    rows,
-                    reservations,
-                    self._limit,
-                    *simulated,
-                    python=(self._order, self._fallbacks),
-                )
-            finally:
-                policy.seek(standing)
-        return decide_request(
-            core,
-            name,
-            rows,
-            reservations,
-            self._limit,
-            *simulated,
-            python=(self._order, self._fallbacks),
-        )
+            standing = _standing_at(policy, position)
+        with standing:
+            return decide_request(
+                core,
+                name,
+                rows,
+                reservations,
+                self._limit,
+                *simulated,
+                python=(self._order, self._fallbacks),
+            )
 
     def _schedule_index(self, policy: ScheduleAwarePolicy) -> Any:
         core = self._engine.core

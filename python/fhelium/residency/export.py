@@ -83,6 +83,15 @@ def _action_kind(report: ResidencyTransitionReport) -> str:
     raise TypeError(f"unsupported action {type(action).__name__}")  # pragma: no cover
 
 
+def _track_metadata(pid: int, tid: int, name: str) -> tuple[_Event, _Event]:
+    """A track's name, and its place (its id) among the process's tracks."""
+    common: _Event = {"ph": "M", "ts": 0, "pid": pid, "tid": tid}
+    return (
+        {"name": "thread_name", **common, "args": {"name": name}},
+        {"name": "thread_sort_index", **common, "args": {"sort_index": tid}},
+    )
+
+
 def _format_bytes(nbytes: int) -> str:
     if nbytes < 1024:
         return f"{nbytes} B"
@@ -195,26 +204,7 @@ def _timeline_events(timeline: Timeline) -> tuple[list[_Event], list[_Event], di
         }
     ]
     for tid in sorted(tracks):
-        metadata.append(
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "ts": 0,
-                "pid": _TIMELINE_PID,
-                "tid": tid,
-                "args": {"name": tracks[tid]},
-            }
-        )
-        metadata.append(
-            {
-                "name": "thread_sort_index",
-                "ph": "M",
-                "ts": 0,
-                "pid": _TIMELINE_PID,
-                "tid": tid,
-                "args": {"sort_index": tid},
-            }
-        )
+        metadata.extend(_track_metadata(_TIMELINE_PID, tid, tracks[tid]))
     summary: dict[str, object] = {
         "clock": "virtual seconds from 0",
         "now_s": now,
@@ -379,26 +369,7 @@ def trace_events(
         }
     ]
     for tid in sorted(tracks):
-        metadata.append(
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "ts": 0,
-                "pid": _PID,
-                "tid": tid,
-                "args": {"name": tracks[tid]},
-            }
-        )
-        metadata.append(
-            {
-                "name": "thread_sort_index",
-                "ph": "M",
-                "ts": 0,
-                "pid": _PID,
-                "tid": tid,
-                "args": {"sort_index": tid},
-            }
-        )
+        metadata.extend(_track_metadata(_PID, tid, tracks[tid]))
     document_metadata: dict[str, object] = {
         "producer": "fhelium.residency.export",
         "clock": "time.time_ns",
