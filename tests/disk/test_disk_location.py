@@ -334,33 +334,50 @@ def test_the_trace_and_the_plot_give_disk_its_own_track(tmp_path: Path) -> None:
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("failing", ["copy_to_pageable", "copy_to_cuda"])
-def test_a_copy_failing_midway_loses_nothing(tmp_path: Path, failing: str) -> None:
+@pytest.mark.parametrize("direction", ["to-disk", "from-disk"])
+def test_a_copy_failing_midway_loses_nothing(
+    tmp_path: Path, direction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small staging chunks, so the 64 KiB value crosses the device in 16 copies and the
+    # third one fails: part of the value has moved, the rest has not.
+    monkeypatch.setattr(_disk, "CHUNK", 4096)
     disk = disk_location(tmp_path)
     runtime = SimulatedRuntime(1)
+    calls = {"n": 0}
+    real_copy = runtime.copy_bytes
+
+    def copy_bytes(destination: torch.Tensor, source: torch.Tensor, stream: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure in copy_bytes")
+        real_copy(destination, source, stream)
+
+    expected = torch.arange(16384.0)
     with use_runtime(runtime):
         manager = ResidencyManager({CUDA0: 1 << 20, disk: 1 << 20})
         handle = manager.adopt(
-            runtime.to_device(ResidentTensor(torch.arange(64.0)), "cuda:0"),
+            runtime.to_device(ResidentTensor(expected.clone()), "cuda:0"),
             replica_mode=ReplicaMode.EXCLUSIVE,
         )
-        if failing == "copy_to_cuda":
+        if direction == "from-disk":
             manager.move(handle, disk)
-        runtime.fail_next(failing)
+        monkeypatch.setattr(runtime, "copy_bytes", copy_bytes)
         with pytest.raises(RuntimeError, match="injected failure"):
-            manager.move(handle, CUDA0 if failing == "copy_to_cuda" else disk)
+            manager.move(handle, CUDA0 if direction == "from-disk" else disk)
+        assert calls["n"] == 3
         # The only copy is where it was, whole, and nothing else is charged or written.
-        where = [disk.name] if failing == "copy_to_cuda" else ["cuda:0"]
+        where = [disk.name] if direction == "from-disk" else ["cuda:0"]
         assert _where(manager, handle) == where
         books = {e.location: e for e in manager.snapshot().locations}
-        other = CUDA0 if failing == "copy_to_cuda" else disk
+        other = CUDA0 if direction == "from-disk" else disk
         assert books[other].used_bytes == 0
         assert books[other].reserved_bytes == 0
-        files = [name for name in _files(disk) if name.endswith(".safetensors")]
-        assert len(files) == (1 if failing == "copy_to_cuda" else 0)
+        files = [name for name in _files(disk) if ".safetensors" in name]
+        assert len(files) == (1 if direction == "from-disk" else 0)
+        monkeypatch.setattr(runtime, "copy_bytes", real_copy)
         manager.move(handle, PAGEABLE_HOST)  # and it still reads back intact
         with manager.acquire([handle], at=PAGEABLE_HOST) as values:
             got = values[handle]
             assert isinstance(got, ResidentTensor)
-            assert torch.equal(got.tensor, torch.arange(64.0))
+            assert torch.equal(got.tensor, expected)
         manager.close()

@@ -16,10 +16,21 @@ read it:
 ``__metadata__`` also records ``fhelium.format`` (``"1"``) and ``fhelium.fields``
 always, so a reader can rebuild the value's exact tensors, views and sharing.
 
+The header is padded with spaces (as the format allows) so that the data starts at a
+multiple of 4096 bytes: the data can then be read and written with direct I/O.
+
 Writes go to ``<name>.safetensors.tmp``, are flushed and synced, then renamed over the
 final name, and the directory is synced: a crash leaves at most a ``.tmp`` file, never
 a final file the store would trust. Reads check the file's size against what was
 written, so a file truncated or replaced behind the store's back is refused.
+
+Bytes that come from or go to a CUDA device, and every byte of a store opened with
+``direct=True``, pass through a `Staging` ring: two chunks of `CHUNK` bytes, pinned
+where the runtime can pin, each guarded by the event of the last copy that used it.
+Reading the next chunk from the file overlaps the device copy of the one before, and
+writing a chunk to the file overlaps the device copy of the next. With ``direct=True``
+the file is opened with ``O_DIRECT`` (bypassing the page cache) when the file system
+allows it, and with buffered I/O otherwise.
 
 A directory whose ``owner.json`` names a process of this host that no longer runs was
 left by a killed process. Opening a store in the same root recognises it: with
@@ -32,7 +43,9 @@ gets its own.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import mmap
 import os
 import socket
 import struct
@@ -50,6 +63,14 @@ from fhelium.errors import ResidencyInUseError, ResidencyMaterializationError
 from fhelium.values.tensor_resident import TensorResident
 
 __all__ = ["DiskFile", "DiskStore", "DiskTier"]
+
+# Direct I/O needs file offsets, lengths and buffer addresses aligned to the device's
+# logical block size; 4096 covers every common one.
+ALIGN: Final = 4096
+# One staging chunk (a multiple of ALIGN), and how many the ring holds.
+CHUNK: Final = 16 << 20
+SLOTS: Final = 2
+_O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
 
 PREFIX: Final = "fhelium-residency-"
 OWNER: Final = "owner.json"
@@ -141,10 +162,14 @@ class DiskStore:
         owner_id: str,
         *,
         stale: Literal["clean", "refuse"] = "clean",
+        direct: bool = False,
     ) -> None:
         if stale not in ("clean", "refuse"):
             raise ValueError(f"stale must be 'clean' or 'refuse', got {stale!r}")
         self.root = Path(root)
+        # Direct I/O (O_DIRECT) for staged reads and every write; it turns off for good
+        # when the file system refuses it.
+        self.direct = direct
         self._handle_stale(stale)
         self.directory = self.root / f"{PREFIX}{owner_id}"
         try:
@@ -215,24 +240,40 @@ class DiskStore:
     def path_of(self, name: str) -> Path:
         return self.directory / f"{name}{SUFFIX}"
 
-    def write(self, name: str, value: TensorResident) -> DiskFile:
-        """Stores ``value``'s tensors as ``<name>.safetensors``, atomically."""
+    def write(
+        self,
+        name: str,
+        value: TensorResident,
+        *,
+        staging: Staging | None = None,
+        device: torch.device | None = None,
+    ) -> DiskFile:
+        """Stores ``value``'s tensors as ``<name>.safetensors``, atomically. A host
+        value's bytes are written from its own memory; a value on CUDA ``device`` (and,
+        with direct I/O, every value) passes through ``staging``."""
         tensors = value._resident_tensors
         header, storages, fields, blobs = _layout(tensors)
         encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)
+        encoded += b" " * (-(8 + len(encoded)) % ALIGN)
         data_start = 8 + len(encoded)
+        prefix = struct.pack("<Q", len(encoded)) + encoded
         final = self.path_of(name)
         temporary = final.with_name(final.name + TEMPORARY)
+        staged = self.direct or device is not None
+        if staged and staging is None:
+            raise ValueError("writing CUDA bytes or with direct I/O needs a staging ring")
         try:
-            with open(temporary, "wb") as file:
-                file.write(struct.pack("<Q", len(encoded)))
-                file.write(encoded)
-                for blob in blobs:
-                    file.write(blob.numpy().data)
-                file.flush()
-                os.fsync(file.fileno())
-                size = file.tell()
+            if staged:
+                assert staging is not None
+                size = self._write_staged(temporary, prefix, blobs, staging, device)
+            else:
+                with open(temporary, "wb") as file:
+                    file.write(prefix)
+                    for blob in blobs:
+                        file.write(blob.numpy().data)
+                    file.flush()
+                    os.fsync(file.fileno())
+                    size = file.tell()
             os.replace(temporary, final)
             _fsync_directory(self.directory)
         except OSError as error:
@@ -241,6 +282,10 @@ class DiskStore:
             raise ResidencyMaterializationError(
                 f"writing {final.name} to {self.directory} failed: {error}"
             ) from error
+        except BaseException:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            raise
         skeleton = value._with_resident_tensors(
             tuple(
                 torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
@@ -249,23 +294,93 @@ class DiskStore:
         )
         return DiskFile(final, size, skeleton, storages, fields, data_start)
 
+    def _open(self, path: Path, flags: int) -> tuple[int, bool]:
+        """A descriptor for ``path`` and whether it does direct I/O: ``O_DIRECT`` when
+        the store asks for it and the file system allows it (a refusal turns the store
+        to buffered I/O for good)."""
+        if self.direct and _O_DIRECT:
+            try:
+                return os.open(path, flags | _O_DIRECT, 0o600), True
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+        return os.open(path, flags, 0o600), False
+
+    def _write_staged(
+        self,
+        path: Path,
+        prefix: bytes,
+        blobs: list[torch.Tensor],
+        staging: Staging,
+        device: torch.device | None,
+    ) -> int:
+        """Writes ``prefix`` and ``blobs`` (on CUDA ``device``, or on the host for None)
+        to a new ``path`` through ``staging``, a chunk at a time: the device copy into
+        one slot runs while the other slot is written to the file."""
+        stream = None if device is None else staging.runtime.current_stream(device)
+        descriptor, direct = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            total = len(prefix) + sum(int(blob.numel()) for blob in blobs)
+            written: int | None = None  # the slot filled last, not yet written
+            slot, fill = staging.take(), 0
+            header = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+            segments = [(header, None), *((blob, stream) for blob in blobs)]
+            for segment, copy_stream in segments:
+                position, length = 0, int(segment.numel())
+                while position < length:
+                    step = min(CHUNK - fill, length - position)
+                    staging.fill(slot, fill, segment[position : position + step], copy_stream)
+                    fill += step
+                    position += step
+                    if fill == CHUNK:
+                        staging.seal(slot)
+                        if written is not None:
+                            staging.wait(written)
+                            _write_all(descriptor, staging.view(written, CHUNK))
+                        written, slot, fill = slot, staging.take(), 0
+            staging.seal(slot)
+            if written is not None:
+                staging.wait(written)
+                _write_all(descriptor, staging.view(written, CHUNK))
+            staging.wait(slot)
+            if fill:
+                padded = fill + (-fill % ALIGN) if direct else fill
+                staging.zero(slot, fill, padded)
+                _write_all(descriptor, staging.view(slot, padded))
+            if direct:
+                os.ftruncate(descriptor, total)
+            os.fsync(descriptor)
+            return total
+        except BaseException as error:
+            staging.settle_after(error)
+            raise
+        finally:
+            os.close(descriptor)
+
+    def _check_size(self, file: DiskFile) -> None:
+        size = file.path.stat().st_size
+        if size != file.nbytes:
+            raise ResidencyMaterializationError(
+                f"{file.path} is {size} bytes, not the {file.nbytes} written: it was "
+                "truncated or replaced behind the manager's back"
+            )
+
     def read(
         self,
         file: DiskFile,
         allocate: Callable[[int], torch.Tensor] | None = None,
+        *,
+        staging: Staging | None = None,
     ) -> TensorResident:
         """The stored value. Without ``allocate`` its storages are private copy-on-write
         maps of the file (pageable memory, filled from the page cache as touched); with
-        it, each storage is read straight into ``allocate(nbytes)`` (a flat ``uint8``
-        CPU tensor, for instance pinned)."""
+        it, each storage is read into ``allocate(nbytes)`` (a flat ``uint8`` CPU tensor,
+        for instance pinned): straight from the file with buffered I/O, or through
+        ``staging`` with direct I/O."""
         path = file.path
         try:
-            size = path.stat().st_size
-            if size != file.nbytes:
-                raise ResidencyMaterializationError(
-                    f"{path} is {size} bytes, not the {file.nbytes} written: it was truncated "
-                    "or replaced behind the manager's back"
-                )
+            self._check_size(file)
             buffers: list[torch.Tensor] = []
             if allocate is None:
                 for offset, length in file.storages:
@@ -281,6 +396,9 @@ class DiskStore:
                         else np.empty(0, dtype=np.uint8)
                     )
                     buffers.append(torch.from_numpy(mapped))
+            elif self.direct and staging is not None:
+                buffers = [allocate(length) for _, length in file.storages]
+                self._read_staged(file, buffers, staging)
             else:
                 with open(path, "rb") as handle:
                     for offset, length in file.storages:
@@ -294,12 +412,70 @@ class DiskStore:
                         buffers.append(buffer)
         except OSError as error:
             raise ResidencyMaterializationError(f"reading {path} failed: {error}") from error
-        tensors = []
-        for storage, dtype, offset, shape, stride in file.fields:
-            tensor = torch.empty(0, dtype=dtype)
-            tensor.set_(buffers[storage].untyped_storage(), offset, shape, stride)
-            tensors.append(tensor)
-        return file.skeleton._with_resident_tensors(tuple(tensors))
+        return _rebuild(file, buffers)
+
+    def read_to_cuda(
+        self,
+        file: DiskFile,
+        device: torch.device,
+        stream: Any,
+        staging: Staging,
+    ) -> tuple[TensorResident, Any]:
+        """The stored value on CUDA ``device``, read through ``staging`` and copied on
+        ``stream``, and the event that completes when every copy has: the copies are
+        enqueued, not waited for."""
+        runtime = staging.runtime
+        try:
+            self._check_size(file)
+            buffers = [runtime.empty_cuda(length, device, stream) for _, length in file.storages]
+            event = self._read_staged(file, buffers, staging, stream)
+        except OSError as error:
+            raise ResidencyMaterializationError(f"reading {file.path} failed: {error}") from error
+        if event is None:  # nothing to copy: an event that orders after nothing
+            event = runtime.record_event(stream)
+        return _rebuild(file, buffers), event
+
+    def _read_staged(
+        self,
+        file: DiskFile,
+        buffers: list[torch.Tensor],
+        staging: Staging,
+        stream: Any = None,
+    ) -> Any:
+        """Reads the file's data into ``buffers`` (one per storage, host or CUDA)
+        through ``staging``, a chunk at a time; CUDA copies are enqueued on ``stream``.
+        Returns the event of the last device copy (None when none was made)."""
+        data = sum(length for _, length in file.storages)
+        descriptor, direct = self._open(file.path, os.O_RDONLY)
+        last = None
+        try:
+            spans = [
+                (offset, length, buffer)
+                for (offset, length), buffer in zip(file.storages, buffers, strict=True)
+            ]
+            for begin in range(0, data, CHUNK):
+                step = min(CHUNK, data - begin)
+                slot = staging.take()
+                want = step + (-step % ALIGN) if direct else step
+                got = os.preadv(descriptor, [staging.view(slot, want)], file.data_start + begin)
+                if got < step:
+                    raise ResidencyMaterializationError(
+                        f"{file.path} ended early: it was truncated behind the manager's back"
+                    )
+                for offset, length, buffer in spans:
+                    low, high = max(offset, begin), min(offset + length, begin + step)
+                    if low < high:
+                        staging.drain(
+                            slot, low - begin, buffer[low - offset : high - offset], stream
+                        )
+                event = staging.seal(slot)
+                last = event if event is not None else last
+            return last
+        except BaseException as error:
+            staging.settle_after(error)
+            raise
+        finally:
+            os.close(descriptor)
 
     def remove(self, file: DiskFile) -> None:
         """Deletes the file; one already gone is no error."""
@@ -309,6 +485,124 @@ class DiskStore:
     def close(self) -> None:
         """Removes every file of the store and its directory."""
         self._finalizer()
+
+
+def _write_all(descriptor: int, view: memoryview) -> None:
+    while view:
+        written = os.write(descriptor, view)
+        view = view[written:]
+
+
+def _rebuild(file: DiskFile, buffers: list[torch.Tensor]) -> TensorResident:
+    """The stored value's tensors as views of ``buffers`` (one per storage)."""
+    tensors = []
+    for storage, dtype, offset, shape, stride in file.fields:
+        tensor = torch.empty(0, dtype=dtype, device=buffers[storage].device)
+        tensor.set_(buffers[storage].untyped_storage(), offset, shape, stride)
+        tensors.append(tensor)
+    return file.skeleton._with_resident_tensors(tuple(tensors))
+
+
+class Staging:
+    """The disk tier's staging ring: `SLOTS` chunks of `CHUNK` bytes, pinned where the
+    runtime can pin (page-aligned pageable memory otherwise), each guarded by the event
+    of the last device copy that used it. Made on first use, kept until `close`."""
+
+    __slots__ = ("_events", "_holders", "_streams", "buffers", "next", "runtime")
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.buffers: list[torch.Tensor] = []
+        self._holders: list[object] = []  # what keeps pageable chunks alive
+        self._events: list[Any] = [None] * SLOTS
+        # Per slot: the stream of device copies enqueued since it was last sealed.
+        self._streams: list[Any] = [None] * SLOTS
+        self.next = 0
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.buffers) and not self._holders
+
+    def _allocate(self) -> None:
+        try:
+            raw = [self.runtime.empty_pinned(CHUNK + ALIGN) for _ in range(SLOTS)]
+        except RuntimeError:  # no pinning here (a CPU-only build): page-aligned memory
+            self._holders = [mmap.mmap(-1, CHUNK) for _ in range(SLOTS)]
+            self.buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in self._holders]
+            return
+        # Direct I/O needs aligned addresses: each chunk starts at the first aligned byte.
+        self.buffers = [r[(-r.data_ptr()) % ALIGN :][:CHUNK] for r in raw]
+
+    def take(self) -> int:
+        """The next slot, once the device copies that last used it have completed."""
+        if not self.buffers:
+            self._allocate()
+        slot = self.next
+        self.next = (slot + 1) % SLOTS
+        self.wait(slot)
+        return slot
+
+    def wait(self, slot: int) -> None:
+        """Waits for the device copies recorded on the slot."""
+        event = self._events[slot]
+        if event is not None:
+            self._events[slot] = None
+            self.runtime.synchronize_event(event)
+
+    def view(self, slot: int, length: int) -> memoryview:
+        return memoryview(self.buffers[slot].numpy())[:length]  # type: ignore[arg-type]
+
+    def fill(self, slot: int, at: int, source: torch.Tensor, stream: Any) -> None:
+        """Copies flat bytes ``source`` into the slot at ``at``: on the host for a
+        ``stream`` of None, else from the device on ``stream``."""
+        target = self.buffers[slot][at : at + int(source.numel())]
+        if stream is None:
+            target.copy_(source)
+            return
+        self.runtime.copy_bytes(target, source, stream)
+        self._streams[slot] = stream
+
+    def drain(self, slot: int, at: int, target: torch.Tensor, stream: Any) -> None:
+        """Copies the slot's bytes from ``at`` into flat ``target``: on the host for a
+        ``stream`` of None, else to the device on ``stream``."""
+        source = self.buffers[slot][at : at + int(target.numel())]
+        if stream is None:
+            target.copy_(source)
+            return
+        self.runtime.copy_bytes(target, source, stream)
+        self._streams[slot] = stream
+
+    def zero(self, slot: int, begin: int, end: int) -> None:
+        self.buffers[slot][begin:end].zero_()
+
+    def seal(self, slot: int) -> Any:
+        """Ends a round of device copies with the slot: records the event that guards
+        it (returned; None when it had none). `take` and `wait` wait for it."""
+        copied_on = self._streams[slot]
+        if copied_on is None:
+            return None
+        self._streams[slot] = None
+        event = self._events[slot] = self.runtime.record_event(copied_on)
+        return event
+
+    def settle(self) -> None:
+        """Waits for every copy still using a slot (after a failure, and at close)."""
+        for slot in range(SLOTS):
+            stream = self._streams[slot]
+            self._streams[slot] = None
+            if stream is not None:
+                self.runtime.synchronize_stream(stream)
+            self.wait(slot)
+
+    def settle_after(self, error: BaseException) -> None:
+        """`settle` on a failure path: a failure to wait becomes a note on ``error``."""
+        try:
+            self.settle()
+        except Exception as cleanup:
+            error.add_note(
+                f"waiting for the disk tier's staging copies after the failure also failed: "
+                f"{cleanup!r}"
+            )
 
 
 def _layout(
@@ -330,9 +624,9 @@ def _layout(
         key = storage.data_ptr() if storage.nbytes() else -1 - position
         if key not in storage_index:
             storage_index[key] = len(blobs)
-            if tensor.device.type != "cpu":
-                raise ValueError(f"the disk store writes host values, got one on {tensor.device}")
-            blob = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            blob = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+                storage, 0, (storage.nbytes(),), (1,)
+            )
             blobs.append(blob)
             storages.append((offset, storage.nbytes()))
             offset += storage.nbytes()
@@ -386,40 +680,64 @@ def _layout(
 
 class DiskTier:
     """A manager's disk locations: one `DiskStore` per directory, opened on first
-    write, all removed at close. The binding calls it to write, read and remove the
-    materialisations at disk locations (docs/concepts/locations-and-budgets.md#disk)."""
+    write, all removed at close, and one `Staging` ring for the transfers that need it.
+    The binding calls it to write, read and remove the materialisations at disk
+    locations (docs/concepts/locations-and-budgets.md#disk)."""
 
-    __slots__ = ("owner_id", "stores", "written")
+    __slots__ = ("owner_id", "staging", "stores", "written")
 
     def __init__(self) -> None:
         self.owner_id = ""
         self.stores: dict[str, DiskStore] = {}
+        self.staging: Staging | None = None
         self.written = 0  # names every file uniquely
 
-    def _store(self, path: str) -> DiskStore:
-        store = self.stores.get(path)
+    def _store(self, location: Any) -> DiskStore:
+        store = self.stores.get(location.path)
         if store is None:
-            store = self.stores[path] = DiskStore(path, self.owner_id)
+            store = DiskStore(location.path, self.owner_id, direct=location.direct_io)
+            self.stores[location.path] = store
         return store
 
+    def _store_of(self, file: DiskFile) -> DiskStore:
+        for store in self.stores.values():
+            if store.directory == file.path.parent:
+                return store
+        raise ResidencyMaterializationError(f"{file.path} belongs to no open disk store")
+
+    def _staging(self, runtime: Any) -> Staging:
+        staging = self.staging
+        if staging is None or staging.runtime is not runtime:
+            if staging is not None:
+                staging.settle()
+            staging = self.staging = Staging(runtime)
+        return staging
+
     def write(self, location: Any, value: TensorResident, runtime: Any) -> DiskFile:
-        """Writes a host value (a CUDA one is first copied to pageable memory) to a
-        new file."""
-        if runtime.value_device(value).type != "cpu":
-            value = runtime.copy_to_pageable(value)
+        """Writes a host or CUDA value to a new file (a CUDA one through the staging
+        ring, one chunk at a time)."""
+        device = runtime.value_device(value)
+        store = self._store(location)
+        cuda = device if device.type == "cuda" else None
+        staging = self._staging(runtime) if cuda is not None or store.direct else None
         self.written += 1
-        return self._store(location.path).write(f"value-{self.written}", value)
+        return store.write(f"value-{self.written}", value, staging=staging, device=cuda)
 
     def read(self, file: DiskFile, pinned: bool, runtime: Any) -> TensorResident:
-        """The stored value in pageable memory (mapped), or in pinned memory."""
-        store = next(
-            (store for store in self.stores.values() if store.directory == file.path.parent),
-            None,
-        )
-        if store is None:
-            raise ResidencyMaterializationError(f"{file.path} belongs to no open disk store")
-        value = store.read(file)
-        return runtime.copy_to_pinned(value) if pinned else value
+        """The stored value in pageable memory (mapped), or read into new pinned
+        memory."""
+        store = self._store_of(file)
+        if not pinned:
+            return store.read(file)
+        staging = self._staging(runtime) if store.direct else None
+        return store.read(file, runtime.empty_pinned, staging=staging)
+
+    def read_to_cuda(
+        self, file: DiskFile, device: torch.device, stream: Any, runtime: Any
+    ) -> tuple[TensorResident, Any]:
+        """The stored value on ``device``, copied through the staging ring on
+        ``stream``, and the event of its last copy (enqueued, not waited for)."""
+        return self._store_of(file).read_to_cuda(file, device, stream, self._staging(runtime))
 
     def remove(self, file: object) -> None:
         if isinstance(file, DiskFile):
@@ -437,6 +755,11 @@ class DiskTier:
         return logical, sum(length for _, length in file.storages)
 
     def close(self) -> None:
+        staging, self.staging = self.staging, None
         stores, self.stores = self.stores, {}
-        for store in stores.values():
-            store.close()
+        try:
+            if staging is not None:
+                staging.settle()
+        finally:
+            for store in stores.values():
+                store.close()

@@ -67,7 +67,15 @@ def disk_code(location: ResidencyLocation) -> int:
     assert isinstance(location, DiskLocation)
     path = location.path
     code = _DISK_CODES.get(path)
-    if code is None:
+    if code is not None:
+        known = _LOCATIONS[code]
+        if known != location:
+            raise ValueError(
+                f"{location} is named with direct_io={location.direct_io}, but this process "
+                f"already names that directory with direct_io={not location.direct_io}: a "
+                "directory is one location, read and written one way"
+            )
+    else:
         if len(_DISK_CODES) >= _DISK_LIMIT:
             raise ValueError(
                 f"{location} is not usable: a process can name at most {_DISK_LIMIT} disk "

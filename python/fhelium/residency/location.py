@@ -119,22 +119,27 @@ def cuda_location(device: torch.device | str) -> ResidencyLocation:
 @dataclass(frozen=True, slots=True, init=False)
 class DiskLocation(ResidencyLocation):
     """A directory on local storage (``fhelium.residency.disk.disk_location``): kind
-    ``"disk"``, device ``cpu``, and the directory's absolute, normalised ``path``."""
+    ``"disk"``, device ``cpu``, the directory's absolute, normalised ``path``, and
+    whether its files are read and written with direct I/O (``direct_io``)."""
 
     path: str
+    direct_io: bool
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], direct_io: bool = False) -> None:
+        if not isinstance(direct_io, bool):
+            raise TypeError(f"direct_io must be a bool, got {type(direct_io).__name__}")
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"a disk location needs a directory path, got {type(path).__name__}")
         text = os.fspath(path)
         if not isinstance(text, str) or not text or "\0" in text:
             raise ValueError(f"a disk location needs a non-empty directory path, got {text!r}")
         object.__setattr__(self, "path", os.path.normpath(os.path.abspath(text)))
+        object.__setattr__(self, "direct_io", direct_io)
         object.__setattr__(self, "kind", "disk")
         object.__setattr__(self, "device", _CPU)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (DiskLocation, (self.path,))
+        return (DiskLocation, (self.path, self.direct_io))
 
 
 seal(ResidencyLocation, DiskLocation)

@@ -1197,21 +1197,30 @@ fn copy_to<'py>(
     let disk = context.disk.bind(py);
     if let Location::Disk(_) = source {
         // Read back: mapped into pageable memory, read into pinned memory, or through
-        // pageable memory to a device.
-        let pinned = at == Location::PinnedHost;
-        let read = disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?;
+        // the disk tier's pinned staging ring to a device, a chunk at a time, with the
+        // copies on the transfer stream (docs/concepts/locations-and-budgets.md#disk).
         if !matches!(at, Location::Cuda(_)) {
+            let pinned = at == Location::PinnedHost;
+            let read = disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?;
             return Ok((read, None));
         }
-        return copy_to(
-            context,
-            py,
-            &read,
-            Location::PageableHost,
-            at,
-            stream,
-            asynchronous,
-        );
+        let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
+        let copy_stream = match stream {
+            Some(stream) => stream.clone(),
+            None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
+        };
+        // The tier waits for its own copies before it raises.
+        let (read, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = disk
+            .call_method1(
+                intern!(py, "read_to_cuda"),
+                (value, &device, &copy_stream, runtime),
+            )?
+            .extract()?;
+        if asynchronous {
+            return Ok((read, Some(event)));
+        }
+        runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+        return Ok((read, None));
     }
     match at {
         Location::Disk(_) => Ok((

@@ -87,6 +87,24 @@ class DeviceRuntime(Protocol):
         """Enqueues a copy onto ``stream`` with ``device`` current; does not synchronise."""
         ...
 
+    # --- byte buffers (the disk tier's staging) -------------------------------------
+    def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        """A new flat ``uint8`` tensor of ``nbytes`` in pinned host memory (RuntimeError
+        if pinning is unavailable)."""
+        ...
+
+    def empty_cuda(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
+        """A new flat ``uint8`` tensor of ``nbytes`` on CUDA ``device``, allocated for
+        use on ``stream``."""
+        ...
+
+    def copy_bytes(self, destination: torch.Tensor, source: torch.Tensor, stream: Any) -> None:
+        """Enqueues ``destination.copy_(source)`` on ``stream`` without synchronising:
+        two flat ``uint8`` tensors of one length, one in pinned (or pageable) host
+        memory and the other on ``stream``'s CUDA device. The host side must stay
+        untouched until an event recorded on ``stream`` afterwards completes."""
+        ...
+
     # --- streams and events -------------------------------------------------------
     def is_stream(self, obj: object) -> bool:
         """True for the runtime's CUDA stream type (``torch.cuda.Stream`` for torch)."""

@@ -685,6 +685,56 @@ class SimulatedRuntime:
         self._log(cuda_location(target), stream, non_blocking=non_blocking)
         return result
 
+    # --- byte buffers (the disk tier's staging) -------------------------------------
+    def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        self._enter("empty_pinned")
+        if not self._pinned:
+            raise RuntimeError(_PINNED_UNAVAILABLE)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self._register((buffer,), _CPU, pinned=True)
+        return buffer
+
+    def empty_cuda(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
+        self._enter("empty_cuda")
+        target = self._devices[self._cuda_index(device)]
+        resolved = self._resolve_stream(stream, target.index)
+        if resolved.device != target:
+            raise ValueError(f"stream {stream!r} is on {resolved.device}, not on {target}")
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self._register((buffer,), target, pinned=False)
+        return buffer
+
+    def copy_bytes(self, destination: torch.Tensor, source: torch.Tensor, stream: Any) -> None:
+        """Copies at once; with a timeline, the copy occupies the stream's device's H2D
+        engine (to the device) or D2H engine (from it) without blocking the host, unless
+        the host side is pageable."""
+        self._enter("copy_bytes")
+        resolved = self._resolve_stream(stream, None)
+        to_device, pinned_host = self._tensor_facts(destination)
+        from_device, pinned_source = self._tensor_facts(source)
+        if (to_device.type == "cuda") == (from_device.type == "cuda"):
+            raise ValueError("copy_bytes copies between host memory and a CUDA device")
+        device = to_device if to_device.type == "cuda" else from_device
+        if device != resolved.device:
+            raise ValueError(f"stream {stream!r} is on {resolved.device}, not on {device}")
+        if destination.shape != source.shape or destination.dtype != source.dtype:
+            raise ValueError("copy_bytes needs two flat tensors of one dtype and length")
+        destination.copy_(source)
+        timeline = self._timeline
+        engine = "h2d" if to_device.type == "cuda" else "d2h"
+        host_pinned = pinned_source if engine == "h2d" else pinned_host
+        if timeline is not None:
+            with self._lock:
+                timeline._enqueue_copy(
+                    resolved, engine, destination.nbytes, blocking=not host_pinned
+                )
+        location = (
+            cuda_location(device)
+            if engine == "h2d"
+            else (PINNED_HOST if host_pinned else PAGEABLE_HOST)
+        )
+        self._log(location, resolved, non_blocking=host_pinned)
+
     # --- streams and events -------------------------------------------------------
     def is_stream(self, obj: object) -> bool:
         self._enter("is_stream")

@@ -114,6 +114,24 @@ class TorchCudaRuntime:
         with _device_guard(device), _stream_guard(cuda_stream):
             return value.to(device, copy=True, non_blocking=non_blocking)
 
+    # --- byte buffers (the disk tier's staging) -------------------------------------
+    def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def empty_cuda(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
+        # Allocated with the copy's stream current, so the caching allocator ties the
+        # block to the stream that writes it (as `copy_to_cuda` does).
+        cuda_stream = _as_stream(stream, device)
+        with _device_guard(device), _stream_guard(cuda_stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy_bytes(self, destination: torch.Tensor, source: torch.Tensor, stream: Any) -> None:
+        cuda_stream = _as_stream(stream)
+        with _device_guard(cuda_stream.device_index), _stream_guard(cuda_stream):
+            # Non-blocking from and to pinned memory; a pageable host side makes the
+            # copy synchronous with the host, which is still correct.
+            destination.copy_(source, non_blocking=True)
+
     # --- streams and events -------------------------------------------------------
     def is_stream(self, obj: object) -> bool:
         # torch streams first (the common case); they also implement the protocol.

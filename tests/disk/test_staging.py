@@ -1,0 +1,323 @@
+"""How bytes travel between a disk location and memory: straight into pinned memory,
+through the disk tier's staging ring to and from a device (a chunk at a time, the
+copies left in flight where a pipeline asks), and with direct I/O
+(docs/concepts/locations-and-budgets.md#disk)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fhelium.errors import ResidencyMaterializationError
+from fhelium.residency import (
+    PAGEABLE_HOST,
+    PINNED_HOST,
+    ReplicaMode,
+    ResidencyLocation,
+    ResidencyManager,
+    _disk,
+    cuda_location,
+)
+from fhelium.residency.controller import ResidencyController
+from fhelium.residency.disk import disk_location
+from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
+from fhelium.residency.simulation import SimulatedRuntime, Timeline, current_runtime, use_runtime
+from fhelium.values import ResidentTensor, TensorBundle
+from helpers.manager import assert_balanced
+
+CUDA0 = cuda_location("cuda:0")
+CHUNK = 4096
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Chunks of one page, so small values cross in several chunks.
+    monkeypatch.setattr(_disk, "CHUNK", CHUNK)
+
+
+def _value() -> TensorBundle:
+    base = torch.arange(5000, dtype=torch.float32)  # 20000 bytes: 5 chunks
+    return TensorBundle(
+        weight=base,
+        window=base[100:300],  # shares the first storage
+        index=torch.arange(3000, dtype=torch.int64),  # 24000 bytes
+        empty=torch.empty(0, 4),
+    )
+
+
+def _equal(got: TensorBundle, expected: TensorBundle, *, shared: bool = True) -> None:
+    for name in ("weight", "window", "index", "empty"):
+        assert torch.equal(got[name].cpu(), expected[name]), name
+        assert got[name].dtype == expected[name].dtype
+    if shared:  # views and shared storages come back as they were
+        window, weight = got["window"].untyped_storage(), got["weight"].untyped_storage()
+        assert window.data_ptr() == weight.data_ptr()
+        assert got.storage_nbytes == expected.storage_nbytes
+
+
+def _pieces(storages: list[int]) -> int:
+    """How many copies a read through the ring makes: one per chunk and storage that
+    overlap (storages lie back to back after the header)."""
+    count, begin = 0, 0
+    for length in storages:
+        if length:
+            count += (begin + length - 1) // CHUNK - begin // CHUNK + 1
+        begin += length
+    return count
+
+
+def _check(
+    manager: ResidencyManager,
+    handle: object,
+    at: ResidencyLocation,
+    expected: TensorBundle,
+    *,
+    shared: bool = True,
+) -> None:
+    runtime = current_runtime()
+    stream = runtime.current_stream(at.device) if at.kind == "cuda" else None
+    with manager.acquire([handle], at=at, consumer_stream=stream) as values:  # type: ignore[list-item]
+        got = values[handle]  # type: ignore[index]
+        assert isinstance(got, TensorBundle)
+        _equal(got, expected, shared=shared)
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_a_read_into_pinned_memory_goes_straight_there(tmp_path: Path, direct_io: bool) -> None:
+    runtime = SimulatedRuntime(1)
+    disk = disk_location(tmp_path / f"d{direct_io}", direct_io=direct_io)
+    expected = _value()
+    with use_runtime(runtime):
+        manager = ResidencyManager({disk: 1 << 20, PINNED_HOST: 1 << 20})
+        handle = manager.adopt(_value())
+        manager.move(handle, disk)
+        runtime.calls.clear()
+        manager.move(handle, PINNED_HOST)
+        # No copy of a copy: the file's bytes land in new pinned memory, one buffer per
+        # storage, and no pageable value is made and pinned afterwards.
+        assert runtime.calls["copy_to_pinned"] == 0
+        assert runtime.calls["empty_pinned"] in (
+            3,
+            3 + _disk.SLOTS,
+        )  # one per storage, the empty one too
+        with manager.acquire([handle], at=PINNED_HOST) as values:
+            got = values[handle]
+            assert isinstance(got, TensorBundle)
+            assert runtime.value_is_pinned(got)
+            _equal(got, expected)
+        assert_balanced(manager.snapshot())
+        manager.close()
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_a_device_reads_from_disk_through_the_staging_ring(tmp_path: Path, direct_io: bool) -> None:
+    runtime = SimulatedRuntime(1)
+    disk = disk_location(tmp_path / f"d{direct_io}", direct_io=direct_io)
+    expected = _value()
+    with use_runtime(runtime):
+        manager = ResidencyManager({disk: 1 << 20, CUDA0: 1 << 20})
+        handle = manager.adopt(
+            runtime.to_device(_value(), "cuda:0"),
+            replica_mode=ReplicaMode.EXCLUSIVE,
+        )
+        runtime.copies.clear()
+        runtime.calls.clear()
+        manager.move(handle, disk)
+        # To disk: every byte crosses from the device in staging chunks, never as a
+        # whole pageable copy of the value.
+        assert runtime.calls["copy_to_pageable"] == 0
+        downloads = [copy for copy in runtime.copies if copy.destination == PINNED_HOST]
+        assert len(downloads) == len(runtime.copies) >= 44000 // CHUNK + 1
+        assert all(copy.non_blocking for copy in downloads)
+        runtime.copies.clear()
+        runtime.calls.clear()
+        manager.move(handle, CUDA0)
+        # From disk: one non-blocking copy per chunk and storage, from pinned staging.
+        assert runtime.calls["copy_to_cuda"] == 0
+        assert runtime.calls["copy_to_pageable"] == runtime.calls["copy_to_pinned"] == 0
+        # One per storage: `to_device` gave each field a storage of its own.
+        assert runtime.calls["empty_cuda"] == 4
+        assert all(copy.destination == CUDA0 and copy.non_blocking for copy in runtime.copies)
+        assert len(runtime.copies) == _pieces([20000, 800, 24000, 0]) == 13
+        with manager.acquire(
+            [handle], at=CUDA0, consumer_stream=runtime.current_stream(CUDA0.device)
+        ) as values:
+            got = values[handle]
+            assert isinstance(got, TensorBundle)
+            assert runtime.placement(got) == CUDA0
+            _equal(got, expected, shared=False)
+        assert_balanced(manager.snapshot())
+        manager.close()
+
+
+def test_without_pinned_memory_the_ring_is_pageable_and_still_works(tmp_path: Path) -> None:
+    runtime = SimulatedRuntime(1, pinned=False)
+    disk = disk_location(tmp_path / "d", direct_io=True)
+    expected = _value()
+    with use_runtime(runtime):
+        manager = ResidencyManager({disk: 1 << 20, CUDA0: 1 << 20, PAGEABLE_HOST: 1 << 20})
+        handle = manager.adopt(_value())
+        manager.move(handle, disk)
+        runtime.copies.clear()
+        manager.move(handle, CUDA0)
+        assert runtime.copies
+        assert not any(copy.non_blocking for copy in runtime.copies)
+        _check(manager, handle, CUDA0, expected)
+        runtime.complete_events()  # the consumer stream is done reading
+        manager.move(handle, disk)
+        manager.move(handle, PAGEABLE_HOST)  # a copy-on-write map of the file
+        _check(manager, handle, PAGEABLE_HOST, expected)
+        assert_balanced(manager.snapshot())
+        manager.close()
+
+
+def test_direct_io_opens_files_with_o_direct_and_they_stay_standard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    flags: list[int] = []
+    real_open = os.open
+
+    def recording_open(path: object, mode: int, *args: object) -> int:
+        if str(path).endswith((".safetensors", ".safetensors.tmp")):
+            flags.append(mode)
+        return real_open(path, mode, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_disk.os, "open", recording_open)
+    runtime = SimulatedRuntime(1)
+    disk = disk_location(tmp_path / "d", direct_io=True)
+    expected = _value()
+    with use_runtime(runtime):
+        manager = ResidencyManager({disk: 1 << 20, CUDA0: 1 << 20})
+        handle = manager.adopt(_value())
+        manager.move(handle, disk)
+        (file,) = (Path(disk.path)).glob("*/*.safetensors")
+        # Data starts on a page, and the file is exactly its bytes (no padding kept).
+        header = int.from_bytes(file.read_bytes()[:8], "little")
+        assert (8 + header) % 4096 == 0
+        assert file.stat().st_size == 8 + header + 20000 + 24000
+        with safe_open(str(file), framework="pt") as other:
+            assert torch.equal(other.get_tensor("field.2"), expected["index"])
+        manager.move(handle, CUDA0)
+        assert len(flags) == 2
+        assert all(mode & os.O_DIRECT for mode in flags)
+        _check(manager, handle, CUDA0, expected)
+        manager.close()
+
+
+def test_a_file_system_without_direct_io_falls_back_to_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+    refused: list[int] = []
+
+    def no_direct(path: object, mode: int, *args: object) -> int:
+        if mode & getattr(os, "O_DIRECT", 0):
+            refused.append(mode)
+            raise OSError(22, "Invalid argument")
+        return real_open(path, mode, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_disk.os, "open", no_direct)
+    monkeypatch.setattr(_disk, "_O_DIRECT", 0o40000)
+    runtime = SimulatedRuntime(1)
+    disk = disk_location(tmp_path / "d", direct_io=True)
+    expected = _value()
+    with use_runtime(runtime):
+        manager = ResidencyManager({disk: 1 << 20, PINNED_HOST: 1 << 20})
+        handle = manager.adopt(_value())
+        manager.move(handle, disk)
+        manager.move(handle, PINNED_HOST)
+        manager.move(handle, disk)
+        manager.move(handle, PINNED_HOST)
+        assert len(refused) == 1  # asked once, then buffered for good
+        _check(manager, handle, PINNED_HOST, expected)
+        manager.close()
+
+
+def test_a_directory_is_named_one_way(tmp_path: Path) -> None:
+    buffered = disk_location(tmp_path / "d")
+    direct = disk_location(tmp_path / "d", direct_io=True)
+    assert buffered != direct
+    assert direct.name == buffered.name == f"disk:{tmp_path / 'd'}"
+    with use_runtime(SimulatedRuntime(1)):
+        manager = ResidencyManager({buffered: 1 << 20})
+        with pytest.raises(ValueError, match="direct_io"):
+            ResidencyManager({direct: 1 << 20})
+        manager.close()
+    with pytest.raises(TypeError, match="direct_io"):
+        disk_location(tmp_path, direct_io=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_a_truncated_file_fails_a_staged_read_and_loses_nothing(
+    tmp_path: Path, direct_io: bool
+) -> None:
+    runtime = SimulatedRuntime(1)
+    disk = disk_location(tmp_path / f"d{direct_io}", direct_io=direct_io)
+    with use_runtime(runtime):
+        manager = ResidencyManager({disk: 1 << 20, CUDA0: 1 << 20, PINNED_HOST: 1 << 20})
+        handle = manager.adopt(_value(), replica_mode=ReplicaMode.REPLICABLE)
+        manager.move(handle, disk)
+        (file,) = Path(disk.path).glob("*/*.safetensors")
+        size = file.stat().st_size
+        with open(file, "r+b") as handle_file:
+            handle_file.truncate(size - 5000)
+        for at in (CUDA0, PINNED_HOST):
+            with pytest.raises(ResidencyMaterializationError, match="truncated"):
+                manager.ensure(handle, at)
+        books = {entry.location: entry for entry in manager.snapshot().locations}
+        assert books[CUDA0].used_bytes == books[PINNED_HOST].used_bytes == 0
+        assert runtime.pending_event_count() == 0
+        assert_balanced(manager.snapshot())
+        manager.close()
+
+
+def test_a_prefetch_pipeline_leaves_disk_reads_in_flight_and_overlaps_them(
+    tmp_path: Path,
+) -> None:
+    # Four 64 KiB layers on disk streamed through a device that holds two, with a
+    # compute step per layer: with prefetch, the next layer's H2D copies run while the
+    # current layer computes.
+    layer = 16384
+    timings: dict[int, float] = {}
+    for prefetch in (0, 1):
+        timeline = Timeline(h2d_bytes_per_s=64e6, d2h_bytes_per_s=64e6)
+        runtime = SimulatedRuntime(1, timeline=timeline)
+        disk = disk_location(tmp_path / f"p{prefetch}")
+        with use_runtime(runtime):
+            manager = ResidencyManager({disk: 1 << 24, CUDA0: 2 * layer * 4 + 4096})
+            handles = []
+            for index in range(4):
+                handle = manager.adopt(
+                    ResidentTensor(torch.full((layer,), float(index))),
+                    replica_mode=ReplicaMode.REPLICABLE,
+                )
+                manager.move(handle, disk)
+                handles.append(handle)
+            controller = ResidencyController(manager)
+            requests = [
+                ResidencyRequest(f"step-{i}", [ResidencyRequirement(h, CUDA0)])
+                for i, h in enumerate(handles * 2)
+            ]
+            consumer = runtime.create_stream(torch.device("cuda", 0))
+            sums = []
+            with controller.run(
+                requests, prefetch=prefetch, consumer_streams={CUDA0: consumer}
+            ) as steps:
+                for step in steps:
+                    (requirement,) = step.request.requirements
+                    value = step.value(requirement.handle, at=CUDA0)
+                    assert isinstance(value, ResidentTensor)
+                    runtime.compute(consumer, 1e-3)
+                    sums.append(float(value.tensor.sum()))
+            assert sums == [float(layer * (i % 4)) for i in range(8)]
+            runtime.synchronize_device(torch.device("cuda", 0))
+            timings[prefetch] = timeline.makespan
+            assert_balanced(manager.snapshot())
+            manager.close()
+    assert timings[1] < 0.8 * timings[0]
