@@ -7,12 +7,21 @@ The target (for the disk tier, issue "a disk tier") is a store/raw ratio of at l
 0.90 for 64 MiB to 1 GiB values. Reads through the page cache: the file was just
 written, so both sides read from memory; this measures the store's own overhead.
 
+Where the file system allows ``O_DIRECT``, the same comparison with direct I/O: a
+store opened with ``direct=True`` (every byte through its staging ring) against a raw
+``O_DIRECT`` write of the same bytes from one page-aligned buffer, and a raw read
+into a new page-aligned buffer (the store reads into new page-aligned memory, as
+pinned memory is, and straight from the file for whole pages) and, for the raw side's
+best case, into a buffer already mapped ("warm"); and the store reading into
+unaligned memory (through its staging ring, a host copy per chunk).
+
 Run: python tests/benchmarks/bench_disk.py [--quick] [--dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import statistics
 import tempfile
@@ -22,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from fhelium.residency._disk import DiskStore
+from fhelium.residency._disk import DiskStore, Staging
+from fhelium.residency.simulation import SimulatedRuntime
 from fhelium.values import ResidentTensor
 
 MIB = 1 << 20
@@ -52,6 +62,91 @@ def _raw_read(path: Path) -> torch.Tensor:
     with open(path, "rb") as file:
         file.readinto(into.numpy().data)
     return into
+
+
+def _aligned(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+    buffer = mmap.mmap(-1, nbytes)
+    return buffer, memoryview(buffer)
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """New page-aligned memory, as pinned memory is: the store reads whole pages into it
+    straight from the file."""
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+
+
+def _raw_direct_write(path: Path, data: memoryview) -> None:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        view = data
+        while view:
+            view = view[os.write(descriptor, view) :]
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _raw_direct_read(path: Path) -> mmap.mmap:
+    """Plain direct I/O into a new page-aligned buffer, as the store's read makes a new
+    buffer too."""
+    into = mmap.mmap(-1, path.stat().st_size + (-path.stat().st_size % 4096))
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        os.preadv(descriptor, [into], 0)
+    finally:
+        os.close(descriptor)
+    return into
+
+
+def _direct_row(
+    size: int, repeats: int, root: Path, store: DiskStore, staging: Staging
+) -> list[tuple[str, float, float]]:
+    # The value in page-aligned memory, as pinned memory is: its whole pages are
+    # written straight from it.
+    data = _page_aligned(size * MIB)
+    data.copy_(torch.randint(0, 255, (size * MIB,), dtype=torch.uint8))
+    value = ResidentTensor(data)
+    holder, aligned = _aligned(size * MIB)
+    aligned[:] = data.numpy().data
+    raw_path = root / "raw-direct.bin"
+
+    def fresh() -> None:
+        raw_path.unlink(missing_ok=True)
+        store.path_of("d").unlink(missing_ok=True)
+
+    raw_write = _median_s(lambda: _raw_direct_write(raw_path, aligned), repeats, fresh)
+    store_write = _median_s(lambda: store.write("d", value, staging=staging), repeats, fresh)
+    _raw_direct_write(raw_path, aligned)
+    file = store.write("d", value, staging=staging)
+
+    def nothing() -> None:
+        pass
+
+    raw_read = _median_s(lambda: _raw_direct_read(raw_path).close(), repeats, nothing)
+    read_into = _median_s(
+        lambda: store.read(file, _page_aligned, staging=staging), repeats, nothing
+    )
+    read_unaligned = _median_s(
+        lambda: store.read(file, lambda n: torch.empty(n, dtype=torch.uint8), staging=staging),
+        repeats,
+        nothing,
+    )
+    descriptor = os.open(raw_path, os.O_RDONLY | os.O_DIRECT)
+    try:  # the raw read's best case: a buffer whose pages are already mapped
+        warm_read = _median_s(lambda: os.preadv(descriptor, [aligned], 0), repeats, nothing)
+    finally:
+        os.close(descriptor)
+    back = store.read(file, lambda n: torch.empty(n, dtype=torch.uint8), staging=staging)
+    assert isinstance(back, ResidentTensor)
+    assert torch.equal(back.tensor, data)
+    aligned.release()
+    holder.close()
+    return [
+        ("direct write", raw_write, store_write),
+        ("direct read", raw_read, read_into),
+        ("direct read (warm)", warm_read, read_into),
+        ("direct read, unaligned", raw_read, read_unaligned),
+    ]
 
 
 def _row(size: int, repeats: int, root: Path, store: DiskStore) -> list[tuple[str, float, float]]:
@@ -101,14 +196,34 @@ def main() -> None:
         store = DiskStore(root, "bench")
         print(f"directory: {root}; medians of {repeats}; page cache (no direct I/O)")
         for size in sizes:
-            for name, raw, ours in _row(size, repeats, Path(root), store):
-                ratio = raw / ours
-                verdict = "ok" if ratio >= TARGET else f"UNDER {TARGET}"
-                print(
-                    f"{name:<20} {size:>5} MiB: store {size / ours / 1024:6.2f} GiB/s, "
-                    f"raw {size / raw / 1024:6.2f} GiB/s, ratio {ratio:.3f} {verdict}"
-                )
+            _report(size, _row(size, repeats, Path(root), store))
         store.close()
+        if not hasattr(os, "O_DIRECT"):
+            print("direct I/O: not on this platform")
+            return
+        direct = DiskStore(root, "bench-direct", direct=True)
+        # The ring without a GPU: page-aligned pageable chunks (pinned on a CUDA machine).
+        staging = Staging(SimulatedRuntime(0, pinned=False))
+        probe = direct.write("probe", ResidentTensor(torch.zeros(1)), staging=staging)
+        if not direct.direct:
+            print("direct I/O: refused by this file system (the store fell back to buffered)")
+            return
+        direct.remove(probe)
+        print(f"direct I/O (O_DIRECT), staging {staging.buffers[0].numel() // MIB} MiB x 2")
+        for size in sizes:
+            _report(size, _direct_row(size, repeats, Path(root), direct, staging))
+        staging.close()
+        direct.close()
+
+
+def _report(size: int, rows: list[tuple[str, float, float]]) -> None:
+    for name, raw, ours in rows:
+        ratio = raw / ours
+        verdict = "ok" if ratio >= TARGET else f"UNDER {TARGET}"
+        print(
+            f"{name:<20} {size:>5} MiB: store {size / ours / 1024:6.2f} GiB/s, "
+            f"raw {size / raw / 1024:6.2f} GiB/s, ratio {ratio:.3f} {verdict}"
+        )
 
 
 if __name__ == "__main__":

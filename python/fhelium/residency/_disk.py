@@ -52,6 +52,8 @@ import struct
 import warnings
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -316,18 +318,38 @@ class DiskStore:
         device: torch.device | None,
     ) -> int:
         """Writes ``prefix`` and ``blobs`` (on CUDA ``device``, or on the host for None)
-        to a new ``path`` through ``staging``, a chunk at a time: the device copy into
-        one slot runs while the other slot is written to the file."""
+        to a new ``path`` through ``staging``, a chunk at a time: while the ring's I/O
+        thread writes one slot to the file, the next is filled (from the device, or by
+        a host copy)."""
         stream = None if device is None else staging.runtime.current_stream(device)
         descriptor, direct = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             total = len(prefix) + sum(int(blob.numel()) for blob in blobs)
-            written: int | None = None  # the slot filled last, not yet written
+            inline = total <= CHUNK  # one chunk: nothing to overlap
             slot, fill = staging.take(), 0
             header = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
             segments = [(header, None), *((blob, stream) for blob in blobs)]
             for segment, copy_stream in segments:
                 position, length = 0, int(segment.numel())
+                if (
+                    direct
+                    and copy_stream is None
+                    and fill % ALIGN == 0
+                    and length >= ALIGN
+                    and segment.data_ptr() % ALIGN == 0
+                ):
+                    # Host memory on a page (pinned memory is), at a page of the file:
+                    # its whole pages are written straight from it, in order on the
+                    # I/O thread, after what the slot holds; only its tail is staged.
+                    if fill:
+                        staging.seal(slot)
+                        staging.wait(slot)
+                        held = staging.view(slot, fill)
+                        staging.submit(slot, inline, _write_all, descriptor, held)
+                        slot, fill = staging.take(), 0
+                    position = length - length % ALIGN
+                    straight = memoryview(segment.numpy())[:position]  # type: ignore[arg-type]
+                    staging.submit(None, inline, _write_all, descriptor, straight)
                 while position < length:
                     step = min(CHUNK - fill, length - position)
                     staging.fill(slot, fill, segment[position : position + step], copy_stream)
@@ -335,19 +357,18 @@ class DiskStore:
                     position += step
                     if fill == CHUNK:
                         staging.seal(slot)
-                        if written is not None:
-                            staging.wait(written)
-                            _write_all(descriptor, staging.view(written, CHUNK))
-                        written, slot, fill = slot, staging.take(), 0
+                        staging.wait(slot)
+                        staging.submit(
+                            slot, inline, _write_all, descriptor, staging.view(slot, CHUNK)
+                        )
+                        slot, fill = staging.take(), 0
             staging.seal(slot)
-            if written is not None:
-                staging.wait(written)
-                _write_all(descriptor, staging.view(written, CHUNK))
             staging.wait(slot)
             if fill:
                 padded = fill + (-fill % ALIGN) if direct else fill
                 staging.zero(slot, fill, padded)
-                _write_all(descriptor, staging.view(slot, padded))
+                staging.submit(slot, inline, _write_all, descriptor, staging.view(slot, padded))
+            staging.finish_io()
             if direct:
                 os.ftruncate(descriptor, total)
             os.fsync(descriptor)
@@ -442,34 +463,85 @@ class DiskStore:
         staging: Staging,
         stream: Any = None,
     ) -> Any:
-        """Reads the file's data into ``buffers`` (one per storage, host or CUDA)
-        through ``staging``, a chunk at a time; CUDA copies are enqueued on ``stream``.
-        Returns the event of the last device copy (None when none was made)."""
-        data = sum(length for _, length in file.storages)
+        """Reads the file's data into ``buffers`` (one per storage, host or CUDA).
+
+        With direct I/O, a host buffer that starts on a page, for a storage that starts
+        on a page of the file (the first storage always does), is read into straight
+        from the file for all its whole pages. Everything else goes through
+        ``staging``, a chunk at a time: while one slot's bytes are copied out (CUDA
+        copies enqueued on ``stream``), the ring's I/O thread reads the next chunk into
+        the other. Returns the event of the last device copy (None when none was
+        made)."""
         descriptor, direct = self._open(file.path, os.O_RDONLY)
+        path = file.path
         last = None
+
+        def ended_early() -> ResidencyMaterializationError:
+            return ResidencyMaterializationError(
+                f"{path} ended early: it was truncated behind the manager's back"
+            )
+
         try:
-            spans = [
-                (offset, length, buffer)
-                for (offset, length), buffer in zip(file.storages, buffers, strict=True)
-            ]
-            for begin in range(0, data, CHUNK):
-                step = min(CHUNK, data - begin)
-                slot = staging.take()
+            # (offset in the data, length, flat target) of each byte range to stage.
+            spans: list[tuple[int, int, torch.Tensor]] = []
+            for (start, size), buffer in zip(file.storages, buffers, strict=True):
+                whole = size - size % ALIGN if direct and stream is None else 0
+                if (
+                    whole
+                    and (file.data_start + start) % ALIGN == 0
+                    and buffer.data_ptr() % ALIGN == 0
+                ):
+                    view = memoryview(buffer.numpy())[:whole]  # type: ignore[arg-type]
+                    done = 0
+                    while done < whole:
+                        got = os.preadv(descriptor, [view[done:]], file.data_start + start + done)
+                        if got <= 0:
+                            raise ended_early()
+                        done += got
+                    spans.append((start + whole, size - whole, buffer[whole:]))
+                else:
+                    spans.append((start, size, buffer))
+            # The chunks that cover the spans, each starting on a page and at most CHUNK
+            # long; a span starting within a chunk's reach extends that chunk.
+            chunks: list[tuple[int, int]] = []
+            for offset, length, _ in spans:
+                end = offset + length
+                if not length:
+                    continue
+                begin = offset - offset % ALIGN
+                if chunks and begin < chunks[-1][0] + CHUNK:
+                    previous, reach = chunks[-1]
+                    chunks[-1] = (previous, max(reach, min(CHUNK, end - previous)))
+                    begin = previous + CHUNK
+                while begin < end:
+                    chunks.append((begin, min(CHUNK, end - begin)))
+                    begin += CHUNK
+
+            def read(slot: int, begin: int, step: int) -> None:
                 want = step + (-step % ALIGN) if direct else step
                 got = os.preadv(descriptor, [staging.view(slot, want)], file.data_start + begin)
                 if got < step:
-                    raise ResidencyMaterializationError(
-                        f"{file.path} ended early: it was truncated behind the manager's back"
-                    )
-                for offset, length, buffer in spans:
+                    raise ended_early()
+
+            inline = len(chunks) <= 1
+            slot = staging.take()
+            if chunks:
+                staging.submit(slot, inline, read, slot, *chunks[0])
+            for position, (begin, step) in enumerate(chunks):
+                staging.finish_io(slot)
+                following = -1
+                if position + 1 < len(chunks):
+                    following = staging.take()
+                    staging.submit(following, inline, read, following, *chunks[position + 1])
+                for offset, length, target in spans:
                     low, high = max(offset, begin), min(offset + length, begin + step)
                     if low < high:
                         staging.drain(
-                            slot, low - begin, buffer[low - offset : high - offset], stream
+                            slot, low - begin, target[low - offset : high - offset], stream
                         )
                 event = staging.seal(slot)
                 last = event if event is not None else last
+                slot = following
             return last
         except BaseException as error:
             staging.settle_after(error)
@@ -508,7 +580,17 @@ class Staging:
     runtime can pin (page-aligned pageable memory otherwise), each guarded by the event
     of the last device copy that used it. Made on first use, kept until `close`."""
 
-    __slots__ = ("_events", "_holders", "_streams", "buffers", "next", "runtime")
+    __slots__ = (
+        "_events",
+        "_holders",
+        "_io",
+        "_loose",
+        "_pool",
+        "_streams",
+        "buffers",
+        "next",
+        "runtime",
+    )
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
@@ -517,6 +599,10 @@ class Staging:
         self._events: list[Any] = [None] * SLOTS
         # Per slot: the stream of device copies enqueued since it was last sealed.
         self._streams: list[Any] = [None] * SLOTS
+        # Per slot: the file read or write the I/O thread runs on it.
+        self._io: list[Future[None] | None] = [None] * SLOTS
+        self._loose: list[Future[None]] = []
+        self._pool: ThreadPoolExecutor | None = None
         self.next = 0
 
     @property
@@ -539,8 +625,37 @@ class Staging:
             self._allocate()
         slot = self.next
         self.next = (slot + 1) % SLOTS
+        self.finish_io(slot)
         self.wait(slot)
         return slot
+
+    def submit(self, slot: int | None, inline: bool, work: Callable[..., None], *args: Any) -> None:
+        """Runs file I/O ``work(*args)`` on ``slot`` (None: on memory outside the ring)
+        on the ring's one I/O thread, in submission order, so the caller can go on
+        with the other slot; or at once with ``inline``. The file calls release the
+        interpreter, and so do the host copies beside them."""
+        if inline:
+            work(*args)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fhelium-disk-io")
+        future = self._pool.submit(work, *args)
+        if slot is None:
+            self._loose.append(future)
+        else:
+            self._io[slot] = future
+
+    def finish_io(self, slot: int | None = None) -> None:
+        """Waits for the I/O on ``slot`` (all I/O for None), raising its error."""
+        for index in range(SLOTS) if slot is None else (slot,):
+            future = self._io[index]
+            if future is not None:
+                self._io[index] = None
+                future.result()
+        if slot is None:
+            loose, self._loose = self._loose, []
+            for future in loose:
+                future.result()
 
     def wait(self, slot: int) -> None:
         """Waits for the device copies recorded on the slot."""
@@ -586,13 +701,28 @@ class Staging:
         return event
 
     def settle(self) -> None:
-        """Waits for every copy still using a slot (after a failure, and at close)."""
+        """Waits for every copy and file operation still using a slot (after a
+        failure, and at close)."""
+        futures = [future for future in self._io if future is not None] + self._loose
+        self._io = [None] * SLOTS
+        self._loose = []
+        if futures:
+            wait_futures(futures)  # their errors were, or will be, raised by their owner
         for slot in range(SLOTS):
             stream = self._streams[slot]
             self._streams[slot] = None
             if stream is not None:
                 self.runtime.synchronize_stream(stream)
             self.wait(slot)
+
+    def close(self) -> None:
+        """`settle`, then ends the I/O thread."""
+        try:
+            self.settle()
+        finally:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def settle_after(self, error: BaseException) -> None:
         """`settle` on a failure path: a failure to wait becomes a note on ``error``."""
@@ -709,7 +839,7 @@ class DiskTier:
         staging = self.staging
         if staging is None or staging.runtime is not runtime:
             if staging is not None:
-                staging.settle()
+                staging.close()
             staging = self.staging = Staging(runtime)
         return staging
 
@@ -759,7 +889,7 @@ class DiskTier:
         stores, self.stores = self.stores, {}
         try:
             if staging is not None:
-                staging.settle()
+                staging.close()
         finally:
             for store in stores.values():
                 store.close()
