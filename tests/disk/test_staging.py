@@ -5,6 +5,7 @@ copies left in flight where a pipeline asks), and with direct I/O
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -321,3 +322,54 @@ def test_a_prefetch_pipeline_leaves_disk_reads_in_flight_and_overlaps_them(
             assert_balanced(manager.snapshot())
             manager.close()
     assert timings[1] < 0.8 * timings[0]
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+
+
+def _off_page(nbytes: int) -> torch.Tensor:
+    buffer = mmap.mmap(-1, nbytes + 4096)
+    return torch.frombuffer(buffer, dtype=torch.uint8, offset=64, count=nbytes)
+
+
+def test_direct_io_moves_whole_pages_of_page_aligned_memory_straight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    writes: list[int] = []
+    reads: list[int] = []
+    real_write, real_preadv = os.write, os.preadv
+
+    def write(descriptor: int, data: memoryview) -> int:
+        writes.append(len(data))
+        return real_write(descriptor, data)
+
+    def preadv(descriptor: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append(sum(len(buffer) for buffer in buffers))
+        return real_preadv(descriptor, buffers, offset)
+
+    monkeypatch.setattr(_disk.os, "write", write)
+    monkeypatch.setattr(_disk.os, "preadv", preadv)
+    store = _disk.DiskStore(tmp_path / "d", "owner", direct=True)
+    staging = _disk.Staging(SimulatedRuntime(0, pinned=False))
+    nbytes = 5 * CHUNK + 100  # five whole pages and a tail
+    memory = _page_aligned(nbytes)
+    memory.copy_(torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
+    file = store.write("v", ResidentTensor(memory), staging=staging)
+    # The header's page from the ring, the value's whole pages straight from its own
+    # memory, then its tail from the ring padded to a page (and truncated after).
+    assert writes == [CHUNK, 5 * CHUNK, CHUNK]
+    assert file.path.stat().st_size == file.data_start + nbytes
+    back = store.read(file, _page_aligned, staging=staging)
+    assert reads == [5 * CHUNK, CHUNK]  # whole pages straight, the tail's page staged
+    assert isinstance(back, ResidentTensor)
+    assert torch.equal(back.tensor, memory)
+    reads.clear()
+    unaligned = store.read(file, _off_page, staging=staging)
+    assert reads == [CHUNK] * 6  # all through the ring
+    assert isinstance(unaligned, ResidentTensor)
+    assert torch.equal(unaligned.tensor, memory)
+    staging.close()
+    store.close()
