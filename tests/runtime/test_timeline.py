@@ -749,3 +749,16 @@ def test_public_module_exports() -> None:
     for name in simulation.__all__:
         assert getattr(simulation, name) is getattr(_runtime, name)
     assert TimelineSpan._fields == ("device", "engine", "start", "end", "nbytes", "label")
+
+
+def test_an_event_from_before_a_reset_does_not_move_the_new_clock() -> None:
+    timeline = Timeline(h2d_bytes_per_s=1e6)
+    runtime = SimulatedRuntime(1, timeline=timeline)
+    stream = runtime.create_stream(DEV0)
+    runtime.compute(stream, 1e-3)
+    event = runtime.record_event(stream)
+    timeline.reset()
+    assert timeline.now == 0.0
+    assert runtime.event_query(event)
+    runtime.synchronize_event(event)  # done before the reset: nothing to wait for
+    assert timeline.now == 0.0

@@ -377,8 +377,11 @@ class SimulatedEvent:
         """Finish the simulated work before this event.
 
         With a `Timeline`, the host clock advances to the event's time, as a host
-        synchronisation on the event would.
+        synchronisation on the event would; an event already complete returns at once
+        (after `Timeline.reset`, its time may lie ahead of the new clock).
         """
+        if self._completed:
+            return
         if self._time is None:
             self._completed = True
             self._stream.runtime._forget_event(self)
