@@ -53,9 +53,7 @@ def _child(
     # backends warn on their own (shutdown order), which is not what is under test.
     warnings.resetwarnings()
     warnings.simplefilter("ignore")
-    os.environ.update(
-        {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
-    )
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
     outcome: Outcome
     try:

@@ -104,6 +104,7 @@ def rank_manager(
     budgets: Budgets | Sequence[Budgets] | Callable[[int], Budgets],
     *,
     group: Any = None,
+    runtime: SimulatedRuntime | None = None,
     trace_capacity: int = 4096,
 ) -> ResidencyManager:
     """This rank's manager, on this rank's own device.
@@ -111,11 +112,13 @@ def rank_manager(
     ``budgets`` is one mapping for every rank, a sequence with one mapping per rank of
     ``group`` (its length must be the group's size), or a callable taking the rank and
     returning its mapping. With CUDA, ``torch.cuda.set_device(LOCAL_RANK)`` is called
-    and `rank_location` is ``cuda:{LOCAL_RANK}``. Without CUDA, the installed runtime
-    is used when it is a `SimulatedRuntime`; otherwise a ``SimulatedRuntime(1)`` is
-    installed process-wide (`set_runtime`) first, so ``current_runtime()`` gives its
-    streams. Without an initialised process group the process is rank 0 of 1. See
-    docs/concepts/distributed.md#rank-local-managers.
+    and `rank_location` is ``cuda:{LOCAL_RANK}``. Without CUDA, ``runtime`` (a
+    `SimulatedRuntime`) is installed process-wide (`set_runtime`) when given; otherwise
+    the installed runtime is used when it is a `SimulatedRuntime`, and a
+    ``SimulatedRuntime(1, auto_complete=True)`` (its events complete as they are
+    recorded, as CPU work is done by then) is installed when it is not. Either way
+    ``current_runtime()`` then gives its streams. Without an initialised process group
+    the process is rank 0 of 1. See docs/concepts/distributed.md#rank-local-managers.
     """
     rank, size = _rank_and_size(group)
     if callable(budgets):
@@ -138,10 +141,14 @@ def rank_manager(
         raise TypeError(
             f"the budgets of rank {rank} must be a Mapping, got {type(chosen).__name__}"
         )
+    if runtime is not None and not isinstance(runtime, SimulatedRuntime):
+        raise TypeError(f"runtime must be a SimulatedRuntime, got {type(runtime).__name__}")
     if torch.cuda.is_available():
         torch.cuda.set_device(_local_rank())
+    elif runtime is not None:
+        set_runtime(runtime)
     elif not isinstance(current_runtime(), SimulatedRuntime):
-        set_runtime(SimulatedRuntime(1))
+        set_runtime(SimulatedRuntime(1, auto_complete=True))
     return ResidencyManager(chosen, trace_capacity=trace_capacity)
 
 
