@@ -743,9 +743,9 @@ class _Transfer:
         return [entry[2] for entry in everyone]
 
 
-def _receive_buffers(
-    transfer: _Transfer, layouts: Sequence[_Layout], allocator: _Allocator
-) -> list[list[torch.Tensor]]:
+def _receive_buffers(layouts: Sequence[_Layout], allocator: _Allocator) -> list[list[torch.Tensor]]:
+    """The storages each incoming value will live in, allocated at the destination
+    during admission (an allocation failure is a refused admission)."""
     return [[allocator.empty(nbytes) for nbytes in layout.storages] for layout in layouts]
 
 
@@ -800,14 +800,15 @@ def broadcast(
         error = failure
     (layout,) = transfer.agree(offered, error)[src]
     error = None
+    received: list[list[torch.Tensor]] = []
     try:
+        allocator = _Allocator(manager, transfer.at)
         if not sending:
             transfer.admit([layout])
+            received = _receive_buffers([layout], allocator)
     except Exception as failure:
         error = failure
     transfer.verdict("admission", error)
-    allocator = _Allocator(manager, transfer.at)
-    received: list[list[torch.Tensor]] = []
     try:
         with _communicating("broadcast", "transfer"):
             transport = _transport(group)
@@ -815,12 +816,10 @@ def broadcast(
                 for flat in transfer.flats[0]:
                     dist.broadcast(_send(flat, transport), _global(group, src), group=group)
             else:
-                (buffers,) = _receive_buffers(transfer, [layout], allocator)
-                for buffer in buffers:
+                for buffer in received[0]:
                     staged = _staged(buffer, transport)
                     dist.broadcast(staged, _global(group, src), group=group)
                     _land(buffer, staged)
-                received = [buffers]
     except ResidencyCommunicationError:
         transfer.undo()
         raise
@@ -883,14 +882,15 @@ def scatter(
     layouts = transfer.agree(offered, error)[src]
     mine = layouts[transfer.rank]
     error = None
+    received: list[list[torch.Tensor]] = []
     try:
+        allocator = _Allocator(manager, transfer.at)
         if not sending:
             transfer.admit([mine])
+            received = _receive_buffers([mine], allocator)
     except Exception as failure:
         error = failure
     transfer.verdict("admission", error)
-    allocator = _Allocator(manager, transfer.at)
-    received: list[list[torch.Tensor]] = []
     try:
         with _communicating("scatter", "transfer"):
             transport = _transport(group)
@@ -901,12 +901,10 @@ def scatter(
                     for flat in transfer.flats[rank]:
                         dist.send(_send(flat, transport), _global(group, rank), group=group)
             else:
-                (buffers,) = _receive_buffers(transfer, [mine], allocator)
-                for buffer in buffers:
+                for buffer in received[0]:
                     staged = _staged(buffer, transport)
                     dist.recv(staged, _global(group, src), group=group)
                     _land(buffer, staged)
-                received = [buffers]
     except ResidencyCommunicationError:
         transfer.undo()
         raise
@@ -946,19 +944,19 @@ def gather(
     everyone = transfer.agree(offered, error)
     incoming = [everyone[rank][0] for rank in range(transfer.size) if rank != dst]
     error = None
+    received: list[list[torch.Tensor]] = []
     try:
+        allocator = _Allocator(manager, transfer.at)
         if receiving:
             transfer.admit(incoming)
+            received = _receive_buffers(incoming, allocator)
     except Exception as failure:
         error = failure
     transfer.verdict("admission", error)
-    allocator = _Allocator(manager, transfer.at)
-    received: list[list[torch.Tensor]] = []
     try:
         with _communicating("gather", "transfer"):
             transport = _transport(group)
             if receiving:
-                received = _receive_buffers(transfer, incoming, allocator)
                 senders = [rank for rank in range(transfer.size) if rank != dst]
                 for rank, buffers in zip(senders, received, strict=True):
                     for buffer in buffers:
