@@ -29,6 +29,9 @@ __all__ = [
     "ResidencyPlanExecutionError",
     "ResidencyClosedError",
     "ResidencyReentrancyError",
+    "ResidencyDivergenceError",
+    "ResidencyCollectiveError",
+    "ResidencyCommunicationError",
     "ConfigurationError",
     "StateError",
     "ExecutionError",
@@ -284,3 +287,131 @@ class ResidencyClosedError(ResidencyError):
 
 class ResidencyReentrancyError(ResidencyError):
     """Manager access while a source callback runs, or same-thread transition re-entry."""
+
+
+class ResidencyDivergenceError(ResidencyError):
+    """Ranks meant to decide in lockstep made different residency decisions.
+
+    ``rank`` is the first rank (in group rank order) whose decision differs from the
+    ``reference_rank``'s; ``action_index`` the first position in the plan's actions
+    (reclaim, then enter, then reservations) where it differs, or ``None`` when the
+    decisions differ before any action (the request name, the state version or the
+    policy). ``expected`` and ``actual`` are the two ranks' canonical texts of that
+    entry. See docs/concepts/distributed.md#lockstep-checking.
+    """
+
+    request_name: str
+    rank: int
+    reference_rank: int
+    action_index: int | None
+    expected: str
+    actual: str
+
+    def __init__(
+        self,
+        *,
+        request_name: str,
+        rank: int,
+        reference_rank: int,
+        action_index: int | None,
+        expected: str,
+        actual: str,
+    ) -> None:
+        self.request_name = str(request_name)
+        self.rank = int(rank)
+        self.reference_rank = int(reference_rank)
+        self.action_index = None if action_index is None else int(action_index)
+        self.expected = str(expected)
+        self.actual = str(actual)
+        where = (
+            "before any action"
+            if self.action_index is None
+            else f"action_index={self.action_index}"
+        )
+        super().__init__(
+            f"residency decisions diverge for request {self.request_name!r}: "
+            f"rank={self.rank} differs from reference_rank={self.reference_rank} {where}: "
+            f"expected {self.expected!r}, got {self.actual!r}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {
+            "request_name": self.request_name,
+            "rank": self.rank,
+            "reference_rank": self.reference_rank,
+            "action_index": self.action_index,
+            "expected": self.expected,
+            "actual": self.actual,
+        }
+        return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+class ResidencyCollectiveError(ResidencyError):
+    """A value transfer between ranks (broadcast, scatter, gather) was refused or failed.
+
+    Every rank of the group raises it, with the same fields, and no rank keeps a charge
+    or a partial value. ``phase`` is where it stopped (``"agreement"``, ``"admission"``,
+    ``"transfer"`` or ``"commit"``), ``failed_ranks`` the ranks that refused or failed
+    (ascending) and ``details`` one text per failed rank, in the same order. See
+    docs/concepts/distributed.md#all-or-nothing.
+    """
+
+    operation: str
+    phase: str
+    failed_ranks: tuple[int, ...]
+    details: tuple[str, ...]
+
+    def __init__(
+        self,
+        *,
+        operation: str,
+        phase: str,
+        failed_ranks: tuple[int, ...],
+        details: tuple[str, ...],
+    ) -> None:
+        self.operation = str(operation)
+        self.phase = str(phase)
+        self.failed_ranks = tuple(int(rank) for rank in failed_ranks)
+        self.details = tuple(str(detail) for detail in details)
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        reasons = "; ".join(
+            f"rank {rank}: {detail}"
+            for rank, detail in zip(self.failed_ranks, self.details, strict=False)
+        )
+        return (
+            f"residency {self.operation} failed in phase {self.phase!r}: "
+            f"failed_ranks={list(self.failed_ranks)}: {reasons}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {
+            "operation": self.operation,
+            "phase": self.phase,
+            "failed_ranks": self.failed_ranks,
+            "details": self.details,
+        }
+        return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+class ResidencyCommunicationError(ResidencyCollectiveError):
+    """The process group itself failed under a residency collective: a peer died or
+    left, or the group's timeout passed. The backend's exception is the
+    ``__cause__``; ``failed_ranks`` is empty (the survivors cannot tell who failed) and
+    ``details`` holds the backend's message. Local charges were given back before it was
+    raised; the group is not usable afterwards."""
+
+    def __init__(self, *, operation: str, phase: str, detail: str) -> None:
+        self.detail = str(detail)
+        super().__init__(operation=operation, phase=phase, failed_ranks=(), details=(detail,))
+
+    def _message(self) -> str:
+        return (
+            f"residency {self.operation}: the process group failed in phase {self.phase!r} "
+            f"(a peer died or the group's timeout passed): {self.detail}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {"operation": self.operation, "phase": self.phase, "detail": self.detail}
+        return (_rebuild, (type(self), kwargs), self.__dict__)

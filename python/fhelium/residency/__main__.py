@@ -67,14 +67,15 @@ def _shards(cache: Path, count: int, width: int) -> list[Path]:
 class _Compute:
     """Where the demo computes: a CUDA device, or a simulated one with a timeline."""
 
-    def __init__(self, device: str, *, h2d_gbps: float, tflops: float) -> None:
-        self.location = cuda_location("cuda:0")
+    def __init__(self, device: str, *, h2d_gbps: float, tflops: float, index: int = 0) -> None:
         self.on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        # A rank's own GPU is cuda:{LOCAL_RANK}; the simulated device is always cuda:0.
+        self.location = cuda_location(f"cuda:{index if self.on_gpu else 0}")
         self.tflops = tflops
         self.runtime: SimulatedRuntime | None = None
         if self.on_gpu:
-            self.torch_device = torch.device("cuda", 0)
-            self.description = torch.cuda.get_device_name(0)
+            self.torch_device = torch.device("cuda", index)
+            self.description = torch.cuda.get_device_name(index)
             self.stream: Any = torch.cuda.current_stream(self.torch_device)
         else:
             bandwidth = h2d_gbps * 1e9
@@ -90,6 +91,7 @@ class _Compute:
                 f"{tflops:g} TFLOP/s compute)"
             )
             self.stream = self.runtime.current_stream(torch.device("cuda", 0))
+        self.simulated_device = torch.device("cuda", 0)
 
     @property
     def timeline(self) -> Timeline | None:
@@ -115,7 +117,7 @@ class _Compute:
         if self.on_gpu:
             torch.cuda.synchronize(self.torch_device)
         elif self.runtime is not None:
-            self.runtime.synchronize_device(torch.device("cuda", 0))
+            self.runtime.synchronize_device(self.simulated_device)
 
     def clock_ns(self) -> int:
         """The plot's clock: wall time on a GPU; otherwise the model's virtual time at
@@ -383,6 +385,217 @@ def run_demo(
     return summary
 
 
+def run_distributed_demo(
+    out: Path,
+    *,
+    layers: int = 24,
+    width: int | None = None,
+    batch: int | None = None,
+    passes: int = 3,
+    budget_layers: int | None = None,
+    device: str = "auto",
+    cache: Path | None = None,
+    quiet: bool = False,
+    h2d_gbps: float = 55.0,
+    tflops: float = 60.0,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """One rank of the distributed demo, under ``torchrun``: every rank streams its
+    own partition of the layers (layers ``rank``, ``rank + world``, ...) through its own
+    device's budget, with the schedule-aware policy and ``prefetch=1``, while rank 0
+    broadcasts the shared weights (a projection every step also uses) into every rank's
+    pinned host memory. Rank 0 prints a per-rank table; every rank writes
+    ``out/rank-{rank}/summary.json`` and ``trace.json``, and rank 0 ``out/summary.json``.
+
+    Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; the process group uses NCCL on
+    GPUs and gloo on the CPU, where each rank has its own simulated ``cuda:0`` and
+    timeline. See docs/concepts/distributed.md#the-demo."""
+    import datetime
+    import hashlib
+    import json
+
+    import torch.distributed as dist
+
+    from fhelium.residency.distributed import broadcast, rank_manager
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    compute = _Compute(device, h2d_gbps=h2d_gbps, tflops=tflops, index=local_rank)
+    if compute.on_gpu:
+        torch.cuda.set_device(local_rank)
+    started_here = not dist.is_initialized()
+    if started_here:
+        dist.init_process_group(
+            "nccl" if compute.on_gpu else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if width is None:
+        width = 5792 if compute.on_gpu else 256
+    if batch is None:
+        batch = 2048
+    if layers < world or passes < 1 or width < 1 or batch < 1:
+        raise ValueError("layers must be >= the number of ranks; passes, width, batch >= 1")
+    owned = list(range(rank, layers, world))
+    if budget_layers is None:
+        budget_layers = max(2, len(owned) // 3)
+    if budget_layers < 2:
+        raise ValueError("budget_layers must be >= 2 (one step computing, one arriving)")
+    log = print if (rank == 0 and not quiet) else (lambda *_: None)
+    started = time.perf_counter()
+    layer_bytes = width * width * 4
+    workspace = batch * width * 4 * 2
+    # The rank's layers, the shared projection, and the activations.
+    budget = (budget_layers + 1) * layer_bytes + workspace
+    cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / (
+        "fhelium-residency-demo"
+    )
+    # Rank 0 writes the shard files once; the others read the same files.
+    if rank == 0:
+        _shards(cache, layers, width)
+    dist.barrier()
+    paths = _shards(cache, layers, width)
+    location = compute.location
+    folder = out / f"rank-{rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    with compute.installed():
+        manager = rank_manager(
+            {location: budget, PINNED_HOST: (len(owned) + 1) * layer_bytes},
+            runtime=compute.runtime,
+            trace_capacity=8 * passes * len(owned) + 64,
+        )
+        handles = []
+        for index in owned:
+            source: SafetensorsSource[ResidentTensor] = SafetensorsSource(paths[index], "weight")
+            handles.append(
+                manager.register_source(source.spec(replica_mode=ReplicaMode.REPLICABLE), source)
+            )
+        manager.execute_actions(
+            [EnsureResident(handle, PINNED_HOST) for handle in handles], name="staging"
+        )
+        # The shared weights: made on rank 0, broadcast through the process group into
+        # every rank's pinned host memory, admitted there under each rank's budget.
+        shared = None
+        if rank == 0:
+            projection = (
+                torch.randn(width, width, generator=torch.Generator().manual_seed(99)) / width**0.5
+            )
+            value = ResidentTensor(projection)
+            pinned = compute.runtime.pin(value) if compute.runtime else value.pin_memory()
+            shared = manager.adopt(pinned, at=PINNED_HOST, replica_mode=ReplicaMode.REPLICABLE)
+        shared = broadcast(manager, shared, src=0, at=PINNED_HOST)
+        with manager.acquire([shared], at=PINNED_HOST) as borrowed:
+            shared_tensor = borrowed[shared]
+            assert isinstance(shared_tensor, ResidentTensor)
+            shared_digest = hashlib.sha256(
+                shared_tensor.tensor.contiguous().numpy().tobytes()
+            ).hexdigest()
+        requests = [
+            ResidencyRequest(
+                f"pass-{p}-layer-{index:03d}",
+                [
+                    ResidencyRequirement(handle, location),
+                    ResidencyRequirement(shared, location),
+                ],
+                [MemoryReservation(location, workspace, "activations")],
+            )
+            for p in range(passes)
+            for index, handle in zip(owned, handles, strict=True)
+        ]
+        manager.clear_trace()
+        if compute.timeline is not None:
+            compute.timeline.reset()
+        controller = ResidencyController(manager, policy=ScheduleAwarePolicy(requests))
+        activation = torch.randn(batch, width, generator=torch.Generator().manual_seed(7)).to(
+            compute.torch_device
+        )
+        checksum = torch.zeros((), device=compute.torch_device)
+        samples: list[tuple[int, ResidencySnapshot[Any]]] = []
+        origin = compute.clock_ns()
+        timer = _GpuTimer(compute) if compute.on_gpu else None
+        with controller.run(
+            requests, prefetch=1, consumer_streams={location: compute.stream}
+        ) as steps:
+            for step in steps:
+                layer, projection_value = (
+                    step.value(requirement.handle, at=location)
+                    for requirement in step.request.requirements
+                )
+                assert isinstance(layer, ResidentTensor)
+                assert isinstance(projection_value, ResidentTensor)
+                with compute.kernels():
+                    activation = torch.tanh(activation @ layer.tensor) @ projection_value.tensor
+                    checksum += activation[0, 0]
+                compute.declare(2 * 2.0 * batch * width * width, step.request.name)
+                samples.append((compute.clock_ns() - origin, manager.snapshot()))
+        compute.synchronize()
+        seconds = timer.stop() if timer is not None else compute.timeline.makespan  # type: ignore[union-attr]
+        transitions = manager.trace()
+        figures = _traffic(transitions, location)
+        peak = max(
+            entry.used_bytes + entry.reserved_bytes
+            for _, snapshot in samples
+            for entry in snapshot.locations
+            if entry.location == location
+        )
+        manager.close(force=True)
+    from fhelium.residency.export import write_trace
+
+    write_trace(folder / "trace.json", transitions, samples, timeline=compute.timeline)
+    mine = {
+        "rank": rank,
+        "device": location.name,
+        "layers": owned,
+        "steps": len(requests),
+        **figures,
+        "peak_bytes": peak,
+        "budget_bytes": budget,
+        "seconds": seconds,
+        "checksum": float(checksum),
+        "shared_sha256": shared_digest,
+    }
+    (folder / "summary.json").write_text(json.dumps(mine, indent=2))
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    time_kind = "measured (CUDA events)" if compute.on_gpu else "predicted (timeline model)"
+    summary: dict[str, Any] = {
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "device": compute.description,
+        "layer_bytes": layer_bytes,
+        "time": time_kind,
+        "shared_identical": len({entry["shared_sha256"] for entry in everyone}) == 1,
+        "ranks": everyone,
+        "seconds": time.perf_counter() - started,
+    }
+    if rank == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log(
+        f"fhelium.residency demo --distributed: {world} ranks ({summary['backend']}), "
+        f"{passes} passes over {layers} layers of {layer_bytes / MIB:.1f} MiB, partitioned"
+    )
+    log(f"compute: {compute.description}; per-rank budget {budget / MIB:.1f} MiB")
+    log("")
+    log(
+        f"{'rank':<6}{'device':<9}{'layers':>7}{'H2D MiB':>9}{'loads':>7}{'evicted':>9}"
+        f"{'peak/budget MiB':>17}{'time ms':>10}  shared weights"
+    )
+    for entry in everyone:
+        log(
+            f"{entry['rank']:<6}{entry['device']:<9}{len(entry['layers']):>7}"
+            f"{entry['h2d_bytes'] / MIB:>9.1f}{entry['loads']:>7}{entry['evictions']:>9}"
+            f"{entry['peak_bytes'] / MIB:>9.1f}/{entry['budget_bytes'] / MIB:<7.1f}"
+            f"{entry['seconds'] * 1e3:>10.2f}  sha256 {entry['shared_sha256'][:12]}"
+        )
+    log(
+        f"time: {time_kind}. Shared weights broadcast from rank 0: "
+        + ("identical on every rank." if summary["shared_identical"] else "DIFFERENT on some rank!")
+    )
+    log(f"wrote {out / 'summary.json'} and {out}/rank-*/summary.json, trace.json")
+    if started_here:
+        dist.destroy_process_group()
+    return summary
+
+
 class _GpuTimer:
     """A run's makespan on the GPU, between two CUDA events on the consumer stream."""
 
@@ -445,7 +658,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--out", type=Path, default=Path("residency-demo"), help="output folder")
     demo.add_argument("--layers", type=int, default=24)
     demo.add_argument("--passes", type=int, default=3)
-    demo.add_argument("--budget-layers", type=int, default=8, help="layers the budget holds")
+    demo.add_argument(
+        "--budget-layers",
+        type=int,
+        default=None,
+        help="layers the budget holds (default 8; with --distributed a third of a rank's)",
+    )
     demo.add_argument("--width", type=int, default=None, help="layers are width x width")
     demo.add_argument("--batch", type=int, default=None, help="activation rows")
     demo.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -462,14 +680,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--host-layers", type=int, default=None, help="with --disk: layers the pinned host holds"
     )
+    demo.add_argument(
+        "--distributed",
+        action="store_true",
+        help="under torchrun: each rank streams its own partition, rank 0 broadcasts the "
+        "shared weights (NCCL on GPUs, gloo on the CPU)",
+    )
     arguments = parser.parse_args(argv)
+    if arguments.distributed:
+        if arguments.disk is not None:
+            parser.error("--disk is not available with --distributed")
+        run_distributed_demo(
+            arguments.out,
+            layers=arguments.layers,
+            width=arguments.width,
+            batch=arguments.batch,
+            passes=arguments.passes,
+            budget_layers=arguments.budget_layers,
+            device=arguments.device,
+            cache=arguments.cache,
+            h2d_gbps=arguments.h2d_gbps,
+            tflops=arguments.tflops,
+        )
+        return 0
     run_demo(
         arguments.out,
         layers=arguments.layers,
         width=arguments.width,
         batch=arguments.batch,
         passes=arguments.passes,
-        budget_layers=arguments.budget_layers,
+        budget_layers=8 if arguments.budget_layers is None else arguments.budget_layers,
         device=arguments.device,
         cache=arguments.cache,
         h2d_gbps=arguments.h2d_gbps,
