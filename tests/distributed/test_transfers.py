@@ -205,6 +205,43 @@ def test_a_failure_after_the_bytes_arrived_is_undone_on_every_rank() -> None:
         assert result["values"] == (1 if rank == 0 else 0)
 
 
+def _failing_landing(rank: int, world: int) -> dict[str, Any]:
+    at = rank_location()
+    manager = rank_manager({at: BUDGET})
+    handle = _place(manager, _value(4), at) if rank == 0 else None
+    if rank == 1:
+        # Rank 1 cannot copy what arrived into its storages (the first of several), but
+        # it goes on taking part in every collective, so no rank hangs.
+        from fhelium.residency import distributed
+
+        def broken(buffer: Any, staged: Any) -> None:
+            raise RuntimeError("injected landing failure")
+
+        distributed._land = broken  # type: ignore[attr-defined]
+    before = _books(manager)
+    try:
+        broadcast(manager, handle, src=0, at=at)
+    except ResidencyError as error:
+        return {
+            "error": error,
+            "before": before,
+            "after": _books(manager),
+            "values": len([v for v in manager.snapshot().values if not v.discarded]),
+        }
+    raise AssertionError("the broadcast went through")
+
+
+def test_a_rank_that_fails_during_the_transfer_makes_every_rank_raise_before_adopting() -> None:
+    results = [outcome.unwrap() for outcome in run_ranks(_failing_landing, 3)]
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert type(error) is ResidencyCollectiveError
+        assert (error.phase, error.failed_ranks) == ("transfer", (1,))
+        assert "injected landing failure" in error.details[0]
+        assert result["after"] == result["before"], rank
+        assert result["values"] == (1 if rank == 0 else 0)
+
+
 def _bad_calls(rank: int, world: int, case: str) -> ResidencyError:
     at = rank_location()
     manager = rank_manager({at: BUDGET, PINNED_HOST: BUDGET})

@@ -670,23 +670,26 @@ class _Transfer:
         self.reservations.clear()
         return handles
 
-    def undo(self) -> None:
-        """Gives back every charge and value this transfer took on this rank."""
-        for reservation in self.reservations:
-            with contextlib.suppress(Exception):
-                reservation.release()
-        self.reservations.clear()
-        for handle in self.adopted:
-            with contextlib.suppress(Exception):
-                self.manager.discard(handle)
-        self.adopted.clear()
-        self.release()
+    def undo(self, error: BaseException | None = None) -> None:
+        """Gives back every charge and value this transfer took on this rank; each step
+        that fails is a note on ``error`` (the error about to be raised), and the steps
+        after it still run."""
+        reservations, self.reservations = self.reservations, []
+        for reservation in reservations:
+            _noted(error, f"releasing the reservation {reservation!r}", reservation.release)
+        adopted, self.adopted = self.adopted, []
+        for handle in adopted:
+            _noted(error, f"discarding the adopted value {handle!r}", self.manager.discard, handle)
+        self.release(error)
 
-    def release(self) -> None:
-        for lease in self.leases:
-            with contextlib.suppress(Exception):
-                lease.release(wait=True)
-        self.leases.clear()
+    def release(self, error: BaseException | None = None) -> None:
+        leases, self.leases = self.leases, []
+        for lease in leases:
+            _noted(
+                error,
+                f"releasing the lease {lease!r}",
+                lambda lease=lease: lease.release(wait=True),
+            )
 
     # --- collective steps -------------------------------------------------------------
 
@@ -698,19 +701,19 @@ class _Transfer:
             with _communicating(self.operation, phase):
                 outcomes = _all_gather_objects(local, self.group, self.size)
         except ResidencyCommunicationError as failure:
-            self.undo()
             if error is not None:
                 failure.add_note(f"this rank had failed too: {_failure(error)}")
+            self.undo(failure)
             raise
         failed = tuple(rank for rank, outcome in enumerate(outcomes) if outcome is not None)
         if failed:
-            self.undo()
             raised = ResidencyCollectiveError(
                 operation=self.operation,
                 phase=phase,
                 failed_ranks=failed,
                 details=tuple(str(outcomes[rank]) for rank in failed),
             )
+            self.undo(raised)
             raise raised from error
 
     def agree(self, offered: list[_Layout] | None, error: BaseException | None) -> list[Any]:
@@ -720,27 +723,43 @@ class _Transfer:
         try:
             with _communicating(self.operation, "agreement"):
                 everyone = _all_gather_objects(mine, self.group, self.size)
-        except ResidencyCommunicationError:
-            self.undo()
+        except ResidencyCommunicationError as failure:
+            self.undo(failure)
             raise
         failed = []
         details = []
-        for rank, (call, failure, _) in enumerate(everyone):
+        for rank, (call, outcome, _) in enumerate(everyone):
             if call != everyone[0][0]:
                 failed.append(rank)
                 details.append(f"called {call!r}, rank 0 called {everyone[0][0]!r}")
-            elif failure is not None:
+            elif outcome is not None:
                 failed.append(rank)
-                details.append(failure)
+                details.append(outcome)
         if failed:
-            self.undo()
-            raise ResidencyCollectiveError(
+            raised = ResidencyCollectiveError(
                 operation=self.operation,
                 phase="agreement",
                 failed_ranks=tuple(failed),
                 details=tuple(details),
-            ) from error
+            )
+            self.undo(raised)
+            raise raised from error
         return [entry[2] for entry in everyone]
+
+
+def _release_waiting(lease: ResidencyLease) -> None:
+    lease.release(wait=True)
+
+
+def _noted(error: BaseException | None, what: str, step: Callable[..., object], *args: Any) -> None:
+    """Runs a clean-up ``step``; a failure becomes a note on ``error`` (or is raised
+    when there is no error to carry it)."""
+    try:
+        step(*args)
+    except Exception as failure:
+        if error is None:
+            raise
+        error.add_note(f"clean-up: {what} also failed: {failure!r}")
 
 
 def _receive_buffers(layouts: Sequence[_Layout], allocator: _Allocator) -> list[list[torch.Tensor]]:
@@ -764,6 +783,33 @@ def _staged(buffer: torch.Tensor, transport: torch.device) -> torch.Tensor:
 def _land(buffer: torch.Tensor, staged: torch.Tensor) -> None:
     if staged is not buffer:
         buffer.copy_(staged)
+
+
+def _outgoing(
+    flat: torch.Tensor, transport: torch.device, error: BaseException | None
+) -> tuple[torch.Tensor, BaseException | None]:
+    """What this rank sends for ``flat``, and its first local failure so far. After a
+    failure it still sends a buffer of the same size, so the other ranks' collectives
+    complete and every rank learns of it at the transfer verdict."""
+    if error is None:
+        try:
+            return _send(flat, transport), None
+        except Exception as failure:
+            error = failure
+    return torch.empty(flat.numel(), dtype=torch.uint8, device=transport), error
+
+
+def _landed(
+    buffer: torch.Tensor, staged: torch.Tensor, error: BaseException | None
+) -> BaseException | None:
+    """Copies what arrived into its destination, unless an earlier copy failed; the
+    first local failure so far (the collectives go on either way)."""
+    if error is None:
+        try:
+            _land(buffer, staged)
+        except Exception as failure:
+            return failure
+    return error
 
 
 def broadcast(
@@ -809,20 +855,23 @@ def broadcast(
     except Exception as failure:
         error = failure
     transfer.verdict("admission", error)
+    error = None
     try:
         with _communicating("broadcast", "transfer"):
             transport = _transport(group)
             if sending:
                 for flat in transfer.flats[0]:
-                    dist.broadcast(_send(flat, transport), _global(group, src), group=group)
+                    payload, error = _outgoing(flat, transport, error)
+                    dist.broadcast(payload, _global(group, src), group=group)
             else:
                 for buffer in received[0]:
                     staged = _staged(buffer, transport)
                     dist.broadcast(staged, _global(group, src), group=group)
-                    _land(buffer, staged)
-    except ResidencyCommunicationError:
-        transfer.undo()
+                    error = _landed(buffer, staged, error)
+    except BaseException as failure:
+        transfer.undo(failure)
         raise
+    transfer.verdict("transfer", error)
     adopted = _finish(transfer, [] if sending else [layout], received, allocator)
     return handle if sending else adopted[0]  # type: ignore[return-value]
 
@@ -891,6 +940,7 @@ def scatter(
     except Exception as failure:
         error = failure
     transfer.verdict("admission", error)
+    error = None
     try:
         with _communicating("scatter", "transfer"):
             transport = _transport(group)
@@ -899,15 +949,17 @@ def scatter(
                     if rank == src:
                         continue
                     for flat in transfer.flats[rank]:
-                        dist.send(_send(flat, transport), _global(group, rank), group=group)
+                        payload, error = _outgoing(flat, transport, error)
+                        dist.send(payload, _global(group, rank), group=group)
             else:
                 for buffer in received[0]:
                     staged = _staged(buffer, transport)
                     dist.recv(staged, _global(group, src), group=group)
-                    _land(buffer, staged)
-    except ResidencyCommunicationError:
-        transfer.undo()
+                    error = _landed(buffer, staged, error)
+    except BaseException as failure:
+        transfer.undo(failure)
         raise
+    transfer.verdict("transfer", error)
     adopted = _finish(transfer, [] if sending else [mine], received, allocator)
     if sending:
         assert handles is not None
@@ -953,6 +1005,7 @@ def gather(
     except Exception as failure:
         error = failure
     transfer.verdict("admission", error)
+    error = None
     try:
         with _communicating("gather", "transfer"):
             transport = _transport(group)
@@ -962,13 +1015,15 @@ def gather(
                     for buffer in buffers:
                         staged = _staged(buffer, transport)
                         dist.recv(staged, _global(group, rank), group=group)
-                        _land(buffer, staged)
+                        error = _landed(buffer, staged, error)
             else:
                 for flat in transfer.flats[0]:
-                    dist.send(_send(flat, transport), _global(group, dst), group=group)
-    except ResidencyCommunicationError:
-        transfer.undo()
+                    payload, error = _outgoing(flat, transport, error)
+                    dist.send(payload, _global(group, dst), group=group)
+    except BaseException as failure:
+        transfer.undo(failure)
         raise
+    transfer.verdict("transfer", error)
     adopted = _finish(transfer, incoming if receiving else [], received, allocator)
     if not receiving:
         return None
