@@ -18,6 +18,9 @@ from fhelium.errors import (
     FHEliumError,
     ResidencyBudgetError,
     ResidencyClosedError,
+    ResidencyCollectiveError,
+    ResidencyCommunicationError,
+    ResidencyDivergenceError,
     ResidencyError,
     ResidencyHandleError,
     ResidencyInUseError,
@@ -47,6 +50,9 @@ PARENT = {
     ResidencyPlanExecutionError: ResidencyError,
     ResidencyClosedError: ResidencyError,
     ResidencyReentrancyError: ResidencyError,
+    ResidencyDivergenceError: ResidencyError,
+    ResidencyCollectiveError: ResidencyError,
+    ResidencyCommunicationError: ResidencyCollectiveError,
 }
 ALL_RESIDENCY = [ResidencyError, *PARENT]
 ALL = [FHEliumError, *ALL_RESIDENCY]
@@ -116,7 +122,7 @@ def test_plan_execution_error_is_sibling_of_plan_error() -> None:
     assert issubclass(ResidencyStaleStateError, ResidencyPlanError)
     assert issubclass(ResidencySearchLimitError, ResidencyPlanError)
     # No other cross-links between the leaves.
-    leaves = [c for c in PARENT if c is not ResidencyPlanError]
+    leaves = [c for c in PARENT if c not in (ResidencyPlanError, ResidencyCollectiveError)]
     for a in leaves:
         for b in leaves:
             if a is not b:
