@@ -24,7 +24,12 @@ from fhelium.errors import (
 )
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, cuda_location
 from fhelium.residency.manager import ResidencyManager
-from fhelium.residency.model import ResidencyHandle
+from fhelium.residency.model import (
+    Recoverability,
+    ReplicaMode,
+    ResidencyHandle,
+    ResidencyValueSpec,
+)
 from fhelium.residency.plan import (
     DiscardValue,
     DropResident,
@@ -61,6 +66,8 @@ from helpers.manager import (
     tensor_value,
 )
 from helpers.plans import ControlledSource
+
+CUDA_MISSING = cuda_location("cuda:7")  # past the simulated devices
 
 
 def _explain(manager: ResidencyManager, *enter: Any, **fields: Any) -> ResidencyPlanExplanation:
@@ -383,7 +390,35 @@ def test_move_records(sim: Any) -> None:
     )  # fmt: skip
     record = explanation.actions[6]
     assert (record.executable, record.no_op, record.destination) == (False, False, CUDA0)
+    assert record.source == PINNED_HOST  # the explicit source, settled before the failure
     assert record.reason == "explicit source pinned-host is not resident"
+
+
+def test_an_infeasible_move_names_its_explicit_source(sim: Any) -> None:
+    # A source-backed value resident nowhere, moved from an explicit location: the
+    # explanation names that location, though the move cannot run.
+    manager = ResidencyManager()
+    spec = ResidencyValueSpec(
+        ResidentTensor, 16, 16, ReplicaMode.REPLICABLE, Recoverability.RECONSTRUCTIBLE
+    )
+
+    class Loader:
+        def load(self) -> ResidentTensor:
+            return ResidentTensor(torch.zeros(4))
+
+    handle = manager.register_source(spec, Loader())
+    plan = ResidencyPlan("p", enter=[MoveResident(handle, PAGEABLE_HOST, PINNED_HOST)])
+    (record,) = manager.explain(plan).actions
+    assert (record.executable, record.source, record.destination) == (
+        False,
+        PINNED_HOST,
+        PAGEABLE_HOST,
+    )
+    assert record.reason == "explicit source pinned-host is not resident"
+    # An explicit source that is not even usable is named too.
+    (unusable,) = _explain(manager, MoveResident(handle, PAGEABLE_HOST, CUDA_MISSING)).actions
+    assert (unusable.executable, unusable.source) == (False, CUDA_MISSING)
+    assert "not usable" in (unusable.reason or "")
 
 
 def test_move_with_protected_source_in_both_cases(sim: Any) -> None:

@@ -443,6 +443,9 @@ impl<'a> Simulator<'a> {
         let state = *self.slot_state(slot, handle);
         let source = match from {
             Some(explicit) => {
+                // The explicit source is settled before anything can fail, so an
+                // infeasible move still names it (docs/concepts/plans.md#simulation-results).
+                outcome.source = Some(explicit);
                 self.prepare(explicit)?;
                 if !state.contains(explicit) {
                     return Err(format!("explicit source {explicit} is not resident"));
