@@ -171,3 +171,21 @@ def test_the_disk_mode_keeps_what_the_host_cannot_hold_on_disk(tmp_path: Path) -
     assert len(checksums) == 1
     # The manager closed: none of its files is left.
     assert [path for path in spill.rglob("*") if path.is_file()] == []
+
+
+def test_the_plot_draws_what_the_summary_and_the_manager_report(summary: dict[str, Any]) -> None:
+    """Each panel's series is what its run's peak was read from, and over all runs the
+    plotted series reach exactly the manager's own high-water marks: no peak of the
+    plotted location falls between two samples, unseen by the plot."""
+    plotted = summary["plotted"]
+    assert list(plotted) == list(summary["runs"])
+    for name, series in plotted.items():
+        assert len(series["times_ms"]) == len(series["used_bytes"]) == len(series["charged_bytes"])
+        assert series["times_ms"] == sorted(series["times_ms"])
+        assert max(series["charged_bytes"]) == summary["runs"][name]["peak_bytes"]
+        assert all(
+            u <= c for u, c in zip(series["used_bytes"], series["charged_bytes"], strict=True)
+        )
+    peak_used, peak_charged = summary["snapshot_peaks"][summary["location"]]
+    assert max(max(s["used_bytes"]) for s in plotted.values()) == peak_used
+    assert max(max(s["charged_bytes"]) for s in plotted.values()) == peak_charged

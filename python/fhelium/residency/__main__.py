@@ -291,6 +291,7 @@ def run_demo(
         flops = 2.0 * batch * width * width
         runs: dict[str, dict[str, Any]] = {}
         run_samples: dict[str, list[tuple[int, ResidencySnapshot[Any]]]] = {}
+        series: dict[str, dict[str, list[float]]] = {}
         last_transitions: tuple[ResidencyTransitionReport, ...] = ()
         for name, aware, prefetch in _RUNS:
             # A cold start: nothing of the last run stays on the device.
@@ -327,12 +328,8 @@ def run_demo(
             samples.append((compute.clock_ns() - origin, manager.snapshot()))
             transitions = manager.trace()
             figures = _traffic(transitions, location)
-            peak = max(
-                entry.used_bytes + entry.reserved_bytes
-                for _, snapshot in samples
-                for entry in snapshot.locations
-                if entry.location == location
-            )
+            series[name] = _series(samples, location)
+            peak = int(max(series[name]["charged_bytes"]))
             runs[name] = {
                 **figures,
                 "prefetch": prefetch,
@@ -342,6 +339,13 @@ def run_demo(
             }
             run_samples[name] = samples
             last_transitions = transitions
+        # The manager's own high-water marks over every run, against which the plotted
+        # series are checked (tests/usage/test_demo.py): a peak between two samples
+        # would show in these and not in the plot.
+        peaks = {
+            entry.location.name: (entry.peak_used_bytes, entry.peak_charged_bytes)
+            for entry in manager.snapshot().locations
+        }
         manager.close(force=True)
     time_kind = "measured (CUDA events)" if compute.on_gpu else "predicted (timeline model)"
     fewest = _fewest_loads(schedule, budget_layers)
@@ -353,7 +357,7 @@ def run_demo(
         run_samples[_RUNS[-1][0]],
         timeline=compute.timeline,
     )
-    plotted = _plot_runs(run_samples, budget, location, out / "memory.png", time_kind, log)
+    plotted = _plot_runs(series, budget, location, out / "memory.png", time_kind, log)
     summary: dict[str, Any] = {
         "device": compute.description,
         "layers": layers,
@@ -366,6 +370,9 @@ def run_demo(
         "seconds": time.perf_counter() - started,
         "trace": str(out / "trace.json"),
         "plot": str(out / "memory.png") if plotted else None,
+        "location": location.name,
+        "plotted": series,
+        "snapshot_peaks": peaks,
     }
     log("")
     log(
@@ -612,15 +619,30 @@ class _GpuTimer:
         return float(self._start.elapsed_time(end)) / 1e3
 
 
+def _series(
+    samples: list[tuple[int, ResidencySnapshot[Any]]], location: ResidencyLocation
+) -> dict[str, list[float]]:
+    """What the plot draws for one run, and what its summary's peak is read from: the
+    time (ms) of each sample and the location's used and used + reserved bytes then."""
+    series: dict[str, list[float]] = {"times_ms": [], "used_bytes": [], "charged_bytes": []}
+    for time_ns, snapshot in samples:
+        entry = next(e for e in snapshot.locations if e.location == location)
+        series["times_ms"].append(time_ns / 1e6)
+        series["used_bytes"].append(entry.used_bytes)
+        series["charged_bytes"].append(entry.used_bytes + entry.reserved_bytes)
+    return series
+
+
 def _plot_runs(
-    runs: dict[str, list[tuple[int, ResidencySnapshot[Any]]]],
+    runs: dict[str, dict[str, list[float]]],
     budget: int,
     location: ResidencyLocation,
     path: Path,
     time_kind: str,
     log: Any,
 ) -> bool:
-    """One panel per run: the compute location's bytes over the run's time."""
+    """One panel per run: the compute location's bytes over the run's time (the
+    series of `_series`, which the summary's peaks are read from too)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -630,13 +652,10 @@ def _plot_runs(
     figure = Figure(figsize=(4.0 * len(runs), 3.4), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, len(runs), sharex=True, sharey=True, squeeze=False)[0]
-    for ax, (name, samples) in zip(axes, runs.items(), strict=True):
-        times = [time_ns / 1e6 for time_ns, _ in samples]
-        used, charged = [], []
-        for _, snapshot in samples:
-            entry = next(e for e in snapshot.locations if e.location == location)
-            used.append(entry.used_bytes / MIB)
-            charged.append((entry.used_bytes + entry.reserved_bytes) / MIB)
+    for ax, (name, series) in zip(axes, runs.items(), strict=True):
+        times = series["times_ms"]
+        used = [nbytes / MIB for nbytes in series["used_bytes"]]
+        charged = [nbytes / MIB for nbytes in series["charged_bytes"]]
         ax.step(times, used, where="post", label="layers")
         ax.step(times, charged, where="post", linestyle="-.", label="layers + activations")
         ax.axhline(budget / MIB, color="tab:red", linestyle="--", label="budget")
