@@ -422,6 +422,36 @@ def test_copy_to_cuda_rejects_stream_of_other_device(harness: Harness) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Byte buffers and byte copies (the disk tier's staging).
+# --------------------------------------------------------------------------------------------
+
+
+def test_empty_pinned_is_a_flat_pinned_byte_buffer(harness: Harness) -> None:
+    harness.require_pinned()
+    buffer = harness.runtime.empty_pinned(4096)
+    assert (buffer.dtype, tuple(buffer.shape), buffer.device) == (torch.uint8, (4096,), CPU)
+    assert harness.runtime.value_is_pinned(ResidentTensor(buffer))
+
+
+def test_copy_bytes_round_trips_through_a_device(harness: Harness) -> None:
+    harness.require_cuda()
+    harness.require_pinned()
+    runtime = harness.runtime
+    for device in harness.cuda_devices:
+        stream = harness.new_stream(device)
+        source = runtime.empty_pinned(10_000)
+        source.copy_(torch.arange(10_000) % 251)
+        on_device = runtime.empty_cuda(10_000, device, stream)
+        assert runtime.value_device(ResidentTensor(on_device)) == device
+        back = runtime.empty_pinned(10_000)
+        runtime.copy_bytes(on_device[100:], source[100:], stream)  # byte ranges of a buffer
+        runtime.copy_bytes(on_device[:100], source[:100], stream)
+        runtime.copy_bytes(back, on_device, stream)
+        runtime.synchronize_event(runtime.record_event(stream))
+        assert torch.equal(back, source)
+
+
+# --------------------------------------------------------------------------------------------
 # Streams and events.
 # --------------------------------------------------------------------------------------------
 
@@ -1103,3 +1133,30 @@ def test_use_runtime_is_process_wide() -> None:
         thread.start()
         thread.join()
     assert seen == [runtime]
+
+
+def test_simulated_copy_bytes_rules(sim: SimulatedRuntime) -> None:
+    stream = sim.current_stream(CUDA0)
+    host = sim.empty_pinned(64)
+    device = sim.empty_cuda(64, CUDA0, stream)
+    with pytest.raises(ValueError, match="between host memory and a CUDA device"):
+        sim.copy_bytes(host, sim.empty_pinned(64), stream)
+    with pytest.raises(ValueError, match="not on"):
+        sim.copy_bytes(device, host, sim.current_stream(CUDA1))
+    with pytest.raises(ValueError, match="one dtype and length"):
+        sim.copy_bytes(device[:32], host, stream)
+    with pytest.raises(ValueError, match="not on"):
+        sim.empty_cuda(64, CUDA0, sim.current_stream(CUDA1))
+    sim.copies.clear()
+    sim.copy_bytes(device, host, stream)
+    sim.copy_bytes(torch.empty(64, dtype=torch.uint8), device, stream)  # to pageable memory
+    assert sim.copies == [
+        SimulatedCopy(cuda_location(CUDA0), stream, non_blocking=True),
+        SimulatedCopy(PAGEABLE_HOST, stream, non_blocking=False),
+    ]
+    sim.fail_next("copy_bytes")
+    with pytest.raises(RuntimeError, match="injected"):
+        sim.copy_bytes(device, host, stream)
+    unpinned = SimulatedRuntime(1, pinned=False)
+    with pytest.raises(RuntimeError, match="pinned"):
+        unpinned.empty_pinned(8)

@@ -762,3 +762,20 @@ def test_an_event_from_before_a_reset_does_not_move_the_new_clock() -> None:
     assert runtime.event_query(event)
     runtime.synchronize_event(event)  # done before the reset: nothing to wait for
     assert timeline.now == 0.0
+
+
+def test_byte_copies_occupy_the_copy_engines() -> None:
+    timeline = Timeline(h2d_bytes_per_s=1e6, d2h_bytes_per_s=2e6)
+    runtime = SimulatedRuntime(1, timeline=timeline)
+    stream = runtime.create_stream(DEV0)
+    pinned = runtime.empty_pinned(1000)
+    device = runtime.empty_cuda(1000, DEV0, stream)
+    runtime.copy_bytes(device, pinned, stream)  # 1 ms on H2D, the host goes on
+    assert timeline.now == 0.0
+    runtime.copy_bytes(torch.empty(1000, dtype=torch.uint8), device, stream)  # to pageable
+    # After the H2D copy on the same stream, 0.5 ms on D2H, and the host waits for it.
+    assert [(s.engine, s.start, s.end) for s in timeline.spans] == [
+        ("h2d", 0.0, pytest.approx(1e-3)),
+        ("d2h", pytest.approx(1e-3), pytest.approx(1.5e-3)),
+    ]
+    assert timeline.now == pytest.approx(1.5e-3)
