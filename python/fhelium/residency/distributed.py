@@ -23,6 +23,7 @@ import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -812,6 +813,92 @@ def _landed(
     return error
 
 
+Mover = Callable[
+    [torch.device, Sequence[list[torch.Tensor]], BaseException | None], BaseException | None
+]
+
+
+def _collective(
+    transfer: _Transfer,
+    offer: Callable[[], list[_Layout]] | None,
+    incoming: Callable[[list[Any]], list[_Layout]],
+    move: Mover,
+) -> tuple[list[Any], list[ResidencyHandle[Any]]]:
+    """The four phases of one transfer on this rank (docs/concepts/distributed.md#all-or-nothing):
+    ``offer`` describes what this rank sends (None: nothing), ``incoming`` picks from
+    every rank's offers what this rank receives, and ``move`` takes part in the
+    transfer's collectives (given the transport device, the receive buffers and the
+    first local failure so far, it returns the first local failure). Returns every
+    rank's offers and the handles this rank adopted."""
+    offered: list[_Layout] | None = None
+    error: BaseException | None = None
+    try:
+        if offer is not None:
+            offered = offer()
+    except Exception as failure:
+        error = failure
+    everyone = transfer.agree(offered, error)
+    layouts = incoming(everyone)
+    error = None
+    received: list[list[torch.Tensor]] = []
+    allocator = _Allocator(transfer.manager, transfer.at)
+    try:
+        if layouts:
+            transfer.admit(layouts)
+            received = _receive_buffers(layouts, allocator)
+    except Exception as failure:
+        error = failure
+    transfer.verdict("admission", error)
+    try:
+        with _communicating(transfer.operation, "transfer"):
+            error = move(_transport(transfer.group), received, None)
+    except BaseException as failure:
+        transfer.undo(failure)
+        raise
+    transfer.verdict("transfer", error)
+    return everyone, _finish(transfer, layouts, received, allocator)
+
+
+def _check_rank(transfer: _Transfer, name: str, rank: int) -> None:
+    if not 0 <= rank < transfer.size:
+        raise ValueError(
+            f"{name} must be a rank of the group (0 to {transfer.size - 1}), got {rank}"
+        )
+
+
+def _send_to(tensor: torch.Tensor, *, peer: int, group: Any) -> None:
+    dist.send(tensor, peer, group=group)
+
+
+def _receive_from(tensor: torch.Tensor, *, peer: int, group: Any) -> None:
+    dist.recv(tensor, peer, group=group)
+
+
+def _send_all(
+    flats: Sequence[torch.Tensor],
+    transport: torch.device,
+    error: BaseException | None,
+    send: Callable[[torch.Tensor], object],
+) -> BaseException | None:
+    for flat in flats:
+        payload, error = _outgoing(flat, transport, error)
+        send(payload)
+    return error
+
+
+def _receive_all(
+    buffers: Sequence[torch.Tensor],
+    transport: torch.device,
+    error: BaseException | None,
+    receive: Callable[[torch.Tensor], object],
+) -> BaseException | None:
+    for buffer in buffers:
+        staged = _staged(buffer, transport)
+        receive(staged)
+        error = _landed(buffer, staged, error)
+    return error
+
+
 def broadcast(
     manager: ResidencyManager,
     handle: ResidencyHandle[ValueT] | None,
@@ -832,47 +919,33 @@ def broadcast(
     charge or a value. See docs/concepts/distributed.md#broadcast.
     """
     transfer = _Transfer("broadcast", manager, at, group, (src,))
-    if not 0 <= src < transfer.size:
-        raise ValueError(f"src must be a rank of the group (0 to {transfer.size - 1}), got {src}")
+    _check_rank(transfer, "src", src)
     sending = transfer.rank == src
-    offered: list[_Layout] | None = None
-    error: BaseException | None = None
-    try:
+    root = _global(group, src)
+
+    def offer() -> list[_Layout]:
+        if handle is None:
+            raise TypeError("the src rank must pass the handle it broadcasts")
+        return transfer.offer([handle])
+
+    def move(
+        transport: torch.device,
+        received: Sequence[list[torch.Tensor]],
+        error: BaseException | None,
+    ) -> BaseException | None:
+        def cast(tensor: torch.Tensor) -> object:
+            return dist.broadcast(tensor, root, group=group)
+
         if sending:
-            if handle is None:
-                raise TypeError("the src rank must pass the handle it broadcasts")
-            offered = transfer.offer([handle])
-    except Exception as failure:
-        error = failure
-    (layout,) = transfer.agree(offered, error)[src]
-    error = None
-    received: list[list[torch.Tensor]] = []
-    try:
-        allocator = _Allocator(manager, transfer.at)
-        if not sending:
-            transfer.admit([layout])
-            received = _receive_buffers([layout], allocator)
-    except Exception as failure:
-        error = failure
-    transfer.verdict("admission", error)
-    error = None
-    try:
-        with _communicating("broadcast", "transfer"):
-            transport = _transport(group)
-            if sending:
-                for flat in transfer.flats[0]:
-                    payload, error = _outgoing(flat, transport, error)
-                    dist.broadcast(payload, _global(group, src), group=group)
-            else:
-                for buffer in received[0]:
-                    staged = _staged(buffer, transport)
-                    dist.broadcast(staged, _global(group, src), group=group)
-                    error = _landed(buffer, staged, error)
-    except BaseException as failure:
-        transfer.undo(failure)
-        raise
-    transfer.verdict("transfer", error)
-    adopted = _finish(transfer, [] if sending else [layout], received, allocator)
+            return _send_all(transfer.flats[0], transport, error, cast)
+        return _receive_all(received[0], transport, error, cast)
+
+    _, adopted = _collective(
+        transfer,
+        offer if sending else None,
+        lambda everyone: [] if sending else list(everyone[src]),
+        move,
+    )
     return handle if sending else adopted[0]  # type: ignore[return-value]
 
 
@@ -913,54 +986,44 @@ def scatter(
     docs/concepts/distributed.md#scatter-and-gather.
     """
     transfer = _Transfer("scatter", manager, at, group, (src,))
-    if not 0 <= src < transfer.size:
-        raise ValueError(f"src must be a rank of the group (0 to {transfer.size - 1}), got {src}")
+    _check_rank(transfer, "src", src)
     sending = transfer.rank == src
-    offered: list[_Layout] | None = None
-    error: BaseException | None = None
-    try:
-        if sending:
-            if handles is None or isinstance(handles, ResidencyHandle):
-                raise TypeError("the src rank must pass one handle per rank")
-            parts = list(handles)
-            if len(parts) != transfer.size:
-                raise ValueError(f"scatter needs {transfer.size} handles, got {len(parts)}")
-            offered = transfer.offer(parts)
-    except Exception as failure:
-        error = failure
-    layouts = transfer.agree(offered, error)[src]
-    mine = layouts[transfer.rank]
-    error = None
-    received: list[list[torch.Tensor]] = []
-    try:
-        allocator = _Allocator(manager, transfer.at)
+    root = _global(group, src)
+
+    def offer() -> list[_Layout]:
+        if handles is None or isinstance(handles, ResidencyHandle):
+            raise TypeError("the src rank must pass one handle per rank")
+        parts = list(handles)
+        if len(parts) != transfer.size:
+            raise ValueError(f"scatter needs {transfer.size} handles, got {len(parts)}")
+        return transfer.offer(parts)
+
+    def move(
+        transport: torch.device,
+        received: Sequence[list[torch.Tensor]],
+        error: BaseException | None,
+    ) -> BaseException | None:
         if not sending:
-            transfer.admit([mine])
-            received = _receive_buffers([mine], allocator)
-    except Exception as failure:
-        error = failure
-    transfer.verdict("admission", error)
-    error = None
-    try:
-        with _communicating("scatter", "transfer"):
-            transport = _transport(group)
-            if sending:
-                for rank in range(transfer.size):
-                    if rank == src:
-                        continue
-                    for flat in transfer.flats[rank]:
-                        payload, error = _outgoing(flat, transport, error)
-                        dist.send(payload, _global(group, rank), group=group)
-            else:
-                for buffer in received[0]:
-                    staged = _staged(buffer, transport)
-                    dist.recv(staged, _global(group, src), group=group)
-                    error = _landed(buffer, staged, error)
-    except BaseException as failure:
-        transfer.undo(failure)
-        raise
-    transfer.verdict("transfer", error)
-    adopted = _finish(transfer, [] if sending else [mine], received, allocator)
+            return _receive_all(
+                received[0], transport, error, lambda t: dist.recv(t, root, group=group)
+            )
+        for rank in range(transfer.size):
+            if rank != src:
+                peer = _global(group, rank)
+                error = _send_all(
+                    transfer.flats[rank],
+                    transport,
+                    error,
+                    partial(_send_to, peer=peer, group=group),
+                )
+        return error
+
+    _, adopted = _collective(
+        transfer,
+        offer if sending else None,
+        lambda everyone: [] if sending else [everyone[src][transfer.rank]],
+        move,
+    )
     if sending:
         assert handles is not None
         return handles[src]
@@ -984,49 +1047,34 @@ def gather(
     See docs/concepts/distributed.md#scatter-and-gather.
     """
     transfer = _Transfer("gather", manager, at, group, (dst,))
-    if not 0 <= dst < transfer.size:
-        raise ValueError(f"dst must be a rank of the group (0 to {transfer.size - 1}), got {dst}")
+    _check_rank(transfer, "dst", dst)
     receiving = transfer.rank == dst
-    offered: list[_Layout] | None = None
-    error: BaseException | None = None
-    try:
-        offered = transfer.offer([handle])
-    except Exception as failure:
-        error = failure
-    everyone = transfer.agree(offered, error)
-    incoming = [everyone[rank][0] for rank in range(transfer.size) if rank != dst]
-    error = None
-    received: list[list[torch.Tensor]] = []
-    try:
-        allocator = _Allocator(manager, transfer.at)
-        if receiving:
-            transfer.admit(incoming)
-            received = _receive_buffers(incoming, allocator)
-    except Exception as failure:
-        error = failure
-    transfer.verdict("admission", error)
-    error = None
-    try:
-        with _communicating("gather", "transfer"):
-            transport = _transport(group)
-            if receiving:
-                senders = [rank for rank in range(transfer.size) if rank != dst]
-                for rank, buffers in zip(senders, received, strict=True):
-                    for buffer in buffers:
-                        staged = _staged(buffer, transport)
-                        dist.recv(staged, _global(group, rank), group=group)
-                        error = _landed(buffer, staged, error)
-            else:
-                for flat in transfer.flats[0]:
-                    payload, error = _outgoing(flat, transport, error)
-                    dist.send(payload, _global(group, dst), group=group)
-    except BaseException as failure:
-        transfer.undo(failure)
-        raise
-    transfer.verdict("transfer", error)
-    adopted = _finish(transfer, incoming if receiving else [], received, allocator)
+    senders = [rank for rank in range(transfer.size) if rank != dst]
+    root = _global(group, dst)
+
+    def move(
+        transport: torch.device,
+        received: Sequence[list[torch.Tensor]],
+        error: BaseException | None,
+    ) -> BaseException | None:
+        if not receiving:
+            return _send_all(
+                transfer.flats[0], transport, error, lambda t: dist.send(t, root, group=group)
+            )
+        for rank, buffers in zip(senders, received, strict=True):
+            peer = _global(group, rank)
+            error = _receive_all(
+                buffers, transport, error, partial(_receive_from, peer=peer, group=group)
+            )
+        return error
+
+    _, adopted = _collective(
+        transfer,
+        lambda: transfer.offer([handle]),
+        lambda everyone: [everyone[rank][0] for rank in senders] if receiving else [],
+        move,
+    )
     if not receiving:
         return None
-    result = adopted
-    result.insert(dst, handle)
-    return result
+    adopted.insert(dst, handle)
+    return adopted
