@@ -288,7 +288,6 @@ def run_demo(
             )
             for step, layer in enumerate(schedule)
         ]
-        flops = 2.0 * batch * width * width
         runs: dict[str, dict[str, Any]] = {}
         run_samples: dict[str, list[tuple[int, ResidencySnapshot[Any]]]] = {}
         series: dict[str, dict[str, list[float]]] = {}
@@ -304,30 +303,8 @@ def run_demo(
                 compute.timeline.reset()
             policy: ScheduleAwarePolicy | None = ScheduleAwarePolicy(requests) if aware else None
             controller = ResidencyController(manager, policy=policy)
-            activation = torch.randn(batch, width, generator=torch.Generator().manual_seed(7)).to(
-                compute.torch_device
-            )
-            checksum = torch.zeros((), device=compute.torch_device)
-            samples: list[tuple[int, ResidencySnapshot[Any]]] = []
-            origin = compute.clock_ns()
-            timer = _GpuTimer(compute) if compute.on_gpu else None
-            with controller.run(
-                requests, prefetch=prefetch, consumer_streams={location: compute.stream}
-            ) as steps:
-                for step in steps:
-                    (requirement,) = step.request.requirements
-                    weight = step.value(requirement.handle, at=location)
-                    assert isinstance(weight, ResidentTensor)
-                    with compute.kernels():
-                        activation = torch.tanh(activation @ weight.tensor)
-                        checksum += activation[0, 0]
-                    compute.declare(flops, step.request.name)
-                    samples.append((compute.clock_ns() - origin, manager.snapshot()))
-            compute.synchronize()
-            seconds = timer.stop() if timer is not None else compute.timeline.makespan  # type: ignore[union-attr]
-            samples.append((compute.clock_ns() - origin, manager.snapshot()))
-            transitions = manager.trace()
-            figures = _traffic(transitions, location)
+            stream = _stream(controller, requests, prefetch, compute, location, batch, width)
+            figures, samples, transitions, seconds, checksum = stream
             series[name] = _series(samples, location)
             peak = int(max(series[name]["charged_bytes"]))
             runs[name] = {
@@ -335,7 +312,7 @@ def run_demo(
                 "prefetch": prefetch,
                 "peak_bytes": peak,
                 "seconds": seconds,
-                "checksum": float(checksum),
+                "checksum": checksum,
             }
             run_samples[name] = samples
             last_transitions = transitions
@@ -512,38 +489,9 @@ def run_distributed_demo(
         if compute.timeline is not None:
             compute.timeline.reset()
         controller = ResidencyController(manager, policy=ScheduleAwarePolicy(requests))
-        activation = torch.randn(batch, width, generator=torch.Generator().manual_seed(7)).to(
-            compute.torch_device
-        )
-        checksum = torch.zeros((), device=compute.torch_device)
-        samples: list[tuple[int, ResidencySnapshot[Any]]] = []
-        origin = compute.clock_ns()
-        timer = _GpuTimer(compute) if compute.on_gpu else None
-        with controller.run(
-            requests, prefetch=1, consumer_streams={location: compute.stream}
-        ) as steps:
-            for step in steps:
-                layer, projection_value = (
-                    step.value(requirement.handle, at=location)
-                    for requirement in step.request.requirements
-                )
-                assert isinstance(layer, ResidentTensor)
-                assert isinstance(projection_value, ResidentTensor)
-                with compute.kernels():
-                    activation = torch.tanh(activation @ layer.tensor) @ projection_value.tensor
-                    checksum += activation[0, 0]
-                compute.declare(2 * 2.0 * batch * width * width, step.request.name)
-                samples.append((compute.clock_ns() - origin, manager.snapshot()))
-        compute.synchronize()
-        seconds = timer.stop() if timer is not None else compute.timeline.makespan  # type: ignore[union-attr]
-        transitions = manager.trace()
-        figures = _traffic(transitions, location)
-        peak = max(
-            entry.used_bytes + entry.reserved_bytes
-            for _, snapshot in samples
-            for entry in snapshot.locations
-            if entry.location == location
-        )
+        stream = _stream(controller, requests, 1, compute, location, batch, width)
+        figures, samples, transitions, seconds, checksum = stream
+        peak = int(max(_series(samples, location)["charged_bytes"]))
         manager.close(force=True)
     from fhelium.residency.export import write_trace
 
@@ -617,6 +565,51 @@ class _GpuTimer:
         end.record(self._compute.stream)
         end.synchronize()
         return float(self._start.elapsed_time(end)) / 1e3
+
+
+def _stream(
+    controller: ResidencyController,
+    requests: list[ResidencyRequest],
+    prefetch: int,
+    compute: _Compute,
+    location: ResidencyLocation,
+    batch: int,
+    width: int,
+) -> tuple[dict[str, int], list[tuple[int, ResidencySnapshot[Any]]], Any, float, float]:
+    """Streams ``requests`` through ``controller.run`` once: each step multiplies the
+    activations by its values in order (a tanh after the first), on the compute stream,
+    and samples a snapshot. Returns the traffic figures, the samples, the trace, the
+    makespan in seconds and the checksum."""
+    manager = controller.manager
+    activation = torch.randn(batch, width, generator=torch.Generator().manual_seed(7)).to(
+        compute.torch_device
+    )
+    checksum = torch.zeros((), device=compute.torch_device)
+    samples: list[tuple[int, ResidencySnapshot[Any]]] = []
+    origin = compute.clock_ns()
+    timer = _GpuTimer(compute) if compute.on_gpu else None
+    with controller.run(
+        requests, prefetch=prefetch, consumer_streams={location: compute.stream}
+    ) as steps:
+        for step in steps:
+            values = [
+                step.value(requirement.handle, at=location)
+                for requirement in step.request.requirements
+            ]
+            with compute.kernels():
+                for position, value in enumerate(values):
+                    assert isinstance(value, ResidentTensor)
+                    activation = activation @ value.tensor
+                    if position == 0:
+                        activation = torch.tanh(activation)
+                checksum += activation[0, 0]
+            compute.declare(len(values) * 2.0 * batch * width * width, step.request.name)
+            samples.append((compute.clock_ns() - origin, manager.snapshot()))
+    compute.synchronize()
+    seconds = timer.stop() if timer is not None else compute.timeline.makespan  # type: ignore[union-attr]
+    samples.append((compute.clock_ns() - origin, manager.snapshot()))
+    transitions = manager.trace()
+    return _traffic(transitions, location), samples, transitions, seconds, float(checksum)
 
 
 def _series(
