@@ -7,11 +7,7 @@ core maps each of its error kinds onto exactly one class here.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from fhelium.residency.plan import MemoryReservation, ResidencyAction
-    from fhelium.residency.snapshot import ResidencyPlanReport
+from typing import Any
 
 __all__ = [
     "FHEliumError",
@@ -415,3 +411,10 @@ class ResidencyCommunicationError(ResidencyCollectiveError):
     def __reduce__(self) -> tuple[Any, ...]:
         kwargs = {"operation": self.operation, "phase": self.phase, "detail": self.detail}
         return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+# The annotations above name record classes of fhelium.residency, which itself imports this
+# module. Importing them here, after every exception class exists, keeps the import order
+# acyclic in effect and lets `typing.get_type_hints` resolve the annotations at runtime.
+from fhelium.residency.plan import MemoryReservation, ResidencyAction  # noqa: E402
+from fhelium.residency.snapshot import ResidencyPlanReport  # noqa: E402
