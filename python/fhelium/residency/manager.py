@@ -691,8 +691,8 @@ class ResidencyManager:
                     reservations=[MemoryReservation(PAGEABLE_HOST, 1 << 10, "workspace")],
                 )
                 with manager.scope(plan) as scope:
-                    (host,) = manager.snapshot().locations
-                    assert host.reserved_bytes == 1 << 10
+                    books = {entry.location: entry for entry in manager.snapshot().locations}
+                    assert books[PAGEABLE_HOST].reserved_bytes == 1 << 10
                 assert len(scope.report.transitions) == 2
             ```
         """
