@@ -4,14 +4,8 @@ The residency API lives in ``fhelium.residency``; this package root exposes the 
 protocol and the exception module.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
 from fhelium import errors
+from fhelium._version import __version__ as __version__
 from fhelium.values import ResidentTensor, TensorBundle, TensorResident
-
-try:
-    __version__ = version("fhelium-residency")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
 
 __all__ = ["ResidentTensor", "TensorBundle", "TensorResident", "errors"]

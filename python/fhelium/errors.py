@@ -7,11 +7,7 @@ core maps each of its error kinds onto exactly one class here.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from fhelium.residency.plan import MemoryReservation, ResidencyAction
-    from fhelium.residency.snapshot import ResidencyPlanReport
+from typing import Any
 
 __all__ = [
     "FHEliumError",
@@ -46,15 +42,18 @@ def _rebuild(cls: Callable[..., BaseException], kwargs: Mapping[str, Any]) -> Ba
 
 
 class FHEliumError(Exception):
-    """Base class of every error raised by fhelium itself."""
+    """Base class of every error raised by fhelium itself.
+
+    See docs/concepts/errors.md#hierarchy.
+    """
 
 
 class ConfigurationError(FHEliumError, ValueError):
-    """An invalid configuration value."""
+    """An invalid configuration value; also a `ValueError`."""
 
 
 class StateError(FHEliumError, RuntimeError):
-    """An operation that the current object state does not allow."""
+    """An operation that the current object state does not allow; also a `RuntimeError`."""
 
 
 class ExecutionError(FHEliumError):
@@ -66,15 +65,36 @@ class ArtifactError(FHEliumError):
 
 
 class ResidencyError(FHEliumError, RuntimeError):
-    """Base class of residency failures; every one is also a ``RuntimeError``.
+    """Base class of residency failures; every one is also a `RuntimeError`.
 
-    Argument-shape mistakes are never residency errors: they raise plain ``TypeError`` or
-    ``ValueError`` before any state is consulted.
+    Argument-shape mistakes are never residency errors: they raise plain `TypeError` or
+    `ValueError` before any state is consulted. Every residency error can be pickled. See
+    docs/concepts/errors.md.
     """
 
 
 class ResidencyBudgetError(ResidencyError):
-    """Admitting a charge would take a location past its strict byte budget."""
+    """Admitting a charge would take a location past its strict byte budget.
+
+    Raised when ``used + reserved + incoming <= budget`` would fail: an install, the check
+    before a copy, a temporary reconstruction charge, a reservation. The message contains
+    the location and every field as ``key=value``. See
+    docs/concepts/locations-and-budgets.md#budget-admission.
+
+    Args:
+        location: The location (the manager passes its name).
+        budget_bytes: The budget.
+        used_bytes: The charges there.
+        reserved_bytes: The reservations there.
+        requested_bytes: The refused charge.
+
+    Attributes:
+        location: The location, as given.
+        budget_bytes: The budget.
+        used_bytes: The charges at the time.
+        reserved_bytes: The reservations at the time.
+        requested_bytes: The refused charge.
+    """
 
     location: str
     budget_bytes: int
@@ -114,11 +134,20 @@ class ResidencyBudgetError(ResidencyError):
 
 
 class ResidencyHandleError(ResidencyError):
-    """A foreign, unknown or discarded handle, or a decision from another manager."""
+    """A foreign, unknown or discarded handle, or a decision from another manager.
+
+    Also raised for metadata of a handle that is not live
+    (`ResidencyController.set_policy_metadata`).
+    """
 
 
 class ResidencyUnavailableError(ResidencyError):
-    """A missing endpoint or reconstruction path, or a value that is not resident."""
+    """A missing endpoint or reconstruction path, or a value that is not resident.
+
+    No materialisation and no source; an explicit ``from_location`` not resident; `acquire`
+    or `hold` where the value is not materialised; a borrowed lookup whose lease no longer
+    holds.
+    """
 
 
 class ResidencyInUseError(ResidencyError):
@@ -126,7 +155,22 @@ class ResidencyInUseError(ResidencyError):
 
     The message is free text. The optional keyword attributes say what blocked the
     operation, so callers can act without parsing the message; each is ``None`` when the
-    raiser did not supply it.
+    raiser did not supply it. See docs/concepts/lifetimes.md#protection.
+
+    Args:
+        *args: The message, as for `Exception`.
+        handle_id: The blocked value's handle id.
+        location: The blocked materialisation's location name.
+        active_reads: Use tokens from active leases.
+        holds: Hold tokens.
+        pending_events: Pending tokens of released CUDA leases.
+
+    Attributes:
+        handle_id: The blocked value's handle id, or ``None``.
+        location: The location name, or ``None``.
+        active_reads: Use tokens, or ``None``.
+        holds: Hold tokens, or ``None``.
+        pending_events: Pending tokens, or ``None``.
     """
 
     handle_id: str | None
@@ -156,23 +200,48 @@ class ResidencyInUseError(ResidencyError):
 
 
 class ResidencyLifetimeClosedError(ResidencyError):
-    """Reuse of a released lease, hold or reservation."""
+    """Reuse of a released lease, hold or reservation.
+
+    Raised by ``values``, ``__enter__``, ``add_consumer_stream`` and `BorrowedValues` lookups
+    (see docs/concepts/lifetimes.md).
+    """
 
 
 class ResidencyMaterializationError(ResidencyError):
-    """A value with the wrong type, device, pinning, logical bytes or storage ceiling."""
+    """A value with the wrong type, device, pinning, logical bytes or storage ceiling.
+
+    Also a disk file that cannot be written or read back (see
+    docs/concepts/values.md#install and docs/concepts/locations-and-budgets.md#disk).
+    """
 
 
 class ResidencyOwnershipError(ResidencyError):
-    """A replica or recoverability invariant would be violated."""
+    """A replica or recoverability invariant would be violated.
+
+    Replicating an EXCLUSIVE value; dropping the last copy of a source-less value; storage
+    aliasing managed storage; an EXCLUSIVE value required at several locations.
+    """
 
 
 class ResidencyPlanError(ResidencyError):
-    """A plan or request is infeasible before anything has executed."""
+    """A plan or request is infeasible before anything has executed.
+
+    Catching it means nothing ran (a sibling of `ResidencyPlanExecutionError`, not its base).
+    See docs/concepts/plans.md#preflight.
+    """
 
 
 class ResidencyStaleStateError(ResidencyPlanError):
-    """The manager state changed after the version a plan or decision was made against."""
+    """The manager state changed after the version a plan or decision was made against.
+
+    Args:
+        expected_version: The version the caller expected.
+        actual_version: The current version.
+
+    Attributes:
+        expected_version: The version the caller expected.
+        actual_version: The current version.
+    """
 
     expected_version: int
     actual_version: int
@@ -194,7 +263,23 @@ class ResidencyStaleStateError(ResidencyPlanError):
 
 
 class ResidencySearchLimitError(ResidencyPlanError):
-    """The controller's bounded search ran out of states before reaching a verdict."""
+    """The controller's bounded search ran out of states before reaching a verdict.
+
+    The request may still be feasible: raise ``search_state_limit`` or simplify it. See
+    docs/concepts/controller.md#decide.
+
+    Args:
+        request_name: The request's name.
+        state_limit: The controller's ``search_state_limit``.
+        explored_states: States explored (equal to the limit).
+        detail: The search's own account.
+
+    Attributes:
+        request_name: The request's name.
+        state_limit: The limit.
+        explored_states: States explored.
+        detail: The search's own account.
+    """
 
     request_name: str
     state_limit: int
@@ -227,9 +312,29 @@ class ResidencySearchLimitError(ResidencyPlanError):
 class ResidencyPlanExecutionError(ResidencyError):
     """A runtime failure after a successful preflight; earlier transitions stay committed.
 
-    A sibling of ``ResidencyPlanError``, not a subclass: catching that one keeps the
-    nothing-happened guarantee, while this one requires inspecting ``partial_report``.
-    The original failure is the ``__cause__``.
+    A sibling of `ResidencyPlanError`, not a subclass: catching that one keeps the
+    nothing-happened guarantee, while this one requires inspecting ``partial_report``. The
+    original failure is the ``__cause__``. See docs/concepts/plans.md#execution-errors.
+
+    Args:
+        plan_name: The plan (or `execute_actions` name).
+        phase: ``"execute"``, ``"reclaim"``, ``"reserve"``, ``"enter"`` or ``"exit"``.
+        partial_report: The committed prefix.
+        failed_action: The failed action, or ``None`` for ``"reserve"``.
+        failed_action_index: Its 0-based index within its phase, or ``None``.
+        detail: ``str()`` of the original error.
+        failed_reservation: The failed reservation, for ``"reserve"`` only.
+        failed_reservation_index: Its index, for ``"reserve"`` only.
+
+    Attributes:
+        plan_name: The plan's name.
+        phase: Where it failed.
+        partial_report: A `ResidencyPlanReport` of the transitions that stay committed.
+        failed_action: The failed action, or ``None``.
+        failed_action_index: Its index within its phase, or ``None``.
+        detail: The original error's text.
+        failed_reservation: The failed `MemoryReservation`, or ``None``.
+        failed_reservation_index: Its index, or ``None``.
     """
 
     plan_name: str
@@ -282,22 +387,38 @@ class ResidencyPlanExecutionError(ResidencyError):
 
 
 class ResidencyClosedError(ResidencyError):
-    """Use of a closed manager."""
+    """Use of a closed manager; see docs/concepts/lifetimes.md#close."""
 
 
 class ResidencyReentrancyError(ResidencyError):
-    """Manager access while a source callback runs, or same-thread transition re-entry."""
+    """Manager access while a source callback runs, or same-thread transition re-entry.
+
+    See docs/concepts/lifetimes.md#re-entrancy-and-threads.
+    """
 
 
 class ResidencyDivergenceError(ResidencyError):
     """Ranks meant to decide in lockstep made different residency decisions.
 
-    ``rank`` is the first rank (in group rank order) whose decision differs from the
-    ``reference_rank``'s; ``action_index`` the first position in the plan's actions
-    (reclaim, then enter, then reservations) where it differs, or ``None`` when the
-    decisions differ before any action (the request name, the state version or the
-    policy). ``expected`` and ``actual`` are the two ranks' canonical texts of that
-    entry. See docs/concepts/distributed.md#lockstep-checking.
+    Raised on every rank of the group. See docs/concepts/distributed.md#lockstep-checking.
+
+    Args:
+        request_name: The request decided.
+        rank: The first rank (in group rank order) whose decision differs.
+        reference_rank: The rank it is compared with.
+        action_index: The first differing position in the plan's actions (reclaim, then
+            enter, then reservations), or ``None`` when the decisions differ before any
+            action (request name, state version or policy).
+        expected: The reference rank's canonical text of that entry.
+        actual: The differing rank's text.
+
+    Attributes:
+        request_name: The request decided.
+        rank: The first differing rank.
+        reference_rank: The reference rank.
+        action_index: The first differing action position, or ``None``.
+        expected: The reference rank's entry.
+        actual: The differing rank's entry.
     """
 
     request_name: str
@@ -349,11 +470,20 @@ class ResidencyDivergenceError(ResidencyError):
 class ResidencyCollectiveError(ResidencyError):
     """A value transfer between ranks (broadcast, scatter, gather) was refused or failed.
 
-    Every rank of the group raises it, with the same fields, and no rank keeps a charge
-    or a partial value. ``phase`` is where it stopped (``"agreement"``, ``"admission"``,
-    ``"transfer"`` or ``"commit"``), ``failed_ranks`` the ranks that refused or failed
-    (ascending) and ``details`` one text per failed rank, in the same order. See
-    docs/concepts/distributed.md#all-or-nothing.
+    Every rank of the group raises it, with the same fields, and no rank keeps a charge or
+    a partial value. See docs/concepts/distributed.md#all-or-nothing.
+
+    Args:
+        operation: ``"broadcast"``, ``"scatter"`` or ``"gather"``.
+        phase: ``"agreement"``, ``"admission"``, ``"transfer"`` or ``"commit"``.
+        failed_ranks: The ranks that refused or failed, ascending.
+        details: One text per failed rank, in the same order.
+
+    Attributes:
+        operation: The operation.
+        phase: Where it stopped.
+        failed_ranks: The failed ranks.
+        details: Their reasons.
     """
 
     operation: str
@@ -396,11 +526,22 @@ class ResidencyCollectiveError(ResidencyError):
 
 
 class ResidencyCommunicationError(ResidencyCollectiveError):
-    """The process group itself failed under a residency collective: a peer died or
-    left, or the group's timeout passed. The backend's exception is the
+    """The process group itself failed under a residency collective.
+
+    A peer died or left, or the group's timeout passed. The backend's exception is the
     ``__cause__``; ``failed_ranks`` is empty (the survivors cannot tell who failed) and
     ``details`` holds the backend's message. Local charges were given back before it was
-    raised; the group is not usable afterwards."""
+    raised; the group is not usable afterwards. See
+    docs/concepts/distributed.md#timeouts-and-dead-ranks.
+
+    Args:
+        operation: The operation.
+        phase: Where it stopped.
+        detail: The backend's message.
+
+    Attributes:
+        detail: The backend's message.
+    """
 
     def __init__(self, *, operation: str, phase: str, detail: str) -> None:
         self.detail = str(detail)
@@ -415,3 +556,10 @@ class ResidencyCommunicationError(ResidencyCollectiveError):
     def __reduce__(self) -> tuple[Any, ...]:
         kwargs = {"operation": self.operation, "phase": self.phase, "detail": self.detail}
         return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+# The annotations above name record classes of fhelium.residency, which itself imports this
+# module. Importing them here, after every exception class exists, keeps the import order
+# acyclic in effect and lets `typing.get_type_hints` resolve the annotations at runtime.
+from fhelium.residency.plan import MemoryReservation, ResidencyAction  # noqa: E402
+from fhelium.residency.snapshot import ResidencyPlanReport  # noqa: E402

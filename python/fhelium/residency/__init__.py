@@ -3,6 +3,7 @@
 Every public name is re-exported from the submodule that defines it.
 """
 
+from fhelium._version import __version__ as __version__
 from fhelium.residency.controller import (
     ResidencyController,
     ResidencyDecision,

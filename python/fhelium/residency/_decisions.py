@@ -28,7 +28,22 @@ __all__ = ["ResidencyDecision", "ResidencyEviction"]
 
 @dataclass(frozen=True, slots=True)
 class ResidencyEviction:
-    """One reclaim action the controller chose, and why."""
+    """One reclaim action the controller chose, and why.
+
+    A frozen record; a decision has one per reclaim action (see
+    docs/concepts/controller.md#decisions-and-evictions).
+
+    Attributes:
+        action: The `DropResident` or `MoveResident` (a spill) it runs.
+        rank: The candidate's 0-based position in the policy's order when it was chosen.
+        released_location: The location it was evicted from.
+        released_nbytes: Its charge, freed there.
+        reason: Why it was chosen, as text.
+
+    Raises:
+        TypeError: A field of the wrong kind.
+        ValueError: A negative count or a blank reason.
+    """
 
     action: DropResident[Any] | MoveResident[Any]
     rank: int
@@ -49,7 +64,28 @@ class ResidencyEviction:
 
 @dataclass(frozen=True, slots=True, init=False)
 class ResidencyDecision:
-    """A tensor-free, manager-bound decision: the plan, its evictions and evidence."""
+    """A tensor-free, manager-bound decision: the plan, its evictions and the evidence.
+
+    Made by `ResidencyController.decide`; process-local and valid only for its manager at
+    its version (`ResidencyController.scope` enforces both). See
+    docs/concepts/controller.md#decisions-and-evictions.
+
+    Attributes:
+        manager_id: The manager it was made for.
+        expected_state_version: The manager version it planned on.
+        explored_states: How many search states it took (> 0).
+        request: The request.
+        plan: The plan: reclaim, enter and the request's reservations, no exit actions.
+        policy_name: The policy's name.
+        policy_config: The policy's ``config_identity``.
+        evictions: One `ResidencyEviction` per reclaim action.
+        explanation: The plan's feasible explanation at ``expected_state_version``.
+
+    Raises:
+        TypeError: A field of the wrong kind.
+        ValueError: A bad count, a blank name, names that do not match across request, plan
+            and explanation, or an infeasible explanation.
+    """
 
     manager_id: str
     expected_state_version: int

@@ -97,10 +97,23 @@ class Lifetime:
 
     @property
     def active(self) -> bool:
-        """Whether the lifetime still protects (or reserves) anything."""
+        """Whether the lifetime still protects (or reserves) anything.
+
+        ``True`` from creation (for a scope, from a successful entry) until it is released,
+        closed or finalized.
+        """
         return self._active
 
     def release(self) -> None:
+        """Release the lifetime; leases, holds and reservations each implement it.
+
+        A `ResidencyScope` does not: it ends with `ResidencyScope.close` (or by leaving its
+        ``with`` block), and calling ``release`` on it raises.
+
+        Raises:
+            NotImplementedError: Called on a lifetime kind without a release of its own (a
+                scope).
+        """
         raise NotImplementedError
 
     def _closed_message(self) -> str:

@@ -87,9 +87,18 @@ class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
 
 
 class ResidencyUse:
-    """Decide, enter the plan's scope and borrow, as one context.
+    """Decide, enter the plan's scope and borrow, as one context: made by `ResidencyController.use`.
 
-    See docs/concepts/controller.md#use.
+    Single use. Entry decides, enters the scope, acquires each location's values and records
+    access epochs, unwinding everything on failure; exit releases the leases and closes the
+    scope, and never suppresses exceptions. Constructed by the controller. See
+    docs/concepts/controller.md#use.
+
+    Attributes:
+        request: The request it uses.
+
+    Raises:
+        RuntimeError: Entering it a second time.
     """
 
     __slots__ = (
@@ -144,28 +153,56 @@ class ResidencyUse:
 
     @property
     def decision(self) -> ResidencyDecision:
+        """The decision taken at entry; kept after exit.
+
+        Raises:
+            RuntimeError: Before a decision succeeded.
+        """
         if self._decision is None:
             raise RuntimeError("no decision yet: enter the use first")
         return self._decision
 
     @property
     def values(self) -> Mapping[ResidencyRequirement, TensorResident]:
+        """The borrowed values, by `ResidencyRequirement`, while the use is active.
+
+        Raises:
+            RuntimeError: Outside the active context.
+        """
         if self._state != "active" or self._values is None:
             raise RuntimeError("values are available only inside the active use")
         return self._values
 
     def value(self, handle: ResidencyHandle[Any], *, at: ResidencyLocation) -> TensorResident:
+        """Return the borrowed value of ``handle`` at ``at``.
+
+        The same as ``values[ResidencyRequirement(handle, at)]``.
+
+        Args:
+            handle: A required handle.
+            at: The location it is required at.
+
+        Returns:
+            The managed object itself (not a copy), valid while the use is active.
+
+        Raises:
+            RuntimeError: Outside the active context.
+            KeyError: The pair is not among the request's requirements.
+            TypeError: ``handle`` is not a handle or ``at`` not a location.
+            ResidencyLifetimeClosedError: The lease was released.
+        """
         return self.values[ResidencyRequirement(handle, at)]
 
     @property
     def report(self) -> ResidencyPlanReport | None:
-        """The scope's report after a successful entry and exit, otherwise None."""
+        """The scope's report after a successful entry and exit, otherwise ``None``."""
         if self._scope is None or not self._exited:
             return None
         return self._scope.report
 
     @property
     def exit_error(self) -> BaseException | None:
+        """The scope's exit error (a `ResidencyPlanExecutionError`), otherwise ``None``."""
         return None if self._scope is None else self._scope.exit_error
 
     def __enter__(self) -> ResidencyUse:

@@ -244,7 +244,52 @@ def _standing_at(policy: ScheduleAwarePolicy, position: int) -> Iterator[None]:
 
 
 class ResidencyController:
-    """Decides what to evict or spill so a request fits, the same way every time."""
+    """Decides what to evict or spill so a request fits, the same way every time.
+
+    An optional layer over one manager: the caller says what a step needs (a
+    `ResidencyRequest`); the controller searches, bounded by ``search_state_limit``, for the
+    evictions and spills (per the policy's fallback tiers) that make it fit, builds the plan
+    and can run it and borrow the values in one context (`use`) or as a prefetching
+    pipeline (`run`). It keeps only per-handle policy metadata and access epochs. See
+    docs/concepts/controller.md.
+
+    Args:
+        manager: The manager to decide for.
+        policy: The eviction policy; `DeterministicTieredLRU` without tiers by default.
+        search_state_limit: The most search states `decide` explores before giving up
+            (a strict int > 0).
+
+    Raises:
+        TypeError: ``manager`` is not a `ResidencyManager`; ``policy`` does not implement
+            `ResidencyPolicy`; ``policy.name`` or ``search_state_limit`` of the wrong kind.
+        ValueError: A blank policy name, or ``search_state_limit <= 0``.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency import (
+            PAGEABLE_HOST, PINNED_HOST, DeterministicTieredLRU, ReplicaMode,
+            ResidencyController, ResidencyManager, ResidencyRequest, ResidencyRequirement,
+        )
+        from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+        from fhelium.values import ResidentTensor
+
+        with use_runtime(SimulatedRuntime(device_count=0)), ResidencyManager(
+            {PINNED_HOST: 8192}
+        ) as manager:
+            a, b = (
+                manager.adopt(ResidentTensor(torch.ones(1024)), replica_mode=ReplicaMode.REPLICABLE)
+                for _ in range(2)
+            )
+            controller = ResidencyController(
+                manager, policy=DeterministicTieredLRU({PINNED_HOST: [PAGEABLE_HOST]})
+            )
+            for handle in (a, b, a):  # room for one value of 4096 bytes plus headroom
+                request = ResidencyRequest("step", [ResidencyRequirement(handle, PINNED_HOST)])
+                with controller.use(request) as use:
+                    use.value(handle, at=PINNED_HOST)
+        ```
+    """
 
     __slots__ = (
         "_engine",
@@ -297,10 +342,12 @@ class ResidencyController:
 
     @property
     def manager(self) -> ResidencyManager:
+        """The manager the controller decides for."""
         return self._manager
 
     @property
     def policy(self) -> ResidencyPolicy:
+        """The eviction policy."""
         return self._policy
 
     def __repr__(self) -> str:
@@ -311,9 +358,23 @@ class ResidencyController:
     def set_policy_metadata(
         self, handle: ResidencyHandle[Any], *, priority: int = 0, stable_key: str | None = None
     ) -> None:
-        """Controller-local eviction metadata for a live handle.
+        """Set the controller-local eviction metadata of a live handle, replacing any before.
 
-        See docs/concepts/controller.md#policy-metadata.
+        Metadata does not advance the manager's version and is never pruned. See
+        docs/concepts/controller.md#policy-metadata.
+
+        Args:
+            handle: A live handle of the controller's manager.
+            priority: A strict int of any sign; a higher priority is kept longer.
+            stable_key: ``None`` or a non-empty string, unique among this controller's handles.
+
+        Raises:
+            TypeError: ``priority`` is not a strict int, or ``stable_key`` not a string.
+            ValueError: A blank ``stable_key``, or one another handle already holds.
+            ResidencyHandleError: ``handle`` is not a live, non-discarded handle of the manager
+                (any other object included).
+            ResidencyClosedError: The manager is closed.
+            ResidencyReentrancyError: A source callback of the manager is running.
         """
         metadata = ResidencyPolicyMetadata(priority, stable_key)
         with self._lock:
@@ -341,9 +402,51 @@ class ResidencyController:
     # ------------------------------------------------------------------ decide
 
     def decide(self, request: ResidencyRequest) -> ResidencyDecision:
-        """Plan the request against the current state; change nothing.
+        """Plan a request against the current state; change nothing.
 
-        See docs/concepts/controller.md#decide.
+        The search finds the reclaim (evictions and spills) and enter actions that satisfy the
+        request, under one hold of the manager, and explains the plan at the version it read.
+        It runs no transition, takes no lease and never calls a source. A satisfied request gives
+        an empty plan. See docs/concepts/controller.md#decide.
+
+        Args:
+            request: What must be resident where, and the reservations to hold.
+
+        Returns:
+            The decision: the plan (without exit actions), its evictions and explanation, bound
+            to the manager and version it was made against.
+
+        Raises:
+            TypeError: ``request`` is not a `ResidencyRequest`.
+            ResidencyHandleError: A requirement's handle is foreign, unknown or discarded.
+            ResidencyOwnershipError: An EXCLUSIVE value is required at several locations.
+            ResidencySearchLimitError: The search reached ``search_state_limit`` without a
+                verdict.
+            ResidencyPlanError: The request is infeasible, or its plan's explanation is not
+                feasible (an unusable CUDA location, say).
+            ResidencyClosedError: The manager is closed.
+            ResidencyReentrancyError: A source callback of the manager is running.
+            RuntimeError: The policy's ``order_candidates`` did not return each candidate
+                exactly once.
+
+        Example:
+            ```python
+            import torch
+            from fhelium.residency import (
+                PAGEABLE_HOST, ResidencyController, ResidencyManager, ResidencyRequest,
+                ResidencyRequirement,
+            )
+            from fhelium.values import ResidentTensor
+
+            with ResidencyManager() as manager:
+                handle = manager.adopt(ResidentTensor(torch.ones(4)))
+                controller = ResidencyController(manager)
+                request = ResidencyRequest("noop", [ResidencyRequirement(handle, PAGEABLE_HOST)])
+                decision = controller.decide(request)
+                assert decision.plan.enter == () and decision.evictions == ()
+                with controller.scope(decision):
+                    pass
+            ```
         """
         if not isinstance(request, ResidencyRequest):
             raise TypeError(f"request must be a ResidencyRequest, got {type(request).__name__}")
@@ -549,8 +652,26 @@ class ResidencyController:
         *,
         transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
     ) -> ResidencyScope:
-        """A scope for the decision's plan, stale-checked at entry
-        (docs/concepts/controller.md#scope-of-a-decision)."""
+        """Build the manager scope of a decision's plan, stale-checked at entry.
+
+        Needs no manager state. A decision made stale by any change since it was decided raises
+        `ResidencyStaleStateError` at scope entry, before any reclaim or reservation; it is never
+        silently planned again. See docs/concepts/controller.md#scope-of-a-decision.
+
+        Args:
+            decision: A decision of this controller's manager and policy.
+            transfer_streams: CUDA streams by destination location, as for
+                `ResidencyManager.scope`.
+
+        Returns:
+            The scope, not yet entered.
+
+        Raises:
+            TypeError: ``decision`` is not a `ResidencyDecision`, or ``transfer_streams`` not a
+                mapping.
+            ResidencyHandleError: The decision was made for another manager.
+            ResidencyPlanError: The decision was made by another policy name or configuration.
+        """
         if not isinstance(decision, ResidencyDecision):
             raise TypeError(f"decision must be a ResidencyDecision, got {type(decision).__name__}")
         manager = self._manager
@@ -580,7 +701,50 @@ class ResidencyController:
         consumer_streams: Mapping[ResidencyLocation, Any] | None = None,
         transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
     ) -> ResidencyUse:
-        """Decide, enter the scope and borrow the required values, in one context."""
+        """Decide, enter the scope and borrow the required values, as one context.
+
+        Entering the returned `ResidencyUse` decides the request, enters the decision's scope,
+        acquires the values by location and records access epochs; any failure unwinds what was
+        entered. Exit releases the leases (``wait=False``) and closes the scope; the values stay
+        cached where they are. See docs/concepts/controller.md#use.
+
+        Args:
+            request: What must be resident where.
+            consumer_streams: The stream that reads the values, for exactly each CUDA location
+                among the requirements; ``None`` for a host-only request.
+            transfer_streams: CUDA streams by destination location for the copies.
+
+        Returns:
+            The use, not yet entered.
+
+        Raises:
+            TypeError: ``request`` is not a `ResidencyRequest`; a stream mapping is not a
+                mapping, or has a non-location key or a non-stream value.
+            ValueError: A host key, a stream on another device, or ``consumer_streams`` keys that
+                are not exactly the request's CUDA locations.
+
+        Example:
+            ```python
+            import torch
+            from fhelium.residency import (
+                ResidencyController, ResidencyManager, ResidencyRequest, ResidencyRequirement,
+                cuda_location,
+            )
+            from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+            from fhelium.values import ResidentTensor
+
+            runtime = SimulatedRuntime(device_count=1)
+            gpu = cuda_location("cuda:0")
+            with use_runtime(runtime), ResidencyManager({gpu: 1 << 20}) as manager:
+                handle = manager.adopt(ResidentTensor(torch.ones(256)))
+                controller = ResidencyController(manager)
+                stream = runtime.current_stream(gpu.device)
+                request = ResidencyRequest("step", [ResidencyRequirement(handle, gpu)])
+                with controller.use(request, consumer_streams={gpu: stream}) as use:
+                    value = use.value(handle, at=gpu)
+                assert use.report is not None
+            ```
+        """
         return ResidencyUse(
             controller=self,
             request=request,
@@ -596,11 +760,62 @@ class ResidencyController:
         consumer_streams: Mapping[ResidencyLocation, Any] | None = None,
         transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
     ) -> ResidencyPipeline:
-        """Uses ``requests`` in order, one step at a time, issuing the transfers of the
-        next ``prefetch`` steps while each step runs.
+        """Use ``requests`` in order, one step at a time, prefetching the next ``prefetch`` steps.
 
-        Each step is an entered `ResidencyUse`, active until the next step is requested.
-        See docs/concepts/controller.md#prefetch.
+        Each step is an entered `ResidencyUse`, active until the next step is requested; copies
+        for later steps run while the current one computes, with every byte charged before it is
+        copied. See docs/concepts/controller.md#prefetch.
+
+        Args:
+            requests: Any iterable of `ResidencyRequest`, read lazily, at most ``prefetch + 1``
+                ahead.
+            prefetch: How many later steps to stage while a step runs (a strict int >= 0); 0 is a
+                plain `use` per request.
+            consumer_streams: The reading stream per CUDA location, as for `use`.
+            transfer_streams: Copy streams per CUDA location; with ``prefetch > 0`` a missing
+                one is created once by the runtime.
+
+        Returns:
+            The pipeline: an iterator of steps and a context manager.
+
+        Raises:
+            TypeError: ``requests`` is a string, a single request or not iterable; ``prefetch``
+                is not a strict int; a stream mapping of the wrong kind. (An element that is
+                not a request raises `TypeError` naming its index when it is reached.)
+            ValueError: A negative ``prefetch``; a host key or a stream on another device.
+
+        Example:
+            ```python
+            import torch
+            from fhelium.residency import (
+                PINNED_HOST, ReplicaMode, ResidencyController, ResidencyManager, ResidencyRequest,
+                ResidencyRequirement, cuda_location,
+            )
+            from fhelium.residency.schedule import ScheduleAwarePolicy
+            from fhelium.residency.simulation import SimulatedRuntime, Timeline, use_runtime
+            from fhelium.values import ResidentTensor
+
+            runtime = SimulatedRuntime(1, timeline=Timeline())
+            gpu = cuda_location("cuda:0")
+            with use_runtime(runtime), ResidencyManager({gpu: 3 << 16}) as manager:
+                layers = [
+                    manager.adopt(
+                        runtime.pin(ResidentTensor(torch.randn(128, 128))),
+                        replica_mode=ReplicaMode.REPLICABLE,
+                    )
+                    for _ in range(4)
+                ]
+                requests = [
+                    ResidencyRequest(f"layer-{i}", [ResidencyRequirement(layer, gpu)])
+                    for i, layer in enumerate(layers)
+                ]
+                controller = ResidencyController(manager, policy=ScheduleAwarePolicy(requests))
+                stream = runtime.current_stream(gpu.device)
+                with controller.run(requests, prefetch=1, consumer_streams={gpu: stream}) as steps:
+                    for step in steps:
+                        runtime.compute(stream, 50e-6)
+                runtime.synchronize_device(gpu.device)
+            ```
         """
         return ResidencyPipeline(
             self,

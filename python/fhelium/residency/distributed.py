@@ -93,9 +93,18 @@ def _local_rank() -> int:
 
 
 def rank_location() -> ResidencyLocation:
-    """This rank's compute location: ``cuda:{LOCAL_RANK}`` when CUDA is available,
-    otherwise the simulated ``cuda:0`` that `rank_manager` installs (every rank of a
-    CPU machine has its own, in its own process)."""
+    """Return this rank's compute location.
+
+    ``cuda:{LOCAL_RANK}`` when CUDA is available, otherwise the simulated ``cuda:0`` that
+    `rank_manager` installs (every rank of a CPU machine has its own, in its own process).
+    See docs/concepts/distributed.md#rank-local-managers.
+
+    Returns:
+        The CUDA location this rank computes on.
+
+    Raises:
+        ValueError: ``LOCAL_RANK`` is set but is not a valid device index.
+    """
     if torch.cuda.is_available():
         return cuda_location(f"cuda:{_local_rank()}")
     return cuda_location("cuda:0")
@@ -108,7 +117,7 @@ def rank_manager(
     runtime: SimulatedRuntime | None = None,
     trace_capacity: int = 4096,
 ) -> ResidencyManager:
-    """This rank's manager, on this rank's own device.
+    """Build this rank's manager, on this rank's own device.
 
     ``budgets`` is one mapping for every rank, a sequence with one mapping per rank of
     ``group`` (its length must be the group's size), or a callable taking the rank and
@@ -120,6 +129,38 @@ def rank_manager(
     recorded, as CPU work is done by then) is installed when it is not. Either way
     ``current_runtime()`` then gives its streams. Without an initialised process group
     the process is rank 0 of 1. See docs/concepts/distributed.md#rank-local-managers.
+
+    Args:
+        budgets: One budget mapping for every rank, a sequence with one mapping per rank of
+            ``group``, or a callable taking the rank and returning its mapping.
+        group: The process group; ``None`` for the default group (without an initialised
+            group the process is rank 0 of 1).
+        runtime: Without CUDA, a `SimulatedRuntime` to install process-wide; ``None`` to use
+            (or install) one as described above.
+        trace_capacity: As for `ResidencyManager`.
+
+    Returns:
+        A new `ResidencyManager` with this rank's budgets.
+
+    Raises:
+        TypeError: ``budgets`` of the wrong kind, a rank's budgets not a mapping, or a
+            ``runtime`` that is not a `SimulatedRuntime`; as `ResidencyManager` raises.
+        ValueError: A sequence whose length is not the group's size; as `ResidencyManager`
+            raises.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency.distributed import rank_location, rank_manager
+        from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+        from fhelium.values import ResidentTensor
+
+        with use_runtime(SimulatedRuntime(1, auto_complete=True)):  # a CPU rank
+            device = rank_location()
+            with rank_manager(lambda rank: {device: 1 << 20}) as manager:
+                handle = manager.adopt(ResidentTensor(torch.ones(256)))
+                manager.move(handle, device)
+        ```
     """
     rank, size = _rank_and_size(group)
     if callable(budgets):
@@ -193,7 +234,7 @@ def _communicating(operation: str, phase: str) -> Iterator[None]:
 
 @dataclass(frozen=True, slots=True)
 class DecisionDigest:
-    """A rank-independent fingerprint of one `ResidencyDecision`.
+    """A rank-independent fingerprint of one `ResidencyDecision`: a frozen record.
 
     ``header`` holds the entries compared before any action (request name, state
     version when included, policy name); ``actions`` one canonical text per plan action
@@ -202,6 +243,12 @@ class DecisionDigest:
     their controller stable key when they have one (``key:...``), otherwise by their
     registration index (``#N``); this rank's compute location reads ``rank-device``.
     See docs/concepts/distributed.md#what-a-digest-covers.
+
+    Attributes:
+        request_name: The decided request's name.
+        header: The entries compared before any action.
+        actions: One canonical text per plan action.
+        digest: The blake2b-256 hex digest of header and actions.
     """
 
     request_name: str
@@ -245,11 +292,25 @@ def decision_digest(
     include_state_version: bool = True,
     device: ResidencyLocation | None = None,
 ) -> DecisionDigest:
-    """The decision's `DecisionDigest`, computed locally (no collective).
+    """Compute the decision's `DecisionDigest` locally (no collective).
 
     ``controller`` is the one that made the decision (its manager resolves the handles,
     its metadata gives stable keys). ``device`` is the location read as
     ``rank-device`` (default: `rank_location`).
+
+    Args:
+        decision: The decision.
+        controller: The controller that made it (its manager resolves the handles, its
+            metadata gives stable keys).
+        include_state_version: Whether the manager's state version is part of the header.
+        device: The location read as ``rank-device``; ``None`` for `rank_location`.
+
+    Returns:
+        The digest.
+
+    Raises:
+        TypeError: ``decision`` is not a `ResidencyDecision` or ``controller`` not a
+            `ResidencyController`.
     """
     if not isinstance(decision, ResidencyDecision):
         raise TypeError(f"decision must be a ResidencyDecision, got {type(decision).__name__}")
@@ -322,14 +383,48 @@ def check_lockstep(
     include_state_version: bool = True,
     device: ResidencyLocation | None = None,
 ) -> DecisionDigest:
-    """All-gathers the decision's digest over ``group`` and returns it when every rank
-    agrees; otherwise raises `ResidencyDivergenceError` on every rank, naming the first
-    rank that differs from rank 0 and the first differing action.
+    """All-gather the decision's digest over ``group``; return it when every rank agrees.
 
     A collective: every rank of the group calls it once per decision, in the same
     order. The common case costs one all-gather of 32 bytes; the canonical texts are
     gathered only when digests differ. A process group failure raises
     `ResidencyCommunicationError`.
+
+    Args:
+        decision: This rank's decision.
+        controller: The controller that made it.
+        group: The process group; ``None`` for the default group (without an initialised
+            group the process is rank 0 of 1).
+        include_state_version: Whether the state version must agree too.
+        device: The location read as ``rank-device``; ``None`` for `rank_location`.
+
+    Returns:
+        This rank's digest, equal on every rank.
+
+    Raises:
+        ResidencyDivergenceError: The ranks' digests differ (raised on every rank, naming the
+            first rank that differs from rank 0 and the first differing action).
+        ResidencyCommunicationError: The process group failed.
+        TypeError: As `decision_digest` raises.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency import ResidencyController, ResidencyRequest, ResidencyRequirement
+        from fhelium.residency.distributed import check_lockstep, rank_location, rank_manager
+        from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+        from fhelium.values import ResidentTensor
+
+        with use_runtime(SimulatedRuntime(1, auto_complete=True)):
+            device = rank_location()
+            with rank_manager({device: 1 << 20}) as manager:
+                handle = manager.adopt(ResidentTensor(torch.ones(256)))
+                controller = ResidencyController(manager)
+                controller.set_policy_metadata(handle, stable_key="weights")
+                request = ResidencyRequest("step", [ResidencyRequirement(handle, device)])
+                digest = check_lockstep(controller.decide(request), controller)
+                assert digest.request_name == "step"
+        ```
     """
     mine = decision_digest(
         decision, controller, include_state_version=include_state_version, device=device
@@ -402,6 +497,21 @@ class LockstepChecker:
     check is a collective (see `check_lockstep`), so every rank must make the same
     sequence of calls. ``checks`` counts the decisions checked and ``last`` is the
     latest digest. See docs/concepts/distributed.md#lockstep-checking.
+
+    Args:
+        controller: The rank's controller.
+        group: The process group; ``None`` for the default group (without an initialised
+            group the process is rank 0 of 1).
+        include_state_version: Whether the state version must agree too.
+        device: The location read as ``rank-device``; ``None`` for `rank_location`.
+
+    Attributes:
+        controller: The wrapped controller.
+        checks: How many decisions were checked.
+        last: The latest `DecisionDigest`, or ``None``.
+
+    Raises:
+        TypeError: ``controller`` is not a `ResidencyController`.
     """
 
     __slots__ = ("_device", "_group", "_state_version", "checks", "controller", "last")
@@ -426,7 +536,18 @@ class LockstepChecker:
         self.last: DecisionDigest | None = None
 
     def check(self, decision: ResidencyDecision) -> DecisionDigest:
-        """`check_lockstep` of ``decision`` over this checker's group."""
+        """Run `check_lockstep` on ``decision`` over this checker's group.
+
+        Args:
+            decision: A decision of the checker's controller.
+
+        Returns:
+            The agreed digest (also stored as ``last``).
+
+        Raises:
+            ResidencyDivergenceError: The ranks' decisions differ.
+            ResidencyCommunicationError: The process group failed.
+        """
         digest = check_lockstep(
             decision,
             self.controller,
@@ -439,7 +560,19 @@ class LockstepChecker:
         return digest
 
     def decide(self, request: ResidencyRequest) -> ResidencyDecision:
-        """The controller's `decide`, checked."""
+        """Decide with the controller, then check the decision across the ranks.
+
+        Args:
+            request: The request.
+
+        Returns:
+            The checked decision.
+
+        Raises:
+            ResidencyDivergenceError: The ranks' decisions differ.
+            ResidencyCommunicationError: The process group failed.
+            ResidencyPlanError: As `ResidencyController.decide` raises (and its other errors).
+        """
         decision = self.controller.decide(request)
         self.check(decision)
         return decision
@@ -451,8 +584,21 @@ class LockstepChecker:
         consumer_streams: Mapping[ResidencyLocation, Any] | None = None,
         transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
     ) -> ResidencyUse:
-        """The controller's `use`, with its decision checked before the scope is
-        entered."""
+        """Return the controller's `use`, with its decision checked before the scope is entered.
+
+        Args:
+            request: The request.
+            consumer_streams: As for `ResidencyController.use`.
+            transfer_streams: As for `ResidencyController.use`.
+
+        Returns:
+            The use, not yet entered.
+
+        Raises:
+            TypeError: As `ResidencyController.use` raises.
+            ValueError: As `ResidencyController.use` raises.
+            ResidencyDivergenceError: At entry, when the ranks' decisions differ.
+        """
         return ResidencyUse(
             controller=_CheckedController(self),
             request=request,
@@ -468,10 +614,24 @@ class LockstepChecker:
         consumer_streams: Mapping[ResidencyLocation, Any] | None = None,
         transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
     ) -> Iterator[ResidencyUse]:
-        """The controller's `run`, each step's decision checked as the step is entered.
+        """Run the controller's `run`, checking each step's decision as the step is entered.
 
         A generator of the pipeline's steps; the pipeline is closed when the generator
         ends, is closed, or a check raises.
+
+        Args:
+            requests: As for `ResidencyController.run`.
+            prefetch: As for `ResidencyController.run`.
+            consumer_streams: As for `ResidencyController.run`.
+            transfer_streams: As for `ResidencyController.run`.
+
+        Yields:
+            Each entered step, after its decision was checked.
+
+        Raises:
+            ResidencyDivergenceError: A step's decisions differ across the ranks.
+            ResidencyCommunicationError: The process group failed.
+            TypeError: As `ResidencyController.run` raises.
         """
         pipeline: ResidencyPipeline = self.controller.run(
             requests,
@@ -907,8 +1067,7 @@ def broadcast(
     at: ResidencyLocation,
     group: Any = None,
 ) -> ResidencyHandle[ValueT]:
-    """Copies the value ``handle`` names on rank ``src`` into every other rank's
-    manager at ``at``; returns each rank's handle (``src``'s own on ``src``).
+    """Copy the value ``handle`` names on rank ``src`` into every other rank's manager at ``at``.
 
     On ``src`` the value must be materialised at ``at``; the other ranks pass ``None``
     (anything they pass is ignored). Each receiving rank adopts a new MUST_PRESERVE
@@ -917,6 +1076,47 @@ def broadcast(
     and if any rank refuses or fails, every rank raises `ResidencyCollectiveError` (or
     `ResidencyCommunicationError` when the process group fails) and no rank keeps a
     charge or a value. See docs/concepts/distributed.md#broadcast.
+
+    Args:
+        manager: This rank's manager.
+        handle: On ``src``, the value, materialised at ``at``; ignored elsewhere (pass
+            ``None``).
+        src: The sending rank (its rank in ``group``).
+        at: Where the value lives on ``src`` and is adopted on the others.
+        group: The process group; ``None`` for the default group (without an initialised
+            group the process is rank 0 of 1).
+
+    Returns:
+        Each rank's handle: ``src``'s own on ``src``, a new MUST_PRESERVE value elsewhere.
+
+    Raises:
+        ResidencyCollectiveError: A rank refused or failed (every rank raises it).
+        ResidencyCommunicationError: The process group failed.
+
+    Example:
+        ```python
+        import os, tempfile
+        import torch
+        import torch.distributed as dist
+        from fhelium.residency.distributed import broadcast, rank_location, rank_manager
+        from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+        from fhelium.values import ResidentTensor
+
+        # One rank here; under torchrun every rank runs the same code.
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "rendezvous"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            with use_runtime(SimulatedRuntime(1, auto_complete=True)):
+                device = rank_location()
+                with rank_manager({device: 1 << 20}) as manager:
+                    weights = None
+                    if dist.get_rank() == 0:
+                        weights = manager.adopt(ResidentTensor(torch.ones(256)))
+                        manager.move(weights, device)
+                    weights = broadcast(manager, weights, src=0, at=device)
+        finally:
+            dist.destroy_process_group()
+        ```
     """
     transfer = _Transfer("broadcast", manager, at, group, (src,))
     _check_rank(transfer, "src", src)
@@ -977,13 +1177,28 @@ def scatter(
     at: ResidencyLocation,
     group: Any = None,
 ) -> ResidencyHandle[Any]:
-    """Sends rank ``r`` the value ``handles[r]`` names on rank ``src``; returns this
-    rank's handle (on ``src``, ``handles[src]`` itself).
+    """Send rank ``r`` the value ``handles[r]`` names on rank ``src``.
 
     On ``src``, ``handles`` has one handle per rank of the group, each materialised at
     ``at``; the other ranks pass ``None``. Each receiving rank admits only its own part;
     the all-or-nothing rule and the errors are `broadcast`'s. See
     docs/concepts/distributed.md#scatter-and-gather.
+
+    Args:
+        manager: This rank's manager.
+        handles: On ``src``, one handle per rank of the group, each materialised at ``at``;
+            ``None`` elsewhere.
+        src: The sending rank.
+        at: Where the values live on ``src`` and are adopted on the others.
+        group: The process group; ``None`` for the default group (without an initialised
+            group the process is rank 0 of 1).
+
+    Returns:
+        This rank's handle (on ``src``, ``handles[src]`` itself).
+
+    Raises:
+        ResidencyCollectiveError: A rank refused or failed (every rank raises it).
+        ResidencyCommunicationError: The process group failed.
     """
     transfer = _Transfer("scatter", manager, at, group, (src,))
     _check_rank(transfer, "src", src)
@@ -1038,13 +1253,28 @@ def gather(
     at: ResidencyLocation,
     group: Any = None,
 ) -> list[ResidencyHandle[Any]] | None:
-    """Collects every rank's value into rank ``dst``'s manager at ``at``.
+    """Collect every rank's value into rank ``dst``'s manager at ``at``.
 
     Every rank passes its own part, materialised at ``at``. On ``dst`` the result is one
     handle per rank, in rank order (its own part's handle at position ``dst``); the
     other ranks get ``None`` and keep their parts. ``dst`` admits every incoming part
     before any byte moves; the all-or-nothing rule and the errors are `broadcast`'s.
     See docs/concepts/distributed.md#scatter-and-gather.
+
+    Args:
+        manager: This rank's manager.
+        handle: This rank's part, materialised at ``at``.
+        dst: The receiving rank.
+        at: Where the parts live and are adopted on ``dst``.
+        group: The process group; ``None`` for the default group (without an initialised
+            group the process is rank 0 of 1).
+
+    Returns:
+        On ``dst``, one handle per rank in rank order; ``None`` on the other ranks.
+
+    Raises:
+        ResidencyCollectiveError: A rank refused or failed (every rank raises it).
+        ResidencyCommunicationError: The process group failed.
     """
     transfer = _Transfer("gather", manager, at, group, (dst,))
     _check_rank(transfer, "dst", dst)

@@ -220,7 +220,7 @@ def trace_events(
     *,
     timeline: Timeline | None = None,
 ) -> dict[str, object]:
-    """The Chrome/Perfetto trace-event JSON object for reports and timed snapshots.
+    """Build the Chrome/Perfetto trace-event JSON object for reports and timed snapshots.
 
     Every location gets its own track (pid 1, one tid per location, named by a
     ``thread_name`` metadata event). Each executed transition is a complete event
@@ -240,6 +240,36 @@ def trace_events(
     ``"cuda:0 D2H copy"``, ``"cuda:0 D2D copy"`` and ``"cuda:0 compute"``. Their ``ts``
     and ``dur`` are microseconds of virtual time from 0, unrelated to the wall-clock
     times of the first process; the document's metadata gains a ``"timeline"`` entry.
+
+    See docs/concepts/simulation.md for the timeline.
+
+    Args:
+        transitions: Transition reports and plan reports, in any order.
+        samples: ``(time_ns, snapshot)`` pairs, for the memory counters.
+        timeline: A simulated runtime's `Timeline` whose spans to add, or ``None``.
+
+    Returns:
+        The JSON-ready trace document (``traceEvents``, ``displayTimeUnit``, ``metadata``).
+
+    Raises:
+        TypeError: An element of ``transitions`` that is not a report, a sample that is not a
+            ``(time_ns, snapshot)`` pair, or a ``timeline`` that is not a `Timeline`.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency import PINNED_HOST, ReplicaMode, ResidencyManager
+        from fhelium.residency.export import trace_events
+        from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+        from fhelium.values import ResidentTensor
+
+        with use_runtime(SimulatedRuntime(device_count=0)), ResidencyManager() as manager:
+            value = ResidentTensor(torch.ones(4))
+            handle = manager.adopt(value, replica_mode=ReplicaMode.REPLICABLE)
+            manager.ensure(handle, PINNED_HOST)
+            document = trace_events(manager.trace(), [(0, manager.snapshot())])
+        assert any(event["ph"] == "X" for event in document["traceEvents"])
+        ```
     """
     if timeline is not None and not isinstance(timeline, Timeline):
         raise TypeError(f"timeline must be a Timeline or None, got {type(timeline).__name__}")
@@ -399,8 +429,38 @@ def write_trace(
     *,
     timeline: Timeline | None = None,
 ) -> None:
-    """Write `trace_events(transitions, samples, timeline=timeline)` to ``path`` as compact
-    UTF-8 JSON."""
+    """Write ``trace_events(transitions, samples, timeline=timeline)`` to ``path`` as JSON.
+
+    The JSON is compact UTF-8.
+
+    Open the file in Perfetto (ui.perfetto.dev) or ``chrome://tracing``.
+
+    Args:
+        path: The file to write (replaced if it exists).
+        transitions: Transition reports and plan reports.
+        samples: ``(time_ns, snapshot)`` pairs, for the memory counters.
+        timeline: A simulated runtime's `Timeline` whose spans to add, or ``None``.
+
+    Raises:
+        TypeError: As `trace_events` raises.
+        OSError: The file cannot be written.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency import PINNED_HOST, ReplicaMode, ResidencyManager
+        from fhelium.residency.export import write_trace
+        from fhelium.residency.simulation import SimulatedRuntime, Timeline, use_runtime
+        from fhelium.values import ResidentTensor
+
+        runtime = SimulatedRuntime(device_count=0, timeline=Timeline())
+        with use_runtime(runtime), ResidencyManager() as manager:
+            value = ResidentTensor(torch.ones(4))
+            handle = manager.adopt(value, replica_mode=ReplicaMode.REPLICABLE)
+            manager.ensure(handle, PINNED_HOST)
+            write_trace("trace.json", manager.trace(), timeline=runtime.timeline)
+        ```
+    """
     document = trace_events(transitions, samples, timeline=timeline)
     text = json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     with open(path, "w", encoding="utf-8") as stream:
@@ -420,6 +480,18 @@ def plot_memory(
     the budget as a dashed horizontal line where the location has one. The y axis is in
     MiB. Needs matplotlib (``pip install 'fhelium-residency[plot]'``); it renders with
     the Agg backend and leaves matplotlib's global backend untouched.
+
+    Args:
+        samples: ``(time_ns, snapshot)`` pairs, in any order.
+        path: The PNG file to write.
+        title: A figure title, or ``None``.
+
+    Raises:
+        ValueError: No samples, or samples that list no location.
+        TypeError: A sample that is not a ``(time_ns, snapshot)`` pair, or a ``title`` that is
+            not a string.
+        ImportError: matplotlib is not installed (the message names the ``plot`` extra).
+        OSError: The file cannot be written.
     """
     timed = _collect_samples(samples)
     if not timed:

@@ -77,10 +77,18 @@ def _finalize_reservation(engine: LifetimeOwner, token: int, location: Residency
 
 
 class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
-    """The managed objects a lease borrows, by handle. Valid only while it is active.
+    """The managed objects a lease borrows, by handle: a read-only mapping.
 
-    Lookups return the managed object itself, not a copy: read it while the lease is
-    active, never mutate it, and do not keep it after release.
+    Lookups return the managed object itself, not a copy: read it while the lease is active,
+    never mutate it, and do not keep it after release. Iteration yields the lease's handles
+    in order; every lookup, ``len``, ``in``, ``get`` and ``items`` checks the lease first.
+    Constructed by the manager (through `ResidencyLease.values` or ``with lease as values:``).
+    See docs/concepts/lifetimes.md#borrowed-values.
+
+    Raises:
+        ResidencyLifetimeClosedError: Any use after the lease was released.
+        KeyError: A handle that is not in the lease.
+        ResidencyUnavailableError: The lease record no longer matches (after a forced close).
     """
 
     __slots__ = ("_lease",)
@@ -114,11 +122,19 @@ class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
 
 
 class ResidencyLease(Lifetime):
-    """An immutable borrow of materialisations at one location.
+    """An immutable borrow of materialisations at one location, made by `ResidencyManager.acquire`.
 
-    For CUDA locations, release records an event on every consumer stream and keeps
-    the memory protected until those events complete; no device-wide
-    synchronisation is needed.
+    While active, each borrowed materialisation has a use token and cannot be removed. For a
+    CUDA location, release records an event on every consumer stream and keeps the memory
+    protected until those events complete (pending, reaped later); no device-wide
+    synchronisation is needed. ``with lease as values:`` gives the `BorrowedValues` and
+    releases with ``wait=False`` on exit. Constructed by the manager; a lease collected while
+    active is released by a finalizer with a `ResourceWarning`. See
+    docs/concepts/lifetimes.md#leases.
+
+    Raises:
+        ResidencyLifetimeClosedError: Entering a released lease.
+        RuntimeError: Entering a lease twice.
     """
 
     __slots__ = (
@@ -165,14 +181,21 @@ class ResidencyLease(Lifetime):
 
     @property
     def handles(self) -> tuple[ResidencyHandle[Any], ...]:
+        """The borrowed handles, in the order given (duplicates collapsed)."""
         return self._handles
 
     @property
     def location(self) -> ResidencyLocation:
+        """The location the values are borrowed at."""
         return self._location
 
     @property
     def values(self) -> BorrowedValues:
+        """A new `BorrowedValues` mapping over the borrowed objects.
+
+        Raises:
+            ResidencyLifetimeClosedError: The lease was released.
+        """
         self._require_active()
         return BorrowedValues(self)
 
@@ -180,7 +203,21 @@ class ResidencyLease(Lifetime):
         return f"this lease of {len(self._handles)} value(s) at {self._location} was released"
 
     def add_consumer_stream(self, stream: Any) -> None:
-        """Register another CUDA stream that reads the borrowed values."""
+        """Register another CUDA stream that reads the borrowed values.
+
+        Release then records an event on it too. A stream already registered (the same object) is
+        ignored. A value a prefetch is still copying in is ordered before the new stream. See
+        docs/concepts/lifetimes.md#cuda-consumer-streams.
+
+        Args:
+            stream: A ``torch.cuda.Stream`` or an object with ``__cuda_stream__``, on the lease's
+                device.
+
+        Raises:
+            ResidencyLifetimeClosedError: The lease was released.
+            ValueError: A host lease, or a stream on another device.
+            TypeError: ``stream`` is not a CUDA stream.
+        """
         self._require_active()
         if self._location.kind != "cuda":
             raise ValueError(f"consumer streams apply to CUDA leases, not {self._location}")
@@ -191,8 +228,20 @@ class ResidencyLease(Lifetime):
             self._streams.append(bound)
 
     def release(self, *, wait: bool = False) -> None:
-        """End the borrow. CUDA: protection lasts until the consumer streams pass the
-        release point (`wait=True` waits for that). Idempotent."""
+        """End the borrow; idempotent (``close`` is the same method).
+
+        A host lease's use tokens go at once. A CUDA lease records an event on each consumer
+        stream, and its materialisations stay protected until those events complete (reaped by a
+        later operation), or until this call waits for them with ``wait=True``. If the manager side
+        raises, the lease stays active. A release from another thread during a source callback
+        is queued. See docs/concepts/lifetimes.md#lease-release.
+
+        Args:
+            wait: For a CUDA lease, synchronise the release events and drop the protection now.
+
+        Raises:
+            ResidencyReentrancyError: Called on the thread running a source callback.
+        """
         if not self._active:
             return
         engine = self._engine
@@ -216,7 +265,17 @@ class ResidencyLease(Lifetime):
 
 
 class ResidencyHold(FinalizedLifetime):
-    """Longer-lived retention of materialisations at one location; exposes no values."""
+    """Protection of materialisations at one location from removal, made by `ResidencyManager.hold`.
+
+    Like a lease without values or streams: evaluation still needs a lease. ``with hold:``
+    returns the hold and releases it on exit. Constructed by the manager; a hold collected
+    while active is released by a finalizer with a `ResourceWarning`. See
+    docs/concepts/lifetimes.md#holds.
+
+    Raises:
+        ResidencyLifetimeClosedError: Entering a released hold.
+        RuntimeError: Entering a hold twice.
+    """
 
     __slots__ = ("_engine", "_handles", "_location", "_token")
 
@@ -240,14 +299,22 @@ class ResidencyHold(FinalizedLifetime):
 
     @property
     def handles(self) -> tuple[ResidencyHandle[Any], ...]:
+        """The held handles, in the order given (duplicates collapsed)."""
         return self._handles
 
     @property
     def location(self) -> ResidencyLocation:
+        """The location the values are held at."""
         return self._location
 
     def release(self) -> None:
-        """Remove the hold's protection. Idempotent."""
+        """Remove the hold's protection; idempotent (``close`` is the same method).
+
+        Advances the state version. See docs/concepts/lifetimes.md#holds.
+
+        Raises:
+            ResidencyReentrancyError: Called on the thread running a source callback.
+        """
         if not self._active:
             return
         self._engine.release_hold(self._token)
@@ -268,7 +335,21 @@ class ResidencyHold(FinalizedLifetime):
 
 
 class ResidencyReservation(FinalizedLifetime):
-    """Accounting headroom at one location; allocates nothing."""
+    """Accounting headroom charged at one location, made by `ResidencyManager.reserve`.
+
+    It allocates nothing; ``with reservation:`` returns it and releases it on exit.
+    Constructed by the manager; one collected while active is released by a finalizer with a
+    `ResourceWarning`. See docs/concepts/lifetimes.md#reservations.
+
+    Attributes:
+        location: Where the bytes are reserved.
+        nbytes: How many bytes are reserved.
+        label: The reservation's name, as shown in snapshots.
+
+    Raises:
+        ResidencyLifetimeClosedError: Entering a released reservation.
+        RuntimeError: Entering a reservation twice.
+    """
 
     __slots__ = ("_engine", "_token", "label", "location", "nbytes")
 
@@ -293,7 +374,13 @@ class ResidencyReservation(FinalizedLifetime):
         _finalize_reservation(self._engine, self._token, self.location)
 
     def release(self) -> None:
-        """Return the reserved bytes to the location. Idempotent."""
+        """Return the reserved bytes to the location; idempotent (``close`` is the same method).
+
+        Advances the state version. See docs/concepts/lifetimes.md#reservations.
+
+        Raises:
+            ResidencyReentrancyError: Called on the thread running a source callback.
+        """
         if not self._active:
             return
         self._engine.release_reservation(self._token)

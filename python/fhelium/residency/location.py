@@ -24,6 +24,11 @@ __all__ = [
 
 # The documented kinds; a `DiskLocation` (fhelium.residency.disk) is kind "disk".
 ResidencyLocationKind: TypeAlias = Literal["pageable-host", "pinned-host", "cuda"]
+"""The kinds of `ResidencyLocation`: ``"pageable-host"``, ``"pinned-host"`` or ``"cuda"``.
+
+A `DiskLocation` (see `fhelium.residency.disk.disk_location`) has kind ``"disk"``. See
+docs/concepts/locations-and-budgets.md#location-kinds.
+"""
 
 _CUDA_MAX_INDEX = 127
 # Canonical spellings only: no bare "cuda", no leading zeros, no whitespace.
@@ -61,11 +66,46 @@ def _validate_cuda_device(device: object) -> torch.device:
 
 @dataclass(frozen=True, slots=True)
 class ResidencyLocation:
-    """Where one materialisation of a value lives.
+    """Where one materialisation of a value lives: a frozen record.
 
     Host kinds always carry the unindexed ``torch.device("cpu")``; the CUDA kind carries
-    an indexed CUDA device. Equal locations compare and hash equal whatever spelling
-    created them.
+    an indexed CUDA device (``cuda:0`` to ``cuda:127``). Equality and hashing use
+    ``(kind, device)``, so equal locations compare and hash equal whatever spelling
+    created them, and ``str(location)`` is its `name`. Construction never asks whether
+    CUDA is present: a manager validates a location when it is used (see
+    docs/concepts/locations-and-budgets.md#location-validation). Prefer the constants
+    `PAGEABLE_HOST` and `PINNED_HOST` and the builders `cuda_location` and
+    `fhelium.residency.disk.disk_location`. The rules are in
+    docs/concepts/locations-and-budgets.md#construction-rules.
+
+    Args:
+        kind: ``"pageable-host"``, ``"pinned-host"`` or ``"cuda"``.
+        device: For a host kind, anything ``torch.device(...)`` turns into a ``cpu``
+            device (stored as the unindexed ``cpu``); for ``"cuda"``, a ``"cuda:N"``
+            string or an indexed CUDA ``torch.device``.
+
+    Attributes:
+        kind: The location kind (see `ResidencyLocationKind`), or ``"disk"`` for a
+            `DiskLocation`.
+        device: The normalised device: ``cpu`` for host and disk kinds, ``cuda:N`` for
+            CUDA.
+
+    Raises:
+        ValueError: An unknown kind; a host kind whose device is not ``cpu``; a CUDA
+            device that is not spelled ``"cuda:N"`` (bare ``"cuda"``, leading zeros,
+            spaces), not indexed, or past index 127; kind ``"disk"`` outside
+            `DiskLocation`.
+        TypeError: A device that ``torch.device`` cannot convert.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency import PINNED_HOST, ResidencyLocation, cuda_location
+
+        assert ResidencyLocation("pinned-host", "cpu") == PINNED_HOST
+        assert ResidencyLocation("cuda", torch.device("cuda", 1)) == cuda_location("cuda:1")
+        assert str(cuda_location("cuda:1")) == "cuda:1"
+        ```
     """
 
     kind: ResidencyLocationKind
@@ -96,7 +136,11 @@ class ResidencyLocation:
 
     @property
     def name(self) -> str:
-        """``"pageable-host"``, ``"pinned-host"``, ``"cuda:N"`` or ``"disk:<path>"``."""
+        """The location's name: ``"pageable-host"``, ``"pinned-host"``, ``"cuda:N"`` or
+        ``"disk:<path>"``.
+
+        Snapshots, traces, budget errors and the controller's texts name locations by it.
+        """
         if self.kind == "cuda":
             return f"cuda:{self.device.index}"
         if isinstance(self, DiskLocation):
@@ -108,19 +152,74 @@ class ResidencyLocation:
 
 
 PAGEABLE_HOST = ResidencyLocation("pageable-host", _CPU)
+"""Ordinary (pageable) host memory: kind ``"pageable-host"``, device ``cpu``."""
+
 PINNED_HOST = ResidencyLocation("pinned-host", _CPU)
+"""Page-locked host memory: kind ``"pinned-host"``, device ``cpu``.
+
+CUDA copies read it without a staging copy. Its budget counts charges, not the rounded
+page-locked blocks of PyTorch's allocator (see
+docs/concepts/locations-and-budgets.md#pinned-host).
+"""
 
 
 def cuda_location(device: torch.device | str) -> ResidencyLocation:
-    """The location of CUDA device ``device`` (``"cuda:N"`` or an indexed device)."""
+    """Return the location of one CUDA device.
+
+    Only the spelling is checked: whether the device exists is checked by a manager when
+    the location is used (see docs/concepts/locations-and-budgets.md#location-validation),
+    so CUDA locations can be built on a machine without CUDA.
+
+    Args:
+        device: ``"cuda:N"`` (canonical spelling: no bare ``"cuda"``, no leading zeros,
+            no whitespace) or an indexed CUDA ``torch.device``, with ``N`` at most 127.
+
+    Returns:
+        The `ResidencyLocation` of kind ``"cuda"`` for that index.
+
+    Raises:
+        ValueError: Any other spelling, an unindexed or non-CUDA device, or an index
+            past 127.
+        TypeError: A device that ``torch.device`` cannot convert.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency import cuda_location
+
+        assert cuda_location("cuda:0") == cuda_location(torch.device("cuda", 0))
+        assert cuda_location("cuda:0").name == "cuda:0"
+        ```
+    """
     return ResidencyLocation("cuda", _validate_cuda_device(device))
 
 
 @dataclass(frozen=True, slots=True, init=False)
 class DiskLocation(ResidencyLocation):
-    """A directory on local storage (``fhelium.residency.disk.disk_location``): kind
-    ``"disk"``, device ``cpu``, the directory's absolute, normalised ``path``, and
-    whether its files are read and written with direct I/O (``direct_io``)."""
+    """A directory on local storage used as a location: kind ``"disk"``, device ``cpu``.
+
+    Made by `fhelium.residency.disk.disk_location`, which also checks that the process
+    names the directory one way only. Equal directories give equal locations; the
+    directory need not exist yet. A value on disk is one safetensors file in a directory
+    of the manager's own inside ``path`` (see
+    docs/concepts/locations-and-budgets.md#disk).
+
+    Args:
+        path: The directory; stored absolute and normalised.
+        direct_io: Read and write the files with ``O_DIRECT``, bypassing the page cache
+            (see docs/concepts/locations-and-budgets.md#staging-and-direct-io).
+
+    Attributes:
+        path: The directory's absolute, normalised path.
+        direct_io: Whether the files are read and written with direct I/O.
+        kind: Always ``"disk"``.
+        device: Always ``cpu``.
+
+    Raises:
+        TypeError: ``path`` is not a string or path-like, or ``direct_io`` is not a
+            ``bool``.
+        ValueError: An empty path or one containing a NUL character.
+    """
 
     path: str
     direct_io: bool

@@ -24,14 +24,33 @@ ValueT_co = TypeVar("ValueT_co", bound=TensorResident, covariant=True)
 
 
 class ReplicaMode(StrEnum):
-    """Whether a value may be materialised at several locations at once."""
+    """Whether a value may be materialised at several locations at once.
+
+    A spec field; see docs/concepts/values.md#replica-modes.
+
+    Attributes:
+        REPLICABLE: The value may be materialised at several locations at the same time.
+        EXCLUSIVE: At most one steady materialisation: `ensure` or `copy` of a value that
+            already exists elsewhere raises `ResidencyOwnershipError`; use `move`.
+    """
 
     REPLICABLE = "replicable"
     EXCLUSIVE = "exclusive"
 
 
 class Recoverability(StrEnum):
-    """Whether the last copy of a value may be dropped."""
+    """Whether the last copy of a value may be dropped.
+
+    A spec field; see docs/concepts/values.md#recoverability. The rule the manager
+    applies is that the last materialisation of a value with no registered source cannot
+    be dropped.
+
+    Attributes:
+        RECONSTRUCTIBLE: A registered source can rebuild the value, so its last copy may
+            be dropped. `ResidencyManager.register_source` requires it.
+        MUST_PRESERVE: The last copy may not be dropped. Adopted values are always
+            MUST_PRESERVE.
+    """
 
     RECONSTRUCTIBLE = "reconstructible"
     MUST_PRESERVE = "must-preserve"
@@ -52,10 +71,30 @@ class _HashSlot:
 
 @dataclass(frozen=True, slots=True)
 class ResidencyHandle(_HashSlot, Generic[ValueT_co]):
-    """An opaque, tensor-free name for one value managed by one manager.
+    """An opaque, tensor-free name for one value managed by one manager: a frozen record.
 
-    Managers issue handles; a handle built by hand is only accepted by the manager that
-    issued an equal one.
+    Managers issue handles from `ResidencyManager.adopt` and
+    `ResidencyManager.register_source`, with ``handle_id`` a version 4 UUID. A handle
+    built by hand is only accepted by the manager that issued an equal one (same three
+    fields); any other raises `ResidencyHandleError` there. Equality and hashing cover
+    all three fields, and a handle stays a valid dict key through every transition. A
+    discarded value keeps its handle, but every later use of it raises
+    `ResidencyHandleError`. See docs/concepts/values.md#handles.
+
+    Args:
+        manager_id: The issuing manager's id (`ResidencyManager.manager_id`).
+        handle_id: The value's id within that manager.
+        value_type: The `TensorResident` subclass of the value.
+
+    Attributes:
+        manager_id: The issuing manager's id.
+        handle_id: The value's id, unique in the process for issued handles.
+        value_type: The value's class.
+
+    Raises:
+        TypeError: ``manager_id`` or ``handle_id`` is not a string, or ``value_type`` is
+            not a `TensorResident` subclass.
+        ValueError: ``manager_id`` or ``handle_id`` is blank.
     """
 
     manager_id: str
@@ -80,10 +119,43 @@ class ResidencyHandle(_HashSlot, Generic[ValueT_co]):
 
 @dataclass(frozen=True, slots=True)
 class ResidencyValueSpec(Generic[ValueT_co]):
-    """What a value is and what each of its materialisations is charged.
+    """What a value is and what each of its materialisations is charged: a frozen record.
 
     ``storage_nbytes`` is the fixed charge for every materialisation and the ceiling on its
-    actual backing storage.
+    actual backing storage (see docs/concepts/locations-and-budgets.md#charges). The
+    checks run in field order (see docs/concepts/values.md#value-specs).
+
+    Args:
+        value_type: The `TensorResident` subclass of the value.
+        logical_nbytes: The logical payload, ``value.nbytes`` (a strict int >= 0).
+        storage_nbytes: The charge of each materialisation and the ceiling on its actual
+            storage (a strict int >= ``logical_nbytes``).
+        replica_mode: Whether the value may live at several locations at once.
+        recoverability: Whether its last copy may be dropped.
+
+    Attributes:
+        value_type: The value's class.
+        logical_nbytes: The logical payload in bytes.
+        storage_nbytes: The charge of each materialisation, in bytes.
+        replica_mode: A `ReplicaMode`.
+        recoverability: A `Recoverability`.
+
+    Raises:
+        TypeError: ``value_type`` is not a `TensorResident` subclass; a byte count that is
+            not a strict int; ``replica_mode`` or ``recoverability`` of the wrong enum
+            (plain strings are refused).
+        ValueError: A negative byte count, or ``storage_nbytes < logical_nbytes``. (A
+            count above ``2**64 - 1`` is refused by the manager that is given the spec.)
+
+    Example:
+        ```python
+        from fhelium.residency import Recoverability, ReplicaMode, ResidencyValueSpec
+        from fhelium.values import ResidentTensor
+
+        spec = ResidencyValueSpec(
+            ResidentTensor, 4096, 4096, ReplicaMode.REPLICABLE, Recoverability.RECONSTRUCTIBLE
+        )
+        ```
     """
 
     value_type: type[ValueT_co]
@@ -109,13 +181,30 @@ class ResidencyValueSpec(Generic[ValueT_co]):
 
 
 class ResidencySource(Protocol[ValueT_co]):
-    """Rebuilds a value on demand.
+    """Rebuilds a value on demand: the recipe behind `ResidencyManager.register_source`.
 
-    ``load`` synchronously returns a ready, independent value; ownership of its storage
-    passes to the manager. The manager only requires ``load`` to be callable.
+    The manager only requires ``getattr(source, "load", None)`` to be callable; the
+    protocol is not runtime-checkable. While ``load`` runs, every other public operation
+    on that manager raises `ResidencyReentrancyError`. `fhelium.residency.sources`
+    ships `SafetensorsSource`. See docs/concepts/values.md#sources and
+    docs/concepts/values.md#reconstruction.
     """
 
-    def load(self) -> ValueT_co: ...
+    def load(self) -> ValueT_co:
+        """Return a ready, independent value; ownership of its storage passes to the manager.
+
+        The result is validated against the spec at the source location (type, device,
+        pinning, logical bytes, storage ceiling). A CUDA value must be complete on its
+        device's current stream (see docs/concepts/values.md#cuda-values).
+
+        Returns:
+            A new value matching the registered spec.
+
+        Raises:
+            Exception: Whatever the source raises propagates unchanged from a direct
+                primitive and is wrapped in `ResidencyPlanExecutionError` by a plan.
+        """
+        ...
 
 
 seal(ResidencyHandle, ResidencyValueSpec)

@@ -78,10 +78,18 @@ def _needs(request: ResidencyRequest) -> dict[ResidencyLocation, int]:
 class ResidencyPipeline(Iterator[ResidencyUse]):
     """The steps of `ResidencyController.run`, each an entered `ResidencyUse`.
 
-    Iterate it; each step stays active until the next one is requested. Closing it
-    (``close()``, leaving its ``with`` block, or dropping it, as breaking out of a
-    ``for`` loop over it does) ends the active step and releases everything the
-    pipeline holds. See docs/concepts/controller.md#prefetch.
+    Iterate it; each step stays active until the next one is requested, while the transfers
+    of up to `prefetch` later steps are issued. Closing it (`close`, leaving its ``with``
+    block, or dropping it, as breaking out of a ``for`` loop over it does) ends the active
+    step, releases every staged step's holds and reservations and waits for the copies still
+    in flight. An error while staging ends the pipeline and propagates from the iteration.
+    Used from one thread. Constructed by the controller. See
+    docs/concepts/controller.md#prefetch.
+
+    Raises:
+        TypeError: Raised during iteration for a request that is not a `ResidencyRequest`.
+        ResidencyPlanError: A step that does not fit once nothing is left to wait for
+            (as `ResidencyController.use` raises).
     """
 
     # The steps run in a generator over `_state`, which never refers back to the
@@ -123,7 +131,14 @@ class ResidencyPipeline(Iterator[ResidencyUse]):
             raise
 
     def close(self) -> None:
-        """Ends the active step and releases what the pipeline holds. Idempotent."""
+        """End the active step and release what the pipeline holds; idempotent.
+
+        Waits on the host for every copy still in flight and releases its protections.
+
+        Raises:
+            Exception: An error from ending the active step or from waiting for a copy
+                still in flight propagates; the pipeline is closed all the same.
+        """
         self._state.closed = True
         self._steps.close()
 

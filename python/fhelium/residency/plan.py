@@ -37,7 +37,19 @@ ValueT_co = TypeVar("ValueT_co", bound=TensorResident, covariant=True)
 
 @dataclass(frozen=True, slots=True)
 class EnsureResident(Generic[ValueT_co]):
-    """Make the value resident at ``location``, keeping any other replicas."""
+    """Plan action: make the value resident at ``location``, keeping any other replicas.
+
+    The action form of `ResidencyManager.ensure`; a frozen record checked for shape only (the
+    manager checks the handle and location when it runs the action). See
+    docs/concepts/transitions.md#actions.
+
+    Attributes:
+        handle: The value.
+        location: Where it must be resident.
+
+    Raises:
+        TypeError: A field of the wrong class (checked in field order).
+    """
 
     handle: ResidencyHandle[ValueT_co]
     location: ResidencyLocation
@@ -49,9 +61,18 @@ class EnsureResident(Generic[ValueT_co]):
 
 @dataclass(frozen=True, slots=True)
 class MoveResident(Generic[ValueT_co]):
-    """Install the value at ``to``, then remove the source it was copied from.
+    """Plan action: install the value at ``to``, then remove the source it was copied from.
 
-    The source is ``from_location`` when given, otherwise chosen deterministically.
+    The action form of `ResidencyManager.move`. The source is ``from_location`` when given,
+    otherwise chosen in the canonical source order. See docs/concepts/transitions.md#move.
+
+    Attributes:
+        handle: The value.
+        to: The destination.
+        from_location: The materialisation to move from, or ``None`` to select one.
+
+    Raises:
+        TypeError: A field of the wrong class (checked in field order).
     """
 
     handle: ResidencyHandle[ValueT_co]
@@ -66,7 +87,17 @@ class MoveResident(Generic[ValueT_co]):
 
 @dataclass(frozen=True, slots=True)
 class DropResident(Generic[ValueT_co]):
-    """Remove the materialisation at ``location``, keeping the managed value."""
+    """Plan action: remove the materialisation at ``location``, keeping the managed value.
+
+    The action form of `ResidencyManager.drop`. See docs/concepts/transitions.md#drop.
+
+    Attributes:
+        handle: The value.
+        location: The materialisation to remove.
+
+    Raises:
+        TypeError: A field of the wrong class (checked in field order).
+    """
 
     handle: ResidencyHandle[ValueT_co]
     location: ResidencyLocation
@@ -78,7 +109,16 @@ class DropResident(Generic[ValueT_co]):
 
 @dataclass(frozen=True, slots=True)
 class DiscardValue(Generic[ValueT_co]):
-    """End the managed value: remove every materialisation and its source."""
+    """Plan action: end the managed value, removing every materialisation and its source.
+
+    The action form of `ResidencyManager.discard`. See docs/concepts/transitions.md#discard.
+
+    Attributes:
+        handle: The value.
+
+    Raises:
+        TypeError: A field of the wrong class (checked in field order).
+    """
 
     handle: ResidencyHandle[ValueT_co]
 
@@ -91,6 +131,11 @@ class DiscardValue(Generic[ValueT_co]):
 ResidencyAction: TypeAlias = (
     EnsureResident[Any] | MoveResident[Any] | DropResident[Any] | DiscardValue[Any]
 )
+"""Any of the four plan actions: `EnsureResident`, `MoveResident`, `DropResident`, `DiscardValue`.
+
+A typing alias only: runtime checks use the tuple of the four classes (subclasses count).
+See docs/concepts/transitions.md#actions.
+"""
 _ACTION_TYPES = (EnsureResident, MoveResident, DropResident, DiscardValue)
 
 
@@ -105,7 +150,22 @@ def _require_actions(actions: tuple[object, ...], name: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class MemoryReservation:
-    """Accounting headroom of ``nbytes`` at ``location``; it allocates nothing."""
+    """Accounting headroom of ``nbytes`` at ``location`` held by a plan; it allocates nothing.
+
+    A frozen record. A scope admits its plan's reservations after the reclaim actions and
+    releases them on exit; the controller holds a request's for the use. See
+    docs/concepts/plans.md#plan-records.
+
+    Attributes:
+        location: Where the bytes are reserved.
+        nbytes: How many bytes (a strict int >= 0).
+        label: A non-empty name, shown in snapshots and budget errors.
+
+    Raises:
+        TypeError: ``location`` is not a `ResidencyLocation`, ``nbytes`` not a strict int,
+            or ``label`` not a string.
+        ValueError: A negative ``nbytes`` or a blank ``label``.
+    """
 
     location: ResidencyLocation
     nbytes: int
@@ -127,10 +187,54 @@ class _LoweredPlanSlot:
 
 @dataclass(frozen=True, slots=True, init=False)
 class ResidencyPlan(_LoweredPlanSlot):
-    """An ordered plan: ``reclaim``, then ``reservations``, ``enter`` and, on exit, ``exit``.
+    """An ordered plan: ``reclaim``, then ``reservations`` and ``enter``, and on exit ``exit``.
 
-    The field order is ``name, enter, exit, reservations, reclaim``, even though reclaim
-    runs first. Any iterables are accepted and stored as tuples.
+    A manager-bound command list, checked for shape only and lowered into the core once, at
+    construction; the manager decides at run time what is feasible (`ResidencyManager.explain`
+    is the dry run, `ResidencyManager.scope` runs it). The field order is ``name, enter,
+    exit, reservations, reclaim``, even though reclaim runs first. Any iterables are accepted
+    and stored as tuples; nothing is checked across fields. See docs/concepts/plans.md.
+
+    Args:
+        name: A non-empty name for reports and errors.
+        enter: Actions run on scope entry, after the reservations are admitted.
+        exit: Actions run on scope exit, without a new preflight.
+        reservations: Headroom held for the scope's body.
+        reclaim: Actions run first on entry, to free capacity before the reservations.
+
+    Attributes:
+        name: The plan's name.
+        enter: The enter actions.
+        exit: The exit actions.
+        reservations: The reservations.
+        reclaim: The reclaim actions.
+
+    Raises:
+        TypeError: ``name`` is not a string, a sequence argument is not iterable, or an
+            element is not an action (reclaim, enter, exit) or a `MemoryReservation`.
+        ValueError: A blank ``name``.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency import (
+            PAGEABLE_HOST, DropResident, EnsureResident, MemoryReservation, ResidencyManager,
+            ResidencyPlan,
+        )
+        from fhelium.values import ResidentTensor
+
+        with ResidencyManager({PAGEABLE_HOST: 1 << 20}) as manager:
+            handle = manager.adopt(ResidentTensor(torch.ones(256)))
+            plan = ResidencyPlan(
+                "stage",
+                enter=[EnsureResident(handle, PAGEABLE_HOST)],
+                reservations=[MemoryReservation(PAGEABLE_HOST, 1 << 16, "workspace")],
+            )
+            assert manager.explain(plan).feasible
+            with manager.scope(plan) as scope:
+                pass
+            assert scope.report.transitions[0].no_op
+        ```
     """
 
     name: str

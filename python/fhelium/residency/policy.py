@@ -31,7 +31,17 @@ __all__ = [
 class ResidencyPolicyMetadata:
     """Application hints for eviction: a higher ``priority`` is kept longer.
 
-    ``stable_key`` orders otherwise-equal candidates independently of registration order.
+    Set per handle with `ResidencyController.set_policy_metadata`; handles without metadata
+    use ``ResidencyPolicyMetadata()``. See docs/concepts/controller.md#policy-metadata.
+
+    Attributes:
+        priority: A strict int of any sign; lower priorities are evicted first.
+        stable_key: ``None`` or a non-empty string that orders otherwise-equal candidates
+            independently of registration order (keyed candidates go first).
+
+    Raises:
+        TypeError: ``priority`` is not a strict int, or ``stable_key`` not a string.
+        ValueError: A blank ``stable_key``.
     """
 
     priority: int = 0
@@ -44,7 +54,23 @@ class ResidencyPolicyMetadata:
 
 @dataclass(frozen=True, slots=True)
 class ResidencyEvictionCandidate:
-    """One unprotected materialisation the controller could evict, as a policy sees it."""
+    """One unprotected materialisation the controller could evict, as a policy sees it.
+
+    A frozen, tensor-free record handed to `ResidencyPolicy.order_candidates` (see
+    docs/concepts/controller.md#candidates).
+
+    Attributes:
+        handle: The value.
+        location: Where the materialisation lives.
+        charged_nbytes: Its charge.
+        registration_index: The value's position among all issued handles.
+        last_access_epoch: The controller epoch of its last use, or ``None`` if never used.
+        metadata: The value's policy metadata.
+
+    Raises:
+        TypeError: A field of the wrong kind.
+        ValueError: A negative count.
+    """
 
     handle: ResidencyHandle[Any]
     location: ResidencyLocation
@@ -64,14 +90,18 @@ class ResidencyEvictionCandidate:
 
 @runtime_checkable
 class ResidencyPolicy(Protocol):
-    """What the controller asks of an eviction policy.
+    """What the controller asks of an eviction policy: a runtime-checkable protocol.
 
-    ``isinstance`` only checks that the four members exist.
+    ``isinstance`` only checks that the four members exist. Policies see frozen, tensor-free
+    candidates and never call sources or run transitions. `DeterministicTieredLRU` and
+    `fhelium.residency.schedule.ScheduleAwarePolicy` implement it. A policy may also define
+    ``observe(handles)``, which the controller calls after each successful use. See
+    docs/concepts/controller.md#policies.
     """
 
     @property
     def name(self) -> str:
-        """A stable, non-empty diagnostic name."""
+        """A stable, non-empty diagnostic name, stored in decisions."""
         ...
 
     @property
@@ -80,13 +110,35 @@ class ResidencyPolicy(Protocol):
         ...
 
     def fallback_locations(self, location: ResidencyLocation) -> tuple[ResidencyLocation, ...]:
-        """The configured spill tiers for ``location``, in preference order."""
+        """Return the configured spill tiers for ``location``, in preference order.
+
+        Args:
+            location: The location the controller needs room at.
+
+        Returns:
+            The locations its values may spill to; ``()`` for none.
+
+        Raises:
+            TypeError: An implementation may refuse a non-location.
+        """
         ...
 
     def order_candidates(
         self, candidates: Iterable[ResidencyEvictionCandidate]
     ) -> tuple[ResidencyEvictionCandidate, ...]:
-        """Every candidate exactly once, first-evicted first."""
+        """Return every candidate exactly once, first-evicted first.
+
+        Args:
+            candidates: The unprotected materialisations at one location.
+
+        Returns:
+            The same candidates, ordered.
+
+        Raises:
+            TypeError: An implementation may refuse a non-candidate. (A result that does not
+                hold each candidate exactly once makes `ResidencyController.decide` raise
+                `RuntimeError`.)
+        """
         ...
 
 
@@ -108,10 +160,29 @@ def _eviction_key(candidate: ResidencyEvictionCandidate) -> tuple[int, int, int,
 
 
 class DeterministicTieredLRU:
-    """Evicts lowest priority, then least recently used, then by stable key or age.
+    """The built-in policy: lowest priority first, then least recently used, then key or age.
 
     ``fallback_tiers`` maps a location to the locations its values may spill to, in
-    preference order; tiers are never inferred. Immutable after construction.
+    preference order; tiers are never inferred. The order never depends on time, random
+    state or allocator readings. Immutable after construction. See
+    docs/concepts/controller.md#deterministictieredlru.
+
+    Args:
+        fallback_tiers: Spill destinations by location, or ``None`` for none.
+
+    Raises:
+        TypeError: ``fallback_tiers`` is not a mapping, or holds a non-location key or
+            destination.
+        ValueError: A location listed among its own destinations, or a repeated destination.
+
+    Example:
+        ```python
+        from fhelium.residency import PAGEABLE_HOST, PINNED_HOST, DeterministicTieredLRU
+        from fhelium.residency import cuda_location
+
+        policy = DeterministicTieredLRU({cuda_location("cuda:0"): [PINNED_HOST, PAGEABLE_HOST]})
+        assert policy.fallback_locations(PINNED_HOST) == ()
+        ```
     """
 
     __slots__ = ("_config_identity", "_destinations", "_tiers")
@@ -148,23 +219,45 @@ class DeterministicTieredLRU:
 
     @property
     def name(self) -> str:
-        """Always ``"deterministic-tiered-lru"``."""
+        """The policy name, always ``"deterministic-tiered-lru"``."""
         return "deterministic-tiered-lru"
 
     @property
     def config_identity(self) -> tuple[tuple[str, object], ...]:
-        """``(("fallback_tiers", ((source name, (destination names...)), ...)),)``."""
+        """``(("fallback_tiers", ((source name, (destination names...)), ...)),)``, by name."""
         return self._config_identity
 
     def fallback_locations(self, location: ResidencyLocation) -> tuple[ResidencyLocation, ...]:
-        """The configured destinations for ``location``, or ``()``."""
+        """Return the configured destinations for ``location``, or ``()``.
+
+        Args:
+            location: The location the controller needs room at.
+
+        Returns:
+            Its spill destinations, in preference order.
+
+        Raises:
+            TypeError: ``location`` is not a `ResidencyLocation`.
+        """
         require_instance(location, ResidencyLocation, "location")
         return self._destinations.get(location, ())
 
     def order_candidates(
         self, candidates: Iterable[ResidencyEvictionCandidate]
     ) -> tuple[ResidencyEvictionCandidate, ...]:
-        """Stable sort by ``(priority, epoch, has-key rank, key, registration index)``."""
+        """Sort stably by ``(priority, epoch, has-key rank, key, registration index)``.
+
+        ``epoch`` is -1 for a never-used value (oldest); keyed candidates go before unkeyed ones.
+
+        Args:
+            candidates: The candidates, any iterable.
+
+        Returns:
+            The candidates, first-evicted first.
+
+        Raises:
+            TypeError: An element is not a `ResidencyEvictionCandidate`.
+        """
         ordered = tuple(candidates)
         for index, candidate in enumerate(ordered):
             require_instance(candidate, ResidencyEvictionCandidate, f"candidates[{index}]")

@@ -17,7 +17,17 @@ __all__ = ["ResidencyRequirement", "ResidencyRequest"]
 
 @dataclass(frozen=True, slots=True)
 class ResidencyRequirement:
-    """The value behind ``handle`` must be resident at ``location``."""
+    """The value behind ``handle`` must be resident at ``location``: one line of a request.
+
+    A frozen record (see docs/concepts/controller.md).
+
+    Attributes:
+        handle: The value.
+        location: Where it must be resident.
+
+    Raises:
+        TypeError: ``handle`` is not a handle or ``location`` not a location.
+    """
 
     handle: ResidencyHandle[Any]
     location: ResidencyLocation
@@ -31,8 +41,25 @@ class ResidencyRequirement:
 class ResidencyRequest:
     """A named set of requirements and the reservations to hold while they are in use.
 
-    The same handle may be required at several locations; whether its replica mode allows
-    that is the controller's check, not the request's.
+    What a step needs, for `ResidencyController.decide`, `use` and `run`: the controller
+    decides the plan that reaches it. The same handle may be required at several locations;
+    whether its replica mode allows that is the controller's check. Sequence arguments are
+    stored as tuples. See docs/concepts/controller.md.
+
+    Args:
+        name: A non-empty name for decisions, reports and errors.
+        requirements: At least one `ResidencyRequirement`, none repeated.
+        reservations: Headroom held for the use, as `MemoryReservation` records.
+
+    Attributes:
+        name: The request's name.
+        requirements: The requirements, in order.
+        reservations: The reservations, in order.
+
+    Raises:
+        TypeError: ``name`` is not a string, or an element is not a `ResidencyRequirement`
+            or `MemoryReservation`.
+        ValueError: A blank ``name``, no requirements, or a repeated requirement.
     """
 
     name: str

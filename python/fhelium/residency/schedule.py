@@ -45,23 +45,46 @@ def _step_handles(step: object, index: int) -> frozenset[ResidencyHandle[Any]]:
 
 
 class ScheduleAwarePolicy:
-    """Evicts the value whose next request in ``schedule`` is farthest ahead.
+    """Evicts the value whose next request in ``schedule`` is farthest ahead (Belady's MIN).
 
-    ``schedule`` is the future sequence of steps, each a `ResidencyRequest` or an
-    iterable of handles. The policy stands at one step, its ``position`` (0 at first):
-    a value's next use is the first step at or after ``position`` that requests it.
-    Candidates are ordered, first evicted first, by
+    ``schedule`` is the future sequence of steps, each a `ResidencyRequest` or an iterable of
+    handles. The policy stands at one step, its `position` (0 at first): a value's next use
+    is the first step at or after `position` that requests it. Candidates are ordered, first
+    evicted first, by
 
     1. priority (`ResidencyPolicyMetadata.priority`), as `DeterministicTieredLRU`;
     2. next use: never requested again first, then the farthest next use;
     3. then `DeterministicTieredLRU`'s order (access epoch, stable key, registration).
 
-    ``fallback_tiers`` are `DeterministicTieredLRU`'s. A controller using this policy
-    moves ``position`` forward itself: when a request it uses requests exactly the
-    handles of the step at ``position``, the policy advances past that step
-    (`observe`). ``advance`` and ``seek`` move it by hand, for a schedule driven
-    outside the controller. The schedule and the tiers are immutable; the position is
-    the policy's only state, and it is safe to move from several threads.
+    ``fallback_tiers`` are `DeterministicTieredLRU`'s. A controller using this policy moves
+    `position` forward itself through `observe`; `advance` and `seek` move it by hand. The
+    schedule and the tiers are immutable; the position is the only state, safe to move from
+    several threads. See docs/concepts/controller.md#schedule-aware-eviction.
+
+    Args:
+        schedule: The future steps, read once.
+        fallback_tiers: Spill destinations by location, as for `DeterministicTieredLRU`.
+
+    Raises:
+        TypeError: ``schedule`` is a string or not iterable, a step is neither a request nor
+            an iterable of handles, or ``fallback_tiers`` is malformed.
+        ValueError: ``fallback_tiers`` lists a location among its own destinations or repeats
+            one.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency import ResidencyManager
+        from fhelium.residency.schedule import ScheduleAwarePolicy
+        from fhelium.values import ResidentTensor
+
+        with ResidencyManager() as manager:
+            a, b = (manager.adopt(ResidentTensor(torch.ones(4))) for _ in range(2))
+            policy = ScheduleAwarePolicy([[a], [b], [a]])
+            assert (policy.next_use(a), policy.next_use(b)) == (0, 1)
+            assert policy.observe([a]) and policy.position == 1
+            assert policy.next_use(a) == 2
+        ```
     """
 
     __slots__ = ("_identity", "_lock", "_position", "_steps", "_tiered", "_uses")
@@ -96,13 +119,16 @@ class ScheduleAwarePolicy:
 
     @property
     def name(self) -> str:
-        """Always ``"schedule-aware"``."""
+        """The policy name, always ``"schedule-aware"``."""
         return "schedule-aware"
 
     @property
     def config_identity(self) -> tuple[tuple[str, object], ...]:
-        """``(("schedule", (step count, sha256 of the steps' handle ids)),
-        ("fallback_tiers", ...))``: the position is not part of it."""
+        """``(("schedule", (step count, sha256 of the steps' ids)), ("fallback_tiers", ...))``.
+
+        The position is state, not configuration, so a decision stays usable as the policy
+        advances.
+        """
         return self._identity
 
     @property
@@ -116,7 +142,18 @@ class ScheduleAwarePolicy:
         return self._position
 
     def advance(self, steps: int = 1) -> int:
-        """Moves ``steps`` steps forward (never past the end); returns the position."""
+        """Move ``steps`` steps forward, never past the end.
+
+        Args:
+            steps: How many steps (an int >= 0).
+
+        Returns:
+            The new position.
+
+        Raises:
+            TypeError: ``steps`` is a ``bool`` or not an int.
+            ValueError: A negative ``steps``.
+        """
         if isinstance(steps, bool) or not isinstance(steps, int):
             raise TypeError(f"steps must be an int, got {type(steps).__name__}")
         if steps < 0:
@@ -126,7 +163,15 @@ class ScheduleAwarePolicy:
             return self._position
 
     def seek(self, position: int) -> None:
-        """Stands at step ``position`` (``0..len(schedule)``), for a new pass."""
+        """Stand at step ``position``, for a new pass or a schedule driven by hand.
+
+        Args:
+            position: The step, ``0..len(schedule)``.
+
+        Raises:
+            TypeError: ``position`` is a ``bool`` or not an int.
+            ValueError: ``position`` is out of range.
+        """
         if isinstance(position, bool) or not isinstance(position, int):
             raise TypeError(f"position must be an int, got {type(position).__name__}")
         if not 0 <= position <= len(self._steps):
@@ -135,9 +180,20 @@ class ScheduleAwarePolicy:
             self._position = position
 
     def observe(self, handles: Iterable[ResidencyHandle[Any]]) -> bool:
-        """A step was used: advances past the current step when ``handles`` are
-        exactly its handles, and says whether it did. Any other use leaves the
-        position where it is."""
+        """Record a used step: advance past the current step if ``handles`` are exactly its own.
+
+        The controller calls it after each successful use. Any other set of handles leaves the
+        position where it is.
+
+        Args:
+            handles: The handles the used request required.
+
+        Returns:
+            Whether the policy advanced.
+
+        Raises:
+            TypeError: ``handles`` is not iterable, or holds an unhashable object.
+        """
         used = frozenset(handles)
         with self._lock:
             if self._position < len(self._steps) and self._steps[self._position] == used:
@@ -146,7 +202,17 @@ class ScheduleAwarePolicy:
             return False
 
     def next_use(self, handle: ResidencyHandle[Any]) -> int | None:
-        """The first step at or after ``position`` requesting ``handle``, or None."""
+        """Return the first step at or after `position` requesting ``handle``.
+
+        Args:
+            handle: The value.
+
+        Returns:
+            That step's index, or ``None`` when it is never requested again.
+
+        Raises:
+            TypeError: ``handle`` is unhashable.
+        """
         steps = self._uses.get(handle)
         if not steps:
             return None
@@ -154,14 +220,35 @@ class ScheduleAwarePolicy:
         return steps[at] if at < len(steps) else None
 
     def fallback_locations(self, location: ResidencyLocation) -> tuple[ResidencyLocation, ...]:
-        """The configured destinations for ``location``, or ``()``."""
+        """Return the configured destinations for ``location``, or ``()``.
+
+        Args:
+            location: The location the controller needs room at.
+
+        Returns:
+            Its spill destinations, in preference order.
+
+        Raises:
+            TypeError: ``location`` is not a `ResidencyLocation`.
+        """
         return self._tiered.fallback_locations(location)
 
     def order_candidates(
         self, candidates: Iterable[ResidencyEvictionCandidate]
     ) -> tuple[ResidencyEvictionCandidate, ...]:
-        """Stable sort by ``(priority, next use, then DeterministicTieredLRU's keys)``,
-        never-used-again and farthest next uses first."""
+        """Sort stably by ``(priority, next use)`` over `DeterministicTieredLRU`'s order.
+
+        Never-used-again and farthest next uses go first; ties keep the tiered LRU's order.
+
+        Args:
+            candidates: The candidates, any iterable.
+
+        Returns:
+            The candidates, first-evicted first.
+
+        Raises:
+            TypeError: An element is not a `ResidencyEvictionCandidate`.
+        """
         ordered = self._tiered.order_candidates(candidates)
 
         def key(candidate: ResidencyEvictionCandidate) -> tuple[int, float]:

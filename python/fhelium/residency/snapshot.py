@@ -62,7 +62,26 @@ def _require_at_least(larger: int, smaller: int, what: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class MaterializationSnapshot:
-    """One materialisation of a value: its bytes, charge and protection counts."""
+    """One materialisation of a value in a snapshot: its bytes, charge and protection counts.
+
+    A frozen record (see docs/concepts/snapshots.md#materialisation-snapshots).
+
+    Attributes:
+        location: Where this materialisation lives.
+        logical_nbytes: The spec's logical bytes.
+        storage_nbytes: The actual unique storage measured at install (can be below the
+            charge when a copy compacted a view).
+        charged_nbytes: The spec's ``storage_nbytes``: the fixed charge.
+        use_count: Active leases covering it.
+        hold_count: Active holds covering it.
+        pending_event_count: Released CUDA leases whose events are not reaped yet; they
+            protect it even when ``use_count`` is 0.
+
+    Raises:
+        TypeError: A field of the wrong kind (a non-location, a non-int count, ...).
+        ValueError: A negative count or inconsistent fields (see
+            docs/concepts/snapshots.md#record-checks).
+    """
 
     location: ResidencyLocation
     logical_nbytes: int
@@ -89,7 +108,25 @@ class MaterializationSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class ResidencyValueSnapshot(Generic[ValueT_co]):
-    """One managed value: its spec, materialisations and reconstruction source."""
+    """One managed value in a snapshot: its spec, materialisations and reconstruction source.
+
+    A frozen record (see docs/concepts/snapshots.md#value-snapshots).
+
+    Attributes:
+        handle: The value's handle.
+        spec: Its spec; adopted values carry MUST_PRESERVE.
+        materializations: One `MaterializationSnapshot` per current location, in install
+            order.
+        has_source: Whether a reconstruction source is registered (false after discard).
+        source_location: Where the source rebuilds the value, or ``None``.
+        discarded: Whether the value was discarded (it then has no materialisation and no
+            source).
+
+    Raises:
+        TypeError: A field of the wrong kind (a non-location, a non-int count, ...).
+        ValueError: A negative count or inconsistent fields (see
+            docs/concepts/snapshots.md#record-checks).
+    """
 
     handle: ResidencyHandle[ValueT_co]
     spec: ResidencyValueSpec[ValueT_co]
@@ -118,7 +155,20 @@ class ResidencyValueSnapshot(Generic[ValueT_co]):
 
 @dataclass(frozen=True, slots=True)
 class ResidencyReservationSnapshot:
-    """One active reservation."""
+    """One active reservation in a snapshot, from `ResidencyManager.reserve` or a scope.
+
+    A frozen record (see docs/concepts/snapshots.md#reservation-snapshots).
+
+    Attributes:
+        location: Where the bytes are reserved.
+        nbytes: How many bytes.
+        label: The reservation's label.
+
+    Raises:
+        TypeError: A field of the wrong kind (a non-location, a non-int count, ...).
+        ValueError: A negative count or inconsistent fields (see
+            docs/concepts/snapshots.md#record-checks).
+    """
 
     location: ResidencyLocation
     nbytes: int
@@ -132,9 +182,33 @@ class ResidencyReservationSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class ResidencyLocationSnapshot:
-    """Accounting, budget, peaks and protection totals of one location.
+    """The books of one registered location in a snapshot: budget, charges, peaks and counts.
 
-    The allocator fields are process-wide CUDA allocator readings, or ``None``.
+    A frozen record (see docs/concepts/snapshots.md#location-snapshots and
+    docs/concepts/locations-and-budgets.md#peaks).
+
+    Attributes:
+        location: The location.
+        budget_bytes: The strict budget, or ``None``.
+        used_bytes: The charges of the current materialisations here.
+        reserved_bytes: The active reservations (plus a temporary reconstruction charge
+            during a transition).
+        remaining_budget_bytes: ``budget - used - reserved``, or ``None`` when unbudgeted.
+        peak_used_bytes: The historical maximum of ``used_bytes``.
+        peak_charged_bytes: The historical maximum of ``used + reserved``.
+        value_count: Materialisations here, across all values.
+        reservation_count: Active reservation records here.
+        use_count: Use tokens summed over the materialisations here.
+        hold_count: Hold tokens summed over the materialisations here.
+        pending_event_count: Pending lease tokens summed over the materialisations here.
+        allocator_allocated_bytes: For a CUDA location with CUDA available, the device's
+            ``torch.cuda.memory_allocated`` (process-wide); otherwise ``None``.
+        allocator_reserved_bytes: Likewise ``torch.cuda.memory_reserved``, or ``None``.
+
+    Raises:
+        TypeError: A field of the wrong kind (a non-location, a non-int count, ...).
+        ValueError: A negative count or inconsistent fields (see
+            docs/concepts/snapshots.md#record-checks).
     """
 
     location: ResidencyLocation
@@ -188,10 +262,24 @@ class ResidencyLocationSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class ResidencySnapshot(Generic[ValueT_co]):
-    """One atomic, tensor-free observation of a manager.
+    """One atomic, tensor-free observation of a manager, from `ResidencyManager.snapshot`.
 
-    ``values`` are in issue order (discarded handles included), ``locations`` in
-    registration order and ``reservations`` in creation order.
+    ``values`` are in issue order (discarded handles included), ``locations`` in registration
+    order and ``reservations`` in creation order. Entries are built on first access. See
+    docs/concepts/snapshots.md#snapshot.
+
+    Attributes:
+        manager_id: The observed manager's id.
+        state_version: The version at capture, after the snapshot's own reap.
+        values: One `ResidencyValueSnapshot` per issued handle.
+        locations: One `ResidencyLocationSnapshot` per registered location.
+        reservations: One `ResidencyReservationSnapshot` per active reservation.
+        captured_at_ns: ``time.time_ns()`` taken during capture.
+
+    Raises:
+        TypeError: A field of the wrong kind (a non-location, a non-int count, ...).
+        ValueError: A negative count or inconsistent fields (see
+            docs/concepts/snapshots.md#record-checks).
     """
 
     manager_id: str
@@ -222,7 +310,34 @@ class ResidencySnapshot(Generic[ValueT_co]):
 
 @dataclass(frozen=True, slots=True)
 class ResidencyTransitionReport:
-    """What one executed action did (no-ops included), with optional allocator readings."""
+    """What one executed action did (no-ops included), with optional allocator readings.
+
+    Returned by the primitives, collected in plan reports and the trace. Allocator readings
+    are best-effort observations of the first CUDA location involved and never feed
+    admission (see docs/concepts/transitions.md#reports and
+    docs/concepts/transitions.md#telemetry).
+
+    Attributes:
+        action: The action: the one passed to a plan, or the one a primitive built.
+        no_op: True for the three no-op cases.
+        source: The location copied from (or rebuilt at), the dropped location, or ``None``.
+        destination: The ensure location or move target; ``None`` for drop and discard.
+        logical_nbytes: The spec's logical bytes.
+        storage_nbytes: The spec's charge (not the measured storage).
+        started_at_ns: Wall-clock nanoseconds before the action.
+        completed_at_ns: Wall-clock nanoseconds after it.
+        allocator_device: The sampled CUDA device, or ``None``.
+        allocator_allocated_bytes_before: ``memory_allocated`` before, or ``None``.
+        allocator_reserved_bytes_before: ``memory_reserved`` before, or ``None``.
+        allocator_allocated_bytes_after: ``memory_allocated`` after, or ``None``.
+        allocator_reserved_bytes_after: ``memory_reserved`` after, or ``None``.
+        reason: The no-op reason, otherwise ``None``.
+
+    Raises:
+        TypeError: A field of the wrong kind (a non-location, a non-int count, ...).
+        ValueError: A negative count or inconsistent fields (see
+            docs/concepts/snapshots.md#record-checks).
+    """
 
     action: ResidencyAction
     no_op: bool
@@ -270,7 +385,26 @@ class ResidencyTransitionReport:
 
 @dataclass(frozen=True, slots=True)
 class ResidencyActionExplanation:
-    """The simulated outcome of one plan action."""
+    """One simulated action of an explanation or preflight.
+
+    A frozen record (see docs/concepts/snapshots.md#action-explanations and
+    docs/concepts/plans.md#simulation-results).
+
+    Attributes:
+        action: The action.
+        executable: Whether the simulation could apply it (a no-op included).
+        no_op: Whether it would change nothing.
+        source: The simulated source, or ``None``.
+        destination: The simulated destination, or ``None``.
+        logical_nbytes: From the spec; 0 for a handle-lookup failure.
+        storage_nbytes: From the spec; 0 for a handle-lookup failure.
+        reason: The no-op reason, the failure reason, or ``None``.
+
+    Raises:
+        TypeError: A field of the wrong kind (a non-location, a non-int count, ...).
+        ValueError: A negative count or inconsistent fields (see
+            docs/concepts/snapshots.md#record-checks).
+    """
 
     action: ResidencyAction
     executable: bool
@@ -315,7 +449,26 @@ def _peak_pairs(
 
 @dataclass(frozen=True, slots=True)
 class ResidencyPlanExplanation:
-    """The simulated outcome of a whole plan, up to and including its first failure."""
+    """The result of `ResidencyManager.explain` or the controller's decision: a plan's dry run.
+
+    A frozen record (see docs/concepts/snapshots.md#plan-explanations).
+    ``predicted_peak_bytes`` accepts a mapping or ``(location, bytes)`` pairs and is stored
+    as a tuple of pairs.
+
+    Attributes:
+        plan_name: The plan's name.
+        actions: The action explanations, up to and including the first failure.
+        reservations: The plan's reservations as given.
+        predicted_peak_bytes: ``(location, bytes)`` pairs: the predicted maximum of
+            ``used + reserved`` over the plan, from the current charge.
+        feasible: False when any reservation or action failed.
+        reason: The first failure, or ``None``.
+
+    Raises:
+        TypeError: A field of the wrong kind (a non-location, a non-int count, ...).
+        ValueError: A negative count or inconsistent fields (see
+            docs/concepts/snapshots.md#record-checks).
+    """
 
     plan_name: str
     actions: tuple[ResidencyActionExplanation, ...]
@@ -339,7 +492,22 @@ class ResidencyPlanExplanation:
 
 @dataclass(frozen=True, slots=True)
 class ResidencyPlanReport:
-    """The committed transitions of a plan run, in execution order, and its timing."""
+    """The committed transitions of a plan run, in execution order, and its timing.
+
+    Returned by `ResidencyManager.execute_actions`, held by `ResidencyScope.report`, and a
+    failed plan's ``partial_report`` (see docs/concepts/snapshots.md#plan-reports).
+
+    Attributes:
+        plan_name: The plan's name.
+        transitions: The committed transition reports, in execution order.
+        started_at_ns: The start of `execute_actions` or of scope entry.
+        completed_at_ns: Completion, or the failure time for a partial report.
+
+    Raises:
+        TypeError: A field of the wrong kind (a non-location, a non-int count, ...).
+        ValueError: A negative count or inconsistent fields (see
+            docs/concepts/snapshots.md#record-checks).
+    """
 
     plan_name: str
     transitions: tuple[ResidencyTransitionReport, ...]

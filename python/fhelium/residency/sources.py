@@ -22,10 +22,33 @@ ValueT = TypeVar("ValueT", bound=TensorResident)
 
 
 class SafetensorsSource(Generic[ValueT]):
-    """Loads `keys` from the safetensors file at `path` (pageable host memory).
+    """A `ResidencySource` loading ``keys`` from a safetensors file into pageable host memory.
 
-    One key gives a `ResidentTensor`; several give a `TensorBundle` named by key.
-    `spec()` measures the file's header, so registering costs no tensor load.
+    One key gives a `ResidentTensor`; several give a `TensorBundle` named by key. `spec`
+    measures the file's header, so registering costs no tensor load. The file is opened only
+    by `spec` and `load`. See docs/concepts/values.md#sources.
+
+    Args:
+        path: The safetensors file.
+        keys: One tensor name, or a sequence of them.
+
+    Raises:
+        ValueError: No keys.
+        TypeError: A key that is not a non-empty string.
+
+    Example:
+        ```python
+        import torch
+        from safetensors.torch import save_file
+        from fhelium.residency import PAGEABLE_HOST, ResidencyManager
+        from fhelium.residency.sources import SafetensorsSource
+
+        save_file({"w": torch.ones(4, 4), "b": torch.zeros(4)}, "layer.safetensors")
+        source = SafetensorsSource("layer.safetensors", ["w", "b"])
+        with ResidencyManager() as manager:
+            handle = manager.register_source(source.spec(), source)
+            manager.ensure(handle, PAGEABLE_HOST)  # reads the file now
+        ```
     """
 
     __slots__ = ("_keys", "_path")
@@ -42,10 +65,12 @@ class SafetensorsSource(Generic[ValueT]):
 
     @property
     def path(self) -> Path:
+        """The safetensors file, as a ``Path``."""
         return self._path
 
     @property
     def keys(self) -> tuple[str, ...]:
+        """The tensor names loaded, in order."""
         return self._keys
 
     def _read(self) -> dict[str, torch.Tensor]:
@@ -55,6 +80,15 @@ class SafetensorsSource(Generic[ValueT]):
             return {name: handle.get_tensor(name) for name in self._keys}
 
     def load(self) -> ValueT:
+        """Read the tensors from the file into pageable host memory.
+
+        Returns:
+            A `ResidentTensor` for one key, otherwise a `TensorBundle` named by key.
+
+        Raises:
+            OSError: The file cannot be opened or read.
+            Exception: Whatever ``safetensors`` raises for a corrupt file or a missing key.
+        """
         tensors = self._read()
         if len(self._keys) == 1:
             return ResidentTensor(tensors[self._keys[0]])  # type: ignore[return-value]
@@ -63,7 +97,22 @@ class SafetensorsSource(Generic[ValueT]):
     def spec(
         self, *, replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE
     ) -> ResidencyValueSpec[ValueT]:
-        """The value's spec, from the file's header (no tensor data is read)."""
+        """Return the value's spec, measured from the file's header; no tensor data is read.
+
+        Logical and storage bytes are both the sum of the tensors' sizes; the spec is
+        RECONSTRUCTIBLE.
+
+        Args:
+            replica_mode: The spec's replica mode.
+
+        Returns:
+            A `ResidencyValueSpec` for `ResidentTensor` (one key) or `TensorBundle`.
+
+        Raises:
+            OSError: The file cannot be opened or read.
+            ValueError: A tensor of a dtype the source cannot size.
+            Exception: Whatever ``safetensors`` raises for a corrupt file or a missing key.
+        """
         from safetensors import safe_open
 
         logical = 0

@@ -23,10 +23,13 @@ _PINNED_UNAVAILABLE = (
 
 
 class TensorResident(abc.ABC):
-    """A value made of tensor fields that always share one device.
+    """The abstract base of every managed value: tensor fields that always share one device.
 
-    Subclasses implement ``_resident_tensors`` and ``_with_resident_tensors``; everything
-    else (device, byte measurements, movement and pinning) is derived from those two.
+    Subclasses implement ``_resident_tensors`` (the direct tensor fields, in a fixed order) and
+    ``_with_resident_tensors(tensors)`` (a new value of the same kind around replacement
+    tensors); everything else (device, byte measurements, movement and pinning) is derived
+    from those two. `ResidentTensor`, `TensorBundle` and `TensorSequence` are the provided
+    kinds. See docs/concepts/values.md#tensorresident.
     """
 
     __slots__ = ()
@@ -48,7 +51,8 @@ class TensorResident(abc.ABC):
     def device(self) -> torch.device:
         """The device shared by every tensor field.
 
-        Raises ``RuntimeError`` when the value has no tensors or its tensors disagree.
+        Raises:
+            RuntimeError: The value has no tensor fields, or they are on different devices.
         """
         tensors = self._resident_tensors
         if not tensors:
@@ -64,15 +68,18 @@ class TensorResident(abc.ABC):
 
     @property
     def nbytes(self) -> int:
-        """Logical payload bytes; fields that share storage are each counted in full."""
+        """Logical payload bytes, ``sum(numel * element_size)``; shared storage counts in full."""
         return sum(tensor.numel() * tensor.element_size() for tensor in self._resident_tensors)
 
     @property
     def storage_nbytes(self) -> int:
         """Bytes of unique backing storage, counting each whole allocation once.
 
-        Exceeds ``nbytes`` for a view into a larger allocation and falls below it for
-        fields sharing storage.
+        Storages are keyed by ``(device, data_ptr)`` and empty ones skipped. The figure can exceed
+        `nbytes` (a view into a larger allocation) or be less (shared storage).
+
+        Raises:
+            RuntimeError: The same storage key appears with two different sizes.
         """
         sizes: dict[tuple[torch.device, int], int] = {}
         for tensor in self._resident_tensors:
@@ -122,8 +129,21 @@ class TensorResident(abc.ABC):
     ) -> Self:
         """Move every tensor to ``device``; returns ``self`` when nothing had to change.
 
-        With ``copy=True`` the result always owns new, independent storage. Host copies
-        made from CPU are pageable.
+        Each tensor goes through ``tensor.to``. With ``copy=True`` the result always owns new,
+        independent storage (a dense strided view may shrink to its extent). Host copies made
+        from CPU are pageable.
+
+        Args:
+            device: The target device, anything ``torch.device`` accepts.
+            non_blocking: Passed to ``tensor.to``: an asynchronous copy where torch allows it.
+            copy: Always copy, even when a tensor is already on ``device``.
+
+        Returns:
+            A value of the same kind on ``device``, or ``self``.
+
+        Raises:
+            RuntimeError: A device that does not exist or is unavailable (from torch).
+            TypeError: A ``device`` that ``torch.device`` cannot convert.
         """
         target = torch.device(device)
         tensors = self._resident_tensors
@@ -133,13 +153,37 @@ class TensorResident(abc.ABC):
         return self._with_resident_tensors(moved)
 
     def cpu(self, *, copy: bool = False) -> Self:
-        """The value in pageable host memory; a pinned value is always copied out."""
+        """The value in pageable host memory; a pinned value is always copied out.
+
+        Same as ``to("cpu", copy=copy or self.is_pinned)``, so the result is never pinned.
+
+        Args:
+            copy: Always copy, even when the value already is in pageable memory.
+
+        Returns:
+            A value of the same kind in pageable host memory, or ``self``.
+
+        Raises:
+            RuntimeError: A copy from the device fails (from torch).
+        """
         return self.to("cpu", copy=copy or self.is_pinned)
 
     def pin_memory(self, *, copy: bool = False) -> Self:
-        """The value in new pinned host storage, or ``self`` if already pinned and no copy.
+        """The value in new pinned host storage, or ``self`` if already pinned and no copy is asked.
 
-        Raises ``RuntimeError`` when this PyTorch runtime cannot allocate pinned memory.
+        Otherwise every tensor is cloned into new pinned host storage (same size, stride, dtype and
+        ``requires_grad``, synchronously, without autograd). Fields without storage bytes are copied
+        as empty tensors.
+
+        Args:
+            copy: Always clone, even when the value already is fully pinned.
+
+        Returns:
+            A pinned value of the same kind, or ``self``.
+
+        Raises:
+            RuntimeError: This PyTorch runtime cannot allocate pinned memory (the message
+                suggests pageable storage or an accelerator-enabled build).
         """
         if not copy and self.is_pinned:
             return self
@@ -197,9 +241,20 @@ def _describe(tensor: torch.Tensor) -> str:
 class ResidentTensor(TensorResident):
     """A single tensor managed as a residency value.
 
-    >>> value = ResidentTensor(torch.zeros(2, 3))
-    >>> value.tensor.shape
-    torch.Size([2, 3])
+    Args:
+        tensor: The tensor; the value keeps this very object.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.values import ResidentTensor
+
+        value = ResidentTensor(torch.zeros(2, 3))
+        assert value.tensor.shape == (2, 3) and value.nbytes == 24
+        ```
     """
 
     __slots__ = ("_tensor",)
@@ -235,13 +290,27 @@ class ResidentTensor(TensorResident):
 class TensorBundle(TensorResident):
     """Named tensors, in insertion order, that move between devices together.
 
-    Build it from a mapping, from keywords, or both (a name may appear only once):
+    Build it from a mapping, from keywords, or both (a name may appear only once). Indexing by
+    name, ``in``, iteration over the names and ``len`` work as for a mapping.
 
-    >>> bundle = TensorBundle({"weight": torch.zeros(4, 4)}, bias=torch.zeros(4))
-    >>> bundle.names
-    ('weight', 'bias')
-    >>> bundle["bias"].shape
-    torch.Size([4])
+    Args:
+        tensors: A mapping of names to tensors (a ``state_dict``, say), or ``None``.
+        **named: More tensors, by keyword.
+
+    Raises:
+        TypeError: ``tensors`` is not a mapping, a name is not a string, or a value is not a
+            tensor.
+        ValueError: An empty name, a name given twice, or no tensor at all.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.values import TensorBundle
+
+        bundle = TensorBundle({"weight": torch.zeros(4, 4)}, bias=torch.zeros(4))
+        assert bundle.names == ("weight", "bias")
+        assert bundle["bias"].shape == (4,)
+        ```
     """
 
     __slots__ = ("_index", "_names", "_tensors")
@@ -329,9 +398,24 @@ class TensorBundle(TensorResident):
 class TensorSequence(TensorResident):
     """An ordered list or tuple of tensors managed as one value.
 
-    >>> value = TensorSequence([torch.zeros(2), torch.ones(3)])
-    >>> len(value), value[1].shape
-    (2, torch.Size([3]))
+    Indexing by position, ``len`` and iteration work as for a tuple.
+
+    Args:
+        tensors: A non-empty list or tuple of tensors.
+
+    Raises:
+        TypeError: ``tensors`` is not a list or tuple (a string is refused), or an element is
+            not a tensor.
+        ValueError: ``tensors`` is empty.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.values import TensorSequence
+
+        value = TensorSequence([torch.zeros(2), torch.ones(3)])
+        assert len(value) == 2 and value[1].shape == (3,)
+        ```
     """
 
     __slots__ = ("_tensors",)
@@ -388,9 +472,30 @@ class TensorSequence(TensorResident):
 def as_resident(
     value: torch.Tensor | Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | TensorResident,
 ) -> TensorResident:
-    """The objects people already have, as managed values: a tensor becomes a
-    `ResidentTensor`, a mapping of names to tensors (a state_dict) a `TensorBundle`, a
-    list or tuple a `TensorSequence`; a `TensorResident` is returned as it is."""
+    """Wrap the objects people already have as managed values.
+
+    A tensor becomes a `ResidentTensor`, a mapping of names to tensors (a ``state_dict``) a
+    `TensorBundle`, a list or tuple a `TensorSequence`; a `TensorResident` is returned as it is.
+
+    Args:
+        value: A tensor, a mapping of names to tensors, a list or tuple of tensors, or a
+            `TensorResident`.
+
+    Returns:
+        The value as a `TensorResident`.
+
+    Raises:
+        TypeError: Any other kind of object, or a container holding a non-tensor.
+        ValueError: An empty container, or an empty or repeated name.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.values import TensorBundle, as_resident
+
+        assert isinstance(as_resident({"w": torch.zeros(2)}), TensorBundle)
+        ```
+    """
     if isinstance(value, TensorResident):
         return value
     if isinstance(value, torch.Tensor):

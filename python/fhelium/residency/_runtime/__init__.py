@@ -57,17 +57,44 @@ _slot = _Slot()
 
 
 def current_runtime() -> DeviceRuntime:
-    """The installed runtime, or the process-wide `TorchCudaRuntime` when none is."""
+    """Return the installed runtime, or the process-wide `TorchCudaRuntime` when none is.
+
+    A manager calls it once, at construction. See docs/concepts/simulation.md#installing-it.
+
+    Returns:
+        The runtime new managers capture.
+    """
     installed = _slot.runtime
     return _DEFAULT_RUNTIME if installed is None else installed
 
 
 def set_runtime(runtime: DeviceRuntime | None) -> DeviceRuntime | None:
-    """Install ``runtime`` process-wide (None: back to the default); returns the previous one.
+    """Install ``runtime`` process-wide until further notice, and return the previous one.
 
-    The previous value is what was installed, None when the default was in effect, so
+    The previous value is what was installed, ``None`` when the default was in effect, so
     ``set_runtime(previous)`` restores the exact earlier state. Managers that already exist
-    keep the runtime they captured.
+    keep the runtime they captured. See docs/concepts/simulation.md#installing-it.
+
+    Args:
+        runtime: A device runtime, such as a `SimulatedRuntime`; ``None`` goes back to the
+            default CUDA runtime.
+
+    Returns:
+        The previously installed runtime, or ``None``.
+
+    Raises:
+        TypeError: ``runtime`` does not implement the device runtime protocol.
+
+    Example:
+        ```python
+        from fhelium.residency.simulation import SimulatedRuntime, current_runtime, set_runtime
+
+        previous = set_runtime(SimulatedRuntime(device_count=1))
+        try:
+            assert current_runtime().name == "simulated"
+        finally:
+            set_runtime(previous)
+        ```
     """
     if runtime is not None and not isinstance(runtime, DeviceRuntime):
         raise TypeError(f"runtime must implement DeviceRuntime, got {type(runtime).__name__}")
@@ -79,11 +106,35 @@ def set_runtime(runtime: DeviceRuntime | None) -> DeviceRuntime | None:
 
 @contextmanager
 def use_runtime(runtime: DeviceRuntime) -> Iterator[DeviceRuntime]:
-    """Install ``runtime`` process-wide for the block, then restore what was installed before.
+    """Install ``runtime`` process-wide for a ``with`` block, then restore the previous one.
 
     Nested blocks restore in LIFO order. The installation is process-wide, not per thread:
     blocks on several threads that overlap without nesting restore in whatever order they
-    exit.
+    exit. Managers built inside the block keep the runtime after it ends. See
+    docs/concepts/simulation.md#installing-it.
+
+    Args:
+        runtime: A device runtime, such as a `SimulatedRuntime`.
+
+    Yields:
+        ``runtime`` itself.
+
+    Raises:
+        TypeError: ``runtime`` does not implement the device runtime protocol.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency import ResidencyManager, cuda_location
+        from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+        from fhelium.values import ResidentTensor
+
+        with use_runtime(SimulatedRuntime(device_count=1)) as runtime:
+            manager = ResidencyManager()  # captures the simulated runtime
+        handle = manager.adopt(ResidentTensor(torch.ones(4)))
+        manager.move(handle, cuda_location("cuda:0"))  # still simulated
+        manager.close()
+        ```
     """
     if not isinstance(runtime, DeviceRuntime):
         raise TypeError(f"runtime must implement DeviceRuntime, got {type(runtime).__name__}")

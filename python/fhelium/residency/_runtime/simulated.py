@@ -71,7 +71,16 @@ _COPY_LABELS: Final = {"h2d": "H2D", "d2h": "D2H", "d2d": "D2D"}
 
 
 class TimelineSpan(NamedTuple):
-    """One piece of work on a simulated device's engine, in virtual seconds."""
+    """One piece of work on a simulated device's engine, in virtual seconds: a named tuple.
+
+    Attributes:
+        device: The simulated CUDA device.
+        engine: ``"h2d"``, ``"d2h"``, ``"d2d"`` or ``"compute"``.
+        start: When the work starts, in virtual seconds.
+        end: When it ends.
+        nbytes: Bytes copied; 0 for compute.
+        label: A description, such as ``"H2D 64.0 MiB"`` or a compute label.
+    """
 
     device: torch.device
     engine: str
@@ -89,11 +98,30 @@ class Timeline:
     simulated device has four engines (``"h2d"``, ``"d2h"``, ``"d2d"``, ``"compute"``) that
     each run one piece of work at a time; a copy takes its storage bytes divided by the
     direction's bandwidth, compute takes what `SimulatedRuntime.compute` declares, and
-    host-side work takes no virtual time. The rules are in docs/concepts/simulation.md.
+    host-side work takes no virtual time. The defaults are about what a PCIe Gen5 x16 link
+    sustains per direction and a round figure for device memory. The rules are in
+    docs/concepts/simulation.md#the-timeline.
 
-    The bandwidths, in bytes per second, must be finite numbers > 0. The defaults are
-    about what a PCIe Gen5 x16 link sustains per direction (64 GB/s raw) and a round
-    figure for device memory.
+    Args:
+        h2d_bytes_per_s: Host-to-device bandwidth, a finite number > 0.
+        d2h_bytes_per_s: Device-to-host bandwidth, a finite number > 0.
+        d2d_bytes_per_s: Device-to-device bandwidth, a finite number > 0.
+
+    Raises:
+        TypeError: A bandwidth that is not a number.
+        ValueError: A bandwidth that is not finite and > 0.
+
+    Example:
+        ```python
+        from fhelium.residency.simulation import SimulatedRuntime, Timeline
+
+        timeline = Timeline(h2d_bytes_per_s=1e9)
+        runtime = SimulatedRuntime(device_count=1, timeline=timeline)
+        stream = runtime.create_stream(runtime.current_stream(0).device)
+        span = runtime.compute(stream, 1e-3)
+        assert (span.engine, span.end) == ("compute", 1e-3)
+        assert timeline.now == 0.0 and timeline.makespan == 1e-3
+        ```
     """
 
     __slots__ = (
@@ -134,14 +162,17 @@ class Timeline:
 
     @property
     def h2d_bytes_per_s(self) -> float:
+        """The host-to-device bandwidth, in bytes per second."""
         return self._h2d
 
     @property
     def d2h_bytes_per_s(self) -> float:
+        """The device-to-host bandwidth, in bytes per second."""
         return self._d2h
 
     @property
     def d2d_bytes_per_s(self) -> float:
+        """The device-to-device bandwidth, in bytes per second."""
         return self._d2d
 
     @property
@@ -152,8 +183,7 @@ class Timeline:
 
     @property
     def makespan(self) -> float:
-        """When everything enqueued so far is done: the latest of `now` and every span's
-        end."""
+        """When everything enqueued so far is done: the latest of `now` and every span's end."""
         with self._lock:
             return self._makespan_locked()
 
@@ -164,7 +194,20 @@ class Timeline:
             return tuple(self._spans)
 
     def busy(self, engine: str, device: torch.device | str | int | None = None) -> float:
-        """Total seconds of the spans on ``engine`` (of ``device``, or of every device)."""
+        """Return the total seconds of the spans on ``engine``, of one device or of every device.
+
+        Args:
+            engine: ``"h2d"``, ``"d2h"``, ``"d2d"`` or ``"compute"``.
+            device: A CUDA device (``torch.device``, ``"cuda:N"`` or an index), or ``None`` for
+                every device.
+
+        Returns:
+            The summed span durations, in virtual seconds.
+
+        Raises:
+            TypeError: ``engine`` is not a string.
+            ValueError: An unknown engine, or a device that is not an indexed CUDA device.
+        """
         if not isinstance(engine, str):
             raise TypeError(f"engine must be a str, got {type(engine).__name__}")
         if engine not in _ENGINES:
@@ -297,7 +340,13 @@ class Timeline:
 
 
 class SimulatedCopy(NamedTuple):
-    """One copy the runtime performed, in call order (``SimulatedRuntime.copies``)."""
+    """One copy the runtime performed, in call order (``SimulatedRuntime.copies``): a named tuple.
+
+    Attributes:
+        destination: Where the copy went, as a location.
+        stream: The stream it ran on, or ``None`` for a host copy.
+        non_blocking: Whether it was submitted without blocking.
+    """
 
     destination: ResidencyLocation
     stream: SimulatedStream | None
@@ -307,8 +356,20 @@ class SimulatedCopy(NamedTuple):
 class SimulatedStream:
     """A simulated CUDA stream on one simulated device.
 
-    It deliberately has no ``synchronize``/``query`` of its own: code under test must go
-    through the runtime, which is what `SimulatedRuntime.calls` observes.
+    Each device has a default stream (`SimulatedRuntime.current_stream`); this constructor
+    and `SimulatedRuntime.create_stream` make new ones. It deliberately has no
+    ``synchronize``/``query`` of its own: code under test must go through the runtime, which
+    is what `SimulatedRuntime.calls` observes. See
+    docs/concepts/simulation.md#streams-and-events.
+
+    Args:
+        runtime: The `SimulatedRuntime` it belongs to.
+        device: One of the runtime's simulated CUDA devices (a device, ``"cuda:N"`` or an
+            index).
+
+    Raises:
+        TypeError: ``runtime`` is not a `SimulatedRuntime`.
+        ValueError: A device the runtime does not simulate.
     """
 
     __slots__ = ("__weakref__", "_device", "_handle", "_runtime")
@@ -322,9 +383,11 @@ class SimulatedStream:
 
     @property
     def handle(self) -> int:
-        """The stream's simulated ``cudaStream_t``: what a foreign library wrapping this
-        stream reports through the CUDA stream protocol (never 0, 1 or 2, which name
-        default streams)."""
+        """The stream's simulated ``cudaStream_t``.
+
+        What a foreign library wrapping this stream reports through the CUDA stream protocol;
+        never 0, 1 or 2, which name default streams.
+        """
         return self._handle
 
     @property
@@ -334,6 +397,7 @@ class SimulatedStream:
 
     @property
     def runtime(self) -> SimulatedRuntime:
+        """The `SimulatedRuntime` the stream belongs to."""
         return self._runtime
 
     def __repr__(self) -> str:
@@ -343,8 +407,13 @@ class SimulatedStream:
 class SimulatedEvent:
     """An event recorded on a `SimulatedStream`; incomplete until something completes it.
 
-    Completed by `complete()`, by the runtime's `complete_events()`, or by the runtime's
-    event, stream or device synchronisation.
+    Completed by `complete`, by `SimulatedRuntime.complete_events`, by the runtime's event,
+    stream or device synchronisation, or (with a `Timeline`) when the host clock reaches its
+    time. Made by `SimulatedRuntime.record_event`.
+
+    Args:
+        stream: The stream it is recorded on.
+        completed: Whether it starts complete.
     """
 
     __slots__ = ("__weakref__", "_completed", "_stream", "_time")
@@ -356,29 +425,32 @@ class SimulatedEvent:
 
     @property
     def stream(self) -> SimulatedStream:
+        """The stream the event was recorded on."""
         return self._stream
 
     @property
     def device(self) -> torch.device:
+        """The simulated CUDA device of its stream."""
         return self._stream.device
 
     @property
     def completed(self) -> bool:
-        """Whether the simulated work before the event has finished (not counted)."""
+        """Whether the simulated work before the event has finished (reading it is not counted)."""
         return self._completed
 
     @property
     def time(self) -> float | None:
-        """With a `Timeline`: the virtual time at which the work before the event ends
-        (the event completes once the host clock reaches it). None without one."""
+        """With a `Timeline`: the virtual time at which the work before the event ends.
+
+        The event completes once the host clock reaches it; ``None`` without a timeline.
+        """
         return self._time
 
     def complete(self) -> None:
         """Finish the simulated work before this event.
 
         With a `Timeline`, the host clock advances to the event's time, as a host
-        synchronisation on the event would; an event already complete returns at once
-        (after `Timeline.reset`, its time may lie ahead of the new clock).
+        synchronisation on the event would; an event already complete returns at once.
         """
         if self._completed:
             return
@@ -419,20 +491,49 @@ class _Fault:
 class SimulatedRuntime:
     """Simulated pinned host and ``device_count`` CUDA devices backed by CPU tensors.
 
-    Placement is a registry of the storages the runtime's own copies created. It is keyed by
-    storage identity (the ``StorageImpl`` address) and holds a weak reference to each storage:
-    the weak reference keeps that address from being handed to another storage while the
-    entry exists, so neither a freed storage whose data address is reused nor two storages
-    sharing one address can be mistaken for a registered one. Storages the runtime did not
-    create report their real torch placement.
+    Install it with `use_runtime` (or `set_runtime`); managers built while it is installed
+    use it for their whole life. Values stay ordinary CPU tensors: placement is a registry of
+    the storages the runtime's own copies created, so a value copied to ``cuda:1`` reports
+    ``cuda:1``; storages it did not create report their real torch placement.
 
-    Test instrumentation: `calls` counts every seam method called; `fail_next` makes the
-    next call(s) of a method raise; `copies` logs every copy and `waits` every
-    `wait_event`. The test helpers `to_device`, `pin`, `placement`, `complete_events` and
-    `compute` are neither counted nor fault-injected.
+    Test instrumentation: ``calls`` (a ``Counter``) counts every seam method called;
+    `fail_next` makes the next call(s) of a method raise; ``copies`` logs every copy as a
+    `SimulatedCopy` and ``waits`` every `wait_event`. The test helpers `to_device`, `pin`,
+    `placement`, `complete_events`, `compute`, `current_device`, `set_device` and
+    `pending_event_count` are neither counted nor fault-injected. With ``timeline``, events
+    complete by virtual time instead of by the test. See docs/concepts/simulation.md.
 
-    With ``timeline``, events complete by virtual time instead of by the test (see
-    `Timeline`); ``auto_complete`` cannot be combined with it.
+    Args:
+        device_count: How many simulated CUDA devices, ``cuda:0`` up (an int >= 0).
+        pinned: Whether pinned memory exists; without it, copies to pinned host raise
+            `RuntimeError`.
+        auto_complete: Complete every event as soon as it is recorded.
+        timeline: A `Timeline` to model virtual time; not with ``auto_complete``.
+
+    Raises:
+        TypeError: ``device_count`` is not an int, a flag is not a ``bool``, or ``timeline``
+            is not a `Timeline`.
+        ValueError: A negative ``device_count``; ``timeline`` with ``auto_complete=True``; a
+            timeline already attached to another runtime.
+
+    Example:
+        ```python
+        import torch
+        from fhelium.residency import PINNED_HOST, ResidencyManager, cuda_location
+        from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+        from fhelium.values import ResidentTensor
+
+        runtime = SimulatedRuntime(device_count=2, auto_complete=True)
+        cuda1 = cuda_location("cuda:1")
+        with use_runtime(runtime), ResidencyManager({cuda1: 1 << 20}) as manager:
+            handle = manager.adopt(runtime.pin(ResidentTensor(torch.ones(256))))
+            manager.move(handle, cuda1)
+            with manager.acquire(
+                [handle], at=cuda1, consumer_stream=runtime.current_stream(cuda1.device)
+            ) as values:
+                assert runtime.placement(values[handle]) == cuda1
+        assert runtime.calls["copy_to_cuda"] == 1
+        ```
     """
 
     def __init__(
@@ -489,19 +590,22 @@ class SimulatedRuntime:
 
     @property
     def name(self) -> str:
+        """The runtime's name, always ``"simulated"``."""
         return "simulated"
 
     @property
     def pinned_available(self) -> bool:
+        """Whether the simulation has pinned host memory."""
         return self._pinned
 
     @property
     def auto_complete(self) -> bool:
+        """Whether events complete as soon as they are recorded."""
         return self._auto_complete
 
     @property
     def timeline(self) -> Timeline | None:
-        """The runtime's virtual-time model, or None when it has none."""
+        """The runtime's virtual-time model, or ``None`` when it has none."""
         return self._timeline
 
     def __repr__(self) -> str:
@@ -520,9 +624,20 @@ class SimulatedRuntime:
     ) -> None:
         """Make the next ``count`` calls of seam method ``method_name`` raise ``exc``.
 
-        ``exc`` may be an instance (re-raised each time) or a class (instantiated with a
-        message each time); it defaults to ``RuntimeError``. Successive `fail_next` calls
-        for one method queue up in order. The failing call is still counted in `calls`.
+        ``exc`` may be an instance (re-raised each time) or a class (instantiated with a message
+        each time); it defaults to `RuntimeError`. Successive calls for one method queue up in
+        order. The failing call is still counted in ``calls``. See
+        docs/concepts/simulation.md#fault-injection.
+
+        Args:
+            method_name: A seam method's name, such as ``"copy_to_cuda"``.
+            exc: The exception instance or class, or ``None`` for `RuntimeError`.
+            count: How many calls fail (an int >= 1).
+
+        Raises:
+            ValueError: An unknown seam method, or ``count < 1``.
+            TypeError: ``count`` is not an int, or ``exc`` is neither an exception instance nor
+                an exception class.
         """
         if method_name not in _SEAM_METHODS:
             raise ValueError(
@@ -572,15 +687,49 @@ class SimulatedRuntime:
 
     # --- availability -------------------------------------------------------------
     def cuda_available(self) -> bool:
+        """Whether CUDA is available: true when ``device_count > 0``.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Returns:
+            Whether any simulated device exists.
+
+        Raises:
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("cuda_available")
         return self._device_count > 0
 
     def device_count(self) -> int:
+        """Return the number of simulated CUDA devices.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Returns:
+            The ``device_count`` given at construction.
+
+        Raises:
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("device_count")
         return self._device_count
 
     # --- facts about values -------------------------------------------------------
     def measure(self, value: TensorResident) -> ValueFacts:
+        """Measure a value's device, pinning and storage in one pass.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            value: The value.
+
+        Returns:
+            The value's facts (device, pinning, unique storage bytes).
+
+        Raises:
+            RuntimeError: A value with no tensors or spanning devices.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("measure")
         device = self._value_device(value)
         on_host = device.type == "cpu"
@@ -604,10 +753,38 @@ class SimulatedRuntime:
         )
 
     def value_device(self, value: TensorResident) -> torch.device:
+        """Return where a value lives in this simulation.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            value: The value.
+
+        Returns:
+            Its simulated device.
+
+        Raises:
+            RuntimeError: A value with no tensors or spanning devices.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("value_device")
         return self._value_device(value)
 
     def value_is_pinned(self, value: TensorResident) -> bool:
+        """Whether a host value is wholly in simulated pinned memory.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            value: The value.
+
+        Returns:
+            True only for a host value whose tensors with storage are all pinned.
+
+        Raises:
+            RuntimeError: A value with no tensors or spanning devices.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("value_is_pinned")
         # Like TensorResident.is_pinned: the device check comes first and raises the same way.
         if self._value_device(value).type != "cpu":
@@ -620,6 +797,19 @@ class SimulatedRuntime:
         return bool(pinning) and all(pinning)
 
     def pinning_is_uniform(self, value: TensorResident) -> bool:
+        """Whether a value's tensors are all pinned or all pageable.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            value: The value.
+
+        Returns:
+            False only for a value mixing pinned and pageable tensors.
+
+        Raises:
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("pinning_is_uniform")
         pinning = set()
         for tensor in value._resident_tensors:
@@ -629,6 +819,19 @@ class SimulatedRuntime:
         return len(pinning) <= 1
 
     def storage_keys(self, value: TensorResident) -> frozenset[tuple[torch.device, int]]:
+        """Return the ``(device, storage address)`` of every non-empty storage of a value.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            value: The value.
+
+        Returns:
+            The keys of the storage-alias rule.
+
+        Raises:
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("storage_keys")
         keys: set[tuple[torch.device, int]] = set()
         for tensor in value._resident_tensors:
@@ -641,6 +844,19 @@ class SimulatedRuntime:
 
     # --- movement -----------------------------------------------------------------
     def copy_to_pageable(self, value: TensorResident) -> TensorResident:
+        """Copy a value into new pageable host storage.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            value: The value.
+
+        Returns:
+            The copy.
+
+        Raises:
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("copy_to_pageable")
         # Fresh CPU storage is unregistered, hence pageable, whatever the source was.
         result = value.to("cpu", copy=True, non_blocking=False)
@@ -650,6 +866,20 @@ class SimulatedRuntime:
         return result
 
     def copy_to_pinned(self, value: TensorResident) -> TensorResident:
+        """Copy a value into new simulated pinned host storage.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            value: The value.
+
+        Returns:
+            The copy.
+
+        Raises:
+            RuntimeError: The runtime was built with ``pinned=False``.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("copy_to_pinned")
         result = self._pinned_copy(value)
         if self._timeline is not None:
@@ -660,10 +890,23 @@ class SimulatedRuntime:
     def copy_to_cuda(
         self, value: TensorResident, device: torch.device, stream: Any, *, non_blocking: bool
     ) -> TensorResident:
-        """Copies into new storage registered on simulated ``device``.
+        """Copy a value into new storage registered on a simulated CUDA device.
 
-        ``stream`` None means the device's default stream; a stream of another device raises
-        ``ValueError``, as a misplaced real copy would be unordered with the caller's work.
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            value: The value.
+            device: The destination device.
+            stream: The stream to copy on; ``None`` for the device's default stream.
+            non_blocking: Whether the copy is submitted without blocking (logged).
+
+        Returns:
+            The copy, placed on ``device``.
+
+        Raises:
+            ValueError: A stream of another device (a misplaced real copy would be unordered with
+                the caller's work), or a device the runtime does not simulate.
+            Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("copy_to_cuda")
         index = self._cuda_index(device)
@@ -690,6 +933,20 @@ class SimulatedRuntime:
 
     # --- byte buffers (the disk tier's staging) -------------------------------------
     def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        """Allocate an uninitialised pinned byte buffer (the disk tier's staging).
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            nbytes: The buffer size.
+
+        Returns:
+            A ``uint8`` tensor registered as pinned.
+
+        Raises:
+            RuntimeError: The runtime was built with ``pinned=False``.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("empty_pinned")
         if not self._pinned:
             raise RuntimeError(_PINNED_UNAVAILABLE)
@@ -698,6 +955,23 @@ class SimulatedRuntime:
         return buffer
 
     def empty_cuda(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
+        """Allocate an uninitialised byte buffer on a simulated device, on a stream.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            nbytes: The buffer size.
+            device: The device.
+            stream: A `SimulatedStream`, or an object exposing its handle through
+                ``__cuda_stream__``.
+
+        Returns:
+            A ``uint8`` tensor registered on ``device``.
+
+        Raises:
+            ValueError: A stream of another device, or an unknown device.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("empty_cuda")
         target = self._devices[self._cuda_index(device)]
         resolved = self._resolve_stream(stream, target.index)
@@ -708,9 +982,24 @@ class SimulatedRuntime:
         return buffer
 
     def copy_bytes(self, destination: torch.Tensor, source: torch.Tensor, stream: Any) -> None:
-        """Copies at once; with a timeline, the copy occupies the stream's device's H2D
-        engine (to the device) or D2H engine (from it) without blocking the host, unless
-        the host side is pageable."""
+        """Copy bytes between a host buffer and a device buffer at once.
+
+        With a timeline, the copy occupies the stream's device's H2D engine (to the device) or D2H
+        engine (from it) without blocking the host, unless the host side is pageable.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            destination: The tensor to write.
+            source: The tensor to read; same shape and dtype.
+            stream: A `SimulatedStream`, or an object exposing its handle through
+                ``__cuda_stream__``.
+
+        Raises:
+            ValueError: Both sides on the host or both on a device, a stream of another device, or
+                tensors of different shape or dtype.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("copy_bytes")
         resolved = self._resolve_stream(stream, None)
         to_device, pinned_host = self._tensor_facts(destination)
@@ -740,27 +1029,116 @@ class SimulatedRuntime:
 
     # --- streams and events -------------------------------------------------------
     def is_stream(self, obj: object) -> bool:
+        """Whether an object is a stream: a `SimulatedStream` or a ``__cuda_stream__`` object.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            obj: Any object.
+
+        Returns:
+            Whether the manager may treat it as a stream.
+
+        Raises:
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("is_stream")
         return isinstance(obj, SimulatedStream) or hasattr(type(obj), "__cuda_stream__")
 
     def stream_device(self, stream: Any) -> torch.device:
+        """Return the device of a stream.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            stream: A `SimulatedStream`, or an object exposing its handle through
+                ``__cuda_stream__``.
+
+        Returns:
+            Its simulated CUDA device.
+
+        Raises:
+            TypeError: ``stream`` is not a stream of this runtime.
+            ValueError: A protocol handle that names no stream of this runtime.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("stream_device")
         return self._resolve_stream(stream, None).device
 
     def bind_stream(self, stream: Any, device: torch.device) -> SimulatedStream:
+        """Resolve a stream for one device, fixing a default-stream handle to that device.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            stream: A `SimulatedStream`, or an object exposing its handle through
+                ``__cuda_stream__``.
+            device: A simulated CUDA device.
+
+        Returns:
+            The `SimulatedStream`.
+
+        Raises:
+            TypeError: ``stream`` is not a stream of this runtime.
+            ValueError: A device that is not one of the simulated CUDA devices.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("bind_stream")
         return self._resolve_stream(stream, self._cuda_index(device))
 
     def current_stream(self, device: torch.device) -> SimulatedStream:
+        """Return the default stream of a simulated device.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            device: A simulated CUDA device.
+
+        Returns:
+            Its default `SimulatedStream`.
+
+        Raises:
+            ValueError: A device that is not one of the simulated CUDA devices.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("current_stream")
         return self._default_streams[self._cuda_index(device)]
 
     def create_stream(self, device: torch.device) -> SimulatedStream:
+        """Create a new stream on a simulated device.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            device: A simulated CUDA device.
+
+        Returns:
+            The new `SimulatedStream`.
+
+        Raises:
+            ValueError: A device that is not one of the simulated CUDA devices.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("create_stream")
         return SimulatedStream(self, device)
 
     def wait_event(self, stream: Any, event: Any) -> None:
-        """Orders later work on ``stream`` after ``event`` (no host blocking)."""
+        """Order later work on ``stream`` after ``event``, without blocking the host.
+
+        Logged in ``waits``.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            stream: A `SimulatedStream`, or an object exposing its handle through
+                ``__cuda_stream__``.
+            event: A `SimulatedEvent` of this runtime.
+
+        Raises:
+            TypeError: ``stream`` is not a stream of this runtime.
+            TypeError: ``event`` is not a `SimulatedEvent`.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("wait_event")
         resolved = self._resolve_stream(stream, None)
         checked = _check_event(event)
@@ -770,6 +1148,18 @@ class SimulatedRuntime:
                 self._timeline._wait(resolved, checked._time)
 
     def synchronize_stream(self, stream: Any) -> None:
+        """Wait on the host for everything enqueued on a stream; its events complete.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            stream: A `SimulatedStream`, or an object exposing its handle through
+                ``__cuda_stream__``.
+
+        Raises:
+            TypeError: ``stream`` is not a stream of this runtime.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("synchronize_stream")
         resolved = self._resolve_stream(stream, None)
         timeline = self._timeline
@@ -781,6 +1171,17 @@ class SimulatedRuntime:
             self._complete_pending_locked(lambda event: event.stream is resolved)
 
     def synchronize_device(self, device: torch.device) -> None:
+        """Wait on the host for everything enqueued on a device; its events complete.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            device: A simulated CUDA device.
+
+        Raises:
+            ValueError: A device that is not one of the simulated CUDA devices.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("synchronize_device")
         target = self._cuda_device(device)
         timeline = self._timeline
@@ -792,6 +1193,21 @@ class SimulatedRuntime:
             self._complete_pending_locked(lambda event: event.device == target)
 
     def record_event(self, stream: Any) -> SimulatedEvent:
+        """Record an event on a stream, after the work enqueued there.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            stream: A `SimulatedStream`, or an object exposing its handle through
+                ``__cuda_stream__``.
+
+        Returns:
+            The new `SimulatedEvent` (complete at once with ``auto_complete``).
+
+        Raises:
+            TypeError: ``stream`` is not a stream of this runtime.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("record_event")
         # Built field by field: every CUDA lease release records one.
         event = object.__new__(SimulatedEvent)
@@ -815,6 +1231,20 @@ class SimulatedRuntime:
         return event
 
     def event_query(self, event: Any) -> bool:
+        """Whether an event has completed (with a timeline: whether the host clock reached it).
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            event: A `SimulatedEvent` of this runtime.
+
+        Returns:
+            Whether it is complete.
+
+        Raises:
+            TypeError: ``event`` is not a `SimulatedEvent`.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("event_query")
         timeline = self._timeline
         if timeline is None:
@@ -832,19 +1262,69 @@ class SimulatedRuntime:
             return checked._completed
 
     def synchronize_event(self, event: Any) -> None:
+        """Wait on the host for an event; it completes.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            event: A `SimulatedEvent` of this runtime.
+
+        Raises:
+            TypeError: ``event`` is not a `SimulatedEvent`.
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("synchronize_event")
         _check_event(event).complete()
 
     # --- observations ---------------------------------------------------------------
     def memory_allocated(self, device: torch.device) -> int | None:
+        """Return the bytes of live simulated storage on a device.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            device: A simulated CUDA device.
+
+        Returns:
+            The byte count, or ``None`` for a device the runtime does not simulate.
+
+        Raises:
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("memory_allocated")
         return self._allocated(device)
 
     def memory_reserved(self, device: torch.device) -> int | None:
+        """Return the simulated allocator's reserved bytes on a device.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            device: A simulated CUDA device.
+
+        Returns:
+            The byte count, or ``None`` for a device the runtime does not simulate.
+
+        Raises:
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("memory_reserved")
         return self._reserved(device)
 
     def memory_sample(self, device: torch.device) -> tuple[int, int] | None:
+        """Return both allocator readings of a device from one query.
+
+        A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
+
+        Args:
+            device: A simulated CUDA device.
+
+        Returns:
+            ``(allocated, reserved)``, or ``None`` for a device the runtime does not simulate.
+
+        Raises:
+            Exception: The failure queued by `fail_next` for this method, if any.
+        """
         self._enter("memory_sample")
         allocated, reserved = self._allocated(device), self._reserved(device)
         if allocated is None or reserved is None:
@@ -868,27 +1348,67 @@ class SimulatedRuntime:
 
     # --- test helpers (not counted, never fault-injected) ---------------------------
     def current_device(self) -> int:
-        """The calling thread's current simulated CUDA device (0 until `set_device`)."""
+        """Return the calling thread's current simulated CUDA device (0 until `set_device`).
+
+        Returns:
+            The device index.
+        """
         return int(getattr(self._current, "index", 0))
 
     def set_device(self, device: torch.device | str | int) -> None:
-        """Makes ``device`` the calling thread's current simulated CUDA device, as
-        ``torch.cuda.set_device`` does: default-stream handles then name its stream."""
+        """Make ``device`` the calling thread's current simulated CUDA device.
+
+        Default-stream handles then name its stream.
+
+        Args:
+            device: A simulated CUDA device (a device, ``"cuda:N"`` or an index).
+
+        Raises:
+            ValueError: A device the runtime does not simulate.
+        """
         self._current.index = self._cuda_index(device)
 
     def to_device(self, value: _V, device: torch.device | str | int) -> _V:
-        """A copy of ``value`` in new storage on simulated CUDA ``device``."""
+        """Return a copy of ``value`` in new storage on simulated CUDA ``device``: a test helper.
+
+        Args:
+            value: The value to copy.
+            device: A simulated CUDA device (a device, ``"cuda:N"`` or an index).
+
+        Returns:
+            The copy, placed on ``device``.
+
+        Raises:
+            ValueError: A device the runtime does not simulate.
+        """
         return self._cuda_copy(value, self._cuda_device(device))
 
     def pin(self, value: _V) -> _V:
-        """A copy of ``value`` in new simulated pinned host storage."""
+        """Return a copy of ``value`` in new simulated pinned host storage: a test helper.
+
+        Args:
+            value: The value to copy.
+
+        Returns:
+            The pinned copy.
+
+        Raises:
+            RuntimeError: The runtime was built with ``pinned=False``.
+        """
         return self._pinned_copy(value)
 
     def placement(self, value: TensorResident | torch.Tensor) -> ResidencyLocation:
-        """Where a value (or one tensor) lives in this simulation, as a location.
+        """Return where a value (or one tensor) lives in this simulation, as a location.
 
-        Raises ``RuntimeError`` for a value with no tensors, spanning devices, or mixing
-        pinned and pageable host tensors.
+        Args:
+            value: A value or a tensor.
+
+        Returns:
+            `PAGEABLE_HOST`, `PINNED_HOST` or a CUDA location.
+
+        Raises:
+            RuntimeError: A value with no tensors, spanning devices, or mixing pinned and
+                pageable host tensors.
         """
         tensors = (value,) if isinstance(value, torch.Tensor) else value._resident_tensors
         facts = {self._tensor_facts(tensor) for tensor in tensors}
@@ -915,10 +1435,13 @@ class SimulatedRuntime:
         return PINNED_HOST if pinned else PAGEABLE_HOST
 
     def complete_events(self) -> int:
-        """Complete every pending event; returns how many were completed.
+        """Complete every pending event.
 
-        With a `Timeline`, the host clock advances to the latest of their times, as a
-        host synchronisation on all of them would.
+        With a `Timeline`, the host clock advances to the latest of their times, as a host
+        synchronisation on all of them would.
+
+        Returns:
+            How many events were completed.
         """
         if self._timeline is None:
             return self._complete_where(lambda event: True)
@@ -928,11 +1451,24 @@ class SimulatedRuntime:
             return self._complete_pending_locked(lambda event: True)
 
     def compute(self, stream: Any, seconds: float, *, label: str = "compute") -> TimelineSpan:
-        """Declares that ``seconds`` of kernels are enqueued on ``stream``; returns the span.
+        """Declare that ``seconds`` of kernels are enqueued on ``stream``, and return the span.
 
-        The work occupies the stream's device's compute engine after everything enqueued
-        on ``stream`` before it, without blocking the host. Needs a `Timeline`
-        (``RuntimeError`` otherwise); ``seconds`` must be a finite number >= 0.
+        The work occupies the stream's device's compute engine after everything enqueued on the
+        stream before it, without blocking the host.
+
+        Args:
+            stream: The stream the kernels run on.
+            seconds: Their duration, a finite number >= 0.
+            label: The span's label.
+
+        Returns:
+            The `TimelineSpan` of the work.
+
+        Raises:
+            RuntimeError: The runtime has no `Timeline`.
+            TypeError: ``seconds`` is not a number, ``label`` not a string, or ``stream`` not a
+                stream of this runtime.
+            ValueError: ``seconds`` is negative or not finite.
         """
         timeline = self._timeline
         if timeline is None:
@@ -948,7 +1484,11 @@ class SimulatedRuntime:
             return timeline._compute(resolved, duration, label)
 
     def pending_event_count(self) -> int:
-        """Events recorded by this runtime that are still incomplete (not counted)."""
+        """Return how many events recorded by this runtime are still incomplete (not counted).
+
+        Returns:
+            The number of pending events.
+        """
         with self._lock:
             return len(self._pending)
 
