@@ -99,7 +99,15 @@ def test_version_falls_back_to_the_source_tree(monkeypatch: pytest.MonkeyPatch) 
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(_version, "version", missing)
-    assert _version.resolve_version() == _version.source_tree_version(ROOT)
+    # As if the package ran from this checkout (installed, it lives in site-packages,
+    # where no source tree is beside it).
+    real = _version.source_tree_version
+    monkeypatch.setattr(
+        _version, "source_tree_version", lambda root=None: real(ROOT if root is None else root)
+    )
+    expected = real(ROOT)
+    assert expected is not None
+    assert _version.resolve_version() == expected
 
 
 def test_version_without_any_source(monkeypatch: pytest.MonkeyPatch) -> None:
