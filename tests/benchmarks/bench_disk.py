@@ -39,14 +39,22 @@ MIB = 1 << 20
 TARGET = 0.90
 
 
-def _median_s(run: Callable[[], object], repeats: int, setup: Callable[[], object]) -> float:
-    samples = []
+def _paired(
+    raw: Callable[[], object],
+    ours: Callable[[], object],
+    repeats: int,
+    setup: Callable[[], object] = lambda: None,
+) -> tuple[float, float]:
+    """Median seconds of ``raw()`` and of ``ours()``, the samples alternating (each after
+    ``setup()``), so that the machine's drift weighs on both alike."""
+    samples: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        setup()
-        started = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+        for side, run in enumerate((raw, ours)):
+            setup()
+            started = time.perf_counter()
+            run()
+            samples[side].append(time.perf_counter() - started)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def _raw_write(path: Path, data: torch.Tensor) -> None:
@@ -114,26 +122,31 @@ def _direct_row(
         raw_path.unlink(missing_ok=True)
         store.path_of("d").unlink(missing_ok=True)
 
-    raw_write = _median_s(lambda: _raw_direct_write(raw_path, aligned), repeats, fresh)
-    store_write = _median_s(lambda: store.write("d", value, staging=staging), repeats, fresh)
+    raw_write, store_write = _paired(
+        lambda: _raw_direct_write(raw_path, aligned),
+        lambda: store.write("d", value, staging=staging),
+        repeats,
+        fresh,
+    )
     _raw_direct_write(raw_path, aligned)
     file = store.write("d", value, staging=staging)
-
-    def nothing() -> None:
-        pass
-
-    raw_read = _median_s(lambda: _raw_direct_read(raw_path).close(), repeats, nothing)
-    read_into = _median_s(
-        lambda: store.read(file, _page_aligned, staging=staging), repeats, nothing
+    raw_read, read_into = _paired(
+        lambda: _raw_direct_read(raw_path).close(),
+        lambda: store.read(file, _page_aligned, staging=staging),
+        repeats,
     )
-    read_unaligned = _median_s(
+    raw_read_2, read_unaligned = _paired(
+        lambda: _raw_direct_read(raw_path).close(),
         lambda: store.read(file, lambda n: torch.empty(n, dtype=torch.uint8), staging=staging),
         repeats,
-        nothing,
     )
     descriptor = os.open(raw_path, os.O_RDONLY | os.O_DIRECT)
     try:  # the raw read's best case: a buffer whose pages are already mapped
-        warm_read = _median_s(lambda: os.preadv(descriptor, [aligned], 0), repeats, nothing)
+        warm_read, read_into_2 = _paired(
+            lambda: os.preadv(descriptor, [aligned], 0),
+            lambda: store.read(file, _page_aligned, staging=staging),
+            repeats,
+        )
     finally:
         os.close(descriptor)
     back = store.read(file, lambda n: torch.empty(n, dtype=torch.uint8), staging=staging)
@@ -144,8 +157,8 @@ def _direct_row(
     return [
         ("direct write", raw_write, store_write),
         ("direct read", raw_read, read_into),
-        ("direct read (warm)", warm_read, read_into),
-        ("direct read, unaligned", raw_read, read_unaligned),
+        ("direct read (warm)", warm_read, read_into_2),
+        ("direct read, unaligned", raw_read_2, read_unaligned),
     ]
 
 
@@ -158,26 +171,23 @@ def _row(size: int, repeats: int, root: Path, store: DiskStore) -> list[tuple[st
         raw_path.unlink(missing_ok=True)
         store.path_of("v").unlink(missing_ok=True)
 
-    raw_write = _median_s(lambda: _raw_write(raw_path, data), repeats, fresh)
-    store_write = _median_s(lambda: store.write("v", value), repeats, fresh)
+    raw_write, store_write = _paired(
+        lambda: _raw_write(raw_path, data), lambda: store.write("v", value), repeats, fresh
+    )
     _raw_write(raw_path, data)
     file = store.write("v", value)
-
-    def nothing() -> None:
-        pass
-
-    raw_read = _median_s(lambda: _raw_read(raw_path), repeats, nothing)
-    read_into = _median_s(
-        lambda: store.read(file, lambda n: torch.empty(n, dtype=torch.uint8)), repeats, nothing
+    raw_read, read_into = _paired(
+        lambda: _raw_read(raw_path),
+        lambda: store.read(file, lambda n: torch.empty(n, dtype=torch.uint8)),
+        repeats,
     )
-    raw_touch = _median_s(lambda: _raw_read(raw_path).sum(), repeats, nothing)
 
     def mapped() -> None:
         back = store.read(file)
         assert isinstance(back, ResidentTensor)
         back.tensor.sum()  # touch every page
 
-    read_map = _median_s(mapped, repeats, nothing)
+    raw_touch, read_map = _paired(lambda: _raw_read(raw_path).sum(), mapped, repeats)
     return [
         ("write", raw_write, store_write),
         ("read into a buffer", raw_read, read_into),
