@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -371,5 +372,29 @@ def test_direct_io_moves_whole_pages_of_page_aligned_memory_straight(
     assert reads == [CHUNK] * 6  # all through the ring
     assert isinstance(unaligned, ResidentTensor)
     assert torch.equal(unaligned.tensor, memory)
+    staging.close()
+    store.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_its_own_io_thread(tmp_path: Path) -> None:
+    # The parent's ring has an I/O thread; a forked child inherits the pool but not the
+    # thread, and must not wait forever on work nobody runs.
+    store = _disk.DiskStore(tmp_path / "d", "owner", direct=True)
+    staging = _disk.Staging(SimulatedRuntime(0, pinned=False))
+    value = ResidentTensor(torch.arange(20000, dtype=torch.uint8))  # five chunks
+    store.write("parent", value, staging=staging)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's outcome is its exit status
+        signal.alarm(20)
+        try:
+            file = store.write("child", value, staging=staging)
+            back = store.read(file, _page_aligned, staging=staging)
+            ok = isinstance(back, ResidentTensor) and torch.equal(back.tensor, value.tensor)
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
     staging.close()
     store.close()

@@ -586,6 +586,7 @@ class Staging:
         "_io",
         "_loose",
         "_pool",
+        "_pool_pid",
         "_streams",
         "buffers",
         "next",
@@ -603,6 +604,7 @@ class Staging:
         self._io: list[Future[None] | None] = [None] * SLOTS
         self._loose: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
         self.next = 0
 
     @property
@@ -637,9 +639,15 @@ class Staging:
         if inline:
             work(*args)
             return
-        if self._pool is None:
+        if self._pool is None or self._pool_pid != os.getpid():
+            # A forked child inherits the pool but not its thread: it makes its own.
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="fhelium-disk-io")
-        future = self._pool.submit(work, *args)
+            self._pool_pid = os.getpid()
+        try:
+            future = self._pool.submit(work, *args)
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            work(*args)
+            return
         if slot is None:
             self._loose.append(future)
         else:
@@ -721,7 +729,7 @@ class Staging:
             self.settle()
         finally:
             pool, self._pool = self._pool, None
-            if pool is not None:
+            if pool is not None and self._pool_pid == os.getpid():
                 pool.shutdown(wait=True)
 
     def settle_after(self, error: BaseException) -> None:
