@@ -171,45 +171,18 @@ def test_a_rank_that_cannot_admit_makes_every_rank_raise_and_nothing_stays() -> 
     assert results[0]["after"][at][0] > 0  # the source keeps its own value
 
 
-def _failing_commit(rank: int, world: int) -> dict[str, Any]:
+def _broadcast_failing(rank: int, world: int, phase: str) -> dict[str, Any]:
+    """A broadcast from rank 0 in which one rank fails at ``phase``; its outcome here."""
     at = rank_location()
     manager = rank_manager({at: BUDGET})
-    handle = _place(manager, _value(2), at) if rank == 0 else None
-    if rank == 2:
+    handle = _place(manager, _value(2 if phase == "commit" else 4), at) if rank == 0 else None
+    if phase == "commit" and rank == 2:
         # Rank 2 fails while adopting, after the bytes arrived; rank 1 adopted by then.
         def refuse(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("injected adoption failure")
 
         ResidencyManager.adopt = refuse  # type: ignore[method-assign]
-    before = _books(manager)
-    try:
-        broadcast(manager, handle, src=0, at=at)
-    except ResidencyError as error:
-        return {
-            "error": error,
-            "before": before,
-            "after": _books(manager),
-            "values": len([v for v in manager.snapshot().values if not v.discarded]),
-        }
-    raise AssertionError("the broadcast went through")
-
-
-def test_a_failure_after_the_bytes_arrived_is_undone_on_every_rank() -> None:
-    results = [outcome.unwrap() for outcome in run_ranks(_failing_commit, 3)]
-    for rank, result in enumerate(results):
-        error = result["error"]
-        assert type(error) is ResidencyCollectiveError
-        assert (error.phase, error.failed_ranks) == ("commit", (2,))
-        assert "injected adoption failure" in error.details[0]
-        assert result["after"] == result["before"], rank
-        assert result["values"] == (1 if rank == 0 else 0)
-
-
-def _failing_landing(rank: int, world: int) -> dict[str, Any]:
-    at = rank_location()
-    manager = rank_manager({at: BUDGET})
-    handle = _place(manager, _value(4), at) if rank == 0 else None
-    if rank == 1:
+    if phase == "transfer" and rank == 1:
         # Rank 1 cannot copy what arrived into its storages (the first of several), but
         # it goes on taking part in every collective, so no rank hangs.
         from fhelium.residency import distributed
@@ -231,8 +204,19 @@ def _failing_landing(rank: int, world: int) -> dict[str, Any]:
     raise AssertionError("the broadcast went through")
 
 
+def test_a_failure_after_the_bytes_arrived_is_undone_on_every_rank() -> None:
+    results = [outcome.unwrap() for outcome in run_ranks(_broadcast_failing, 3, "commit")]
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert type(error) is ResidencyCollectiveError
+        assert (error.phase, error.failed_ranks) == ("commit", (2,))
+        assert "injected adoption failure" in error.details[0]
+        assert result["after"] == result["before"], rank
+        assert result["values"] == (1 if rank == 0 else 0)
+
+
 def test_a_rank_that_fails_during_the_transfer_makes_every_rank_raise_before_adopting() -> None:
-    results = [outcome.unwrap() for outcome in run_ranks(_failing_landing, 3)]
+    results = [outcome.unwrap() for outcome in run_ranks(_broadcast_failing, 3, "transfer")]
     for rank, result in enumerate(results):
         error = result["error"]
         assert type(error) is ResidencyCollectiveError

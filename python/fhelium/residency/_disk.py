@@ -327,6 +327,14 @@ class DiskStore:
             total = len(prefix) + sum(int(blob.numel()) for blob in blobs)
             inline = total <= CHUNK  # one chunk: nothing to overlap
             slot, fill = staging.take(), 0
+
+            def flush() -> None:
+                """Hands the slot's ``fill`` bytes to the I/O thread and takes the next."""
+                nonlocal slot, fill
+                staging.land(slot)
+                staging.submit(slot, inline, _write_all, descriptor, staging.view(slot, fill))
+                slot, fill = staging.take(), 0
+
             header = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
             segments = [(header, None), *((blob, stream) for blob in blobs)]
             for segment, copy_stream in segments:
@@ -342,11 +350,7 @@ class DiskStore:
                     # its whole pages are written straight from it, in order on the
                     # I/O thread, after what the slot holds; only its tail is staged.
                     if fill:
-                        staging.seal(slot)
-                        staging.wait(slot)
-                        held = staging.view(slot, fill)
-                        staging.submit(slot, inline, _write_all, descriptor, held)
-                        slot, fill = staging.take(), 0
+                        flush()
                     position = length - length % ALIGN
                     straight = memoryview(segment.numpy())[:position]  # type: ignore[arg-type]
                     staging.submit(None, inline, _write_all, descriptor, straight)
@@ -356,14 +360,8 @@ class DiskStore:
                     fill += step
                     position += step
                     if fill == CHUNK:
-                        staging.seal(slot)
-                        staging.wait(slot)
-                        staging.submit(
-                            slot, inline, _write_all, descriptor, staging.view(slot, CHUNK)
-                        )
-                        slot, fill = staging.take(), 0
-            staging.seal(slot)
-            staging.wait(slot)
+                        flush()
+            staging.land(slot)
             if fill:
                 padded = fill + (-fill % ALIGN) if direct else fill
                 staging.zero(slot, fill, padded)
@@ -607,10 +605,6 @@ class Staging:
         self._pool_pid = 0
         self.next = 0
 
-    @property
-    def pinned(self) -> bool:
-        return bool(self.buffers) and not self._holders
-
     def _allocate(self) -> None:
         try:
             raw = [self.runtime.empty_pinned(CHUNK + ALIGN) for _ in range(SLOTS)]
@@ -678,22 +672,26 @@ class Staging:
     def fill(self, slot: int, at: int, source: torch.Tensor, stream: Any) -> None:
         """Copies flat bytes ``source`` into the slot at ``at``: on the host for a
         ``stream`` of None, else from the device on ``stream``."""
-        target = self.buffers[slot][at : at + int(source.numel())]
-        if stream is None:
-            target.copy_(source)
-            return
-        self.runtime.copy_bytes(target, source, stream)
-        self._streams[slot] = stream
+        self._copy(slot, self.buffers[slot][at : at + int(source.numel())], source, stream)
 
     def drain(self, slot: int, at: int, target: torch.Tensor, stream: Any) -> None:
         """Copies the slot's bytes from ``at`` into flat ``target``: on the host for a
         ``stream`` of None, else to the device on ``stream``."""
-        source = self.buffers[slot][at : at + int(target.numel())]
+        self._copy(slot, target, self.buffers[slot][at : at + int(target.numel())], stream)
+
+    def _copy(
+        self, slot: int, destination: torch.Tensor, source: torch.Tensor, stream: Any
+    ) -> None:
         if stream is None:
-            target.copy_(source)
+            destination.copy_(source)
             return
-        self.runtime.copy_bytes(target, source, stream)
+        self.runtime.copy_bytes(destination, source, stream)
         self._streams[slot] = stream
+
+    def land(self, slot: int) -> None:
+        """`seal` then `wait`: the slot's device copies are done, the host may read it."""
+        self.seal(slot)
+        self.wait(slot)
 
     def zero(self, slot: int, begin: int, end: int) -> None:
         self.buffers[slot][begin:end].zero_()
