@@ -24,6 +24,7 @@ __all__ = [
     "ResidencySearchLimitError",
     "ResidencyPlanExecutionError",
     "ResidencyClosedError",
+    "ResidencyForkedError",
     "ResidencyReentrancyError",
     "ResidencyDivergenceError",
     "ResidencyCollectiveError",
@@ -388,6 +389,47 @@ class ResidencyPlanExecutionError(ResidencyError):
 
 class ResidencyClosedError(ResidencyError):
     """Use of a closed manager; see docs/concepts/lifetimes.md#close."""
+
+
+class ResidencyForkedError(ResidencyClosedError):
+    """Use of a manager in a process forked from the one that made it.
+
+    A manager belongs to the process that made it: in a forked child (a DataLoader
+    worker, a ``multiprocessing`` fork) every operation on an inherited manager raises
+    this, before any lock, file or device is touched, and the child's finalizers leave
+    the parent's values and files alone. Make a new manager in the child instead. See
+    docs/concepts/lifetimes.md#fork.
+
+    Args:
+        message: What was refused.
+        owner_pid: The process that made (and owns) the manager.
+        pid: This process.
+
+    Attributes:
+        owner_pid: The owning process's id.
+        pid: This process's id.
+    """
+
+    owner_pid: int
+    pid: int
+
+    def __init__(self, message: str, *, owner_pid: int, pid: int) -> None:
+        self.owner_pid = int(owner_pid)
+        self.pid = int(pid)
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_forked,
+            (type(self), str(self), self.owner_pid, self.pid),
+            self.__dict__,
+        )
+
+
+def _rebuild_forked(
+    cls: type[ResidencyForkedError], message: str, owner_pid: int, pid: int
+) -> ResidencyForkedError:
+    return cls(message, owner_pid=owner_pid, pid=pid)
 
 
 class ResidencyReentrancyError(ResidencyError):

@@ -22,6 +22,7 @@ from fhelium.errors import (
     ResidencyCommunicationError,
     ResidencyDivergenceError,
     ResidencyError,
+    ResidencyForkedError,
     ResidencyHandleError,
     ResidencyInUseError,
     ResidencyLifetimeClosedError,
@@ -49,6 +50,7 @@ PARENT = {
     ResidencySearchLimitError: ResidencyPlanError,
     ResidencyPlanExecutionError: ResidencyError,
     ResidencyClosedError: ResidencyError,
+    ResidencyForkedError: ResidencyClosedError,
     ResidencyReentrancyError: ResidencyError,
     ResidencyDivergenceError: ResidencyError,
     ResidencyCollectiveError: ResidencyError,
@@ -122,7 +124,8 @@ def test_plan_execution_error_is_sibling_of_plan_error() -> None:
     assert issubclass(ResidencyStaleStateError, ResidencyPlanError)
     assert issubclass(ResidencySearchLimitError, ResidencyPlanError)
     # No other cross-links between the leaves.
-    leaves = [c for c in PARENT if c not in (ResidencyPlanError, ResidencyCollectiveError)]
+    parents = (ResidencyPlanError, ResidencyCollectiveError, ResidencyClosedError)
+    leaves = [c for c in PARENT if c not in parents]
     for a in leaves:
         for b in leaves:
             if a is not b:

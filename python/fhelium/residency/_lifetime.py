@@ -7,6 +7,7 @@ released safely and warned about (see docs/concepts/lifetimes.md, finalizers).
 from __future__ import annotations
 
 import atexit
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -56,6 +57,26 @@ LIVE: dict[int, weakref.ref[Lifetime]] = {}
 ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+class _Fork:
+    """How many forks separate this process from the one that started the count: a
+    lifetime made before a fork belongs to the parent's manager, and the child must
+    never release or finalize it (docs/concepts/lifetimes.md#fork)."""
+
+    generation = 0
+
+
+def _forget_inherited() -> None:
+    # The parent's managers and lifetimes are the parent's: the child's exit hooks and
+    # finalizers leave them (and their files) alone. Explicit use still reaches the
+    # core, which refuses it with ResidencyForkedError.
+    _Fork.generation += 1
+    ENGINES.clear()
+    LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
+
+
 @atexit.register
 def _finalize_at_exit() -> None:
     for engine in list(ENGINES):
@@ -79,14 +100,20 @@ class Lifetime:
     """Finalization shared by leases, holds and reservations: an object collected or
     alive at exit while still active is released safely, with a ResourceWarning."""
 
-    __slots__ = ("__weakref__", "_active", "_entered")
+    __slots__ = ("__weakref__", "_active", "_entered", "_generation")
 
     _active: bool
     _entered: bool
+    _generation: int
 
     def _track(self) -> None:
         self._active = True
+        self._generation = _Fork.generation
         LIVE[id(self)] = weakref.ref(self)
+
+    def _inherited(self) -> bool:
+        """Whether this lifetime was made before a fork, in the parent process."""
+        return getattr(self, "_generation", _Fork.generation) != _Fork.generation
 
     def _untrack(self) -> None:
         self._active = False
@@ -138,7 +165,7 @@ class Lifetime:
             raise
 
     def _abandon(self) -> None:
-        if self._active:
+        if self._active and not self._inherited():
             self._untrack()
             self._finalize()
 
@@ -154,6 +181,6 @@ class FinalizedLifetime(Lifetime):
 
     def __del__(self) -> None:
         # Interpreter teardown may have cleared module globals; nothing is left to do.
-        if getattr(self, "_active", False):
+        if getattr(self, "_active", False) and not self._inherited():
             self._untrack()
             self._finalize()

@@ -8,6 +8,7 @@ actions.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -35,7 +36,17 @@ __all__ = [
 ]
 
 _type_keys: dict[type, int] = {}
-_type_keys_lock = threading.Lock()
+# In a one-slot list (no `global`) so a forked child can start with a free one.
+_type_keys_lock = [threading.Lock()]
+
+
+def _unlock_in_child() -> None:
+    # A lock another thread held at a fork stays held in the child, which has no such
+    # thread: the child starts with a free one (docs/concepts/lifetimes.md#fork).
+    _type_keys_lock[0] = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
 
 
 # The core keeps byte counts as u64; larger Python ints saturate (no machine has 16 EiB).
@@ -60,7 +71,7 @@ def type_key(value_type: type) -> int:
     """A stable process-wide integer for `value_type` (the class object stays alive)."""
     key = _type_keys.get(value_type)
     if key is None:
-        with _type_keys_lock:
+        with _type_keys_lock[0]:
             key = _type_keys.setdefault(value_type, len(_type_keys) + 1)
     return key
 

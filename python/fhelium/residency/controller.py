@@ -377,6 +377,8 @@ class ResidencyController:
             ResidencyReentrancyError: A source callback of the manager is running.
         """
         metadata = ResidencyPolicyMetadata(priority, stable_key)
+        # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
+        self._engine.core.check_process()
         with self._lock:
             manager = self._manager
             manager.snapshot()  # the lookup goes through a snapshot: reaps, refuses when closed
@@ -455,6 +457,8 @@ class ResidencyController:
     def _decide(self, request: ResidencyRequest, position: int | None) -> ResidencyDecision:
         """`decide`, with a schedule-aware policy standing at step ``position`` when one
         is given (a prefetch decides for a later step)."""
+        # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
+        self._engine.core.check_process()
         with self._lock:
             manager = self._manager
             engine = self._engine
@@ -826,6 +830,8 @@ class ResidencyController:
         )
 
     def _record_access(self, request: ResidencyRequest) -> None:
+        # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
+        self._engine.core.check_process()
         with self._lock:
             self._epoch += 1
             resolve = self._engine.core.resolve

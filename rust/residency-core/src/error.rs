@@ -87,6 +87,15 @@ pub enum CoreError {
     #[error("{message}")]
     Closed { message: String },
 
+    /// The manager belongs to another process: this one was forked from its owner
+    /// after the manager was made (docs/concepts/lifetimes.md#fork).
+    #[error("{message}")]
+    Forked {
+        message: String,
+        owner_pid: u32,
+        pid: u32,
+    },
+
     /// A broken internal invariant, unreachable through the public API (`RuntimeError`).
     #[error("internal error: {message}")]
     Internal { message: String },

@@ -130,6 +130,10 @@ pub struct Manager {
     stale: AtomicBool,
     /// Scrambles the index each issued id carries (see `HandleName::issue`).
     index_key: u32,
+    /// The process that made the manager. A forked child inherits the manager's memory
+    /// (and any lock another thread held at the fork) but not its files, devices or
+    /// threads, so every entry refuses it before touching anything.
+    owner_pid: u32,
     inner: Mutex<Inner>,
 }
 
@@ -253,6 +257,7 @@ impl Manager {
             // Truncation is the point: 32 random bits.
             #[allow(clippy::cast_possible_truncation)]
             index_key: uuid::Uuid::new_v4().as_u128() as u32,
+            owner_pid: std::process::id(),
             inner: Mutex::new(Inner {
                 state,
                 ..Inner::default()
@@ -266,6 +271,31 @@ impl Manager {
 
     pub fn gate(&self) -> &Gate {
         &self.gate
+    }
+
+    /// The id of the process that made the manager.
+    pub fn owner_pid(&self) -> u32 {
+        self.owner_pid
+    }
+
+    /// Refuses a process other than the owner (a forked child) before any lock, file or
+    /// device is touched: the child's copy of the state describes the parent's memory
+    /// and files, and a lock held by another parent thread at the fork stays held.
+    pub fn check_process(&self) -> CoreResult<()> {
+        let pid = std::process::id();
+        if pid == self.owner_pid {
+            return Ok(());
+        }
+        Err(CoreError::Forked {
+            message: format!(
+                "residency manager {:?} belongs to process {}, and this is process {} (a fork \
+                 of it): a manager is used only by the process that made it; make a new \
+                 manager in this process",
+                &*self.manager_id, self.owner_pid, pid
+            ),
+            owner_pid: self.owner_pid,
+            pid,
+        })
     }
 
     fn inner(&self) -> MutexGuard<'_, Inner> {
@@ -283,6 +313,7 @@ impl Manager {
         check_closed: bool,
         check_reentrant: bool,
     ) -> CoreResult<()> {
+        self.check_process()?;
         self.gate.enter(poll)?;
         self.guards(check_closed, check_reentrant)
     }
@@ -290,6 +321,7 @@ impl Manager {
     /// Non-blocking variant of [`Manager::enter`]: `Ok(false)` if another thread holds
     /// the lock (nothing is held then).
     pub fn try_enter(&self, check_closed: bool, check_reentrant: bool) -> CoreResult<bool> {
+        self.check_process()?;
         if !self.gate.try_enter()? {
             return Ok(false);
         }
@@ -336,6 +368,9 @@ impl Manager {
     /// CUDA lease is pending and this thread is in no transition. `false` changes
     /// nothing; the caller then enters the general way, which waits or raises.
     pub fn try_begin_quiet_transition(&self) -> bool {
+        if std::process::id() != self.owner_pid {
+            return false; // the general way raises
+        }
         // Lock order: gate, then inner.
         self.gate.try_begin_transition(|| {
             let inner = self.inner();
@@ -386,6 +421,7 @@ impl Manager {
     /// same-thread transition) to the published state. `Ok(None)` means pending CUDA
     /// leases must be reaped first, which needs the lock.
     pub fn try_published_snapshot(&self) -> CoreResult<Option<Arc<State>>> {
+        self.check_process()?;
         self.gate.check_callback()?;
         self.gate.check_reentrant()?;
         if self.stale.load(Ordering::Acquire) {

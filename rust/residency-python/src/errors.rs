@@ -20,6 +20,7 @@ pyo3::import_exception!(fhelium.errors, ResidencyStaleStateError);
 pyo3::import_exception!(fhelium.errors, ResidencySearchLimitError);
 pyo3::import_exception!(fhelium.errors, ResidencyReentrancyError);
 pyo3::import_exception!(fhelium.errors, ResidencyClosedError);
+pyo3::import_exception!(fhelium.errors, ResidencyForkedError);
 
 /// Keyword fields of a structured exception.
 type Fields<'py> = Vec<(&'static str, Bound<'py, PyAny>)>;
@@ -57,6 +58,24 @@ fn python_repr(py: Python<'_>, text: &str) -> PyResult<String> {
     Ok(PyString::new(py, text).repr()?.to_str()?.to_owned())
 }
 
+/// `ResidencyForkedError(message, owner_pid=, pid=)`.
+fn forked_error(py: Python<'_>, message: String, owner_pid: u32, pid: u32) -> PyErr {
+    match message.into_bound_py_any(py) {
+        Ok(text) => structured(
+            py,
+            &ResidencyForkedError::type_object(py),
+            vec![text],
+            || {
+                Ok(vec![
+                    ("owner_pid", owner_pid.into_bound_py_any(py)?),
+                    ("pid", pid.into_bound_py_any(py)?),
+                ])
+            },
+        ),
+        Err(err) => err,
+    }
+}
+
 /// Converts a core error into its documented Python exception.
 pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
     let message = err.to_string();
@@ -68,6 +87,11 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
         CoreError::Ownership { .. } => ResidencyOwnershipError::new_err(message),
         CoreError::Reentrancy { .. } => ResidencyReentrancyError::new_err(message),
         CoreError::Closed { .. } => ResidencyClosedError::new_err(message),
+        CoreError::Forked {
+            message,
+            owner_pid,
+            pid,
+        } => forked_error(py, message, owner_pid, pid),
         CoreError::Internal { .. } | CoreError::Policy { .. } => PyRuntimeError::new_err(message),
         CoreError::Budget {
             location,

@@ -539,6 +539,11 @@ impl LeaseFinalizer {
         let engine = self.engine.bind(py);
         let core = engine.getattr(intern!(py, "core"))?;
         let core = core.cast::<CoreManager>()?;
+        // In a forked child the lease is the parent's: nothing here may release it
+        // (docs/concepts/lifetimes.md#fork).
+        if core.get().core().check_process().is_err() {
+            return Ok(());
+        }
         // Already released or finalized (at exit, say): nothing is left to do.
         let Some(reference) = core.get().objects().untrack_lease(self.token) else {
             return Ok(());

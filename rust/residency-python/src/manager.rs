@@ -157,8 +157,11 @@ impl CoreManager {
     /// (a token already gone is no error); `false` sends the caller down the waiting
     /// path (nothing has changed then).
     pub(crate) fn release_now(&self, kind: LifetimeKind, token: u64) -> bool {
-        // Queued releases go first, in order: the waiting path applies them.
-        if self.objects.deferred_pending() || !matches!(self.core.try_enter(false, true), Ok(true))
+        // Queued releases go first, in order: the waiting path applies them (and a
+        // forked child's refusal is raised there).
+        if self.core.check_process().is_err()
+            || self.objects.deferred_pending()
+            || !matches!(self.core.try_enter(false, true), Ok(true))
         {
             return false;
         }
@@ -948,6 +951,18 @@ impl CoreManager {
         self.with_gate(py, true, false, || Ok(()))
     }
 
+    /// Raises `ResidencyForkedError` in a process forked from the manager's owner,
+    /// touching no lock (for the Python paths that take a lock of their own first).
+    fn check_process(&self, py: Python<'_>) -> PyResult<()> {
+        Self::lift(py, self.core.check_process())
+    }
+
+    /// The id of the process that made the manager.
+    #[getter]
+    fn owner_pid(&self) -> u32 {
+        self.core.owner_pid()
+    }
+
     #[getter]
     fn version(&self) -> u64 {
         self.core.version()
@@ -980,6 +995,7 @@ impl CoreManager {
     /// A consistent published state for a snapshot and the time it was captured: the
     /// lock-free one when nothing waits to be reaped, else one taken under the gate.
     fn snapshot_state(&self, py: Python<'_>) -> PyResult<(StateView, u64)> {
+        Self::lift(py, self.core.check_process())?;
         if !self.objects.deferred_pending()
             && let Some(state) = Self::lift(py, self.core.try_published_snapshot())?
         {

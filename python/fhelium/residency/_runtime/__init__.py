@@ -7,6 +7,7 @@ Managers capture `current_runtime()` when they are constructed. The default is o
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,8 +53,18 @@ class _Slot:
 
 # Writers take the lock so that a swap and the capture of what it replaced are one step;
 # readers need not, as reading one attribute is atomic.
-_lock = threading.Lock()
+# In a one-slot list (no `global`) so a forked child can start with a free one.
+_lock = [threading.Lock()]
 _slot = _Slot()
+
+
+def _unlock_in_child() -> None:
+    # A lock another thread held at a fork stays held in the child, which has no such
+    # thread: the child starts with a free one (docs/concepts/lifetimes.md#fork).
+    _lock[0] = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
 
 
 def current_runtime() -> DeviceRuntime:
@@ -98,7 +109,7 @@ def set_runtime(runtime: DeviceRuntime | None) -> DeviceRuntime | None:
     """
     if runtime is not None and not isinstance(runtime, DeviceRuntime):
         raise TypeError(f"runtime must implement DeviceRuntime, got {type(runtime).__name__}")
-    with _lock:
+    with _lock[0]:
         previous = _slot.runtime
         _slot.runtime = runtime
     return previous

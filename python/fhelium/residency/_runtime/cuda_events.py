@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 from typing import Any, Final
 
@@ -35,8 +36,17 @@ _LEGACY_DEFAULT_STREAM: Final = 0
 # `cuda_bindings_available()` call. Reentrant lock: the probe calls into torch, whose
 # allocations can run the garbage collector, and a lease finalized there records its
 # release event, which asks again on the same thread (and probes again, harmlessly).
-_probe_lock: Final = threading.RLock()
+_probe_lock: Final = [threading.RLock()]
 _probe_answer: Final[list[bool | None]] = [None]
+
+
+def _unlock_in_child() -> None:
+    # A lock another thread held at a fork stays held in the child, which has no such
+    # thread: the child starts with a free one (docs/concepts/lifetimes.md#fork).
+    _probe_lock[0] = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
 
 
 def cuda_bindings_available() -> bool:
@@ -45,7 +55,7 @@ def cuda_bindings_available() -> bool:
     Probed once per process, on first use; any failure answers False."""
     result = _probe_answer[0]
     if result is None:
-        with _probe_lock:
+        with _probe_lock[0]:
             result = _probe_answer[0]
             if result is None:
                 result = _probe_answer[0] = _probe(_cudart)
@@ -54,7 +64,7 @@ def cuda_bindings_available() -> bool:
 
 def _reset_probe() -> None:
     """Forgets the probe's answer, so the next `cuda_bindings_available()` probes again (tests)."""
-    with _probe_lock:
+    with _probe_lock[0]:
         _probe_answer[0] = None
 
 
