@@ -519,8 +519,10 @@ class SimulatedRuntime:
     Test instrumentation: ``calls`` (a ``Counter``) counts every seam method called;
     `fail_next` makes the next call(s) of a method raise; ``copies`` logs every copy as a
     `SimulatedCopy` and ``waits`` every `wait_event`. The test helpers `to_device`, `pin`,
-    `placement`, `complete_events`, `compute`, `current_device`, `set_device` and
-    `pending_event_count` are neither counted nor fault-injected. With ``timeline``, events
+    `placement`, `complete_events`, `compute`, `current_device`, `set_device`,
+    `device_guard` and `pending_event_count` are neither counted nor fault-injected. Each
+    thread has a current device, and a default-stream handle names the current device's
+    default stream (docs/concepts/simulation.md#current-device-and-default-streams). With ``timeline``, events
     complete by virtual time instead of by the test. See docs/concepts/simulation.md.
 
     Args:
