@@ -194,19 +194,19 @@ def test_direct_copies_and_events_use_the_bound_stream() -> None:
     runtime = SimulatedRuntime(2, timeline=timeline)
     default = DefaultStreamHandle()
     with use_runtime(runtime), ResidencyManager({CUDA1: 1 << 20}) as manager:
-        first = manager.adopt(_pinned(runtime))
+        first = manager.adopt(_pinned(runtime), replica_mode=ReplicaMode.REPLICABLE)
         with runtime.device_guard(1):  # checked with cuda:1 current: cuda:1's default stream
             manager.ensure(first, CUDA1, stream=default)
         assert timeline.now == pytest.approx(0.004)
         # The manager remembers the checked stream; cuda:0 is current now.
-        second = manager.adopt(_pinned(runtime))
+        second = manager.adopt(_pinned(runtime), replica_mode=ReplicaMode.REPLICABLE)
         manager.ensure(second, CUDA1, stream=default)
         copy = runtime.copies[-1]
         assert copy.stream is runtime.current_stream(DEV1)
         # The synchronous ensure waited for its copy: the event was recorded on the copy's
         # stream (cuda:1's default stream), not on the current device's.
         assert timeline.now == pytest.approx(0.008)
-        third = manager.adopt(_pinned(runtime))
+        third = manager.adopt(_pinned(runtime), replica_mode=ReplicaMode.REPLICABLE)
         manager.move(third, CUDA1, stream=default)
         assert timeline.now == pytest.approx(0.012)
 
@@ -216,12 +216,12 @@ def test_a_failed_copy_synchronizes_the_bound_stream() -> None:
     runtime = SimulatedRuntime(2, timeline=timeline)
     default = DefaultStreamHandle()
     with use_runtime(runtime), ResidencyManager({CUDA1: 1 << 20}) as manager:
-        first = manager.adopt(_pinned(runtime))
+        first = manager.adopt(_pinned(runtime), replica_mode=ReplicaMode.REPLICABLE)
         with runtime.device_guard(1):
             manager.ensure(first, CUDA1, stream=default)
         runtime.compute(runtime.current_stream(DEV1), 1.0)
         runtime.fail_next("record_event")
-        second = manager.adopt(_pinned(runtime))
+        second = manager.adopt(_pinned(runtime), replica_mode=ReplicaMode.REPLICABLE)
         with pytest.raises(RuntimeError, match="injected"):
             manager.ensure(second, CUDA1, stream=default)
         # The clean-up waited for cuda:1's default stream, where the copy ran.

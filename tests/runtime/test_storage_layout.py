@@ -45,7 +45,7 @@ def _layout_value(*, requires_grad: bool = False) -> TensorBundle:
         small_tail=small[5:],
         empty=torch.empty(0, 3),
         empty_view=base.detach()[7:7],  # no elements, but a view of the big storage
-        conj=torch.arange(6, dtype=torch.complex64).mul(1 + 2j).conj(),  # a lazy conjugate
+        conj=torch.arange(6, dtype=torch.float32).mul(1 + 2j).conj(),  # a lazy conjugate
     )
 
 
@@ -218,19 +218,32 @@ def test_torch_copies_keep_the_layout(
 # --------------------------------------------------------------------------------------------
 
 
-def test_manager_moves_a_shared_storage_value_everywhere_and_back() -> None:
+def _views_only() -> TensorBundle:
+    """Views into a storage no field covers whole: more storage bytes than logical ones."""
+    base = torch.arange(1001, dtype=torch.float32)
+    as_bytes = torch.empty(0, dtype=torch.uint8).set_(base.untyped_storage())
+    return TensorBundle(strided=base[1::3], raw=as_bytes[3:20], empty=torch.empty(0))
+
+
+@pytest.mark.parametrize(
+    "make", [_layout_value, _views_only], ids=["shared-storage", "views-only"]
+)
+def test_manager_moves_a_shared_storage_value_everywhere_and_back(
+    make: Callable[[], TensorBundle],
+) -> None:
     runtime = SimulatedRuntime(2, auto_complete=True)
-    source = _layout_value()
-    nbytes = source.storage_nbytes
+    source = make()
+    # What the manager charges (docs/concepts/values.md#install).
+    charge = max(source.nbytes, source.storage_nbytes)
     expected = _bytes(source)
-    # Budgets of exactly the value's storage bytes: a copy one byte larger is refused.
-    budgets = {PINNED_HOST: nbytes, CUDA0: nbytes, CUDA1: nbytes}
+    # Budgets of exactly the charge: a copy whose storage grew above it is refused.
+    budgets = {PINNED_HOST: charge, CUDA0: charge, CUDA1: charge}
     with use_runtime(runtime), ResidencyManager(budgets) as manager:
-        handle = manager.adopt(_layout_value())
+        handle = manager.adopt(make())
         for location in (PINNED_HOST, CUDA0, CUDA1, PINNED_HOST, PAGEABLE_HOST):
             manager.move(handle, location)
             snapshot = manager.snapshot()
-            assert used(snapshot, location) == nbytes
+            assert used(snapshot, location) == charge
             assert_balanced(snapshot)
             with manager.acquire(
                 [handle],
@@ -241,5 +254,6 @@ def test_manager_moves_a_shared_storage_value_everywhere_and_back() -> None:
             ) as values:
                 held = values[handle]
                 assert runtime.placement(held) == location
+                assert runtime.measure(held).storage_nbytes == source.storage_nbytes
                 assert _layout(held) == _layout(source)
                 assert _bytes(held) == expected
