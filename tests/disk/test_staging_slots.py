@@ -34,7 +34,8 @@ class Recording(SimulatedRuntime):
 def _check_slots(staging: _disk.Staging, runtime: SimulatedRuntime) -> None:
     assert len(staging.buffers) == _disk.SLOTS
     for buffer in staging.buffers:
-        assert buffer.dtype == torch.uint8 and buffer.numel() == _disk.CHUNK
+        assert buffer.dtype == torch.uint8
+        assert buffer.numel() == _disk.CHUNK
         assert buffer.data_ptr() % _disk.ALIGN == 0
         assert runtime.placement(buffer) == PINNED_HOST
 
@@ -55,9 +56,9 @@ def test_an_unaligned_pinned_buffer_is_replaced_by_one_a_page_bigger() -> None:
     staging = _disk.Staging(runtime)
     try:
         staging.take()
-        assert runtime.sizes == [_disk.CHUNK] * _disk.SLOTS + [
-            _disk.CHUNK + _disk.ALIGN
-        ] * _disk.SLOTS
+        assert (
+            runtime.sizes == [_disk.CHUNK] * _disk.SLOTS + [_disk.CHUNK + _disk.ALIGN] * _disk.SLOTS
+        )
         _check_slots(staging, runtime)
     finally:
         staging.close()

@@ -17,7 +17,6 @@ The simulated runtime models exactly this, so these tests fail without the guard
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -85,7 +84,7 @@ def test_current_device_is_per_thread_and_guards_restore_it() -> None:
             assert runtime.current_device() == 1
         assert runtime.current_device() == 2
     assert runtime.current_device() == 0
-    with pytest.raises(ValueError), runtime.device_guard(3):
+    with pytest.raises(ValueError, match="not a simulated CUDA device"), runtime.device_guard(3):
         pass
     assert runtime.current_device() == 0
 
@@ -132,7 +131,7 @@ def test_protocol_default_handle_follows_the_current_device() -> None:
 @pytest.fixture
 def torch_over_simulation(
     monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[tuple[SimulatedRuntime, TorchCudaRuntime]]:
+) -> tuple[SimulatedRuntime, TorchCudaRuntime]:
     """`TorchCudaRuntime` with its CUDA underneath replaced by the simulation: simulated
     streams stand for torch streams (same `device_index` and `cuda_stream`), the
     simulation's guard for `torch.cuda.device`, its CUDA runtime API for cuda-python."""
@@ -142,7 +141,7 @@ def torch_over_simulation(
     monkeypatch.setattr(torch_runtime, "cuda_bindings_available", lambda: True)
     monkeypatch.setattr(torch_runtime, "_EVENT_POOL", CudaEventPool())
     monkeypatch.setattr(cuda_events, "_cudart", simulation._cudart)
-    yield simulation, TorchCudaRuntime()
+    return simulation, TorchCudaRuntime()
 
 
 def test_torch_record_event_on_another_devices_default_stream(
@@ -153,7 +152,8 @@ def test_torch_record_event_on_another_devices_default_stream(
     simulation.compute(default1, 1.0)  # a second of work on cuda:1's default stream
     assert simulation.current_device() == 0
     event = runtime.record_event(default1)
-    assert isinstance(event, CudaEvent) and event.device_index == 1
+    assert isinstance(event, CudaEvent)
+    assert event.device_index == 1
     # Recorded after the work on cuda:1, not on cuda:0's idle default stream.
     assert runtime.event_query(event) is False
     simulation.synchronize_device(DEV1)

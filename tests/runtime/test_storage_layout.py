@@ -130,7 +130,8 @@ def test_single_tensor_view_copies_its_whole_storage() -> None:
     copy = value.to("cpu", copy=True)
     # The view stays a view of a copy of the whole allocation: the bytes charged.
     assert copy.storage_nbytes == value.storage_nbytes == 64 * 8
-    assert copy.tensor.storage_offset() == 8 and copy.tensor.stride() == (2,)
+    assert copy.tensor.storage_offset() == 8
+    assert copy.tensor.stride() == (2,)
     assert torch.equal(copy.tensor, value.tensor)
 
 
@@ -184,7 +185,9 @@ def test_simulated_copies_keep_the_layout_everywhere_and_back() -> None:
     assert runtime.measure(back).storage_nbytes == source.storage_nbytes
 
 
-def _torch_copies() -> list[tuple[str, Callable[[TorchCudaRuntime, TensorResident], TensorResident]]]:
+def _torch_copies() -> list[
+    tuple[str, Callable[[TorchCudaRuntime, TensorResident], TensorResident]]
+]:
     copies: list[tuple[str, Callable[[TorchCudaRuntime, TensorResident], TensorResident]]] = [
         ("pageable", lambda runtime, value: runtime.copy_to_pageable(value)),
     ]
@@ -225,9 +228,7 @@ def _views_only() -> TensorBundle:
     return TensorBundle(strided=base[1::3], raw=as_bytes[3:20], empty=torch.empty(0))
 
 
-@pytest.mark.parametrize(
-    "make", [_layout_value, _views_only], ids=["shared-storage", "views-only"]
-)
+@pytest.mark.parametrize("make", [_layout_value, _views_only], ids=["shared-storage", "views-only"])
 def test_manager_moves_a_shared_storage_value_everywhere_and_back(
     make: Callable[[], TensorBundle],
 ) -> None:

@@ -612,7 +612,10 @@ class Staging:
         # gets one ALIGN bigger, which direct I/O then uses from its first aligned byte.
         try:
             raw = [self.runtime.empty_pinned(CHUNK) for _ in range(SLOTS)]
-            raw = [r if r.data_ptr() % ALIGN == 0 else self.runtime.empty_pinned(CHUNK + ALIGN) for r in raw]
+            raw = [
+                r if r.data_ptr() % ALIGN == 0 else self.runtime.empty_pinned(CHUNK + ALIGN)
+                for r in raw
+            ]
         except RuntimeError:  # no pinning here (a CPU-only build): page-aligned memory
             self._holders = [mmap.mmap(-1, CHUNK) for _ in range(SLOTS)]
             self.buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in self._holders]

@@ -522,8 +522,9 @@ class SimulatedRuntime:
     `placement`, `complete_events`, `compute`, `current_device`, `set_device`,
     `device_guard` and `pending_event_count` are neither counted nor fault-injected. Each
     thread has a current device, and a default-stream handle names the current device's
-    default stream (docs/concepts/simulation.md#current-device-and-default-streams). With ``timeline``, events
-    complete by virtual time instead of by the test. See docs/concepts/simulation.md.
+    default stream (docs/concepts/simulation.md#current-device-and-default-streams).
+    With ``timeline``, events complete by virtual time instead of by the test. See
+    docs/concepts/simulation.md.
 
     Args:
         device_count: How many simulated CUDA devices, ``cuda:0`` up (an int >= 0).
@@ -1403,8 +1404,10 @@ class SimulatedRuntime:
 
     @contextlib.contextmanager
     def device_guard(self, device: torch.device | str | int) -> Iterator[None]:
-        """Make ``device`` the calling thread's current device for a ``with`` block, then
-        restore the previous one, as ``torch.cuda.device(device)`` does.
+        """Make ``device`` the calling thread's current device for a ``with`` block.
+
+        The previous current device comes back when the block ends, as with
+        ``torch.cuda.device(device)``.
 
         Args:
             device: A simulated CUDA device (a device, ``"cuda:N"`` or an index).
@@ -1771,7 +1774,8 @@ class _CudaError(enum.IntEnum):
 class _SimulatedCudart:
     """The slice of ``cuda.bindings.runtime`` that the release events use
     (``fhelium.residency._runtime.cuda_events``), over a `SimulatedRuntime`, with the
-    raw-handle semantics of the CUDA runtime (docs/concepts/simulation.md#current-device-and-default-streams):
+    raw-handle semantics of the CUDA runtime
+    (docs/concepts/simulation.md#current-device-and-default-streams):
 
     - a stream handle of 0, 1 or 2 names the default stream of the calling thread's
       *current* device, whichever device's default stream the caller had in mind;
