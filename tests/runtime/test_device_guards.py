@@ -26,6 +26,8 @@ from fhelium.residency import (
     ReplicaMode,
     ResidencyManager,
     ResidencyPlan,
+    ResidencyRequest,
+    ResidencyRequirement,
     cuda_location,
 )
 from fhelium.residency._runtime import (
@@ -38,6 +40,7 @@ from fhelium.residency._runtime import (
     use_runtime,
 )
 from fhelium.residency._runtime.cuda_events import CudaEvent, CudaEventPool
+from fhelium.residency.controller import ResidencyController
 from fhelium.values import ResidentTensor
 
 CUDA0 = cuda_location("cuda:0")
@@ -255,3 +258,36 @@ def test_plan_streams_stay_bound_until_the_scope_exits() -> None:
         assert copy.stream is runtime.current_stream(DEV1)
         # The scope's exit waited for that copy.
         assert timeline.now == pytest.approx(timeline.makespan)
+
+
+def test_use_and_pipeline_streams_stay_bound_until_they_run() -> None:
+    timeline = Timeline(h2d_bytes_per_s=1e6)
+    runtime = SimulatedRuntime(2, timeline=timeline)
+    default = DefaultStreamHandle()
+    with use_runtime(runtime), ResidencyManager({CUDA1: 1 << 20}) as manager:
+        controller = ResidencyController(manager)
+        requests = [
+            ResidencyRequest(
+                f"step{i}",
+                [ResidencyRequirement(manager.adopt(_pinned(runtime)), CUDA1)],
+            )
+            for i in range(3)
+        ]
+        streams = {CUDA1: default}
+        with runtime.device_guard(1):  # made with cuda:1 current: cuda:1's default stream
+            use = controller.use(requests[0], consumer_streams=streams, transfer_streams=streams)
+            pipeline = controller.run(
+                requests[1:], consumer_streams=streams, transfer_streams=streams
+            )
+        # Run with cuda:0 current.
+        with use:
+            (value,) = use.values.values()
+            assert runtime.placement(value) == CUDA1
+        assert runtime.copies[-1].stream is runtime.current_stream(DEV1)
+        with pipeline:
+            for step in pipeline:
+                (value,) = step.values.values()
+                assert runtime.placement(value) == CUDA1
+                assert runtime.copies[-1].stream is runtime.current_stream(DEV1)
+        # Each copy ran on cuda:1's default stream, and its use waited for it there.
+        assert timeline.now == pytest.approx(0.012)
