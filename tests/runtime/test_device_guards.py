@@ -17,6 +17,7 @@ The simulated runtime models exactly this, so these tests fail without the guard
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -131,6 +132,18 @@ def test_protocol_default_handle_follows_the_current_device() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+class SimulatedEventPool(CudaEventPool):
+    """The event pool, giving every event back to the simulation's CUDA runtime API, also
+    when it is collected after the test (never to a real CUDA runtime)."""
+
+    def __init__(self, simulation: SimulatedRuntime) -> None:
+        super().__init__()
+        self.cudart = simulation._cudart
+
+    def _give_back(self, handle: Any, device_index: int, *, completed: bool) -> None:
+        self.cudart.cudaEventDestroy(handle)
+
+
 @pytest.fixture
 def torch_over_simulation(
     monkeypatch: pytest.MonkeyPatch,
@@ -142,7 +155,7 @@ def torch_over_simulation(
     monkeypatch.setattr(torch_runtime, "_Stream", SimulatedStream)
     monkeypatch.setattr(torch_runtime, "_device_guard", simulation.device_guard)
     monkeypatch.setattr(torch_runtime, "cuda_bindings_available", lambda: True)
-    monkeypatch.setattr(torch_runtime, "_EVENT_POOL", CudaEventPool())
+    monkeypatch.setattr(torch_runtime, "_EVENT_POOL", SimulatedEventPool(simulation))
     monkeypatch.setattr(cuda_events, "_cudart", simulation._cudart)
     return simulation, TorchCudaRuntime()
 
