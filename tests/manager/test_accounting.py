@@ -198,13 +198,16 @@ def test_every_replica_pays_the_full_spec_charge(sim: object) -> None:
     assert_balanced(snap)
 
 
-def test_compacted_copy_is_still_charged_the_spec_storage(sim: object) -> None:
-    # The simulated host-to-device copy compacts the view to its extent.
+def test_a_copy_of_a_view_keeps_its_whole_storage_and_is_charged_the_spec_storage(
+    sim: object,
+) -> None:
+    # Copies keep the storage layout: the view stays a view of a copy of its whole
+    # allocation (docs/concepts/values.md#copies-keep-the-storage-layout).
     manager = ResidencyManager({CUDA0: 256})
     handle = manager.adopt(view_value(4, backing=64), replica_mode=REPLICABLE)
     manager.ensure(handle, CUDA0)
     (_, cuda) = val_snap(manager.snapshot(), handle).materializations
-    assert cuda.storage_nbytes == 16  # actual unique storage of the copy
+    assert cuda.storage_nbytes == 256  # actual unique storage of the copy
     assert cuda.charged_nbytes == 256
     assert loc_snap(manager.snapshot(), CUDA0).remaining_budget_bytes == 0
 

@@ -606,13 +606,20 @@ class Staging:
         self.next = 0
 
     def _allocate(self) -> None:
+        # Pinned memory is page-aligned (the allocators map whole pages), so a slot is
+        # exactly CHUNK: asking for CHUNK + ALIGN would make torch's power-of-two pinned
+        # allocator hand out twice CHUNK. Only a runtime that returns an unaligned buffer
+        # gets one ALIGN bigger, which direct I/O then uses from its first aligned byte.
         try:
-            raw = [self.runtime.empty_pinned(CHUNK + ALIGN) for _ in range(SLOTS)]
+            raw = [self.runtime.empty_pinned(CHUNK) for _ in range(SLOTS)]
+            raw = [
+                r if r.data_ptr() % ALIGN == 0 else self.runtime.empty_pinned(CHUNK + ALIGN)
+                for r in raw
+            ]
         except RuntimeError:  # no pinning here (a CPU-only build): page-aligned memory
             self._holders = [mmap.mmap(-1, CHUNK) for _ in range(SLOTS)]
             self.buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in self._holders]
             return
-        # Direct I/O needs aligned addresses: each chunk starts at the first aligned byte.
         self.buffers = [r[(-r.data_ptr()) % ALIGN :][:CHUNK] for r in raw]
 
     def take(self) -> int:

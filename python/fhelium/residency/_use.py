@@ -60,7 +60,10 @@ def normalize_streams(manager: ResidencyManager, streams: object, name: str) -> 
             raise ValueError(f"{name} key {location} is not a CUDA location")
         if runtime.stream_device(stream) != location.device:
             raise ValueError(f"{name} stream for {location} is on another device")
-        normalized[location] = stream
+        # Kept as bound to the location's device: a default-stream handle would
+        # otherwise name whichever device is current when the use runs
+        # (docs/concepts/simulation.md#current-device-and-default-streams).
+        normalized[location] = runtime.bind_stream(stream, location.device)
     return normalized
 
 

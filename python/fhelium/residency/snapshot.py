@@ -70,7 +70,7 @@ class MaterializationSnapshot:
         location: Where this materialisation lives.
         logical_nbytes: The spec's logical bytes.
         storage_nbytes: The actual unique storage measured at install (can be below the
-            charge when a copy compacted a view).
+            charge when a source loaded a value below its spec's ceiling).
         charged_nbytes: The spec's ``storage_nbytes``: the fixed charge.
         use_count: Active leases covering it.
         hold_count: Active holds covering it.

@@ -9,12 +9,14 @@ from __future__ import annotations
 import abc
 import copy
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Self
 
 import torch
 
 __all__ = ["TensorResident", "ResidentTensor", "TensorBundle", "TensorSequence", "as_resident"]
+
+_CPU = torch.device("cpu")
 
 _PINNED_UNAVAILABLE = (
     "pinned host storage is unavailable in this PyTorch runtime; use pageable CPU storage "
@@ -129,27 +131,41 @@ class TensorResident(abc.ABC):
     ) -> Self:
         """Move every tensor to ``device``; returns ``self`` when nothing had to change.
 
-        Each tensor goes through ``tensor.to``. With ``copy=True`` the result always owns new,
-        independent storage (a dense strided view may shrink to its extent). Host copies made
-        from CPU are pageable.
+        A copy keeps the value's storage layout: each unique backing storage is copied
+        once, whole, and every field is rebuilt over its copy with its dtype, storage
+        offset, size and stride, so fields that shared a storage still share one and a
+        view stays a view (docs/concepts/values.md#copies-keep-the-storage-layout). The
+        copy's `storage_nbytes` is the source's. Copies are made without autograd: each
+        new field is a leaf with its source's ``requires_grad``. Host copies are pageable.
 
         Args:
             device: The target device, anything ``torch.device`` accepts.
-            non_blocking: Passed to ``tensor.to``: an asynchronous copy where torch allows it.
-            copy: Always copy, even when a tensor is already on ``device``.
+            non_blocking: Passed to the storage copies: asynchronous where torch allows it.
+            copy: Always copy, even when the tensors already are on ``device``.
 
         Returns:
             A value of the same kind on ``device``, or ``self``.
 
         Raises:
-            RuntimeError: A device that does not exist or is unavailable (from torch).
+            RuntimeError: A device that does not exist or is unavailable (from torch), or
+                two fields at one storage address reporting different storage sizes.
             TypeError: A ``device`` that ``torch.device`` cannot convert.
         """
-        target = torch.device(device)
+        target = _indexed(torch.device(device))
         tensors = self._resident_tensors
-        moved = tuple(tensor.to(target, non_blocking=non_blocking, copy=copy) for tensor in tensors)
-        if all(new is old for new, old in zip(moved, tensors, strict=True)):
+        if not copy and all(tensor.device == target for tensor in tensors):
             return self
+
+        def allocate(nbytes: int) -> torch.Tensor:
+            return torch.empty(nbytes, dtype=torch.uint8, device=target)
+
+        def fallback(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(target, non_blocking=non_blocking, copy=True)
+
+        keep = None if copy else frozenset(i for i, t in enumerate(tensors) if t.device == target)
+        moved = _layout_copy(
+            tensors, target, allocate, fallback, non_blocking=non_blocking, keep=keep
+        )
         return self._with_resident_tensors(moved)
 
     def cpu(self, *, copy: bool = False) -> Self:
@@ -171,9 +187,10 @@ class TensorResident(abc.ABC):
     def pin_memory(self, *, copy: bool = False) -> Self:
         """The value in new pinned host storage, or ``self`` if already pinned and no copy is asked.
 
-        Otherwise every tensor is cloned into new pinned host storage (same size, stride, dtype and
-        ``requires_grad``, synchronously, without autograd). Fields without storage bytes are copied
-        as empty tensors.
+        Otherwise the value is copied into new pinned host storage, synchronously and without
+        autograd, keeping its storage layout as `to` does: each unique storage is copied once and
+        every field is rebuilt over it (same dtype, storage offset, size, stride and
+        ``requires_grad``). Fields without storage bytes are copied as (pageable) empty tensors.
 
         Args:
             copy: Always clone, even when the value already is fully pinned.
@@ -187,25 +204,103 @@ class TensorResident(abc.ABC):
         """
         if not copy and self.is_pinned:
             return self
-        with torch.no_grad():
-            pinned = tuple(_pinned_clone(tensor) for tensor in self._resident_tensors)
+        pinned = _layout_copy(self._resident_tensors, _CPU, _empty_pinned, _pinned_clone)
         return self._with_resident_tensors(pinned)
 
 
-def _pinned_clone(tensor: torch.Tensor) -> torch.Tensor:
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with the index torch gives an unindexed accelerator device (``"cuda"``
+    names the current CUDA device), so it compares equal to the devices of its tensors."""
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    return torch.empty(0, device=device).device
+
+
+def _empty_pinned(nbytes: int) -> torch.Tensor:
+    """A new flat ``uint8`` buffer in pinned host memory (`RuntimeError` without pinning)."""
     try:
-        pinned = torch.empty_strided(
-            tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu", pin_memory=True
-        )
+        pinned = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
     except RuntimeError as exc:
         raise RuntimeError(_PINNED_UNAVAILABLE) from exc
-    # A build without a pinned allocator may silently hand back pageable memory. Zero
-    # bytes get no storage at all, so an empty tensor cannot report pinned memory.
-    if pinned.device.type != "cpu" or (
-        not pinned.is_pinned() and pinned.untyped_storage().nbytes() > 0
-    ):
+    # A build without a pinned allocator may silently hand back pageable memory.
+    if pinned.device.type != "cpu" or not pinned.is_pinned():
         raise RuntimeError(_PINNED_UNAVAILABLE)
-    pinned.copy_(tensor, non_blocking=False)
+    return pinned
+
+
+def _layout_copy(
+    tensors: tuple[torch.Tensor, ...],
+    device: torch.device,
+    allocate: Callable[[int], torch.Tensor],
+    fallback: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    non_blocking: bool = False,
+    keep: frozenset[int] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """New tensors on ``device`` with the storage layout of ``tensors``.
+
+    Each unique non-empty storage, by ``(device, address)``, is copied once, whole,
+    into ``allocate(nbytes)`` (a new flat ``uint8`` tensor on ``device``); each field
+    is rebuilt over its storage's copy with ``set_`` (dtype, storage offset, size and
+    stride), so fields sharing a storage still share one, across dtypes too, and the
+    copy's storage bytes are the source's. A field without storage bytes becomes a new
+    empty tensor of its size, stride and dtype; a field that is not a plain strided
+    tensor (sparse, quantized) goes through ``fallback``. Fields whose positions are
+    in ``keep`` are returned as they are. Without autograd: each new field is a leaf
+    with its source's ``requires_grad`` (docs/concepts/values.md#copies-keep-the-storage-layout).
+
+    Raises:
+        RuntimeError: Two fields at one storage address with different storage sizes,
+            or what ``allocate``, ``fallback`` or the copy raise.
+    """
+    copies: dict[tuple[torch.device, int], tuple[int, torch.UntypedStorage]] = {}
+    result: list[torch.Tensor] = []
+    with torch.no_grad():
+        for position, tensor in enumerate(tensors):
+            if keep is not None and position in keep:
+                result.append(tensor)
+                continue
+            if tensor.layout != torch.strided or tensor.is_quantized:
+                result.append(fallback(tensor))
+                continue
+            storage = tensor.untyped_storage()
+            size = storage.nbytes()
+            if size == 0:
+                field = torch.empty_strided(
+                    tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device
+                )
+            else:
+                key = (tensor.device, storage.data_ptr())
+                known = copies.get(key)
+                if known is None:
+                    buffer = allocate(size)
+                    whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+                    buffer.copy_(whole, non_blocking=non_blocking)
+                    known = copies[key] = (size, buffer.untyped_storage())
+                elif known[0] != size:
+                    raise RuntimeError(
+                        f"two tensors on {key[0]} at storage address {key[1]:#x} report "
+                        f"different storage sizes ({known[0]} and {size})"
+                    )
+                field = torch.empty(0, dtype=tensor.dtype, device=device).set_(
+                    known[1], tensor.storage_offset(), tensor.size(), tensor.stride()
+                )
+                # The lazy conjugate and negative bits are part of the view, not the bytes.
+                if tensor.is_conj():
+                    field = field.conj()
+                if tensor.is_neg():
+                    field = field._neg_view()
+            field.requires_grad_(tensor.requires_grad)
+            result.append(field)
+    return tuple(result)
+
+
+def _pinned_clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned clone of one field that is not a plain strided tensor."""
+    try:
+        pinned = tensor.to("cpu", copy=True).pin_memory()
+    except RuntimeError as exc:
+        raise RuntimeError(_PINNED_UNAVAILABLE) from exc
     pinned.requires_grad_(tensor.requires_grad)
     return pinned
 

@@ -556,8 +556,8 @@ pub fn run_direct(
         let Some(index) = manager.resolve_live(py, handle)? else {
             return Err(manager.handle_error(py, handle)?);
         };
-        let step = step(manager, py, kind, location, from, stream)?;
-        execute_step(manager, py, &action, index, step, stream, started)
+        let (step, bound) = step(manager, py, kind, location, from, stream)?;
+        execute_step(manager, py, &action, index, step, bound.as_ref(), started)
     })();
     manager.core().end_transition_and_exit();
     Ok(result?.report(py, context.report_builder(py))?.unbind())
@@ -614,12 +614,14 @@ enum Step<'py> {
     Discard,
 }
 
+/// The checked step of `action`, with its transfer stream as bound to the step's
+/// location (see `step`).
 fn read_step<'py>(
     manager: &CoreManager,
     py: Python<'py>,
     action: &Bound<'py, PyAny>,
     stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Step<'py>> {
+) -> PyResult<(Step<'py>, Option<Bound<'py, PyAny>>)> {
     let context = manager.context();
     let kind = action_kind(context, action)?;
     match kind {
@@ -644,7 +646,11 @@ fn read_step<'py>(
 }
 
 /// The step of an action of `kind` with its location fields (`location` is the
-/// destination of a move and unused for a discard), checked with its stream.
+/// destination of a move and unused for a discard), checked with its stream; and the
+/// stream as the runtime binds it to the location's device, which is what the copies,
+/// events and synchronisations then use: a default-stream handle names the *current*
+/// device's default stream, so the raw object would follow whatever device is current
+/// when they run (docs/concepts/simulation.md#current-device-and-default-streams).
 fn step<'py>(
     manager: &CoreManager,
     py: Python<'py>,
@@ -652,13 +658,14 @@ fn step<'py>(
     location: &Bound<'py, PyAny>,
     from: Option<&&Bound<'py, PyAny>>,
     stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Step<'py>> {
+) -> PyResult<(Step<'py>, Option<Bound<'py, PyAny>>)> {
     let context = manager.context();
-    Ok(match kind {
+    let mut bound = None;
+    let checked = match kind {
         Kind::Ensure => {
             let at = context.location_code(py, location)?;
             if let Some(stream) = stream {
-                context.check_stream(py, stream, location, at)?;
+                bound = Some(context.check_stream(py, stream, location, at)?);
             }
             Step::Ensure {
                 at,
@@ -672,7 +679,7 @@ fn step<'py>(
                 _ => None,
             };
             if let Some(stream) = stream {
-                context.check_stream(py, stream, location, to)?;
+                bound = Some(context.check_stream(py, stream, location, to)?);
             }
             Step::Move {
                 to,
@@ -700,7 +707,8 @@ fn step<'py>(
             }
             Step::Discard
         }
-    })
+    };
+    Ok((checked, bound))
 }
 
 /// Runs `action` inside a transition; the caller holds the gate. `resolved` is the
@@ -723,8 +731,8 @@ pub fn execute(
         };
         index
     };
-    let step = read_step(manager, py, action, stream)?;
-    execute_step(manager, py, action, index, step, stream, started)
+    let (step, bound) = read_step(manager, py, action, stream)?;
+    execute_step(manager, py, action, index, step, bound.as_ref(), started)
 }
 
 /// Runs the checked `step` of `action` on value `index`; the caller holds the gate.

@@ -326,8 +326,10 @@ fn read_streams(
     for item in mapping.items()?.iter() {
         let (location, stream): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
         let code = context.location_code(py, &location)?;
-        context.check_stream(py, &stream, &location, code)?;
-        streams.push((code, stream.unbind()));
+        // Kept as bound to the location's device: a default-stream handle would
+        // otherwise name whichever device is current when the plan's copies run.
+        let bound = context.check_stream(py, &stream, &location, code)?;
+        streams.push((code, bound.unbind()));
     }
     Ok(streams)
 }

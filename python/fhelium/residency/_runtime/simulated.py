@@ -13,12 +13,16 @@ them, and the timeline's spans predict how copies and compute overlap
 from __future__ import annotations
 
 import collections
+import contextlib
+import enum
 import inspect
+import itertools
 import math
+import mmap
 import threading
 import weakref
 from collections import _count_elements  # type: ignore[attr-defined]
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 import torch
@@ -26,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fhelium.residency._runtime.base import DeviceRuntime, ValueFacts
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
-from fhelium.values.tensor_resident import TensorResident
+from fhelium.values.tensor_resident import TensorResident, _layout_copy
 
 __all__ = [
     "SimulatedCopy",
@@ -372,7 +376,7 @@ class SimulatedStream:
         ValueError: A device the runtime does not simulate.
     """
 
-    __slots__ = ("__weakref__", "_device", "_handle", "_runtime")
+    __slots__ = ("__weakref__", "_default", "_device", "_handle", "_runtime")
 
     def __init__(self, runtime: SimulatedRuntime, device: torch.device | str | int) -> None:
         if not isinstance(runtime, SimulatedRuntime):
@@ -380,6 +384,7 @@ class SimulatedStream:
         self._runtime = runtime
         self._device = runtime._cuda_device(device)
         self._handle = runtime._register_stream(self)
+        self._default = False
 
     @property
     def handle(self) -> int:
@@ -394,6 +399,21 @@ class SimulatedStream:
     def device(self) -> torch.device:
         """The simulated CUDA device the stream belongs to."""
         return self._device
+
+    @property
+    def device_index(self) -> int:
+        """The index of the stream's device, as ``torch.cuda.Stream.device_index``."""
+        return self._device.index or 0
+
+    @property
+    def cuda_stream(self) -> int:
+        """The raw handle, as ``torch.cuda.Stream.cuda_stream``: 0 for a device's default
+        stream, on every device, as in torch; `handle` otherwise.
+
+        A raw 0 names the *current* device's default stream (see `device_guard`), so code
+        handing it to the CUDA runtime must make the stream's device current first.
+        """
+        return 0 if self._default else self._handle
 
     @property
     def runtime(self) -> SimulatedRuntime:
@@ -499,9 +519,12 @@ class SimulatedRuntime:
     Test instrumentation: ``calls`` (a ``Counter``) counts every seam method called;
     `fail_next` makes the next call(s) of a method raise; ``copies`` logs every copy as a
     `SimulatedCopy` and ``waits`` every `wait_event`. The test helpers `to_device`, `pin`,
-    `placement`, `complete_events`, `compute`, `current_device`, `set_device` and
-    `pending_event_count` are neither counted nor fault-injected. With ``timeline``, events
-    complete by virtual time instead of by the test. See docs/concepts/simulation.md.
+    `placement`, `complete_events`, `compute`, `current_device`, `set_device`,
+    `device_guard` and `pending_event_count` are neither counted nor fault-injected. Each
+    thread has a current device, and a default-stream handle names the current device's
+    default stream (docs/concepts/simulation.md#current-device-and-default-streams).
+    With ``timeline``, events complete by virtual time instead of by the test. See
+    docs/concepts/simulation.md.
 
     Args:
         device_count: How many simulated CUDA devices, ``cuda:0`` up (an int >= 0).
@@ -580,6 +603,9 @@ class SimulatedRuntime:
         self._next_handle = _FIRST_STREAM_HANDLE
         self._current = threading.local()
         self._default_streams = tuple(SimulatedStream(self, device) for device in self._devices)
+        for default in self._default_streams:
+            default._default = True
+        self._cudart = _SimulatedCudart(self)
         self.calls: collections.Counter[str] = collections.Counter()
         self.copies: list[SimulatedCopy] = []
         self.waits: list[tuple[SimulatedStream, SimulatedEvent]] = []
@@ -950,7 +976,8 @@ class SimulatedRuntime:
         self._enter("empty_pinned")
         if not self._pinned:
             raise RuntimeError(_PINNED_UNAVAILABLE)
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        # Page-aligned, as real pinned memory is (the disk tier relies on it for direct I/O).
+        buffer = _page_aligned(nbytes)
         self._register((buffer,), _CPU, pinned=True)
         return buffer
 
@@ -1140,8 +1167,9 @@ class SimulatedRuntime:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("wait_event")
-        resolved = self._resolve_stream(stream, None)
-        checked = _check_event(event)
+        self._wait(self._resolve_stream(stream, None), _check_event(event))
+
+    def _wait(self, resolved: SimulatedStream, checked: SimulatedEvent) -> None:
         with self._lock:
             self.waits.append((resolved, checked))
             if self._timeline is not None and checked._time is not None:
@@ -1209,11 +1237,14 @@ class SimulatedRuntime:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("record_event")
-        # Built field by field: every CUDA lease release records one.
-        event = object.__new__(SimulatedEvent)
-        event._stream = (
+        return self._record(
             stream if type(stream) is SimulatedStream else self._resolve_stream(stream, None)
         )
+
+    def _record(self, stream: SimulatedStream) -> SimulatedEvent:
+        # Built field by field: every CUDA lease release records one.
+        event = object.__new__(SimulatedEvent)
+        event._stream = stream
         timeline = self._timeline
         if timeline is not None:
             with self._lock:
@@ -1246,6 +1277,9 @@ class SimulatedRuntime:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("event_query")
+        return self._query(event)
+
+    def _query(self, event: Any) -> bool:
         timeline = self._timeline
         if timeline is None:
             if type(event) is SimulatedEvent:
@@ -1367,6 +1401,30 @@ class SimulatedRuntime:
             ValueError: A device the runtime does not simulate.
         """
         self._current.index = self._cuda_index(device)
+
+    @contextlib.contextmanager
+    def device_guard(self, device: torch.device | str | int) -> Iterator[None]:
+        """Make ``device`` the calling thread's current device for a ``with`` block.
+
+        The previous current device comes back when the block ends, as with
+        ``torch.cuda.device(device)``.
+
+        Args:
+            device: A simulated CUDA device (a device, ``"cuda:N"`` or an index).
+
+        Yields:
+            Nothing.
+
+        Raises:
+            ValueError: A device the runtime does not simulate.
+        """
+        index = self._cuda_index(device)
+        previous = self.current_device()
+        self._current.index = index
+        try:
+            yield
+        finally:
+            self._current.index = previous
 
     def to_device(self, value: _V, device: torch.device | str | int) -> _V:
         """Return a copy of ``value`` in new storage on simulated CUDA ``device``: a test helper.
@@ -1593,10 +1651,10 @@ class SimulatedRuntime:
     def _pinned_copy(self, value: _V) -> _V:
         if not self._pinned:
             raise RuntimeError(_PINNED_UNAVAILABLE)
-        # Mirrors TensorResident.pin_memory: same size and strides, synchronous copy, the
-        # source's requires_grad, no autograd tracking.
-        with torch.no_grad():
-            clones = tuple(_strided_clone(tensor) for tensor in value._resident_tensors)
+        # Mirrors TensorResident.pin_memory: the storage layout kept (each unique storage
+        # copied once, every field rebuilt over it), a synchronous copy, the source's
+        # requires_grad, no autograd tracking.
+        clones = _layout_copy(value._resident_tensors, _CPU, _empty_host, _strided_clone)
         self._register(clones, _CPU, pinned=True)
         return value._with_resident_tensors(clones)
 
@@ -1705,11 +1763,106 @@ class SimulatedRuntime:
             self.copies.append(SimulatedCopy(destination, stream, non_blocking))
 
 
+class _CudaError(enum.IntEnum):
+    """The ``cudaError_t`` codes `_SimulatedCudart` answers."""
+
+    cudaSuccess = 0
+    cudaErrorInvalidResourceHandle = 400
+    cudaErrorNotReady = 600
+
+
+class _SimulatedCudart:
+    """The slice of ``cuda.bindings.runtime`` that the release events use
+    (``fhelium.residency._runtime.cuda_events``), over a `SimulatedRuntime`, with the
+    raw-handle semantics of the CUDA runtime
+    (docs/concepts/simulation.md#current-device-and-default-streams):
+
+    - a stream handle of 0, 1 or 2 names the default stream of the calling thread's
+      *current* device, whichever device's default stream the caller had in mind;
+      any other handle names the stream created with it;
+    - an event belongs to the device current when it was created, and recording it on
+      a stream of another device fails with ``cudaErrorInvalidResourceHandle``;
+    - a stream may wait for an event of any device.
+
+    Calls return tuples headed by a ``cudaError_t``, as cuda-python's do. They are not
+    counted in ``calls``; waits are logged in the runtime's ``waits``.
+    """
+
+    cudaError_t = _CudaError
+    cudaEventDisableTiming = 2
+
+    def __init__(self, runtime: SimulatedRuntime) -> None:
+        self._runtime = runtime
+        self._handles = itertools.count(1)
+        # Live event handles: (device index at creation, the last recorded event).
+        self._events: dict[int, tuple[int, SimulatedEvent | None]] = {}
+
+    def _stream(self, handle: int) -> SimulatedStream | None:
+        runtime = self._runtime
+        if handle in _DEFAULT_STREAM_HANDLES:
+            return runtime._default_streams[runtime.current_device()]
+        return runtime._streams_by_handle.get(handle)
+
+    def cudaEventCreateWithFlags(self, flags: int) -> tuple[_CudaError, int]:
+        handle = next(self._handles)
+        self._events[handle] = (self._runtime.current_device(), None)
+        return _CudaError.cudaSuccess, handle
+
+    def cudaEventRecord(self, event: int, stream: int) -> tuple[_CudaError]:
+        known = self._events.get(event)
+        resolved = self._stream(stream)
+        if known is None or resolved is None or resolved.device_index != known[0]:
+            return (_CudaError.cudaErrorInvalidResourceHandle,)
+        self._events[event] = (known[0], self._runtime._record(resolved))
+        return (_CudaError.cudaSuccess,)
+
+    def cudaEventQuery(self, event: int) -> tuple[_CudaError]:
+        known = self._events.get(event)
+        if known is None:
+            return (_CudaError.cudaErrorInvalidResourceHandle,)
+        recorded = known[1]
+        done = recorded is None or self._runtime._query(recorded)
+        return (_CudaError.cudaSuccess if done else _CudaError.cudaErrorNotReady,)
+
+    def cudaEventSynchronize(self, event: int) -> tuple[_CudaError]:
+        known = self._events.get(event)
+        if known is None:
+            return (_CudaError.cudaErrorInvalidResourceHandle,)
+        if known[1] is not None:
+            known[1].complete()
+        return (_CudaError.cudaSuccess,)
+
+    def cudaStreamWaitEvent(self, stream: int, event: int, flags: int) -> tuple[_CudaError]:
+        known = self._events.get(event)
+        resolved = self._stream(stream)
+        if known is None or resolved is None:
+            return (_CudaError.cudaErrorInvalidResourceHandle,)
+        if known[1] is not None:
+            self._runtime._wait(resolved, known[1])
+        return (_CudaError.cudaSuccess,)
+
+    def cudaEventDestroy(self, event: int) -> tuple[_CudaError]:
+        if self._events.pop(event, None) is None:
+            return (_CudaError.cudaErrorInvalidResourceHandle,)
+        return (_CudaError.cudaSuccess,)
+
+
 def _strided_clone(tensor: torch.Tensor) -> torch.Tensor:
-    clone = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
-    clone.copy_(tensor, non_blocking=False)
+    clone = tensor.to("cpu", copy=True)
     clone.requires_grad_(tensor.requires_grad)
     return clone
+
+
+def _empty_host(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """A flat ``uint8`` buffer at a page-aligned address, as pinned allocators hand out
+    (``cudaHostAlloc`` maps whole pages); zero bytes get an empty tensor."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def _check_event(event: object) -> SimulatedEvent:

@@ -178,8 +178,14 @@ class TorchCudaRuntime:
     def wait_event(self, stream: Any, event: CudaEvent | torch.cuda.Event) -> None:
         cuda_stream = _as_stream(stream)
         if isinstance(event, CudaEvent):
-            event.wait_on(cuda_stream.cuda_stream)
+            # A default stream's raw handle is 0 on every device, and the CUDA runtime
+            # reads 0 as the *current* device's default stream: the wait is enqueued with
+            # the stream's device current, as `record_event` records
+            # (docs/concepts/simulation.md#current-device-and-default-streams).
+            with _device_guard(cuda_stream.device_index):
+                event.wait_on(cuda_stream.cuda_stream)
         else:
+            # torch's `Stream.wait_event` makes the stream's device current itself.
             cuda_stream.wait_event(event)
 
     def create_stream(self, device: torch.device) -> torch.cuda.Stream:
