@@ -1,6 +1,7 @@
 """Real gloo process groups for the distributed suite: `run_ranks` forks one process per
 rank, each joins a group through a file rendezvous, runs a function and reports what it
-returned or raised."""
+returned or raised. Each rank's address space is capped (`RANK_ADDRESS_SPACE`), so a
+runaway rank fails on its own instead of exhausting the machine."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import datetime
 import multiprocessing
 import os
 import pickle
+import resource
 import signal
 import tempfile
 import time
@@ -21,6 +23,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# The cap on each rank's address space (RLIMIT_AS). A forked rank starts with the test
+# process's mappings (torch's libraries and its allocator's reservations, about 2 GiB
+# of address space), and gloo's threads and buffers add a little; a rank of these tests
+# uses far less memory than the cap.
+RANK_ADDRESS_SPACE = 8 << 30
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,9 @@ def _child(
     # backends warn on their own (shutdown order), which is not what is under test.
     warnings.resetwarnings()
     warnings.simplefilter("ignore")
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = RANK_ADDRESS_SPACE if hard == resource.RLIM_INFINITY else min(hard, RANK_ADDRESS_SPACE)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
     outcome: Outcome
