@@ -1,6 +1,6 @@
 """Real gloo process groups for the distributed suite: `run_ranks` forks one process per
 rank, each joins a group through a file rendezvous, runs a function and reports what it
-returned or raised. Each rank's address space is capped (`RANK_ADDRESS_SPACE`), so a
+returned or raised. Each rank's address space is capped (`RANK_HEADROOM`), so a
 runaway rank fails on its own instead of exhausting the machine."""
 
 from __future__ import annotations
@@ -24,11 +24,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# The cap on each rank's address space (RLIMIT_AS). A forked rank starts with the test
-# process's mappings (torch's libraries and its allocator's reservations, about 2 GiB
-# of address space), and gloo's threads and buffers add a little; a rank of these tests
-# uses far less memory than the cap.
-RANK_ADDRESS_SPACE = 8 << 30
+# How much address space a rank may add to what it inherits (RLIMIT_AS). A forked rank
+# starts with the test process's mappings (torch's libraries and allocator
+# reservations: about 3 GiB in a test session, measured); a broadcast of these tests
+# adds about 0.2 GiB (gloo's threads and buffers) and stays under 0.4 GiB resident.
+RANK_HEADROOM = 4 << 30
+
+
+def _address_space() -> int:
+    """This process's mapped address space, in bytes (VmSize)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmSize")
+
+
+def _cap_address_space() -> None:
+    """Caps this rank's address space at what it inherited plus `RANK_HEADROOM`, so a
+    runaway rank fails with MemoryError on its own instead of exhausting the machine."""
+    cap = _address_space() + RANK_HEADROOM
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
 
 @dataclass(frozen=True)
@@ -61,13 +79,11 @@ def _child(
     # backends warn on their own (shutdown order), which is not what is under test.
     warnings.resetwarnings()
     warnings.simplefilter("ignore")
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = RANK_ADDRESS_SPACE if hard == resource.RLIM_INFINITY else min(hard, RANK_ADDRESS_SPACE)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
     outcome: Outcome
     try:
+        _cap_address_space()
         dist.init_process_group(
             "gloo",
             init_method=rendezvous,
