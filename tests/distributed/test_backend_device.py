@@ -1,4 +1,5 @@
-"""The backend is handed only tensors on its own device (docs/concepts/distributed.md#all-or-nothing).
+"""The backend is handed only tensors on its own device
+(docs/concepts/distributed.md#all-or-nothing).
 
 NCCL moves bytes from the rank's current CUDA device; a buffer on another GPU (or on
 the host) must be staged there, never handed over as it is. Devices compare whole,

@@ -252,3 +252,40 @@ def test_an_interrupt_leaves_nothing_behind_on_its_rank(
             assert type(error) is ResidencyCommunicationError, (rank, result)
             assert error.operation == operation
             assert result["after"] == result["before"], rank
+
+
+def _clean_up_fails(rank: int, world: int, failure: str) -> dict[str, Any]:
+    """A broadcast whose receiver, rank 1, is interrupted at the commit verdict and then
+    cannot discard the value it adopted."""
+    at = rank_location()
+    manager = rank_manager({at: BUDGET})
+    mine = _place(manager, _value(1)) if rank == 0 else None
+    interrupt = KeyboardInterrupt("injected at commit-verdict")
+    if rank == 1:
+        _inject("commit-verdict", False, 1, interrupt)
+
+        def discard(*args: Any, **kwargs: Any) -> Any:
+            if failure == "error":
+                raise RuntimeError("injected discard failure")
+            raise KeyboardInterrupt("a second interrupt")
+
+        ResidencyManager.discard = discard  # type: ignore[method-assign]
+    try:
+        broadcast(manager, mine, src=0, at=at)
+    except KeyboardInterrupt as error:
+        return {"same": error is interrupt, "notes": list(getattr(error, "__notes__", []))}
+    except ResidencyError as error:
+        return {"error": error}
+    raise AssertionError("the broadcast went through")
+
+
+@pytest.mark.parametrize("failure", ["error", "interrupt"])
+def test_a_clean_up_failure_is_a_note_on_the_interrupt(failure: str) -> None:
+    outcomes = run_ranks(_clean_up_fails, 2, failure, timeout_s=10.0, deadline_s=60.0)
+    result = outcomes[1].unwrap()
+    assert result["same"]
+    (note,) = result["notes"]
+    assert note.startswith("clean-up: discarding the adopted value ResidencyHandle(")
+    expected = "RuntimeError('injected" if failure == "error" else "KeyboardInterrupt('a second"
+    assert expected in note
+    assert type(outcomes[0].unwrap()["error"]) is ResidencyCommunicationError

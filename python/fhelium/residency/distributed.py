@@ -35,7 +35,7 @@ from fhelium.errors import (
     ResidencyDivergenceError,
 )
 from fhelium.residency._decisions import ResidencyDecision
-from fhelium.residency._runtime import current_runtime, set_runtime
+from fhelium.residency._runtime import DeviceRuntime, current_runtime, set_runtime
 from fhelium.residency._runtime.simulated import SimulatedRuntime
 from fhelium.residency._use import ResidencyUse
 from fhelium.residency._validation import seal
@@ -956,7 +956,7 @@ class _Wire:
     (or on a GPU under gloo, or on the host under NCCL) goes through a staging buffer on
     ``device``. See docs/concepts/distributed.md#all-or-nothing."""
 
-    def __init__(self, runtime: Any, device: torch.device) -> None:
+    def __init__(self, runtime: DeviceRuntime, device: torch.device) -> None:
         self.runtime = runtime
         self.device = device
         self.stream: Any = None
@@ -965,8 +965,7 @@ class _Wire:
 
     def reaches(self, tensor: torch.Tensor) -> bool:
         """Whether the backend can move ``tensor``'s bytes where they are."""
-        placed: torch.device = self.runtime.value_device(ResidentTensor(tensor))
-        return placed == self.device
+        return self.runtime.value_device(ResidentTensor(tensor)) == self.device
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A new flat ``uint8`` buffer on ``device`` (a staging buffer)."""
@@ -983,7 +982,8 @@ class _Wire:
             copy = self.runtime.copy_to_cuda(value, self.device, self.stream, non_blocking=False)
         else:
             copy = self.runtime.copy_to_pageable(value)
-        return copy.tensor  # type: ignore[no-any-return]
+        (tensor,) = copy._resident_tensors
+        return tensor
 
     def staged(self, buffer: torch.Tensor) -> torch.Tensor:
         """The tensor the backend receives into for ``buffer``: itself when the backend
@@ -1289,9 +1289,7 @@ def scatter(
         error: BaseException | None,
     ) -> BaseException | None:
         if not sending:
-            return _receive_all(
-                received[0], wire, error, lambda t: dist.recv(t, root, group=group)
-            )
+            return _receive_all(received[0], wire, error, lambda t: dist.recv(t, root, group=group))
         for rank in range(transfer.size):
             if rank != src:
                 peer = _global(group, rank)
