@@ -9,7 +9,8 @@ naming the first rank and the first action that differ. `broadcast`, `scatter` a
 (NCCL on GPUs, gloo on the CPU), all or nothing: each receiving rank admits the bytes
 under its own budget first, a collective verdict follows every phase, and a refusal or
 failure anywhere makes every rank raise `ResidencyCollectiveError` with nothing left
-charged.
+charged. An interrupt (any ``BaseException``) anywhere in a transfer leaves nothing of
+it on that rank and propagates unchanged.
 
 Everything here is collective: every rank of the group calls the same functions in the
 same order. See docs/concepts/distributed.md.
