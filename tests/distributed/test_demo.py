@@ -6,22 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
 
 import fhelium
-
-# Each process of the run (torchrun and its two ranks inherit it) may map this much
-# address space, so a runaway rank fails alone instead of exhausting the machine. A
-# rank with torch loaded maps between 3 and 4 GiB (measured: the demo fails under a
-# 3 GiB cap and passes under 4 GiB); twice that leaves room.
-ADDRESS_SPACE = 8 << 30
-
-
-def _cap_address_space() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+from helpers.limits import capped_memory
 
 
 def test_torchrun_runs_the_distributed_demo(tmp_path: Path) -> None:
@@ -65,7 +55,8 @@ def test_torchrun_runs_the_distributed_demo(tmp_path: Path) -> None:
         text=True,
         timeout=120,
         check=False,
-        preexec_fn=_cap_address_space,
+        # torchrun and its ranks inherit the cap (a rank maps 3 to 4 GiB).
+        preexec_fn=capped_memory,
     )
     assert finished.returncode == 0, finished.stdout + finished.stderr
     printed = finished.stdout

@@ -7,13 +7,13 @@ import resource
 
 import torch
 
-from helpers.distributed import RANK_HEADROOM, run_ranks
+from helpers.distributed import run_ranks
 
 
 def _oversized(rank: int, world: int) -> tuple[int, str]:
     cap, _ = resource.getrlimit(resource.RLIMIT_AS)
     try:
-        torch.empty(RANK_HEADROOM + (1 << 30), dtype=torch.uint8)
+        torch.empty(cap, dtype=torch.uint8)
     except (MemoryError, RuntimeError) as error:
         return cap, type(error).__name__
     return cap, "allocated"

@@ -1,6 +1,6 @@
 """Real gloo process groups for the distributed suite: `run_ranks` forks one process per
 rank, each joins a group through a file rendezvous, runs a function and reports what it
-returned or raised. Each rank's address space is capped (`RANK_HEADROOM`), so a
+returned or raised. Each rank's address space is capped (`helpers.limits`), so a
 runaway rank fails on its own instead of exhausting the machine."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import datetime
 import multiprocessing
 import os
 import pickle
-import resource
 import signal
 import tempfile
 import time
@@ -24,29 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# How much address space a rank may add to what it inherits (RLIMIT_AS). A forked rank
-# starts with the test process's mappings (torch's libraries and allocator
-# reservations: about 3 GiB in a test session, measured); a broadcast of these tests
-# adds about 0.2 GiB (gloo's threads and buffers) and stays under 0.4 GiB resident.
-RANK_HEADROOM = 4 << 30
-
-
-def _address_space() -> int:
-    """This process's mapped address space, in bytes (VmSize)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmSize")
-
-
-def _cap_address_space() -> None:
-    """Caps this rank's address space at what it inherited plus `RANK_HEADROOM`, so a
-    runaway rank fails with MemoryError on its own instead of exhausting the machine."""
-    cap = _address_space() + RANK_HEADROOM
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+from helpers.limits import capped_memory
 
 
 @dataclass(frozen=True)
@@ -83,7 +60,7 @@ def _child(
     torch.set_num_threads(1)
     outcome: Outcome
     try:
-        _cap_address_space()
+        capped_memory()
         dist.init_process_group(
             "gloo",
             init_method=rendezvous,
