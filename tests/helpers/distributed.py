@@ -68,6 +68,10 @@ def _child(
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        # Every rank has finished joining before any runs ``fn``: a rank that returns
+        # (or exits) at once would otherwise close its side of a connection another
+        # rank is still setting up, and that rank would fail to join.
+        dist.barrier()
         outcome = Outcome(rank, value=fn(rank, world, *args))
     except BaseException as error:
         try:
