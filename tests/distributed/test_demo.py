@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import fhelium
+from helpers.limits import capped_memory
 
 
 def test_torchrun_runs_the_distributed_demo(tmp_path: Path) -> None:
@@ -48,7 +49,14 @@ def test_torchrun_runs_the_distributed_demo(tmp_path: Path) -> None:
         "2",
     ]
     finished = subprocess.run(
-        command, env=environment, capture_output=True, text=True, timeout=120, check=False
+        command,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        # torchrun and its ranks inherit the cap (a rank maps 3 to 4 GiB).
+        preexec_fn=capped_memory,
     )
     assert finished.returncode == 0, finished.stdout + finished.stderr
     printed = finished.stdout

@@ -286,10 +286,12 @@ def _dying(rank: int, world: int, how: str) -> dict[str, Any]:
     handle = _place(manager, _value(4), at) if rank == 0 else None
     if rank == world - 1:
         # The last rank stops in the middle of the transfer: after admission, at the
-        # first byte; it hangs past the group's timeout, or exits at once.
+        # first byte; it hangs past the group's timeout, or exits at once. It hangs well
+        # past the timeout, so that on a loaded machine the others still see the
+        # timeout, not its exit.
         def stop(*args: Any, **kwargs: Any) -> Any:
             if how == "hang":
-                time.sleep(2.5)
+                time.sleep(5.0)
             os._exit(3)
 
         dist.broadcast = stop  # type: ignore[assignment]

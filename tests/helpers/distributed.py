@@ -1,6 +1,7 @@
 """Real gloo process groups for the distributed suite: `run_ranks` forks one process per
 rank, each joins a group through a file rendezvous, runs a function and reports what it
-returned or raised."""
+returned or raised. Each rank's address space is capped (`helpers.limits`), so a
+runaway rank fails on its own instead of exhausting the machine."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from helpers.limits import capped_memory
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ def _child(
     torch.set_num_threads(1)
     outcome: Outcome
     try:
+        capped_memory()
         dist.init_process_group(
             "gloo",
             init_method=rendezvous,
@@ -64,6 +68,10 @@ def _child(
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        # Every rank has finished joining before any runs ``fn``: a rank that returns
+        # (or exits) at once would otherwise close its side of a connection another
+        # rank is still setting up, and that rank would fail to join.
+        dist.barrier()
         outcome = Outcome(rank, value=fn(rank, world, *args))
     except BaseException as error:
         try:

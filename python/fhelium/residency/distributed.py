@@ -9,7 +9,8 @@ naming the first rank and the first action that differ. `broadcast`, `scatter` a
 (NCCL on GPUs, gloo on the CPU), all or nothing: each receiving rank admits the bytes
 under its own budget first, a collective verdict follows every phase, and a refusal or
 failure anywhere makes every rank raise `ResidencyCollectiveError` with nothing left
-charged.
+charged. An interrupt (any ``BaseException``) anywhere in a transfer leaves nothing of
+it on that rank and propagates unchanged.
 
 Everything here is collective: every rank of the group calls the same functions in the
 same order. See docs/concepts/distributed.md.
@@ -35,7 +36,7 @@ from fhelium.errors import (
     ResidencyDivergenceError,
 )
 from fhelium.residency._decisions import ResidencyDecision
-from fhelium.residency._runtime import current_runtime, set_runtime
+from fhelium.residency._runtime import DeviceRuntime, current_runtime, set_runtime
 from fhelium.residency._runtime.simulated import SimulatedRuntime
 from fhelium.residency._use import ResidencyUse
 from fhelium.residency._validation import seal
@@ -52,7 +53,7 @@ from fhelium.residency.model import ReplicaMode, ResidencyHandle
 from fhelium.residency.pipeline import ResidencyPipeline
 from fhelium.residency.plan import DropResident, EnsureResident, MoveResident
 from fhelium.residency.request import ResidencyRequest
-from fhelium.values.tensor_resident import TensorResident
+from fhelium.values.tensor_resident import ResidentTensor, TensorResident
 
 __all__ = [
     "DecisionDigest",
@@ -67,6 +68,7 @@ __all__ = [
 ]
 
 ValueT = TypeVar("ValueT", bound=TensorResident)
+T = TypeVar("T")
 Budgets = Mapping[ResidencyLocation, int]
 
 
@@ -834,29 +836,37 @@ class _Transfer:
     def undo(self, error: BaseException | None = None) -> None:
         """Gives back every charge and value this transfer took on this rank; each step
         that fails is a note on ``error`` (the error about to be raised), and the steps
-        after it still run."""
-        reservations, self.reservations = self.reservations, []
-        for reservation in reservations:
-            _noted(error, f"releasing the reservation {reservation!r}", reservation.release)
-        adopted, self.adopted = self.adopted, []
-        for handle in adopted:
-            _noted(error, f"discarding the adopted value {handle!r}", self.manager.discard, handle)
+        after it still run. Idempotent: what was given back is forgotten."""
+        _drain(
+            self.reservations,
+            error,
+            lambda reservation: f"releasing the reservation {reservation!r}",
+            lambda reservation: reservation.release(),
+        )
+        _drain(
+            self.adopted,
+            error,
+            lambda handle: f"discarding the adopted value {handle!r}",
+            self.manager.discard,
+        )
         self.release(error)
 
     def release(self, error: BaseException | None = None) -> None:
-        leases, self.leases = self.leases, []
-        for lease in leases:
-            _noted(
-                error,
-                f"releasing the lease {lease!r}",
-                lambda lease=lease: lease.release(wait=True),
-            )
+        """Releases this rank's leases (waiting for their events); without ``error`` a
+        failure propagates, and the leases not yet released stay listed for `undo`."""
+        _drain(
+            self.leases,
+            error,
+            lambda lease: f"releasing the lease {lease!r}",
+            _release_waiting,
+        )
 
     # --- collective steps -------------------------------------------------------------
 
     def verdict(self, phase: str, error: BaseException | None) -> None:
-        """Every rank's outcome of ``phase``; a failure anywhere undoes this rank's part
-        and raises the same `ResidencyCollectiveError` on every rank."""
+        """Every rank's outcome of ``phase``; a failure anywhere raises the same
+        `ResidencyCollectiveError` on every rank (`_collective` then undoes each rank's
+        part)."""
         local = None if error is None else _failure(error)
         try:
             with _communicating(self.operation, phase):
@@ -864,7 +874,6 @@ class _Transfer:
         except ResidencyCommunicationError as failure:
             if error is not None:
                 failure.add_note(f"this rank had failed too: {_failure(error)}")
-            self.undo(failure)
             raise
         failed = tuple(rank for rank, outcome in enumerate(outcomes) if outcome is not None)
         if failed:
@@ -874,19 +883,14 @@ class _Transfer:
                 failed_ranks=failed,
                 details=tuple(str(outcomes[rank]) for rank in failed),
             )
-            self.undo(raised)
             raise raised from error
 
     def agree(self, offered: list[_Layout] | None, error: BaseException | None) -> list[Any]:
         """Phase 1: every rank's call and offered layouts; a mismatched call or a failed
         offer makes every rank raise."""
         mine: tuple[Any, ...] = (self.call, None if error is None else _failure(error), offered)
-        try:
-            with _communicating(self.operation, "agreement"):
-                everyone = _all_gather_objects(mine, self.group, self.size)
-        except ResidencyCommunicationError as failure:
-            self.undo(failure)
-            raise
+        with _communicating(self.operation, "agreement"):
+            everyone = _all_gather_objects(mine, self.group, self.size)
         failed = []
         details = []
         for rank, (call, outcome, _) in enumerate(everyone):
@@ -903,7 +907,6 @@ class _Transfer:
                 failed_ranks=tuple(failed),
                 details=tuple(details),
             )
-            self.undo(raised)
             raise raised from error
         return [entry[2] for entry in everyone]
 
@@ -914,13 +917,29 @@ def _release_waiting(lease: ResidencyLease) -> None:
 
 def _noted(error: BaseException | None, what: str, step: Callable[..., object], *args: Any) -> None:
     """Runs a clean-up ``step``; a failure becomes a note on ``error`` (or is raised
-    when there is no error to carry it)."""
+    when there is no error to carry it). With an error to carry it, an interrupt of the
+    step (a second ``KeyboardInterrupt``) is a note too: ``error`` is what propagates."""
     try:
         step(*args)
-    except Exception as failure:
+    except BaseException as failure:
         if error is None:
             raise
         error.add_note(f"clean-up: {what} also failed: {failure!r}")
+
+
+def _drain(
+    items: list[T],
+    error: BaseException | None,
+    what: Callable[[T], str],
+    step: Callable[[T], object],
+) -> None:
+    """Runs ``step`` on each of ``items`` in order, forgetting each once its step ran.
+    Without ``error``, a failure propagates with the failed item and those after it
+    still listed, so a later `_Transfer.undo` gives them back."""
+    while items:
+        item = items[0]
+        _noted(error, what(item), step, item)
+        del items[0]
 
 
 def _receive_buffers(layouts: Sequence[_Layout], allocator: _Allocator) -> list[list[torch.Tensor]]:
@@ -929,16 +948,56 @@ def _receive_buffers(layouts: Sequence[_Layout], allocator: _Allocator) -> list[
     return [[allocator.empty(nbytes) for nbytes in layout.storages] for layout in layouts]
 
 
-def _send(flat: torch.Tensor, transport: torch.device) -> torch.Tensor:
-    return flat if flat.device.type == transport.type else flat.to(transport)
+class _Wire:
+    """Where the process group's backend moves bytes (``device``: this rank's current
+    CUDA device for NCCL, the host for gloo), and how this rank's buffers get there.
+
+    A buffer is handed to the backend only when it lives on ``device`` itself, type and
+    index, as the manager's runtime places it: a buffer on another GPU than the rank's
+    (or on a GPU under gloo, or on the host under NCCL) goes through a staging buffer on
+    ``device``. See docs/concepts/distributed.md#all-or-nothing."""
+
+    def __init__(self, runtime: DeviceRuntime, device: torch.device) -> None:
+        self.runtime = runtime
+        self.device = device
+        self.stream: Any = None
+        if device.type == "cuda":
+            self.stream = runtime.current_stream(device)
+
+    def reaches(self, tensor: torch.Tensor) -> bool:
+        """Whether the backend can move ``tensor``'s bytes where they are."""
+        return self.runtime.value_device(ResidentTensor(tensor)) == self.device
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A new flat ``uint8`` buffer on ``device`` (a staging buffer)."""
+        if self.stream is not None:
+            return self.runtime.empty_cuda(nbytes, self.device, self.stream)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def send(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` itself when the backend reaches it, otherwise a copy on ``device``."""
+        if self.reaches(flat):
+            return flat
+        value = ResidentTensor(flat)
+        if self.stream is not None:
+            copy = self.runtime.copy_to_cuda(value, self.device, self.stream, non_blocking=False)
+        else:
+            copy = self.runtime.copy_to_pageable(value)
+        (tensor,) = copy._resident_tensors
+        return tensor
+
+    def staged(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The tensor the backend receives into for ``buffer``: itself when the backend
+        reaches it, a staging buffer otherwise (copied in by `_land`)."""
+        return buffer if self.reaches(buffer) else self.empty(buffer.numel())
 
 
-def _staged(buffer: torch.Tensor, transport: torch.device) -> torch.Tensor:
-    """The tensor the backend receives into for ``buffer``: itself when it lives where
-    the backend moves bytes, a staging buffer otherwise (copied in by `_land`)."""
-    if buffer.device.type == transport.type:
-        return buffer
-    return torch.empty(buffer.numel(), dtype=torch.uint8, device=transport)
+def _wire(transfer: _Transfer) -> _Wire:
+    return _Wire(engine_of(transfer.manager).runtime, _transport(transfer.group))
+
+
+def _send(flat: torch.Tensor, wire: _Wire) -> torch.Tensor:
+    return wire.send(flat)
 
 
 def _land(buffer: torch.Tensor, staged: torch.Tensor) -> None:
@@ -947,17 +1006,17 @@ def _land(buffer: torch.Tensor, staged: torch.Tensor) -> None:
 
 
 def _outgoing(
-    flat: torch.Tensor, transport: torch.device, error: BaseException | None
+    flat: torch.Tensor, wire: _Wire, error: BaseException | None
 ) -> tuple[torch.Tensor, BaseException | None]:
     """What this rank sends for ``flat``, and its first local failure so far. After a
     failure it still sends a buffer of the same size, so the other ranks' collectives
     complete and every rank learns of it at the transfer verdict."""
     if error is None:
         try:
-            return _send(flat, transport), None
+            return _send(flat, wire), None
         except Exception as failure:
             error = failure
-    return torch.empty(flat.numel(), dtype=torch.uint8, device=transport), error
+    return wire.empty(flat.numel()), error
 
 
 def _landed(
@@ -973,9 +1032,7 @@ def _landed(
     return error
 
 
-Mover = Callable[
-    [torch.device, Sequence[list[torch.Tensor]], BaseException | None], BaseException | None
-]
+Mover = Callable[[_Wire, Sequence[list[torch.Tensor]], BaseException | None], BaseException | None]
 
 
 def _collective(
@@ -984,12 +1041,27 @@ def _collective(
     incoming: Callable[[list[Any]], list[_Layout]],
     move: Mover,
 ) -> tuple[list[Any], list[ResidencyHandle[Any]]]:
-    """The four phases of one transfer on this rank (docs/concepts/distributed.md#all-or-nothing):
+    """One transfer on this rank (docs/concepts/distributed.md#all-or-nothing): its four
+    phases, and the undo of this rank's part when anything raises out of them, an
+    interrupt (any ``BaseException``) included; the exception then propagates as it was.
     ``offer`` describes what this rank sends (None: nothing), ``incoming`` picks from
     every rank's offers what this rank receives, and ``move`` takes part in the
-    transfer's collectives (given the transport device, the receive buffers and the
-    first local failure so far, it returns the first local failure). Returns every
-    rank's offers and the handles this rank adopted."""
+    transfer's collectives (given the wire, the receive buffers and the first local
+    failure so far, it returns the first local failure). Returns every rank's offers and
+    the handles this rank adopted."""
+    try:
+        return _phases(transfer, offer, incoming, move)
+    except BaseException as error:
+        transfer.undo(error)
+        raise
+
+
+def _phases(
+    transfer: _Transfer,
+    offer: Callable[[], list[_Layout]] | None,
+    incoming: Callable[[list[Any]], list[_Layout]],
+    move: Mover,
+) -> tuple[list[Any], list[ResidencyHandle[Any]]]:
     offered: list[_Layout] | None = None
     error: BaseException | None = None
     try:
@@ -1002,19 +1074,18 @@ def _collective(
     error = None
     received: list[list[torch.Tensor]] = []
     allocator = _Allocator(transfer.manager, transfer.at)
+    wire: _Wire | None = None
     try:
+        wire = _wire(transfer)
         if layouts:
             transfer.admit(layouts)
             received = _receive_buffers(layouts, allocator)
     except Exception as failure:
         error = failure
     transfer.verdict("admission", error)
-    try:
-        with _communicating(transfer.operation, "transfer"):
-            error = move(_transport(transfer.group), received, None)
-    except BaseException as failure:
-        transfer.undo(failure)
-        raise
+    assert wire is not None  # the verdict raised otherwise
+    with _communicating(transfer.operation, "transfer"):
+        error = move(wire, received, None)
     transfer.verdict("transfer", error)
     return everyone, _finish(transfer, layouts, received, allocator)
 
@@ -1036,24 +1107,24 @@ def _receive_from(tensor: torch.Tensor, *, peer: int, group: Any) -> None:
 
 def _send_all(
     flats: Sequence[torch.Tensor],
-    transport: torch.device,
+    wire: _Wire,
     error: BaseException | None,
     send: Callable[[torch.Tensor], object],
 ) -> BaseException | None:
     for flat in flats:
-        payload, error = _outgoing(flat, transport, error)
+        payload, error = _outgoing(flat, wire, error)
         send(payload)
     return error
 
 
 def _receive_all(
     buffers: Sequence[torch.Tensor],
-    transport: torch.device,
+    wire: _Wire,
     error: BaseException | None,
     receive: Callable[[torch.Tensor], object],
 ) -> BaseException | None:
     for buffer in buffers:
-        staged = _staged(buffer, transport)
+        staged = wire.staged(buffer)
         receive(staged)
         error = _landed(buffer, staged, error)
     return error
@@ -1129,7 +1200,7 @@ def broadcast(
         return transfer.offer([handle])
 
     def move(
-        transport: torch.device,
+        wire: _Wire,
         received: Sequence[list[torch.Tensor]],
         error: BaseException | None,
     ) -> BaseException | None:
@@ -1137,8 +1208,8 @@ def broadcast(
             return dist.broadcast(tensor, root, group=group)
 
         if sending:
-            return _send_all(transfer.flats[0], transport, error, cast)
-        return _receive_all(received[0], transport, error, cast)
+            return _send_all(transfer.flats[0], wire, error, cast)
+        return _receive_all(received[0], wire, error, cast)
 
     _, adopted = _collective(
         transfer,
@@ -1214,20 +1285,18 @@ def scatter(
         return transfer.offer(parts)
 
     def move(
-        transport: torch.device,
+        wire: _Wire,
         received: Sequence[list[torch.Tensor]],
         error: BaseException | None,
     ) -> BaseException | None:
         if not sending:
-            return _receive_all(
-                received[0], transport, error, lambda t: dist.recv(t, root, group=group)
-            )
+            return _receive_all(received[0], wire, error, lambda t: dist.recv(t, root, group=group))
         for rank in range(transfer.size):
             if rank != src:
                 peer = _global(group, rank)
                 error = _send_all(
                     transfer.flats[rank],
-                    transport,
+                    wire,
                     error,
                     partial(_send_to, peer=peer, group=group),
                 )
@@ -1283,18 +1352,18 @@ def gather(
     root = _global(group, dst)
 
     def move(
-        transport: torch.device,
+        wire: _Wire,
         received: Sequence[list[torch.Tensor]],
         error: BaseException | None,
     ) -> BaseException | None:
         if not receiving:
             return _send_all(
-                transfer.flats[0], transport, error, lambda t: dist.send(t, root, group=group)
+                transfer.flats[0], wire, error, lambda t: dist.send(t, root, group=group)
             )
         for rank, buffers in zip(senders, received, strict=True):
             peer = _global(group, rank)
             error = _receive_all(
-                buffers, transport, error, partial(_receive_from, peer=peer, group=group)
+                buffers, wire, error, partial(_receive_from, peer=peer, group=group)
             )
         return error
 
