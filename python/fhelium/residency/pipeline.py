@@ -547,7 +547,7 @@ class _Pipeline:
                 try:
                     for location, handles in by_location.items():
                         staged.holds.append(manager.hold(handles, at=location))
-                    self._keep_guard({})
+                    self._keep_guard(needs)
                 except BaseException:
                     staged.release()
                     raise
