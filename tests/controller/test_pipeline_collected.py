@@ -1,5 +1,5 @@
-"""An unfinished pipeline collected inside a source's `load()` (docs/concepts/controller.md#ending-a-pipeline,
-docs/concepts/lifetimes.md#deferred-releases).
+"""An unfinished pipeline collected inside a source's `load()`
+(docs/concepts/controller.md#ending-a-pipeline, docs/concepts/lifetimes.md#deferred-releases).
 
 The thread running `load()` is inside a transition of the manager and cannot enter it:
 the pipeline's releases are queued, never waited for on that thread and never reported
@@ -118,7 +118,8 @@ def test_pipeline_collected_inside_load_is_deferred(
         if collecting:
             gc.enable()
     # The collection ran inside load() and neither waited nor failed.
-    assert loader.seconds is not None and loader.seconds < 0.2, loader.seconds
+    assert loader.seconds is not None
+    assert loader.seconds < 0.2, loader.seconds
     assert unraisable == [], [str(entry.exc_value) for entry in unraisable]
     assert "Exception ignored" not in capfd.readouterr().err
     # The queued releases were applied when load() returned.

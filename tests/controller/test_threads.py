@@ -1,5 +1,6 @@
-"""Threads sharing one manager through the controller (docs/concepts/lifetimes.md#thread-safety-at-a-glance,
-docs/concepts/controller.md#use and #prefetch).
+"""Threads sharing one manager through the controller
+(docs/concepts/lifetimes.md#thread-safety-at-a-glance, docs/concepts/controller.md#use and
+#prefetch).
 
 2, 4 and 8 threads each run a seeded mix of `controller.use(...)` entries and pipelines
 (`controller.run`, prefetch 0 to 2) over values shared by every thread and values of

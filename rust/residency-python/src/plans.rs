@@ -188,7 +188,9 @@ pub fn enter_scope(
         }
         entered
     };
-    within_gate_then(manager, py, operation, then, || release_tokens(manager, run))
+    within_gate_then(manager, py, operation, then, || {
+        release_tokens(manager, run)
+    })
 }
 
 /// Scope exit: the exit actions with the streams given at entry (no preflight), then
