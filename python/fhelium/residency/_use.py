@@ -96,16 +96,19 @@ class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
 class ResidencyUse:
     """Decide, enter the plan's scope and borrow, as one context: made by `ResidencyController.use`.
 
-    Single use. Entry decides, enters the scope, acquires each location's values and records
-    access epochs, unwinding everything on failure; exit releases the leases and closes the
-    scope, and never suppresses exceptions. Constructed by the controller. See
-    docs/concepts/controller.md#use.
+    Single use. Entry decides, enters the scope and acquires each location's values under
+    one hold of the manager (deciding again when another thread made the decision stale),
+    and records access epochs, unwinding everything on failure; exit releases the leases
+    and closes the scope, and never suppresses exceptions. Constructed by the controller.
+    See docs/concepts/controller.md#use.
 
     Attributes:
         request: The request it uses.
 
     Raises:
         RuntimeError: Entering it a second time.
+        ResidencyStaleStateError: At entry, the decision went stale again after 64 new
+            decisions.
     """
 
     __slots__ = (

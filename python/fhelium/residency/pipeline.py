@@ -82,9 +82,10 @@ class ResidencyPipeline(Iterator[ResidencyUse]):
     of up to `prefetch` later steps are issued. Closing it (`close`, leaving its ``with``
     block, or dropping it, as breaking out of a ``for`` loop over it does) ends the active
     step, releases every staged step's holds and reservations and waits for the copies still
-    in flight. An error while staging ends the pipeline and propagates from the iteration.
-    Used from one thread. Constructed by the controller. See
-    docs/concepts/controller.md#prefetch.
+    in flight; dropped where its thread cannot enter the manager (collected inside a source's
+    ``load()``), it queues all of that instead. An error while staging ends the pipeline and
+    propagates from the iteration. Used from one thread; other threads may run pipelines on
+    the same manager. Constructed by the controller. See docs/concepts/controller.md#prefetch.
 
     Raises:
         TypeError: Raised during iteration for a request that is not a `ResidencyRequest`.
