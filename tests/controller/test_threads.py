@@ -29,6 +29,7 @@ import torch
 from fhelium.errors import ResidencyStaleStateError
 from fhelium.residency import (
     PINNED_HOST,
+    MemoryReservation,
     ReplicaMode,
     ResidencyController,
     ResidencyManager,
@@ -43,11 +44,13 @@ from helpers.manager import assert_balanced
 CUDA = cuda_location("cuda:0")
 N = 256  # floats per value
 SIZE = 4 * N
+SCRATCH = SIZE // 2  # a step's reservation, when it has one
 SHARED = 2  # values every thread uses
 PRIVATE = 5  # values of each thread's own
 OPERATIONS = 40  # per thread: uses and pipelines
 STEPS = 4  # per pipeline
 DEADLINE_S = 30.0
+SWITCH_INTERVAL_S = 1e-5
 
 
 def _dump_stacks() -> str:
@@ -63,8 +66,9 @@ def _dump_stacks() -> str:
 def test_threads_use_and_pipelines_on_one_manager(threads: int) -> None:
     runtime = SimulatedRuntime(device_count=1, auto_complete=True)
     # Every thread's largest working set at once: three steps of one private value each,
-    # and the shared values. Everything together is larger, so steps evict.
-    budget = (3 * threads + SHARED) * SIZE
+    # the active step's scratch and the headroom kept for a staged one's, and the shared
+    # values. Everything together is larger, so steps evict.
+    budget = (3 * threads + SHARED) * SIZE + threads * 2 * SCRATCH
     with use_runtime(runtime), ResidencyManager({CUDA: budget}) as manager:
         controller = ResidencyController(manager)
 
@@ -96,6 +100,8 @@ def test_threads_use_and_pipelines_on_one_manager(threads: int) -> None:
                     ResidencyRequirement(rng.choice(shared), CUDA),
                     ResidencyRequirement(rng.choice(own[thread]), CUDA),
                 ],
+                # Scratch for half the steps: a pipeline keeps headroom for its staged steps.
+                [MemoryReservation(CUDA, SCRATCH, "scratch")] if rng.random() < 0.5 else [],
             )
 
         evicting: list[int] = []
@@ -141,11 +147,17 @@ def test_threads_use_and_pipelines_on_one_manager(threads: int) -> None:
             threading.Thread(target=work, args=(thread,), name=f"worker-{thread}", daemon=True)
             for thread in range(threads)
         ]
-        started = time.monotonic()
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join(max(0.0, started + DEADLINE_S - time.monotonic()))
+        # Threads switch far more often than by default, so the races are met.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        try:
+            started = time.monotonic()
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(max(0.0, started + DEADLINE_S - time.monotonic()))
+        finally:
+            sys.setswitchinterval(interval)
         alive = [worker.name for worker in workers if worker.is_alive()]
         if alive:
             pytest.fail(f"threads still alive after {DEADLINE_S:.0f} s: {alive}\n" + _dump_stacks())
