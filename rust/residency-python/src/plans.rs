@@ -189,7 +189,7 @@ pub fn enter_scope(
         entered
     };
     within_gate_then(manager, py, operation, then, || {
-        release_tokens(manager, run)
+        release_tokens(manager, run);
     })
 }
 
