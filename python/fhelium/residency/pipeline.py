@@ -249,7 +249,7 @@ class _Pipeline:
         self.active: dict[ResidencyLocation, int] = {}
         self.position = 0
         self.closed = False
-        # Ended by a collection or a drop rather than by `close()` (see `run`).
+        # Dropped (or collected) rather than closed: set by the pipeline's finalizer.
         self.dropped = False
 
     # ------------------------------------------------------------------ the steps
@@ -340,9 +340,9 @@ class _Pipeline:
 
     def _finish_deferred(self) -> None:
         """`_finish` as finalizers release: nothing waits and nothing is refused. The
-        releases are queued and applied as soon as this thread's transition ends (or
-        by the next operation); the copies in flight stay protected by their events
-        and are reaped as they complete, like a released lease's
+        releases are queued and applied as soon as the source callback returns, or else
+        by the next operation; the copies in flight stay protected by their events and
+        are reaped as they complete, like a released lease's
         (docs/concepts/controller.md#ending-a-pipeline)."""
         use, self.current = self.current, None
         staged, self.staged = self.staged, {}
