@@ -225,31 +225,27 @@ class ResidencyUse:
         by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
         for requirement in self.request.requirements:
             by_location.setdefault(requirement.location, []).append(requirement)
+        borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
         try:
-            leases: list[ResidencyLease] = []
             stale = 0
             while True:
                 self._decision = controller.decide(self.request)
                 scope = controller.scope(self._decision, transfer_streams=self._transfer_streams)
+                # Closing a scope whose entry failed does nothing.
+                stack.push(scope.__exit__)
                 try:
                     # Entered and borrowed under one hold of the manager: no other
                     # thread can take what the entry made resident before it is leased.
-                    scope._enter(lambda: self._borrow(manager, by_location, leases))
+                    scope._enter(lambda: self._borrow(manager, by_location, stack, borrowed))
                 except ResidencyStaleStateError:
                     # Another thread changed the manager since the decision: decide again.
+                    stack.pop_all()  # only the refused scope's exit, which does nothing
                     stale += 1
                     if stale > STALE_RETRIES:
                         raise
                     continue
                 break
-            stack.push(scope.__exit__)
             self._scope = scope
-            borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
-            for lease, requirements in zip(leases, by_location.values(), strict=True):
-                values = stack.enter_context(lease)
-                self._leases.append(lease)
-                for requirement in requirements:
-                    borrowed[requirement] = values
             controller._record_access(self.request)
         except BaseException:
             self._state = "closed"
@@ -264,28 +260,21 @@ class ResidencyUse:
         self,
         manager: ResidencyManager,
         by_location: dict[ResidencyLocation, list[ResidencyRequirement]],
-        leases: list[ResidencyLease],
+        stack: contextlib.ExitStack,
+        borrowed: dict[ResidencyRequirement, BorrowedValues],
     ) -> None:
-        """Acquires each location's values into ``leases``; on a failure releases what
-        it acquired and raises. Runs under the scope entry's hold of the manager."""
-        try:
-            for location, requirements in by_location.items():
-                leases.append(
-                    manager.acquire(
-                        [requirement.handle for requirement in requirements],
-                        at=location,
-                        consumer_stream=self._consumer_streams.get(location),
-                    )
-                )
-        except BaseException as error:
-            acquired = leases[:]
-            leases.clear()
-            for lease in acquired:
-                try:
-                    lease.release()
-                except BaseException as failure:
-                    error.add_note(f"releasing a lease also failed: {failure!r}")
-            raise
+        """Acquires and enters each location's lease onto ``stack``, under the scope
+        entry's hold of the manager; closing the stack releases them."""
+        for location, requirements in by_location.items():
+            lease: ResidencyLease = manager.acquire(
+                [requirement.handle for requirement in requirements],
+                at=location,
+                consumer_stream=self._consumer_streams.get(location),
+            )
+            values = stack.enter_context(lease)
+            self._leases.append(lease)
+            for requirement in requirements:
+                borrowed[requirement] = values
 
     def _exit_deferred(self) -> None:
         """Ends an active use as finalizers do, without their warnings: its leases and
