@@ -17,9 +17,12 @@ import sys
 import textwrap
 import warnings
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from fhelium.residency._runtime import use_runtime
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
 from fhelium.residency.manager import ResidencyManager, engine_of
 from helpers.lifetimes import (
@@ -308,3 +311,46 @@ def test_a_released_lease_leaves_nothing_behind(rt: LoggingRuntime) -> None:
     del manager
     gc.collect()
     assert engine() is None
+
+
+class _CollectingRuntime(LoggingRuntime):
+    """Runs `during` (once) inside its next `copy_to_pinned`: in the middle of the
+    transition that copies, on the transition's own thread."""
+
+    during: Callable[[], object] | None = None
+
+    def copy_to_pinned(self, value: Any) -> Any:
+        during, self.during = self.during, None
+        if during is not None:
+            during()
+        return super().copy_to_pinned(value)
+
+
+def test_abandoned_lease_collected_mid_transition_is_queued() -> None:
+    # Its thread cannot enter the manager in the middle of its own transition: the
+    # release waits in the queue for the next operation, and the manager is not
+    # retained (docs/concepts/lifetimes.md#deferred-releases).
+    runtime = _CollectingRuntime(device_count=0)
+    with use_runtime(runtime):
+        manager = ResidencyManager()
+        handle = replicated(manager)
+        other = replicated(manager)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            lease = manager.acquire([handle], at=PAGEABLE_HOST)
+            cycle: list[object] = [lease]
+            cycle.append(cycle)
+            del lease, cycle
+            runtime.during = gc.collect
+            with recorded_warnings() as caught:
+                manager.ensure(other, PINNED_HOST)
+        finally:
+            if collecting:
+                gc.enable()
+        assert runtime.during is None
+        message = _one_resource_warning(caught)
+        assert "was released" in message, message
+        assert mat(manager.snapshot(), handle, PAGEABLE_HOST).use_count == 0
+        assert root_lists_holding(manager) == []
+        manager.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, cast
 
@@ -110,11 +110,14 @@ def execute_actions(
     transfer_streams: object,
     expected_state_version: object,
     asynchronous: bool = False,
+    then: Callable[[], object] | None = None,
 ) -> ResidencyPlanReport:
     """Checks the arguments, then runs the whole plan in one call into the core.
 
     With ``asynchronous`` (a prefetch), the CUDA copies of ``ensure`` actions are left
-    in flight (docs/concepts/controller.md#prefetch)."""
+    in flight (docs/concepts/controller.md#prefetch). ``then`` runs after the plan under
+    the same hold of the gate (a prefetch holds what it staged there); what it raises
+    propagates unchanged."""
     require_non_empty_str(name, "name")
     normalized = tuple(actions)
     if not _EXACT_ACTION_TYPES.issuperset(map(type, normalized)):
@@ -126,6 +129,7 @@ def execute_actions(
     lowered = _lowering.lower_actions(name, normalized)
     run = _core.PlanRun(_REPORT_RECORDS)
     started = _time_ns()
+    after = _Then(then)
     try:
         engine.core.execute_plan(
             run,
@@ -135,11 +139,15 @@ def execute_actions(
             transfer_streams,
             expected_state_version,
             asynchronous=asynchronous,
+            then=after.hook,
         )
     except Exception as error:
+        if after.started:
+            raise
         raise _failure(name, run, started, error, normalized, ()) from error
     except BaseException as error:
-        _note_committed(error, name, len(run))
+        if not after.started:
+            _note_committed(error, name, len(run))
         raise
     return _PlanReport._capture(name, run, started, max(started, _time_ns()))
 
@@ -290,21 +298,51 @@ class ScopeRun:
     started: int
 
 
+class _Then:
+    """A ``then`` hook for the core's plan calls, remembering whether it started: an
+    error raised by it propagates unchanged, not as the plan's."""
+
+    __slots__ = ("hook", "started")
+
+    def __init__(self, then: Callable[[], object] | None) -> None:
+        self.started = False
+        self.hook: Callable[[], object] | None = None
+        if then is not None:
+
+            def hook() -> object:
+                self.started = True
+                return then()
+
+            self.hook = hook
+
+
 def enter_scope(
-    engine: Engine, plan: ResidencyPlan, expected: int | None, transfer_streams: object
+    engine: Engine,
+    plan: ResidencyPlan,
+    expected: int | None,
+    transfer_streams: object,
+    then: Callable[[], object] | None = None,
 ) -> ScopeRun:
     """Scope entry in one call into the core: version check, streams, preflight,
-    reclaim, reserve, enter (see docs/concepts/plans.md)."""
+    reclaim, reserve, enter (see docs/concepts/plans.md); then ``then``, under the same
+    hold of the gate (a use borrows there). When ``then`` raises, the reservations are
+    released and its error propagates unchanged."""
     lowered = plan._lowered()
     run = _core.PlanRun(_REPORT_RECORDS)
     started = _time_ns()
+    after = _Then(then)
     try:
-        engine.core.enter_scope(run, lowered.ir, lowered.handles, plan, transfer_streams, expected)
+        engine.core.enter_scope(
+            run, lowered.ir, lowered.handles, plan, transfer_streams, expected, then=after.hook
+        )
     except Exception as error:
+        if after.started:
+            raise
         failed = (plan.reclaim, plan.enter)[run.phase == "enter"]
         raise _failure(plan.name, run, started, error, failed, plan.reservations) from error
     except BaseException as error:
-        _note_committed(error, plan.name, len(run))
+        if not after.started:
+            _note_committed(error, plan.name, len(run))
         raise
     return ScopeRun(plan, run, started)
 

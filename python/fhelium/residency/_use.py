@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
+from fhelium.errors import ResidencyStaleStateError
 from fhelium.residency._decisions import ResidencyDecision
 from fhelium.residency.lease import BorrowedValues, ResidencyLease
 from fhelium.residency.location import ResidencyLocation
@@ -20,7 +21,13 @@ from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
 from fhelium.residency.snapshot import ResidencyPlanReport
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["Controller", "ResidencyUse", "normalize_streams"]
+__all__ = ["STALE_RETRIES", "Controller", "ResidencyUse", "normalize_streams"]
+
+# A decision goes stale when another thread changes the manager, or a pending lease
+# completes and is reaped, between `decide` and scope entry; a use decides again this
+# many times at most before `ResidencyStaleStateError` propagates
+# (docs/concepts/controller.md#use).
+STALE_RETRIES: Final = 64
 
 
 class Controller(Protocol):
@@ -92,16 +99,19 @@ class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
 class ResidencyUse:
     """Decide, enter the plan's scope and borrow, as one context: made by `ResidencyController.use`.
 
-    Single use. Entry decides, enters the scope, acquires each location's values and records
-    access epochs, unwinding everything on failure; exit releases the leases and closes the
-    scope, and never suppresses exceptions. Constructed by the controller. See
-    docs/concepts/controller.md#use.
+    Single use. Entry decides, enters the scope and acquires each location's values under
+    one hold of the manager (deciding again when another thread made the decision stale),
+    and records access epochs, unwinding everything on failure; exit releases the leases
+    and closes the scope, and never suppresses exceptions. Constructed by the controller.
+    See docs/concepts/controller.md#use.
 
     Attributes:
         request: The request it uses.
 
     Raises:
         RuntimeError: Entering it a second time.
+        ResidencyStaleStateError: At entry, the decision went stale again after 64 new
+            decisions.
     """
 
     __slots__ = (
@@ -215,25 +225,30 @@ class ResidencyUse:
         controller = self._controller
         manager = controller._manager
         stack = contextlib.ExitStack()
+        by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
+        for requirement in self.request.requirements:
+            by_location.setdefault(requirement.location, []).append(requirement)
+        borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
         try:
-            self._decision = controller.decide(self.request)
-            scope = controller.scope(self._decision, transfer_streams=self._transfer_streams)
-            stack.enter_context(scope)
+            stale = 0
+            while True:
+                self._decision = controller.decide(self.request)
+                scope = controller.scope(self._decision, transfer_streams=self._transfer_streams)
+                # Closing a scope whose entry failed does nothing.
+                stack.push(scope.__exit__)
+                try:
+                    # Entered and borrowed under one hold of the manager: no other
+                    # thread can take what the entry made resident before it is leased.
+                    scope._enter(lambda: self._borrow(manager, by_location, stack, borrowed))
+                except ResidencyStaleStateError:
+                    # Another thread changed the manager since the decision: decide again.
+                    stack.pop_all()  # only the refused scope's exit, which does nothing
+                    stale += 1
+                    if stale > STALE_RETRIES:
+                        raise
+                    continue
+                break
             self._scope = scope
-            by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
-            for requirement in self.request.requirements:
-                by_location.setdefault(requirement.location, []).append(requirement)
-            borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
-            for location, requirements in by_location.items():
-                lease: ResidencyLease = manager.acquire(
-                    [requirement.handle for requirement in requirements],
-                    at=location,
-                    consumer_stream=self._consumer_streams.get(location),
-                )
-                values = stack.enter_context(lease)
-                self._leases.append(lease)
-                for requirement in requirements:
-                    borrowed[requirement] = values
             controller._record_access(self.request)
         except BaseException:
             self._state = "closed"
@@ -243,6 +258,42 @@ class ResidencyUse:
         self._values = _UseValues(borrowed)
         self._state = "active"
         return self
+
+    def _borrow(
+        self,
+        manager: ResidencyManager,
+        by_location: dict[ResidencyLocation, list[ResidencyRequirement]],
+        stack: contextlib.ExitStack,
+        borrowed: dict[ResidencyRequirement, BorrowedValues],
+    ) -> None:
+        """Acquires and enters each location's lease onto ``stack``, under the scope
+        entry's hold of the manager; closing the stack releases them."""
+        for location, requirements in by_location.items():
+            lease: ResidencyLease = manager.acquire(
+                [requirement.handle for requirement in requirements],
+                at=location,
+                consumer_stream=self._consumer_streams.get(location),
+            )
+            values = stack.enter_context(lease)
+            self._leases.append(lease)
+            for requirement in requirements:
+                borrowed[requirement] = values
+
+    def _exit_deferred(self) -> None:
+        """Ends an active use as finalizers do, without their warnings: its leases and
+        its scope's reservations are released, or queued while this thread cannot enter
+        the manager (docs/concepts/controller.md#ending-a-pipeline)."""
+        if self._state != "active" or self._stack is None:
+            return
+        self._state = "closed"
+        self._stack.pop_all()
+        self._stack = None
+        self._values = None
+        for lease in self._leases:
+            lease._release_deferred()
+        if self._scope is not None:
+            self._scope._close_deferred()
+        self._exited = True
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> bool:
         if self._state != "active" or self._stack is None:

@@ -707,10 +707,12 @@ class ResidencyController:
     ) -> ResidencyUse:
         """Decide, enter the scope and borrow the required values, as one context.
 
-        Entering the returned `ResidencyUse` decides the request, enters the decision's scope,
-        acquires the values by location and records access epochs; any failure unwinds what was
-        entered. Exit releases the leases (``wait=False``) and closes the scope; the values stay
-        cached where they are. See docs/concepts/controller.md#use.
+        Entering the returned `ResidencyUse` decides the request, enters the decision's scope
+        and acquires the values by location under one hold of the manager, and records access
+        epochs; a decision another thread made stale first is decided again (up to 64 times,
+        then `ResidencyStaleStateError`); any failure unwinds what was entered. Exit releases
+        the leases (``wait=False``) and closes the scope; the values stay cached where they
+        are. See docs/concepts/controller.md#use.
 
         Args:
             request: What must be resident where.

@@ -255,6 +255,20 @@ class ResidencyLease(Lifetime):
 
     close = release
 
+    def _release_deferred(self) -> None:
+        """Releases as a finalizer does, without its warning: queued while this thread
+        cannot enter the manager (docs/concepts/lifetimes.md#deferred-releases)."""
+        if not self._active:
+            return
+        engine = self._engine
+        if self._location.kind == "cuda":
+            engine.release_lease(
+                self._token, self._location, self._streams, wait=False, finalizing=True
+            )
+        else:
+            engine.release_host_lease(self._token, finalizing=True)
+        self._active = False
+
     def __enter__(self) -> BorrowedValues:
         self._enter_once("lease")
         return BorrowedValues(self)
@@ -322,6 +336,13 @@ class ResidencyHold(FinalizedLifetime):
 
     close = release
 
+    def _release_deferred(self) -> None:
+        """Releases as a finalizer does, without its warning: queued while this thread
+        cannot enter the manager (docs/concepts/lifetimes.md#deferred-releases)."""
+        if self._active:
+            self._engine.release_hold(self._token, finalizing=True)
+            self._untrack()
+
     def _closed_message(self) -> str:
         return f"this hold at {self._location} was released"
 
@@ -387,6 +408,13 @@ class ResidencyReservation(FinalizedLifetime):
         self._untrack()
 
     close = release
+
+    def _release_deferred(self) -> None:
+        """Releases as a finalizer does, without its warning: queued while this thread
+        cannot enter the manager (docs/concepts/lifetimes.md#deferred-releases)."""
+        if self._active:
+            self._engine.release_reservation(self._token, finalizing=True)
+            self._untrack()
 
     def _closed_message(self) -> str:
         return f"reservation {self.label!r} at {self.location} was released"

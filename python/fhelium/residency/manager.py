@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from fhelium.errors import ResidencyPlanExecutionError
@@ -1038,12 +1038,18 @@ class ResidencyScope(FinalizedLifetime):
         return self._expected
 
     def __enter__(self) -> ResidencyScope:
+        return self._enter()
+
+    def _enter(self, then: Callable[[], object] | None = None) -> ResidencyScope:
+        """Entry; ``then`` runs under the same hold of the manager right after it (a
+        use borrows there, docs/concepts/controller.md#use), and when it raises the
+        scope is closed with its reservations released."""
         if self._state != "new":
             raise RuntimeError(f"scope of plan {self._plan.name!r} can be entered only once")
         self._state = "entering"
         try:
             self._run = _plans.enter_scope(
-                self._manager._engine, self._plan, self._expected, self._streams
+                self._manager._engine, self._plan, self._expected, self._streams, then
             )
         except BaseException:
             self._state = "closed"
@@ -1091,6 +1097,16 @@ class ResidencyScope(FinalizedLifetime):
                 f"closing the residency scope of plan {self._plan.name!r} also failed: "
                 f"{type(error).__name__}: {error}"
             )
+
+    def _close_deferred(self) -> None:
+        """Gives the reservations back as a finalizer does, without its warning and
+        without running exit actions: queued while this thread cannot enter the manager
+        (a use's scope has none; docs/concepts/controller.md#ending-a-pipeline)."""
+        if self._state != "entered" or self._run is None:
+            return
+        self._state = "closed"
+        self._untrack()
+        _plans.abandon_scope(self._manager._engine, self._run)
 
     def _finalize(self) -> None:
         # Abandoned after a successful entry: give the reservations back, never run

@@ -19,7 +19,7 @@ from fhelium.errors import (
     ResidencyStaleStateError,
 )
 from fhelium.residency import _plans
-from fhelium.residency._use import Controller, ResidencyUse, normalize_streams
+from fhelium.residency._use import STALE_RETRIES, Controller, ResidencyUse, normalize_streams
 from fhelium.residency._validation import require_strict_int
 from fhelium.residency.lease import ResidencyHold, ResidencyReservation
 from fhelium.residency.location import ResidencyLocation
@@ -30,10 +30,10 @@ from fhelium.residency.schedule import ScheduleAwarePolicy
 
 __all__ = ["ResidencyPipeline"]
 
-# A decision goes stale when a pending lease completes between `decide` and scope entry
-# (on a GPU, events complete on their own); the step decides again, this many times at
-# most before the error is raised.
-_STALE_RETRIES: Final = 64
+# The state and steps of each pipeline not yet ended, by `id` of the pipeline (see
+# `ResidencyPipeline`).
+_RUNNING: dict[int, tuple[_Pipeline, Generator[ResidencyUse, None, None]]] = {}
+
 # Closing waits for copies in flight; another thread's source callback refuses the gate
 # meanwhile, so the wait is retried this often, this long apart.
 _SETTLE_RETRIES: Final = 2000
@@ -82,9 +82,10 @@ class ResidencyPipeline(Iterator[ResidencyUse]):
     of up to `prefetch` later steps are issued. Closing it (`close`, leaving its ``with``
     block, or dropping it, as breaking out of a ``for`` loop over it does) ends the active
     step, releases every staged step's holds and reservations and waits for the copies still
-    in flight. An error while staging ends the pipeline and propagates from the iteration.
-    Used from one thread. Constructed by the controller. See
-    docs/concepts/controller.md#prefetch.
+    in flight; dropped where its thread cannot enter the manager (collected inside a source's
+    ``load()``), it queues all of that instead. An error while staging ends the pipeline and
+    propagates from the iteration. Used from one thread; other threads may run pipelines on
+    the same manager. Constructed by the controller. See docs/concepts/controller.md#prefetch.
 
     Raises:
         TypeError: Raised during iteration for a request that is not a `ResidencyRequest`.
@@ -93,8 +94,10 @@ class ResidencyPipeline(Iterator[ResidencyUse]):
     """
 
     # The steps run in a generator over `_state`, which never refers back to the
-    # pipeline: dropping the pipeline drops the generator at once, and closing a
-    # generator runs its cleanup.
+    # pipeline. `_RUNNING` holds both until the pipeline ends or is dropped, when its
+    # finalizer ends them: so a pipeline collected in a reference cycle is ended with
+    # its steps' leases and holds still alive, never finalized one by one (each would
+    # warn that it was abandoned).
     __slots__ = ("_state", "_steps")
 
     def __init__(
@@ -114,6 +117,21 @@ class ResidencyPipeline(Iterator[ResidencyUse]):
             transfer_streams=transfer_streams,
         )
         self._steps = self._state.run()
+        _RUNNING[id(self)] = (self._state, self._steps)
+
+    def __del__(self) -> None:
+        # Interpreter teardown may have cleared module globals; nothing is left to do.
+        running = _RUNNING.pop(id(self), None) if _RUNNING is not None else None
+        if running is None:
+            return
+        state, steps = running
+        # Dropped, not closed: where this thread cannot enter the manager (a collection
+        # inside a source's `load()`), its releases are queued instead.
+        state.dropped = True
+        steps.close()
+
+    def _ended(self) -> None:
+        _RUNNING.pop(id(self), None)
 
     # ------------------------------------------------------------------ protocol
 
@@ -128,6 +146,7 @@ class ResidencyPipeline(Iterator[ResidencyUse]):
             return next(self._steps)
         except BaseException:
             state.closed = True
+            self._ended()
             raise
 
     def close(self) -> None:
@@ -140,6 +159,7 @@ class ResidencyPipeline(Iterator[ResidencyUse]):
                 still in flight propagates; the pipeline is closed all the same.
         """
         self._state.closed = True
+        self._ended()
         self._steps.close()
 
     def __enter__(self) -> ResidencyPipeline:
@@ -186,6 +206,7 @@ class _Pipeline:
         "controller",
         "created",
         "current",
+        "dropped",
         "guard",
         "position",
         "prefetch",
@@ -228,6 +249,8 @@ class _Pipeline:
         self.active: dict[ResidencyLocation, int] = {}
         self.position = 0
         self.closed = False
+        # Dropped (or collected) rather than closed: set by the pipeline's finalizer.
+        self.dropped = False
 
     # ------------------------------------------------------------------ the steps
 
@@ -285,7 +308,11 @@ class _Pipeline:
 
     def _finish(self) -> None:
         """Ends the active step, releases every staged step, and waits for the transfers
-        still in flight, so nothing of the pipeline's outlives it."""
+        still in flight, so nothing of the pipeline's outlives it. A pipeline dropped
+        where this thread cannot enter the manager queues all of that instead."""
+        if self.dropped and self.controller._engine.core.blocked_here():
+            self._finish_deferred()
+            return
         use, self.current = self.current, None
         staged, self.staged = self.staged, {}
         error: BaseException | None = None
@@ -311,6 +338,25 @@ class _Pipeline:
         if error is not None:
             raise error
 
+    def _finish_deferred(self) -> None:
+        """`_finish` as finalizers release: nothing waits and nothing is refused. The
+        releases are queued and applied as soon as the source callback returns, or else
+        by the next operation; the copies in flight stay protected by their events and
+        are reaped as they complete, like a released lease's
+        (docs/concepts/controller.md#ending-a-pipeline)."""
+        use, self.current = self.current, None
+        staged, self.staged = self.staged, {}
+        guard, self.guard = self.guard, {}
+        self.closed = True
+        if use is not None:
+            use._exit_deferred()
+        for step in staged.values():
+            for hold in step.holds:
+                hold._release_deferred()
+        for kept in guard.values():
+            for reservation in kept:
+                reservation._release_deferred()
+
     def _settle_transfers(self) -> None:
         """Waits for every copy in flight and releases its protections. While another
         thread's source callback runs the gate refuses; the wait is tried again for
@@ -324,6 +370,10 @@ class _Pipeline:
             except ResidencyClosedError:
                 return  # a closed manager holds nothing any more
             except ResidencyReentrancyError:
+                if core.blocked_here():
+                    # This thread's own transition (or callback): waiting cannot
+                    # help; the protections are reaped as their events complete.
+                    return
                 time.sleep(_SETTLE_PAUSE_S)
 
     def _enter(
@@ -359,7 +409,6 @@ class _Pipeline:
             except (ResidencyPlanError, ResidencyBudgetError):
                 pass  # waiting below may make it fit
             self._wait_oldest(ended)
-        stale = 0
         while True:
             use = ResidencyUse(
                 controller=self.controller,
@@ -369,21 +418,28 @@ class _Pipeline:
             )
             try:
                 entered = use.__enter__()
-            except ResidencyStaleStateError:
-                stale += 1
-                if stale > _STALE_RETRIES:
-                    raise
             except (ResidencyPlanError, ResidencyBudgetError):
                 if not self._wait_oldest(ended):
                     raise
             else:
                 self.active = _needs(request)
                 try:
-                    self._keep_guard({})
+                    try:
+                        self._keep_guard({})
+                    except ResidencyBudgetError:
+                        # Another thread took the headroom released for this entry:
+                        # the steps staged are given up (they are decided afresh at
+                        # their turn), and with them the headroom they needed.
+                        self._release_staged()
+                        self._release_guard()
                 except BaseException:
                     entered.__exit__(None, None, None)
                     raise
                 return entered
+
+    def _release_staged(self) -> None:
+        staged, self.staged = self.staged, {}
+        _release_all(hold for step in staged.values() for hold in step.holds)
 
     def _guard_bytes(self, location: ResidencyLocation) -> int:
         return sum(reservation.nbytes for reservation in self.guard.get(location, ()))
@@ -453,7 +509,14 @@ class _Pipeline:
             position = min(len(policy.schedule), policy.position + distance - 1)
         core = controller._engine.core
         needs = _needs(request)
+        manager = controller.manager
+        by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]] = {}
+        for requirement in request.requirements:
+            by_location.setdefault(requirement.location, []).append(requirement.handle)
+        stale = 0
         while True:
+            while ended and not core.pending_among(ended[0]):
+                ended.popleft()  # completed on their own: nothing to wait for
             # The step's values, with the headroom its reservations (and the staged
             # steps') would find missing at its entry, decided together.
             extra = self._extra(needs)
@@ -471,34 +534,45 @@ class _Pipeline:
                 if wait and self._wait_oldest(ended):
                     continue
                 return False
-            while ended and not core.pending_among(ended[0]):
-                ended.popleft()  # completed on their own: nothing to wait for
-            if not decision.plan.reclaim or not ended:
-                break
-            if not wait:
-                return False
-            self._wait_oldest(ended)
-        plan = decision.plan
-        actions = (*plan.reclaim, *plan.enter)
-        staged = _Staged(needs)
-        self.staged[index] = staged
-        manager = controller.manager
-        if actions:
-            _plans.execute_actions(
-                controller._engine,
-                actions,
-                name=request.name,
-                transfer_streams=self._transfer_streams(request),
-                expected_state_version=None,
-                asynchronous=True,
-            )
-        by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]] = {}
-        for requirement in request.requirements:
-            by_location.setdefault(requirement.location, []).append(requirement.handle)
-        for location, handles in by_location.items():
-            staged.holds.append(manager.hold(handles, at=location))
-        self._keep_guard({})
-        return True
+            if decision.plan.reclaim and ended:
+                if not wait:
+                    return False
+                self._wait_oldest(ended)
+                continue
+            staged = _Staged(needs)
+
+            def keep(staged: _Staged = staged) -> None:
+                # Under the plan's hold of the manager: what it made resident is held
+                # before any other thread can evict it, and the headroom the decision
+                # counted is still free.
+                try:
+                    for location, handles in by_location.items():
+                        staged.holds.append(manager.hold(handles, at=location))
+                    self._keep_guard(needs)
+                except BaseException:
+                    staged.release()
+                    raise
+
+            plan = decision.plan
+            try:
+                _plans.execute_actions(
+                    controller._engine,
+                    (*plan.reclaim, *plan.enter),
+                    name=request.name,
+                    transfer_streams=self._transfer_streams(request),
+                    expected_state_version=decision.expected_state_version,
+                    asynchronous=True,
+                    then=keep,
+                )
+            except ResidencyStaleStateError:
+                # Another thread changed the manager since the decision: decide again,
+                # or leave the step to be staged (or entered) later.
+                stale += 1
+                if stale > STALE_RETRIES:
+                    return False
+                continue
+            self.staged[index] = staged
+            return True
 
     def _wait_oldest(self, ended: collections.deque[list[int]]) -> bool:
         """Waits for the oldest ended step's leases and releases them; False when no

@@ -159,7 +159,11 @@ fn release_waiting(
                 return Ok(());
             }
             Err(err @ CoreError::Reentrancy { .. }) => {
-                if gate.callback_running_elsewhere() || (finalizing && gate.callback_active()) {
+                // A finaliser never fails for re-entrancy: inside a callback, or in the
+                // middle of this thread's own transition, its release waits in the queue.
+                if gate.callback_running_elsewhere()
+                    || (finalizing && (gate.callback_active() || gate.check_reentrant().is_err()))
+                {
                     break;
                 }
                 if gate.callback_active() {
@@ -174,8 +178,9 @@ fn release_waiting(
         }
     }
     manager.objects().defer(release);
-    if !gate.callback_active() {
-        // The callback ended while the release was queued: apply it now.
+    if !gate.callback_active() && gate.check_reentrant().is_ok() {
+        // The callback ended while the release was queued: apply it now. (In the
+        // middle of this thread's transition the queue waits for the next operation.)
         match manager.enter_core(py, false, false) {
             Ok(()) => {
                 manager.drain_deferred();

@@ -775,7 +775,9 @@ impl CoreManager {
     /// phase (see `plans`).
     /// With `asynchronous`, the CUDA copies of `ensure` actions are enqueued and left
     /// in flight, each protected by its event (a prefetch).
-    #[pyo3(signature = (run, ir, handles, actions, transfer_streams, expected_version, *, asynchronous=false))]
+    /// `then`, when given, is called after the phase under the same hold of the gate
+    /// (see `plans`); its result is returned.
+    #[pyo3(signature = (run, ir, handles, actions, transfer_streams, expected_version, *, asynchronous=false, then=None))]
     #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
     fn execute_plan(
         &self,
@@ -787,7 +789,8 @@ impl CoreManager {
         transfer_streams: Option<&Bound<'_, PyAny>>,
         expected_version: Option<&Bound<'_, PyAny>>,
         asynchronous: bool,
-    ) -> PyResult<()> {
+        then: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
         crate::plans::execute_plan(
             self,
             py,
@@ -798,6 +801,7 @@ impl CoreManager {
             transfer_streams,
             expected_version,
             asynchronous,
+            then,
         )
     }
 
@@ -846,13 +850,22 @@ impl CoreManager {
         })
     }
 
+    /// True when this thread cannot pass the gate now: it is inside a transition of
+    /// this manager (a source callback runs only there). What a finaliser releases
+    /// then is queued (docs/concepts/lifetimes.md#deferred-releases).
+    fn blocked_here(&self) -> bool {
+        self.core.gate().check_reentrant().is_err()
+    }
+
     /// How many asynchronous transfers are still in flight (not yet reaped).
     fn transfer_count(&self) -> usize {
         self.objects.transfer_count()
     }
 
-    /// Scope entry in one call: gate, checks, preflight, reclaim, reserve, enter.
-    #[pyo3(signature = (run, ir, handles, plan, transfer_streams, expected_version))]
+    /// Scope entry in one call: gate, checks, preflight, reclaim, reserve, enter; then
+    /// `then`, when given, under the same hold of the gate (a use borrows there), its
+    /// result returned. When `then` raises, the scope's reservations are released.
+    #[pyo3(signature = (run, ir, handles, plan, transfer_streams, expected_version, *, then=None))]
     #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
     fn enter_scope(
         &self,
@@ -863,7 +876,8 @@ impl CoreManager {
         plan: &Bound<'_, PyAny>,
         transfer_streams: Option<&Bound<'_, PyAny>>,
         expected_version: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
+        then: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
         crate::plans::enter_scope(
             self,
             py,
@@ -873,6 +887,7 @@ impl CoreManager {
             plan,
             transfer_streams,
             expected_version,
+            then,
         )
     }
 

@@ -110,8 +110,9 @@ pub fn execute_plan(
     transfer_streams: Option<&Bound<'_, PyAny>>,
     expected_version: Option<&Bound<'_, PyAny>>,
     asynchronous: bool,
-) -> PyResult<()> {
-    within_gate(manager, py, || {
+    then: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Py<PyAny>> {
+    let operation = || {
         let slots = prepare(
             manager,
             py,
@@ -127,7 +128,8 @@ pub fn execute_plan(
         let result = run_phase(manager, py, run, "execute", actions, Some(&resolved));
         manager.set_asynchronous(false);
         result
-    })
+    };
+    within_gate_then(manager, py, operation, then, || {})
 }
 
 /// Scope entry: the checks and the preflight, then reclaim, reserve and enter. On a
@@ -142,8 +144,9 @@ pub fn enter_scope(
     plan: &Bound<'_, PyAny>,
     transfer_streams: Option<&Bound<'_, PyAny>>,
     expected_version: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    within_gate(manager, py, || {
+    then: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Py<PyAny>> {
+    let operation = || {
         let reservations = plan.getattr(intern!(py, "reservations"))?;
         let reservations: Vec<Bound<'_, PyAny>> =
             reservations.try_iter()?.collect::<PyResult<_>>()?;
@@ -184,6 +187,9 @@ pub fn enter_scope(
             release_tokens(manager, run);
         }
         entered
+    };
+    within_gate_then(manager, py, operation, then, || {
+        release_tokens(manager, run);
     })
 }
 
@@ -213,6 +219,39 @@ fn within_gate(
     let result = operation();
     manager.core().end_transition_and_exit();
     result
+}
+
+/// `operation` as a transition, then, when it succeeded and `then` is given, `then()`
+/// still under the same hold of the gate (the transition over, so it may call back
+/// into the manager): what must act on exactly the state the operation left, with no
+/// other thread's operation in between, such as borrowing what a scope entry made
+/// resident or holding what a prefetch staged (docs/concepts/controller.md#use).
+/// When `then` raises, `undo` runs before the gate is let go. Returns what `then`
+/// returned, `None` without it.
+fn within_gate_then(
+    manager: &CoreManager,
+    py: Python<'_>,
+    operation: impl FnOnce() -> PyResult<()>,
+    then: Option<&Bound<'_, PyAny>>,
+    undo: impl FnOnce(),
+) -> PyResult<Py<PyAny>> {
+    let Some(then) = then.filter(|then| !then.is_none()) else {
+        within_gate(manager, py, operation)?;
+        return Ok(py.None());
+    };
+    manager.enter_transition_gate(py)?;
+    let core = manager.core();
+    if let Err(error) = operation() {
+        core.end_transition_and_exit();
+        return Err(error);
+    }
+    core.end_transition();
+    let result = then.call0();
+    if result.is_err() {
+        undo();
+    }
+    core.exit();
+    result.map(Bound::unbind)
 }
 
 /// What every plan entry does first, in this order: apply queued releases, check the
