@@ -24,6 +24,7 @@ from fhelium.errors import (
     ResidencyError,
     ResidencyHandleError,
     ResidencyInUseError,
+    ResidencyIntegrityError,
     ResidencyLifetimeClosedError,
     ResidencyMaterializationError,
     ResidencyOwnershipError,
@@ -43,6 +44,7 @@ PARENT = {
     ResidencyInUseError: ResidencyError,
     ResidencyLifetimeClosedError: ResidencyError,
     ResidencyMaterializationError: ResidencyError,
+    ResidencyIntegrityError: ResidencyMaterializationError,
     ResidencyOwnershipError: ResidencyError,
     ResidencyPlanError: ResidencyError,
     ResidencyStaleStateError: ResidencyPlanError,
@@ -122,7 +124,8 @@ def test_plan_execution_error_is_sibling_of_plan_error() -> None:
     assert issubclass(ResidencyStaleStateError, ResidencyPlanError)
     assert issubclass(ResidencySearchLimitError, ResidencyPlanError)
     # No other cross-links between the leaves.
-    leaves = [c for c in PARENT if c not in (ResidencyPlanError, ResidencyCollectiveError)]
+    parents = (ResidencyPlanError, ResidencyCollectiveError, ResidencyMaterializationError)
+    leaves = [c for c in PARENT if c not in parents]
     for a in leaves:
         for b in leaves:
             if a is not b:
