@@ -138,6 +138,7 @@ def decide_request(
     python: tuple[Any, Any] | None = None,
     schedule: tuple[ScheduleIndex, int] | None = None,
 ) -> _Decision: ...
+
 @final
 class Checksum:
     """A streaming XXH3-64 checksum; bytes are hashed with the interpreter released."""

@@ -34,24 +34,29 @@ from fhelium.values import ResidentTensor
 CHILD_MEMORY = 6 << 30
 
 
+# The first lines of every child script: its memory is capped before anything else.
+_CAPPED = (
+    f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({CHILD_MEMORY}, {CHILD_MEMORY}))\n"
+)
+
+
 def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
 
 
 def _run_child(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), *args],
+        [sys.executable, "-c", _CAPPED + textwrap.dedent(script), *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
-        preexec_fn=_limit_memory,
     )
 
 
 def _dead_pid() -> int:
     """The id of a process that has exited."""
-    child = subprocess.Popen([sys.executable, "-c", "pass"], preexec_fn=_limit_memory)
+    child = subprocess.Popen([sys.executable, "-c", _CAPPED])
     child.wait(timeout=60)
     return child.pid
 
@@ -65,16 +70,22 @@ def _value(nbytes: int = 1 << 16) -> ResidentTensor:
 
 _TRUNCATE = """
     import os, sys, torch
-    from fhelium.residency._disk import DiskStore
+    from pathlib import Path
+    from fhelium.residency import PAGEABLE_HOST, ReplicaMode, ResidencyManager
+    from fhelium.residency.disk import disk_location
     from fhelium.values import ResidentTensor
-    store = DiskStore(sys.argv[1], "owner", direct=sys.argv[2] == "direct")
-    value = ResidentTensor(torch.randint(0, 256, (4 << 20,), dtype=torch.uint8))
-    file = store.write("v", value)
-    back = store.read(file)
-    os.truncate(file.path, 0)  # behind the store's back
-    # Touch every byte: a map of the file would fault (SIGBUS) here.
-    same = torch.equal(back.tensor, value.tensor)
-    store.close()
+    disk = disk_location(sys.argv[1], direct_io=sys.argv[2] == "direct")
+    manager = ResidencyManager({PAGEABLE_HOST: 64 << 20, disk: 64 << 20})
+    expected = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
+    handle = manager.adopt(ResidentTensor(expected.clone()), replica_mode=ReplicaMode.REPLICABLE)
+    manager.move(handle, disk)
+    manager.ensure(handle, PAGEABLE_HOST)  # read back; the file stays
+    (file,) = Path(sys.argv[1]).glob("*/*.safetensors")
+    os.truncate(file, 0)  # behind the manager's back
+    with manager.acquire([handle], at=PAGEABLE_HOST) as values:
+        # Touch every byte: a map of the file would fault (SIGBUS) here.
+        same = torch.equal(values[handle].tensor, expected)
+    manager.close()
     print("same" if same else "different", flush=True)
 """
 
@@ -319,7 +330,8 @@ def test_file_names_are_unique_across_processes(tmp_path: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     mine = tier.write(location, _value(300), runtime)
     # The parent's next file is not the child's, which inherited the same counter.
-    assert child_path and str(mine.path) != child_path
+    assert child_path
+    assert str(mine.path) != child_path
     back = tier.read(mine, False, runtime)
     assert isinstance(back, ResidentTensor)
     assert torch.equal(back.tensor, _value(300).tensor)

@@ -11,6 +11,7 @@ import json
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -112,7 +113,7 @@ def test_the_checksum_binding_streams_and_checks_its_input() -> None:
     assert Checksum.algorithm == "xxh3-64"
     assert checksum(b"") == 0x2D06800538D394C2  # the reference value of no bytes
     with pytest.raises(ValueError, match="contiguous"):
-        checksum(memoryview(bytearray(64)).cast("B", (8, 8))[:, ::2])  # type: ignore[call-overload]
+        checksum(np.zeros((8, 8), dtype=np.uint8)[:, ::2])
 
 
 def _setup(
@@ -184,7 +185,9 @@ def test_without_verification_the_damaged_bytes_come_back(
         (file,) = Path(disk.path).glob("*/*.safetensors")
         # The checksums are still written.
         with safe_open(str(file), framework="pt") as reader:
-            assert len(json.loads(reader.metadata()["fhelium.checksums"])) == 3
+            # One per storage: a device copy gave each field a storage of its own.
+            storages = 4 if other == CUDA0 else 3
+            assert len(json.loads(reader.metadata()["fhelium.checksums"])) == storages
         _damage(file, "zero")
         manager.move(handle, at, from_location=disk)
         runtime.synchronize_device(torch.device("cuda", 0))
@@ -200,7 +203,8 @@ def test_without_verification_the_damaged_bytes_come_back(
 def test_verify_is_part_of_the_location(tmp_path: Path) -> None:
     checked = disk_location(tmp_path / "v")
     unchecked = disk_location(tmp_path / "v", verify=False)
-    assert checked.verify and not unchecked.verify
+    assert checked.verify
+    assert not unchecked.verify
     assert checked != unchecked
     assert checked.name == unchecked.name
     assert pickle.loads(pickle.dumps(unchecked)) == unchecked

@@ -10,6 +10,7 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -339,37 +340,49 @@ def test_direct_io_moves_whole_pages_of_page_aligned_memory_straight(
 ) -> None:
     if not getattr(os, "O_DIRECT", 0):
         pytest.skip("no O_DIRECT on this platform")
-    writes: list[int] = []
-    reads: list[int] = []
+    store = _disk.DiskStore(tmp_path / "d", "owner", direct=True)
+    staging = _disk.Staging(SimulatedRuntime(0, pinned=False))
+    # Each file write and read: its length, and "ring" or "straight" (the memory it
+    # moves is a staging slot, or the value's own).
+    writes: list[tuple[int, str]] = []
+    reads: list[tuple[int, str]] = []
     real_write, real_preadv = os.write, os.preadv
 
+    def where(data: memoryview) -> str:
+        address = np.frombuffer(data, dtype=np.uint8).ctypes.data
+        for slot in staging.buffers:
+            if slot.data_ptr() <= address < slot.data_ptr() + slot.numel():
+                return "ring"
+        return "straight"
+
     def write(descriptor: int, data: memoryview) -> int:
-        writes.append(len(data))
+        writes.append((len(data), where(data)))
         return real_write(descriptor, data)
 
     def preadv(descriptor: int, buffers: list[memoryview], offset: int) -> int:
-        reads.append(sum(len(buffer) for buffer in buffers))
+        reads.extend((len(buffer), where(buffer)) for buffer in buffers)
         return real_preadv(descriptor, buffers, offset)
 
     monkeypatch.setattr(_disk.os, "write", write)
     monkeypatch.setattr(_disk.os, "preadv", preadv)
-    store = _disk.DiskStore(tmp_path / "d", "owner", direct=True)
-    staging = _disk.Staging(SimulatedRuntime(0, pinned=False))
     nbytes = 5 * CHUNK + 100  # five whole pages and a tail
     memory = _page_aligned(nbytes)
     memory.copy_(torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
     file = store.write("v", ResidentTensor(memory), staging=staging)
     # The header's page from the ring, the value's whole pages straight from its own
-    # memory, then its tail from the ring padded to a page (and truncated after).
-    assert writes == [CHUNK, 5 * CHUNK, CHUNK]
+    # memory (a chunk at a time), then its tail from the ring padded to a page (and
+    # truncated after).
+    page = (CHUNK, "ring")
+    assert writes == [page, *[(CHUNK, "straight")] * 5, page]
     assert file.path.stat().st_size == file.data_start + nbytes
     back = store.read(file, _page_aligned, staging=staging)
-    assert reads == [5 * CHUNK, CHUNK]  # whole pages straight, the tail's page staged
+    # Whole pages straight (a chunk at a time), the tail's page staged.
+    assert reads == [*[(CHUNK, "straight")] * 5, page]
     assert isinstance(back, ResidentTensor)
     assert torch.equal(back.tensor, memory)
     reads.clear()
     unaligned = store.read(file, _off_page, staging=staging)
-    assert reads == [CHUNK] * 6  # all through the ring
+    assert reads == [page] * 6  # all through the ring
     assert isinstance(unaligned, ResidentTensor)
     assert torch.equal(unaligned.tensor, memory)
     staging.close()

@@ -89,8 +89,8 @@ import torch
 
 from fhelium._core import Checksum
 from fhelium.errors import (
-    ResidencyInUseError,
     ResidencyIntegrityError,
+    ResidencyInUseError,
     ResidencyMaterializationError,
 )
 from fhelium.values.tensor_resident import TensorResident
@@ -103,9 +103,11 @@ ALIGN: Final = 4096
 # One staging chunk (a multiple of ALIGN), and how many the ring holds.
 CHUNK: Final = 16 << 20
 SLOTS: Final = 2
-# Buffered reads and writes move (and hash) this many bytes per system call: small
-# enough that the hash reads what the copy just left in the CPU cache.
-PIECE: Final = 1 << 20
+# Buffered reads and writes move this many bytes per system call; each piece is hashed
+# on a background thread while the next is read (or while it is written), so the
+# checksum costs little more than the file I/O. Small enough that the hash reads what
+# the copy just left in the CPU cache.
+PIECE: Final = 4 << 20
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
 
 PREFIX: Final = "fhelium-residency-"
@@ -230,7 +232,6 @@ def _write_owner(directory: Path, record: dict[str, Any]) -> None:
     try:
         os.fchmod(descriptor, FILE_MODE)
         _write_all(descriptor, memoryview(json.dumps(record).encode()))
-        os.fsync(descriptor)
     finally:
         os.close(descriptor)
 
@@ -239,9 +240,7 @@ def _read_owner(directory: int) -> dict[str, Any] | None:
     """The owner record in the directory open as ``directory``, or None where there
     is no readable one (missing, a symlink, not a regular file, not the record)."""
     try:
-        descriptor = os.open(
-            OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory
-        )
+        descriptor = os.open(OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory)
     except OSError:
         return None
     try:
@@ -346,12 +345,13 @@ class DiskStore:
                 os.rename(creating, self.directory)
             except OSError as error:
                 if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise FileExistsError(error.errno, error.strerror, str(self.directory))
+                    raise FileExistsError(
+                        error.errno, error.strerror, str(self.directory)
+                    ) from error
                 raise
         except BaseException:
             _remove_quietly(creating)
             raise
-        _fsync_directory(self.root)
 
     # ------------------------------------------------------------------ owners
 
@@ -550,8 +550,10 @@ class DiskStore:
                         flush()
                     position = length - length % ALIGN
                     straight = memoryview(segment.numpy())[:position]  # type: ignore[arg-type]
-                    whole = [] if hasher is None else [(hasher, 0, position)]
-                    staging.submit(None, inline, _hash_and_write, descriptor, straight, whole)
+                    for at in range(0, position, CHUNK):
+                        piece = straight[at : at + CHUNK]
+                        parts = [] if hasher is None else [(hasher, 0, len(piece))]
+                        staging.submit(None, inline, _hash_and_write, descriptor, piece, parts)
                 while position < length:
                     step = min(CHUNK - fill, length - position)
                     staging.fill(slot, fill, segment[position : position + step], copy_stream)
@@ -677,14 +679,26 @@ class DiskStore:
                     and buffer.data_ptr() % ALIGN == 0
                 ):
                     view = memoryview(buffer.numpy())[:whole]  # type: ignore[arg-type]
-                    done = 0
-                    while done < whole:
-                        got = os.preadv(descriptor, [view[done:]], file.data_start + start + done)
-                        if got <= 0:
-                            raise ended_early()
-                        done += got
-                    if hashers is not None:
-                        hashers[index].update(view)
+                    # A chunk at a time on the I/O thread, each hashed here while the
+                    # next is read.
+                    pieces = [view[at : at + CHUNK] for at in range(0, whole, CHUNK)]
+                    at = file.data_start + start
+                    alone = len(pieces) == 1
+                    staging.submit(None, alone, _read_exactly, descriptor, pieces[0], at, path)
+                    for number, piece in enumerate(pieces):
+                        staging.finish_io()
+                        if number + 1 < len(pieces):
+                            staging.submit(
+                                None,
+                                alone,
+                                _read_exactly,
+                                descriptor,
+                                pieces[number + 1],
+                                at + (number + 1) * CHUNK,
+                                path,
+                            )
+                        if hashers is not None:
+                            hashers[index].update(piece)
                     spans.append((start + whole, size - whole, buffer[whole:], index))
                 else:
                     spans.append((start, size, buffer, index))
@@ -705,19 +719,10 @@ class DiskStore:
                     begin += CHUNK
 
             def read(slot: int, begin: int, step: int) -> None:
-                """On the I/O thread: reads a chunk into ``slot`` and hashes each
-                storage's part of it (chunks run in order, so each storage's bytes
-                reach its checksum in order)."""
                 want = step + (-step % ALIGN) if direct else step
                 got = os.preadv(descriptor, [staging.view(slot, want)], file.data_start + begin)
                 if got < step:
                     raise ended_early()
-                if hashers is not None:
-                    view = staging.view(slot, step)
-                    for offset, length, _, index in spans:
-                        low, high = max(offset, begin), min(offset + length, begin + step)
-                        if low < high:
-                            hashers[index].update(view[low - begin : high - begin])
 
             inline = len(chunks) <= 1
             slot = staging.take()
@@ -729,9 +734,15 @@ class DiskStore:
                 if position + 1 < len(chunks):
                     following = staging.take()
                     staging.submit(following, inline, read, following, *chunks[position + 1])
-                for offset, length, target, _ in spans:
+                # The chunk is here: each storage's part of it is hashed (chunks come in
+                # order, so each checksum gets its bytes in order) while the I/O
+                # thread reads the next, then copied out.
+                chunk = staging.view(slot, step)
+                for offset, length, target, index in spans:
                     low, high = max(offset, begin), min(offset + length, begin + step)
                     if low < high:
+                        if hashers is not None:
+                            hashers[index].update(chunk[low - begin : high - begin])
                         staging.drain(
                             slot, low - begin, target[low - offset : high - offset], stream
                         )
@@ -798,19 +809,45 @@ def _hash_and_write(
     _write_all(descriptor, view)
 
 
+# Per process: the thread that hashes buffered reads and writes beside the file I/O.
+_HASHING: list[tuple[int, ThreadPoolExecutor]] = []
+
+
+def _hash_later(hasher: Checksum, piece: memoryview) -> Future[None] | None:
+    """Starts ``hasher.update(piece)`` on the hashing thread (None: it ran here, as it
+    does once the interpreter is shutting down). The thread runs updates in order."""
+    if not _HASHING or _HASHING[0][0] != os.getpid():
+        # A forked child inherits the executor but not its thread: it makes its own.
+        _HASHING[:] = [(os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="fhelium-hash"))]
+    try:
+        return _HASHING[0][1].submit(hasher.update, piece)
+    except RuntimeError:  # no new threads at interpreter shutdown
+        hasher.update(piece)
+        return None
+
+
+def _wait(future: Future[None] | None) -> None:
+    if future is not None:
+        future.result()
+
+
 def _write_buffered(
     descriptor: int, prefix: bytes, blobs: list[torch.Tensor], hashers: list[Checksum]
 ) -> int:
-    """Writes ``prefix`` then each host blob a `PIECE` at a time, hashing each piece
-    into the blob's checksum just before it is written. Returns the bytes written."""
+    """Writes ``prefix`` then each host blob a `PIECE` at a time; each piece is hashed
+    into its blob's checksum on the hashing thread while it is written. Returns the
+    bytes written."""
     _write_all(descriptor, memoryview(prefix))
     total = len(prefix)
     for blob, hasher in zip(blobs, hashers, strict=True):
         view = memoryview(blob.numpy())  # type: ignore[arg-type]
         for begin in range(0, len(view), PIECE):
             piece = view[begin : begin + PIECE]
-            hasher.update(piece)
-            _write_all(descriptor, piece)
+            hashing = _hash_later(hasher, piece)
+            try:
+                _write_all(descriptor, piece)
+            finally:
+                _wait(hashing)
         total += len(view)
     return total
 
@@ -818,9 +855,11 @@ def _write_buffered(
 def _read_buffered(
     file: DiskFile, buffers: list[torch.Tensor], hashers: list[Checksum] | None
 ) -> None:
-    """Reads each storage of ``file`` into its buffer a `PIECE` at a time, hashing each
-    piece into the storage's checksum as soon as it is read."""
+    """Reads each storage of ``file`` into its buffer a `PIECE` at a time; each piece
+    is hashed into its storage's checksum on the hashing thread while the next is
+    read (one piece in flight, so each checksum gets its bytes in order)."""
     descriptor = os.open(file.path, os.O_RDONLY)
+    hashing: Future[None] | None = None
     try:
         for index, ((offset, length), buffer) in enumerate(
             zip(file.storages, buffers, strict=True)
@@ -829,22 +868,30 @@ def _read_buffered(
             done = 0
             while done < length:
                 piece = view[done : min(length, done + PIECE)]
-                filled = 0
-                while filled < len(piece):
-                    got = os.preadv(
-                        descriptor, [piece[filled:]], file.data_start + offset + done + filled
-                    )
-                    if got <= 0:
-                        raise ResidencyMaterializationError(
-                            f"{file.path} ended early: it was truncated behind the manager's "
-                            "back"
-                        )
-                    filled += got
+                _read_exactly(descriptor, piece, file.data_start + offset + done, file.path)
                 if hashers is not None:
-                    hashers[index].update(piece)
+                    _wait(hashing)
+                    hashing = None
+                    hashing = _hash_later(hashers[index], piece)
                 done += len(piece)
+        _wait(hashing)
+        hashing = None
     finally:
         os.close(descriptor)
+        if hashing is not None:  # a failure: let the last update finish first
+            with contextlib.suppress(Exception):
+                hashing.result()
+
+
+def _read_exactly(descriptor: int, view: memoryview, offset: int, path: Path) -> None:
+    filled = 0
+    while filled < len(view):
+        got = os.preadv(descriptor, [view[filled:]], offset + filled)
+        if got <= 0:
+            raise ResidencyMaterializationError(
+                f"{path} ended early: it was truncated behind the manager's back"
+            )
+        filled += got
 
 
 def _rebuild(file: DiskFile, buffers: list[torch.Tensor]) -> TensorResident:

@@ -9,14 +9,15 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use residency_core::checksum::{ALGORITHM, Checksum as CoreChecksum};
 
-/// Runs `hash` over the bytes of `buffer` with the interpreter released.
+/// Runs `hash` over the bytes of `buffer` with the interpreter released, then
+/// releases the buffer.
 ///
 /// The one place in the crate that reads memory through a raw pointer: a detached
 /// closure cannot hold the `Python` token that pyo3's safe (and copying) accessors need.
 #[allow(unsafe_code)]
 fn with_bytes_detached<R: Send>(
     py: Python<'_>,
-    buffer: &PyBuffer<u8>,
+    buffer: PyBuffer<u8>,
     hash: impl FnOnce(&[u8]) -> R + Send,
 ) -> PyResult<R> {
     let Some(pointer) = buffer.as_slice_ptr() else {
@@ -26,13 +27,15 @@ fn with_bytes_detached<R: Send>(
     };
     // SAFETY: `buffer` is a `PyBuffer<u8>`, a held buffer-protocol view: the exporter
     // is kept alive and its memory neither freed nor moved until the view is released,
-    // which happens only when `buffer` is dropped, after this function returns.
+    // which happens only at `drop(buffer)` below, after the last use of the slice.
     // `as_slice_ptr` returned `Some`, so the view is C-contiguous: `item_count` bytes
     // (`u8` has no alignment or validity requirement) from a non-null pointer. The
     // slice is only read. The disk tier hashes only memory that no other thread writes
     // meanwhile (buffers it has just read into, staging slots it owns).
     let bytes: &[u8] = unsafe { pointer.as_ref() };
-    Ok(py.detach(move || hash(bytes)))
+    let result = py.detach(move || hash(bytes));
+    drop(buffer); // releases the view (taking the interpreter briefly)
+    Ok(result)
 }
 
 /// A streaming XXH3-64 checksum (see `residency_core::checksum`).
@@ -61,7 +64,7 @@ impl Checksum {
     /// with the interpreter released.
     fn update(&self, py: Python<'_>, data: PyBuffer<u8>) -> PyResult<()> {
         let state = &self.state;
-        with_bytes_detached(py, &data, |bytes| {
+        with_bytes_detached(py, data, |bytes| {
             state
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -86,5 +89,5 @@ impl Checksum {
 /// The XXH3-64 checksum of the bytes of `data`, hashed with the interpreter released.
 #[pyfunction]
 pub fn checksum(py: Python<'_>, data: PyBuffer<u8>) -> PyResult<u64> {
-    with_bytes_detached(py, &data, residency_core::checksum::checksum)
+    with_bytes_detached(py, data, residency_core::checksum::checksum)
 }
