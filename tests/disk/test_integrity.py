@@ -27,7 +27,7 @@ from fhelium.residency import (
     _disk,
     cuda_location,
 )
-from fhelium.residency.disk import disk_location
+from fhelium.residency.disk import DiskLocation, disk_location
 from fhelium.residency.simulation import SimulatedRuntime, use_runtime
 from fhelium.values import TensorBundle
 from helpers.manager import assert_balanced, state_key
@@ -118,7 +118,7 @@ def test_the_checksum_binding_streams_and_checks_its_input() -> None:
 
 def _setup(
     tmp_path: Path, target: str, direct_io: bool, *, verify: bool = True
-) -> tuple[SimulatedRuntime, ResidencyLocation, ResidencyLocation]:
+) -> tuple[SimulatedRuntime, DiskLocation, ResidencyLocation]:
     runtime = SimulatedRuntime(1)
     disk = disk_location(tmp_path / f"{target}-{direct_io}", direct_io=direct_io, verify=verify)
     # The value's other copy: on the device, or in pageable memory for a device read.

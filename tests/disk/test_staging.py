@@ -172,7 +172,7 @@ def test_without_pinned_memory_the_ring_is_pageable_and_still_works(tmp_path: Pa
         _check(manager, handle, CUDA0, expected)
         runtime.complete_events()  # the consumer stream is done reading
         manager.move(handle, disk)
-        manager.move(handle, PAGEABLE_HOST)  # a copy-on-write map of the file
+        manager.move(handle, PAGEABLE_HOST)  # read through the ring into new memory
         _check(manager, handle, PAGEABLE_HOST, expected)
         assert_balanced(manager.snapshot())
         manager.close()
