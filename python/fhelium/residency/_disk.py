@@ -103,11 +103,12 @@ ALIGN: Final = 4096
 # One staging chunk (a multiple of ALIGN), and how many the ring holds.
 CHUNK: Final = 16 << 20
 SLOTS: Final = 2
-# Buffered reads and writes move this many bytes per system call; each piece is hashed
-# on a background thread while the next is read (or while it is written), so the
-# checksum costs little more than the file I/O. Small enough that the hash reads what
-# the copy just left in the CPU cache.
-PIECE: Final = 4 << 20
+# Buffered reads and writes move this many bytes per system call, and each piece is
+# hashed right after it is read (or just before it is written): small enough that the
+# hash reads what the copy just left in the CPU's cache, so the checksum costs a
+# fraction of the file I/O (on a machine whose cores are busy, a hashing thread beside
+# the reader measured slower: docs/project.md).
+PIECE: Final = 256 << 10
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
 
 PREFIX: Final = "fhelium-residency-"
@@ -809,45 +810,19 @@ def _hash_and_write(
     _write_all(descriptor, view)
 
 
-# Per process: the thread that hashes buffered reads and writes beside the file I/O.
-_HASHING: list[tuple[int, ThreadPoolExecutor]] = []
-
-
-def _hash_later(hasher: Checksum, piece: memoryview) -> Future[None] | None:
-    """Starts ``hasher.update(piece)`` on the hashing thread (None: it ran here, as it
-    does once the interpreter is shutting down). The thread runs updates in order."""
-    if not _HASHING or _HASHING[0][0] != os.getpid():
-        # A forked child inherits the executor but not its thread: it makes its own.
-        _HASHING[:] = [(os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="fhelium-hash"))]
-    try:
-        return _HASHING[0][1].submit(hasher.update, piece)
-    except RuntimeError:  # no new threads at interpreter shutdown
-        hasher.update(piece)
-        return None
-
-
-def _wait(future: Future[None] | None) -> None:
-    if future is not None:
-        future.result()
-
-
 def _write_buffered(
     descriptor: int, prefix: bytes, blobs: list[torch.Tensor], hashers: list[Checksum]
 ) -> int:
-    """Writes ``prefix`` then each host blob a `PIECE` at a time; each piece is hashed
-    into its blob's checksum on the hashing thread while it is written. Returns the
-    bytes written."""
+    """Writes ``prefix`` then each host blob a `PIECE` at a time, each piece hashed
+    into its blob's checksum just before it is written. Returns the bytes written."""
     _write_all(descriptor, memoryview(prefix))
     total = len(prefix)
     for blob, hasher in zip(blobs, hashers, strict=True):
         view = memoryview(blob.numpy())  # type: ignore[arg-type]
         for begin in range(0, len(view), PIECE):
             piece = view[begin : begin + PIECE]
-            hashing = _hash_later(hasher, piece)
-            try:
-                _write_all(descriptor, piece)
-            finally:
-                _wait(hashing)
+            hasher.update(piece)
+            _write_all(descriptor, piece)
         total += len(view)
     return total
 
@@ -855,32 +830,21 @@ def _write_buffered(
 def _read_buffered(
     file: DiskFile, buffers: list[torch.Tensor], hashers: list[Checksum] | None
 ) -> None:
-    """Reads each storage of ``file`` into its buffer a `PIECE` at a time; each piece
-    is hashed into its storage's checksum on the hashing thread while the next is
-    read (one piece in flight, so each checksum gets its bytes in order)."""
+    """Reads each storage of ``file`` into its buffer a `PIECE` at a time, each piece
+    hashed into its storage's checksum right after it is read."""
     descriptor = os.open(file.path, os.O_RDONLY)
-    hashing: Future[None] | None = None
     try:
         for index, ((offset, length), buffer) in enumerate(
             zip(file.storages, buffers, strict=True)
         ):
             view = memoryview(buffer.numpy())  # type: ignore[arg-type]
-            done = 0
-            while done < length:
-                piece = view[done : min(length, done + PIECE)]
+            for done in range(0, length, PIECE):
+                piece = view[done : done + PIECE]
                 _read_exactly(descriptor, piece, file.data_start + offset + done, file.path)
                 if hashers is not None:
-                    _wait(hashing)
-                    hashing = None
-                    hashing = _hash_later(hashers[index], piece)
-                done += len(piece)
-        _wait(hashing)
-        hashing = None
+                    hashers[index].update(piece)
     finally:
         os.close(descriptor)
-        if hashing is not None:  # a failure: let the last update finish first
-            with contextlib.suppress(Exception):
-                hashing.result()
 
 
 def _read_exactly(descriptor: int, view: memoryview, offset: int, path: Path) -> None:
