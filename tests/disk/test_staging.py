@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fhelium.errors import ResidencyMaterializationError
+from fhelium.errors import ResidencyIntegrityError, ResidencyMaterializationError
 from fhelium.residency import (
     PAGEABLE_HOST,
     PINNED_HOST,
@@ -370,14 +370,13 @@ def test_direct_io_moves_whole_pages_of_page_aligned_memory_straight(
     memory.copy_(torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
     file = store.write("v", ResidentTensor(memory), staging=staging)
     # The header's page from the ring, the value's whole pages straight from its own
-    # memory (a chunk at a time), then its tail from the ring padded to a page (and
-    # truncated after).
+    # memory, then its tail from the ring padded to a page (and truncated after).
     page = (CHUNK, "ring")
-    assert writes == [page, *[(CHUNK, "straight")] * 5, page]
+    assert writes == [page, (5 * CHUNK, "straight"), page]
     assert file.path.stat().st_size == file.data_start + nbytes
     back = store.read(file, _page_aligned, staging=staging)
-    # Whole pages straight (a chunk at a time), the tail's page staged.
-    assert reads == [*[(CHUNK, "straight")] * 5, page]
+    # Whole pages straight, the tail's page staged.
+    assert reads == [(5 * CHUNK, "straight"), page]
     assert isinstance(back, ResidentTensor)
     assert torch.equal(back.tensor, memory)
     reads.clear()
@@ -385,6 +384,26 @@ def test_direct_io_moves_whole_pages_of_page_aligned_memory_straight(
     assert reads == [page] * 6  # all through the ring
     assert isinstance(unaligned, ResidentTensor)
     assert torch.equal(unaligned.tensor, memory)
+    # Straight pieces of two pages: written, read and hashed piece by piece (each
+    # hashed while the next is read), and a damaged page among them is caught.
+    monkeypatch.setattr(_disk, "STRAIGHT", 2 * CHUNK)
+    writes.clear()
+    reads.clear()
+    pieces = [(2 * CHUNK, "straight"), (2 * CHUNK, "straight"), (CHUNK, "straight")]
+    again = store.write("w", ResidentTensor(memory), staging=staging)
+    assert writes == [page, *pieces, page]
+    back = store.read(again, _page_aligned, staging=staging)
+    assert reads == [*pieces, page]
+    assert isinstance(back, ResidentTensor)
+    assert torch.equal(back.tensor, memory)
+    descriptor = os.open(again.path, os.O_WRONLY)
+    try:
+        flipped = bytes([int(memory[3 * CHUNK + 7]) ^ 0x01])
+        os.pwrite(descriptor, flipped, again.data_start + 3 * CHUNK + 7)
+    finally:
+        os.close(descriptor)
+    with pytest.raises(ResidencyIntegrityError, match=again.path.name):
+        store.read(again, _page_aligned, staging=staging)
     staging.close()
     store.close()
 

@@ -103,6 +103,11 @@ ALIGN: Final = 4096
 # One staging chunk (a multiple of ALIGN), and how many the ring holds.
 CHUNK: Final = 16 << 20
 SLOTS: Final = 2
+# With direct I/O, memory on a page moves straight between the file and itself in
+# pieces this large (a multiple of ALIGN): each is hashed on the caller's thread while
+# the ring's I/O thread writes it, or while it reads the next; large pieces keep the
+# device's queue deep.
+STRAIGHT: Final = 64 << 20
 # Buffered reads and writes move this many bytes per system call, and each piece is
 # hashed right after it is read (or just before it is written): small enough that the
 # hash reads what the copy just left in the CPU's cache, so the checksum costs a
@@ -360,7 +365,11 @@ class DiskStore:
         if not self.root.is_dir():
             return
         host, uid, now = socket.gethostname(), os.getuid(), time.time()
-        for name in sorted(os.listdir(self.root)):
+        try:
+            names_in_root = sorted(os.listdir(self.root))
+        except OSError:
+            return  # unreadable: creating the directory below says why
+        for name in names_in_root:
             if not name.startswith(PREFIX):
                 continue
             directory = self.root / name
@@ -522,12 +531,14 @@ class DiskStore:
             pieces: list[tuple[Checksum, int, int]] = []
 
             def flush() -> None:
-                """Hands the slot's ``fill`` bytes to the I/O thread and takes the next."""
+                """Hashes the slot's ``fill`` bytes, hands them to the I/O thread (which
+                writes them while the next slot fills) and takes the next slot."""
                 nonlocal slot, fill, pieces
                 staging.land(slot)
-                staging.submit(
-                    slot, inline, _hash_and_write, descriptor, staging.view(slot, fill), pieces
-                )
+                view = staging.view(slot, fill)
+                for hasher, begin, length in pieces:
+                    hasher.update(view[begin : begin + length])
+                staging.submit(slot, inline, _write_all, descriptor, view)
                 slot, fill, pieces = staging.take(), 0, []
 
             header = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
@@ -551,10 +562,11 @@ class DiskStore:
                         flush()
                     position = length - length % ALIGN
                     straight = memoryview(segment.numpy())[:position]  # type: ignore[arg-type]
-                    for at in range(0, position, CHUNK):
-                        piece = straight[at : at + CHUNK]
-                        parts = [] if hasher is None else [(hasher, 0, len(piece))]
-                        staging.submit(None, inline, _hash_and_write, descriptor, piece, parts)
+                    for at in range(0, position, STRAIGHT):
+                        piece = straight[at : at + STRAIGHT]
+                        staging.submit(None, inline, _write_all, descriptor, piece)
+                        if hasher is not None:  # while the I/O thread writes it
+                            hasher.update(piece)
                 while position < length:
                     step = min(CHUNK - fill, length - position)
                     staging.fill(slot, fill, segment[position : position + step], copy_stream)
@@ -568,9 +580,10 @@ class DiskStore:
             if fill:
                 padded = fill + (-fill % ALIGN) if direct else fill
                 staging.zero(slot, fill, padded)
-                staging.submit(
-                    slot, inline, _hash_and_write, descriptor, staging.view(slot, padded), pieces
-                )
+                view = staging.view(slot, padded)
+                for hasher, begin, length in pieces:
+                    hasher.update(view[begin : begin + length])
+                staging.submit(slot, inline, _write_all, descriptor, view)
             staging.finish_io()
             if direct:
                 os.ftruncate(descriptor, total)
@@ -680,25 +693,23 @@ class DiskStore:
                     and buffer.data_ptr() % ALIGN == 0
                 ):
                     view = memoryview(buffer.numpy())[:whole]  # type: ignore[arg-type]
-                    # A chunk at a time on the I/O thread, each hashed here while the
-                    # next is read.
-                    pieces = [view[at : at + CHUNK] for at in range(0, whole, CHUNK)]
                     at = file.data_start + start
-                    alone = len(pieces) == 1
-                    staging.submit(None, alone, _read_exactly, descriptor, pieces[0], at, path)
-                    for number, piece in enumerate(pieces):
-                        staging.finish_io()
-                        if number + 1 < len(pieces):
-                            staging.submit(
-                                None,
-                                alone,
-                                _read_exactly,
-                                descriptor,
-                                pieces[number + 1],
-                                at + (number + 1) * CHUNK,
-                                path,
-                            )
-                        if hashers is not None:
+                    if hashers is None:  # nothing to overlap: one read
+                        _read_exactly(descriptor, view, at, path)
+                    else:
+                        # A piece at a time on the I/O thread, each hashed here while
+                        # the next is read.
+                        pieces = [view[i : i + STRAIGHT] for i in range(0, whole, STRAIGHT)]
+                        alone = len(pieces) == 1
+                        staging.submit(None, alone, _read_exactly, descriptor, pieces[0], at, path)
+                        for number, piece in enumerate(pieces):
+                            staging.finish_io()
+                            if number + 1 < len(pieces):
+                                after = pieces[number + 1]
+                                where = at + (number + 1) * STRAIGHT
+                                staging.submit(
+                                    None, alone, _read_exactly, descriptor, after, where, path
+                                )
                             hashers[index].update(piece)
                     spans.append((start + whole, size - whole, buffer[whole:], index))
                 else:
@@ -798,16 +809,6 @@ def _write_at(descriptor: int, data: bytes, offset: int, direct: bool) -> None:
             aligned.release()
     finally:
         block.close()
-
-
-def _hash_and_write(
-    descriptor: int, view: memoryview, pieces: list[tuple[Checksum, int, int]]
-) -> None:
-    """Adds each ``(checksum, begin, length)`` piece of ``view`` to its checksum, then
-    writes all of ``view`` (on the ring's I/O thread, in submission order)."""
-    for hasher, begin, length in pieces:
-        hasher.update(view[begin : begin + length])
-    _write_all(descriptor, view)
 
 
 def _write_buffered(
