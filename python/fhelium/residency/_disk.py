@@ -43,8 +43,8 @@ token, so processes sharing a directory (a forked child) never collide.
 Bytes that come from or go to a CUDA device, and every byte of a store opened with
 ``direct=True``, pass through a `Staging` ring: two chunks of `CHUNK` bytes, pinned
 where the runtime can pin, each guarded by the event of the last copy that used it.
-Reading the next chunk from the file overlaps hashing and copying out the one before,
-and hashing and writing a chunk to the file (on the ring's I/O thread) overlaps the
+Reading the next chunk from the file (on the ring's I/O thread) overlaps hashing and
+copying out the one before, and writing a chunk to the file overlaps hashing and the
 device copy of the next. With ``direct=True`` the file is opened with ``O_DIRECT``
 (bypassing the page cache) when the file system allows it, and with buffered I/O
 otherwise.
