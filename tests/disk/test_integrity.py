@@ -185,9 +185,10 @@ def test_without_verification_the_damaged_bytes_come_back(
         (file,) = Path(disk.path).glob("*/*.safetensors")
         # The checksums are still written.
         with safe_open(str(file), framework="pt") as reader:
-            # One per storage: a device copy gave each field a storage of its own.
-            storages = 4 if other == CUDA0 else 3
-            assert len(json.loads(reader.metadata()["fhelium.checksums"])) == storages
+            metadata = reader.metadata()
+        # One per storage (each field names the storage it views).
+        storages = {field[0] for field in json.loads(metadata["fhelium.fields"])}
+        assert len(json.loads(metadata["fhelium.checksums"])) == len(storages) >= 3
         _damage(file, "zero")
         manager.move(handle, at, from_location=disk)
         runtime.synchronize_device(torch.device("cuda", 0))
