@@ -3,10 +3,13 @@
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Final, final
 
+from typing_extensions import Buffer
+
 __all__ = [
     "__version__",
     "MAX_CUDA_INDEX",
     "ActionKind",
+    "Checksum",
     "CoreManager",
     "EnsureOutcome",
     "LeaseFinalizer",
@@ -19,6 +22,7 @@ __all__ = [
     "ScheduleIndex",
     "SimulationView",
     "StateView",
+    "checksum",
     "decide_request",
     "lower_plan",
     "lower_records",
@@ -134,6 +138,18 @@ def decide_request(
     python: tuple[Any, Any] | None = None,
     schedule: tuple[ScheduleIndex, int] | None = None,
 ) -> _Decision: ...
+
+@final
+class Checksum:
+    """A streaming XXH3-64 checksum; bytes are hashed with the interpreter released."""
+
+    algorithm: ClassVar[str]
+    def __new__(cls) -> Checksum: ...
+    def update(self, data: Buffer) -> None: ...
+    def digest(self) -> int: ...
+    def hexdigest(self) -> str: ...
+
+def checksum(data: Buffer) -> int: ...
 def measure_tensors(
     tensors: tuple[Any, ...], pinning_possible: bool = True, /
 ) -> tuple[Any, int, bool | None, int, int, list[tuple[int, int]]] | None: ...

@@ -18,6 +18,7 @@ __all__ = [
     "ResidencyInUseError",
     "ResidencyLifetimeClosedError",
     "ResidencyMaterializationError",
+    "ResidencyIntegrityError",
     "ResidencyOwnershipError",
     "ResidencyPlanError",
     "ResidencyStaleStateError",
@@ -214,6 +215,44 @@ class ResidencyMaterializationError(ResidencyError):
     Also a disk file that cannot be written or read back (see
     docs/concepts/values.md#install and docs/concepts/locations-and-budgets.md#disk).
     """
+
+
+class ResidencyIntegrityError(ResidencyMaterializationError):
+    """A disk file whose bytes no longer match the checksum recorded when it was written.
+
+    Raised by a read from a disk location (to pageable, pinned or device memory) that
+    found a damaged file (a flipped bit, a zeroed range, bytes written behind the
+    manager's back), before any byte was installed: nothing is charged and the value
+    keeps its other materialisations. See
+    docs/concepts/locations-and-budgets.md#integrity.
+
+    Args:
+        path: The damaged file.
+        expected: The checksum recorded at write, 16 hexadecimal digits.
+        actual: The checksum of the bytes read, 16 hexadecimal digits.
+
+    Attributes:
+        path: The damaged file.
+        expected: The recorded checksum (``str``).
+        actual: The checksum of the bytes read (``str``).
+    """
+
+    path: str
+    expected: str
+    actual: str
+
+    def __init__(self, *, path: str, expected: str, actual: str) -> None:
+        self.path = str(path)
+        self.expected = str(expected)
+        self.actual = str(actual)
+        super().__init__(
+            f"{self.path} is damaged: its data's checksum is {self.actual}, not the "
+            f"{self.expected} recorded when it was written (xxh3-64); nothing was installed"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {"path": self.path, "expected": self.expected, "actual": self.actual}
+        return (_rebuild, (type(self), kwargs), self.__dict__)
 
 
 class ResidencyOwnershipError(ResidencyError):

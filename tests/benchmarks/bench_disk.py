@@ -1,11 +1,18 @@
 """Disk store throughput: writing a value with the store (atomic: temporary file,
-flush, fsync, rename, directory fsync) and reading it back (a copy-on-write map, or
-straight into a caller's buffer) against a raw sequential write (write, flush, fsync)
-and read (``readinto`` a buffer) of the same bytes in the same directory.
+checksums computed as the bytes stream, header rewritten, fsync, rename, directory
+fsync) and reading it back (into new pageable memory of its own, or a caller's buffer,
+checksums checked) against a raw sequential write (write, flush, fsync) and read
+(``readinto`` a buffer) of the same bytes in the same directory.
 
 The target (for the disk tier, issue "a disk tier") is a store/raw ratio of at least
 0.90 for 64 MiB to 1 GiB values. Reads through the page cache: the file was just
 written, so both sides read from memory; this measures the store's own overhead.
+
+The "verified read" rows compare the same store read with its checksums checked
+against a store that does not check (``verify=False``): the cost of integrity (target
+0.90 at 256 MiB and 1 GiB). "read pageable + sum" reads into new memory the store owns
+and touches every byte (it used to be a copy-on-write map of the file, filled as
+touched).
 
 Where the file system allows ``O_DIRECT``, the same comparison with direct I/O: a
 store opened with ``direct=True`` (every byte through its staging ring) against a raw
@@ -107,7 +114,12 @@ def _raw_direct_read(path: Path) -> mmap.mmap:
 
 
 def _direct_row(
-    size: int, repeats: int, root: Path, store: DiskStore, staging: Staging
+    size: int,
+    repeats: int,
+    root: Path,
+    store: DiskStore,
+    staging: Staging,
+    unverified: DiskStore,
 ) -> list[tuple[str, float, float]]:
     # The value in page-aligned memory, as pinned memory is: its whole pages are
     # written straight from it.
@@ -149,6 +161,11 @@ def _direct_row(
         )
     finally:
         os.close(descriptor)
+    plain, checked = _paired(
+        lambda: unverified.read(file, _page_aligned, staging=staging),
+        lambda: store.read(file, _page_aligned, staging=staging),
+        repeats,
+    )
     back = store.read(file, lambda n: torch.empty(n, dtype=torch.uint8), staging=staging)
     assert isinstance(back, ResidentTensor)
     assert torch.equal(back.tensor, data)
@@ -159,10 +176,13 @@ def _direct_row(
         ("direct read", raw_read, read_into),
         ("direct read (warm)", warm_read, read_into_2),
         ("direct read, unaligned", raw_read_2, read_unaligned),
+        ("direct verified read (vs unverified)", plain, checked),
     ]
 
 
-def _row(size: int, repeats: int, root: Path, store: DiskStore) -> list[tuple[str, float, float]]:
+def _row(
+    size: int, repeats: int, root: Path, store: DiskStore, unverified: DiskStore
+) -> list[tuple[str, float, float]]:
     data = torch.randint(0, 255, (size * MIB,), dtype=torch.uint8)
     value = ResidentTensor(data)
     raw_path = root / "raw.bin"
@@ -182,16 +202,19 @@ def _row(size: int, repeats: int, root: Path, store: DiskStore) -> list[tuple[st
         repeats,
     )
 
-    def mapped() -> None:
+    def owned() -> None:
         back = store.read(file)
         assert isinstance(back, ResidentTensor)
         back.tensor.sum()  # touch every page
 
-    raw_touch, read_map = _paired(lambda: _raw_read(raw_path).sum(), mapped, repeats)
+    raw_touch, read_owned = _paired(lambda: _raw_read(raw_path).sum(), owned, repeats)
+    # The same file read by a store that does not check it: the checksums' cost alone.
+    plain, checked = _paired(lambda: unverified.read(file), lambda: store.read(file), repeats)
     return [
         ("write", raw_write, store_write),
         ("read into a buffer", raw_read, read_into),
-        ("read mapped + sum", raw_touch, read_map),
+        ("read pageable + sum", raw_touch, read_owned),
+        ("verified read (vs unverified)", plain, checked),
     ]
 
 
@@ -204,14 +227,17 @@ def main() -> None:
     repeats = 3 if args.quick else 5
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         store = DiskStore(root, "bench")
+        unverified = DiskStore(root, "bench-unverified", verify=False)
         print(f"directory: {root}; medians of {repeats}; page cache (no direct I/O)")
         for size in sizes:
-            _report(size, _row(size, repeats, Path(root), store))
+            _report(size, _row(size, repeats, Path(root), store, unverified))
         store.close()
+        unverified.close()
         if not hasattr(os, "O_DIRECT"):
             print("direct I/O: not on this platform")
             return
         direct = DiskStore(root, "bench-direct", direct=True)
+        unverified_direct = DiskStore(root, "bench-direct-unverified", direct=True, verify=False)
         # The ring without a GPU: page-aligned pageable chunks (pinned on a CUDA machine).
         staging = Staging(SimulatedRuntime(0, pinned=False))
         probe = direct.write("probe", ResidentTensor(torch.zeros(1)), staging=staging)
@@ -221,9 +247,12 @@ def main() -> None:
         direct.remove(probe)
         print(f"direct I/O (O_DIRECT), staging {staging.buffers[0].numel() // MIB} MiB x 2")
         for size in sizes:
-            _report(size, _direct_row(size, repeats, Path(root), direct, staging))
+            _report(
+                size, _direct_row(size, repeats, Path(root), direct, staging, unverified_direct)
+            )
         staging.close()
         direct.close()
+        unverified_direct.close()
 
 
 def _report(size: int, rows: list[tuple[str, float, float]]) -> None:
@@ -231,8 +260,8 @@ def _report(size: int, rows: list[tuple[str, float, float]]) -> None:
         ratio = raw / ours
         verdict = "ok" if ratio >= TARGET else f"UNDER {TARGET}"
         print(
-            f"{name:<20} {size:>5} MiB: store {size / ours / 1024:6.2f} GiB/s, "
-            f"raw {size / raw / 1024:6.2f} GiB/s, ratio {ratio:.3f} {verdict}"
+            f"{name:<36} {size:>5} MiB: store {size / ours / 1024:6.2f} GiB/s, "
+            f"baseline {size / raw / 1024:6.2f} GiB/s, ratio {ratio:.3f} {verdict}"
         )
 
 

@@ -10,11 +10,12 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
-from fhelium.errors import ResidencyMaterializationError
+from fhelium.errors import ResidencyIntegrityError, ResidencyMaterializationError
 from fhelium.residency import (
     PAGEABLE_HOST,
     PINNED_HOST,
@@ -171,7 +172,7 @@ def test_without_pinned_memory_the_ring_is_pageable_and_still_works(tmp_path: Pa
         _check(manager, handle, CUDA0, expected)
         runtime.complete_events()  # the consumer stream is done reading
         manager.move(handle, disk)
-        manager.move(handle, PAGEABLE_HOST)  # a copy-on-write map of the file
+        manager.move(handle, PAGEABLE_HOST)  # read through the ring into new memory
         _check(manager, handle, PAGEABLE_HOST, expected)
         assert_balanced(manager.snapshot())
         manager.close()
@@ -339,39 +340,70 @@ def test_direct_io_moves_whole_pages_of_page_aligned_memory_straight(
 ) -> None:
     if not getattr(os, "O_DIRECT", 0):
         pytest.skip("no O_DIRECT on this platform")
-    writes: list[int] = []
-    reads: list[int] = []
+    store = _disk.DiskStore(tmp_path / "d", "owner", direct=True)
+    staging = _disk.Staging(SimulatedRuntime(0, pinned=False))
+    # Each file write and read: its length, and "ring" or "straight" (the memory it
+    # moves is a staging slot, or the value's own).
+    writes: list[tuple[int, str]] = []
+    reads: list[tuple[int, str]] = []
     real_write, real_preadv = os.write, os.preadv
 
+    def where(data: memoryview) -> str:
+        address = np.frombuffer(data, dtype=np.uint8).ctypes.data
+        for slot in staging.buffers:
+            if slot.data_ptr() <= address < slot.data_ptr() + slot.numel():
+                return "ring"
+        return "straight"
+
     def write(descriptor: int, data: memoryview) -> int:
-        writes.append(len(data))
+        writes.append((len(data), where(data)))
         return real_write(descriptor, data)
 
     def preadv(descriptor: int, buffers: list[memoryview], offset: int) -> int:
-        reads.append(sum(len(buffer) for buffer in buffers))
+        reads.extend((len(buffer), where(buffer)) for buffer in buffers)
         return real_preadv(descriptor, buffers, offset)
 
     monkeypatch.setattr(_disk.os, "write", write)
     monkeypatch.setattr(_disk.os, "preadv", preadv)
-    store = _disk.DiskStore(tmp_path / "d", "owner", direct=True)
-    staging = _disk.Staging(SimulatedRuntime(0, pinned=False))
     nbytes = 5 * CHUNK + 100  # five whole pages and a tail
     memory = _page_aligned(nbytes)
     memory.copy_(torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
     file = store.write("v", ResidentTensor(memory), staging=staging)
     # The header's page from the ring, the value's whole pages straight from its own
     # memory, then its tail from the ring padded to a page (and truncated after).
-    assert writes == [CHUNK, 5 * CHUNK, CHUNK]
+    page = (CHUNK, "ring")
+    assert writes == [page, (5 * CHUNK, "straight"), page]
     assert file.path.stat().st_size == file.data_start + nbytes
     back = store.read(file, _page_aligned, staging=staging)
-    assert reads == [5 * CHUNK, CHUNK]  # whole pages straight, the tail's page staged
+    # Whole pages straight, the tail's page staged.
+    assert reads == [(5 * CHUNK, "straight"), page]
     assert isinstance(back, ResidentTensor)
     assert torch.equal(back.tensor, memory)
     reads.clear()
     unaligned = store.read(file, _off_page, staging=staging)
-    assert reads == [CHUNK] * 6  # all through the ring
+    assert reads == [page] * 6  # all through the ring
     assert isinstance(unaligned, ResidentTensor)
     assert torch.equal(unaligned.tensor, memory)
+    # Straight pieces of two pages: written, read and hashed piece by piece (each
+    # hashed while the next is read), and a damaged page among them is caught.
+    monkeypatch.setattr(_disk, "STRAIGHT", 2 * CHUNK)
+    writes.clear()
+    reads.clear()
+    pieces = [(2 * CHUNK, "straight"), (2 * CHUNK, "straight"), (CHUNK, "straight")]
+    again = store.write("w", ResidentTensor(memory), staging=staging)
+    assert writes == [page, *pieces, page]
+    back = store.read(again, _page_aligned, staging=staging)
+    assert reads == [*pieces, page]
+    assert isinstance(back, ResidentTensor)
+    assert torch.equal(back.tensor, memory)
+    descriptor = os.open(again.path, os.O_WRONLY)
+    try:
+        flipped = bytes([int(memory[3 * CHUNK + 7]) ^ 0x01])
+        os.pwrite(descriptor, flipped, again.data_start + 3 * CHUNK + 7)
+    finally:
+        os.close(descriptor)
+    with pytest.raises(ResidencyIntegrityError, match=again.path.name):
+        store.read(again, _page_aligned, staging=staging)
     staging.close()
     store.close()
 

@@ -24,6 +24,7 @@ from fhelium.errors import (
     ResidencyError,
     ResidencyForkedError,
     ResidencyHandleError,
+    ResidencyIntegrityError,
     ResidencyInUseError,
     ResidencyLifetimeClosedError,
     ResidencyMaterializationError,
@@ -44,6 +45,7 @@ PARENT = {
     ResidencyInUseError: ResidencyError,
     ResidencyLifetimeClosedError: ResidencyError,
     ResidencyMaterializationError: ResidencyError,
+    ResidencyIntegrityError: ResidencyMaterializationError,
     ResidencyOwnershipError: ResidencyError,
     ResidencyPlanError: ResidencyError,
     ResidencyStaleStateError: ResidencyPlanError,
@@ -124,7 +126,12 @@ def test_plan_execution_error_is_sibling_of_plan_error() -> None:
     assert issubclass(ResidencyStaleStateError, ResidencyPlanError)
     assert issubclass(ResidencySearchLimitError, ResidencyPlanError)
     # No other cross-links between the leaves.
-    parents = (ResidencyPlanError, ResidencyCollectiveError, ResidencyClosedError)
+    parents = (
+        ResidencyPlanError,
+        ResidencyCollectiveError,
+        ResidencyClosedError,
+        ResidencyMaterializationError,
+    )
     leaves = [c for c in PARENT if c not in parents]
     for a in leaves:
         for b in leaves:

@@ -1,10 +1,12 @@
-"""The files of one owner (a manager) in a disk directory: written atomically, read back
-without an extra copy, removed on request, at close and at interpreter exit.
+"""The files of one owner (a manager) in a disk directory: written atomically with a
+checksum per storage, read back into memory the reader owns and checked on the way,
+removed on request, at close and at interpreter exit.
 
-Layout: ``<root>/fhelium-residency-<owner id>/`` holds ``owner.json`` (who owns the
-directory: process id, host, owner id, process start time) and one ``<name>.safetensors``
-file per stored value. Each file is a standard safetensors file, so other tools can
-read it:
+Layout: ``<root>/fhelium-residency-<owner id>/`` (mode ``0700``) holds ``owner.json``
+(who owns the directory: process id, host, owner id, process start time) and one
+``<name>.safetensors`` file (mode ``0600``) per stored value; both modes are set
+explicitly, whatever the umask. Each file is a standard safetensors file, so other
+tools can read it:
 
 - a tensor field that is exactly its whole contiguous storage is stored as itself,
   under the name ``field.<i>`` (its dtype and shape as safetensors records them);
@@ -13,31 +15,52 @@ read it:
   ``__metadata__`` entry ``fhelium.fields`` (JSON) says, per field, which storage it
   views with which dtype, element offset, shape and stride.
 
-``__metadata__`` also records ``fhelium.format`` (``"1"``) and ``fhelium.fields``
-always, so a reader can rebuild the value's exact tensors, views and sharing.
+``__metadata__`` also records ``fhelium.format`` (``"1"``), ``fhelium.checksum``
+(``"xxh3-64"``) and ``fhelium.checksums``: a JSON list with one checksum per storage,
+in storage order, each 16 lowercase hexadecimal digits (XXH3-64, seed 0, of the
+storage's bytes). The checksums are computed by the Rust core (`fhelium._core.Checksum`,
+the interpreter released) while the bytes stream to the file, a piece or a staging
+chunk at a time, never in a second pass: the header is written first with zeros in
+their place (the same width), and rewritten in place once the data is written, before
+the file is synced and renamed.
 
 The header is padded with spaces (as the format allows) so that the data starts at a
 multiple of 4096 bytes: the data can then be read and written with direct I/O.
 
-Writes go to ``<name>.safetensors.tmp``, are flushed and synced, then renamed over the
-final name, and the directory is synced: a crash leaves at most a ``.tmp`` file, never
-a final file the store would trust. Reads check the file's size against what was
-written, so a file truncated or replaced behind the store's back is refused.
+Writes go to ``<name>.safetensors.tmp`` (created exclusively; only a file this write
+created is ever removed on failure), are synced, then renamed over the final name, and
+the directory is synced: a crash leaves at most a ``.tmp`` file, never a final file the
+store would trust. Reads check the file's size against what was written, so a file
+truncated or replaced behind the store's back is refused, and (unless the store was
+opened with ``verify=False``) each storage's checksum against the one recorded at
+write, before the bytes are returned: a damaged file raises `ResidencyIntegrityError`.
+Every read lands in new memory the reader owns (pageable ``torch.empty`` storage,
+pinned memory, or device memory), never a map of the file: a file truncated or
+rewritten afterwards cannot change the value or kill the process, and deleting the
+file frees its blocks at once. File names carry the writing process's id and a random
+token, so processes sharing a directory (a forked child) never collide.
 
 Bytes that come from or go to a CUDA device, and every byte of a store opened with
 ``direct=True``, pass through a `Staging` ring: two chunks of `CHUNK` bytes, pinned
 where the runtime can pin, each guarded by the event of the last copy that used it.
-Reading the next chunk from the file overlaps the device copy of the one before, and
-writing a chunk to the file overlaps the device copy of the next. With ``direct=True``
-the file is opened with ``O_DIRECT`` (bypassing the page cache) when the file system
-allows it, and with buffered I/O otherwise.
+Reading the next chunk from the file (on the ring's I/O thread) overlaps hashing and
+copying out the one before, and writing a chunk to the file overlaps hashing and the
+device copy of the next. With ``direct=True`` the file is opened with ``O_DIRECT``
+(bypassing the page cache) when the file system allows it, and with buffered I/O
+otherwise.
 
-A directory whose ``owner.json`` names a process of this host that no longer runs was
-left by a killed process. Opening a store in the same root recognises it: with
-``stale="clean"`` its files are removed (a ``RuntimeWarning`` says so; a directory
-holding anything the store did not write is refused instead), with ``stale="refuse"``
-opening fails with ``ResidencyInUseError``. A directory is never reused: every owner
-gets its own.
+A directory is created under a temporary name (``<final name>.creating-<token>``),
+given its ``owner.json``, and renamed into place, so a final directory always names its
+owner. Opening a store in a root sweeps it for stale directories: a
+``fhelium-residency-*`` directory (never a symlink, only one this user owns, looked at
+with ``lstat``) whose ``owner.json`` names a process of this host that no longer runs,
+or that has no readable owner record and has not changed for `STALE_AGE` seconds (a
+process killed while creating it). With ``stale="clean"`` its files are removed (a
+``RuntimeWarning`` says so; nothing is followed through a symlink: a planted link is
+removed, never its target); a directory with an owner that also holds anything the
+store did not write is refused instead, and one with no owner record and such files
+is left alone. With ``stale="refuse"`` opening fails with ``ResidencyInUseError``. A
+directory is never reused: every owner gets its own.
 """
 
 from __future__ import annotations
@@ -47,8 +70,11 @@ import errno
 import json
 import mmap
 import os
+import secrets
 import socket
+import stat
 import struct
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -61,7 +87,12 @@ from typing import Any, Final, Literal
 import numpy as np
 import torch
 
-from fhelium.errors import ResidencyInUseError, ResidencyMaterializationError
+from fhelium._core import Checksum
+from fhelium.errors import (
+    ResidencyIntegrityError,
+    ResidencyInUseError,
+    ResidencyMaterializationError,
+)
 from fhelium.values.tensor_resident import TensorResident
 
 __all__ = ["DiskFile", "DiskStore", "DiskTier"]
@@ -72,13 +103,33 @@ ALIGN: Final = 4096
 # One staging chunk (a multiple of ALIGN), and how many the ring holds.
 CHUNK: Final = 16 << 20
 SLOTS: Final = 2
+# With direct I/O, memory on a page moves straight between the file and itself in
+# pieces this large (a multiple of ALIGN): each is hashed on the caller's thread while
+# the ring's I/O thread writes it, or while it reads the next; large pieces keep the
+# device's queue deep.
+STRAIGHT: Final = 64 << 20
+# Buffered reads and writes move this many bytes per system call, and each piece is
+# hashed right after it is read (or just before it is written): small enough that the
+# hash reads what the copy just left in the CPU's cache, so the checksum costs a
+# fraction of the file I/O (on a machine whose cores are busy, a hashing thread beside
+# the reader measured slower: docs/project.md).
+PIECE: Final = 256 << 10
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
 
 PREFIX: Final = "fhelium-residency-"
 OWNER: Final = "owner.json"
 SUFFIX: Final = ".safetensors"
 TEMPORARY: Final = ".tmp"
+CREATING: Final = ".creating-"
 FORMAT: Final = "1"
+CHECKSUM: Final = "xxh3-64"
+# A store directory with no readable owner record is stale once it has not changed
+# (its mtime) for this many seconds: its creator was killed before writing one.
+STALE_AGE: Final = 600.0
+DIRECTORY_MODE: Final = 0o700
+FILE_MODE: Final = 0o600
+# What a checksum looks like in the header while the data is still being written.
+_UNKNOWN: Final = "0" * 16
 
 _DTYPES: Final[dict[torch.dtype, str]] = {
     torch.float64: "F64",
@@ -109,16 +160,18 @@ class DiskFile:
     # Per field: (storage index, dtype, element offset, shape, stride).
     fields: tuple[tuple[int, torch.dtype, int, tuple[int, ...], tuple[int, ...]], ...]
     data_start: int
+    # Per storage: its XXH3-64 checksum as written, 16 hexadecimal digits.
+    checksums: tuple[str, ...]
 
 
 def _process_start(pid: int) -> str | None:
     """The start time of process ``pid`` as the kernel counts it, where /proc has it
     (it tells a live process from a later one that reused its id)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[-1].split()[19]
+    return stat_line.rsplit(")", 1)[-1].split()[19]
 
 
 def _alive(pid: int, started: str | None) -> bool:
@@ -131,18 +184,41 @@ def _alive(pid: int, started: str | None) -> bool:
     return started is None or _process_start(pid) in (None, started)
 
 
+def _ours(name: str) -> bool:
+    """Whether a directory entry has a name the store writes."""
+    return name == OWNER or name.endswith((SUFFIX, SUFFIX + TEMPORARY))
+
+
+def _open_directory(directory: Path) -> int:
+    """A descriptor for ``directory`` itself, never for what a symlink there names."""
+    return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+
+
 def _remove_quietly(directory: Path) -> None:
-    """Removes the store's own files and then the directory, ignoring what is gone."""
-    for path in directory.glob(f"*{SUFFIX}*"):
-        with contextlib.suppress(OSError):
-            path.unlink()
-    with contextlib.suppress(OSError):
-        (directory / OWNER).unlink()
+    """Removes the store's own files and then the directory, ignoring what is gone.
+    Nothing is followed: a symlink is removed as a link, and the directory is opened
+    with ``O_NOFOLLOW``. ``owner.json`` goes last, so a directory left half-removed
+    still names its owner."""
+    try:
+        descriptor = _open_directory(directory)
+    except OSError:
+        return
+    try:
+        names = os.listdir(descriptor)
+        for name in sorted(names, key=lambda entry: entry == OWNER):
+            if _ours(name):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=descriptor)
+    except OSError:
+        pass  # unreadable: the rmdir below fails and leaves it
+    finally:
+        os.close(descriptor)
     with contextlib.suppress(OSError):
         directory.rmdir()
 
 
 def _remove_owned(directory: Path, owner_pid: int) -> None:
+    # A forked child inherits the finalizer, not the directory: it touches nothing.
     if os.getpid() == owner_pid:
         _remove_quietly(directory)
 
@@ -155,6 +231,65 @@ def _fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
+def _write_owner(directory: Path, record: dict[str, Any]) -> None:
+    descriptor = os.open(
+        directory / OWNER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE
+    )
+    try:
+        os.fchmod(descriptor, FILE_MODE)
+        _write_all(descriptor, memoryview(json.dumps(record).encode()))
+    finally:
+        os.close(descriptor)
+
+
+def _read_owner(directory: int) -> dict[str, Any] | None:
+    """The owner record in the directory open as ``directory``, or None where there
+    is no readable one (missing, a symlink, not a regular file, not the record)."""
+    try:
+        descriptor = os.open(OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        owner = json.loads(os.read(descriptor, 1 << 16))
+        return {
+            "pid": int(owner["pid"]),
+            "host": str(owner["host"]),
+            "owner": str(owner["owner"]),
+            "started": owner.get("started"),
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    finally:
+        os.close(descriptor)
+
+
+def _pageable(nbytes: int) -> torch.Tensor:
+    """New pageable memory owned by the process (never a map of a file)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _prefix(header: dict[str, Any], checksums: list[str]) -> bytes:
+    """The file's first bytes: the header's length, then the header, with
+    ``checksums`` recorded and padded so that the data starts on a page."""
+    header["__metadata__"]["fhelium.checksums"] = json.dumps(checksums, separators=(",", ":"))
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-(8 + len(encoded)) % ALIGN)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _verify(file: DiskFile, hashers: list[Checksum] | None) -> None:
+    """Raises `ResidencyIntegrityError` unless every storage's bytes, as hashed while
+    they were read, have the checksum recorded at write."""
+    if hashers is None:
+        return
+    for hasher, expected in zip(hashers, file.checksums, strict=True):
+        actual = hasher.hexdigest()
+        if actual != expected:
+            raise ResidencyIntegrityError(path=str(file.path), expected=expected, actual=actual)
+
+
 class DiskStore:
     """The files of owner ``owner_id`` under ``root`` (see the module docstring)."""
 
@@ -165,6 +300,7 @@ class DiskStore:
         *,
         stale: Literal["clean", "refuse"] = "clean",
         direct: bool = False,
+        verify: bool = True,
     ) -> None:
         if stale not in ("clean", "refuse"):
             raise ValueError(f"stale must be 'clean' or 'refuse', got {stale!r}")
@@ -172,70 +308,122 @@ class DiskStore:
         # Direct I/O (O_DIRECT) for staged reads and every write; it turns off for good
         # when the file system refuses it.
         self.direct = direct
+        # Check every read against the checksums recorded at write.
+        self.verify = verify
+        self._pid = os.getpid()
         self._handle_stale(stale)
         self.directory = self.root / f"{PREFIX}{owner_id}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.directory.mkdir()
-            owner = {
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "owner": owner_id,
-                "started": _process_start(os.getpid()),
-            }
-            with open(self.directory / OWNER, "x", encoding="utf-8") as file:
-                json.dump(owner, file)
+            self._create(owner_id)
         except FileExistsError as error:
             raise ResidencyInUseError(
                 f"{self.directory} already exists: a directory is never shared or reused"
             ) from error
         except OSError as error:
-            _remove_quietly(self.directory)
             raise ResidencyMaterializationError(
                 f"cannot create the disk directory {self.directory}: {error}"
             ) from error
         # Files left at interpreter exit are removed then, by this process only (a
         # forked child inherits the finalizer, not the directory).
-        self._finalizer = weakref.finalize(self, _remove_owned, self.directory, os.getpid())
+        self._finalizer = weakref.finalize(self, _remove_owned, self.directory, self._pid)
+
+    def _create(self, owner_id: str) -> None:
+        """Makes the directory atomically: under a temporary name, with its owner
+        record, then renamed into place (a killed process leaves at most a temporary
+        directory, which a later sweep removes by age)."""
+        if os.path.lexists(self.directory):
+            raise FileExistsError(errno.EEXIST, "exists", str(self.directory))
+        creating = self.root / f"{PREFIX}{owner_id}{CREATING}{secrets.token_hex(6)}"
+        os.mkdir(creating, DIRECTORY_MODE)
+        try:
+            os.chmod(creating, DIRECTORY_MODE, follow_symlinks=False)
+            _write_owner(
+                creating,
+                {
+                    "pid": self._pid,
+                    "host": socket.gethostname(),
+                    "owner": owner_id,
+                    "started": _process_start(self._pid),
+                },
+            )
+            try:
+                os.rename(creating, self.directory)
+            except OSError as error:
+                if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise FileExistsError(
+                        error.errno, error.strerror, str(self.directory)
+                    ) from error
+                raise
+        except BaseException:
+            _remove_quietly(creating)
+            raise
 
     # ------------------------------------------------------------------ owners
 
     def _handle_stale(self, stale: str) -> None:
         if not self.root.is_dir():
             return
-        host = socket.gethostname()
-        for directory in sorted(self.root.glob(f"{PREFIX}*")):
+        host, uid, now = socket.gethostname(), os.getuid(), time.time()
+        try:
+            names_in_root = sorted(os.listdir(self.root))
+        except OSError:
+            return  # unreadable: creating the directory below says why
+        for name in names_in_root:
+            if not name.startswith(PREFIX):
+                continue
+            directory = self.root / name
             try:
-                owner = json.loads((directory / OWNER).read_text(encoding="utf-8"))
-                pid, started = int(owner["pid"]), owner.get("started")
-                if owner["host"] != host or _alive(pid, started):
+                info = os.lstat(directory)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+                continue  # a symlink or a file, or another user's: never touched
+            try:
+                descriptor = _open_directory(directory)
+            except OSError:
+                continue
+            try:
+                opened = os.fstat(descriptor)
+                if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+                    continue  # replaced since the lstat
+                owner = _read_owner(descriptor)
+                names = os.listdir(descriptor)
+            except OSError:
+                continue
+            finally:
+                os.close(descriptor)
+            if owner is not None:
+                pid = owner["pid"]
+                if owner["host"] != host or _alive(pid, owner["started"]):
                     continue  # another host's, or a live owner's: not ours to judge
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # no readable owner record: not a directory this store made
+                how = (
+                    f"left by residency manager {owner['owner']!r} of process {pid}, which "
+                    "exited without closing it"
+                )
+            else:
+                age = now - info.st_mtime
+                if age < STALE_AGE:
+                    continue  # perhaps being created right now
+                how = (
+                    f"which has no owner record and has not changed for {age:.0f} s (more "
+                    f"than {STALE_AGE:.0f}): left by a process killed while creating it"
+                )
+            foreign = [entry for entry in names if not _ours(entry)]
+            if foreign and owner is None:
+                continue  # not recognisably a store's directory: left alone
             if stale == "refuse":
                 raise ResidencyInUseError(
-                    f"{directory} holds the files of residency manager {owner['owner']!r} "
-                    f"from process {pid}, which exited without closing it; remove it, or "
-                    "open with stale='clean' to have it removed"
+                    f"{directory} holds the files of a residency manager, {how}; remove "
+                    "it, or open with stale='clean' to have it removed"
                 )
-            foreign = [
-                path.name
-                for path in directory.iterdir()
-                if path.name != OWNER and not path.name.endswith((SUFFIX, SUFFIX + TEMPORARY))
-            ]
             if foreign:
                 raise ResidencyInUseError(
-                    f"{directory} was left by process {pid}, which exited without closing "
-                    f"it, but also holds files the manager did not write ({foreign[:3]}); "
-                    "it is left alone: remove it by hand"
+                    f"{directory} was {how}, but also holds files the manager did not write "
+                    f"({sorted(foreign)[:3]}); it is left alone: remove it by hand"
                 )
             _remove_quietly(directory)
-            warnings.warn(
-                f"removed {directory}, left by residency manager {owner['owner']!r} of "
-                f"process {pid}, which exited without closing it",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            warnings.warn(f"removed {directory}, {how}", RuntimeWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ files
 
@@ -250,43 +438,53 @@ class DiskStore:
         staging: Staging | None = None,
         device: torch.device | None = None,
     ) -> DiskFile:
-        """Stores ``value``'s tensors as ``<name>.safetensors``, atomically. A host
-        value's bytes are written from its own memory; a value on CUDA ``device`` (and,
-        with direct I/O, every value) passes through ``staging``."""
+        """Stores ``value``'s tensors as ``<name>.safetensors``, atomically, with a
+        checksum per storage computed as the bytes stream to the file. A host value's
+        bytes are written from its own memory; a value on CUDA ``device`` (and, with
+        direct I/O, every value) passes through ``staging``."""
         tensors = value._resident_tensors
         header, storages, fields, blobs = _layout(tensors)
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-(8 + len(encoded)) % ALIGN)
-        data_start = 8 + len(encoded)
-        prefix = struct.pack("<Q", len(encoded)) + encoded
+        placeholder = _prefix(header, [_UNKNOWN] * len(blobs))
+        data_start = len(placeholder)
+        hashers = [Checksum() for _ in blobs]
         final = self.path_of(name)
         temporary = final.with_name(final.name + TEMPORARY)
         staged = self.direct or device is not None
         if staged and staging is None:
             raise ValueError("writing CUDA bytes or with direct I/O needs a staging ring")
+        created = False  # only a file this call created is ever removed
         try:
-            if staged:
-                assert staging is not None
-                size = self._write_staged(temporary, prefix, blobs, staging, device)
-            else:
-                with open(temporary, "wb") as file:
-                    file.write(prefix)
-                    for blob in blobs:
-                        file.write(blob.numpy().data)
-                    file.flush()
-                    os.fsync(file.fileno())
-                    size = file.tell()
+            descriptor, direct = self._open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            created = True
+            try:
+                os.fchmod(descriptor, FILE_MODE)
+                if staged:
+                    assert staging is not None
+                    size = self._write_staged(
+                        descriptor, direct, placeholder, blobs, hashers, staging, device
+                    )
+                else:
+                    size = _write_buffered(descriptor, placeholder, blobs, hashers)
+                checksums = tuple(hasher.hexdigest() for hasher in hashers)
+                prefix = _prefix(header, list(checksums))
+                assert len(prefix) == data_start  # fixed-width checksums
+                _write_at(descriptor, prefix, 0, direct)
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
             os.replace(temporary, final)
             _fsync_directory(self.directory)
         except OSError as error:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
+            if created:
+                with contextlib.suppress(OSError):
+                    temporary.unlink()
             raise ResidencyMaterializationError(
                 f"writing {final.name} to {self.directory} failed: {error}"
             ) from error
         except BaseException:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
+            if created:
+                with contextlib.suppress(OSError):
+                    temporary.unlink()
             raise
         skeleton = value._with_resident_tensors(
             tuple(
@@ -294,7 +492,7 @@ class DiskStore:
                 for t in tensors
             )
         )
-        return DiskFile(final, size, skeleton, storages, fields, data_start)
+        return DiskFile(final, size, skeleton, storages, fields, data_start, checksums)
 
     def _open(self, path: Path, flags: int) -> tuple[int, bool]:
         """A descriptor for ``path`` and whether it does direct I/O: ``O_DIRECT`` when
@@ -302,42 +500,53 @@ class DiskStore:
         to buffered I/O for good)."""
         if self.direct and _O_DIRECT:
             try:
-                return os.open(path, flags | _O_DIRECT, 0o600), True
+                return os.open(path, flags | _O_DIRECT, FILE_MODE), True
             except OSError as error:
                 if error.errno != errno.EINVAL:
                     raise
                 self.direct = False
-        return os.open(path, flags, 0o600), False
+        return os.open(path, flags, FILE_MODE), False
 
     def _write_staged(
         self,
-        path: Path,
+        descriptor: int,
+        direct: bool,
         prefix: bytes,
         blobs: list[torch.Tensor],
+        hashers: list[Checksum],
         staging: Staging,
         device: torch.device | None,
     ) -> int:
         """Writes ``prefix`` and ``blobs`` (on CUDA ``device``, or on the host for None)
-        to a new ``path`` through ``staging``, a chunk at a time: while the ring's I/O
-        thread writes one slot to the file, the next is filled (from the device, or by
-        a host copy)."""
+        to the new file open as ``descriptor`` through ``staging``, a chunk at a time:
+        while the ring's I/O thread hashes one slot's bytes (into ``hashers``, one per
+        blob) and writes them to the file, the next is filled (from the device, or by a
+        host copy)."""
         stream = None if device is None else staging.runtime.current_stream(device)
-        descriptor, direct = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             total = len(prefix) + sum(int(blob.numel()) for blob in blobs)
             inline = total <= CHUNK  # one chunk: nothing to overlap
             slot, fill = staging.take(), 0
+            # (checksum, begin, length) of each blob's bytes in the slot being filled.
+            pieces: list[tuple[Checksum, int, int]] = []
 
             def flush() -> None:
-                """Hands the slot's ``fill`` bytes to the I/O thread and takes the next."""
-                nonlocal slot, fill
+                """Hashes the slot's ``fill`` bytes, hands them to the I/O thread (which
+                writes them while the next slot fills) and takes the next slot."""
+                nonlocal slot, fill, pieces
                 staging.land(slot)
-                staging.submit(slot, inline, _write_all, descriptor, staging.view(slot, fill))
-                slot, fill = staging.take(), 0
+                view = staging.view(slot, fill)
+                for hasher, begin, length in pieces:
+                    hasher.update(view[begin : begin + length])
+                staging.submit(slot, inline, _write_all, descriptor, view)
+                slot, fill, pieces = staging.take(), 0, []
 
             header = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
-            segments = [(header, None), *((blob, stream) for blob in blobs)]
-            for segment, copy_stream in segments:
+            segments: list[tuple[torch.Tensor, Any, Checksum | None]] = [
+                (header, None, None),
+                *((blob, stream, hasher) for blob, hasher in zip(blobs, hashers, strict=True)),
+            ]
+            for segment, copy_stream, hasher in segments:
                 position, length = 0, int(segment.numel())
                 if (
                     direct
@@ -353,10 +562,16 @@ class DiskStore:
                         flush()
                     position = length - length % ALIGN
                     straight = memoryview(segment.numpy())[:position]  # type: ignore[arg-type]
-                    staging.submit(None, inline, _write_all, descriptor, straight)
+                    for at in range(0, position, STRAIGHT):
+                        piece = straight[at : at + STRAIGHT]
+                        staging.submit(None, inline, _write_all, descriptor, piece)
+                        if hasher is not None:  # while the I/O thread writes it
+                            hasher.update(piece)
                 while position < length:
                     step = min(CHUNK - fill, length - position)
                     staging.fill(slot, fill, segment[position : position + step], copy_stream)
+                    if hasher is not None:
+                        pieces.append((hasher, fill, step))
                     fill += step
                     position += step
                     if fill == CHUNK:
@@ -365,17 +580,17 @@ class DiskStore:
             if fill:
                 padded = fill + (-fill % ALIGN) if direct else fill
                 staging.zero(slot, fill, padded)
-                staging.submit(slot, inline, _write_all, descriptor, staging.view(slot, padded))
+                view = staging.view(slot, padded)
+                for hasher, begin, length in pieces:
+                    hasher.update(view[begin : begin + length])
+                staging.submit(slot, inline, _write_all, descriptor, view)
             staging.finish_io()
             if direct:
                 os.ftruncate(descriptor, total)
-            os.fsync(descriptor)
             return total
         except BaseException as error:
             staging.settle_after(error)
             raise
-        finally:
-            os.close(descriptor)
 
     def _check_size(self, file: DiskFile) -> None:
         size = file.path.stat().st_size
@@ -392,43 +607,22 @@ class DiskStore:
         *,
         staging: Staging | None = None,
     ) -> TensorResident:
-        """The stored value. Without ``allocate`` its storages are private copy-on-write
-        maps of the file (pageable memory, filled from the page cache as touched); with
-        it, each storage is read into ``allocate(nbytes)`` (a flat ``uint8`` CPU tensor,
-        for instance pinned): straight from the file with buffered I/O, or through
-        ``staging`` with direct I/O."""
+        """The stored value, each storage read into new memory: ``allocate(nbytes)`` (a
+        flat ``uint8`` CPU tensor, for instance pinned), or pageable memory the process
+        owns for None (never a map of the file). Straight from the file with buffered
+        I/O, a piece at a time, or through ``staging`` with direct I/O; each storage's
+        checksum is computed as its bytes arrive and checked before the value is
+        returned (unless the store does not verify)."""
         path = file.path
+        hashers = [Checksum() for _ in file.storages] if self.verify else None
         try:
             self._check_size(file)
-            buffers: list[torch.Tensor] = []
-            if allocate is None:
-                for offset, length in file.storages:
-                    mapped = (
-                        np.memmap(
-                            path,
-                            dtype=np.uint8,
-                            mode="c",
-                            offset=file.data_start + offset,
-                            shape=(length,),
-                        )
-                        if length
-                        else np.empty(0, dtype=np.uint8)
-                    )
-                    buffers.append(torch.from_numpy(mapped))
-            elif self.direct and staging is not None:
-                buffers = [allocate(length) for _, length in file.storages]
-                self._read_staged(file, buffers, staging)
+            buffers = [(allocate or _pageable)(length) for _, length in file.storages]
+            if self.direct and staging is not None:
+                self._read_staged(file, buffers, staging, hashers=hashers)
             else:
-                with open(path, "rb") as handle:
-                    for offset, length in file.storages:
-                        buffer = allocate(length)
-                        handle.seek(file.data_start + offset)
-                        view = buffer.numpy().data
-                        if handle.readinto(view) != length:
-                            raise ResidencyMaterializationError(
-                                f"{path} ended early: it was truncated behind the manager's back"
-                            )
-                        buffers.append(buffer)
+                _read_buffered(file, buffers, hashers)
+                _verify(file, hashers)
         except OSError as error:
             raise ResidencyMaterializationError(f"reading {path} failed: {error}") from error
         return _rebuild(file, buffers)
@@ -442,12 +636,14 @@ class DiskStore:
     ) -> tuple[TensorResident, Any]:
         """The stored value on CUDA ``device``, read through ``staging`` and copied on
         ``stream``, and the event that completes when every copy has: the copies are
-        enqueued, not waited for."""
+        enqueued, not waited for. The checksums are checked before it returns; on a
+        mismatch the copies are waited for and nothing is returned."""
         runtime = staging.runtime
+        hashers = [Checksum() for _ in file.storages] if self.verify else None
         try:
             self._check_size(file)
             buffers = [runtime.empty_cuda(length, device, stream) for _, length in file.storages]
-            event = self._read_staged(file, buffers, staging, stream)
+            event = self._read_staged(file, buffers, staging, stream, hashers=hashers)
         except OSError as error:
             raise ResidencyMaterializationError(f"reading {file.path} failed: {error}") from error
         if event is None:  # nothing to copy: an event that orders after nothing
@@ -460,16 +656,20 @@ class DiskStore:
         buffers: list[torch.Tensor],
         staging: Staging,
         stream: Any = None,
+        *,
+        hashers: list[Checksum] | None = None,
     ) -> Any:
-        """Reads the file's data into ``buffers`` (one per storage, host or CUDA).
+        """Reads the file's data into ``buffers`` (one per storage, host or CUDA),
+        hashing each storage's bytes into ``hashers`` as they arrive and checking them
+        at the end (None: no check).
 
         With direct I/O, a host buffer that starts on a page, for a storage that starts
         on a page of the file (the first storage always does), is read into straight
         from the file for all its whole pages. Everything else goes through
         ``staging``, a chunk at a time: while one slot's bytes are copied out (CUDA
         copies enqueued on ``stream``), the ring's I/O thread reads the next chunk into
-        the other. Returns the event of the last device copy (None when none was
-        made)."""
+        the other and hashes it. Returns the event of the last device copy (None when
+        none was made)."""
         descriptor, direct = self._open(file.path, os.O_RDONLY)
         path = file.path
         last = None
@@ -480,9 +680,12 @@ class DiskStore:
             )
 
         try:
-            # (offset in the data, length, flat target) of each byte range to stage.
-            spans: list[tuple[int, int, torch.Tensor]] = []
-            for (start, size), buffer in zip(file.storages, buffers, strict=True):
+            # (offset in the data, length, flat target, storage index) of each byte
+            # range to stage.
+            spans: list[tuple[int, int, torch.Tensor, int]] = []
+            for index, ((start, size), buffer) in enumerate(
+                zip(file.storages, buffers, strict=True)
+            ):
                 whole = size - size % ALIGN if direct and stream is None else 0
                 if (
                     whole
@@ -490,19 +693,31 @@ class DiskStore:
                     and buffer.data_ptr() % ALIGN == 0
                 ):
                     view = memoryview(buffer.numpy())[:whole]  # type: ignore[arg-type]
-                    done = 0
-                    while done < whole:
-                        got = os.preadv(descriptor, [view[done:]], file.data_start + start + done)
-                        if got <= 0:
-                            raise ended_early()
-                        done += got
-                    spans.append((start + whole, size - whole, buffer[whole:]))
+                    at = file.data_start + start
+                    if hashers is None:  # nothing to overlap: one read
+                        _read_exactly(descriptor, view, at, path)
+                    else:
+                        # A piece at a time on the I/O thread, each hashed here while
+                        # the next is read.
+                        pieces = [view[i : i + STRAIGHT] for i in range(0, whole, STRAIGHT)]
+                        alone = len(pieces) == 1
+                        staging.submit(None, alone, _read_exactly, descriptor, pieces[0], at, path)
+                        for number, piece in enumerate(pieces):
+                            staging.finish_io()
+                            if number + 1 < len(pieces):
+                                after = pieces[number + 1]
+                                where = at + (number + 1) * STRAIGHT
+                                staging.submit(
+                                    None, alone, _read_exactly, descriptor, after, where, path
+                                )
+                            hashers[index].update(piece)
+                    spans.append((start + whole, size - whole, buffer[whole:], index))
                 else:
-                    spans.append((start, size, buffer))
+                    spans.append((start, size, buffer, index))
             # The chunks that cover the spans, each starting on a page and at most CHUNK
             # long; a span starting within a chunk's reach extends that chunk.
             chunks: list[tuple[int, int]] = []
-            for offset, length, _ in spans:
+            for offset, length, _, _ in spans:
                 end = offset + length
                 if not length:
                     continue
@@ -531,15 +746,22 @@ class DiskStore:
                 if position + 1 < len(chunks):
                     following = staging.take()
                     staging.submit(following, inline, read, following, *chunks[position + 1])
-                for offset, length, target in spans:
+                # The chunk is here: each storage's part of it is hashed (chunks come in
+                # order, so each checksum gets its bytes in order) while the I/O
+                # thread reads the next, then copied out.
+                chunk = staging.view(slot, step)
+                for offset, length, target, index in spans:
                     low, high = max(offset, begin), min(offset + length, begin + step)
                     if low < high:
+                        if hashers is not None:
+                            hashers[index].update(chunk[low - begin : high - begin])
                         staging.drain(
                             slot, low - begin, target[low - offset : high - offset], stream
                         )
                 event = staging.seal(slot)
                 last = event if event is not None else last
                 slot = following
+            _verify(file, hashers)
             return last
         except BaseException as error:
             staging.settle_after(error)
@@ -548,12 +770,16 @@ class DiskStore:
             os.close(descriptor)
 
     def remove(self, file: DiskFile) -> None:
-        """Deletes the file; one already gone is no error."""
+        """Deletes the file; one already gone is no error. Only the process that made
+        the store deletes its files (a forked child leaves its parent's alone)."""
+        if os.getpid() != self._pid:
+            return
         with contextlib.suppress(FileNotFoundError):
             file.path.unlink()
 
     def close(self) -> None:
-        """Removes every file of the store and its directory."""
+        """Removes every file of the store and its directory (in the process that made
+        it; elsewhere it does nothing)."""
         self._finalizer()
 
 
@@ -561,6 +787,76 @@ def _write_all(descriptor: int, view: memoryview) -> None:
     while view:
         written = os.write(descriptor, view)
         view = view[written:]
+
+
+def _write_at(descriptor: int, data: bytes, offset: int, direct: bool) -> None:
+    """Writes ``data`` at ``offset``; with direct I/O from a page-aligned copy (an
+    anonymous map), as ``O_DIRECT`` needs (``data`` is whole pages then)."""
+    if not direct:
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(descriptor, view, offset + len(data) - len(view)) :]
+        return
+    block = mmap.mmap(-1, len(data))
+    try:
+        block.write(data)
+        aligned = memoryview(block)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(descriptor, aligned[done:], offset + done)
+        finally:
+            aligned.release()
+    finally:
+        block.close()
+
+
+def _write_buffered(
+    descriptor: int, prefix: bytes, blobs: list[torch.Tensor], hashers: list[Checksum]
+) -> int:
+    """Writes ``prefix`` then each host blob a `PIECE` at a time, each piece hashed
+    into its blob's checksum just before it is written. Returns the bytes written."""
+    _write_all(descriptor, memoryview(prefix))
+    total = len(prefix)
+    for blob, hasher in zip(blobs, hashers, strict=True):
+        view = memoryview(blob.numpy())  # type: ignore[arg-type]
+        for begin in range(0, len(view), PIECE):
+            piece = view[begin : begin + PIECE]
+            hasher.update(piece)
+            _write_all(descriptor, piece)
+        total += len(view)
+    return total
+
+
+def _read_buffered(
+    file: DiskFile, buffers: list[torch.Tensor], hashers: list[Checksum] | None
+) -> None:
+    """Reads each storage of ``file`` into its buffer a `PIECE` at a time, each piece
+    hashed into its storage's checksum right after it is read."""
+    descriptor = os.open(file.path, os.O_RDONLY)
+    try:
+        for index, ((offset, length), buffer) in enumerate(
+            zip(file.storages, buffers, strict=True)
+        ):
+            view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+            for done in range(0, length, PIECE):
+                piece = view[done : done + PIECE]
+                _read_exactly(descriptor, piece, file.data_start + offset + done, file.path)
+                if hashers is not None:
+                    hashers[index].update(piece)
+    finally:
+        os.close(descriptor)
+
+
+def _read_exactly(descriptor: int, view: memoryview, offset: int, path: Path) -> None:
+    filled = 0
+    while filled < len(view):
+        got = os.preadv(descriptor, [view[filled:]], offset + filled)
+        if got <= 0:
+            raise ResidencyMaterializationError(
+                f"{path} ended early: it was truncated behind the manager's back"
+            )
+        filled += got
 
 
 def _rebuild(file: DiskFile, buffers: list[torch.Tensor]) -> TensorResident:
@@ -811,6 +1107,7 @@ def _layout(
             }
     header["__metadata__"] = {
         "fhelium.format": FORMAT,
+        "fhelium.checksum": CHECKSUM,
         "fhelium.fields": json.dumps(
             [
                 [index, _DTYPES[dtype], element, list(shape), list(stride)]
@@ -838,7 +1135,12 @@ class DiskTier:
     def _store(self, location: Any) -> DiskStore:
         store = self.stores.get(location.path)
         if store is None:
-            store = DiskStore(location.path, self.owner_id, direct=location.direct_io)
+            store = DiskStore(
+                location.path,
+                self.owner_id,
+                direct=location.direct_io,
+                verify=location.verify,
+            )
             self.stores[location.path] = store
         return store
 
@@ -864,16 +1166,17 @@ class DiskTier:
         cuda = device if device.type == "cuda" else None
         staging = self._staging(runtime) if cuda is not None or store.direct else None
         self.written += 1
-        return store.write(f"value-{self.written}", value, staging=staging, device=cuda)
+        # Unique across processes too: a forked child inherits the counter.
+        name = f"value-{os.getpid()}-{self.written}-{secrets.token_hex(4)}"
+        return store.write(name, value, staging=staging, device=cuda)
 
     def read(self, file: DiskFile, pinned: bool, runtime: Any) -> TensorResident:
-        """The stored value in pageable memory (mapped), or read into new pinned
-        memory."""
+        """The stored value read into new pageable memory of the process's own, or
+        into new pinned memory, its checksums checked."""
         store = self._store_of(file)
-        if not pinned:
-            return store.read(file)
         staging = self._staging(runtime) if store.direct else None
-        return store.read(file, runtime.empty_pinned, staging=staging)
+        allocate = runtime.empty_pinned if pinned else _pageable
+        return store.read(file, allocate, staging=staging)
 
     def read_to_cuda(
         self, file: DiskFile, device: torch.device, stream: Any, runtime: Any

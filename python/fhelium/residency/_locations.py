@@ -69,10 +69,12 @@ def disk_code(location: ResidencyLocation) -> int:
     code = _DISK_CODES.get(path)
     if code is not None:
         known = _LOCATIONS[code]
+        assert isinstance(known, DiskLocation)
         if known != location:
             raise ValueError(
-                f"{location} is named with direct_io={location.direct_io}, but this process "
-                f"already names that directory with direct_io={not location.direct_io}: a "
+                f"{location} is named with direct_io={location.direct_io}, "
+                f"verify={location.verify}, but this process already names that directory "
+                f"with direct_io={known.direct_io}, verify={known.verify}: a "
                 "directory is one location, read and written one way"
             )
     else:

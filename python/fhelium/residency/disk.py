@@ -15,27 +15,36 @@ from fhelium.residency.location import DiskLocation
 __all__ = ["DiskLocation", "disk_location"]
 
 
-def disk_location(path: str | os.PathLike[str], *, direct_io: bool = False) -> DiskLocation:
+def disk_location(
+    path: str | os.PathLike[str], *, direct_io: bool = False, verify: bool = True
+) -> DiskLocation:
     """Return the location of directory ``path`` on local storage.
 
     The path is made absolute and normalised, so equal directories give equal locations. The
-    directory need not exist yet; a manager creates it, and a directory of its own inside it,
-    when it first writes. With ``direct_io=True`` every write, and every read into pinned
-    memory or to a device, bypasses the page cache (``O_DIRECT``, through the staging ring),
-    where the file system allows it; reads into pageable memory stay memory maps. A process
-    names a directory one way: naming it again with the other ``direct_io`` raises
-    `ValueError` where the location is used. Values reach a disk location only by ``ensure``
-    or ``move``, and it cannot be borrowed. See docs/concepts/locations-and-budgets.md#disk.
+    directory need not exist yet; a manager creates it, and a directory of its own inside it
+    (mode ``0700``, files ``0600``), when it first writes. Every file records a checksum
+    (XXH3-64) of each of its storages, computed while it is written; every read, into
+    pageable, pinned or device memory, lands in new memory of the process's own and is
+    checked against them before the value is installed: a damaged file raises
+    `fhelium.errors.ResidencyIntegrityError` and changes nothing. ``verify=False`` skips
+    the check on reads (the checksums are still written). With ``direct_io=True`` every
+    write and every read bypasses the page cache (``O_DIRECT``, through the staging ring),
+    where the file system allows it. A process names a directory one way: naming it again
+    with another ``direct_io`` or ``verify`` raises `ValueError` where the location is
+    used. Values reach a disk location only by ``ensure`` or ``move``, and it cannot be
+    borrowed. See docs/concepts/locations-and-budgets.md#disk.
 
     Args:
         path: The directory.
         direct_io: Read and write the location's files with direct I/O.
+        verify: Check every read against the checksums recorded at write.
 
     Returns:
         The `DiskLocation`, named ``"disk:<path>"``.
 
     Raises:
-        TypeError: ``path`` is not a string or path-like, or ``direct_io`` not a ``bool``.
+        TypeError: ``path`` is not a string or path-like, or ``direct_io`` or ``verify``
+            not a ``bool``.
         ValueError: An empty path or one containing a NUL character.
 
     Example:
@@ -54,4 +63,4 @@ def disk_location(path: str | os.PathLike[str], *, direct_io: bool = False) -> D
         assert disk.name == "disk:" + os.path.abspath("spill")
         ```
     """
-    return DiskLocation(path, direct_io)
+    return DiskLocation(path, direct_io, verify)

@@ -208,25 +208,33 @@ class DiskLocation(ResidencyLocation):
         path: The directory; stored absolute and normalised.
         direct_io: Read and write the files with ``O_DIRECT``, bypassing the page cache
             (see docs/concepts/locations-and-budgets.md#staging-and-direct-io).
+        verify: Check every read against the checksums recorded at write (see
+            docs/concepts/locations-and-budgets.md#integrity).
 
     Attributes:
         path: The directory's absolute, normalised path.
         direct_io: Whether the files are read and written with direct I/O.
+        verify: Whether reads are checked against the files' checksums.
         kind: Always ``"disk"``.
         device: Always ``cpu``.
 
     Raises:
-        TypeError: ``path`` is not a string or path-like, or ``direct_io`` is not a
-            ``bool``.
+        TypeError: ``path`` is not a string or path-like, or ``direct_io`` or ``verify``
+            is not a ``bool``.
         ValueError: An empty path or one containing a NUL character.
     """
 
     path: str
     direct_io: bool
+    verify: bool
 
-    def __init__(self, path: str | os.PathLike[str], direct_io: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], direct_io: bool = False, verify: bool = True
+    ) -> None:
         if not isinstance(direct_io, bool):
             raise TypeError(f"direct_io must be a bool, got {type(direct_io).__name__}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"a disk location needs a directory path, got {type(path).__name__}")
         text = os.fspath(path)
@@ -234,11 +242,12 @@ class DiskLocation(ResidencyLocation):
             raise ValueError(f"a disk location needs a non-empty directory path, got {text!r}")
         object.__setattr__(self, "path", os.path.normpath(os.path.abspath(text)))
         object.__setattr__(self, "direct_io", direct_io)
+        object.__setattr__(self, "verify", verify)
         object.__setattr__(self, "kind", "disk")
         object.__setattr__(self, "device", _CPU)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (DiskLocation, (self.path, self.direct_io))
+        return (DiskLocation, (self.path, self.direct_io, self.verify))
 
 
 seal(ResidencyLocation, DiskLocation)

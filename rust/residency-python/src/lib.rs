@@ -3,6 +3,7 @@
 //! Argument schema errors are raised by the Python glue before anything reaches this
 //! crate; what arrives here is already well-typed, so conversions stay mechanical.
 
+mod checksum;
 mod direct;
 mod errors;
 mod execute;
@@ -35,9 +36,11 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<records::RecordBuilder>()?;
     module.add_class::<plans::PlanRun>()?;
     module.add_class::<lifetimes::LeaseFinalizer>()?;
+    module.add_class::<checksum::Checksum>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(plan::lower_records, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;
     module.add_function(wrap_pyfunction!(search::decide_request, module)?)?;
+    module.add_function(wrap_pyfunction!(checksum::checksum, module)?)?;
     Ok(())
 }
