@@ -303,40 +303,52 @@ class ResidencyStaleStateError(ResidencyPlanError):
 
 
 class ResidencySearchLimitError(ResidencyPlanError):
-    """The controller's bounded search ran out of states before reaching a verdict.
+    """The controller's bounded search stopped before reaching a verdict.
 
-    The request may still be feasible: raise ``search_state_limit`` or simplify it. See
-    docs/concepts/controller.md#decide.
+    The request may still be feasible: raise ``search_state_limit`` or simplify it. The
+    search stops at the first of three bounds (docs/concepts/controller.md#search-bounds):
+    ``search_state_limit`` explored states, the depth of its path, or its memo's memory
+    budget. See docs/concepts/controller.md#decide.
 
     Args:
         request_name: The request's name.
         state_limit: The controller's ``search_state_limit``.
-        explored_states: States explored (equal to the limit).
+        explored_states: States explored (equal to the limit when ``bound == "states"``).
         detail: The search's own account.
+        bound: Which bound stopped it: ``"states"``, ``"depth"`` or ``"memory"``.
 
     Attributes:
         request_name: The request's name.
         state_limit: The limit.
         explored_states: States explored.
         detail: The search's own account.
+        bound: Which bound stopped the search.
     """
 
     request_name: str
     state_limit: int
     explored_states: int
     detail: str
+    bound: str
 
     def __init__(
-        self, *, request_name: str, state_limit: int, explored_states: int, detail: str
+        self,
+        *,
+        request_name: str,
+        state_limit: int,
+        explored_states: int,
+        detail: str,
+        bound: str = "states",
     ) -> None:
         self.request_name = str(request_name)
         self.state_limit = int(state_limit)
         self.explored_states = int(explored_states)
         self.detail = str(detail)
+        self.bound = str(bound)
         super().__init__(
             f"residency search for request {self.request_name!r} is inconclusive: "
-            f"state_limit={self.state_limit}, explored_states={self.explored_states}: "
-            f"{self.detail}"
+            f"state_limit={self.state_limit}, explored_states={self.explored_states}, "
+            f"bound={self.bound}: {self.detail}"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -345,6 +357,7 @@ class ResidencySearchLimitError(ResidencyPlanError):
             "state_limit": self.state_limit,
             "explored_states": self.explored_states,
             "detail": self.detail,
+            "bound": self.bound,
         }
         return (_rebuild, (type(self), kwargs), self.__dict__)
 

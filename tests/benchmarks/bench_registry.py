@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,10 @@ from fhelium.residency import (
     ResidencyValueSpec,
 )
 from fhelium.values import ResidentTensor
+
+# Run as a script: the tests' helpers are beside this folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from helpers.limits import capped
 
 
 class Loader:
@@ -91,7 +96,7 @@ def main() -> None:
     runs = []
     for _ in range(repeats):
         output = subprocess.run(
-            [sys.executable, __file__, "--one", "--count", str(count)],
+            capped([sys.executable, __file__, "--one", "--count", str(count)]),
             check=True,
             capture_output=True,
             text=True,

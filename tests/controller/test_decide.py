@@ -51,6 +51,7 @@ from helpers.controller import (
 )
 from helpers.controller_reference import planning_input, reference_decide
 from helpers.lifetimes import assert_not_reaped, assert_reaped
+from helpers.limits import capped
 from helpers.manager import (
     CUDA0,
     CUDA1,
@@ -405,6 +406,7 @@ def test_limit_reached(sim: Any, limit: int) -> None:
         assert error.request_name == "cascade"
         assert error.state_limit == limit
         assert error.explored_states == limit
+        assert error.bound == "states"
         assert isinstance(error.detail, str)
         assert isinstance(error, ResidencyPlanError)
         assert repr("cascade") in str(error)
@@ -547,7 +549,7 @@ with use_runtime(runtime):
         controller.decide(ResidencyRequest(
             "cycle", [ResidencyRequirement(y, CUDA0), ResidencyRequirement(z, CUDA1)]))
     except ResidencySearchLimitError as error:
-        print("limit", error.state_limit, error.explored_states)
+        print("limit", error.state_limit, error.explored_states, error.bound)
 """
 
 
@@ -580,17 +582,22 @@ def test_cycling_search_ends_at_the_limit(sim: Any, limit: int) -> None:
 
 
 def test_cycling_search_with_the_default_limit_does_not_crash() -> None:
-    """The default limit (100_000) allows a very deep search; it must end with
-    `ResidencySearchLimitError`, not overflow a stack. Run in a subprocess so that a crash
-    fails this test instead of killing the test session."""
+    """The default limit (100_000) allows a search deeper than the depth bound (16384 open
+    states, controller.md#search-bounds); it must end with `ResidencySearchLimitError` at
+    that bound, not overflow a stack. Run in a subprocess (its address space capped) so that a
+    crash fails this test instead of killing the test session."""
     script = CYCLE_SCRIPT.replace("**KWARGS", "")
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False
+        capped([sys.executable, "-c", script]),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert result.returncode == 0, (
         f"decide crashed: returncode={result.returncode}, stderr={result.stderr[-2000:]!r}"
     )
-    assert result.stdout.split() == ["limit", "100000", "100000"]
+    assert result.stdout.split() == ["limit", "100000", "16384", "depth"]
 
 
 # --------------------------------------------------------------------------------------------

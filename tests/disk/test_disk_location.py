@@ -36,6 +36,7 @@ from fhelium.residency import (
 from fhelium.residency.disk import DiskLocation, disk_location
 from fhelium.residency.simulation import SimulatedRuntime, use_runtime
 from fhelium.values import ResidentTensor, TensorBundle
+from helpers.limits import capped
 from helpers.manager import assert_balanced
 
 CUDA0 = cuda_location("cuda:0")
@@ -284,7 +285,7 @@ _KILLED = textwrap.dedent(
 @pytest.mark.parametrize("how", ["exit", "kill"])
 def test_files_after_interpreter_exit_and_after_a_kill(tmp_path: Path, how: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _KILLED, str(tmp_path), how],
+        capped([sys.executable, "-c", _KILLED, str(tmp_path), how]),
         capture_output=True,
         text=True,
         timeout=120,

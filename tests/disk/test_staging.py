@@ -30,6 +30,7 @@ from fhelium.residency.disk import disk_location
 from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
 from fhelium.residency.simulation import SimulatedRuntime, Timeline, current_runtime, use_runtime
 from fhelium.values import ResidentTensor, TensorBundle
+from helpers.limits import capped_memory
 from helpers.manager import assert_balanced
 
 CUDA0 = cuda_location("cuda:0")
@@ -418,6 +419,7 @@ def test_a_forked_child_gets_its_own_io_thread(tmp_path: Path) -> None:
     store.write("parent", value, staging=staging)
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's outcome is its exit status
+        capped_memory()
         signal.alarm(20)
         try:
             file = store.write("child", value, staging=staging)

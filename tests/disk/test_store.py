@@ -22,6 +22,7 @@ from fhelium.errors import ResidencyInUseError, ResidencyMaterializationError
 from fhelium.residency import _disk
 from fhelium.residency._disk import DiskStore
 from fhelium.values import ResidentTensor, TensorBundle
+from helpers.limits import capped, capped_memory
 
 
 def _store(tmp_path: Path, owner: str = "owner-1") -> DiskStore:
@@ -143,7 +144,7 @@ _CHILD = textwrap.dedent(
 
 def _child(root: Path, owner: str, how: str) -> Path:
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(root), owner, how],
+        capped([sys.executable, "-c", _CHILD, str(root), owner, how]),
         capture_output=True,
         text=True,
         timeout=120,
@@ -170,6 +171,7 @@ def test_a_forked_child_leaves_its_parents_files(tmp_path: Path) -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
     if pid == 0:  # the child exits through the finalizers, as an interpreter would
+        capped_memory()
         store._finalizer()
         os._exit(0)
     os.waitpid(pid, 0)

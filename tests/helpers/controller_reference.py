@@ -16,14 +16,17 @@ Output: `reference_decide(planning)` returns a `RefOutcome`:
 
 * `kind == "ok"`: `reclaim`, `enter`, `evictions` (tuples
   `(action, rank, released_location, released_nbytes, reason)`) and `explored_states`;
-* `kind == "limit"`: the search-state limit was reached (`explored_states == limit`);
+* `kind == "limit"`: the search-state limit was reached (`explored_states == limit`), or
+  the depth bound (`MAX_SEARCH_DEPTH` states open on the path, `bound == "depth"`);
 * `kind == "infeasible"`: the search was exhausted;
 * `kind == "handle"` / `kind == "ownership"`: request validation failed
   (controller.md#decide, step 3).
 
 A policy whose ordering is not a permutation raises `RuntimeError`, as `decide` does.
 The manager-side `explain` (controller.md#decide, step 7) is not modelled: a caller that needs
-it explains `ref_plan(planning, outcome)` on the live manager.
+it explains `ref_plan(planning, outcome)` on the live manager. Nor is the memo's memory bound
+(controller.md#search-bounds), which counts the core's own byte sizes: the searches compared
+here stay far below it.
 """
 
 from __future__ import annotations
@@ -270,7 +273,13 @@ class _Fail(Exception):
 
 
 class _Limit(Exception):
-    pass
+    def __init__(self, message: str, bound: str) -> None:
+        super().__init__(message)
+        self.bound = bound
+
+
+# controller.md#search-bounds: the deepest the search goes, in counted states open on its path.
+MAX_SEARCH_DEPTH = 16_384
 
 
 class _Search:
@@ -283,6 +292,7 @@ class _Search:
         self.budgets = {e.location: e.budget_bytes for e in planning.locations}
         self.required = {(r.handle, r.location) for r in planning.request.requirements}
         self.explored = 0
+        self.depth = 0
         self.failed_requests: set[Any] = set()
         self.failed_capacities: set[Any] = set()
 
@@ -306,7 +316,9 @@ class _Search:
 
     def count(self) -> None:
         if self.explored >= self.limit:
-            raise _Limit(f"search state limit {self.limit} reached")
+            raise _Limit(f"search state limit {self.limit} reached", "states")
+        if self.depth >= MAX_SEARCH_DEPTH:
+            raise _Limit(f"search depth bound {MAX_SEARCH_DEPTH} reached", "depth")
         self.explored += 1
 
     # --- request simulation --------------------------------------------------------------------
@@ -410,6 +422,13 @@ class _Search:
         if key in self.failed_requests:
             raise _Fail("the equivalent state is already exhausted")
         self.count()
+        self.depth += 1
+        try:
+            return self.search_request_open(state, key)
+        finally:
+            self.depth -= 1
+
+    def search_request_open(self, state: _State, key: Any) -> tuple[_State, list[Any]]:
         try:
             enter = self.simulate(state)
         except _Capacity as failure:
@@ -518,16 +537,20 @@ class _Search:
         if key in self.failed_capacities:
             return
         self.count()
+        self.depth += 1
         yielded = False
-        for rank, candidate in enumerate(self.ordered(state, destination, blocked)):
-            if (candidate.handle, destination) in active:
-                continue
-            for reclaimed in self.reclaim_states(state, candidate, rank, blocked, active):
-                for reached in self.capacity_states(
-                    reclaimed, destination, additional, blocked, active
-                ):
-                    yielded = True
-                    yield reached
+        try:
+            for rank, candidate in enumerate(self.ordered(state, destination, blocked)):
+                if (candidate.handle, destination) in active:
+                    continue
+                for reclaimed in self.reclaim_states(state, candidate, rank, blocked, active):
+                    for reached in self.capacity_states(
+                        reclaimed, destination, additional, blocked, active
+                    ):
+                        yielded = True
+                        yield reached
+        finally:
+            self.depth -= 1
         if not yielded:
             self.failed_capacities.add(key)
 
@@ -583,7 +606,8 @@ def reference_decide(planning: PlanningInput) -> RefOutcome:
     try:
         final, enter = search.search_request(state)
     except _Limit as limit:
-        assert search.explored == planning.search_state_limit
+        if limit.bound == "states":
+            assert search.explored == planning.search_state_limit
         return RefOutcome("limit", explored_states=search.explored, detail=str(limit))
     except _Fail as failure:
         return RefOutcome("infeasible", explored_states=search.explored, detail=str(failure))

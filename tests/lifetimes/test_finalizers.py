@@ -35,6 +35,7 @@ from helpers.lifetimes import (
     root_lists_holding,
     rt_fixture,  # noqa: F401
 )
+from helpers.limits import capped
 from helpers.manager import CUDA0, loc_snap
 
 
@@ -256,7 +257,7 @@ EXIT_SCRIPT = textwrap.dedent(
 def test_interpreter_exit_with_live_lifetimes(mode: str) -> None:
     try:
         result = subprocess.run(
-            [sys.executable, "-W", "always::ResourceWarning", "-c", EXIT_SCRIPT, mode],
+            capped([sys.executable, "-W", "always::ResourceWarning", "-c", EXIT_SCRIPT, mode]),
             capture_output=True,
             text=True,
             timeout=90,

@@ -319,6 +319,18 @@ def test_search_limit_error_pickle() -> None:
         10,
         "d",
     )
+    assert clone.bound == "states"
+
+
+def test_search_limit_error_names_its_bound() -> None:
+    # controller.md#search-bounds: "states" by default, "depth" or "memory" otherwise.
+    err = ResidencySearchLimitError(
+        request_name="r", state_limit=10**12, explored_states=16384, detail="d", bound="depth"
+    )
+    assert err.bound == "depth"
+    assert "bound=depth" in str(err)
+    clone = pickle.loads(pickle.dumps(err))
+    assert (clone.bound, clone.explored_states, str(clone)) == ("depth", 16384, str(err))
 
 
 # --- ResidencyPlanExecutionError -----------------------------------------------------------------

@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from helpers.limits import capped
+
 SCRIPT = textwrap.dedent(
     """
     import torch
@@ -64,7 +66,7 @@ SCRIPT = textwrap.dedent(
 def test_interpreter_exit_with_everything_open() -> None:
     try:
         result = subprocess.run(
-            [sys.executable, "-W", "always::ResourceWarning", "-c", SCRIPT],
+            capped([sys.executable, "-W", "always::ResourceWarning", "-c", SCRIPT]),
             capture_output=True,
             text=True,
             timeout=120,

@@ -25,6 +25,7 @@ import torch
 
 from fhelium.residency._runtime import cuda_events
 from fhelium.residency._runtime.cuda_events import CudaEvent, CudaEventPool, cuda_bindings_available
+from helpers.limits import capped
 
 DEADLOCK_TIMEOUT_S = 10.0
 
@@ -309,7 +310,11 @@ def test_importing_touches_neither_cuda_nor_the_bindings() -> None:
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+        capped([sys.executable, "-c", script]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "imported"

@@ -257,7 +257,8 @@ class ResidencyController:
         manager: The manager to decide for.
         policy: The eviction policy; `DeterministicTieredLRU` without tiers by default.
         search_state_limit: The most search states `decide` explores before giving up
-            (a strict int > 0).
+            (a strict int > 0). The search's depth and memory are bounded whatever it is
+            (docs/concepts/controller.md#search-bounds).
 
     Raises:
         TypeError: ``manager`` is not a `ResidencyManager`; ``policy`` does not implement
@@ -422,8 +423,8 @@ class ResidencyController:
             TypeError: ``request`` is not a `ResidencyRequest`.
             ResidencyHandleError: A requirement's handle is foreign, unknown or discarded.
             ResidencyOwnershipError: An EXCLUSIVE value is required at several locations.
-            ResidencySearchLimitError: The search reached ``search_state_limit`` without a
-                verdict.
+            ResidencySearchLimitError: The search reached ``search_state_limit``, its depth
+                bound or its memo's memory bound without a verdict (``bound`` says which).
             ResidencyPlanError: The request is infeasible, or its plan's explanation is not
                 feasible (an unusable CUDA location, say).
             ResidencyClosedError: The manager is closed.

@@ -51,14 +51,16 @@ pub enum CoreError {
     #[error("{message}")]
     Ownership { message: String },
 
-    /// The controller's bounded search stopped without a verdict.
+    /// The controller's bounded search stopped without a verdict: it reached `bound`
+    /// (`"states"`, `"depth"` or `"memory"`, docs/concepts/controller.md#search-bounds).
     #[error(
-        "request {request_name:?}: search inconclusive, state_limit={state_limit}, explored_states={explored_states}: {detail}"
+        "request {request_name:?}: search inconclusive ({bound} bound), state_limit={state_limit}, explored_states={explored_states}: {detail}"
     )]
     SearchLimit {
         request_name: String,
         state_limit: u64,
         explored_states: u64,
+        bound: &'static str,
         detail: String,
     },
 
@@ -139,11 +141,12 @@ mod tests {
             request_name: "r".into(),
             state_limit: 3,
             explored_states: 3,
+            bound: "states",
             detail: "d".into(),
         };
         assert_eq!(
             limit.to_string(),
-            "request \"r\": search inconclusive, state_limit=3, explored_states=3: d"
+            "request \"r\": search inconclusive (states bound), state_limit=3, explored_states=3: d"
         );
         let infeasible = CoreError::SearchInfeasible {
             request_name: "r".into(),

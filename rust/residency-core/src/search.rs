@@ -7,13 +7,20 @@
 //! planning state plus a persistent overlay of the values it changed, so cloning a
 //! state and computing its memo signature cost what the plan changed, not what the
 //! manager holds.
+//!
+//! The search is bounded three ways (docs/concepts/controller.md#search-bounds): by
+//! the caller's state limit, by [`MAX_SEARCH_DEPTH`] nested states on the depth-first
+//! path and by [`MEMO_BUDGET_BYTES`] of remembered failures, so its memory does not
+//! grow with the state limit. Each level of the path costs a bounded amount: a state
+//! adds one node to its ancestors' reclaim history ([`Trail`]), and the values blocked
+//! and reclaims active in a branch are links on the stack ([`Chain`]).
 
 use std::collections::BTreeMap;
 
 use crate::fasthash::{FastMap, FastSet};
 use std::sync::Arc;
 
-use imbl::{HashMap as PMap, Vector};
+use imbl::HashMap as PMap;
 
 use crate::error::CoreError;
 use crate::location::Location;
@@ -277,10 +284,104 @@ pub trait SearchPolicy {
     }
 }
 
+/// The deepest the depth-first search goes, in counted states open on its path (each
+/// a request search or a search for capacity at a tier; every reclaim action of a
+/// plan opens at least one). A level holds about 5 KiB (stack and state), so the path
+/// stays under about 80 MiB (docs/concepts/controller.md#search-bounds).
+pub const MAX_SEARCH_DEPTH: u64 = 16_384;
+
+/// The budget of the memo of exhausted states, in the bytes its keys' elements take
+/// (see [`Search::memo_cost`]); the hash tables that hold them take up to about twice.
+pub const MEMO_BUDGET_BYTES: u64 = 64 << 20;
+
+/// A failure's detail is cut after this many bytes: the notes of a candidate's own
+/// failure are nested in its parent's, and a large exhausted search would otherwise
+/// build a message as long as the search.
+pub const MAX_DETAIL_BYTES: usize = 1024;
+
+/// The search polls the policy's interrupt check once per this many search steps
+/// (entries of a request or capacity search, memo hits included).
+const INTERRUPT_PERIOD: u64 = 32;
+
+/// The fixed part of a remembered failure's cost against [`MEMO_BUDGET_BYTES`]: its
+/// hash table slot and the headers of its key's lists.
+const MEMO_ENTRY_BYTES: usize = 64;
+
+/// The notes of a failed request search: its candidates' own failures, joined up to
+/// [`MAX_DETAIL_BYTES`] and then counted.
+#[derive(Debug, Default)]
+struct Notes {
+    text: String,
+    omitted: u64,
+}
+
+impl Notes {
+    fn add(&mut self, note: &str) {
+        if self.text.len() >= MAX_DETAIL_BYTES {
+            self.omitted += 1;
+            return;
+        }
+        if !self.text.is_empty() {
+            self.text.push_str("; ");
+        }
+        let room = MAX_DETAIL_BYTES.saturating_sub(self.text.len());
+        if note.len() <= room {
+            self.text.push_str(note);
+        } else {
+            let mut cut = room;
+            while !note.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            self.text.push_str(&note[..cut]);
+            self.text.push_str("...");
+        }
+    }
+
+    /// The suffix of the failure's detail: empty without notes.
+    fn finish(self) -> String {
+        if self.text.is_empty() {
+            return String::new();
+        }
+        if self.omitted == 0 {
+            return format!("; candidates: {}", self.text);
+        }
+        format!(
+            "; candidates: {}; {} more candidate(s) failed",
+            self.text, self.omitted
+        )
+    }
+}
+
+/// Which of the search's bounds ended it (docs/concepts/controller.md#search-bounds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SearchBound {
+    /// The caller's state limit (`search_state_limit`).
+    States,
+    /// [`MAX_SEARCH_DEPTH`] nested states.
+    Depth,
+    /// [`MEMO_BUDGET_BYTES`] of remembered failures.
+    Memory,
+}
+
+impl SearchBound {
+    /// The bound's name, as `ResidencySearchLimitError.bound` reports it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::States => "states",
+            Self::Depth => "depth",
+            Self::Memory => "memory",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SearchError {
-    /// The state limit was reached: inconclusive.
-    Limit { explored: u64, detail: String },
+    /// A bound was reached: inconclusive.
+    Limit {
+        explored: u64,
+        bound: SearchBound,
+        detail: String,
+    },
     /// Exhausted: infeasible.
     Infeasible { detail: String },
     /// A required value has neither a materialisation nor a source.
@@ -305,10 +406,15 @@ impl SearchError {
         handle_id: impl FnOnce(usize) -> Option<String>,
     ) -> CoreError {
         match self {
-            Self::Limit { explored, detail } => CoreError::SearchLimit {
+            Self::Limit {
+                explored,
+                bound,
+                detail,
+            } => CoreError::SearchLimit {
                 request_name: request_name.to_owned(),
                 state_limit,
                 explored_states: explored,
+                bound: bound.name(),
                 detail,
             },
             Self::Infeasible { detail } => CoreError::SearchInfeasible {
@@ -523,20 +629,114 @@ struct Books {
     reserved: u64,
 }
 
+/// An append-only persistent list: a state's reclaim history shares its ancestors' and
+/// adds one node per step, so a path of `n` states holds `n` nodes (a chunked
+/// persistent vector would copy its last chunk, dozens of entries, at every step).
+#[derive(Debug)]
+struct Trail<T> {
+    last: Option<Arc<TrailNode<T>>>,
+}
+
+#[derive(Debug)]
+struct TrailNode<T> {
+    item: T,
+    previous: Option<Arc<TrailNode<T>>>,
+}
+
+impl<T> Default for Trail<T> {
+    fn default() -> Self {
+        Self { last: None }
+    }
+}
+
+impl<T> Clone for Trail<T> {
+    fn clone(&self) -> Self {
+        Self {
+            last: self.last.clone(),
+        }
+    }
+}
+
+impl<T> Trail<T> {
+    fn push(&mut self, item: T) {
+        let previous = self.last.take();
+        self.last = Some(Arc::new(TrailNode { item, previous }));
+    }
+
+    /// The items, last first.
+    fn iter_back(&self) -> impl Iterator<Item = &T> {
+        let mut node = self.last.as_deref();
+        std::iter::from_fn(move || {
+            let current = node?;
+            node = current.previous.as_deref();
+            Some(&current.item)
+        })
+    }
+
+    /// The items, first first.
+    fn to_vec(&self) -> Vec<T>
+    where
+        T: Clone,
+    {
+        let mut items: Vec<T> = self.iter_back().cloned().collect();
+        items.reverse();
+        items
+    }
+}
+
+impl<T> Drop for Trail<T> {
+    fn drop(&mut self) {
+        // Unlinked one node at a time: dropping a long trail recursively would take one
+        // stack frame per node.
+        let mut next = self.last.take();
+        while let Some(node) = next {
+            match Arc::try_unwrap(node) {
+                Ok(mut node) => next = node.previous.take(),
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+/// A list on the stack: each level of the recursion links one item to its caller's
+/// list, which it borrows (the values blocked and the reclaims active in a branch).
+#[derive(Debug, Clone, Copy)]
+enum Chain<'a, T> {
+    End,
+    Link(T, &'a Chain<'a, T>),
+}
+
+impl<T: Copy + PartialEq> Chain<'_, T> {
+    fn iter(&self) -> impl Iterator<Item = T> + '_ {
+        let mut link = self;
+        std::iter::from_fn(move || match link {
+            Chain::End => None,
+            Chain::Link(item, rest) => {
+                link = rest;
+                Some(*item)
+            }
+        })
+    }
+
+    fn contains(&self, item: &T) -> bool {
+        self.iter().any(|known| known == *item)
+    }
+}
+
 /// One planning state: the initial values plus an overlay of changed ones.
 #[derive(Debug, Clone)]
 struct State {
     changed: PMap<usize, Arc<Vec<MatInfo>>>,
     /// Sorted by location (canonical order).
     books: Vec<Books>,
-    reclaim: Vector<Planned>,
-    evictions: Vector<Eviction>,
+    reclaim: Trail<Planned>,
+    evictions: Trail<Eviction>,
     /// Where the last failed simulation of an ancestor stopped, so a descendant whose
     /// reclaims cannot have changed the simulated prefix resumes there (not part of
     /// the memo signature).
     resume: Option<Arc<Resume>>,
     /// Values whose materialisations changed since `resume` was recorded.
-    touched: Vector<usize>,
+    touched: Trail<usize>,
 }
 
 /// A simulation prefix that succeeded before a capacity failure at `index`.
@@ -546,16 +746,24 @@ struct Resume {
     index: usize,
     /// Books before that requirement.
     books: Vec<Books>,
-    /// Materialisations the prefix projected.
-    mats: Vec<(usize, Arc<Vec<MatInfo>>)>,
-    actions: Vec<Planned>,
-    /// Values the prefix read and locations whose capacity it checked: a reclaim that
-    /// touches such a value, or raises the charge at such a location, could change
-    /// the prefix, and then the request is simulated from the start.
-    values: FastSet<usize>,
+    /// What the prefix projected: shared with the descendants whose own resumed
+    /// simulation fails at the same requirement, as a path of evictions does until
+    /// enough is free.
+    prefix: Arc<Prefix>,
+    /// Locations whose capacity the prefix checked. A reclaim that raises the charge
+    /// at such a location, or touches a value the prefix read (the values of the
+    /// requirements before `index`, `Search::first_required`), could change the
+    /// prefix, and then the request is simulated from the start.
     locations: FastSet<Location>,
     /// The books of the simulated state, to carry a descendant's reclaims over.
     base_books: Vec<Books>,
+}
+
+/// The materialisations and actions of a simulated prefix.
+#[derive(Debug)]
+struct Prefix {
+    mats: Vec<(usize, Arc<Vec<MatInfo>>)>,
+    actions: Vec<Planned>,
 }
 
 /// A capacity failure in `simulate`.
@@ -574,11 +782,11 @@ enum SimError {
 /// Candidates at one location in the policy's order, produced on demand: with a
 /// policy that has a global order, the depth-first search usually takes the first few
 /// and never lists the rest.
-enum Candidates {
+enum Candidates<'b> {
     Listed(std::vec::IntoIter<Candidate>),
     Lazy {
         location: Location,
-        blocked: Vec<usize>,
+        blocked: Chain<'b, usize>,
         /// 0: ordinary candidates, 1: required endpoints, 2: done.
         pass: u8,
         cursor: (u8, usize),
@@ -595,14 +803,8 @@ enum Flow {
 type Signature = (Vec<(usize, Vec<Location>)>, Vec<Books>);
 
 /// A resumed simulation: trial state, actions so far, the index to continue at, and
-/// the values read and locations checked so far.
-type Resumed = (
-    State,
-    Vec<Planned>,
-    usize,
-    FastSet<usize>,
-    FastSet<Location>,
-);
+/// the locations checked so far.
+type Resumed = (State, Vec<Planned>, usize, FastSet<Location>);
 
 /// A failed simulation: why, and where a descendant may resume it.
 type SimFailure = (SimError, Option<Box<Resume>>);
@@ -621,6 +823,9 @@ pub struct Search<'a, P: SearchPolicy> {
     budgets: &'a BTreeMap<Location, u64>,
     requirements: &'a [Requirement],
     required: FastSet<(usize, Location)>,
+    /// Each required value's first requirement index: a simulation that stopped at
+    /// requirement `i` read exactly the values whose first index is below `i`.
+    first_required: FastMap<usize, usize>,
     reservations: &'a [(Location, u64)],
     policy: &'a mut P,
     limit: u64,
@@ -629,6 +834,14 @@ pub struct Search<'a, P: SearchPolicy> {
     global: Option<GlobalOrder>,
     failed_requests: FastSet<Signature>,
     failed_capacities: FastSet<CapacityKey>,
+    /// Counted states open on the depth-first path, and their bound.
+    depth: u64,
+    max_depth: u64,
+    /// The memo's cost so far ([`Self::memo_cost`]), and its budget.
+    memo_bytes: u64,
+    memo_budget: u64,
+    /// Search steps taken, for the interrupt polls.
+    steps: u64,
 }
 
 impl<'a, P: SearchPolicy> Search<'a, P> {
@@ -649,6 +862,13 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 .iter()
                 .map(|requirement| (requirement.value, requirement.location))
                 .collect(),
+            first_required: {
+                let mut first = FastMap::default();
+                for (index, requirement) in requirements.iter().enumerate() {
+                    first.entry(requirement.value).or_insert(index);
+                }
+                first
+            },
             reservations,
             policy,
             limit,
@@ -656,7 +876,21 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             global,
             failed_requests: FastSet::default(),
             failed_capacities: FastSet::default(),
+            depth: 0,
+            max_depth: MAX_SEARCH_DEPTH,
+            memo_bytes: 0,
+            memo_budget: MEMO_BUDGET_BYTES,
+            steps: 0,
         }
+    }
+
+    /// The same search under other depth and memo bounds than [`MAX_SEARCH_DEPTH`] and
+    /// [`MEMO_BUDGET_BYTES`] (tests reach them with small ones).
+    #[must_use]
+    pub fn with_bounds(mut self, max_depth: u64, memo_budget: u64) -> Self {
+        self.max_depth = max_depth;
+        self.memo_budget = memo_budget;
+        self
     }
 
     /// Runs the search from the initial books.
@@ -673,16 +907,16 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let state = State {
             changed: PMap::new(),
             books: initial,
-            reclaim: Vector::new(),
-            evictions: Vector::new(),
+            reclaim: Trail::default(),
+            evictions: Trail::default(),
             resume: None,
-            touched: Vector::new(),
+            touched: Trail::default(),
         };
         let (state, enter) = self.search_request(&state)?;
         Ok(SearchOutcome {
-            reclaim: state.reclaim.iter().copied().collect(),
+            reclaim: state.reclaim.to_vec(),
             enter,
-            evictions: state.evictions.iter().cloned().collect(),
+            evictions: state.evictions.to_vec(),
             explored: self.explored,
         })
     }
@@ -705,7 +939,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     fn set_mats(state: &mut State, value: usize, mats: Vec<MatInfo>) {
         state.changed.insert(value, Arc::new(mats));
-        state.touched.push_back(value);
+        state.touched.push(value);
     }
 
     fn add_mat(&self, state: &mut State, value: usize, mat: MatInfo) {
@@ -761,6 +995,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         })
     }
 
+    #[inline(never)] // Kept out of the frames that the search recurses through.
     fn signature(&self, state: &State) -> Signature {
         let mut values: Vec<(usize, Vec<Location>)> = state
             .changed
@@ -780,20 +1015,71 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         (values, state.books.clone())
     }
 
+    /// Takes the count of a state (docs/concepts/controller.md#state-counter), after
+    /// checking the state limit and then the depth bound.
     fn count(&mut self) -> Result<(), SearchError> {
         if self.explored >= self.limit {
             return Err(SearchError::Limit {
                 explored: self.explored,
+                bound: SearchBound::States,
                 detail: format!(
                     "the search explored {} states without a verdict",
                     self.explored
                 ),
             });
         }
+        if self.depth >= self.max_depth {
+            return Err(SearchError::Limit {
+                explored: self.explored,
+                bound: SearchBound::Depth,
+                detail: format!(
+                    "the search path reached its depth bound of {} nested states",
+                    self.max_depth
+                ),
+            });
+        }
         self.explored += 1;
-        if self.explored % 1024 == 0 {
+        Ok(())
+    }
+
+    /// One search step: every so many, the policy checks for an interrupt (Ctrl-C).
+    fn step(&mut self) -> Result<(), SearchError> {
+        self.steps += 1;
+        if self.steps % INTERRUPT_PERIOD == 0 {
             self.policy.check_interrupt()?;
         }
+        Ok(())
+    }
+
+    /// What remembering a failure costs against the memo's budget: a fixed
+    /// [`MEMO_ENTRY_BYTES`] plus the sizes of its signature's elements (per changed
+    /// value its position, list and locations; per location its books) and `extra`
+    /// (a capacity key's blocked and active lists).
+    fn memo_cost(signature: &Signature, extra: usize) -> u64 {
+        let (values, books) = signature;
+        let locations: usize = values.iter().map(|(_, locations)| locations.len()).sum();
+        let bytes = MEMO_ENTRY_BYTES
+            + values.len() * size_of::<(usize, Vec<Location>)>()
+            + locations * size_of::<Location>()
+            + books.len() * size_of::<Books>()
+            + extra;
+        u64::try_from(bytes).unwrap_or(u64::MAX)
+    }
+
+    /// Charges `cost` to the memo's budget, or ends the search at its memory bound.
+    fn charge_memo(&mut self, cost: u64) -> Result<(), SearchError> {
+        let total = self.memo_bytes.saturating_add(cost);
+        if total > self.memo_budget {
+            return Err(SearchError::Limit {
+                explored: self.explored,
+                bound: SearchBound::Memory,
+                detail: format!(
+                    "the search's memo of exhausted states reached its budget of {} bytes",
+                    self.memo_budget
+                ),
+            });
+        }
+        self.memo_bytes = total;
         Ok(())
     }
 
@@ -801,13 +1087,13 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     /// Where a descendant of a failed simulation can resume it, if its reclaims left
     /// the simulated prefix unchanged: the trial state, emitted actions and index.
-    fn resumed(state: &State) -> Option<Resumed> {
+    fn resumed(&self, state: &State) -> Option<Resumed> {
         let resume = state.resume.as_ref()?;
-        if state
-            .touched
-            .iter()
-            .any(|value| resume.values.contains(value))
-        {
+        if state.touched.iter_back().any(|value| {
+            self.first_required
+                .get(value)
+                .is_some_and(|&first| first < resume.index)
+        }) {
             return None;
         }
         let total = |books: &[Books], location: Location| {
@@ -854,22 +1140,27 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 reserved: clamp(reserved),
             })
             .collect();
-        for (value, mats) in &resume.mats {
+        for (value, mats) in &resume.prefix.mats {
             trial.changed.insert(*value, Arc::clone(mats));
         }
         Some((
             trial,
-            resume.actions.clone(),
+            resume.prefix.actions.clone(),
             resume.index,
-            resume.values.clone(),
             resume.locations.clone(),
         ))
     }
 
     #[allow(clippy::too_many_lines)] // The request simulation, step by step, in one place.
+    #[inline(never)] // Its frame is gone before the search recurses: keep it out of the path's.
     fn simulate(&self, state: &State) -> Result<Vec<Planned>, SimFailure> {
-        let (mut trial, mut actions, start, mut values, mut locations) =
-            if let Some(resumed) = Self::resumed(state) {
+        let mut shared: Option<Arc<Prefix>> = None;
+        let (mut trial, mut actions, start, mut locations) =
+            if let Some(resumed) = self.resumed(state) {
+                shared = state
+                    .resume
+                    .as_ref()
+                    .map(|resume| Arc::clone(&resume.prefix));
                 resumed
             } else {
                 let mut trial = state.clone();
@@ -889,7 +1180,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     let books = Self::books_mut(&mut trial, location);
                     books.reserved = books.reserved.saturating_add(nbytes);
                 }
-                (trial, Vec::new(), 0, FastSet::default(), locations)
+                (trial, Vec::new(), 0, locations)
             };
         for (index, requirement) in self.requirements.iter().enumerate().skip(start) {
             let (value, destination) = (requirement.value, requirement.location);
@@ -897,32 +1188,38 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             let failed = |capacity: Capacity,
                           trial: &State,
                           actions: &Vec<Planned>,
-                          values: &FastSet<usize>,
                           locations: &FastSet<Location>| {
-                let mats = values
-                    .iter()
-                    .filter_map(|&known| {
-                        trial
-                            .changed
-                            .get(&known)
-                            .map(|mats| (known, Arc::clone(mats)))
-                    })
-                    .collect();
+                let prefix = match &shared {
+                    // Resumed and stopped where it resumed: the same prefix.
+                    Some(prefix) if index == start => Arc::clone(prefix),
+                    _ => Arc::new(Prefix {
+                        // The prefix's values, each once (at its first requirement).
+                        mats: self.requirements[..index]
+                            .iter()
+                            .enumerate()
+                            .filter(|&(at, read)| self.first_required.get(&read.value) == Some(&at))
+                            .filter_map(|(_, read)| {
+                                trial
+                                    .changed
+                                    .get(&read.value)
+                                    .map(|mats| (read.value, Arc::clone(mats)))
+                            })
+                            .collect(),
+                        actions: actions.clone(),
+                    }),
+                };
                 (
                     SimError::Capacity(capacity),
                     Some(Box::new(Resume {
                         index,
                         books: before.clone(),
-                        mats,
-                        actions: actions.clone(),
-                        values: values.clone(),
+                        prefix,
                         locations: locations.clone(),
                         base_books: state.books.clone(),
                     })),
                 )
             };
             if self.mat_at(&trial, value, destination).is_some() {
-                values.insert(value);
                 continue;
             }
             let info = &self.values[value];
@@ -945,7 +1242,6 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                         },
                         &trial,
                         &actions,
-                        &values,
                         &locations,
                     ));
                 }
@@ -964,11 +1260,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     },
                     &trial,
                     &actions,
-                    &values,
                     &locations,
                 ));
             }
-            values.insert(value);
             locations.insert(destination);
             if temporary {
                 locations.insert(source);
@@ -1016,16 +1310,16 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     // ----- candidates and ordering (docs/concepts/controller.md#candidates) ---------
 
-    fn candidates(
+    fn candidates<'b>(
         &mut self,
         state: &State,
         location: Location,
-        blocked: &[usize],
-    ) -> Result<Candidates, SearchError> {
+        blocked: &Chain<'b, usize>,
+    ) -> Result<Candidates<'b>, SearchError> {
         if self.global.is_some() {
             return Ok(Candidates::Lazy {
                 location,
-                blocked: blocked.to_vec(),
+                blocked: *blocked,
                 pass: 0,
                 cursor: (0, 0),
             });
@@ -1075,7 +1369,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         &mut self,
         state: &State,
         location: Location,
-        blocked: &[usize],
+        blocked: &Chain<'_, usize>,
     ) -> Result<Vec<Candidate>, SearchError> {
         let mut ordinary = Vec::new();
         let mut required = Vec::new();
@@ -1141,7 +1435,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     fn search_request(&mut self, state: &State) -> Result<(State, Vec<Planned>), SearchError> {
         // Every level of the depth-first search explores at least one state, so a search
-        // can recurse as deep as its state limit: grow the stack on demand instead of
+        // can recurse as deep as its depth bound: grow the stack on demand instead of
         // overflowing it.
         stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
             self.search_request_inner(state)
@@ -1152,6 +1446,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         &mut self,
         state: &State,
     ) -> Result<(State, Vec<Planned>), SearchError> {
+        self.step()?;
         let key = self.signature(state);
         if self.failed_requests.contains(&key) {
             return Err(SearchError::Infeasible {
@@ -1159,6 +1454,18 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             });
         }
         self.count()?;
+        self.depth += 1;
+        let result = self.search_request_level(state, key);
+        self.depth -= 1;
+        result
+    }
+
+    /// Steps 3 to 5 for a counted state open on the path.
+    fn search_request_level(
+        &mut self,
+        state: &State,
+        key: Signature,
+    ) -> Result<(State, Vec<Planned>), SearchError> {
         let (capacity, resume) = match self.simulate(state) {
             Ok(actions) => return Ok((state.clone(), actions)),
             Err((SimError::Unavailable(value), _)) => {
@@ -1172,15 +1479,15 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let state = if let Some(resume) = resume {
             resumable = State {
                 resume: Some(Arc::from(resume)),
-                touched: Vector::new(),
+                touched: Trail::default(),
                 ..state.clone()
             };
             &resumable
         } else {
             state
         };
-        let mut candidates = self.candidates(state, capacity.location, &[])?;
-        let mut notes: Vec<String> = Vec::new();
+        let mut candidates = self.candidates(state, capacity.location, &Chain::End)?;
+        let mut notes = Notes::default();
         let mut found: Option<(State, Vec<Planned>)> = None;
         let mut next_rank = 0;
         while let Some(candidate) = self.next_candidate(state, &mut candidates) {
@@ -1192,15 +1499,15 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 state,
                 *candidate,
                 rank,
-                &[],
-                &[],
+                &Chain::End,
+                &Chain::End,
                 &mut |search, trial| match search.search_request(&trial) {
                     Ok(result) => {
                         found = Some(result);
                         Ok(Flow::Stop)
                     }
                     Err(SearchError::Infeasible { detail }) => {
-                        notes.push(detail);
+                        notes.add(&detail);
                         Ok(Flow::Continue)
                     }
                     Err(other) => {
@@ -1216,7 +1523,17 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 return Ok(result);
             }
         }
+        let cost = Self::memo_cost(&key, 0);
+        self.charge_memo(cost)?;
         self.failed_requests.insert(key);
+        Err(SearchError::Infeasible {
+            detail: self.exhausted(state, capacity, notes),
+        })
+    }
+
+    /// The detail of an exhausted request search (step 5).
+    #[inline(never)] // Kept out of the frame that the search recurses through.
+    fn exhausted(&self, state: &State, capacity: Capacity, notes: Notes) -> String {
         let (used, reserved) = Self::books(state, capacity.location);
         let budget = self
             .budgets
@@ -1228,17 +1545,15 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .fold((0u64, 0u64), |(count, bytes), mat| {
                 (count + 1, bytes.saturating_add(mat.charged))
             });
-        let mut detail = format!(
+        format!(
             "capacity failure at {} for {} bytes ({}): budget={budget}, used={used}, \
              reserved={reserved}, protected={protected_count} materialization(s) of \
-             {protected_bytes} bytes",
-            capacity.location, capacity.nbytes, capacity.stage
-        );
-        if !notes.is_empty() {
-            detail.push_str("; candidates: ");
-            detail.push_str(&notes.join("; "));
-        }
-        Err(SearchError::Infeasible { detail })
+             {protected_bytes} bytes{}",
+            capacity.location,
+            capacity.nbytes,
+            capacity.stage,
+            notes.finish()
+        )
     }
 
     // ----- reclaim_states and capacity_states (docs/concepts/controller.md#search) ----
@@ -1249,8 +1564,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         state: &State,
         candidate: Candidate,
         rank: usize,
-        blocked: &[usize],
-        active: &[(usize, Location)],
+        blocked: &Chain<'_, usize>,
+        active: &Chain<'_, (usize, Location)>,
         visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
     ) -> Result<Flow, SearchError> {
         let (value, location) = (candidate.value, candidate.location);
@@ -1264,8 +1579,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         if alternatives || has_source {
             let mut trial = state.clone();
             let action = Planned::Drop { value, location };
-            trial.reclaim.push_back(action);
-            trial.evictions.push_back(Eviction {
+            trial.reclaim.push(action);
+            trial.evictions.push(Eviction {
                 action,
                 rank,
                 released_location: location,
@@ -1308,12 +1623,12 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 unique.push(destination);
             }
         }
-        let mut blocked_more: Vec<usize> = blocked.to_vec();
-        if !blocked_more.contains(&value) {
-            blocked_more.push(value);
-        }
-        let mut active_more: Vec<(usize, Location)> = active.to_vec();
-        active_more.push((value, location));
+        let blocked_more = if blocked.contains(&value) {
+            *blocked
+        } else {
+            Chain::Link(value, blocked)
+        };
+        let active_more = Chain::Link((value, location), active);
         for destination in unique {
             let additional = if self.mat_at(state, value, destination).is_some() {
                 0
@@ -1348,8 +1663,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                         to: destination,
                         from: Some(location),
                     };
-                    trial.reclaim.push_back(action);
-                    trial.evictions.push_back(Eviction {
+                    trial.reclaim.push(action);
+                    trial.evictions.push(Eviction {
                         action,
                         rank,
                         released_location: location,
@@ -1374,8 +1689,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         state: State,
         destination: Location,
         additional: u64,
-        blocked: &[usize],
-        active: &[(usize, Location)],
+        blocked: &Chain<'_, usize>,
+        active: &Chain<'_, (usize, Location)>,
         visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
     ) -> Result<Flow, SearchError> {
         stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
@@ -1388,21 +1703,22 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         state: State,
         destination: Location,
         additional: u64,
-        blocked: &[usize],
-        active: &[(usize, Location)],
+        blocked: &Chain<'_, usize>,
+        active: &Chain<'_, (usize, Location)>,
         visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
     ) -> Result<Flow, SearchError> {
+        self.step()?;
         if self.fits(&state, destination, additional) {
             return visit(self, state);
         }
         let mut blocked_indices: Vec<u32> = blocked
             .iter()
-            .map(|&value| self.values[value].registration_index)
+            .map(|value| self.values[value].registration_index)
             .collect();
         blocked_indices.sort_unstable();
         let mut active_pairs: Vec<(u32, Location)> = active
             .iter()
-            .map(|&(value, location)| (self.values[value].registration_index, location))
+            .map(|(value, location)| (self.values[value].registration_index, location))
             .collect();
         active_pairs.sort_unstable();
         let key = (
@@ -1416,10 +1732,34 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             return Ok(Flow::Continue);
         }
         self.count()?;
+        self.depth += 1;
+        let result =
+            self.capacity_states_level(&state, destination, additional, blocked, active, visit);
+        self.depth -= 1;
+        let (flow, yielded) = result?;
+        if flow == Flow::Continue && !yielded {
+            let extra = key.3.len() * size_of::<u32>() + key.4.len() * size_of::<(u32, Location)>();
+            self.charge_memo(Self::memo_cost(&key.0, extra))?;
+            self.failed_capacities.insert(key);
+        }
+        Ok(flow)
+    }
+
+    /// Step 4 of a capacity search for a counted state open on the path: whether the
+    /// visitor stopped it, and whether it yielded a state.
+    fn capacity_states_level(
+        &mut self,
+        state: &State,
+        destination: Location,
+        additional: u64,
+        blocked: &Chain<'_, usize>,
+        active: &Chain<'_, (usize, Location)>,
+        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
+    ) -> Result<(Flow, bool), SearchError> {
         let mut yielded = false;
-        let mut candidates = self.candidates(&state, destination, blocked)?;
+        let mut candidates = self.candidates(state, destination, blocked)?;
         let mut next_rank = 0;
-        while let Some(candidate) = self.next_candidate(&state, &mut candidates) {
+        while let Some(candidate) = self.next_candidate(state, &mut candidates) {
             let rank = next_rank;
             next_rank += 1;
             let candidate = &candidate;
@@ -1427,7 +1767,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 continue;
             }
             let flow = self.reclaim_states(
-                &state,
+                state,
                 *candidate,
                 rank,
                 blocked,
@@ -1447,12 +1787,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 },
             )?;
             if flow == Flow::Stop {
-                return Ok(Flow::Stop);
+                return Ok((Flow::Stop, yielded));
             }
         }
-        if !yielded {
-            self.failed_capacities.insert(key);
-        }
-        Ok(Flow::Continue)
+        Ok((Flow::Continue, yielded))
     }
 }

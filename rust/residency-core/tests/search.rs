@@ -6,8 +6,9 @@
 use std::collections::BTreeMap;
 
 use residency_core::search::{
-    EvictionReason, MatInfo, Planned, Requirement, Search, SearchError, SearchValue, SearchValues,
-    TieredLru,
+    Candidate, EvictionReason, MAX_DETAIL_BYTES, MAX_SEARCH_DEPTH, MEMO_BUDGET_BYTES, MatInfo,
+    Planned, Requirement, Search, SearchBound, SearchError, SearchPolicy, SearchValue,
+    SearchValues, TieredLru,
 };
 use residency_core::{ActionKind, CoreError, Location};
 
@@ -194,6 +195,7 @@ fn search_failures_become_the_core_errors_of_their_kind() {
     assert_eq!(
         SearchError::Limit {
             explored: 2,
+            bound: SearchBound::Depth,
             detail: "d".into()
         }
         .into_core_error("r", 2, name),
@@ -201,6 +203,7 @@ fn search_failures_become_the_core_errors_of_their_kind() {
             request_name: "r".into(),
             state_limit: 2,
             explored_states: 2,
+            bound: "depth",
             detail: "d".into(),
         }
     );
@@ -303,4 +306,196 @@ fn the_tiered_lru_lists_every_value_in_its_documented_order() {
     let mut expected: Vec<usize> = (0..12).collect();
     expected.sort_by_key(|&position| key(position));
     assert_eq!(listed, expected);
+}
+
+// ----- The search's bounds (docs/concepts/controller.md#search-bounds) -----------------
+
+const CUDA0: Location = Location::Cuda(0);
+const CUDA1: Location = Location::Cuda(1);
+
+/// Two tiers pointing at each other: the search moves value 0 between them, one level
+/// deeper per state, and never ends on its own.
+fn cycle() -> (
+    SearchValues,
+    BTreeMap<Location, u64>,
+    Vec<Requirement>,
+    TieredLru,
+) {
+    let exclusive = |index: u32, at: Location| {
+        (
+            SearchValue::new(index, index, 16, true, None),
+            vec![mat(at, 16)],
+        )
+    };
+    let values = table(vec![
+        exclusive(0, CUDA0),
+        exclusive(1, HOST),
+        exclusive(2, HOST),
+    ]);
+    let budgets = BTreeMap::from([(CUDA0, 16), (CUDA1, 16)]);
+    let requirements = vec![
+        Requirement {
+            value: 1,
+            location: CUDA0,
+        },
+        Requirement {
+            value: 2,
+            location: CUDA1,
+        },
+    ];
+    let policy = lru(&values, &[(CUDA0, vec![CUDA1]), (CUDA1, vec![CUDA0])]);
+    (values, budgets, requirements, policy)
+}
+
+/// `count` droppable values of 1 byte filling `HOST`, and a request for a value of
+/// `count + 1` bytes there: infeasible, after visiting every subset of the droppable ones.
+fn wide(count: u32) -> (SearchValues, BTreeMap<Location, u64>, Vec<Requirement>) {
+    let mut values: Vec<(SearchValue, Vec<MatInfo>)> = (0..count)
+        .map(|index| value(index, 1, Some(HOST), vec![mat(HOST, 1)]))
+        .collect();
+    values.push(value(count, u64::from(count) + 1, Some(PINNED), vec![]));
+    let budgets = BTreeMap::from([(HOST, u64::from(count))]);
+    let requirements = vec![Requirement {
+        value: count as usize,
+        location: HOST,
+    }];
+    (table(values), budgets, requirements)
+}
+
+#[test]
+fn a_cycling_search_stops_at_the_depth_bound_whatever_the_state_limit() {
+    let (values, budgets, requirements, mut policy) = cycle();
+    let result = Search::new(&values, &budgets, &requirements, &[], &mut policy, 1 << 40)
+        .with_bounds(100, MEMO_BUDGET_BYTES)
+        .run(&books(&values));
+    match result {
+        Err(SearchError::Limit {
+            explored,
+            bound: SearchBound::Depth,
+            detail,
+        }) => {
+            assert_eq!(explored, 100);
+            assert!(detail.contains("depth bound of 100"), "{detail}");
+        }
+        other => panic!("expected the depth bound, got {other:?}"),
+    }
+    // The default bound, through a path of that many levels (and its clean-up).
+    let result = Search::new(&values, &budgets, &requirements, &[], &mut policy, 1 << 40)
+        .run(&books(&values));
+    assert!(
+        matches!(
+            result,
+            Err(SearchError::Limit {
+                explored: MAX_SEARCH_DEPTH,
+                bound: SearchBound::Depth,
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+    // A state limit below the depth bound is reached first, and reported as before.
+    let result = Search::new(&values, &budgets, &requirements, &[], &mut policy, 50)
+        .with_bounds(100, MEMO_BUDGET_BYTES)
+        .run(&books(&values));
+    assert!(
+        matches!(
+            result,
+            Err(SearchError::Limit {
+                explored: 50,
+                bound: SearchBound::States,
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+}
+
+#[test]
+fn the_memo_stops_at_its_budget_and_below_it_changes_nothing() {
+    let (values, budgets, requirements) = wide(8);
+    let mut policy = lru(&values, &[]);
+    // Every subset of the eight values once: 2**8 states, each remembered as exhausted.
+    let result = Search::new(&values, &budgets, &requirements, &[], &mut policy, 1 << 40)
+        .run(&books(&values));
+    assert!(
+        matches!(result, Err(SearchError::Infeasible { .. })),
+        "{result:?}"
+    );
+    let result = Search::new(&values, &budgets, &requirements, &[], &mut policy, 1 << 40)
+        .with_bounds(MAX_SEARCH_DEPTH, 4096)
+        .run(&books(&values));
+    match result {
+        Err(SearchError::Limit {
+            explored,
+            bound: SearchBound::Memory,
+            detail,
+        }) => {
+            assert!(explored > 0 && explored < 256, "{explored}");
+            assert!(detail.contains("budget of 4096 bytes"), "{detail}");
+        }
+        other => panic!("expected the memory bound, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_exhausted_search_keeps_its_detail_short() {
+    let (values, budgets, requirements) = wide(10);
+    let mut policy = lru(&values, &[]);
+    let result = Search::new(&values, &budgets, &requirements, &[], &mut policy, 1 << 40)
+        .run(&books(&values));
+    let Err(SearchError::Infeasible { detail }) = result else {
+        panic!("expected infeasible, got {result:?}");
+    };
+    // Every level's notes nest its candidates' details: cut, they stay near the cap.
+    assert!(detail.len() <= MAX_DETAIL_BYTES + 512, "{}", detail.len());
+    assert!(detail.contains("more candidate(s) failed"), "{detail}");
+    assert!(
+        detail.starts_with("capacity failure at pageable-host"),
+        "{detail}"
+    );
+}
+
+/// The tiered LRU, counting its interrupt polls and interrupting at the `stop`-th.
+struct Polled {
+    policy: TieredLru,
+    polls: u64,
+    stop: u64,
+}
+
+impl SearchPolicy for Polled {
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
+        self.policy.order(candidates)
+    }
+
+    fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
+        self.policy.fallback_locations(location)
+    }
+
+    fn check_interrupt(&mut self) -> Result<(), SearchError> {
+        self.polls += 1;
+        if self.polls == self.stop {
+            return Err(SearchError::Interrupted);
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn the_search_polls_for_interrupts_every_few_steps() {
+    let (values, budgets, requirements, policy) = cycle();
+    let mut polled = Polled {
+        policy,
+        polls: 0,
+        stop: u64::MAX,
+    };
+    let result =
+        Search::new(&values, &budgets, &requirements, &[], &mut polled, 1000).run(&books(&values));
+    assert!(matches!(result, Err(SearchError::Limit { .. })));
+    // 1000 counted states take at least 1000 steps: a poll at least every 32.
+    assert!(polled.polls >= 1000 / 32, "{} polls", polled.polls);
+    polled.polls = 0;
+    polled.stop = 3;
+    let result = Search::new(&values, &budgets, &requirements, &[], &mut polled, 1 << 40)
+        .run(&books(&values));
+    assert_eq!(result.err(), Some(SearchError::Interrupted));
 }

@@ -137,6 +137,7 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
             request_name,
             state_limit,
             explored_states,
+            bound,
             detail,
         } => structured(
             py,
@@ -148,6 +149,7 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
                     ("state_limit", state_limit.into_bound_py_any(py)?),
                     ("explored_states", explored_states.into_bound_py_any(py)?),
                     ("detail", detail.into_bound_py_any(py)?),
+                    ("bound", bound.into_bound_py_any(py)?),
                 ])
             },
         ),
