@@ -432,3 +432,37 @@ def test_a_forked_child_gets_its_own_io_thread(tmp_path: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     staging.close()
     store.close()
+
+
+def test_a_direct_read_into_pageable_memory_moves_whole_pages_straight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value read back to pageable memory (no allocator given, as the manager reads a
+    disk copy back to `PAGEABLE_HOST`) from a direct store lands in memory that starts on
+    a page: its whole pages come straight from the file, not through the ring and a
+    second copy (torch's allocator only aligns to 64 bytes)."""
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    store = _disk.DiskStore(tmp_path / "d", "owner", direct=True)
+    staging = _disk.Staging(SimulatedRuntime(0, pinned=False))
+    nbytes = 5 * _disk.CHUNK + 100
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    file = store.write("v", ResidentTensor(data), staging=staging)
+    drained: list[int] = []
+    real_drain = _disk.Staging.drain
+
+    def drain(
+        ring: _disk.Staging, slot: int, at: int, target: torch.Tensor, stream: object
+    ) -> None:
+        drained.append(int(target.numel()))
+        real_drain(ring, slot, at, target, stream)
+
+    monkeypatch.setattr(_disk.Staging, "drain", drain)
+    back = store.read(file, staging=staging)
+    assert isinstance(back, ResidentTensor)
+    assert torch.equal(back.tensor, data)
+    assert back.tensor.data_ptr() % _disk.ALIGN == 0
+    assert back.tensor.untyped_storage().nbytes() == nbytes  # what the manager charges
+    assert drained == [nbytes % _disk.ALIGN]  # only the tail went through the ring
+    staging.close()
+    store.close()

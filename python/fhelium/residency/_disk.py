@@ -270,6 +270,16 @@ def _pageable(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
+def _pageable_on_a_page(nbytes: int) -> torch.Tensor:
+    """New pageable memory owned by the process that starts on a page, as direct I/O
+    reads straight into (torch's allocator aligns to 64 bytes only, which sends every
+    byte through the staging ring and a second copy): an anonymous private map, kept
+    alive by the tensor, freed with it."""
+    if nbytes < CHUNK:
+        return _pageable(nbytes)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
 def _prefix(header: dict[str, Any], checksums: list[str]) -> bytes:
     """The file's first bytes: the header's length, then the header, with
     ``checksums`` recorded and padded so that the data starts on a page."""
@@ -617,7 +627,8 @@ class DiskStore:
         hashers = [Checksum() for _ in file.storages] if self.verify else None
         try:
             self._check_size(file)
-            buffers = [(allocate or _pageable)(length) for _, length in file.storages]
+            pageable = _pageable_on_a_page if self.direct else _pageable
+            buffers = [(allocate or pageable)(length) for _, length in file.storages]
             if self.direct and staging is not None:
                 self._read_staged(file, buffers, staging, hashers=hashers)
             else:
