@@ -4,17 +4,18 @@ simulated runtime, with tiny tensors, while the manager holds 10, 1k or 10k valu
 A handful of values (8 "layers" of 32 bytes) cycle through a simulated cuda:0 that holds
 4 of them, so every step loads one layer from pinned host and evicts another; every
 other managed value is only there: half adopted in simulated pinned memory, half
-registered as a source and never loaded. A last row per policy keeps as many simulated
-cuda:0 storages alive outside the manager as the largest count (activations, say), at the
-smallest count; another has half the values of the largest count used once before the
-stream (each then has an access epoch, as every unit of a model does after a forward).
-Events complete at once and the simulation's
+registered as a source and never loaded. Events complete at once and the simulation's
 allocator readings stay on, so the figure is the host-side cost of a step: decisions,
 staging, copies of small values, leases, reports and the memory samples, in CPU time of
-the process (fastest of several passes). The target
-(docs: issue "per-step cost") is 30 us or less per step, independent of the number of
-managed values; it is printed for both the tiered LRU and the schedule-aware policy,
-with the ratio of the largest count's figure to the smallest's.
+the process (the fastest of several passes).
+
+The target (issue 26, "per-step cost") is 30 us or less per step, independent of the
+number of managed values. Per policy (the tiered LRU and the schedule-aware one) it
+prints the step at each count and the ratio of the largest count's figure to the
+smallest's; then the smallest count with as many simulated cuda:0 storages alive
+outside the manager as the largest count (activations, say); then the largest count
+with half its values used once before the stream (each then has an access epoch, as
+every unit of a model does after a forward).
 
 `--profile` also prints where the time goes at the largest count (cProfile, the
 entries with the most own time, per policy).
