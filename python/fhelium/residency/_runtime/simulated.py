@@ -1391,10 +1391,13 @@ class SimulatedRuntime:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("memory_sample")
-        allocated, reserved = self._allocated(device), self._reserved(device)
-        if allocated is None or reserved is None:
+        index = self._device_index(device)
+        if index is None:
             return None
-        return allocated, reserved
+        simulated = self._devices[index]
+        with self._lock:
+            self._drain_freed_locked()
+            return self._allocated_bytes[simulated], self._reserved_bytes[simulated]
 
     def _allocated(self, device: torch.device) -> int | None:
         index = self._device_index(device)
