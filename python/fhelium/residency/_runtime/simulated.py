@@ -1730,7 +1730,8 @@ class SimulatedRuntime:
         while freed:
             entry = freed.popleft()
             self._uncount_locked(entry)
-            # A newer storage may have taken the key in the registry meanwhile.
+            # A storage registered again has a newer entry there; no other storage can
+            # have the key while this entry exists (its `address` holds it).
             if self._registry.get(entry.key) is entry:
                 del self._registry[entry.key]
 
