@@ -79,8 +79,8 @@ def step_us(prefetch: int | None, steps: int, repeats: int) -> float:
     from fhelium.residency.simulation import SimulatedRuntime, use_runtime
 
     class Unsampled(SimulatedRuntime):
-        """No allocator readings: the simulation's own sampling (a sweep of every
-        storage it made) would otherwise dominate the figure."""
+        """No allocator readings: the figure is the controller's bookkeeping alone
+        (`bench_step.py` measures steps with them)."""
 
         def memory_sample(self, device: torch.device) -> tuple[int, int] | None:
             return None

@@ -485,19 +485,46 @@ class SimulatedEvent:
         return f"SimulatedEvent({self._stream.device}, {state})"
 
 
-class _Entry:
-    """Where one registered storage lives; the weak reference keeps its identity unique."""
+class _Entry(weakref.ref[torch.UntypedStorage]):
+    """Where one registered storage lives: a weak reference to the storage whose callback
+    reports its death, so the per-device byte counters follow frees without a scan.
 
-    __slots__ = ("device", "nbytes", "pinned", "ref")
+    torch keeps a storage's Python object alive for as long as the storage itself (as it
+    does a tensor's), so the reference dies, and the callback runs, exactly when the
+    storage is freed. ``counted`` is whether the entry's bytes are still in its device's
+    counters: a storage registered again replaces its entry and is counted once. The
+    storage's C++ weak reference (``address``) keeps the identity unique: while the entry
+    exists, no other storage can be allocated at its key.
+    """
 
-    def __init__(self, storage: torch.UntypedStorage, device: torch.device, pinned: bool) -> None:
-        self.ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+    __slots__ = ("address", "counted", "device", "key", "nbytes", "pinned")
+
+    def __new__(
+        cls,
+        storage: torch.UntypedStorage,
+        callback: Callable[[_Entry], object],
+        device: torch.device,
+        pinned: bool,
+    ) -> _Entry:
+        return super().__new__(cls, storage, callback)
+
+    def __init__(
+        self,
+        storage: torch.UntypedStorage,
+        callback: Callable[[_Entry], object],
+        device: torch.device,
+        pinned: bool,
+    ) -> None:
+        # `weakref.ref.__new__` made the reference (its `__init__` only checks arguments).
+        self.address = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        self.key: int = storage._cdata
         self.device = device
         self.pinned = pinned
-        self.nbytes = storage.nbytes()
+        self.nbytes: int = storage.nbytes()
+        self.counted = False
 
     def alive(self) -> bool:
-        return not self.ref.expired()  # type: ignore[no-untyped-call]
+        return self() is not None
 
 
 class _Fault:
@@ -589,10 +616,14 @@ class SimulatedRuntime:
         self._devices = tuple(torch.device("cuda", index) for index in range(device_count))
         self._lock = threading.Lock()
         self._registry: dict[int, _Entry] = {}
-        # The registry's CUDA entries again, per device: an allocator reading sweeps only
-        # its device's storages, not every pinned one the simulation made.
-        self._on_device: dict[torch.device, dict[int, _Entry]] = {}
-        self._sweep_at = 64
+        # Live simulated CUDA bytes per device, allocated and rounded up to the allocator's
+        # block, kept as storages are registered and freed: an allocator reading is O(1).
+        # A freed storage's entry lands in `_freed` (its weak reference's callback, which
+        # may run on any thread, only appends) and leaves the registry and the counters
+        # at the next registration or reading.
+        self._allocated_bytes: dict[torch.device, int] = dict.fromkeys(self._devices, 0)
+        self._reserved_bytes: dict[torch.device, int] = dict.fromkeys(self._devices, 0)
+        self._freed: collections.deque[_Entry] = collections.deque()
         self._pending: weakref.WeakSet[SimulatedEvent] = weakref.WeakSet()
         self._faults: dict[str, collections.deque[_Fault]] = {}
         # Streams by simulated handle, for foreign objects that expose one through the
@@ -1360,25 +1391,29 @@ class SimulatedRuntime:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("memory_sample")
-        allocated, reserved = self._allocated(device), self._reserved(device)
-        if allocated is None or reserved is None:
+        index = self._device_index(device)
+        if index is None:
             return None
-        return allocated, reserved
+        simulated = self._devices[index]
+        with self._lock:
+            self._drain_freed_locked()
+            return self._allocated_bytes[simulated], self._reserved_bytes[simulated]
 
     def _allocated(self, device: torch.device) -> int | None:
         index = self._device_index(device)
         if index is None:
             return None
-        return sum(entry.nbytes for entry in self._live_entries(self._devices[index]))
+        with self._lock:
+            self._drain_freed_locked()
+            return self._allocated_bytes[self._devices[index]]
 
     def _reserved(self, device: torch.device) -> int | None:
         index = self._device_index(device)
         if index is None:
             return None
-        return sum(
-            -(-entry.nbytes // _BLOCK) * _BLOCK
-            for entry in self._live_entries(self._devices[index])
-        )
+        with self._lock:
+            self._drain_freed_locked()
+            return self._reserved_bytes[self._devices[index]]
 
     # --- test helpers (not counted, never fault-injected) ---------------------------
     def current_device(self) -> int:
@@ -1661,38 +1696,44 @@ class SimulatedRuntime:
     def _register(
         self, tensors: Iterable[torch.Tensor], device: torch.device, *, pinned: bool
     ) -> None:
+        freed = self._freed.append
         with self._lock:
+            self._drain_freed_locked()
             for tensor in tensors:
                 storage = tensor.untyped_storage()
                 if pinned and storage.nbytes() == 0:
                     # As torch's pinned allocator: zero bytes get no pinned storage, so
                     # an empty tensor stays a plain (pageable) CPU tensor.
                     continue
-                entry = _Entry(storage, device, pinned)
-                self._registry[storage._cdata] = entry
+                entry = _Entry(storage, freed, device, pinned)
+                previous = self._registry.get(entry.key)
+                if previous is not None and previous.alive():
+                    # The same storage again (a view of one already registered): the new
+                    # entry replaces it, and its bytes are counted once.
+                    self._uncount_locked(previous)
+                self._registry[entry.key] = entry
                 if device.type == "cuda":
-                    self._on_device.setdefault(device, {})[storage._cdata] = entry
-            # Amortised sweep of dead entries, so a long test run does not grow the registry.
-            if len(self._registry) >= self._sweep_at:
-                self._sweep_locked()
-                self._sweep_at = max(64, 2 * len(self._registry))
+                    self._allocated_bytes[device] += entry.nbytes
+                    self._reserved_bytes[device] += _reserved_nbytes(entry.nbytes)
+                    entry.counted = True
 
-    def _sweep_locked(self) -> None:
-        dead = [key for key, entry in self._registry.items() if not entry.alive()]
-        for key in dead:
-            entry = self._registry.pop(key)
-            self._on_device.get(entry.device, {}).pop(key, None)
+    def _uncount_locked(self, entry: _Entry) -> None:
+        if entry.counted:
+            entry.counted = False
+            self._allocated_bytes[entry.device] -= entry.nbytes
+            self._reserved_bytes[entry.device] -= _reserved_nbytes(entry.nbytes)
 
-    def _live_entries(self, device: torch.device) -> list[_Entry]:
-        with self._lock:
-            entries = self._on_device.get(device, {})
-            dead = [key for key, entry in entries.items() if not entry.alive()]
-            for key in dead:
-                del entries[key]
-                # A newer storage may have taken the key in the registry meanwhile.
-                if (known := self._registry.get(key)) is not None and not known.alive():
-                    del self._registry[key]
-            return list(entries.values())
+    def _drain_freed_locked(self) -> None:
+        """Takes the storages freed since the last call out of the registry and counters;
+        the work is one step per storage freed, however many are alive."""
+        freed = self._freed
+        while freed:
+            entry = freed.popleft()
+            self._uncount_locked(entry)
+            # A storage registered again has a newer entry there; no other storage can
+            # have the key while this entry exists (its `address` holds it).
+            if self._registry.get(entry.key) is entry:
+                del self._registry[entry.key]
 
     def _complete_where(self, predicate: Callable[[SimulatedEvent], bool]) -> int:
         with self._lock:
@@ -1845,6 +1886,11 @@ class _SimulatedCudart:
         if self._events.pop(event, None) is None:
             return (_CudaError.cudaErrorInvalidResourceHandle,)
         return (_CudaError.cudaSuccess,)
+
+
+def _reserved_nbytes(nbytes: int) -> int:
+    """A storage's bytes as the simulated allocator reserves them: whole blocks."""
+    return -(-nbytes // _BLOCK) * _BLOCK
 
 
 def _strided_clone(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""The simulated allocator readings are kept incrementally: a sample costs the same however
+many simulated storages are alive (docs/concepts/simulation.md#allocator-readings)."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+
+from fhelium.residency.simulation import SimulatedRuntime
+from fhelium.values import ResidentTensor, TensorBundle
+
+CUDA0 = torch.device("cuda", 0)
+CUDA1 = torch.device("cuda", 1)
+BLOCK = 512
+
+
+def _calls_during(action: Any) -> int:
+    """How many Python and C functions ``action`` calls (generator resumptions included):
+    a count of the work done, not a time."""
+    count = 0
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def _live(runtime: SimulatedRuntime, count: int) -> list[ResidentTensor]:
+    """``count`` live simulated storages of 40 bytes on cuda:0, as many in pinned memory."""
+    kept = [runtime.to_device(ResidentTensor(torch.zeros(10)), 0) for _ in range(count)]
+    kept += [runtime.pin(ResidentTensor(torch.zeros(10))) for _ in range(count)]
+    return kept
+
+
+@pytest.mark.parametrize("method", ["memory_sample", "memory_allocated", "memory_reserved"])
+def test_a_reading_does_not_visit_the_live_storages(method: str) -> None:
+    visits = {}
+    for count in (4, 400):
+        runtime = SimulatedRuntime(1)
+        kept = _live(runtime, count)
+        reading = getattr(runtime, method)
+        reading(CUDA0)  # no storage was freed since: nothing left to take out
+        visits[count] = _calls_during(lambda: reading(CUDA0))  # noqa: B023
+        assert len(runtime._registry) == 2 * count
+        assert runtime.memory_sample(CUDA0) == (40 * count, BLOCK * count)
+        del kept
+    assert visits[4] == visits[400]
+
+
+def test_readings_follow_frees_views_and_other_threads() -> None:
+    runtime = SimulatedRuntime(2)
+    kept = [runtime.to_device(ResidentTensor(torch.zeros(10)), 0) for _ in range(6)]
+    on_one = runtime.to_device(ResidentTensor(torch.zeros(1000)), 1)
+    assert runtime.memory_sample(CUDA0) == (240, 6 * BLOCK)
+    assert runtime.memory_sample(CUDA1) == (4000, 8 * BLOCK)
+    # Two fields over one storage: one storage, counted once.
+    base = torch.zeros(16)
+    shared = runtime.to_device(TensorBundle({"a": base[:8], "b": base[8:]}), 1)
+    tensors = shared._resident_tensors
+    assert tensors[0].untyped_storage()._cdata == tensors[1].untyped_storage()._cdata
+    assert runtime.memory_sample(CUDA1) == (4064, 9 * BLOCK)
+    # A view keeps its storage alive; the storage's last reference going frees it.
+    view = kept[0].tensor[2:4]
+    del kept[:3]
+    assert runtime.memory_sample(CUDA0) == (160, 4 * BLOCK)
+    del view
+    assert runtime.memory_sample(CUDA0) == (120, 3 * BLOCK)
+    # Freed on another thread.
+    worker = threading.Thread(target=kept.clear)
+    worker.start()
+    worker.join()
+    assert runtime.memory_sample(CUDA0) == (0, 0)
+    del shared, tensors, base
+    assert runtime.memory_allocated(CUDA1) == 4000
+    del on_one
+    gc.collect()
+    assert runtime.memory_sample(CUDA1) == (0, 0)
+    assert runtime._registry == {}
