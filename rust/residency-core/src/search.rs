@@ -698,28 +698,42 @@ impl<T> Drop for Trail<T> {
     }
 }
 
-/// A list on the stack: each level of the recursion links one item to its caller's
-/// list, which it borrows (the values blocked and the reclaims active in a branch).
-#[derive(Debug, Clone, Copy)]
-enum Chain<'a, T> {
-    End,
-    Link(T, &'a Chain<'a, T>),
+/// A branch's list of blocked values or of active reclaims: the index of its last link
+/// in the path's arena ([`Links`]), or `None` for the empty list.
+type Link = Option<usize>;
+
+/// The links of the lists of values blocked and reclaims active in the branches open on
+/// the path. A reclaim frame appends its links when it starts its moves, and its removal
+/// truncates them, so a branch's list costs one link per level and shares the rest.
+#[derive(Debug, Default)]
+struct Links {
+    blocked: Vec<(usize, Link)>,
+    active: Vec<((usize, Location), Link)>,
 }
 
-impl<T: Copy + PartialEq> Chain<'_, T> {
-    fn iter(&self) -> impl Iterator<Item = T> + '_ {
-        let mut link = self;
-        std::iter::from_fn(move || match link {
-            Chain::End => None,
-            Chain::Link(item, rest) => {
-                link = rest;
-                Some(*item)
-            }
+impl Links {
+    fn blocked(&self, mut link: Link) -> impl Iterator<Item = usize> + '_ {
+        std::iter::from_fn(move || {
+            let &(item, rest) = self.blocked.get(link?)?;
+            link = rest;
+            Some(item)
         })
     }
 
-    fn contains(&self, item: &T) -> bool {
-        self.iter().any(|known| known == *item)
+    fn active(&self, mut link: Link) -> impl Iterator<Item = (usize, Location)> + '_ {
+        std::iter::from_fn(move || {
+            let &(item, rest) = self.active.get(link?)?;
+            link = rest;
+            Some(item)
+        })
+    }
+
+    fn is_blocked(&self, link: Link, value: usize) -> bool {
+        self.blocked(link).any(|known| known == value)
+    }
+
+    fn is_active(&self, link: Link, item: (usize, Location)) -> bool {
+        self.active(link).any(|known| known == item)
     }
 }
 
@@ -782,22 +796,118 @@ enum SimError {
 /// Candidates at one location in the policy's order, produced on demand: with a
 /// policy that has a global order, the depth-first search usually takes the first few
 /// and never lists the rest.
-enum Candidates<'b> {
+#[derive(Debug)]
+enum Candidates {
     Listed(std::vec::IntoIter<Candidate>),
     Lazy {
         location: Location,
-        blocked: Chain<'b, usize>,
+        blocked: Link,
         /// 0: ordinary candidates, 1: required endpoints, 2: done.
         pass: u8,
         cursor: (u8, usize),
     },
 }
 
-/// What a visitor tells a generator: keep yielding, or stop.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Flow {
-    Continue,
-    Stop,
+/// A found plan: the state whose request simulation succeeded, and the actions it
+/// projected.
+type Found = (State, Vec<Planned>);
+
+/// The depth-first path, as an explicit stack of frames (docs/concepts/controller.md#search):
+/// each frame is one of the documented generators, suspended where it yielded or called
+/// the next one, so a level of the path costs its frames and no native stack.
+#[derive(Debug, Default)]
+struct Path {
+    frames: Vec<Frame>,
+    links: Links,
+}
+
+#[derive(Debug)]
+enum Frame {
+    /// A counted request state (steps 3 to 5).
+    Request(Box<RequestFrame>),
+    /// The reclaim options of one candidate.
+    Reclaim(ReclaimFrame),
+    /// A counted search for capacity at a tier.
+    Capacity(Box<CapacityFrame>),
+}
+
+impl Frame {
+    fn state(&self) -> Option<&State> {
+        match self {
+            Self::Request(frame) => Some(&frame.state),
+            Self::Capacity(frame) => Some(&frame.state),
+            Self::Reclaim(_) => None,
+        }
+    }
+}
+
+/// Where a frame's yielded states go: the visitor the documented generator was given,
+/// naming the frame (by its index on the path) that it belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Visit {
+    /// Search it as a request state; an exhausted one adds its failure to the notes of
+    /// that request frame.
+    Request(usize),
+    /// Complete that reclaim frame's current move, then go on to its visitor.
+    Move(usize),
+    /// Search for capacity again from it, for that capacity frame.
+    Capacity(usize),
+    /// That capacity frame found room: mark it as having yielded, then go on to its
+    /// visitor.
+    Reached(usize),
+}
+
+#[derive(Debug)]
+struct RequestFrame {
+    /// The state, with where a descendant may resume its simulation.
+    state: State,
+    capacity: Capacity,
+    candidates: Candidates,
+    next_rank: usize,
+    notes: Notes,
+    /// The request frame whose notes get this one's failure (none at the root).
+    parent: Option<usize>,
+}
+
+#[derive(Debug)]
+struct ReclaimFrame {
+    /// The frame whose state the candidate is reclaimed from.
+    owner: usize,
+    candidate: Candidate,
+    rank: usize,
+    blocked: Link,
+    active: Link,
+    visit: Visit,
+    phase: ReclaimPhase,
+}
+
+#[derive(Debug)]
+enum ReclaimPhase {
+    Start,
+    /// The drop was yielded; with another materialisation no move is tried.
+    Dropped { alternatives: bool },
+    /// Moving a sole copy: the destinations, the next one to try, this branch's lists
+    /// with the candidate added, and the arena lengths to truncate back to.
+    Moves {
+        destinations: Vec<Location>,
+        next: usize,
+        blocked: Link,
+        active: Link,
+        marks: (usize, usize),
+    },
+}
+
+#[derive(Debug)]
+struct CapacityFrame {
+    state: State,
+    destination: Location,
+    additional: u64,
+    blocked: Link,
+    active: Link,
+    candidates: Candidates,
+    next_rank: usize,
+    yielded: bool,
+    visit: Visit,
 }
 
 type Signature = (Vec<(usize, Vec<Location>)>, Vec<Books>);
@@ -809,10 +919,6 @@ type Resumed = (State, Vec<Planned>, usize, FastSet<Location>);
 /// A failed simulation: why, and where a descendant may resume it.
 type SimFailure = (SimError, Option<Box<Resume>>);
 
-/// Stack growth for the recursive search: when less than the red zone is left, the
-/// next level runs on a fresh segment.
-const STACK_RED_ZONE: usize = 256 * 1024;
-const STACK_SEGMENT: usize = 16 * 1024 * 1024;
 /// `capacity_states` memo key: signature, destination, additional bytes, blocked
 /// registration indices, active `(registration index, location)` pairs.
 type CapacityKey = (Signature, Location, u64, Vec<u32>, Vec<(u32, Location)>);
@@ -912,7 +1018,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             resume: None,
             touched: Trail::default(),
         };
-        let (state, enter) = self.search_request(&state)?;
+        let (state, enter) = self.search(state)?;
         Ok(SearchOutcome {
             reclaim: state.reclaim.to_vec(),
             enter,
@@ -1310,27 +1416,33 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     // ----- candidates and ordering (docs/concepts/controller.md#candidates) ---------
 
-    fn candidates<'b>(
+    fn candidates(
         &mut self,
+        links: &Links,
         state: &State,
         location: Location,
-        blocked: &Chain<'b, usize>,
-    ) -> Result<Candidates<'b>, SearchError> {
+        blocked: Link,
+    ) -> Result<Candidates, SearchError> {
         if self.global.is_some() {
             return Ok(Candidates::Lazy {
                 location,
-                blocked: *blocked,
+                blocked,
                 pass: 0,
                 cursor: (0, 0),
             });
         }
         Ok(Candidates::Listed(
-            self.ordered_candidates(state, location, blocked)?
+            self.ordered_candidates(links, state, location, blocked)?
                 .into_iter(),
         ))
     }
 
-    fn next_candidate(&self, state: &State, stream: &mut Candidates) -> Option<Candidate> {
+    fn next_candidate(
+        &self,
+        links: &Links,
+        state: &State,
+        stream: &mut Candidates,
+    ) -> Option<Candidate> {
         match stream {
             Candidates::Listed(listed) => listed.next(),
             Candidates::Lazy {
@@ -1342,7 +1454,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 let order = self.global.as_ref()?;
                 while *pass < 2 {
                     while let Some(value) = order.next(cursor) {
-                        if blocked.contains(&value)
+                        if links.is_blocked(*blocked, value)
                             || self.required.contains(&(value, *location)) != (*pass == 1)
                         {
                             continue;
@@ -1367,9 +1479,10 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     fn ordered_candidates(
         &mut self,
+        links: &Links,
         state: &State,
         location: Location,
-        blocked: &Chain<'_, usize>,
+        blocked: Link,
     ) -> Result<Vec<Candidate>, SearchError> {
         let mut ordinary = Vec::new();
         let mut required = Vec::new();
@@ -1379,7 +1492,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             None => Box::new(0..self.values.len()),
         };
         for value in order {
-            if blocked.contains(&value) {
+            if links.is_blocked(blocked, value) {
                 continue;
             }
             if let Some(mat) = self.mat_at(state, value, location)
@@ -1431,108 +1544,144 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         Ok(order.into_iter().map(|index| candidates[index]).collect())
     }
 
-    // ----- search_request (docs/concepts/controller.md#search-steps) ----------------
+    // ----- the search (docs/concepts/controller.md#search-steps) --------------------
+    //
+    // The documented generators (a request search, a candidate's reclaim options, a
+    // search for capacity at a tier) run as frames on an explicit stack. The frame on
+    // top runs: it calls the next generator by pushing its frame, and yields a state by
+    // handing it to its visitor ([`Visit`]), which may push the frame that searches it.
+    // Whatever that frame pushes is done when the yielding frame is on top again, and it
+    // continues. Only a found plan or an error other than an exhausted request ends a
+    // search early, and both end the whole search, so a frame never needs an answer from
+    // the frames above it beyond the notes and marks they leave in it.
 
-    fn search_request(&mut self, state: &State) -> Result<(State, Vec<Planned>), SearchError> {
-        // Every level of the depth-first search explores at least one state, so a search
-        // can recurse as deep as its depth bound: grow the stack on demand instead of
-        // overflowing it.
-        stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
-            self.search_request_inner(state)
-        })
+    /// The documented search from `initial`.
+    fn search(&mut self, initial: State) -> Result<Found, SearchError> {
+        let mut path = Path::default();
+        if let Some(found) = self.enter_request(&mut path, initial, None)? {
+            return Ok(found);
+        }
+        loop {
+            let Some(top) = path.frames.len().checked_sub(1) else {
+                // The root request frame is removed only when it is exhausted, which
+                // returns; the path never empties otherwise.
+                return Err(SearchError::Infeasible {
+                    detail: "the search path emptied without a verdict".to_owned(),
+                });
+            };
+            let found = match path.frames[top] {
+                Frame::Request(_) => self.advance_request(&mut path, top)?,
+                Frame::Reclaim(_) => self.advance_reclaim(&mut path, top)?,
+                Frame::Capacity(_) => self.advance_capacity(&mut path, top)?,
+            };
+            if let Some(found) = found {
+                return Ok(found);
+            }
+        }
     }
 
-    fn search_request_inner(
+    /// Steps 1 to 3 for a request state yielded to a [`Visit::Request`] of `parent`
+    /// (none at the root): a memo hit is noted there; a counted state that simulates
+    /// is the plan; otherwise its frame is pushed.
+    fn enter_request(
         &mut self,
-        state: &State,
-    ) -> Result<(State, Vec<Planned>), SearchError> {
+        path: &mut Path,
+        state: State,
+        parent: Option<usize>,
+    ) -> Result<Option<Found>, SearchError> {
         self.step()?;
-        let key = self.signature(state);
-        if self.failed_requests.contains(&key) {
-            return Err(SearchError::Infeasible {
-                detail: "the equivalent state is already exhausted".to_owned(),
-            });
+        if self.failed_requests.contains(&self.signature(&state)) {
+            let detail = "the equivalent state is already exhausted";
+            return match parent {
+                Some(parent) => {
+                    if let Some(Frame::Request(frame)) = path.frames.get_mut(parent) {
+                        frame.notes.add(detail);
+                    }
+                    Ok(None)
+                }
+                None => Err(SearchError::Infeasible {
+                    detail: detail.to_owned(),
+                }),
+            };
         }
         self.count()?;
-        self.depth += 1;
-        let result = self.search_request_level(state, key);
-        self.depth -= 1;
-        result
-    }
-
-    /// Steps 3 to 5 for a counted state open on the path.
-    fn search_request_level(
-        &mut self,
-        state: &State,
-        key: Signature,
-    ) -> Result<(State, Vec<Planned>), SearchError> {
-        let (capacity, resume) = match self.simulate(state) {
-            Ok(actions) => return Ok((state.clone(), actions)),
+        let (capacity, resume) = match self.simulate(&state) {
+            Ok(actions) => return Ok(Some((state, actions))),
             Err((SimError::Unavailable(value), _)) => {
                 return Err(SearchError::Unavailable { value });
             }
             Err((SimError::Capacity(capacity), resume)) => (capacity, resume),
         };
+        self.depth += 1;
         // Descendants of this state resume the simulation where it failed when their
         // reclaims cannot have changed what came before.
-        let resumable;
-        let state = if let Some(resume) = resume {
-            resumable = State {
+        let state = match resume {
+            Some(resume) => State {
                 resume: Some(Arc::from(resume)),
                 touched: Trail::default(),
-                ..state.clone()
-            };
-            &resumable
-        } else {
-            state
+                ..state
+            },
+            None => state,
         };
-        let mut candidates = self.candidates(state, capacity.location, &Chain::End)?;
-        let mut notes = Notes::default();
-        let mut found: Option<(State, Vec<Planned>)> = None;
-        let mut next_rank = 0;
-        while let Some(candidate) = self.next_candidate(state, &mut candidates) {
-            let rank = next_rank;
-            next_rank += 1;
-            let candidate = &candidate;
-            let mut failure: Option<SearchError> = None;
-            self.reclaim_states(
-                state,
-                *candidate,
+        let candidates = self.candidates(&path.links, &state, capacity.location, None)?;
+        path.frames.push(Frame::Request(Box::new(RequestFrame {
+            state,
+            capacity,
+            candidates,
+            next_rank: 0,
+            notes: Notes::default(),
+            parent,
+        })));
+        Ok(None)
+    }
+
+    /// Step 4 of a request frame: its next candidate's reclaim options; or step 5 when
+    /// none is left.
+    fn advance_request(
+        &mut self,
+        path: &mut Path,
+        top: usize,
+    ) -> Result<Option<Found>, SearchError> {
+        let Path { frames, links } = path;
+        let Some(Frame::Request(frame)) = frames.get_mut(top) else {
+            return Ok(None);
+        };
+        if let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates)
+        {
+            let rank = frame.next_rank;
+            frame.next_rank += 1;
+            frames.push(Frame::Reclaim(ReclaimFrame {
+                owner: top,
+                candidate,
                 rank,
-                &Chain::End,
-                &Chain::End,
-                &mut |search, trial| match search.search_request(&trial) {
-                    Ok(result) => {
-                        found = Some(result);
-                        Ok(Flow::Stop)
-                    }
-                    Err(SearchError::Infeasible { detail }) => {
-                        notes.add(&detail);
-                        Ok(Flow::Continue)
-                    }
-                    Err(other) => {
-                        failure = Some(other);
-                        Ok(Flow::Stop)
-                    }
-                },
-            )?;
-            if let Some(error) = failure {
-                return Err(error);
-            }
-            if let Some(result) = found.take() {
-                return Ok(result);
-            }
+                blocked: None,
+                active: None,
+                visit: Visit::Request(top),
+                phase: ReclaimPhase::Start,
+            }));
+            return Ok(None);
         }
-        let cost = Self::memo_cost(&key, 0);
-        self.charge_memo(cost)?;
+        let key = self.signature(&frame.state);
+        self.charge_memo(Self::memo_cost(&key, 0))?;
         self.failed_requests.insert(key);
-        Err(SearchError::Infeasible {
-            detail: self.exhausted(state, capacity, notes),
-        })
+        let notes = std::mem::take(&mut frame.notes);
+        let detail = self.exhausted(&frame.state, frame.capacity, notes);
+        let parent = frame.parent;
+        frames.pop();
+        self.depth -= 1;
+        match parent {
+            Some(parent) => {
+                if let Some(Frame::Request(frame)) = frames.get_mut(parent) {
+                    frame.notes.add(&detail);
+                }
+                Ok(None)
+            }
+            None => Err(SearchError::Infeasible { detail }),
+        }
     }
 
     /// The detail of an exhausted request search (step 5).
-    #[inline(never)] // Kept out of the frame that the search recurses through.
+    #[inline(never)] // Kept out of the search loop.
     fn exhausted(&self, state: &State, capacity: Capacity, notes: Notes) -> String {
         let (used, reserved) = Self::books(state, capacity.location);
         let budget = self
@@ -1556,64 +1705,82 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         )
     }
 
-    // ----- reclaim_states and capacity_states (docs/concepts/controller.md#search) ----
+    // ----- reclaim options and capacity at a tier (docs/concepts/controller.md#search) --
 
-    #[allow(clippy::too_many_arguments, clippy::too_many_lines)] // The documented generator, whole.
-    fn reclaim_states(
+    /// The next reclaim option of a reclaim frame: the drop, then each move of a sole
+    /// copy; the frame is removed when none is left.
+    fn advance_reclaim(
         &mut self,
-        state: &State,
-        candidate: Candidate,
-        rank: usize,
-        blocked: &Chain<'_, usize>,
-        active: &Chain<'_, (usize, Location)>,
-        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
-    ) -> Result<Flow, SearchError> {
-        let (value, location) = (candidate.value, candidate.location);
-        if active.contains(&(value, location)) {
-            return Ok(Flow::Continue);
-        }
-        let info = &self.values[value];
-        let alternatives = self.mats(state, value).len() > 1;
-        let has_source = info.source.is_some();
-        let charge = info.charge;
-        if alternatives || has_source {
-            let mut trial = state.clone();
-            let action = Planned::Drop { value, location };
-            trial.reclaim.push(action);
-            trial.evictions.push(Eviction {
-                action,
-                rank,
-                released_location: location,
-                released_nbytes: candidate.charged,
-                reason: if alternatives {
-                    EvictionReason::OtherMaterialization
-                } else {
-                    EvictionReason::RegisteredSource
-                },
-            });
-            self.remove_mat(&mut trial, value, location);
-            let books = Self::books_mut(&mut trial, location);
-            books.used = books.used.saturating_sub(candidate.charged);
-            if visit(self, trial)? == Flow::Stop {
-                return Ok(Flow::Stop);
-            }
-            if alternatives {
-                return Ok(Flow::Continue);
-            }
-        }
-        // Move options for a sole copy: endpoint restoration, then the policy's tiers.
-        let mut destinations: Vec<Location> = {
-            let mut required: Vec<Location> = self
-                .requirements
-                .iter()
-                .filter(|requirement| {
-                    requirement.value == value && requirement.location != location
-                })
-                .map(|requirement| requirement.location)
-                .collect();
-            required.sort_unstable();
-            required
+        path: &mut Path,
+        top: usize,
+    ) -> Result<Option<Found>, SearchError> {
+        let Path { frames, links } = &mut *path;
+        let Some(Frame::Reclaim(frame)) = frames.get(top) else {
+            return Ok(None);
         };
+        let candidate = frame.candidate;
+        let (value, location) = (candidate.value, candidate.location);
+        match frame.phase {
+            ReclaimPhase::Start => {
+                if links.is_active(frame.active, (value, location)) {
+                    Self::pop_reclaim(path);
+                    return Ok(None);
+                }
+                let Some(state) = frames[frame.owner].state() else {
+                    Self::pop_reclaim(path);
+                    return Ok(None);
+                };
+                let alternatives = self.mats(state, value).len() > 1;
+                if !alternatives && self.values[value].source.is_none() {
+                    return self.start_moves(path, top);
+                }
+                let mut trial = state.clone();
+                let action = Planned::Drop { value, location };
+                trial.reclaim.push(action);
+                trial.evictions.push(Eviction {
+                    action,
+                    rank: frame.rank,
+                    released_location: location,
+                    released_nbytes: candidate.charged,
+                    reason: if alternatives {
+                        EvictionReason::OtherMaterialization
+                    } else {
+                        EvictionReason::RegisteredSource
+                    },
+                });
+                self.remove_mat(&mut trial, value, location);
+                let books = Self::books_mut(&mut trial, location);
+                books.used = books.used.saturating_sub(candidate.charged);
+                let visit = frame.visit;
+                if let Some(Frame::Reclaim(frame)) = frames.get_mut(top) {
+                    frame.phase = ReclaimPhase::Dropped { alternatives };
+                }
+                self.deliver(path, trial, visit)
+            }
+            ReclaimPhase::Dropped { alternatives: true } => {
+                Self::pop_reclaim(path);
+                Ok(None)
+            }
+            ReclaimPhase::Dropped { alternatives: false } => self.start_moves(path, top),
+            ReclaimPhase::Moves { .. } => self.next_move(path, top),
+        }
+    }
+
+    /// Lists the move destinations of a sole copy (endpoint restoration, then the
+    /// policy's tiers) and links the candidate into the branch's lists.
+    fn start_moves(&mut self, path: &mut Path, top: usize) -> Result<Option<Found>, SearchError> {
+        let Path { frames, links } = path;
+        let Some(Frame::Reclaim(frame)) = frames.get_mut(top) else {
+            return Ok(None);
+        };
+        let (value, location) = (frame.candidate.value, frame.candidate.location);
+        let mut destinations: Vec<Location> = self
+            .requirements
+            .iter()
+            .filter(|requirement| requirement.value == value && requirement.location != location)
+            .map(|requirement| requirement.location)
+            .collect();
+        destinations.sort_unstable();
         for fallback in self.policy.fallback_locations(location)? {
             destinations.push(fallback);
         }
@@ -1623,173 +1790,302 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 unique.push(destination);
             }
         }
-        let blocked_more = if blocked.contains(&value) {
-            *blocked
+        let marks = (links.blocked.len(), links.active.len());
+        let blocked = if links.is_blocked(frame.blocked, value) {
+            frame.blocked
         } else {
-            Chain::Link(value, blocked)
+            links.blocked.push((value, frame.blocked));
+            Some(marks.0)
         };
-        let active_more = Chain::Link((value, location), active);
-        for destination in unique {
-            let additional = if self.mat_at(state, value, destination).is_some() {
-                0
-            } else {
-                charge
-            };
-            let flow = self.capacity_states(
-                state.clone(),
-                destination,
-                additional,
-                &blocked_more,
-                &active_more,
-                &mut |search, reached| {
-                    let mut trial = reached;
-                    let Some(sole) = search.mat_at(&trial, value, location) else {
-                        return Ok(Flow::Continue);
-                    };
-                    if search.mat_at(&trial, value, destination).is_none() {
-                        search.add_mat(
-                            &mut trial,
-                            value,
-                            MatInfo {
-                                location: destination,
-                                ..sole
-                            },
-                        );
-                        let books = Self::books_mut(&mut trial, destination);
-                        books.used = books.used.saturating_add(charge);
-                    }
-                    let action = Planned::Move {
-                        value,
-                        to: destination,
-                        from: Some(location),
-                    };
-                    trial.reclaim.push(action);
-                    trial.evictions.push(Eviction {
-                        action,
-                        rank,
-                        released_location: location,
-                        released_nbytes: candidate.charged,
-                        reason: EvictionReason::MovedTo(destination),
-                    });
-                    search.remove_mat(&mut trial, value, location);
-                    let books = Self::books_mut(&mut trial, location);
-                    books.used = books.used.saturating_sub(charge);
-                    visit(search, trial)
-                },
-            )?;
-            if flow == Flow::Stop {
-                return Ok(Flow::Stop);
-            }
-        }
-        Ok(Flow::Continue)
+        links.active.push(((value, location), frame.active));
+        frame.phase = ReclaimPhase::Moves {
+            destinations: unique,
+            next: 0,
+            blocked,
+            active: Some(marks.1),
+            marks,
+        };
+        Ok(None)
     }
 
-    fn capacity_states(
-        &mut self,
-        state: State,
-        destination: Location,
-        additional: u64,
-        blocked: &Chain<'_, usize>,
-        active: &Chain<'_, (usize, Location)>,
-        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
-    ) -> Result<Flow, SearchError> {
-        stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
-            self.capacity_states_inner(state, destination, additional, blocked, active, visit)
-        })
-    }
-
-    fn capacity_states_inner(
-        &mut self,
-        state: State,
-        destination: Location,
-        additional: u64,
-        blocked: &Chain<'_, usize>,
-        active: &Chain<'_, (usize, Location)>,
-        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
-    ) -> Result<Flow, SearchError> {
-        self.step()?;
-        if self.fits(&state, destination, additional) {
-            return visit(self, state);
-        }
-        let mut blocked_indices: Vec<u32> = blocked
-            .iter()
-            .map(|value| self.values[value].registration_index)
-            .collect();
-        blocked_indices.sort_unstable();
-        let mut active_pairs: Vec<(u32, Location)> = active
-            .iter()
-            .map(|(value, location)| (self.values[value].registration_index, location))
-            .collect();
-        active_pairs.sort_unstable();
-        let key = (
-            self.signature(&state),
+    /// The reclaim frame's next move destination: the states where it has room.
+    fn next_move(&mut self, path: &mut Path, top: usize) -> Result<Option<Found>, SearchError> {
+        let Some(Frame::Reclaim(frame)) = path.frames.get_mut(top) else {
+            return Ok(None);
+        };
+        let ReclaimPhase::Moves {
+            destinations,
+            next,
+            blocked,
+            active,
+            ..
+        } = &mut frame.phase
+        else {
+            return Ok(None);
+        };
+        let Some(&destination) = destinations.get(*next) else {
+            Self::pop_reclaim(path);
+            return Ok(None);
+        };
+        *next += 1;
+        let (blocked, active) = (*blocked, *active);
+        let (value, owner) = (frame.candidate.value, frame.owner);
+        let Some(state) = path.frames[owner].state() else {
+            return Ok(None);
+        };
+        let additional = if self.mat_at(state, value, destination).is_some() {
+            0
+        } else {
+            self.values[value].charge
+        };
+        let state = state.clone();
+        match self.enter_capacity(
+            path,
+            state,
             destination,
             additional,
-            blocked_indices,
-            active_pairs,
-        );
-        if self.failed_capacities.contains(&key) {
-            return Ok(Flow::Continue);
+            blocked,
+            active,
+            Visit::Move(top),
+        )? {
+            Some(fitting) => self.deliver(path, fitting, Visit::Move(top)),
+            None => Ok(None),
         }
-        self.count()?;
-        self.depth += 1;
-        let result =
-            self.capacity_states_level(&state, destination, additional, blocked, active, visit);
-        self.depth -= 1;
-        let (flow, yielded) = result?;
-        if flow == Flow::Continue && !yielded {
-            let extra = key.3.len() * size_of::<u32>() + key.4.len() * size_of::<(u32, Location)>();
-            self.charge_memo(Self::memo_cost(&key.0, extra))?;
-            self.failed_capacities.insert(key);
-        }
-        Ok(flow)
     }
 
-    /// Step 4 of a capacity search for a counted state open on the path: whether the
-    /// visitor stopped it, and whether it yielded a state.
-    fn capacity_states_level(
+    /// Removes the reclaim frame on top, and the links it added.
+    fn pop_reclaim(path: &mut Path) {
+        if let Some(Frame::Reclaim(frame)) = path.frames.pop()
+            && let ReclaimPhase::Moves { marks, .. } = frame.phase
+        {
+            path.links.blocked.truncate(marks.0);
+            path.links.active.truncate(marks.1);
+        }
+    }
+
+    /// Hands `state` to `visit`, through the visitors that only change or mark it, to the
+    /// one that searches it (pushing a frame, or noting a memo hit). Returns a found plan.
+    fn deliver(
         &mut self,
-        state: &State,
-        destination: Location,
-        additional: u64,
-        blocked: &Chain<'_, usize>,
-        active: &Chain<'_, (usize, Location)>,
-        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
-    ) -> Result<(Flow, bool), SearchError> {
-        let mut yielded = false;
-        let mut candidates = self.candidates(state, destination, blocked)?;
-        let mut next_rank = 0;
-        while let Some(candidate) = self.next_candidate(state, &mut candidates) {
-            let rank = next_rank;
-            next_rank += 1;
-            let candidate = &candidate;
-            if active.contains(&(candidate.value, candidate.location)) {
-                continue;
-            }
-            let flow = self.reclaim_states(
-                state,
-                *candidate,
-                rank,
-                blocked,
-                active,
-                &mut |search, reclaimed| {
-                    search.capacity_states(
-                        reclaimed,
+        path: &mut Path,
+        mut state: State,
+        mut visit: Visit,
+    ) -> Result<Option<Found>, SearchError> {
+        loop {
+            match visit {
+                Visit::Request(parent) => return self.enter_request(path, state, Some(parent)),
+                Visit::Move(at) => {
+                    let Some(Frame::Reclaim(frame)) = path.frames.get(at) else {
+                        return Ok(None);
+                    };
+                    let ReclaimPhase::Moves {
+                        destinations, next, ..
+                    } = &frame.phase
+                    else {
+                        return Ok(None);
+                    };
+                    let Some(&destination) = next.checked_sub(1).and_then(|at| destinations.get(at))
+                    else {
+                        return Ok(None);
+                    };
+                    match self.moved(state, frame.candidate, frame.rank, destination) {
+                        Some(trial) => state = trial,
+                        None => return Ok(None),
+                    }
+                    visit = frame.visit;
+                }
+                Visit::Capacity(at) => {
+                    let Some(Frame::Capacity(frame)) = path.frames.get(at) else {
+                        return Ok(None);
+                    };
+                    let (destination, additional, blocked, active) =
+                        (frame.destination, frame.additional, frame.blocked, frame.active);
+                    match self.enter_capacity(
+                        path,
+                        state,
                         destination,
                         additional,
                         blocked,
                         active,
-                        &mut |search, reached| {
-                            yielded = true;
-                            visit(search, reached)
-                        },
-                    )
-                },
-            )?;
-            if flow == Flow::Stop {
-                return Ok((Flow::Stop, yielded));
+                        Visit::Reached(at),
+                    )? {
+                        Some(fitting) => {
+                            state = fitting;
+                            visit = Visit::Reached(at);
+                        }
+                        None => return Ok(None),
+                    }
+                }
+                Visit::Reached(at) => {
+                    let Some(Frame::Capacity(frame)) = path.frames.get_mut(at) else {
+                        return Ok(None);
+                    };
+                    frame.yielded = true;
+                    visit = frame.visit;
+                }
             }
         }
-        Ok((Flow::Continue, yielded))
+    }
+
+    /// A move's state: the sole copy of the candidate's value moved from its location to
+    /// `destination` in a state where that has room; none if the copy is gone there.
+    fn moved(
+        &self,
+        reached: State,
+        candidate: Candidate,
+        rank: usize,
+        destination: Location,
+    ) -> Option<State> {
+        let (value, location) = (candidate.value, candidate.location);
+        let charge = self.values[value].charge;
+        let mut trial = reached;
+        let sole = self.mat_at(&trial, value, location)?;
+        if self.mat_at(&trial, value, destination).is_none() {
+            self.add_mat(
+                &mut trial,
+                value,
+                MatInfo {
+                    location: destination,
+                    ..sole
+                },
+            );
+            let books = Self::books_mut(&mut trial, destination);
+            books.used = books.used.saturating_add(charge);
+        }
+        let action = Planned::Move {
+            value,
+            to: destination,
+            from: Some(location),
+        };
+        trial.reclaim.push(action);
+        trial.evictions.push(Eviction {
+            action,
+            rank,
+            released_location: location,
+            released_nbytes: candidate.charged,
+            reason: EvictionReason::MovedTo(destination),
+        });
+        self.remove_mat(&mut trial, value, location);
+        let books = Self::books_mut(&mut trial, location);
+        books.used = books.used.saturating_sub(charge);
+        Some(trial)
+    }
+
+    /// Steps 1 to 3 of a search for capacity at `destination`: the state itself when it
+    /// has room (for the caller to yield), nothing on a memo hit, or else a pushed frame.
+    #[allow(clippy::too_many_arguments)] // The documented generator's parameters.
+    fn enter_capacity(
+        &mut self,
+        path: &mut Path,
+        state: State,
+        destination: Location,
+        additional: u64,
+        blocked: Link,
+        active: Link,
+        visit: Visit,
+    ) -> Result<Option<State>, SearchError> {
+        self.step()?;
+        if self.fits(&state, destination, additional) {
+            return Ok(Some(state));
+        }
+        let key = self.capacity_key(&path.links, &state, destination, additional, blocked, active);
+        if self.failed_capacities.contains(&key) {
+            return Ok(None);
+        }
+        drop(key);
+        self.count()?;
+        self.depth += 1;
+        let candidates = self.candidates(&path.links, &state, destination, blocked)?;
+        path.frames.push(Frame::Capacity(Box::new(CapacityFrame {
+            state,
+            destination,
+            additional,
+            blocked,
+            active,
+            candidates,
+            next_rank: 0,
+            yielded: false,
+            visit,
+        })));
+        Ok(None)
+    }
+
+    /// Step 4 of a capacity frame: its next candidate's reclaim options; or step 5 when
+    /// none is left.
+    fn advance_capacity(
+        &mut self,
+        path: &mut Path,
+        top: usize,
+    ) -> Result<Option<Found>, SearchError> {
+        let Path { frames, links } = path;
+        let Some(Frame::Capacity(frame)) = frames.get_mut(top) else {
+            return Ok(None);
+        };
+        while let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates)
+        {
+            let rank = frame.next_rank;
+            frame.next_rank += 1;
+            if links.is_active(frame.active, (candidate.value, candidate.location)) {
+                continue;
+            }
+            let (blocked, active) = (frame.blocked, frame.active);
+            frames.push(Frame::Reclaim(ReclaimFrame {
+                owner: top,
+                candidate,
+                rank,
+                blocked,
+                active,
+                visit: Visit::Capacity(top),
+                phase: ReclaimPhase::Start,
+            }));
+            return Ok(None);
+        }
+        let key = (!frame.yielded).then(|| {
+            self.capacity_key(
+                links,
+                &frame.state,
+                frame.destination,
+                frame.additional,
+                frame.blocked,
+                frame.active,
+            )
+        });
+        frames.pop();
+        self.depth -= 1;
+        if let Some(key) = key {
+            let extra = key.3.len() * size_of::<u32>() + key.4.len() * size_of::<(u32, Location)>();
+            self.charge_memo(Self::memo_cost(&key.0, extra))?;
+            self.failed_capacities.insert(key);
+        }
+        Ok(None)
+    }
+
+    /// A capacity search's memo key (docs/concepts/controller.md#capacity-at-a-tier).
+    fn capacity_key(
+        &self,
+        links: &Links,
+        state: &State,
+        destination: Location,
+        additional: u64,
+        blocked: Link,
+        active: Link,
+    ) -> CapacityKey {
+        let mut blocked_indices: Vec<u32> = links
+            .blocked(blocked)
+            .map(|value| self.values[value].registration_index)
+            .collect();
+        blocked_indices.sort_unstable();
+        let mut active_pairs: Vec<(u32, Location)> = links
+            .active(active)
+            .map(|(value, location)| (self.values[value].registration_index, location))
+            .collect();
+        active_pairs.sort_unstable();
+        (
+            self.signature(state),
+            destination,
+            additional,
+            blocked_indices,
+            active_pairs,
+        )
     }
 }
