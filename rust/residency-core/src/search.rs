@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use crate::fasthash::{FastMap, FastSet};
 use std::sync::Arc;
 
-use imbl::HashMap as PMap;
+use crate::overlay::Overlay;
 
 use crate::error::CoreError;
 use crate::location::Location;
@@ -740,7 +740,7 @@ impl Links {
 /// One planning state: the initial values plus an overlay of changed ones.
 #[derive(Debug, Clone)]
 struct State {
-    changed: PMap<usize, Arc<Vec<MatInfo>>>,
+    changed: Overlay<Arc<[MatInfo]>>,
     /// Sorted by location (canonical order).
     books: Vec<Books>,
     reclaim: Trail<Planned>,
@@ -776,7 +776,7 @@ struct Resume {
 /// The materialisations and actions of a simulated prefix.
 #[derive(Debug)]
 struct Prefix {
-    mats: Vec<(usize, Arc<Vec<MatInfo>>)>,
+    mats: Vec<(usize, Arc<[MatInfo]>)>,
     actions: Vec<Planned>,
 }
 
@@ -1011,7 +1011,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .collect();
         initial.sort();
         let state = State {
-            changed: PMap::new(),
+            changed: Overlay::default(),
             books: initial,
             reclaim: Trail::default(),
             evictions: Trail::default(),
@@ -1030,7 +1030,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     // ----- state access -----------------------------------------------------------
 
     fn mats<'s>(&'s self, state: &'s State, value: usize) -> &'s [MatInfo] {
-        match state.changed.get(&value) {
+        match state.changed.get(value) {
             Some(mats) => mats,
             None => self.values.mats(value),
         }
@@ -1044,7 +1044,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     }
 
     fn set_mats(state: &mut State, value: usize, mats: Vec<MatInfo>) {
-        state.changed.insert(value, Arc::new(mats));
+        state.changed.insert(value, Arc::from(mats));
         state.touched.push(value);
     }
 
@@ -1106,7 +1106,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let mut values: Vec<(usize, Vec<Location>)> = state
             .changed
             .iter()
-            .filter_map(|(&value, mats)| {
+            .filter_map(|(value, mats)| {
                 let now: Vec<Location> = mats.iter().map(|mat| mat.location).collect();
                 let initial: Vec<Location> = self
                     .values
@@ -1307,7 +1307,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                             .filter_map(|(_, read)| {
                                 trial
                                     .changed
-                                    .get(&read.value)
+                                    .get(read.value)
                                     .map(|mats| (read.value, Arc::clone(mats)))
                             })
                             .collect(),
