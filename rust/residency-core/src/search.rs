@@ -288,7 +288,7 @@ pub trait SearchPolicy {
 /// a request search or a search for capacity at a tier; every reclaim action of a
 /// plan opens at least one). A level holds about 5 KiB (stack and state), so the path
 /// stays under about 80 MiB (docs/concepts/controller.md#search-bounds).
-pub const MAX_SEARCH_DEPTH: u64 = 16_384;
+pub const MAX_SEARCH_DEPTH: u64 = 131_072;
 
 /// The budget of the memo of exhausted states, in the bytes its keys' elements take
 /// (see [`Search::memo_cost`]); the hash tables that hold them take up to about twice.
@@ -743,14 +743,15 @@ struct State {
     changed: Overlay<Arc<[MatInfo]>>,
     /// Sorted by location (canonical order).
     books: Vec<Books>,
-    reclaim: Trail<Planned>,
+    /// The reclaim steps so far, each with its action (the plan's reclaim list).
     evictions: Trail<Eviction>,
     /// Where the last failed simulation of an ancestor stopped, so a descendant whose
     /// reclaims cannot have changed the simulated prefix resumes there (not part of
     /// the memo signature).
     resume: Option<Arc<Resume>>,
-    /// Values whose materialisations changed since `resume` was recorded.
-    touched: Trail<usize>,
+    /// The least first requirement index (`Search::first_required`) of the values whose
+    /// materialisations changed since `resume` was recorded (`usize::MAX` for none).
+    touched: usize,
 }
 
 /// A simulation prefix that succeeded before a capacity failure at `index`.
@@ -759,7 +760,7 @@ struct Resume {
     /// The requirement that failed.
     index: usize,
     /// Books before that requirement.
-    books: Vec<Books>,
+    books: Box<[Books]>,
     /// What the prefix projected: shared with the descendants whose own resumed
     /// simulation fails at the same requirement, as a path of evictions does until
     /// enough is free.
@@ -768,9 +769,9 @@ struct Resume {
     /// at such a location, or touches a value the prefix read (the values of the
     /// requirements before `index`, `Search::first_required`), could change the
     /// prefix, and then the request is simulated from the start.
-    locations: FastSet<Location>,
+    locations: Box<[Location]>,
     /// The books of the simulated state, to carry a descendant's reclaims over.
-    base_books: Vec<Books>,
+    base_books: Box<[Books]>,
 }
 
 /// The materialisations and actions of a simulated prefix.
@@ -839,6 +840,15 @@ impl Frame {
             Self::Reclaim(_) => None,
         }
     }
+
+    /// For the owner of a reclaim frame at `at` (this frame, just below it): its lists of
+    /// blocked values and active reclaims, and where the reclaimed states go.
+    fn branch(&self, at: usize) -> (Link, Link, Visit) {
+        match self {
+            Self::Capacity(frame) => (frame.blocked, frame.active, Visit::Capacity(at - 1)),
+            Self::Request(_) | Self::Reclaim(_) => (None, None, Visit::Request(at - 1)),
+        }
+    }
 }
 
 /// Where a frame's yielded states go: the visitor the documented generator was given,
@@ -869,15 +879,12 @@ struct RequestFrame {
     parent: Option<usize>,
 }
 
+/// The reclaim options of a candidate of the frame just below (its owner), whose state,
+/// lists of blocked values and active reclaims, and visitor it uses.
 #[derive(Debug)]
 struct ReclaimFrame {
-    /// The frame whose state the candidate is reclaimed from.
-    owner: usize,
     candidate: Candidate,
     rank: usize,
-    blocked: Link,
-    active: Link,
-    visit: Visit,
     phase: ReclaimPhase,
 }
 
@@ -886,13 +893,11 @@ enum ReclaimPhase {
     Start,
     /// The drop was yielded; with another materialisation no move is tried.
     Dropped { alternatives: bool },
-    /// Moving a sole copy: the destinations, the next one to try, this branch's lists
-    /// with the candidate added, and the arena lengths to truncate back to.
+    /// Moving a sole copy: the destinations, the next one to try, and the lengths of
+    /// the arenas of links before the candidate was linked into the branch's lists.
     Moves {
-        destinations: Vec<Location>,
+        destinations: Box<[Location]>,
         next: usize,
-        blocked: Link,
-        active: Link,
         marks: (usize, usize),
     },
 }
@@ -1013,16 +1018,16 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let state = State {
             changed: Overlay::default(),
             books: initial,
-            reclaim: Trail::default(),
             evictions: Trail::default(),
             resume: None,
-            touched: Trail::default(),
+            touched: usize::MAX,
         };
         let (state, enter) = self.search(state)?;
+        let evictions = state.evictions.to_vec();
         Ok(SearchOutcome {
-            reclaim: state.reclaim.to_vec(),
+            reclaim: evictions.iter().map(|eviction| eviction.action).collect(),
             enter,
-            evictions: state.evictions.to_vec(),
+            evictions,
             explored: self.explored,
         })
     }
@@ -1043,16 +1048,18 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .copied()
     }
 
-    fn set_mats(state: &mut State, value: usize, mats: Vec<MatInfo>) {
+    fn set_mats(&self, state: &mut State, value: usize, mats: Vec<MatInfo>) {
         state.changed.insert(value, Arc::from(mats));
-        state.touched.push(value);
+        if let Some(&first) = self.first_required.get(&value) {
+            state.touched = state.touched.min(first);
+        }
     }
 
     fn add_mat(&self, state: &mut State, value: usize, mat: MatInfo) {
         let mut mats = self.mats(state, value).to_vec();
         let position = mats.partition_point(|known| known.location < mat.location);
         mats.insert(position, mat);
-        Self::set_mats(state, value, mats);
+        self.set_mats(state, value, mats);
     }
 
     fn remove_mat(&self, state: &mut State, value: usize, location: Location) {
@@ -1062,7 +1069,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .filter(|mat| mat.location != location)
             .copied()
             .collect();
-        Self::set_mats(state, value, mats);
+        self.set_mats(state, value, mats);
     }
 
     fn books_mut(state: &mut State, location: Location) -> &mut Books {
@@ -1195,11 +1202,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     /// the simulated prefix unchanged: the trial state, emitted actions and index.
     fn resumed(&self, state: &State) -> Option<Resumed> {
         let resume = state.resume.as_ref()?;
-        if state.touched.iter_back().any(|value| {
-            self.first_required
-                .get(value)
-                .is_some_and(|&first| first < resume.index)
-        }) {
+        if state.touched < resume.index {
             return None;
         }
         let total = |books: &[Books], location: Location| {
@@ -1253,7 +1256,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             trial,
             resume.prefix.actions.clone(),
             resume.index,
-            resume.locations.clone(),
+            resume.locations.iter().copied().collect(),
         ))
     }
 
@@ -1318,10 +1321,10 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     SimError::Capacity(capacity),
                     Some(Box::new(Resume {
                         index,
-                        books: before.clone(),
+                        books: before.as_slice().into(),
                         prefix,
-                        locations: locations.clone(),
-                        base_books: state.books.clone(),
+                        locations: locations.iter().copied().collect(),
+                        base_books: state.books.as_slice().into(),
                     })),
                 )
             };
@@ -1618,7 +1621,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let state = match resume {
             Some(resume) => State {
                 resume: Some(Arc::from(resume)),
-                touched: Trail::default(),
+                touched: usize::MAX,
                 ..state
             },
             None => state,
@@ -1651,12 +1654,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             let rank = frame.next_rank;
             frame.next_rank += 1;
             frames.push(Frame::Reclaim(ReclaimFrame {
-                owner: top,
                 candidate,
                 rank,
-                blocked: None,
-                active: None,
-                visit: Visit::Request(top),
                 phase: ReclaimPhase::Start,
             }));
             return Ok(None);
@@ -1715,29 +1714,31 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         top: usize,
     ) -> Result<Option<Found>, SearchError> {
         let Path { frames, links } = &mut *path;
-        let Some(Frame::Reclaim(frame)) = frames.get(top) else {
+        let (Some(Frame::Reclaim(frame)), Some(owner)) =
+            (frames.get(top), top.checked_sub(1).and_then(|at| frames.get(at)))
+        else {
             return Ok(None);
         };
         let candidate = frame.candidate;
         let (value, location) = (candidate.value, candidate.location);
+        let (_, active, visit) = owner.branch(top);
         match frame.phase {
             ReclaimPhase::Start => {
-                if links.is_active(frame.active, (value, location)) {
-                    Self::pop_reclaim(path);
-                    return Ok(None);
-                }
-                let Some(state) = frames[frame.owner].state() else {
+                let Some(state) = owner.state() else {
                     Self::pop_reclaim(path);
                     return Ok(None);
                 };
+                if links.is_active(active, (value, location)) {
+                    Self::pop_reclaim(path);
+                    return Ok(None);
+                }
                 let alternatives = self.mats(state, value).len() > 1;
                 if !alternatives && self.values[value].source.is_none() {
                     return self.start_moves(path, top);
                 }
                 let mut trial = state.clone();
                 let action = Planned::Drop { value, location };
-                trial.reclaim.push(action);
-                trial.evictions.push(Eviction {
+                        trial.evictions.push(Eviction {
                     action,
                     rank: frame.rank,
                     released_location: location,
@@ -1751,7 +1752,6 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 self.remove_mat(&mut trial, value, location);
                 let books = Self::books_mut(&mut trial, location);
                 books.used = books.used.saturating_sub(candidate.charged);
-                let visit = frame.visit;
                 if let Some(Frame::Reclaim(frame)) = frames.get_mut(top) {
                     frame.phase = ReclaimPhase::Dropped { alternatives };
                 }
@@ -1770,6 +1770,13 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     /// policy's tiers) and links the candidate into the branch's lists.
     fn start_moves(&mut self, path: &mut Path, top: usize) -> Result<Option<Found>, SearchError> {
         let Path { frames, links } = path;
+        let Some((blocked, active, _)) = top
+            .checked_sub(1)
+            .and_then(|at| frames.get(at))
+            .map(|owner| owner.branch(top))
+        else {
+            return Ok(None);
+        };
         let Some(Frame::Reclaim(frame)) = frames.get_mut(top) else {
             return Ok(None);
         };
@@ -1791,18 +1798,13 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             }
         }
         let marks = (links.blocked.len(), links.active.len());
-        let blocked = if links.is_blocked(frame.blocked, value) {
-            frame.blocked
-        } else {
-            links.blocked.push((value, frame.blocked));
-            Some(marks.0)
-        };
-        links.active.push(((value, location), frame.active));
+        if !links.is_blocked(blocked, value) {
+            links.blocked.push((value, blocked));
+        }
+        links.active.push(((value, location), active));
         frame.phase = ReclaimPhase::Moves {
-            destinations: unique,
+            destinations: unique.into_boxed_slice(),
             next: 0,
-            blocked,
-            active: Some(marks.1),
             marks,
         };
         Ok(None)
@@ -1813,12 +1815,11 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let Some(Frame::Reclaim(frame)) = path.frames.get_mut(top) else {
             return Ok(None);
         };
+        let value = frame.candidate.value;
         let ReclaimPhase::Moves {
             destinations,
             next,
-            blocked,
-            active,
-            ..
+            marks,
         } = &mut frame.phase
         else {
             return Ok(None);
@@ -1828,9 +1829,19 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             return Ok(None);
         };
         *next += 1;
-        let (blocked, active) = (*blocked, *active);
-        let (value, owner) = (frame.candidate.value, frame.owner);
-        let Some(state) = path.frames[owner].state() else {
+        let marks = *marks;
+        // The branch's lists with the candidate linked in (when it was not blocked
+        // already, the owner's list goes on).
+        let Some(owner) = top.checked_sub(1).and_then(|at| path.frames.get(at)) else {
+            return Ok(None);
+        };
+        let blocked = if path.links.blocked.len() > marks.0 {
+            Some(marks.0)
+        } else {
+            owner.branch(top).0
+        };
+        let active = Some(marks.1);
+        let Some(state) = owner.state() else {
             return Ok(None);
         };
         let additional = if self.mat_at(state, value, destination).is_some() {
@@ -1892,7 +1903,11 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                         Some(trial) => state = trial,
                         None => return Ok(None),
                     }
-                    visit = frame.visit;
+                    let Some(owner) = at.checked_sub(1).and_then(|below| path.frames.get(below))
+                    else {
+                        return Ok(None);
+                    };
+                    visit = owner.branch(at).2;
                 }
                 Visit::Capacity(at) => {
                     let Some(Frame::Capacity(frame)) = path.frames.get(at) else {
@@ -1957,7 +1972,6 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             to: destination,
             from: Some(location),
         };
-        trial.reclaim.push(action);
         trial.evictions.push(Eviction {
             action,
             rank,
@@ -2028,14 +2042,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             if links.is_active(frame.active, (candidate.value, candidate.location)) {
                 continue;
             }
-            let (blocked, active) = (frame.blocked, frame.active);
             frames.push(Frame::Reclaim(ReclaimFrame {
-                owner: top,
                 candidate,
                 rank,
-                blocked,
-                active,
-                visit: Visit::Capacity(top),
                 phase: ReclaimPhase::Start,
             }));
             return Ok(None);
