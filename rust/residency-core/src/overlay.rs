@@ -41,13 +41,13 @@ impl<V> Clone for Overlay<V> {
     }
 }
 
-fn height<V>(link: &Link<V>) -> u8 {
-    link.as_ref().map_or(0, |node| node.height)
+fn height<V>(link: Option<&Arc<Node<V>>>) -> u8 {
+    link.map_or(0, |node| node.height)
 }
 
 /// A node over two subtrees whose heights differ by at most one.
 fn node<V>(key: usize, value: V, left: Link<V>, right: Link<V>) -> Arc<Node<V>> {
-    let height = height(&left).max(height(&right)) + 1;
+    let height = height(left.as_ref()).max(height(right.as_ref())) + 1;
     Arc::new(Node {
         key,
         value,
@@ -59,10 +59,10 @@ fn node<V>(key: usize, value: V, left: Link<V>, right: Link<V>) -> Arc<Node<V>> 
 
 /// A balanced node over two subtrees whose heights differ by at most two.
 fn balance<V: Clone>(key: usize, value: V, left: Link<V>, right: Link<V>) -> Arc<Node<V>> {
-    let (left_height, right_height) = (height(&left), height(&right));
+    let (left_height, right_height) = (height(left.as_ref()), height(right.as_ref()));
     if left_height > right_height + 1 {
         if let Some(pivot) = &left {
-            if height(&pivot.left) >= height(&pivot.right) {
+            if height(pivot.left.as_ref()) >= height(pivot.right.as_ref()) {
                 // Single rotation to the right.
                 let lower = node(key, value, pivot.right.clone(), right);
                 return node(
@@ -92,7 +92,7 @@ fn balance<V: Clone>(key: usize, value: V, left: Link<V>, right: Link<V>) -> Arc
     } else if right_height > left_height + 1
         && let Some(pivot) = &right
     {
-        if height(&pivot.right) >= height(&pivot.left) {
+        if height(pivot.right.as_ref()) >= height(pivot.left.as_ref()) {
             let lower = node(key, value, left, pivot.left.clone());
             return node(
                 pivot.key,
@@ -120,7 +120,7 @@ fn balance<V: Clone>(key: usize, value: V, left: Link<V>, right: Link<V>) -> Arc
     node(key, value, left, right)
 }
 
-fn insert<V: Clone>(link: &Link<V>, key: usize, value: V) -> Arc<Node<V>> {
+fn insert<V: Clone>(link: Option<&Arc<Node<V>>>, key: usize, value: V) -> Arc<Node<V>> {
     let Some(current) = link else {
         return node(key, value, None, None);
     };
@@ -128,14 +128,14 @@ fn insert<V: Clone>(link: &Link<V>, key: usize, value: V) -> Arc<Node<V>> {
         Ordering::Less => balance(
             current.key,
             current.value.clone(),
-            Some(insert(&current.left, key, value)),
+            Some(insert(current.left.as_ref(), key, value)),
             current.right.clone(),
         ),
         Ordering::Greater => balance(
             current.key,
             current.value.clone(),
             current.left.clone(),
-            Some(insert(&current.right, key, value)),
+            Some(insert(current.right.as_ref(), key, value)),
         ),
         Ordering::Equal => node(key, value, current.left.clone(), current.right.clone()),
     }
@@ -157,7 +157,7 @@ impl<V: Clone> Overlay<V> {
 
     /// Sets `key` to `value`, sharing every node off the path to it.
     pub(crate) fn insert(&mut self, key: usize, value: V) {
-        self.root = Some(insert(&self.root, key, value));
+        self.root = Some(insert(self.root.as_ref(), key, value));
     }
 
     /// The entries in key order.
@@ -181,9 +181,12 @@ mod tests {
     use super::Overlay;
     use std::collections::BTreeMap;
 
-    fn check_balanced<V>(link: &super::Link<V>) -> u8 {
+    fn check_balanced<V>(link: Option<&std::sync::Arc<super::Node<V>>>) -> u8 {
         let Some(node) = link else { return 0 };
-        let (left, right) = (check_balanced(&node.left), check_balanced(&node.right));
+        let (left, right) = (
+            check_balanced(node.left.as_ref()),
+            check_balanced(node.right.as_ref()),
+        );
         assert!(left.abs_diff(right) <= 1, "unbalanced at {}", node.key);
         assert_eq!(node.height, left.max(right) + 1);
         node.height
@@ -207,15 +210,17 @@ mod tests {
                 versions.push((overlay.clone(), model.clone()));
             }
         }
-        check_balanced(&overlay.root);
+        check_balanced(overlay.root.as_ref());
         let listed: Vec<(usize, u64)> = overlay.iter().map(|(key, &value)| (key, value)).collect();
         let expected: Vec<(usize, u64)> = model.iter().map(|(&key, &value)| (key, value)).collect();
         assert_eq!(listed, expected);
         assert_eq!(overlay.get(2000), None);
         for (old, old_model) in versions {
             let listed: Vec<(usize, u64)> = old.iter().map(|(key, &value)| (key, value)).collect();
-            let expected: Vec<(usize, u64)> =
-                old_model.iter().map(|(&key, &value)| (key, value)).collect();
+            let expected: Vec<(usize, u64)> = old_model
+                .iter()
+                .map(|(&key, &value)| (key, value))
+                .collect();
             assert_eq!(listed, expected);
             for (&key, value) in &old_model {
                 assert_eq!(old.get(key), Some(value));
@@ -226,6 +231,6 @@ mod tests {
         for key in 0..4096 {
             ascending.insert(key, 0);
         }
-        assert!(check_balanced(&ascending.root) <= 13);
+        assert!(check_balanced(ascending.root.as_ref()) <= 13);
     }
 }

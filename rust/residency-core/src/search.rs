@@ -4,16 +4,18 @@
 //! simulation" and "Search"), step for step: simulate the request; at the first
 //! capacity failure, try the policy's victims in order, each through its reclaim
 //! options, recursively. States share their unchanged parts: a state is the initial
-//! planning state plus a persistent overlay of the values it changed, so cloning a
-//! state and computing its memo signature cost what the plan changed, not what the
-//! manager holds.
+//! planning state plus a persistent overlay of the values it changed ([`Overlay`]), so
+//! cloning a state and computing its memo signature cost what the plan changed, not
+//! what the manager holds.
 //!
 //! The search is bounded three ways (docs/concepts/controller.md#search-bounds): by
 //! the caller's state limit, by [`MAX_SEARCH_DEPTH`] nested states on the depth-first
 //! path and by [`MEMO_BUDGET_BYTES`] of remembered failures, so its memory does not
-//! grow with the state limit. Each level of the path costs a bounded amount: a state
-//! adds one node to its ancestors' reclaim history ([`Trail`]), and the values blocked
-//! and reclaims active in a branch are links on the stack ([`Chain`]).
+//! grow with the state limit. The recursion runs as a loop over an explicit stack of
+//! small frames ([`Path`]), not on the native stack, and each level of the path costs
+//! a bounded amount: a state adds one node to its ancestors' reclaim history
+//! ([`Trail`]) and one path copy of its overlay, and the values blocked and reclaims
+//! active in a branch are links in a shared arena ([`Links`]), truncated on backtrack.
 
 use std::collections::BTreeMap;
 
@@ -286,8 +288,10 @@ pub trait SearchPolicy {
 
 /// The deepest the depth-first search goes, in counted states open on its path (each
 /// a request search or a search for capacity at a tier; every reclaim action of a
-/// plan opens at least one). A level holds about 5 KiB (stack and state), so the path
-/// stays under about 80 MiB (docs/concepts/controller.md#search-bounds).
+/// plan opens at least one). A level holds about 1.2 KB (its frames and what its state
+/// changed, measured), so the path stays under about 150 MiB
+/// (docs/concepts/controller.md#search-bounds). It is not below the default state limit
+/// (100 000), so a search under that limit ends at the limit, as documented.
 pub const MAX_SEARCH_DEPTH: u64 = 131_072;
 
 /// The budget of the memo of exhausted states, in the bytes its keys' elements take
@@ -759,8 +763,10 @@ struct State {
 struct Resume {
     /// The requirement that failed.
     index: usize,
-    /// Books before that requirement.
+    /// Books before that requirement, then (from `split`) the books of the simulated
+    /// state, to carry a descendant's reclaims over: one allocation for both.
     books: Box<[Books]>,
+    split: usize,
     /// What the prefix projected: shared with the descendants whose own resumed
     /// simulation fails at the same requirement, as a path of evictions does until
     /// enough is free.
@@ -770,8 +776,18 @@ struct Resume {
     /// requirements before `index`, `Search::first_required`), could change the
     /// prefix, and then the request is simulated from the start.
     locations: Box<[Location]>,
-    /// The books of the simulated state, to carry a descendant's reclaims over.
-    base_books: Box<[Books]>,
+}
+
+impl Resume {
+    /// Books before the failed requirement.
+    fn before(&self) -> &[Books] {
+        self.books.get(..self.split).unwrap_or_default()
+    }
+
+    /// The books of the simulated state.
+    fn base_books(&self) -> &[Books] {
+        self.books.get(self.split..).unwrap_or_default()
+    }
 }
 
 /// The materialisations and actions of a simulated prefix.
@@ -892,7 +908,9 @@ struct ReclaimFrame {
 enum ReclaimPhase {
     Start,
     /// The drop was yielded; with another materialisation no move is tried.
-    Dropped { alternatives: bool },
+    Dropped {
+        alternatives: bool,
+    },
     /// Moving a sole copy: the destinations, the next one to try, and the lengths of
     /// the arenas of links before the candidate was linked into the branch's lists.
     Moves {
@@ -953,6 +971,8 @@ pub struct Search<'a, P: SearchPolicy> {
     memo_budget: u64,
     /// Search steps taken, for the interrupt polls.
     steps: u64,
+    /// The prefix of a simulation that failed at its first requirement, shared.
+    empty_prefix: Arc<Prefix>,
 }
 
 impl<'a, P: SearchPolicy> Search<'a, P> {
@@ -992,6 +1012,10 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             memo_bytes: 0,
             memo_budget: MEMO_BUDGET_BYTES,
             steps: 0,
+            empty_prefix: Arc::new(Prefix {
+                mats: Vec::new(),
+                actions: Vec::new(),
+            }),
         }
     }
 
@@ -1108,7 +1132,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         })
     }
 
-    #[inline(never)] // Kept out of the frames that the search recurses through.
+    #[inline(never)] // Kept out of the search loop.
     fn signature(&self, state: &State) -> Signature {
         let mut values: Vec<(usize, Vec<Location>)> = state
             .changed
@@ -1200,7 +1224,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     /// Where a descendant of a failed simulation can resume it, if its reclaims left
     /// the simulated prefix unchanged: the trial state, emitted actions and index.
-    fn resumed(&self, state: &State) -> Option<Resumed> {
+    fn resumed(state: &State) -> Option<Resumed> {
         let resume = state.resume.as_ref()?;
         if state.touched < resume.index {
             return None;
@@ -1216,14 +1240,14 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         if resume
             .locations
             .iter()
-            .any(|&location| total(&state.books, location) > total(&resume.base_books, location))
+            .any(|&location| total(&state.books, location) > total(resume.base_books(), location))
         {
             return None;
         }
         // Carry the descendant's reclaims (differences from the simulated state) over
         // the books the prefix left.
         let mut books: BTreeMap<Location, (i128, i128)> = BTreeMap::new();
-        for entry in &resume.books {
+        for entry in resume.before() {
             books.insert(
                 entry.location,
                 (i128::from(entry.used), i128::from(entry.reserved)),
@@ -1234,7 +1258,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             slot.0 += i128::from(entry.used);
             slot.1 += i128::from(entry.reserved);
         }
-        for entry in &resume.base_books {
+        for entry in resume.base_books() {
             let slot = books.entry(entry.location).or_insert((0, 0));
             slot.0 -= i128::from(entry.used);
             slot.1 -= i128::from(entry.reserved);
@@ -1261,11 +1285,11 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     }
 
     #[allow(clippy::too_many_lines)] // The request simulation, step by step, in one place.
-    #[inline(never)] // Its frame is gone before the search recurses: keep it out of the path's.
+    #[inline(never)] // Kept out of the search loop.
     fn simulate(&self, state: &State) -> Result<Vec<Planned>, SimFailure> {
         let mut shared: Option<Arc<Prefix>> = None;
         let (mut trial, mut actions, start, mut locations) =
-            if let Some(resumed) = self.resumed(state) {
+            if let Some(resumed) = Self::resumed(state) {
                 shared = state
                     .resume
                     .as_ref()
@@ -1301,9 +1325,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 let prefix = match &shared {
                     // Resumed and stopped where it resumed: the same prefix.
                     Some(prefix) if index == start => Arc::clone(prefix),
-                    _ => Arc::new(Prefix {
+                    _ => {
                         // The prefix's values, each once (at its first requirement).
-                        mats: self.requirements[..index]
+                        let mats: Vec<(usize, Arc<[MatInfo]>)> = self.requirements[..index]
                             .iter()
                             .enumerate()
                             .filter(|&(at, read)| self.first_required.get(&read.value) == Some(&at))
@@ -1313,18 +1337,25 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                                     .get(read.value)
                                     .map(|mats| (read.value, Arc::clone(mats)))
                             })
-                            .collect(),
-                        actions: actions.clone(),
-                    }),
+                            .collect();
+                        if mats.is_empty() && actions.is_empty() {
+                            Arc::clone(&self.empty_prefix)
+                        } else {
+                            Arc::new(Prefix {
+                                mats,
+                                actions: actions.clone(),
+                            })
+                        }
+                    }
                 };
                 (
                     SimError::Capacity(capacity),
                     Some(Box::new(Resume {
                         index,
-                        books: before.as_slice().into(),
+                        books: before.iter().chain(&state.books).copied().collect(),
+                        split: before.len(),
                         prefix,
                         locations: locations.iter().copied().collect(),
-                        base_books: state.books.as_slice().into(),
                     })),
                 )
             };
@@ -1649,8 +1680,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let Some(Frame::Request(frame)) = frames.get_mut(top) else {
             return Ok(None);
         };
-        if let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates)
-        {
+        if let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates) {
             let rank = frame.next_rank;
             frame.next_rank += 1;
             frames.push(Frame::Reclaim(ReclaimFrame {
@@ -1714,9 +1744,10 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         top: usize,
     ) -> Result<Option<Found>, SearchError> {
         let Path { frames, links } = &mut *path;
-        let (Some(Frame::Reclaim(frame)), Some(owner)) =
-            (frames.get(top), top.checked_sub(1).and_then(|at| frames.get(at)))
-        else {
+        let (Some(Frame::Reclaim(frame)), Some(owner)) = (
+            frames.get(top),
+            top.checked_sub(1).and_then(|at| frames.get(at)),
+        ) else {
             return Ok(None);
         };
         let candidate = frame.candidate;
@@ -1738,7 +1769,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 }
                 let mut trial = state.clone();
                 let action = Planned::Drop { value, location };
-                        trial.evictions.push(Eviction {
+                trial.evictions.push(Eviction {
                     action,
                     rank: frame.rank,
                     released_location: location,
@@ -1761,7 +1792,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 Self::pop_reclaim(path);
                 Ok(None)
             }
-            ReclaimPhase::Dropped { alternatives: false } => self.start_moves(path, top),
+            ReclaimPhase::Dropped {
+                alternatives: false,
+            } => self.start_moves(path, top),
             ReclaimPhase::Moves { .. } => self.next_move(path, top),
         }
     }
@@ -1895,7 +1928,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     else {
                         return Ok(None);
                     };
-                    let Some(&destination) = next.checked_sub(1).and_then(|at| destinations.get(at))
+                    let Some(&destination) =
+                        next.checked_sub(1).and_then(|at| destinations.get(at))
                     else {
                         return Ok(None);
                     };
@@ -1913,8 +1947,12 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     let Some(Frame::Capacity(frame)) = path.frames.get(at) else {
                         return Ok(None);
                     };
-                    let (destination, additional, blocked, active) =
-                        (frame.destination, frame.additional, frame.blocked, frame.active);
+                    let (destination, additional, blocked, active) = (
+                        frame.destination,
+                        frame.additional,
+                        frame.blocked,
+                        frame.active,
+                    );
                     match self.enter_capacity(
                         path,
                         state,
@@ -2002,7 +2040,14 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         if self.fits(&state, destination, additional) {
             return Ok(Some(state));
         }
-        let key = self.capacity_key(&path.links, &state, destination, additional, blocked, active);
+        let key = self.capacity_key(
+            &path.links,
+            &state,
+            destination,
+            additional,
+            blocked,
+            active,
+        );
         if self.failed_capacities.contains(&key) {
             return Ok(None);
         }
