@@ -288,7 +288,7 @@ pub trait SearchPolicy {
 
 /// The deepest the depth-first search goes, in counted states open on its path (each
 /// a request search or a search for capacity at a tier; every reclaim action of a
-/// plan opens at least one). A level holds about 1.2 KB (its frames and what its state
+/// plan opens at least one). A level holds about 1.1 KB (its frames and what its state
 /// changed, measured), so the path stays under about 150 MiB
 /// (docs/concepts/controller.md#search-bounds). It is not below the default state limit
 /// (100 000), so a search under that limit ends at the limit, as documented.
@@ -1748,6 +1748,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             frames.get(top),
             top.checked_sub(1).and_then(|at| frames.get(at)),
         ) else {
+            // A reclaim frame always has its owner below it.
+            Self::pop_reclaim(path);
             return Ok(None);
         };
         let candidate = frame.candidate;
