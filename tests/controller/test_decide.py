@@ -582,10 +582,11 @@ def test_cycling_search_ends_at_the_limit(sim: Any, limit: int) -> None:
 
 
 def test_cycling_search_with_the_default_limit_does_not_crash() -> None:
-    """The default limit (100_000) allows a search deeper than the depth bound (16384 open
-    states, controller.md#search-bounds); it must end with `ResidencySearchLimitError` at
-    that bound, not overflow a stack. Run in a subprocess (its address space capped) so that a
-    crash fails this test instead of killing the test session."""
+    """The cycling search goes one level deeper per state; under the default limit (100_000,
+    below the depth bound of 131072 open states, controller.md#search-bounds) it must end with
+    `ResidencySearchLimitError` at exactly that limit, as the contract says, without
+    overflowing a stack or running out of memory. Run in a subprocess (its address space
+    capped) so that a crash fails this test instead of killing the test session."""
     script = CYCLE_SCRIPT.replace("**KWARGS", "")
     result = subprocess.run(
         capped([sys.executable, "-c", script]),
@@ -597,7 +598,7 @@ def test_cycling_search_with_the_default_limit_does_not_crash() -> None:
     assert result.returncode == 0, (
         f"decide crashed: returncode={result.returncode}, stderr={result.stderr[-2000:]!r}"
     )
-    assert result.stdout.split() == ["limit", "100000", "16384", "depth"]
+    assert result.stdout.split() == ["limit", "100000", "100000", "states"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,7 +6,10 @@ holds once its manager is set up, then runs a search with a limit of 10**12 stat
 one (two tiers pointing at each other, one level deeper per state) must stop at the depth
 bound, a wide one (subsets of 40 droppable values, each exhausted one remembered) at the
 memo's memory bound, both with `ResidencySearchLimitError`, never `MemoryError` or a crash.
-Before the bounds the deep search grew by about 10 KiB a state until the kernel killed it.
+Before the bounds the deep search grew by about 10 KiB a state until the kernel killed it;
+the deep one reaches the whole depth bound (131072 open states) and the path it holds stays
+under the documented 150 MiB (about 1.1 KB a level; on the native stack it took about
+4.7 KB a level, and the depth bound was 16384).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from helpers.limits import capped
 
 CHILD = Path(__file__).resolve().parent.parent / "helpers" / "search_child.py"
 HEADROOM = 512 << 20
+# controller.md#search-bounds: MAX_SEARCH_DEPTH and what a path of that many levels may hold.
+MAX_SEARCH_DEPTH = 131_072
+DEEP_PATH_BYTES = 150 << 20
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/status")
@@ -42,3 +48,6 @@ def test_a_huge_state_limit_stays_within_the_search_bounds(shape: str, bound: st
     assert 0 < int(outcome[1]) < 10**12
     grown = int(lines[2].split()[1])
     assert grown < HEADROOM, done.stdout
+    if shape == "deep":
+        assert int(outcome[1]) == MAX_SEARCH_DEPTH, done.stdout
+        assert grown < DEEP_PATH_BYTES, done.stdout

@@ -279,7 +279,7 @@ class _Limit(Exception):
 
 
 # controller.md#search-bounds: the deepest the search goes, in counted states open on its path.
-MAX_SEARCH_DEPTH = 16_384
+MAX_SEARCH_DEPTH = 131_072
 
 
 class _Search:

@@ -11,6 +11,7 @@ pub mod fasthash;
 pub mod gate;
 pub mod location;
 pub mod manager;
+mod overlay;
 pub mod plan;
 pub mod search;
 pub mod simulate;

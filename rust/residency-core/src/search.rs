@@ -4,23 +4,25 @@
 //! simulation" and "Search"), step for step: simulate the request; at the first
 //! capacity failure, try the policy's victims in order, each through its reclaim
 //! options, recursively. States share their unchanged parts: a state is the initial
-//! planning state plus a persistent overlay of the values it changed, so cloning a
-//! state and computing its memo signature cost what the plan changed, not what the
-//! manager holds.
+//! planning state plus a persistent overlay of the values it changed ([`Overlay`]), so
+//! cloning a state and computing its memo signature cost what the plan changed, not
+//! what the manager holds.
 //!
 //! The search is bounded three ways (docs/concepts/controller.md#search-bounds): by
 //! the caller's state limit, by [`MAX_SEARCH_DEPTH`] nested states on the depth-first
 //! path and by [`MEMO_BUDGET_BYTES`] of remembered failures, so its memory does not
-//! grow with the state limit. Each level of the path costs a bounded amount: a state
-//! adds one node to its ancestors' reclaim history ([`Trail`]), and the values blocked
-//! and reclaims active in a branch are links on the stack ([`Chain`]).
+//! grow with the state limit. The recursion runs as a loop over an explicit stack of
+//! small frames ([`Path`]), not on the native stack, and each level of the path costs
+//! a bounded amount: a state adds one node to its ancestors' reclaim history
+//! ([`Trail`]) and one path copy of its overlay, and the values blocked and reclaims
+//! active in a branch are links in a shared arena ([`Links`]), truncated on backtrack.
 
 use std::collections::BTreeMap;
 
 use crate::fasthash::{FastMap, FastSet};
 use std::sync::Arc;
 
-use imbl::HashMap as PMap;
+use crate::overlay::Overlay;
 
 use crate::error::CoreError;
 use crate::location::Location;
@@ -286,9 +288,11 @@ pub trait SearchPolicy {
 
 /// The deepest the depth-first search goes, in counted states open on its path (each
 /// a request search or a search for capacity at a tier; every reclaim action of a
-/// plan opens at least one). A level holds about 5 KiB (stack and state), so the path
-/// stays under about 80 MiB (docs/concepts/controller.md#search-bounds).
-pub const MAX_SEARCH_DEPTH: u64 = 16_384;
+/// plan opens at least one). A level holds about 1.1 KB (its frames and what its state
+/// changed, measured), so the path stays under about 150 MiB
+/// (docs/concepts/controller.md#search-bounds). It is not below the default state limit
+/// (100 000), so a search under that limit ends at the limit, as documented.
+pub const MAX_SEARCH_DEPTH: u64 = 131_072;
 
 /// The budget of the memo of exhausted states, in the bytes its keys' elements take
 /// (see [`Search::memo_cost`]); the hash tables that hold them take up to about twice.
@@ -698,45 +702,60 @@ impl<T> Drop for Trail<T> {
     }
 }
 
-/// A list on the stack: each level of the recursion links one item to its caller's
-/// list, which it borrows (the values blocked and the reclaims active in a branch).
-#[derive(Debug, Clone, Copy)]
-enum Chain<'a, T> {
-    End,
-    Link(T, &'a Chain<'a, T>),
+/// A branch's list of blocked values or of active reclaims: the index of its last link
+/// in the path's arena ([`Links`]), or `None` for the empty list.
+type Link = Option<usize>;
+
+/// The links of the lists of values blocked and reclaims active in the branches open on
+/// the path. A reclaim frame appends its links when it starts its moves, and its removal
+/// truncates them, so a branch's list costs one link per level and shares the rest.
+#[derive(Debug, Default)]
+struct Links {
+    blocked: Vec<(usize, Link)>,
+    active: Vec<((usize, Location), Link)>,
 }
 
-impl<T: Copy + PartialEq> Chain<'_, T> {
-    fn iter(&self) -> impl Iterator<Item = T> + '_ {
-        let mut link = self;
-        std::iter::from_fn(move || match link {
-            Chain::End => None,
-            Chain::Link(item, rest) => {
-                link = rest;
-                Some(*item)
-            }
+impl Links {
+    fn blocked(&self, mut link: Link) -> impl Iterator<Item = usize> + '_ {
+        std::iter::from_fn(move || {
+            let &(item, rest) = self.blocked.get(link?)?;
+            link = rest;
+            Some(item)
         })
     }
 
-    fn contains(&self, item: &T) -> bool {
-        self.iter().any(|known| known == *item)
+    fn active(&self, mut link: Link) -> impl Iterator<Item = (usize, Location)> + '_ {
+        std::iter::from_fn(move || {
+            let &(item, rest) = self.active.get(link?)?;
+            link = rest;
+            Some(item)
+        })
+    }
+
+    fn is_blocked(&self, link: Link, value: usize) -> bool {
+        self.blocked(link).any(|known| known == value)
+    }
+
+    fn is_active(&self, link: Link, item: (usize, Location)) -> bool {
+        self.active(link).any(|known| known == item)
     }
 }
 
 /// One planning state: the initial values plus an overlay of changed ones.
 #[derive(Debug, Clone)]
 struct State {
-    changed: PMap<usize, Arc<Vec<MatInfo>>>,
+    changed: Overlay<Arc<[MatInfo]>>,
     /// Sorted by location (canonical order).
     books: Vec<Books>,
-    reclaim: Trail<Planned>,
+    /// The reclaim steps so far, each with its action (the plan's reclaim list).
     evictions: Trail<Eviction>,
     /// Where the last failed simulation of an ancestor stopped, so a descendant whose
     /// reclaims cannot have changed the simulated prefix resumes there (not part of
     /// the memo signature).
     resume: Option<Arc<Resume>>,
-    /// Values whose materialisations changed since `resume` was recorded.
-    touched: Trail<usize>,
+    /// The least first requirement index (`Search::first_required`) of the values whose
+    /// materialisations changed since `resume` was recorded (`usize::MAX` for none).
+    touched: usize,
 }
 
 /// A simulation prefix that succeeded before a capacity failure at `index`.
@@ -744,8 +763,10 @@ struct State {
 struct Resume {
     /// The requirement that failed.
     index: usize,
-    /// Books before that requirement.
-    books: Vec<Books>,
+    /// Books before that requirement, then (from `split`) the books of the simulated
+    /// state, to carry a descendant's reclaims over: one allocation for both.
+    books: Box<[Books]>,
+    split: usize,
     /// What the prefix projected: shared with the descendants whose own resumed
     /// simulation fails at the same requirement, as a path of evictions does until
     /// enough is free.
@@ -754,15 +775,25 @@ struct Resume {
     /// at such a location, or touches a value the prefix read (the values of the
     /// requirements before `index`, `Search::first_required`), could change the
     /// prefix, and then the request is simulated from the start.
-    locations: FastSet<Location>,
-    /// The books of the simulated state, to carry a descendant's reclaims over.
-    base_books: Vec<Books>,
+    locations: Box<[Location]>,
+}
+
+impl Resume {
+    /// Books before the failed requirement.
+    fn before(&self) -> &[Books] {
+        self.books.get(..self.split).unwrap_or_default()
+    }
+
+    /// The books of the simulated state.
+    fn base_books(&self) -> &[Books] {
+        self.books.get(self.split..).unwrap_or_default()
+    }
 }
 
 /// The materialisations and actions of a simulated prefix.
 #[derive(Debug)]
 struct Prefix {
-    mats: Vec<(usize, Arc<Vec<MatInfo>>)>,
+    mats: Vec<(usize, Arc<[MatInfo]>)>,
     actions: Vec<Planned>,
 }
 
@@ -782,22 +813,124 @@ enum SimError {
 /// Candidates at one location in the policy's order, produced on demand: with a
 /// policy that has a global order, the depth-first search usually takes the first few
 /// and never lists the rest.
-enum Candidates<'b> {
+#[derive(Debug)]
+enum Candidates {
     Listed(std::vec::IntoIter<Candidate>),
     Lazy {
         location: Location,
-        blocked: Chain<'b, usize>,
+        blocked: Link,
         /// 0: ordinary candidates, 1: required endpoints, 2: done.
         pass: u8,
         cursor: (u8, usize),
     },
 }
 
-/// What a visitor tells a generator: keep yielding, or stop.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Flow {
-    Continue,
-    Stop,
+/// A found plan: the state whose request simulation succeeded, and the actions it
+/// projected.
+type Found = (State, Vec<Planned>);
+
+/// The depth-first path, as an explicit stack of frames (docs/concepts/controller.md#search):
+/// each frame is one of the documented generators, suspended where it yielded or called
+/// the next one, so a level of the path costs its frames and no native stack.
+#[derive(Debug, Default)]
+struct Path {
+    frames: Vec<Frame>,
+    links: Links,
+}
+
+#[derive(Debug)]
+enum Frame {
+    /// A counted request state (steps 3 to 5).
+    Request(Box<RequestFrame>),
+    /// The reclaim options of one candidate.
+    Reclaim(ReclaimFrame),
+    /// A counted search for capacity at a tier.
+    Capacity(Box<CapacityFrame>),
+}
+
+impl Frame {
+    fn state(&self) -> Option<&State> {
+        match self {
+            Self::Request(frame) => Some(&frame.state),
+            Self::Capacity(frame) => Some(&frame.state),
+            Self::Reclaim(_) => None,
+        }
+    }
+
+    /// For the owner of a reclaim frame at `at` (this frame, just below it): its lists of
+    /// blocked values and active reclaims, and where the reclaimed states go.
+    fn branch(&self, at: usize) -> (Link, Link, Visit) {
+        match self {
+            Self::Capacity(frame) => (frame.blocked, frame.active, Visit::Capacity(at - 1)),
+            Self::Request(_) | Self::Reclaim(_) => (None, None, Visit::Request(at - 1)),
+        }
+    }
+}
+
+/// Where a frame's yielded states go: the visitor the documented generator was given,
+/// naming the frame (by its index on the path) that it belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Visit {
+    /// Search it as a request state; an exhausted one adds its failure to the notes of
+    /// that request frame.
+    Request(usize),
+    /// Complete that reclaim frame's current move, then go on to its visitor.
+    Move(usize),
+    /// Search for capacity again from it, for that capacity frame.
+    Capacity(usize),
+    /// That capacity frame found room: mark it as having yielded, then go on to its
+    /// visitor.
+    Reached(usize),
+}
+
+#[derive(Debug)]
+struct RequestFrame {
+    /// The state, with where a descendant may resume its simulation.
+    state: State,
+    capacity: Capacity,
+    candidates: Candidates,
+    next_rank: usize,
+    notes: Notes,
+    /// The request frame whose notes get this one's failure (none at the root).
+    parent: Option<usize>,
+}
+
+/// The reclaim options of a candidate of the frame just below (its owner), whose state,
+/// lists of blocked values and active reclaims, and visitor it uses.
+#[derive(Debug)]
+struct ReclaimFrame {
+    candidate: Candidate,
+    rank: usize,
+    phase: ReclaimPhase,
+}
+
+#[derive(Debug)]
+enum ReclaimPhase {
+    Start,
+    /// The drop was yielded; with another materialisation no move is tried.
+    Dropped {
+        alternatives: bool,
+    },
+    /// Moving a sole copy: the destinations, the next one to try, and the lengths of
+    /// the arenas of links before the candidate was linked into the branch's lists.
+    Moves {
+        destinations: Box<[Location]>,
+        next: usize,
+        marks: (usize, usize),
+    },
+}
+
+#[derive(Debug)]
+struct CapacityFrame {
+    state: State,
+    destination: Location,
+    additional: u64,
+    blocked: Link,
+    active: Link,
+    candidates: Candidates,
+    next_rank: usize,
+    yielded: bool,
+    visit: Visit,
 }
 
 type Signature = (Vec<(usize, Vec<Location>)>, Vec<Books>);
@@ -809,10 +942,6 @@ type Resumed = (State, Vec<Planned>, usize, FastSet<Location>);
 /// A failed simulation: why, and where a descendant may resume it.
 type SimFailure = (SimError, Option<Box<Resume>>);
 
-/// Stack growth for the recursive search: when less than the red zone is left, the
-/// next level runs on a fresh segment.
-const STACK_RED_ZONE: usize = 256 * 1024;
-const STACK_SEGMENT: usize = 16 * 1024 * 1024;
 /// `capacity_states` memo key: signature, destination, additional bytes, blocked
 /// registration indices, active `(registration index, location)` pairs.
 type CapacityKey = (Signature, Location, u64, Vec<u32>, Vec<(u32, Location)>);
@@ -842,6 +971,8 @@ pub struct Search<'a, P: SearchPolicy> {
     memo_budget: u64,
     /// Search steps taken, for the interrupt polls.
     steps: u64,
+    /// The prefix of a simulation that failed at its first requirement, shared.
+    empty_prefix: Arc<Prefix>,
 }
 
 impl<'a, P: SearchPolicy> Search<'a, P> {
@@ -881,6 +1012,10 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             memo_bytes: 0,
             memo_budget: MEMO_BUDGET_BYTES,
             steps: 0,
+            empty_prefix: Arc::new(Prefix {
+                mats: Vec::new(),
+                actions: Vec::new(),
+            }),
         }
     }
 
@@ -905,18 +1040,18 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .collect();
         initial.sort();
         let state = State {
-            changed: PMap::new(),
+            changed: Overlay::default(),
             books: initial,
-            reclaim: Trail::default(),
             evictions: Trail::default(),
             resume: None,
-            touched: Trail::default(),
+            touched: usize::MAX,
         };
-        let (state, enter) = self.search_request(&state)?;
+        let (state, enter) = self.search(state)?;
+        let evictions = state.evictions.to_vec();
         Ok(SearchOutcome {
-            reclaim: state.reclaim.to_vec(),
+            reclaim: evictions.iter().map(|eviction| eviction.action).collect(),
             enter,
-            evictions: state.evictions.to_vec(),
+            evictions,
             explored: self.explored,
         })
     }
@@ -924,7 +1059,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     // ----- state access -----------------------------------------------------------
 
     fn mats<'s>(&'s self, state: &'s State, value: usize) -> &'s [MatInfo] {
-        match state.changed.get(&value) {
+        match state.changed.get(value) {
             Some(mats) => mats,
             None => self.values.mats(value),
         }
@@ -937,16 +1072,18 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .copied()
     }
 
-    fn set_mats(state: &mut State, value: usize, mats: Vec<MatInfo>) {
-        state.changed.insert(value, Arc::new(mats));
-        state.touched.push(value);
+    fn set_mats(&self, state: &mut State, value: usize, mats: Vec<MatInfo>) {
+        state.changed.insert(value, Arc::from(mats));
+        if let Some(&first) = self.first_required.get(&value) {
+            state.touched = state.touched.min(first);
+        }
     }
 
     fn add_mat(&self, state: &mut State, value: usize, mat: MatInfo) {
         let mut mats = self.mats(state, value).to_vec();
         let position = mats.partition_point(|known| known.location < mat.location);
         mats.insert(position, mat);
-        Self::set_mats(state, value, mats);
+        self.set_mats(state, value, mats);
     }
 
     fn remove_mat(&self, state: &mut State, value: usize, location: Location) {
@@ -956,7 +1093,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .filter(|mat| mat.location != location)
             .copied()
             .collect();
-        Self::set_mats(state, value, mats);
+        self.set_mats(state, value, mats);
     }
 
     fn books_mut(state: &mut State, location: Location) -> &mut Books {
@@ -995,12 +1132,12 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         })
     }
 
-    #[inline(never)] // Kept out of the frames that the search recurses through.
+    #[inline(never)] // Kept out of the search loop.
     fn signature(&self, state: &State) -> Signature {
         let mut values: Vec<(usize, Vec<Location>)> = state
             .changed
             .iter()
-            .filter_map(|(&value, mats)| {
+            .filter_map(|(value, mats)| {
                 let now: Vec<Location> = mats.iter().map(|mat| mat.location).collect();
                 let initial: Vec<Location> = self
                     .values
@@ -1087,13 +1224,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     /// Where a descendant of a failed simulation can resume it, if its reclaims left
     /// the simulated prefix unchanged: the trial state, emitted actions and index.
-    fn resumed(&self, state: &State) -> Option<Resumed> {
+    fn resumed(state: &State) -> Option<Resumed> {
         let resume = state.resume.as_ref()?;
-        if state.touched.iter_back().any(|value| {
-            self.first_required
-                .get(value)
-                .is_some_and(|&first| first < resume.index)
-        }) {
+        if state.touched < resume.index {
             return None;
         }
         let total = |books: &[Books], location: Location| {
@@ -1107,14 +1240,14 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         if resume
             .locations
             .iter()
-            .any(|&location| total(&state.books, location) > total(&resume.base_books, location))
+            .any(|&location| total(&state.books, location) > total(resume.base_books(), location))
         {
             return None;
         }
         // Carry the descendant's reclaims (differences from the simulated state) over
         // the books the prefix left.
         let mut books: BTreeMap<Location, (i128, i128)> = BTreeMap::new();
-        for entry in &resume.books {
+        for entry in resume.before() {
             books.insert(
                 entry.location,
                 (i128::from(entry.used), i128::from(entry.reserved)),
@@ -1125,7 +1258,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             slot.0 += i128::from(entry.used);
             slot.1 += i128::from(entry.reserved);
         }
-        for entry in &resume.base_books {
+        for entry in resume.base_books() {
             let slot = books.entry(entry.location).or_insert((0, 0));
             slot.0 -= i128::from(entry.used);
             slot.1 -= i128::from(entry.reserved);
@@ -1147,16 +1280,16 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             trial,
             resume.prefix.actions.clone(),
             resume.index,
-            resume.locations.clone(),
+            resume.locations.iter().copied().collect(),
         ))
     }
 
     #[allow(clippy::too_many_lines)] // The request simulation, step by step, in one place.
-    #[inline(never)] // Its frame is gone before the search recurses: keep it out of the path's.
+    #[inline(never)] // Kept out of the search loop.
     fn simulate(&self, state: &State) -> Result<Vec<Planned>, SimFailure> {
         let mut shared: Option<Arc<Prefix>> = None;
         let (mut trial, mut actions, start, mut locations) =
-            if let Some(resumed) = self.resumed(state) {
+            if let Some(resumed) = Self::resumed(state) {
                 shared = state
                     .resume
                     .as_ref()
@@ -1192,30 +1325,37 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 let prefix = match &shared {
                     // Resumed and stopped where it resumed: the same prefix.
                     Some(prefix) if index == start => Arc::clone(prefix),
-                    _ => Arc::new(Prefix {
+                    _ => {
                         // The prefix's values, each once (at its first requirement).
-                        mats: self.requirements[..index]
+                        let mats: Vec<(usize, Arc<[MatInfo]>)> = self.requirements[..index]
                             .iter()
                             .enumerate()
                             .filter(|&(at, read)| self.first_required.get(&read.value) == Some(&at))
                             .filter_map(|(_, read)| {
                                 trial
                                     .changed
-                                    .get(&read.value)
+                                    .get(read.value)
                                     .map(|mats| (read.value, Arc::clone(mats)))
                             })
-                            .collect(),
-                        actions: actions.clone(),
-                    }),
+                            .collect();
+                        if mats.is_empty() && actions.is_empty() {
+                            Arc::clone(&self.empty_prefix)
+                        } else {
+                            Arc::new(Prefix {
+                                mats,
+                                actions: actions.clone(),
+                            })
+                        }
+                    }
                 };
                 (
                     SimError::Capacity(capacity),
                     Some(Box::new(Resume {
                         index,
-                        books: before.clone(),
+                        books: before.iter().chain(&state.books).copied().collect(),
+                        split: before.len(),
                         prefix,
-                        locations: locations.clone(),
-                        base_books: state.books.clone(),
+                        locations: locations.iter().copied().collect(),
                     })),
                 )
             };
@@ -1310,27 +1450,33 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     // ----- candidates and ordering (docs/concepts/controller.md#candidates) ---------
 
-    fn candidates<'b>(
+    fn candidates(
         &mut self,
+        links: &Links,
         state: &State,
         location: Location,
-        blocked: &Chain<'b, usize>,
-    ) -> Result<Candidates<'b>, SearchError> {
+        blocked: Link,
+    ) -> Result<Candidates, SearchError> {
         if self.global.is_some() {
             return Ok(Candidates::Lazy {
                 location,
-                blocked: *blocked,
+                blocked,
                 pass: 0,
                 cursor: (0, 0),
             });
         }
         Ok(Candidates::Listed(
-            self.ordered_candidates(state, location, blocked)?
+            self.ordered_candidates(links, state, location, blocked)?
                 .into_iter(),
         ))
     }
 
-    fn next_candidate(&self, state: &State, stream: &mut Candidates) -> Option<Candidate> {
+    fn next_candidate(
+        &self,
+        links: &Links,
+        state: &State,
+        stream: &mut Candidates,
+    ) -> Option<Candidate> {
         match stream {
             Candidates::Listed(listed) => listed.next(),
             Candidates::Lazy {
@@ -1342,7 +1488,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 let order = self.global.as_ref()?;
                 while *pass < 2 {
                     while let Some(value) = order.next(cursor) {
-                        if blocked.contains(&value)
+                        if links.is_blocked(*blocked, value)
                             || self.required.contains(&(value, *location)) != (*pass == 1)
                         {
                             continue;
@@ -1367,9 +1513,10 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     fn ordered_candidates(
         &mut self,
+        links: &Links,
         state: &State,
         location: Location,
-        blocked: &Chain<'_, usize>,
+        blocked: Link,
     ) -> Result<Vec<Candidate>, SearchError> {
         let mut ordinary = Vec::new();
         let mut required = Vec::new();
@@ -1379,7 +1526,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             None => Box::new(0..self.values.len()),
         };
         for value in order {
-            if blocked.contains(&value) {
+            if links.is_blocked(blocked, value) {
                 continue;
             }
             if let Some(mat) = self.mat_at(state, value, location)
@@ -1431,108 +1578,139 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         Ok(order.into_iter().map(|index| candidates[index]).collect())
     }
 
-    // ----- search_request (docs/concepts/controller.md#search-steps) ----------------
+    // ----- the search (docs/concepts/controller.md#search-steps) --------------------
+    //
+    // The documented generators (a request search, a candidate's reclaim options, a
+    // search for capacity at a tier) run as frames on an explicit stack. The frame on
+    // top runs: it calls the next generator by pushing its frame, and yields a state by
+    // handing it to its visitor ([`Visit`]), which may push the frame that searches it.
+    // Whatever that frame pushes is done when the yielding frame is on top again, and it
+    // continues. Only a found plan or an error other than an exhausted request ends a
+    // search early, and both end the whole search, so a frame never needs an answer from
+    // the frames above it beyond the notes and marks they leave in it.
 
-    fn search_request(&mut self, state: &State) -> Result<(State, Vec<Planned>), SearchError> {
-        // Every level of the depth-first search explores at least one state, so a search
-        // can recurse as deep as its depth bound: grow the stack on demand instead of
-        // overflowing it.
-        stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
-            self.search_request_inner(state)
-        })
+    /// The documented search from `initial`.
+    fn search(&mut self, initial: State) -> Result<Found, SearchError> {
+        let mut path = Path::default();
+        if let Some(found) = self.enter_request(&mut path, initial, None)? {
+            return Ok(found);
+        }
+        loop {
+            let Some(top) = path.frames.len().checked_sub(1) else {
+                // The root request frame is removed only when it is exhausted, which
+                // returns; the path never empties otherwise.
+                return Err(SearchError::Infeasible {
+                    detail: "the search path emptied without a verdict".to_owned(),
+                });
+            };
+            let found = match path.frames[top] {
+                Frame::Request(_) => self.advance_request(&mut path, top)?,
+                Frame::Reclaim(_) => self.advance_reclaim(&mut path, top)?,
+                Frame::Capacity(_) => self.advance_capacity(&mut path, top)?,
+            };
+            if let Some(found) = found {
+                return Ok(found);
+            }
+        }
     }
 
-    fn search_request_inner(
+    /// Steps 1 to 3 for a request state yielded to a [`Visit::Request`] of `parent`
+    /// (none at the root): a memo hit is noted there; a counted state that simulates
+    /// is the plan; otherwise its frame is pushed.
+    fn enter_request(
         &mut self,
-        state: &State,
-    ) -> Result<(State, Vec<Planned>), SearchError> {
+        path: &mut Path,
+        state: State,
+        parent: Option<usize>,
+    ) -> Result<Option<Found>, SearchError> {
         self.step()?;
-        let key = self.signature(state);
-        if self.failed_requests.contains(&key) {
-            return Err(SearchError::Infeasible {
-                detail: "the equivalent state is already exhausted".to_owned(),
-            });
+        if self.failed_requests.contains(&self.signature(&state)) {
+            let detail = "the equivalent state is already exhausted";
+            return match parent {
+                Some(parent) => {
+                    if let Some(Frame::Request(frame)) = path.frames.get_mut(parent) {
+                        frame.notes.add(detail);
+                    }
+                    Ok(None)
+                }
+                None => Err(SearchError::Infeasible {
+                    detail: detail.to_owned(),
+                }),
+            };
         }
         self.count()?;
-        self.depth += 1;
-        let result = self.search_request_level(state, key);
-        self.depth -= 1;
-        result
-    }
-
-    /// Steps 3 to 5 for a counted state open on the path.
-    fn search_request_level(
-        &mut self,
-        state: &State,
-        key: Signature,
-    ) -> Result<(State, Vec<Planned>), SearchError> {
-        let (capacity, resume) = match self.simulate(state) {
-            Ok(actions) => return Ok((state.clone(), actions)),
+        let (capacity, resume) = match self.simulate(&state) {
+            Ok(actions) => return Ok(Some((state, actions))),
             Err((SimError::Unavailable(value), _)) => {
                 return Err(SearchError::Unavailable { value });
             }
             Err((SimError::Capacity(capacity), resume)) => (capacity, resume),
         };
+        self.depth += 1;
         // Descendants of this state resume the simulation where it failed when their
         // reclaims cannot have changed what came before.
-        let resumable;
-        let state = if let Some(resume) = resume {
-            resumable = State {
+        let state = match resume {
+            Some(resume) => State {
                 resume: Some(Arc::from(resume)),
-                touched: Trail::default(),
-                ..state.clone()
-            };
-            &resumable
-        } else {
-            state
+                touched: usize::MAX,
+                ..state
+            },
+            None => state,
         };
-        let mut candidates = self.candidates(state, capacity.location, &Chain::End)?;
-        let mut notes = Notes::default();
-        let mut found: Option<(State, Vec<Planned>)> = None;
-        let mut next_rank = 0;
-        while let Some(candidate) = self.next_candidate(state, &mut candidates) {
-            let rank = next_rank;
-            next_rank += 1;
-            let candidate = &candidate;
-            let mut failure: Option<SearchError> = None;
-            self.reclaim_states(
-                state,
-                *candidate,
+        let candidates = self.candidates(&path.links, &state, capacity.location, None)?;
+        path.frames.push(Frame::Request(Box::new(RequestFrame {
+            state,
+            capacity,
+            candidates,
+            next_rank: 0,
+            notes: Notes::default(),
+            parent,
+        })));
+        Ok(None)
+    }
+
+    /// Step 4 of a request frame: its next candidate's reclaim options; or step 5 when
+    /// none is left.
+    fn advance_request(
+        &mut self,
+        path: &mut Path,
+        top: usize,
+    ) -> Result<Option<Found>, SearchError> {
+        let Path { frames, links } = path;
+        let Some(Frame::Request(frame)) = frames.get_mut(top) else {
+            return Ok(None);
+        };
+        if let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates) {
+            let rank = frame.next_rank;
+            frame.next_rank += 1;
+            frames.push(Frame::Reclaim(ReclaimFrame {
+                candidate,
                 rank,
-                &Chain::End,
-                &Chain::End,
-                &mut |search, trial| match search.search_request(&trial) {
-                    Ok(result) => {
-                        found = Some(result);
-                        Ok(Flow::Stop)
-                    }
-                    Err(SearchError::Infeasible { detail }) => {
-                        notes.add(&detail);
-                        Ok(Flow::Continue)
-                    }
-                    Err(other) => {
-                        failure = Some(other);
-                        Ok(Flow::Stop)
-                    }
-                },
-            )?;
-            if let Some(error) = failure {
-                return Err(error);
-            }
-            if let Some(result) = found.take() {
-                return Ok(result);
-            }
+                phase: ReclaimPhase::Start,
+            }));
+            return Ok(None);
         }
-        let cost = Self::memo_cost(&key, 0);
-        self.charge_memo(cost)?;
+        let key = self.signature(&frame.state);
+        self.charge_memo(Self::memo_cost(&key, 0))?;
         self.failed_requests.insert(key);
-        Err(SearchError::Infeasible {
-            detail: self.exhausted(state, capacity, notes),
-        })
+        let notes = std::mem::take(&mut frame.notes);
+        let detail = self.exhausted(&frame.state, frame.capacity, notes);
+        let parent = frame.parent;
+        frames.pop();
+        self.depth -= 1;
+        match parent {
+            Some(parent) => {
+                if let Some(Frame::Request(frame)) = frames.get_mut(parent) {
+                    frame.notes.add(&detail);
+                }
+                Ok(None)
+            }
+            None => Err(SearchError::Infeasible { detail }),
+        }
     }
 
     /// The detail of an exhausted request search (step 5).
-    #[inline(never)] // Kept out of the frame that the search recurses through.
+    #[inline(never)] // Kept out of the search loop.
     fn exhausted(&self, state: &State, capacity: Capacity, notes: Notes) -> String {
         let (used, reserved) = Self::books(state, capacity.location);
         let budget = self
@@ -1556,64 +1734,95 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         )
     }
 
-    // ----- reclaim_states and capacity_states (docs/concepts/controller.md#search) ----
+    // ----- reclaim options and capacity at a tier (docs/concepts/controller.md#search) --
 
-    #[allow(clippy::too_many_arguments, clippy::too_many_lines)] // The documented generator, whole.
-    fn reclaim_states(
+    /// The next reclaim option of a reclaim frame: the drop, then each move of a sole
+    /// copy; the frame is removed when none is left.
+    fn advance_reclaim(
         &mut self,
-        state: &State,
-        candidate: Candidate,
-        rank: usize,
-        blocked: &Chain<'_, usize>,
-        active: &Chain<'_, (usize, Location)>,
-        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
-    ) -> Result<Flow, SearchError> {
-        let (value, location) = (candidate.value, candidate.location);
-        if active.contains(&(value, location)) {
-            return Ok(Flow::Continue);
-        }
-        let info = &self.values[value];
-        let alternatives = self.mats(state, value).len() > 1;
-        let has_source = info.source.is_some();
-        let charge = info.charge;
-        if alternatives || has_source {
-            let mut trial = state.clone();
-            let action = Planned::Drop { value, location };
-            trial.reclaim.push(action);
-            trial.evictions.push(Eviction {
-                action,
-                rank,
-                released_location: location,
-                released_nbytes: candidate.charged,
-                reason: if alternatives {
-                    EvictionReason::OtherMaterialization
-                } else {
-                    EvictionReason::RegisteredSource
-                },
-            });
-            self.remove_mat(&mut trial, value, location);
-            let books = Self::books_mut(&mut trial, location);
-            books.used = books.used.saturating_sub(candidate.charged);
-            if visit(self, trial)? == Flow::Stop {
-                return Ok(Flow::Stop);
-            }
-            if alternatives {
-                return Ok(Flow::Continue);
-            }
-        }
-        // Move options for a sole copy: endpoint restoration, then the policy's tiers.
-        let mut destinations: Vec<Location> = {
-            let mut required: Vec<Location> = self
-                .requirements
-                .iter()
-                .filter(|requirement| {
-                    requirement.value == value && requirement.location != location
-                })
-                .map(|requirement| requirement.location)
-                .collect();
-            required.sort_unstable();
-            required
+        path: &mut Path,
+        top: usize,
+    ) -> Result<Option<Found>, SearchError> {
+        let Path { frames, links } = &mut *path;
+        let (Some(Frame::Reclaim(frame)), Some(owner)) = (
+            frames.get(top),
+            top.checked_sub(1).and_then(|at| frames.get(at)),
+        ) else {
+            // A reclaim frame always has its owner below it.
+            Self::pop_reclaim(path);
+            return Ok(None);
         };
+        let candidate = frame.candidate;
+        let (value, location) = (candidate.value, candidate.location);
+        let (_, active, visit) = owner.branch(top);
+        match frame.phase {
+            ReclaimPhase::Start => {
+                let Some(state) = owner.state() else {
+                    Self::pop_reclaim(path);
+                    return Ok(None);
+                };
+                if links.is_active(active, (value, location)) {
+                    Self::pop_reclaim(path);
+                    return Ok(None);
+                }
+                let alternatives = self.mats(state, value).len() > 1;
+                if !alternatives && self.values[value].source.is_none() {
+                    return self.start_moves(path, top);
+                }
+                let mut trial = state.clone();
+                let action = Planned::Drop { value, location };
+                trial.evictions.push(Eviction {
+                    action,
+                    rank: frame.rank,
+                    released_location: location,
+                    released_nbytes: candidate.charged,
+                    reason: if alternatives {
+                        EvictionReason::OtherMaterialization
+                    } else {
+                        EvictionReason::RegisteredSource
+                    },
+                });
+                self.remove_mat(&mut trial, value, location);
+                let books = Self::books_mut(&mut trial, location);
+                books.used = books.used.saturating_sub(candidate.charged);
+                if let Some(Frame::Reclaim(frame)) = frames.get_mut(top) {
+                    frame.phase = ReclaimPhase::Dropped { alternatives };
+                }
+                self.deliver(path, trial, visit)
+            }
+            ReclaimPhase::Dropped { alternatives: true } => {
+                Self::pop_reclaim(path);
+                Ok(None)
+            }
+            ReclaimPhase::Dropped {
+                alternatives: false,
+            } => self.start_moves(path, top),
+            ReclaimPhase::Moves { .. } => self.next_move(path, top),
+        }
+    }
+
+    /// Lists the move destinations of a sole copy (endpoint restoration, then the
+    /// policy's tiers) and links the candidate into the branch's lists.
+    fn start_moves(&mut self, path: &mut Path, top: usize) -> Result<Option<Found>, SearchError> {
+        let Path { frames, links } = path;
+        let Some((blocked, active, _)) = top
+            .checked_sub(1)
+            .and_then(|at| frames.get(at))
+            .map(|owner| owner.branch(top))
+        else {
+            return Ok(None);
+        };
+        let Some(Frame::Reclaim(frame)) = frames.get_mut(top) else {
+            return Ok(None);
+        };
+        let (value, location) = (frame.candidate.value, frame.candidate.location);
+        let mut destinations: Vec<Location> = self
+            .requirements
+            .iter()
+            .filter(|requirement| requirement.value == value && requirement.location != location)
+            .map(|requirement| requirement.location)
+            .collect();
+        destinations.sort_unstable();
         for fallback in self.policy.fallback_locations(location)? {
             destinations.push(fallback);
         }
@@ -1623,173 +1832,316 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                 unique.push(destination);
             }
         }
-        let blocked_more = if blocked.contains(&value) {
-            *blocked
-        } else {
-            Chain::Link(value, blocked)
+        let marks = (links.blocked.len(), links.active.len());
+        if !links.is_blocked(blocked, value) {
+            links.blocked.push((value, blocked));
+        }
+        links.active.push(((value, location), active));
+        frame.phase = ReclaimPhase::Moves {
+            destinations: unique.into_boxed_slice(),
+            next: 0,
+            marks,
         };
-        let active_more = Chain::Link((value, location), active);
-        for destination in unique {
-            let additional = if self.mat_at(state, value, destination).is_some() {
-                0
-            } else {
-                charge
-            };
-            let flow = self.capacity_states(
-                state.clone(),
-                destination,
-                additional,
-                &blocked_more,
-                &active_more,
-                &mut |search, reached| {
-                    let mut trial = reached;
-                    let Some(sole) = search.mat_at(&trial, value, location) else {
-                        return Ok(Flow::Continue);
-                    };
-                    if search.mat_at(&trial, value, destination).is_none() {
-                        search.add_mat(
-                            &mut trial,
-                            value,
-                            MatInfo {
-                                location: destination,
-                                ..sole
-                            },
-                        );
-                        let books = Self::books_mut(&mut trial, destination);
-                        books.used = books.used.saturating_add(charge);
-                    }
-                    let action = Planned::Move {
-                        value,
-                        to: destination,
-                        from: Some(location),
-                    };
-                    trial.reclaim.push(action);
-                    trial.evictions.push(Eviction {
-                        action,
-                        rank,
-                        released_location: location,
-                        released_nbytes: candidate.charged,
-                        reason: EvictionReason::MovedTo(destination),
-                    });
-                    search.remove_mat(&mut trial, value, location);
-                    let books = Self::books_mut(&mut trial, location);
-                    books.used = books.used.saturating_sub(charge);
-                    visit(search, trial)
-                },
-            )?;
-            if flow == Flow::Stop {
-                return Ok(Flow::Stop);
-            }
-        }
-        Ok(Flow::Continue)
+        Ok(None)
     }
 
-    fn capacity_states(
-        &mut self,
-        state: State,
-        destination: Location,
-        additional: u64,
-        blocked: &Chain<'_, usize>,
-        active: &Chain<'_, (usize, Location)>,
-        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
-    ) -> Result<Flow, SearchError> {
-        stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
-            self.capacity_states_inner(state, destination, additional, blocked, active, visit)
-        })
-    }
-
-    fn capacity_states_inner(
-        &mut self,
-        state: State,
-        destination: Location,
-        additional: u64,
-        blocked: &Chain<'_, usize>,
-        active: &Chain<'_, (usize, Location)>,
-        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
-    ) -> Result<Flow, SearchError> {
-        self.step()?;
-        if self.fits(&state, destination, additional) {
-            return visit(self, state);
-        }
-        let mut blocked_indices: Vec<u32> = blocked
-            .iter()
-            .map(|value| self.values[value].registration_index)
-            .collect();
-        blocked_indices.sort_unstable();
-        let mut active_pairs: Vec<(u32, Location)> = active
-            .iter()
-            .map(|(value, location)| (self.values[value].registration_index, location))
-            .collect();
-        active_pairs.sort_unstable();
-        let key = (
-            self.signature(&state),
+    /// The reclaim frame's next move destination: the states where it has room.
+    fn next_move(&mut self, path: &mut Path, top: usize) -> Result<Option<Found>, SearchError> {
+        let Some(Frame::Reclaim(frame)) = path.frames.get_mut(top) else {
+            return Ok(None);
+        };
+        let value = frame.candidate.value;
+        let ReclaimPhase::Moves {
+            destinations,
+            next,
+            marks,
+        } = &mut frame.phase
+        else {
+            return Ok(None);
+        };
+        let Some(&destination) = destinations.get(*next) else {
+            Self::pop_reclaim(path);
+            return Ok(None);
+        };
+        *next += 1;
+        let marks = *marks;
+        // The branch's lists with the candidate linked in (when it was not blocked
+        // already, the owner's list goes on).
+        let Some(owner) = top.checked_sub(1).and_then(|at| path.frames.get(at)) else {
+            return Ok(None);
+        };
+        let blocked = if path.links.blocked.len() > marks.0 {
+            Some(marks.0)
+        } else {
+            owner.branch(top).0
+        };
+        let active = Some(marks.1);
+        let Some(state) = owner.state() else {
+            return Ok(None);
+        };
+        let additional = if self.mat_at(state, value, destination).is_some() {
+            0
+        } else {
+            self.values[value].charge
+        };
+        let state = state.clone();
+        match self.enter_capacity(
+            path,
+            state,
             destination,
             additional,
-            blocked_indices,
-            active_pairs,
-        );
-        if self.failed_capacities.contains(&key) {
-            return Ok(Flow::Continue);
+            blocked,
+            active,
+            Visit::Move(top),
+        )? {
+            Some(fitting) => self.deliver(path, fitting, Visit::Move(top)),
+            None => Ok(None),
         }
-        self.count()?;
-        self.depth += 1;
-        let result =
-            self.capacity_states_level(&state, destination, additional, blocked, active, visit);
-        self.depth -= 1;
-        let (flow, yielded) = result?;
-        if flow == Flow::Continue && !yielded {
-            let extra = key.3.len() * size_of::<u32>() + key.4.len() * size_of::<(u32, Location)>();
-            self.charge_memo(Self::memo_cost(&key.0, extra))?;
-            self.failed_capacities.insert(key);
-        }
-        Ok(flow)
     }
 
-    /// Step 4 of a capacity search for a counted state open on the path: whether the
-    /// visitor stopped it, and whether it yielded a state.
-    fn capacity_states_level(
+    /// Removes the reclaim frame on top, and the links it added.
+    fn pop_reclaim(path: &mut Path) {
+        if let Some(Frame::Reclaim(frame)) = path.frames.pop()
+            && let ReclaimPhase::Moves { marks, .. } = frame.phase
+        {
+            path.links.blocked.truncate(marks.0);
+            path.links.active.truncate(marks.1);
+        }
+    }
+
+    /// Hands `state` to `visit`, through the visitors that only change or mark it, to the
+    /// one that searches it (pushing a frame, or noting a memo hit). Returns a found plan.
+    fn deliver(
         &mut self,
-        state: &State,
-        destination: Location,
-        additional: u64,
-        blocked: &Chain<'_, usize>,
-        active: &Chain<'_, (usize, Location)>,
-        visit: &mut dyn FnMut(&mut Self, State) -> Result<Flow, SearchError>,
-    ) -> Result<(Flow, bool), SearchError> {
-        let mut yielded = false;
-        let mut candidates = self.candidates(state, destination, blocked)?;
-        let mut next_rank = 0;
-        while let Some(candidate) = self.next_candidate(state, &mut candidates) {
-            let rank = next_rank;
-            next_rank += 1;
-            let candidate = &candidate;
-            if active.contains(&(candidate.value, candidate.location)) {
-                continue;
-            }
-            let flow = self.reclaim_states(
-                state,
-                *candidate,
-                rank,
-                blocked,
-                active,
-                &mut |search, reclaimed| {
-                    search.capacity_states(
-                        reclaimed,
+        path: &mut Path,
+        mut state: State,
+        mut visit: Visit,
+    ) -> Result<Option<Found>, SearchError> {
+        loop {
+            match visit {
+                Visit::Request(parent) => return self.enter_request(path, state, Some(parent)),
+                Visit::Move(at) => {
+                    let Some(Frame::Reclaim(frame)) = path.frames.get(at) else {
+                        return Ok(None);
+                    };
+                    let ReclaimPhase::Moves {
+                        destinations, next, ..
+                    } = &frame.phase
+                    else {
+                        return Ok(None);
+                    };
+                    let Some(&destination) =
+                        next.checked_sub(1).and_then(|at| destinations.get(at))
+                    else {
+                        return Ok(None);
+                    };
+                    match self.moved(state, frame.candidate, frame.rank, destination) {
+                        Some(trial) => state = trial,
+                        None => return Ok(None),
+                    }
+                    let Some(owner) = at.checked_sub(1).and_then(|below| path.frames.get(below))
+                    else {
+                        return Ok(None);
+                    };
+                    visit = owner.branch(at).2;
+                }
+                Visit::Capacity(at) => {
+                    let Some(Frame::Capacity(frame)) = path.frames.get(at) else {
+                        return Ok(None);
+                    };
+                    let (destination, additional, blocked, active) = (
+                        frame.destination,
+                        frame.additional,
+                        frame.blocked,
+                        frame.active,
+                    );
+                    match self.enter_capacity(
+                        path,
+                        state,
                         destination,
                         additional,
                         blocked,
                         active,
-                        &mut |search, reached| {
-                            yielded = true;
-                            visit(search, reached)
-                        },
-                    )
-                },
-            )?;
-            if flow == Flow::Stop {
-                return Ok((Flow::Stop, yielded));
+                        Visit::Reached(at),
+                    )? {
+                        Some(fitting) => {
+                            state = fitting;
+                            visit = Visit::Reached(at);
+                        }
+                        None => return Ok(None),
+                    }
+                }
+                Visit::Reached(at) => {
+                    let Some(Frame::Capacity(frame)) = path.frames.get_mut(at) else {
+                        return Ok(None);
+                    };
+                    frame.yielded = true;
+                    visit = frame.visit;
+                }
             }
         }
-        Ok((Flow::Continue, yielded))
+    }
+
+    /// A move's state: the sole copy of the candidate's value moved from its location to
+    /// `destination` in a state where that has room; none if the copy is gone there.
+    fn moved(
+        &self,
+        reached: State,
+        candidate: Candidate,
+        rank: usize,
+        destination: Location,
+    ) -> Option<State> {
+        let (value, location) = (candidate.value, candidate.location);
+        let charge = self.values[value].charge;
+        let mut trial = reached;
+        let sole = self.mat_at(&trial, value, location)?;
+        if self.mat_at(&trial, value, destination).is_none() {
+            self.add_mat(
+                &mut trial,
+                value,
+                MatInfo {
+                    location: destination,
+                    ..sole
+                },
+            );
+            let books = Self::books_mut(&mut trial, destination);
+            books.used = books.used.saturating_add(charge);
+        }
+        let action = Planned::Move {
+            value,
+            to: destination,
+            from: Some(location),
+        };
+        trial.evictions.push(Eviction {
+            action,
+            rank,
+            released_location: location,
+            released_nbytes: candidate.charged,
+            reason: EvictionReason::MovedTo(destination),
+        });
+        self.remove_mat(&mut trial, value, location);
+        let books = Self::books_mut(&mut trial, location);
+        books.used = books.used.saturating_sub(charge);
+        Some(trial)
+    }
+
+    /// Steps 1 to 3 of a search for capacity at `destination`: the state itself when it
+    /// has room (for the caller to yield), nothing on a memo hit, or else a pushed frame.
+    #[allow(clippy::too_many_arguments)] // The documented generator's parameters.
+    fn enter_capacity(
+        &mut self,
+        path: &mut Path,
+        state: State,
+        destination: Location,
+        additional: u64,
+        blocked: Link,
+        active: Link,
+        visit: Visit,
+    ) -> Result<Option<State>, SearchError> {
+        self.step()?;
+        if self.fits(&state, destination, additional) {
+            return Ok(Some(state));
+        }
+        let key = self.capacity_key(
+            &path.links,
+            &state,
+            destination,
+            additional,
+            blocked,
+            active,
+        );
+        if self.failed_capacities.contains(&key) {
+            return Ok(None);
+        }
+        drop(key);
+        self.count()?;
+        self.depth += 1;
+        let candidates = self.candidates(&path.links, &state, destination, blocked)?;
+        path.frames.push(Frame::Capacity(Box::new(CapacityFrame {
+            state,
+            destination,
+            additional,
+            blocked,
+            active,
+            candidates,
+            next_rank: 0,
+            yielded: false,
+            visit,
+        })));
+        Ok(None)
+    }
+
+    /// Step 4 of a capacity frame: its next candidate's reclaim options; or step 5 when
+    /// none is left.
+    fn advance_capacity(
+        &mut self,
+        path: &mut Path,
+        top: usize,
+    ) -> Result<Option<Found>, SearchError> {
+        let Path { frames, links } = path;
+        let Some(Frame::Capacity(frame)) = frames.get_mut(top) else {
+            return Ok(None);
+        };
+        while let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates)
+        {
+            let rank = frame.next_rank;
+            frame.next_rank += 1;
+            if links.is_active(frame.active, (candidate.value, candidate.location)) {
+                continue;
+            }
+            frames.push(Frame::Reclaim(ReclaimFrame {
+                candidate,
+                rank,
+                phase: ReclaimPhase::Start,
+            }));
+            return Ok(None);
+        }
+        let key = (!frame.yielded).then(|| {
+            self.capacity_key(
+                links,
+                &frame.state,
+                frame.destination,
+                frame.additional,
+                frame.blocked,
+                frame.active,
+            )
+        });
+        frames.pop();
+        self.depth -= 1;
+        if let Some(key) = key {
+            let extra = key.3.len() * size_of::<u32>() + key.4.len() * size_of::<(u32, Location)>();
+            self.charge_memo(Self::memo_cost(&key.0, extra))?;
+            self.failed_capacities.insert(key);
+        }
+        Ok(None)
+    }
+
+    /// A capacity search's memo key (docs/concepts/controller.md#capacity-at-a-tier).
+    fn capacity_key(
+        &self,
+        links: &Links,
+        state: &State,
+        destination: Location,
+        additional: u64,
+        blocked: Link,
+        active: Link,
+    ) -> CapacityKey {
+        let mut blocked_indices: Vec<u32> = links
+            .blocked(blocked)
+            .map(|value| self.values[value].registration_index)
+            .collect();
+        blocked_indices.sort_unstable();
+        let mut active_pairs: Vec<(u32, Location)> = links
+            .active(active)
+            .map(|(value, location)| (self.values[value].registration_index, location))
+            .collect();
+        active_pairs.sort_unstable();
+        (
+            self.signature(state),
+            destination,
+            additional,
+            blocked_indices,
+            active_pairs,
+        )
     }
 }

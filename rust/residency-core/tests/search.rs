@@ -393,6 +393,22 @@ fn a_cycling_search_stops_at_the_depth_bound_whatever_the_state_limit() {
         ),
         "{result:?}"
     );
+    // The default state limit (100 000) is below the default depth bound: a cycling search
+    // under it ends at exactly that limit, as the contract says.
+    const { assert!(MAX_SEARCH_DEPTH >= 100_000) };
+    let result = Search::new(&values, &budgets, &requirements, &[], &mut policy, 100_000)
+        .run(&books(&values));
+    assert!(
+        matches!(
+            result,
+            Err(SearchError::Limit {
+                explored: 100_000,
+                bound: SearchBound::States,
+                ..
+            })
+        ),
+        "{result:?}"
+    );
     // A state limit below the depth bound is reached first, and reported as before.
     let result = Search::new(&values, &budgets, &requirements, &[], &mut policy, 50)
         .with_bounds(100, MEMO_BUDGET_BYTES)
