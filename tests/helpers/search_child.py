@@ -26,6 +26,7 @@ how much its peak resident memory (`ru_maxrss`) grew while searching.
 from __future__ import annotations
 
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,9 @@ from helpers.manager import Source, fresh, spec
 def main() -> None:
     shape, limit, headroom = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    # A test run started in the background of a shell without job control inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt handler: put it back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch
 
     from fhelium.errors import ResidencySearchLimitError
