@@ -86,6 +86,9 @@ impl SearchValue {
 pub struct SearchValues {
     values: Vec<SearchValue>,
     mats: Vec<MatInfo>,
+    /// Per location, the positions of the values materialised there, ascending: the
+    /// candidates at a location are found without walking every value.
+    residents: BTreeMap<Location, Vec<usize>>,
 }
 
 impl SearchValues {
@@ -93,6 +96,7 @@ impl SearchValues {
         Self {
             values: Vec::with_capacity(values),
             mats: Vec::with_capacity(mats),
+            residents: BTreeMap::new(),
         }
     }
 
@@ -103,6 +107,13 @@ impl SearchValues {
         self.mats[start..].sort_by_key(|mat| mat.location);
         let index = |at: usize| u32::try_from(at).unwrap_or(u32::MAX);
         value.mats = (index(start), index(self.mats.len()));
+        let position = self.values.len();
+        for mat in &self.mats[start..] {
+            self.residents
+                .entry(mat.location)
+                .or_default()
+                .push(position);
+        }
         self.values.push(value);
     }
 
@@ -120,6 +131,11 @@ impl SearchValues {
 
     pub fn values(&self) -> &[SearchValue] {
         &self.values
+    }
+
+    /// The positions of the values materialised at `location`, ascending.
+    pub fn residents(&self, location: Location) -> &[usize] {
+        self.residents.get(&location).map_or(&[], Vec::as_slice)
     }
 
     /// The materialisations of the value at `position`, in canonical order.
@@ -810,20 +826,10 @@ enum SimError {
     Unavailable(usize),
 }
 
-/// Candidates at one location in the policy's order, produced on demand: with a
-/// policy that has a global order, the depth-first search usually takes the first few
-/// and never lists the rest.
+/// Candidates at one location in the policy's order, listed when the search first
+/// reclaims there.
 #[derive(Debug)]
-enum Candidates {
-    Listed(std::vec::IntoIter<Candidate>),
-    Lazy {
-        location: Location,
-        blocked: Link,
-        /// 0: ordinary candidates, 1: required endpoints, 2: done.
-        pass: u8,
-        cursor: (u8, usize),
-    },
-}
+struct Candidates(std::vec::IntoIter<Candidate>);
 
 /// A found plan: the state whose request simulation succeeded, and the actions it
 /// projected.
@@ -959,8 +965,6 @@ pub struct Search<'a, P: SearchPolicy> {
     policy: &'a mut P,
     limit: u64,
     explored: u64,
-    /// The policy's total order of value positions, when it has one.
-    global: Option<GlobalOrder>,
     failed_requests: FastSet<Signature>,
     failed_capacities: FastSet<CapacityKey>,
     /// Counted states open on the depth-first path, and their bound.
@@ -984,7 +988,6 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         policy: &'a mut P,
         limit: u64,
     ) -> Self {
-        let global = policy.global_order(values);
         Self {
             values,
             budgets,
@@ -1004,7 +1007,6 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             policy,
             limit,
             explored: 0,
-            global,
             failed_requests: FastSet::default(),
             failed_capacities: FastSet::default(),
             depth: 0,
@@ -1457,60 +1459,21 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         location: Location,
         blocked: Link,
     ) -> Result<Candidates, SearchError> {
-        if self.global.is_some() {
-            return Ok(Candidates::Lazy {
-                location,
-                blocked,
-                pass: 0,
-                cursor: (0, 0),
-            });
-        }
-        Ok(Candidates::Listed(
+        Ok(Candidates(
             self.ordered_candidates(links, state, location, blocked)?
                 .into_iter(),
         ))
     }
 
-    fn next_candidate(
-        &self,
-        links: &Links,
-        state: &State,
-        stream: &mut Candidates,
-    ) -> Option<Candidate> {
-        match stream {
-            Candidates::Listed(listed) => listed.next(),
-            Candidates::Lazy {
-                location,
-                blocked,
-                pass,
-                cursor,
-            } => {
-                let order = self.global.as_ref()?;
-                while *pass < 2 {
-                    while let Some(value) = order.next(cursor) {
-                        if links.is_blocked(*blocked, value)
-                            || self.required.contains(&(value, *location)) != (*pass == 1)
-                        {
-                            continue;
-                        }
-                        if let Some(mat) = self.mat_at(state, value, *location)
-                            && mat.unprotected()
-                        {
-                            return Some(Candidate {
-                                value,
-                                location: *location,
-                                charged: mat.charged,
-                            });
-                        }
-                    }
-                    *pass += 1;
-                    *cursor = (0, 0);
-                }
-                None
-            }
-        }
+    fn next_candidate(stream: &mut Candidates) -> Option<Candidate> {
+        stream.0.next()
     }
 
+    /// The unprotected materialisations at `location`, ordinary ones then required
+    /// endpoints, each group in the policy's order. Only the values resident there are
+    /// read: those the initial state holds at `location` and those the state changed,
+    /// in position order, which is the order the policy would see them in over all
+    /// values (docs/concepts/controller.md#candidates).
     fn ordered_candidates(
         &mut self,
         links: &Links,
@@ -1520,12 +1483,20 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     ) -> Result<Vec<Candidate>, SearchError> {
         let mut ordinary = Vec::new();
         let mut required = Vec::new();
-        let global = self.global.take();
-        let order: Box<dyn Iterator<Item = usize>> = match &global {
-            Some(order) => Box::new(order.iter()),
-            None => Box::new(0..self.values.len()),
-        };
-        for value in order {
+        let mut positions: Vec<usize> = self.values.residents(location).to_vec();
+        let initial = positions.len();
+        positions.extend(
+            state
+                .changed
+                .iter()
+                .filter(|(_, mats)| mats.iter().any(|mat| mat.location == location))
+                .map(|(value, _)| value),
+        );
+        if positions.len() > initial {
+            positions.sort_unstable();
+            positions.dedup();
+        }
+        for value in positions {
             if links.is_blocked(blocked, value) {
                 continue;
             }
@@ -1543,13 +1514,6 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     ordinary.push(candidate);
                 }
             }
-        }
-        if global.is_some() {
-            // Listed in the policy's own total order already: its ordering of any
-            // subset is that subset in this order.
-            self.global = global;
-            ordinary.extend(required);
-            return Ok(ordinary);
         }
         let mut ordered = self.order(&ordinary)?;
         ordered.extend(self.order(&required)?);
@@ -1676,11 +1640,11 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         path: &mut Path,
         top: usize,
     ) -> Result<Option<Found>, SearchError> {
-        let Path { frames, links } = path;
+        let frames = &mut path.frames;
         let Some(Frame::Request(frame)) = frames.get_mut(top) else {
             return Ok(None);
         };
-        if let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates) {
+        if let Some(candidate) = Self::next_candidate(&mut frame.candidates) {
             let rank = frame.next_rank;
             frame.next_rank += 1;
             frames.push(Frame::Reclaim(ReclaimFrame {
@@ -2082,8 +2046,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let Some(Frame::Capacity(frame)) = frames.get_mut(top) else {
             return Ok(None);
         };
-        while let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates)
-        {
+        while let Some(candidate) = Self::next_candidate(&mut frame.candidates) {
             let rank = frame.next_rank;
             frame.next_rank += 1;
             if links.is_active(frame.active, (candidate.value, candidate.location)) {
