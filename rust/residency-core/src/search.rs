@@ -463,6 +463,9 @@ pub struct SearchOutcome {
     pub explored: u64,
 }
 
+/// The tiered LRU's `(priority, epoch, stable key)` by value position.
+pub type PolicyKeyMap = FastMap<usize, (i64, i64, Option<Arc<str>>)>;
+
 /// Policy keys of a value without metadata and never accessed.
 const PLAIN_KEYS: (i64, i64, Option<Arc<str>>) = (0, -1, None);
 
@@ -471,8 +474,9 @@ const PLAIN_KEYS: (i64, i64, Option<Arc<str>>) = (0, -1, None);
 #[derive(Debug, Clone, Default)]
 pub struct TieredLru {
     /// `(priority, epoch, stable key)` by value position, for values with metadata or
-    /// an access epoch; every other value has `(0, -1, None)`.
-    pub keys: FastMap<usize, (i64, i64, Option<Arc<str>>)>,
+    /// an access epoch; every other value has `(0, -1, None)`. Shared, so a caller
+    /// that keeps the keys as they change hands them to each decide without a copy.
+    pub keys: Arc<PolicyKeyMap>,
     pub tiers: BTreeMap<Location, Vec<Location>>,
 }
 
@@ -519,7 +523,7 @@ impl SearchPolicy for TieredLru {
         // Values with plain keys tie but for their positions: they form the middle
         // run. Only the values with other keys are sorted, around it.
         let (mut first, mut last): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
-        for (&position, keys) in &self.keys {
+        for (&position, keys) in self.keys.iter() {
             if position >= values.len() {
                 continue;
             }
@@ -551,23 +555,80 @@ impl SearchPolicy for TieredLru {
 pub struct ScheduleAware {
     /// Priorities, access epochs, stable keys and tiers, exactly as the tiered LRU.
     pub lru: TieredLru,
-    /// The step at which each value position is next requested; a position absent
-    /// here is never requested again.
-    pub next_use: FastMap<usize, u64>,
+    /// The step at which each value position is next requested; a position without
+    /// one is never requested again.
+    pub next_use: NextUses,
+}
+
+/// Each value position's steps in a schedule, ascending, and the step the schedule
+/// stands at: a position's next use is its first step at or after it, found by a
+/// binary search, so standing at another step costs nothing and a lookup costs
+/// `O(log uses)`, whatever the schedule's length. The steps are shared: a schedule
+/// indexed once serves every decide.
+#[derive(Debug, Clone, Default)]
+pub struct NextUses {
+    steps: Arc<FastMap<usize, Vec<u64>>>,
+    cursor: u64,
+}
+
+impl NextUses {
+    /// The steps of a schedule (each the value positions it requests), standing at
+    /// its start.
+    pub fn new(schedule: &[Vec<usize>]) -> Self {
+        let mut steps: FastMap<usize, Vec<u64>> = FastMap::default();
+        for (step, positions) in schedule.iter().enumerate() {
+            let step = u64::try_from(step).unwrap_or(u64::MAX);
+            for &position in positions {
+                let uses = steps.entry(position).or_default();
+                if uses.last() != Some(&step) {
+                    uses.push(step);
+                }
+            }
+        }
+        Self {
+            steps: Arc::new(steps),
+            cursor: 0,
+        }
+    }
+
+    /// The same steps, standing at step `cursor`: the steps before it are done.
+    #[must_use]
+    pub fn at(&self, cursor: usize) -> Self {
+        Self {
+            steps: Arc::clone(&self.steps),
+            cursor: u64::try_from(cursor).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// The step at which `position` is next requested, if it is.
+    pub fn get(&self, position: usize) -> Option<u64> {
+        let uses = self.steps.get(&position)?;
+        uses.get(uses.partition_point(|&step| step < self.cursor))
+            .copied()
+    }
+
+    /// Records that `position` is requested at `step`.
+    pub fn insert(&mut self, position: usize, step: u64) {
+        let uses = Arc::make_mut(&mut self.steps).entry(position).or_default();
+        if let Err(at) = uses.binary_search(&step) {
+            uses.insert(at, step);
+        }
+    }
+
+    /// The positions requested at or after the current step, in no particular order.
+    pub fn positions(&self) -> impl Iterator<Item = usize> + '_ {
+        self.steps
+            .keys()
+            .copied()
+            .filter(|&position| self.get(position).is_some())
+    }
 }
 
 impl ScheduleAware {
     /// Next uses from a schedule of steps (each the value positions it requests),
     /// standing at step `cursor`: the steps before it are done.
-    pub fn next_uses(schedule: &[Vec<usize>], cursor: usize) -> FastMap<usize, u64> {
-        let mut next_use = FastMap::default();
-        for (step, positions) in schedule.iter().enumerate().skip(cursor) {
-            let step = u64::try_from(step).unwrap_or(u64::MAX);
-            for &position in positions {
-                next_use.entry(position).or_insert(step);
-            }
-        }
-        next_use
+    pub fn next_uses(schedule: &[Vec<usize>], cursor: usize) -> NextUses {
+        NextUses::new(schedule).at(cursor)
     }
 
     /// A position's eviction key, smallest first: priority, then the schedule (never
@@ -575,7 +636,7 @@ impl ScheduleAware {
     /// keyed-first, key text and registration order.
     fn key(&self, position: usize) -> ScheduleKey<'_> {
         let (priority, epoch, key) = self.lru.keys(position);
-        let next = self.next_use.get(&position).copied().unwrap_or(u64::MAX);
+        let next = self.next_use.get(position).unwrap_or(u64::MAX);
         (
             *priority,
             std::cmp::Reverse(next),
@@ -608,8 +669,8 @@ impl SearchPolicy for ScheduleAware {
             .lru
             .keys
             .keys()
-            .chain(self.next_use.keys())
             .copied()
+            .chain(self.next_use.positions())
             .filter(|&position| position < values.len())
             .collect();
         keyed.sort_unstable();

@@ -67,7 +67,7 @@ fn priority_dominates_the_schedule() {
     keys.insert(0, (-5, -1, None));
     let mut policy = ScheduleAware {
         lru: TieredLru {
-            keys,
+            keys: std::sync::Arc::new(keys),
             tiers: std::collections::BTreeMap::default(),
         },
         next_use: ScheduleAware::next_uses(&schedule, 0),
@@ -84,10 +84,10 @@ fn fallback_tiers_are_the_tiered_lrus() {
     );
     let mut policy = ScheduleAware {
         lru: TieredLru {
-            keys: FastMap::default(),
+            keys: std::sync::Arc::default(),
             tiers,
         },
-        next_use: FastMap::default(),
+        next_use: residency_core::search::NextUses::default(),
     };
     assert_eq!(
         policy.fallback_locations(Location::Cuda(0)).expect("tiers"),
@@ -243,7 +243,7 @@ proptest! {
             let priority = priorities.get(position).copied().flatten();
             let epoch = epochs.get(position).copied().flatten();
             if priority.is_some() || epoch.is_some() {
-                policy.lru.keys.insert(position, (priority.unwrap_or(0), epoch.unwrap_or(-1), None));
+                std::sync::Arc::make_mut(&mut policy.lru.keys).insert(position, (priority.unwrap_or(0), epoch.unwrap_or(-1), None));
             }
         }
         let table = values_table(count);

@@ -44,7 +44,7 @@ fn table(values: Vec<(SearchValue, Vec<MatInfo>)>) -> SearchValues {
 
 fn lru(_values: &SearchValues, tiers: &[(Location, Vec<Location>)]) -> TieredLru {
     TieredLru {
-        keys: residency_core::FastMap::default(),
+        keys: std::sync::Arc::default(),
         tiers: tiers.iter().cloned().collect(),
     }
 }
@@ -282,7 +282,7 @@ fn the_tiered_lru_lists_every_value_in_its_documented_order() {
         (11, (0, 2, None)),
     ];
     let mut policy = TieredLru {
-        keys: keyed.iter().cloned().collect(),
+        keys: std::sync::Arc::new(keyed.iter().cloned().collect()),
         tiers: BTreeMap::new(),
     };
     let listed: Vec<usize> = policy
