@@ -47,7 +47,7 @@ impl MatInfo {
 }
 
 /// A value as decide sees it; immutable during one search.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 pub struct SearchValue {
     pub handle: HandleId,
     /// Position in the snapshot's values, discarded entries counted.
@@ -151,6 +151,62 @@ impl std::ops::Index<usize> for SearchValues {
     fn index(&self, position: usize) -> &SearchValue {
         &self.values[position]
     }
+}
+
+/// What the search reads of the planning state's values, by position: a table built
+/// for the purpose ([`SearchValues`]) or the manager's own state, read only where the
+/// search looks (`crate::StateValues`), so that a decide costs what it touches, not
+/// what the manager holds.
+pub trait ValueTable {
+    /// The value at `position`, if there is one.
+    fn value(&self, position: usize) -> Option<SearchValue>;
+    /// Its materialisation at `location`, if any.
+    fn mat_at(&self, position: usize, location: Location) -> Option<MatInfo>;
+    /// Its materialisations, in canonical (location) order.
+    fn mats(&self, position: usize) -> Vec<MatInfo>;
+    /// How many materialisations it has.
+    fn mat_count(&self, position: usize) -> usize;
+    /// The positions of the values materialised at `location`, ascending.
+    fn residents(&self, location: Location) -> Vec<usize>;
+}
+
+impl ValueTable for SearchValues {
+    fn value(&self, position: usize) -> Option<SearchValue> {
+        self.values.get(position).copied()
+    }
+
+    fn mat_at(&self, position: usize, location: Location) -> Option<MatInfo> {
+        if position >= self.values.len() {
+            return None;
+        }
+        SearchValues::mats(self, position)
+            .iter()
+            .find(|mat| mat.location == location)
+            .copied()
+    }
+
+    fn mats(&self, position: usize) -> Vec<MatInfo> {
+        if position >= self.values.len() {
+            return Vec::new();
+        }
+        SearchValues::mats(self, position).to_vec()
+    }
+
+    fn mat_count(&self, position: usize) -> usize {
+        self.values
+            .get(position)
+            .map_or(0, |value| (value.mats.1 - value.mats.0) as usize)
+    }
+
+    fn residents(&self, location: Location) -> Vec<usize> {
+        SearchValues::residents(self, location).to_vec()
+    }
+}
+
+/// A position the table does not hold: no materialisation, no source, no charge.
+fn absent(position: usize) -> SearchValue {
+    let index = u32::try_from(position).unwrap_or(u32::MAX);
+    SearchValue::new(index, index, 0, false, None)
 }
 
 /// A policy's total order of all value positions, listed lazily: `first` (sorted),
@@ -1014,8 +1070,8 @@ type SimFailure = (SimError, Option<Box<Resume>>);
 type CapacityKey = (Signature, Location, u64, Vec<u32>, Vec<(u32, Location)>);
 
 #[allow(missing_debug_implementations)] // Borrows the policy, which need not be Debug.
-pub struct Search<'a, P: SearchPolicy> {
-    values: &'a SearchValues,
+pub struct Search<'a, P: SearchPolicy, V: ValueTable = SearchValues> {
+    values: &'a V,
     budgets: &'a BTreeMap<Location, u64>,
     requirements: &'a [Requirement],
     required: FastSet<(usize, Location)>,
@@ -1040,9 +1096,9 @@ pub struct Search<'a, P: SearchPolicy> {
     empty_prefix: Arc<Prefix>,
 }
 
-impl<'a, P: SearchPolicy> Search<'a, P> {
+impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
     pub fn new(
-        values: &'a SearchValues,
+        values: &'a V,
         budgets: &'a BTreeMap<Location, u64>,
         requirements: &'a [Requirement],
         reservations: &'a [(Location, u64)],
@@ -1121,18 +1177,61 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     // ----- state access -----------------------------------------------------------
 
-    fn mats<'s>(&'s self, state: &'s State, value: usize) -> &'s [MatInfo] {
+    /// The value at `position` (one the table lacks reads as absent).
+    fn value(&self, position: usize) -> SearchValue {
+        self.values
+            .value(position)
+            .unwrap_or_else(|| absent(position))
+    }
+
+    /// A value's materialisations in `state`, in canonical order.
+    fn mats(&self, state: &State, value: usize) -> Vec<MatInfo> {
         match state.changed.get(value) {
-            Some(mats) => mats,
+            Some(mats) => mats.to_vec(),
             None => self.values.mats(value),
         }
     }
 
+    /// How many materialisations a value has in `state`.
+    fn mat_count(&self, state: &State, value: usize) -> usize {
+        match state.changed.get(value) {
+            Some(mats) => mats.len(),
+            None => self.values.mat_count(value),
+        }
+    }
+
+    /// A value's first materialisation in canonical order in `state`.
+    fn first_mat(&self, state: &State, value: usize) -> Option<MatInfo> {
+        match state.changed.get(value) {
+            Some(mats) => mats.first().copied(),
+            None => self.values.mats(value).first().copied(),
+        }
+    }
+
     fn mat_at(&self, state: &State, value: usize, location: Location) -> Option<MatInfo> {
-        self.mats(state, value)
-            .iter()
-            .find(|mat| mat.location == location)
-            .copied()
+        match state.changed.get(value) {
+            Some(mats) => mats.iter().find(|mat| mat.location == location).copied(),
+            None => self.values.mat_at(value, location),
+        }
+    }
+
+    /// The values materialised at `location` in `state`, ascending: those the initial
+    /// state holds there and those the state changed, read only where they are.
+    fn residents(&self, state: &State, location: Location) -> Vec<usize> {
+        let mut positions = self.values.residents(location);
+        let initial = positions.len();
+        positions.extend(
+            state
+                .changed
+                .iter()
+                .filter(|(_, mats)| mats.iter().any(|mat| mat.location == location))
+                .map(|(value, _)| value),
+        );
+        if positions.len() > initial {
+            positions.sort_unstable();
+            positions.dedup();
+        }
+        positions
     }
 
     fn set_mats(&self, state: &mut State, value: usize, mats: Vec<MatInfo>) {
@@ -1143,19 +1242,15 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     }
 
     fn add_mat(&self, state: &mut State, value: usize, mat: MatInfo) {
-        let mut mats = self.mats(state, value).to_vec();
+        let mut mats = self.mats(state, value);
         let position = mats.partition_point(|known| known.location < mat.location);
         mats.insert(position, mat);
         self.set_mats(state, value, mats);
     }
 
     fn remove_mat(&self, state: &mut State, value: usize, location: Location) {
-        let mats: Vec<MatInfo> = self
-            .mats(state, value)
-            .iter()
-            .filter(|mat| mat.location != location)
-            .copied()
-            .collect();
+        let mut mats = self.mats(state, value);
+        mats.retain(|mat| mat.location != location);
         self.set_mats(state, value, mats);
     }
 
@@ -1425,9 +1520,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             if self.mat_at(&trial, value, destination).is_some() {
                 continue;
             }
-            let info = &self.values[value];
+            let info = self.value(value);
             let charge = info.charge;
-            let source_mat = self.mats(&trial, value).first().copied();
+            let source_mat = self.first_mat(&trial, value);
             let (source, temporary) = match source_mat {
                 Some(mat) => (mat.location, false),
                 None => match info.source {
@@ -1544,20 +1639,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     ) -> Result<Vec<Candidate>, SearchError> {
         let mut ordinary = Vec::new();
         let mut required = Vec::new();
-        let mut positions: Vec<usize> = self.values.residents(location).to_vec();
-        let initial = positions.len();
-        positions.extend(
-            state
-                .changed
-                .iter()
-                .filter(|(_, mats)| mats.iter().any(|mat| mat.location == location))
-                .map(|(value, _)| value),
-        );
-        if positions.len() > initial {
-            positions.sort_unstable();
-            positions.dedup();
-        }
-        for value in positions {
+        for value in self.residents(state, location) {
             if links.is_blocked(blocked, value) {
                 continue;
             }
@@ -1742,7 +1824,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .budgets
             .get(&capacity.location)
             .map_or_else(|| "None".to_owned(), u64::to_string);
-        let (protected_count, protected_bytes) = (0..self.values.len())
+        let (protected_count, protected_bytes) = self
+            .residents(state, capacity.location)
+            .into_iter()
             .filter_map(|value| self.mat_at(state, value, capacity.location))
             .filter(|mat| !mat.unprotected())
             .fold((0u64, 0u64), |(count, bytes), mat| {
@@ -1790,8 +1874,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     Self::pop_reclaim(path);
                     return Ok(None);
                 }
-                let alternatives = self.mats(state, value).len() > 1;
-                if !alternatives && self.values[value].source.is_none() {
+                let alternatives = self.mat_count(state, value) > 1;
+                if !alternatives && self.value(value).source.is_none() {
                     return self.start_moves(path, top);
                 }
                 let mut trial = state.clone();
@@ -1907,7 +1991,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let additional = if self.mat_at(state, value, destination).is_some() {
             0
         } else {
-            self.values[value].charge
+            self.value(value).charge
         };
         let state = state.clone();
         match self.enter_capacity(
@@ -2017,7 +2101,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         destination: Location,
     ) -> Option<State> {
         let (value, location) = (candidate.value, candidate.location);
-        let charge = self.values[value].charge;
+        let charge = self.value(value).charge;
         let mut trial = reached;
         let sole = self.mat_at(&trial, value, location)?;
         if self.mat_at(&trial, value, destination).is_none() {
@@ -2152,12 +2236,12 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     ) -> CapacityKey {
         let mut blocked_indices: Vec<u32> = links
             .blocked(blocked)
-            .map(|value| self.values[value].registration_index)
+            .map(|value| self.value(value).registration_index)
             .collect();
         blocked_indices.sort_unstable();
         let mut active_pairs: Vec<(u32, Location)> = links
             .active(active)
-            .map(|(value, location)| (self.values[value].registration_index, location))
+            .map(|(value, location)| (self.value(value).registration_index, location))
             .collect();
         active_pairs.sort_unstable();
         (

@@ -270,7 +270,7 @@ pub fn decide_request<'py>(
     let inputs = core.search_inputs();
     let mut required = Vec::with_capacity(requirements.len());
     for (handle, code) in requirements {
-        if inputs.discarded.get(handle as usize) != Some(&false) {
+        if !inputs.values.is_live(handle as usize) {
             return Err(PyValueError::new_err(format!(
                 "handle index {handle} is not live"
             )));
