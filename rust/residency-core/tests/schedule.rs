@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use proptest::prelude::*;
-use residency_core::search::{Candidate, ScheduleAware, SearchPolicy, TieredLru};
+use residency_core::search::{Candidate, NextUses, ScheduleAware, SearchPolicy, TieredLru};
 use residency_core::{FastMap, Location};
 
 fn candidates(values: &[usize]) -> Vec<Candidate> {
@@ -87,7 +87,7 @@ fn fallback_tiers_are_the_tiered_lrus() {
             keys: std::sync::Arc::default(),
             tiers,
         },
-        next_use: residency_core::search::NextUses::default(),
+        next_use: NextUses::default(),
     };
     assert_eq!(
         policy.fallback_locations(Location::Cuda(0)).expect("tiers"),
@@ -253,5 +253,32 @@ proptest! {
             (0..count).filter(|&p| picked.get(p).copied().unwrap_or(true)).collect();
         let restricted: Vec<usize> = global.iter().copied().filter(|p| chosen.contains(p)).collect();
         prop_assert_eq!(evicted_first(&mut policy, &chosen), restricted);
+    }
+}
+
+proptest! {
+    /// A next use found by a binary search in the value's steps is the first step at
+    /// or after the position that requests it, as a walk of the rest of the schedule
+    /// finds it.
+    #[test]
+    fn next_uses_are_the_first_request_at_or_after_the_position(
+        schedule in prop::collection::vec(prop::collection::vec(0usize..8, 0..4), 0..24),
+        cursor in 0usize..28,
+    ) {
+        let uses = NextUses::new(&schedule).at(cursor);
+        for position in 0..8 {
+            let walked = schedule
+                .iter()
+                .enumerate()
+                .skip(cursor)
+                .find(|(_, step)| step.contains(&position))
+                .map(|(step, _)| step as u64);
+            prop_assert_eq!(uses.get(position), walked);
+        }
+        let mut listed: Vec<usize> = uses.positions().collect();
+        listed.sort_unstable();
+        let expected: Vec<usize> =
+            (0..8).filter(|&position| uses.get(position).is_some()).collect();
+        prop_assert_eq!(listed, expected);
     }
 }
