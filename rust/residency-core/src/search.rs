@@ -209,58 +209,6 @@ fn absent(position: usize) -> SearchValue {
     SearchValue::new(index, index, 0, false, None)
 }
 
-/// A policy's total order of all value positions, listed lazily: `first` (sorted),
-/// then every other position in position order, then `last` (sorted). The built-in
-/// policy ranks every value without metadata or an access epoch alike but for its
-/// registration index, so only the few others need sorting.
-#[derive(Debug, Clone, Default)]
-pub struct GlobalOrder {
-    pub first: Vec<usize>,
-    pub last: Vec<usize>,
-    pub len: usize,
-    /// `first` and `last` together, skipped in the middle run.
-    placed: FastSet<usize>,
-}
-
-impl GlobalOrder {
-    pub fn new(first: Vec<usize>, last: Vec<usize>, len: usize) -> Self {
-        let placed = first.iter().chain(&last).copied().collect();
-        Self {
-            first,
-            last,
-            len,
-            placed,
-        }
-    }
-
-    /// The position after `cursor` moves past it, or `None` at the end.
-    fn next(&self, cursor: &mut (u8, usize)) -> Option<usize> {
-        loop {
-            let (run, index) = *cursor;
-            cursor.1 += 1;
-            match run {
-                0 => match self.first.get(index) {
-                    Some(&position) => return Some(position),
-                    None => *cursor = (1, 0),
-                },
-                1 if index < self.len => {
-                    if !self.placed.contains(&index) {
-                        return Some(index);
-                    }
-                }
-                1 => *cursor = (2, 0),
-                _ => return self.last.get(index).copied(),
-            }
-        }
-    }
-
-    /// Every position, once, in the policy's order.
-    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
-        let mut cursor = (0, 0);
-        std::iter::from_fn(move || self.next(&mut cursor))
-    }
-}
-
 /// One requirement `(value position, destination)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Requirement {
@@ -346,12 +294,6 @@ pub trait SearchPolicy {
     /// reported as they are (the bindings carry Python exceptions through).
     fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError>;
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError>;
-    /// A total order of all value positions that `order` is a restriction of, when the
-    /// policy has one (a key-based sort): candidates are then listed in it directly,
-    /// without sorting per step.
-    fn global_order(&mut self, _values: &SearchValues) -> Option<GlobalOrder> {
-        None
-    }
     /// Called periodically so a long search can be interrupted.
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
         Ok(())
@@ -575,25 +517,6 @@ impl SearchPolicy for TieredLru {
         Ok(order)
     }
 
-    fn global_order(&mut self, values: &SearchValues) -> Option<GlobalOrder> {
-        // Values with plain keys tie but for their positions: they form the middle
-        // run. Only the values with other keys are sorted, around it.
-        let (mut first, mut last): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
-        for (&position, keys) in self.keys.iter() {
-            if position >= values.len() {
-                continue;
-            }
-            match Self::compare_keys(keys, &PLAIN_KEYS) {
-                std::cmp::Ordering::Less => first.push(position),
-                std::cmp::Ordering::Greater => last.push(position),
-                std::cmp::Ordering::Equal => {}
-            }
-        }
-        first.sort_by(|&a, &b| self.compare(a, b));
-        last.sort_by(|&a, &b| self.compare(a, b));
-        Some(GlobalOrder::new(first, last, values.len()))
-    }
-
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
         Ok(self.tiers.get(&location).cloned().unwrap_or_default())
     }
@@ -702,11 +625,6 @@ impl ScheduleAware {
             position,
         )
     }
-
-    /// Sorts value positions by their keys, each read once.
-    fn sort(&self, positions: &mut [usize]) {
-        positions.sort_by_cached_key(|&position| self.key(position));
-    }
 }
 
 /// `ScheduleAware::key`'s tuple.
@@ -717,41 +635,6 @@ impl SearchPolicy for ScheduleAware {
         let mut order: Vec<usize> = (0..candidates.len()).collect();
         order.sort_by_cached_key(|&index| self.key(candidates[index].value));
         Ok(order)
-    }
-
-    fn global_order(&mut self, values: &SearchValues) -> Option<GlobalOrder> {
-        // Only positions with keys or a next use can differ from the plain middle run.
-        let mut keyed: Vec<usize> = self
-            .lru
-            .keys
-            .keys()
-            .copied()
-            .chain(self.next_use.positions())
-            .filter(|&position| position < values.len())
-            .collect();
-        keyed.sort_unstable();
-        keyed.dedup();
-        // A value with plain keys and no next use: those tie but for their registration
-        // and form the middle run.
-        let plain = (
-            PLAIN_KEYS.0,
-            std::cmp::Reverse(u64::MAX),
-            PLAIN_KEYS.1,
-            true,
-            "",
-        );
-        let (mut first, mut last): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
-        for position in keyed {
-            let (priority, next, epoch, unkeyed, text, _) = self.key(position);
-            match (priority, next, epoch, unkeyed, text).cmp(&plain) {
-                std::cmp::Ordering::Less => first.push(position),
-                std::cmp::Ordering::Greater => last.push(position),
-                std::cmp::Ordering::Equal => {}
-            }
-        }
-        self.sort(&mut first);
-        self.sort(&mut last);
-        Some(GlobalOrder::new(first, last, values.len()))
     }
 
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {

@@ -211,51 +211,6 @@ fn lru_misses(requests: &[usize], capacity: usize) -> usize {
     misses
 }
 
-fn values_table(count: usize) -> residency_core::search::SearchValues {
-    let mut table = residency_core::search::SearchValues::default();
-    for index in 0..count {
-        let index = u32::try_from(index).expect("small");
-        table.push(
-            residency_core::search::SearchValue::new(index, index, 1, false, None),
-            Vec::new(),
-        );
-    }
-    table
-}
-
-proptest! {
-    /// The global order the search walks restricts to exactly the per-step order.
-    #[test]
-    fn the_global_order_agrees_with_the_order_of_any_candidates(
-        next in prop::collection::vec(prop::option::of(0u64..6), 1..24),
-        priorities in prop::collection::vec(prop::option::of(-2i64..3), 1..24),
-        epochs in prop::collection::vec(prop::option::of(-1i64..4), 1..24),
-        picked in prop::collection::vec(any::<bool>(), 1..24),
-    ) {
-        let count = next.len();
-        let mut policy = ScheduleAware::default();
-        for (position, step) in next.iter().enumerate() {
-            if let Some(step) = step {
-                policy.next_use.insert(position, *step);
-            }
-        }
-        for position in 0..count {
-            let priority = priorities.get(position).copied().flatten();
-            let epoch = epochs.get(position).copied().flatten();
-            if priority.is_some() || epoch.is_some() {
-                std::sync::Arc::make_mut(&mut policy.lru.keys).insert(position, (priority.unwrap_or(0), epoch.unwrap_or(-1), None));
-            }
-        }
-        let table = values_table(count);
-        let global: Vec<usize> = policy.global_order(&table).expect("a global order").iter().collect();
-        prop_assert_eq!(global.len(), count);
-        let chosen: Vec<usize> =
-            (0..count).filter(|&p| picked.get(p).copied().unwrap_or(true)).collect();
-        let restricted: Vec<usize> = global.iter().copied().filter(|p| chosen.contains(p)).collect();
-        prop_assert_eq!(evicted_first(&mut policy, &chosen), restricted);
-    }
-}
-
 proptest! {
     /// A next use found by a binary search in the value's steps is the first step at
     /// or after the position that requests it, as a walk of the rest of the schedule

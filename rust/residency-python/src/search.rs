@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use residency_core::search::{
-    Candidate, GlobalOrder, NextUses, PolicyKeyMap, Requirement, ScheduleAware, Search,
-    SearchError, SearchOutcome, SearchPolicy, SearchValues, TieredLru,
+    Candidate, NextUses, PolicyKeyMap, Requirement, ScheduleAware, Search, SearchError,
+    SearchOutcome, SearchPolicy, TieredLru,
 };
 use residency_core::{
     Action, ActionKind, CudaDevices, HandleId, Location, Reservation, SearchInputs, SlotResolution,
@@ -104,10 +104,6 @@ impl<P: SearchPolicy> SearchPolicy for NativePolicy<'_, P> {
 
     fn fallback_locations(&mut self, at: Location) -> Result<Vec<Location>, SearchError> {
         self.policy.fallback_locations(at)
-    }
-
-    fn global_order(&mut self, values: &SearchValues) -> Option<GlobalOrder> {
-        self.policy.global_order(values)
     }
 
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
