@@ -18,6 +18,7 @@ __all__ = [
     "MoveOutcome",
     "PlanIR",
     "PlanRun",
+    "PolicyKeys",
     "RecordBuilder",
     "ScheduleIndex",
     "SimulationView",
@@ -84,6 +85,15 @@ class PlanIR:
     """A plan lowered into the Rust core: immutable, validated, shareable."""
 
 @final
+class PolicyKeys:
+    """The built-in policy's keys by handle index, kept as they change."""
+
+    def __init__(self) -> None: ...
+    def set_epoch(self, index: int, epoch: int) -> None: ...
+    def set_metadata(self, index: int, priority: int, key: str | None = None) -> None: ...
+    def __len__(self) -> int: ...
+
+@final
 class ScheduleIndex:
     """A schedule's steps as handle indices of one manager."""
 
@@ -111,9 +121,7 @@ def lower_records(
     /,
 ) -> tuple[PlanIR, tuple[Any, ...]]: ...
 
-_NativeConfig = tuple[
-    dict[int, tuple[int, str | None]], dict[int, int], list[tuple[int, list[int]]]
-]
+_NativeConfig = tuple[PolicyKeys, list[tuple[int, list[int]]]]
 _Decision = tuple[
     PlanIR,
     SimulationView,

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final, cast
 
 from fhelium import _core
-from fhelium._core import ActionKind, decide_request
+from fhelium._core import ActionKind, PolicyKeys, decide_request
 from fhelium.errors import ResidencyHandleError, ResidencyOwnershipError, ResidencyPlanError
 from fhelium.residency import _lowering
 from fhelium.residency._decisions import ResidencyDecision, ResidencyEviction
@@ -300,8 +300,7 @@ class ResidencyController:
         "_lock",
         "_manager",
         "_metadata",
-        "_native_epochs",
-        "_native_metadata",
+        "_native_keys",
         "_policy",
         "_schedule_cache",
     )
@@ -330,12 +329,12 @@ class ResidencyController:
         self._limit = search_state_limit
         self._metadata: dict[ResidencyHandle[Any], ResidencyPolicyMetadata] = {}
         self._epochs: dict[ResidencyHandle[Any], int] = {}
-        # The same two maps by handle index, kept as they change, for the native
-        # policy: `decide` passes them on without resolving every handle again. A
-        # discarded value keeps its entries; it has no materialisation, so it is never a
-        # candidate and its keys are never compared.
-        self._native_metadata: dict[int, tuple[int, str | None]] = {}
-        self._native_epochs: dict[int, int] = {}
+        # The same two maps by handle index, kept in the core as they change (one
+        # entry per change), for the native policy: `decide` hands them on without
+        # resolving or converting every handle again. A discarded value keeps its
+        # entries; it has no materialisation, so it is never a candidate and its keys
+        # are never compared.
+        self._native_keys = PolicyKeys()
         self._epoch = 0
         # The schedule-aware policy's steps as handle indices (see `_schedule_index`).
         self._schedule_cache: tuple[ScheduleAwarePolicy, Any] | None = None
@@ -397,9 +396,8 @@ class ResidencyController:
                             f"stable_key {stable_key!r} is already used by another handle"
                         )
             self._metadata[handle] = metadata
-            self._native_metadata[index] = (
-                max(-_I64, min(_I64, metadata.priority)),
-                metadata.stable_key,
+            self._native_keys.set_metadata(
+                index, max(-_I64, min(_I64, metadata.priority)), metadata.stable_key
             )
 
     # ------------------------------------------------------------------ decide
@@ -560,8 +558,7 @@ class ResidencyController:
             )
         if tiered is not None:
             native = (
-                self._native_metadata,
-                self._native_epochs,
+                self._native_keys,
                 [
                     (
                         _lowering.location_code(source),
@@ -843,7 +840,7 @@ class ResidencyController:
                 self._epochs[handle] = self._epoch
                 index = resolve(handle)
                 if index is not None:
-                    self._native_epochs[index] = self._epoch
+                    self._native_keys.set_epoch(index, self._epoch)
         # A policy that follows a schedule is told what was used, outside the lock
         # (docs/concepts/controller.md#schedule-aware-eviction).
         observe = getattr(self._policy, "observe", None)

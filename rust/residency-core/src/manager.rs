@@ -18,9 +18,9 @@ use crate::error::{CoreError, CoreResult};
 use crate::gate::Gate;
 use crate::location::Location;
 use crate::plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
-use crate::search::{MatInfo, Planned, SearchOutcome, SearchValue, SearchValues};
+use crate::search::{MatInfo, Planned, SearchOutcome, SearchValue, ValueTable};
 use crate::simulate::{self, CompletedPending, CudaDevices, Simulation, SlotResolution};
-use crate::state::{HandleId, ReservationRecord, State, TokenKind, ValueRecord};
+use crate::state::{HandleId, Materialization, ReservationRecord, State, TokenKind, ValueRecord};
 use crate::value::{HandleName, Recoverability, ValueSpec};
 
 /// A backing storage identity: (device code, data pointer). Device code is -1 for
@@ -83,9 +83,7 @@ struct HoldRecord {
 pub struct SearchInputs {
     /// Every issued handle at its own index; a discarded one has no materialisation
     /// and no source, so it is never a candidate.
-    pub values: SearchValues,
-    /// Per handle index, whether it is discarded.
-    pub discarded: Vec<bool>,
+    pub values: StateValues,
     pub books: Vec<(Location, u64, u64)>,
     pub budgets: std::collections::BTreeMap<Location, u64>,
     pub version: u64,
@@ -1084,7 +1082,7 @@ impl Manager {
         inner.storage_owners.clear();
         inner.materialization_keys.clear();
         let state = &mut inner.state;
-        state.values = imbl::Vector::new();
+        state.clear_values();
         state.reservations = imbl::OrdMap::new();
         state.pending_leases = 0;
         for books in &mut state.locations {
@@ -1186,43 +1184,15 @@ impl Manager {
 
     /// The controller's planning state, read from the working state: every issued
     /// handle at its own index (so in registration order), the books, and the budgets
-    /// (docs/concepts/controller.md#decide).
+    /// (docs/concepts/controller.md#decide). The values are a persistent copy of the
+    /// state, taken in constant time and read only where the search looks.
     pub fn search_inputs(&self) -> SearchInputs {
         let inner = self.inner();
         let state = &inner.state;
-        let count = state.values.len();
-        let mut values = SearchValues::with_capacity(count, count);
-        let mut discarded = Vec::with_capacity(count);
-        for (index, record) in state.values.iter().enumerate() {
-            let handle = HandleId::try_from(index).unwrap_or(HandleId::MAX);
-            discarded.push(record.discarded);
-            if record.discarded {
-                values.push(SearchValue::new(handle, handle, 0, false, None), []);
-                continue;
-            }
-            values.push(
-                SearchValue::new(
-                    handle,
-                    handle,
-                    record.spec.storage_nbytes(),
-                    record.spec.is_exclusive(),
-                    record.source,
-                ),
-                record
-                    .materializations
-                    .iter()
-                    .map(|materialization| MatInfo {
-                        location: materialization.location,
-                        charged: materialization.charged_nbytes,
-                        use_count: materialization.use_count,
-                        hold_count: materialization.hold_count,
-                        pending_count: materialization.pending_count,
-                    }),
-            );
-        }
         SearchInputs {
-            values,
-            discarded,
+            values: StateValues {
+                state: state.clone(),
+            },
             books: state
                 .locations
                 .iter()
@@ -1240,5 +1210,80 @@ impl Manager {
     /// Checks the balance invariants of the working state (tests, debug builds).
     pub fn check_books(&self) -> Result<(), String> {
         self.inner().state.books_balance()
+    }
+}
+
+/// The search's view of a manager's state ([`ValueTable`]): each value is read from its
+/// record when the search looks at it, the candidates at a location from the state's
+/// per-location residents. A value's position is its handle index.
+#[derive(Debug, Clone)]
+pub struct StateValues {
+    state: State,
+}
+
+impl StateValues {
+    /// Whether the handle index names a value that is not discarded.
+    pub fn is_live(&self, position: usize) -> bool {
+        self.record(position)
+            .is_some_and(|record| !record.discarded)
+    }
+
+    fn record(&self, position: usize) -> Option<&Arc<ValueRecord>> {
+        self.state.values.get(position)
+    }
+
+    fn mat(materialization: &Materialization) -> MatInfo {
+        MatInfo {
+            location: materialization.location,
+            charged: materialization.charged_nbytes,
+            use_count: materialization.use_count,
+            hold_count: materialization.hold_count,
+            pending_count: materialization.pending_count,
+        }
+    }
+}
+
+impl ValueTable for StateValues {
+    fn value(&self, position: usize) -> Option<SearchValue> {
+        let record = self.record(position)?;
+        let handle = HandleId::try_from(position).unwrap_or(HandleId::MAX);
+        Some(if record.discarded {
+            SearchValue::new(handle, handle, 0, false, None)
+        } else {
+            SearchValue::new(
+                handle,
+                handle,
+                record.spec.storage_nbytes(),
+                record.spec.is_exclusive(),
+                record.source,
+            )
+        })
+    }
+
+    fn mat_at(&self, position: usize, location: Location) -> Option<MatInfo> {
+        self.record(position)?
+            .materialization(location)
+            .map(Self::mat)
+    }
+
+    fn mats(&self, position: usize) -> Vec<MatInfo> {
+        let mut mats: Vec<MatInfo> = self
+            .record(position)
+            .map(|record| record.materializations.iter().map(Self::mat).collect())
+            .unwrap_or_default();
+        mats.sort_by_key(|mat| mat.location);
+        mats
+    }
+
+    fn mat_count(&self, position: usize) -> usize {
+        self.record(position)
+            .map_or(0, |record| record.materializations.len())
+    }
+
+    fn residents(&self, location: Location) -> Vec<usize> {
+        self.state
+            .residents(location)
+            .map(|handles| handles.iter().map(|&handle| handle as usize).collect())
+            .unwrap_or_default()
     }
 }

@@ -47,7 +47,7 @@ impl MatInfo {
 }
 
 /// A value as decide sees it; immutable during one search.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 pub struct SearchValue {
     pub handle: HandleId,
     /// Position in the snapshot's values, discarded entries counted.
@@ -86,6 +86,9 @@ impl SearchValue {
 pub struct SearchValues {
     values: Vec<SearchValue>,
     mats: Vec<MatInfo>,
+    /// Per location, the positions of the values materialised there, ascending: the
+    /// candidates at a location are found without walking every value.
+    residents: BTreeMap<Location, Vec<usize>>,
 }
 
 impl SearchValues {
@@ -93,6 +96,7 @@ impl SearchValues {
         Self {
             values: Vec::with_capacity(values),
             mats: Vec::with_capacity(mats),
+            residents: BTreeMap::new(),
         }
     }
 
@@ -103,6 +107,13 @@ impl SearchValues {
         self.mats[start..].sort_by_key(|mat| mat.location);
         let index = |at: usize| u32::try_from(at).unwrap_or(u32::MAX);
         value.mats = (index(start), index(self.mats.len()));
+        let position = self.values.len();
+        for mat in &self.mats[start..] {
+            self.residents
+                .entry(mat.location)
+                .or_default()
+                .push(position);
+        }
         self.values.push(value);
     }
 
@@ -122,6 +133,11 @@ impl SearchValues {
         &self.values
     }
 
+    /// The positions of the values materialised at `location`, ascending.
+    pub fn residents(&self, location: Location) -> &[usize] {
+        self.residents.get(&location).map_or(&[], Vec::as_slice)
+    }
+
     /// The materialisations of the value at `position`, in canonical order.
     pub fn mats(&self, position: usize) -> &[MatInfo] {
         let (start, end) = self.values[position].mats;
@@ -137,56 +153,60 @@ impl std::ops::Index<usize> for SearchValues {
     }
 }
 
-/// A policy's total order of all value positions, listed lazily: `first` (sorted),
-/// then every other position in position order, then `last` (sorted). The built-in
-/// policy ranks every value without metadata or an access epoch alike but for its
-/// registration index, so only the few others need sorting.
-#[derive(Debug, Clone, Default)]
-pub struct GlobalOrder {
-    pub first: Vec<usize>,
-    pub last: Vec<usize>,
-    pub len: usize,
-    /// `first` and `last` together, skipped in the middle run.
-    placed: FastSet<usize>,
+/// What the search reads of the planning state's values, by position: a table built
+/// for the purpose ([`SearchValues`]) or the manager's own state, read only where the
+/// search looks (`crate::StateValues`), so that a decide costs what it touches, not
+/// what the manager holds.
+pub trait ValueTable {
+    /// The value at `position`, if there is one.
+    fn value(&self, position: usize) -> Option<SearchValue>;
+    /// Its materialisation at `location`, if any.
+    fn mat_at(&self, position: usize, location: Location) -> Option<MatInfo>;
+    /// Its materialisations, in canonical (location) order.
+    fn mats(&self, position: usize) -> Vec<MatInfo>;
+    /// How many materialisations it has.
+    fn mat_count(&self, position: usize) -> usize;
+    /// The positions of the values materialised at `location`, ascending.
+    fn residents(&self, location: Location) -> Vec<usize>;
 }
 
-impl GlobalOrder {
-    pub fn new(first: Vec<usize>, last: Vec<usize>, len: usize) -> Self {
-        let placed = first.iter().chain(&last).copied().collect();
-        Self {
-            first,
-            last,
-            len,
-            placed,
-        }
+impl ValueTable for SearchValues {
+    fn value(&self, position: usize) -> Option<SearchValue> {
+        self.values.get(position).copied()
     }
 
-    /// The position after `cursor` moves past it, or `None` at the end.
-    fn next(&self, cursor: &mut (u8, usize)) -> Option<usize> {
-        loop {
-            let (run, index) = *cursor;
-            cursor.1 += 1;
-            match run {
-                0 => match self.first.get(index) {
-                    Some(&position) => return Some(position),
-                    None => *cursor = (1, 0),
-                },
-                1 if index < self.len => {
-                    if !self.placed.contains(&index) {
-                        return Some(index);
-                    }
-                }
-                1 => *cursor = (2, 0),
-                _ => return self.last.get(index).copied(),
-            }
+    fn mat_at(&self, position: usize, location: Location) -> Option<MatInfo> {
+        if position >= self.values.len() {
+            return None;
         }
+        SearchValues::mats(self, position)
+            .iter()
+            .find(|mat| mat.location == location)
+            .copied()
     }
 
-    /// Every position, once, in the policy's order.
-    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
-        let mut cursor = (0, 0);
-        std::iter::from_fn(move || self.next(&mut cursor))
+    fn mats(&self, position: usize) -> Vec<MatInfo> {
+        if position >= self.values.len() {
+            return Vec::new();
+        }
+        SearchValues::mats(self, position).to_vec()
     }
+
+    fn mat_count(&self, position: usize) -> usize {
+        self.values
+            .get(position)
+            .map_or(0, |value| (value.mats.1 - value.mats.0) as usize)
+    }
+
+    fn residents(&self, location: Location) -> Vec<usize> {
+        SearchValues::residents(self, location).to_vec()
+    }
+}
+
+/// A position the table does not hold: no materialisation, no source, no charge.
+fn absent(position: usize) -> SearchValue {
+    let index = u32::try_from(position).unwrap_or(u32::MAX);
+    SearchValue::new(index, index, 0, false, None)
 }
 
 /// One requirement `(value position, destination)`.
@@ -274,12 +294,6 @@ pub trait SearchPolicy {
     /// reported as they are (the bindings carry Python exceptions through).
     fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError>;
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError>;
-    /// A total order of all value positions that `order` is a restriction of, when the
-    /// policy has one (a key-based sort): candidates are then listed in it directly,
-    /// without sorting per step.
-    fn global_order(&mut self, _values: &SearchValues) -> Option<GlobalOrder> {
-        None
-    }
     /// Called periodically so a long search can be interrupted.
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
         Ok(())
@@ -447,6 +461,9 @@ pub struct SearchOutcome {
     pub explored: u64,
 }
 
+/// The tiered LRU's `(priority, epoch, stable key)` by value position.
+pub type PolicyKeyMap = FastMap<usize, (i64, i64, Option<Arc<str>>)>;
+
 /// Policy keys of a value without metadata and never accessed.
 const PLAIN_KEYS: (i64, i64, Option<Arc<str>>) = (0, -1, None);
 
@@ -455,8 +472,9 @@ const PLAIN_KEYS: (i64, i64, Option<Arc<str>>) = (0, -1, None);
 #[derive(Debug, Clone, Default)]
 pub struct TieredLru {
     /// `(priority, epoch, stable key)` by value position, for values with metadata or
-    /// an access epoch; every other value has `(0, -1, None)`.
-    pub keys: FastMap<usize, (i64, i64, Option<Arc<str>>)>,
+    /// an access epoch; every other value has `(0, -1, None)`. Shared, so a caller
+    /// that keeps the keys as they change hands them to each decide without a copy.
+    pub keys: Arc<PolicyKeyMap>,
     pub tiers: BTreeMap<Location, Vec<Location>>,
 }
 
@@ -499,25 +517,6 @@ impl SearchPolicy for TieredLru {
         Ok(order)
     }
 
-    fn global_order(&mut self, values: &SearchValues) -> Option<GlobalOrder> {
-        // Values with plain keys tie but for their positions: they form the middle
-        // run. Only the values with other keys are sorted, around it.
-        let (mut first, mut last): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
-        for (&position, keys) in &self.keys {
-            if position >= values.len() {
-                continue;
-            }
-            match Self::compare_keys(keys, &PLAIN_KEYS) {
-                std::cmp::Ordering::Less => first.push(position),
-                std::cmp::Ordering::Greater => last.push(position),
-                std::cmp::Ordering::Equal => {}
-            }
-        }
-        first.sort_by(|&a, &b| self.compare(a, b));
-        last.sort_by(|&a, &b| self.compare(a, b));
-        Some(GlobalOrder::new(first, last, values.len()))
-    }
-
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
         Ok(self.tiers.get(&location).cloned().unwrap_or_default())
     }
@@ -535,23 +534,80 @@ impl SearchPolicy for TieredLru {
 pub struct ScheduleAware {
     /// Priorities, access epochs, stable keys and tiers, exactly as the tiered LRU.
     pub lru: TieredLru,
-    /// The step at which each value position is next requested; a position absent
-    /// here is never requested again.
-    pub next_use: FastMap<usize, u64>,
+    /// The step at which each value position is next requested; a position without
+    /// one is never requested again.
+    pub next_use: NextUses,
+}
+
+/// Each value position's steps in a schedule, ascending, and the step the schedule
+/// stands at: a position's next use is its first step at or after it, found by a
+/// binary search, so standing at another step costs nothing and a lookup costs
+/// `O(log uses)`, whatever the schedule's length. The steps are shared: a schedule
+/// indexed once serves every decide.
+#[derive(Debug, Clone, Default)]
+pub struct NextUses {
+    steps: Arc<FastMap<usize, Vec<u64>>>,
+    cursor: u64,
+}
+
+impl NextUses {
+    /// The steps of a schedule (each the value positions it requests), standing at
+    /// its start.
+    pub fn new(schedule: &[Vec<usize>]) -> Self {
+        let mut steps: FastMap<usize, Vec<u64>> = FastMap::default();
+        for (step, positions) in schedule.iter().enumerate() {
+            let step = u64::try_from(step).unwrap_or(u64::MAX);
+            for &position in positions {
+                let uses = steps.entry(position).or_default();
+                if uses.last() != Some(&step) {
+                    uses.push(step);
+                }
+            }
+        }
+        Self {
+            steps: Arc::new(steps),
+            cursor: 0,
+        }
+    }
+
+    /// The same steps, standing at step `cursor`: the steps before it are done.
+    #[must_use]
+    pub fn at(&self, cursor: usize) -> Self {
+        Self {
+            steps: Arc::clone(&self.steps),
+            cursor: u64::try_from(cursor).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// The step at which `position` is next requested, if it is.
+    pub fn get(&self, position: usize) -> Option<u64> {
+        let uses = self.steps.get(&position)?;
+        uses.get(uses.partition_point(|&step| step < self.cursor))
+            .copied()
+    }
+
+    /// Records that `position` is requested at `step`.
+    pub fn insert(&mut self, position: usize, step: u64) {
+        let uses = Arc::make_mut(&mut self.steps).entry(position).or_default();
+        if let Err(at) = uses.binary_search(&step) {
+            uses.insert(at, step);
+        }
+    }
+
+    /// The positions requested at or after the current step, in no particular order.
+    pub fn positions(&self) -> impl Iterator<Item = usize> + '_ {
+        self.steps
+            .keys()
+            .copied()
+            .filter(|&position| self.get(position).is_some())
+    }
 }
 
 impl ScheduleAware {
     /// Next uses from a schedule of steps (each the value positions it requests),
     /// standing at step `cursor`: the steps before it are done.
-    pub fn next_uses(schedule: &[Vec<usize>], cursor: usize) -> FastMap<usize, u64> {
-        let mut next_use = FastMap::default();
-        for (step, positions) in schedule.iter().enumerate().skip(cursor) {
-            let step = u64::try_from(step).unwrap_or(u64::MAX);
-            for &position in positions {
-                next_use.entry(position).or_insert(step);
-            }
-        }
-        next_use
+    pub fn next_uses(schedule: &[Vec<usize>], cursor: usize) -> NextUses {
+        NextUses::new(schedule).at(cursor)
     }
 
     /// A position's eviction key, smallest first: priority, then the schedule (never
@@ -559,7 +615,7 @@ impl ScheduleAware {
     /// keyed-first, key text and registration order.
     fn key(&self, position: usize) -> ScheduleKey<'_> {
         let (priority, epoch, key) = self.lru.keys(position);
-        let next = self.next_use.get(&position).copied().unwrap_or(u64::MAX);
+        let next = self.next_use.get(position).unwrap_or(u64::MAX);
         (
             *priority,
             std::cmp::Reverse(next),
@@ -568,11 +624,6 @@ impl ScheduleAware {
             key.as_deref().unwrap_or(""),
             position,
         )
-    }
-
-    /// Sorts value positions by their keys, each read once.
-    fn sort(&self, positions: &mut [usize]) {
-        positions.sort_by_cached_key(|&position| self.key(position));
     }
 }
 
@@ -584,41 +635,6 @@ impl SearchPolicy for ScheduleAware {
         let mut order: Vec<usize> = (0..candidates.len()).collect();
         order.sort_by_cached_key(|&index| self.key(candidates[index].value));
         Ok(order)
-    }
-
-    fn global_order(&mut self, values: &SearchValues) -> Option<GlobalOrder> {
-        // Only positions with keys or a next use can differ from the plain middle run.
-        let mut keyed: Vec<usize> = self
-            .lru
-            .keys
-            .keys()
-            .chain(self.next_use.keys())
-            .copied()
-            .filter(|&position| position < values.len())
-            .collect();
-        keyed.sort_unstable();
-        keyed.dedup();
-        // A value with plain keys and no next use: those tie but for their registration
-        // and form the middle run.
-        let plain = (
-            PLAIN_KEYS.0,
-            std::cmp::Reverse(u64::MAX),
-            PLAIN_KEYS.1,
-            true,
-            "",
-        );
-        let (mut first, mut last): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
-        for position in keyed {
-            let (priority, next, epoch, unkeyed, text, _) = self.key(position);
-            match (priority, next, epoch, unkeyed, text).cmp(&plain) {
-                std::cmp::Ordering::Less => first.push(position),
-                std::cmp::Ordering::Greater => last.push(position),
-                std::cmp::Ordering::Equal => {}
-            }
-        }
-        self.sort(&mut first);
-        self.sort(&mut last);
-        Some(GlobalOrder::new(first, last, values.len()))
     }
 
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
@@ -810,20 +826,10 @@ enum SimError {
     Unavailable(usize),
 }
 
-/// Candidates at one location in the policy's order, produced on demand: with a
-/// policy that has a global order, the depth-first search usually takes the first few
-/// and never lists the rest.
+/// Candidates at one location in the policy's order, listed when the search first
+/// reclaims there.
 #[derive(Debug)]
-enum Candidates {
-    Listed(std::vec::IntoIter<Candidate>),
-    Lazy {
-        location: Location,
-        blocked: Link,
-        /// 0: ordinary candidates, 1: required endpoints, 2: done.
-        pass: u8,
-        cursor: (u8, usize),
-    },
-}
+struct Candidates(std::vec::IntoIter<Candidate>);
 
 /// A found plan: the state whose request simulation succeeded, and the actions it
 /// projected.
@@ -947,8 +953,8 @@ type SimFailure = (SimError, Option<Box<Resume>>);
 type CapacityKey = (Signature, Location, u64, Vec<u32>, Vec<(u32, Location)>);
 
 #[allow(missing_debug_implementations)] // Borrows the policy, which need not be Debug.
-pub struct Search<'a, P: SearchPolicy> {
-    values: &'a SearchValues,
+pub struct Search<'a, P: SearchPolicy, V: ValueTable = SearchValues> {
+    values: &'a V,
     budgets: &'a BTreeMap<Location, u64>,
     requirements: &'a [Requirement],
     required: FastSet<(usize, Location)>,
@@ -959,8 +965,6 @@ pub struct Search<'a, P: SearchPolicy> {
     policy: &'a mut P,
     limit: u64,
     explored: u64,
-    /// The policy's total order of value positions, when it has one.
-    global: Option<GlobalOrder>,
     failed_requests: FastSet<Signature>,
     failed_capacities: FastSet<CapacityKey>,
     /// Counted states open on the depth-first path, and their bound.
@@ -975,16 +979,15 @@ pub struct Search<'a, P: SearchPolicy> {
     empty_prefix: Arc<Prefix>,
 }
 
-impl<'a, P: SearchPolicy> Search<'a, P> {
+impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
     pub fn new(
-        values: &'a SearchValues,
+        values: &'a V,
         budgets: &'a BTreeMap<Location, u64>,
         requirements: &'a [Requirement],
         reservations: &'a [(Location, u64)],
         policy: &'a mut P,
         limit: u64,
     ) -> Self {
-        let global = policy.global_order(values);
         Self {
             values,
             budgets,
@@ -1004,7 +1007,6 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             policy,
             limit,
             explored: 0,
-            global,
             failed_requests: FastSet::default(),
             failed_capacities: FastSet::default(),
             depth: 0,
@@ -1058,18 +1060,61 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
 
     // ----- state access -----------------------------------------------------------
 
-    fn mats<'s>(&'s self, state: &'s State, value: usize) -> &'s [MatInfo] {
+    /// The value at `position` (one the table lacks reads as absent).
+    fn value(&self, position: usize) -> SearchValue {
+        self.values
+            .value(position)
+            .unwrap_or_else(|| absent(position))
+    }
+
+    /// A value's materialisations in `state`, in canonical order.
+    fn mats(&self, state: &State, value: usize) -> Vec<MatInfo> {
         match state.changed.get(value) {
-            Some(mats) => mats,
+            Some(mats) => mats.to_vec(),
             None => self.values.mats(value),
         }
     }
 
+    /// How many materialisations a value has in `state`.
+    fn mat_count(&self, state: &State, value: usize) -> usize {
+        match state.changed.get(value) {
+            Some(mats) => mats.len(),
+            None => self.values.mat_count(value),
+        }
+    }
+
+    /// A value's first materialisation in canonical order in `state`.
+    fn first_mat(&self, state: &State, value: usize) -> Option<MatInfo> {
+        match state.changed.get(value) {
+            Some(mats) => mats.first().copied(),
+            None => self.values.mats(value).first().copied(),
+        }
+    }
+
     fn mat_at(&self, state: &State, value: usize, location: Location) -> Option<MatInfo> {
-        self.mats(state, value)
-            .iter()
-            .find(|mat| mat.location == location)
-            .copied()
+        match state.changed.get(value) {
+            Some(mats) => mats.iter().find(|mat| mat.location == location).copied(),
+            None => self.values.mat_at(value, location),
+        }
+    }
+
+    /// The values materialised at `location` in `state`, ascending: those the initial
+    /// state holds there and those the state changed, read only where they are.
+    fn residents(&self, state: &State, location: Location) -> Vec<usize> {
+        let mut positions = self.values.residents(location);
+        let initial = positions.len();
+        positions.extend(
+            state
+                .changed
+                .iter()
+                .filter(|(_, mats)| mats.iter().any(|mat| mat.location == location))
+                .map(|(value, _)| value),
+        );
+        if positions.len() > initial {
+            positions.sort_unstable();
+            positions.dedup();
+        }
+        positions
     }
 
     fn set_mats(&self, state: &mut State, value: usize, mats: Vec<MatInfo>) {
@@ -1080,19 +1125,15 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     }
 
     fn add_mat(&self, state: &mut State, value: usize, mat: MatInfo) {
-        let mut mats = self.mats(state, value).to_vec();
+        let mut mats = self.mats(state, value);
         let position = mats.partition_point(|known| known.location < mat.location);
         mats.insert(position, mat);
         self.set_mats(state, value, mats);
     }
 
     fn remove_mat(&self, state: &mut State, value: usize, location: Location) {
-        let mats: Vec<MatInfo> = self
-            .mats(state, value)
-            .iter()
-            .filter(|mat| mat.location != location)
-            .copied()
-            .collect();
+        let mut mats = self.mats(state, value);
+        mats.retain(|mat| mat.location != location);
         self.set_mats(state, value, mats);
     }
 
@@ -1362,9 +1403,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             if self.mat_at(&trial, value, destination).is_some() {
                 continue;
             }
-            let info = &self.values[value];
+            let info = self.value(value);
             let charge = info.charge;
-            let source_mat = self.mats(&trial, value).first().copied();
+            let source_mat = self.first_mat(&trial, value);
             let (source, temporary) = match source_mat {
                 Some(mat) => (mat.location, false),
                 None => match info.source {
@@ -1457,60 +1498,21 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         location: Location,
         blocked: Link,
     ) -> Result<Candidates, SearchError> {
-        if self.global.is_some() {
-            return Ok(Candidates::Lazy {
-                location,
-                blocked,
-                pass: 0,
-                cursor: (0, 0),
-            });
-        }
-        Ok(Candidates::Listed(
+        Ok(Candidates(
             self.ordered_candidates(links, state, location, blocked)?
                 .into_iter(),
         ))
     }
 
-    fn next_candidate(
-        &self,
-        links: &Links,
-        state: &State,
-        stream: &mut Candidates,
-    ) -> Option<Candidate> {
-        match stream {
-            Candidates::Listed(listed) => listed.next(),
-            Candidates::Lazy {
-                location,
-                blocked,
-                pass,
-                cursor,
-            } => {
-                let order = self.global.as_ref()?;
-                while *pass < 2 {
-                    while let Some(value) = order.next(cursor) {
-                        if links.is_blocked(*blocked, value)
-                            || self.required.contains(&(value, *location)) != (*pass == 1)
-                        {
-                            continue;
-                        }
-                        if let Some(mat) = self.mat_at(state, value, *location)
-                            && mat.unprotected()
-                        {
-                            return Some(Candidate {
-                                value,
-                                location: *location,
-                                charged: mat.charged,
-                            });
-                        }
-                    }
-                    *pass += 1;
-                    *cursor = (0, 0);
-                }
-                None
-            }
-        }
+    fn next_candidate(stream: &mut Candidates) -> Option<Candidate> {
+        stream.0.next()
     }
 
+    /// The unprotected materialisations at `location`, ordinary ones then required
+    /// endpoints, each group in the policy's order. Only the values resident there are
+    /// read: those the initial state holds at `location` and those the state changed,
+    /// in position order, which is the order the policy would see them in over all
+    /// values (docs/concepts/controller.md#candidates).
     fn ordered_candidates(
         &mut self,
         links: &Links,
@@ -1520,12 +1522,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     ) -> Result<Vec<Candidate>, SearchError> {
         let mut ordinary = Vec::new();
         let mut required = Vec::new();
-        let global = self.global.take();
-        let order: Box<dyn Iterator<Item = usize>> = match &global {
-            Some(order) => Box::new(order.iter()),
-            None => Box::new(0..self.values.len()),
-        };
-        for value in order {
+        for value in self.residents(state, location) {
             if links.is_blocked(blocked, value) {
                 continue;
             }
@@ -1543,13 +1540,6 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     ordinary.push(candidate);
                 }
             }
-        }
-        if global.is_some() {
-            // Listed in the policy's own total order already: its ordering of any
-            // subset is that subset in this order.
-            self.global = global;
-            ordinary.extend(required);
-            return Ok(ordinary);
         }
         let mut ordered = self.order(&ordinary)?;
         ordered.extend(self.order(&required)?);
@@ -1676,11 +1666,11 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         path: &mut Path,
         top: usize,
     ) -> Result<Option<Found>, SearchError> {
-        let Path { frames, links } = path;
+        let frames = &mut path.frames;
         let Some(Frame::Request(frame)) = frames.get_mut(top) else {
             return Ok(None);
         };
-        if let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates) {
+        if let Some(candidate) = Self::next_candidate(&mut frame.candidates) {
             let rank = frame.next_rank;
             frame.next_rank += 1;
             frames.push(Frame::Reclaim(ReclaimFrame {
@@ -1717,7 +1707,9 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
             .budgets
             .get(&capacity.location)
             .map_or_else(|| "None".to_owned(), u64::to_string);
-        let (protected_count, protected_bytes) = (0..self.values.len())
+        let (protected_count, protected_bytes) = self
+            .residents(state, capacity.location)
+            .into_iter()
             .filter_map(|value| self.mat_at(state, value, capacity.location))
             .filter(|mat| !mat.unprotected())
             .fold((0u64, 0u64), |(count, bytes), mat| {
@@ -1765,8 +1757,8 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
                     Self::pop_reclaim(path);
                     return Ok(None);
                 }
-                let alternatives = self.mats(state, value).len() > 1;
-                if !alternatives && self.values[value].source.is_none() {
+                let alternatives = self.mat_count(state, value) > 1;
+                if !alternatives && self.value(value).source.is_none() {
                     return self.start_moves(path, top);
                 }
                 let mut trial = state.clone();
@@ -1882,7 +1874,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let additional = if self.mat_at(state, value, destination).is_some() {
             0
         } else {
-            self.values[value].charge
+            self.value(value).charge
         };
         let state = state.clone();
         match self.enter_capacity(
@@ -1992,7 +1984,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         destination: Location,
     ) -> Option<State> {
         let (value, location) = (candidate.value, candidate.location);
-        let charge = self.values[value].charge;
+        let charge = self.value(value).charge;
         let mut trial = reached;
         let sole = self.mat_at(&trial, value, location)?;
         if self.mat_at(&trial, value, destination).is_none() {
@@ -2082,8 +2074,7 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
         let Some(Frame::Capacity(frame)) = frames.get_mut(top) else {
             return Ok(None);
         };
-        while let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates)
-        {
+        while let Some(candidate) = Self::next_candidate(&mut frame.candidates) {
             let rank = frame.next_rank;
             frame.next_rank += 1;
             if links.is_active(frame.active, (candidate.value, candidate.location)) {
@@ -2128,12 +2119,12 @@ impl<'a, P: SearchPolicy> Search<'a, P> {
     ) -> CapacityKey {
         let mut blocked_indices: Vec<u32> = links
             .blocked(blocked)
-            .map(|value| self.values[value].registration_index)
+            .map(|value| self.value(value).registration_index)
             .collect();
         blocked_indices.sort_unstable();
         let mut active_pairs: Vec<(u32, Location)> = links
             .active(active)
-            .map(|(value, location)| (self.values[value].registration_index, location))
+            .map(|(value, location)| (self.value(value).registration_index, location))
             .collect();
         active_pairs.sort_unstable();
         (

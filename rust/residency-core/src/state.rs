@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use imbl::{OrdMap, Vector};
+use imbl::{OrdMap, OrdSet, Vector};
 
 use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
@@ -182,6 +182,10 @@ pub struct State {
     pub reservations: OrdMap<u64, ReservationRecord>,
     /// Released CUDA leases whose completion events have not been reaped yet.
     pub pending_leases: u64,
+    /// Per location, the handles materialised there: kept by `install` and `remove`,
+    /// so the controller's search finds the candidates at a location without reading
+    /// every value (docs/concepts/controller.md#candidates).
+    residents: OrdMap<Location, OrdSet<HandleId>>,
 }
 
 impl State {
@@ -195,6 +199,17 @@ impl State {
         self.locations
             .iter()
             .position(|state| state.location == location)
+    }
+
+    /// The handles materialised at `location`, ascending.
+    pub fn residents(&self, location: Location) -> Option<&OrdSet<HandleId>> {
+        self.residents.get(&location)
+    }
+
+    /// Forgets every value record (a closed manager).
+    pub fn clear_values(&mut self) {
+        self.values = Vector::new();
+        self.residents = OrdMap::new();
     }
 
     pub fn record(&self, handle: HandleId) -> Option<&Arc<ValueRecord>> {
@@ -273,7 +288,21 @@ impl State {
 
     /// Removes the most recently pushed record (a failed adopt); no version step.
     pub fn pop_record(&mut self) {
-        self.values.pop_back();
+        if let Some(record) = self.values.pop_back() {
+            let handle = HandleId::try_from(self.values.len()).unwrap_or(HandleId::MAX);
+            for materialization in &record.materializations {
+                self.forget_resident(materialization.location, handle);
+            }
+        }
+    }
+
+    fn forget_resident(&mut self, location: Location, handle: HandleId) {
+        if let Some(handles) = self.residents.get_mut(&location) {
+            handles.remove(&handle);
+            if handles.is_empty() {
+                self.residents.remove(&location);
+            }
+        }
     }
 
     /// Records an installed materialisation and charges it (one version step, plus
@@ -294,6 +323,7 @@ impl State {
                 hold_count: 0,
                 pending_count: 0,
             });
+        self.residents.entry(location).or_default().insert(handle);
         self.bump();
     }
 
@@ -305,6 +335,7 @@ impl State {
             .iter()
             .position(|materialization| materialization.location == location)?;
         let removed = record.materializations.remove(position);
+        self.forget_resident(location, handle);
         if let Some(index) = self.location_index(location) {
             let books = &mut self.locations[index];
             books.used_bytes = books.used_bytes.saturating_sub(removed.charged_nbytes);
@@ -406,6 +437,19 @@ impl State {
                     books.location
                 ));
             }
+        }
+        let mut residents: OrdMap<Location, OrdSet<HandleId>> = OrdMap::new();
+        for (index, record) in self.values.iter().enumerate() {
+            let handle = HandleId::try_from(index).unwrap_or(HandleId::MAX);
+            for materialization in &record.materializations {
+                residents
+                    .entry(materialization.location)
+                    .or_default()
+                    .insert(handle);
+            }
+        }
+        if residents != self.residents {
+            return Err("the per-location residents differ from the materialisations".to_owned());
         }
         Ok(())
     }

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use proptest::prelude::*;
-use residency_core::search::{Candidate, ScheduleAware, SearchPolicy, TieredLru};
+use residency_core::search::{Candidate, NextUses, ScheduleAware, SearchPolicy, TieredLru};
 use residency_core::{FastMap, Location};
 
 fn candidates(values: &[usize]) -> Vec<Candidate> {
@@ -67,7 +67,7 @@ fn priority_dominates_the_schedule() {
     keys.insert(0, (-5, -1, None));
     let mut policy = ScheduleAware {
         lru: TieredLru {
-            keys,
+            keys: std::sync::Arc::new(keys),
             tiers: std::collections::BTreeMap::default(),
         },
         next_use: ScheduleAware::next_uses(&schedule, 0),
@@ -84,10 +84,10 @@ fn fallback_tiers_are_the_tiered_lrus() {
     );
     let mut policy = ScheduleAware {
         lru: TieredLru {
-            keys: FastMap::default(),
+            keys: std::sync::Arc::default(),
             tiers,
         },
-        next_use: FastMap::default(),
+        next_use: NextUses::default(),
     };
     assert_eq!(
         policy.fallback_locations(Location::Cuda(0)).expect("tiers"),
@@ -211,47 +211,29 @@ fn lru_misses(requests: &[usize], capacity: usize) -> usize {
     misses
 }
 
-fn values_table(count: usize) -> residency_core::search::SearchValues {
-    let mut table = residency_core::search::SearchValues::default();
-    for index in 0..count {
-        let index = u32::try_from(index).expect("small");
-        table.push(
-            residency_core::search::SearchValue::new(index, index, 1, false, None),
-            Vec::new(),
-        );
-    }
-    table
-}
-
 proptest! {
-    /// The global order the search walks restricts to exactly the per-step order.
+    /// A next use found by a binary search in the value's steps is the first step at
+    /// or after the position that requests it, as a walk of the rest of the schedule
+    /// finds it.
     #[test]
-    fn the_global_order_agrees_with_the_order_of_any_candidates(
-        next in prop::collection::vec(prop::option::of(0u64..6), 1..24),
-        priorities in prop::collection::vec(prop::option::of(-2i64..3), 1..24),
-        epochs in prop::collection::vec(prop::option::of(-1i64..4), 1..24),
-        picked in prop::collection::vec(any::<bool>(), 1..24),
+    fn next_uses_are_the_first_request_at_or_after_the_position(
+        schedule in prop::collection::vec(prop::collection::vec(0usize..8, 0..4), 0..24),
+        cursor in 0usize..28,
     ) {
-        let count = next.len();
-        let mut policy = ScheduleAware::default();
-        for (position, step) in next.iter().enumerate() {
-            if let Some(step) = step {
-                policy.next_use.insert(position, *step);
-            }
+        let uses = NextUses::new(&schedule).at(cursor);
+        for position in 0..8 {
+            let walked = schedule
+                .iter()
+                .enumerate()
+                .skip(cursor)
+                .find(|(_, step)| step.contains(&position))
+                .map(|(step, _)| step as u64);
+            prop_assert_eq!(uses.get(position), walked);
         }
-        for position in 0..count {
-            let priority = priorities.get(position).copied().flatten();
-            let epoch = epochs.get(position).copied().flatten();
-            if priority.is_some() || epoch.is_some() {
-                policy.lru.keys.insert(position, (priority.unwrap_or(0), epoch.unwrap_or(-1), None));
-            }
-        }
-        let table = values_table(count);
-        let global: Vec<usize> = policy.global_order(&table).expect("a global order").iter().collect();
-        prop_assert_eq!(global.len(), count);
-        let chosen: Vec<usize> =
-            (0..count).filter(|&p| picked.get(p).copied().unwrap_or(true)).collect();
-        let restricted: Vec<usize> = global.iter().copied().filter(|p| chosen.contains(p)).collect();
-        prop_assert_eq!(evicted_first(&mut policy, &chosen), restricted);
+        let mut listed: Vec<usize> = uses.positions().collect();
+        listed.sort_unstable();
+        let expected: Vec<usize> =
+            (0..8).filter(|&position| uses.get(position).is_some()).collect();
+        prop_assert_eq!(listed, expected);
     }
 }

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use residency_core::search::{
     Candidate, EvictionReason, MAX_DETAIL_BYTES, MAX_SEARCH_DEPTH, MEMO_BUDGET_BYTES, MatInfo,
     Planned, Requirement, Search, SearchBound, SearchError, SearchPolicy, SearchValue,
-    SearchValues, TieredLru,
+    SearchValues, TieredLru, ValueTable,
 };
 use residency_core::{ActionKind, CoreError, Location};
 
@@ -44,7 +44,7 @@ fn table(values: Vec<(SearchValue, Vec<MatInfo>)>) -> SearchValues {
 
 fn lru(_values: &SearchValues, tiers: &[(Location, Vec<Location>)]) -> TieredLru {
     TieredLru {
-        keys: residency_core::FastMap::default(),
+        keys: std::sync::Arc::default(),
         tiers: tiers.iter().cloned().collect(),
     }
 }
@@ -267,7 +267,7 @@ fn planned_actions_name_their_kind() {
 type Keys = (i64, i64, Option<std::sync::Arc<str>>);
 
 #[test]
-fn the_tiered_lru_lists_every_value_in_its_documented_order() {
+fn the_tiered_lru_orders_values_in_its_documented_order() {
     use residency_core::search::SearchPolicy;
     use std::sync::Arc;
 
@@ -282,14 +282,17 @@ fn the_tiered_lru_lists_every_value_in_its_documented_order() {
         (11, (0, 2, None)),
     ];
     let mut policy = TieredLru {
-        keys: keyed.iter().cloned().collect(),
+        keys: std::sync::Arc::new(keyed.iter().cloned().collect()),
         tiers: BTreeMap::new(),
     };
-    let listed: Vec<usize> = policy
-        .global_order(&values)
-        .expect("a total order")
-        .iter()
+    let candidates: Vec<Candidate> = (0..values.len())
+        .map(|value| Candidate {
+            value,
+            location: HOST,
+            charged: 1,
+        })
         .collect();
+    let listed: Vec<usize> = policy.order(&candidates).expect("an order");
     let key = |position: usize| {
         let (priority, epoch, stable) = keyed
             .iter()
@@ -514,4 +517,92 @@ fn the_search_polls_for_interrupts_every_few_steps() {
     let result = Search::new(&values, &budgets, &requirements, &[], &mut polled, 1 << 40)
         .run(&books(&values));
     assert_eq!(result.err(), Some(SearchError::Interrupted));
+}
+
+/// A table that counts the values the search reads.
+struct Counting {
+    table: SearchValues,
+    reads: std::cell::Cell<usize>,
+}
+
+impl Counting {
+    fn read(&self) {
+        self.reads.set(self.reads.get() + 1);
+    }
+}
+
+impl ValueTable for Counting {
+    fn value(&self, position: usize) -> Option<SearchValue> {
+        self.read();
+        ValueTable::value(&self.table, position)
+    }
+
+    fn mat_at(&self, position: usize, location: Location) -> Option<MatInfo> {
+        self.read();
+        ValueTable::mat_at(&self.table, position, location)
+    }
+
+    fn mats(&self, position: usize) -> Vec<MatInfo> {
+        self.read();
+        ValueTable::mats(&self.table, position)
+    }
+
+    fn mat_count(&self, position: usize) -> usize {
+        self.read();
+        ValueTable::mat_count(&self.table, position)
+    }
+
+    fn residents(&self, location: Location) -> Vec<usize> {
+        let residents = ValueTable::residents(&self.table, location);
+        self.reads.set(self.reads.get() + residents.len());
+        residents
+    }
+}
+
+/// A decide's cost does not grow with the values the manager holds: with 4 values at
+/// the device and many more elsewhere, the search reads the request's values and the
+/// device's residents, whatever the count (docs/concepts/controller.md#candidates).
+#[test]
+fn a_search_reads_only_the_values_it_touches() {
+    let mut reads = Vec::new();
+    for others in [10u32, 10_000] {
+        // Values 0..4 at HOST (full), 4 wanted there, the others at PINNED only or
+        // nowhere.
+        let mut values: Vec<(SearchValue, Vec<MatInfo>)> = (0..4)
+            .map(|index| value(index, 8, Some(PINNED), vec![mat(HOST, 8)]))
+            .collect();
+        values.push(value(4, 8, Some(PINNED), vec![mat(PINNED, 8)]));
+        for index in 5..5 + others {
+            let mats = if index % 2 == 0 {
+                vec![mat(PINNED, 8)]
+            } else {
+                vec![]
+            };
+            values.push(value(index, 8, Some(PINNED), mats));
+        }
+        let values = Counting {
+            table: table(values),
+            reads: std::cell::Cell::new(0),
+        };
+        let budgets = BTreeMap::from([(HOST, 32)]);
+        let requirements = [Requirement {
+            value: 4,
+            location: HOST,
+        }];
+        let mut policy = lru(&values.table, &[]);
+        let initial = books(&values.table);
+        let outcome = Search::new(&values, &budgets, &requirements, &[], &mut policy, 100)
+            .run(&initial)
+            .expect("feasible");
+        assert_eq!(
+            outcome.reclaim,
+            vec![Planned::Drop {
+                value: 0,
+                location: HOST
+            }]
+        );
+        reads.push(values.reads.get());
+    }
+    assert_eq!(reads[0], reads[1], "reads at 10 and 10k other values");
+    assert!(reads[0] < 64, "{reads:?}");
 }

@@ -25,6 +25,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("MAX_CUDA_INDEX", u32::from(residency_core::MAX_CUDA_INDEX))?;
     module.add_class::<kinds::PyActionKind>()?;
     module.add_class::<search::ScheduleIndex>()?;
+    module.add_class::<search::PolicyKeys>()?;
     module.add_class::<kinds::EnsureOutcome>()?;
     module.add_class::<kinds::MoveOutcome>()?;
     module.add_class::<kinds::LifetimeKind>()?;

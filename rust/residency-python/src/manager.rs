@@ -757,7 +757,7 @@ impl CoreManager {
             }
             resolved.push(indices);
         }
-        Ok(crate::search::ScheduleIndex::new(resolved, discards))
+        Ok(crate::search::ScheduleIndex::new(&resolved, discards))
     }
 
     /// How many values this manager has discarded (a schedule index's validity).

@@ -3,18 +3,17 @@
 //! decided plan leaves as core IR with its simulation, computed in the same call, so the
 //! glue never lowers the plan's records again.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use residency_core::search::{
-    Candidate, GlobalOrder, Requirement, ScheduleAware, Search, SearchError, SearchOutcome,
-    SearchPolicy, SearchValues, TieredLru,
+    Candidate, NextUses, PolicyKeyMap, Requirement, ScheduleAware, Search, SearchError,
+    SearchOutcome, SearchPolicy, TieredLru,
 };
 use residency_core::{
-    Action, ActionKind, CudaDevices, FastMap, HandleId, Location, Reservation, SearchInputs,
-    SlotResolution,
+    Action, ActionKind, CudaDevices, HandleId, Location, Reservation, SearchInputs, SlotResolution,
 };
 
 use crate::errors::to_py_err;
@@ -107,10 +106,6 @@ impl<P: SearchPolicy> SearchPolicy for NativePolicy<'_, P> {
         self.policy.fallback_locations(at)
     }
 
-    fn global_order(&mut self, values: &SearchValues) -> Option<GlobalOrder> {
-        self.policy.global_order(values)
-    }
-
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
         self.py.check_signals().map_err(|err| {
             self.error.get_or_insert(err);
@@ -141,18 +136,74 @@ fn search_with<P: SearchPolicy>(
 
 /// A schedule's steps as handle indices of one manager, resolved once
 /// (`CoreManager.schedule_index`) and valid until the manager next discards a value:
-/// each decide computes next uses from it natively
-/// (docs/concepts/controller.md#schedule-aware-eviction).
+/// each handle's steps are kept sorted, so a decide finds a next use from its
+/// position by a binary search (docs/concepts/controller.md#schedule-aware-eviction).
 #[pyclass(frozen, module = "fhelium._core", name = "ScheduleIndex")]
 #[derive(Debug)]
 pub struct ScheduleIndex {
-    steps: Vec<Vec<usize>>,
+    uses: NextUses,
+    len: usize,
     discards: u64,
 }
 
 impl ScheduleIndex {
-    pub fn new(steps: Vec<Vec<usize>>, discards: u64) -> Self {
-        Self { steps, discards }
+    pub fn new(steps: &[Vec<usize>], discards: u64) -> Self {
+        Self {
+            uses: NextUses::new(steps),
+            len: steps.len(),
+            discards,
+        }
+    }
+}
+
+/// The built-in policy's keys by handle index, kept by the controller as they change
+/// (one entry per metadata change or recorded access), so a decide reads them without
+/// converting or copying them: `(priority, last access epoch or -1, stable key)`.
+#[pyclass(frozen, module = "fhelium._core", name = "PolicyKeys")]
+#[derive(Debug, Default)]
+pub struct PolicyKeys {
+    keys: Mutex<Arc<PolicyKeyMap>>,
+}
+
+impl PolicyKeys {
+    /// The keys now; a later change copies them only while a decide still reads these.
+    fn snapshot(&self) -> Arc<PolicyKeyMap> {
+        Arc::clone(&self.keys.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    fn update(&self, index: u32, change: impl FnOnce(&mut (i64, i64, Option<Arc<str>>))) {
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = Arc::make_mut(&mut keys)
+            .entry(index as usize)
+            .or_insert((0, -1, None));
+        change(entry);
+    }
+}
+
+#[pymethods]
+impl PolicyKeys {
+    #[new]
+    fn py_new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the last access epoch of the value at handle index `index`.
+    fn set_epoch(&self, index: u32, epoch: i64) {
+        self.update(index, |entry| entry.1 = epoch);
+    }
+
+    /// Sets the priority and stable key of the value at handle index `index`.
+    #[pyo3(signature = (index, priority, key=None))]
+    fn set_metadata(&self, index: u32, priority: i64, key: Option<&str>) {
+        self.update(index, |entry| {
+            entry.0 = priority;
+            entry.2 = key.map(Arc::from);
+        });
+    }
+
+    /// The values with keys.
+    fn __len__(&self) -> usize {
+        self.snapshot().len()
     }
 }
 
@@ -165,7 +216,7 @@ impl ScheduleIndex {
     }
 
     fn __len__(&self) -> usize {
-        self.steps.len()
+        self.len
     }
 }
 
@@ -215,7 +266,7 @@ pub fn decide_request<'py>(
     let inputs = core.search_inputs();
     let mut required = Vec::with_capacity(requirements.len());
     for (handle, code) in requirements {
-        if inputs.discarded.get(handle as usize) != Some(&false) {
+        if !inputs.values.is_live(handle as usize) {
             return Err(PyValueError::new_err(format!(
                 "handle index {handle} is not live"
             )));
@@ -324,7 +375,7 @@ fn native_search(
         py,
         policy: ScheduleAware {
             lru,
-            next_use: ScheduleAware::next_uses(&index.steps, position),
+            next_use: index.uses.at(position),
         },
         error: None,
     };
@@ -332,29 +383,12 @@ fn native_search(
     Ok((result, native.error))
 }
 
-/// The built-in policy from its configuration. Only values with metadata or an access
-/// epoch get keys: the others rank alike but for their registration.
+/// The built-in policy from its configuration: the controller's keys as they stand,
+/// shared, and the fallback tiers.
 fn tiered_lru(config: NativeConfig) -> PyResult<TieredLru> {
-    let mut lru = TieredLru {
-        keys: {
-            let mut keys = FastMap::default();
-            keys.reserve(config.0.len().max(config.1.len()));
-            keys
-        },
-        tiers: BTreeMap::new(),
-    };
-    for (&handle, (priority, key)) in &config.0 {
-        let epoch = config.1.get(&handle).copied().unwrap_or(-1);
-        lru.keys.insert(
-            handle as usize,
-            (*priority, epoch, key.as_deref().map(Arc::from)),
-        );
-    }
-    for (&handle, &epoch) in &config.1 {
-        lru.keys.entry(handle as usize).or_insert((0, epoch, None));
-    }
-    for (source, destinations) in config.2 {
-        lru.tiers.insert(
+    let mut tiers = BTreeMap::new();
+    for (source, destinations) in config.1 {
+        tiers.insert(
             location(source)?,
             destinations
                 .into_iter()
@@ -362,7 +396,10 @@ fn tiered_lru(config: NativeConfig) -> PyResult<TieredLru> {
                 .collect::<PyResult<Vec<_>>>()?,
         );
     }
-    Ok(lru)
+    Ok(TieredLru {
+        keys: config.0.get().snapshot(),
+        tiers,
+    })
 }
 
 /// Evictions as `(reclaim position, rank, released location code, released bytes,
@@ -403,11 +440,7 @@ fn rows(actions: &[Action]) -> Vec<Row> {
         .collect()
 }
 
-/// The built-in policy's configuration: per handle index `(priority, stable key)`,
-/// per handle index the last access epoch, and the fallback tiers by location code.
-#[derive(Debug, Clone, FromPyObject)]
-pub struct NativeConfig(
-    pub HashMap<u32, (i64, Option<String>)>,
-    pub HashMap<u32, i64>,
-    pub Vec<(u32, Vec<u32>)>,
-);
+/// The built-in policy's configuration: the controller's keys and the fallback tiers
+/// by location code.
+#[derive(Debug, FromPyObject)]
+pub struct NativeConfig(pub Py<PolicyKeys>, pub Vec<(u32, Vec<u32>)>);
