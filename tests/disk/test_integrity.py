@@ -36,12 +36,16 @@ CUDA0 = cuda_location("cuda:0")
 TARGETS = {"pageable": PAGEABLE_HOST, "pinned": PINNED_HOST, "device": CUDA0}
 
 
-@pytest.fixture(autouse=True)
-def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, params=["serial", "overlapped"])
+def _small_chunks(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     # Chunks and pieces of one page, so the values cross in many of each and each
-    # storage's checksum is fed in many parts, across chunk boundaries.
+    # storage's checksum is fed in many parts, across chunk boundaries. Buffered reads
+    # hash each piece right after reading it ("serial"), or, for storages of two
+    # overlapped pieces or more, on the hashing thread while the next piece is read.
     monkeypatch.setattr(_disk, "CHUNK", 4096)
     monkeypatch.setattr(_disk, "PIECE", 4096)
+    overlapped = 8192 if request.param == "overlapped" else 1 << 40
+    monkeypatch.setattr(_disk, "OVERLAPPED", overlapped)
 
 
 def _value() -> TensorBundle:

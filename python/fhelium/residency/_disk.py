@@ -108,12 +108,14 @@ SLOTS: Final = 2
 # the ring's I/O thread writes it, or while it reads the next; large pieces keep the
 # device's queue deep.
 STRAIGHT: Final = 64 << 20
-# Buffered reads and writes move this many bytes per system call, and each piece is
-# hashed right after it is read (or just before it is written): small enough that the
-# hash reads what the copy just left in the CPU's cache, so the checksum costs a
-# fraction of the file I/O (on a machine whose cores are busy, a hashing thread beside
-# the reader measured slower: docs/project.md).
+# Buffered writes, and buffered reads of small storages, move this many bytes per
+# system call, and each piece is hashed right after it is read (or just before it is
+# written): small enough that the hash reads what the copy just left in the CPU's cache.
 PIECE: Final = 256 << 10
+# A verified buffered read of a storage of at least two of these reads it a piece this
+# large at a time and hashes each piece on a hashing thread while the next is read: with
+# a core to spare the checksum then costs almost nothing (docs/project.md).
+OVERLAPPED: Final = 4 << 20
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
 
 PREFIX: Final = "fhelium-residency-"
@@ -842,21 +844,79 @@ def _write_buffered(
 def _read_buffered(
     file: DiskFile, buffers: list[torch.Tensor], hashers: list[Checksum] | None
 ) -> None:
-    """Reads each storage of ``file`` into its buffer a `PIECE` at a time, each piece
-    hashed into its storage's checksum right after it is read."""
+    """Reads each storage of ``file`` into its buffer. Unverified, or for a storage
+    under two `OVERLAPPED` pieces, a `PIECE` at a time, each piece hashed right after it
+    is read; larger verified storages an `OVERLAPPED` piece at a time, each hashed on
+    the hashing thread while the next is read."""
     descriptor = os.open(file.path, os.O_RDONLY)
     try:
         for index, ((offset, length), buffer) in enumerate(
             zip(file.storages, buffers, strict=True)
         ):
             view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+            at = file.data_start + offset
+            hasher = None if hashers is None else hashers[index]
+            pool = _hashing_pool() if hasher is not None and length >= 2 * OVERLAPPED else None
+            if hasher is not None and pool is not None:
+                _read_overlapped(descriptor, view, at, file.path, hasher, pool)
+                continue
             for done in range(0, length, PIECE):
                 piece = view[done : done + PIECE]
-                _read_exactly(descriptor, piece, file.data_start + offset + done, file.path)
-                if hashers is not None:
-                    hashers[index].update(piece)
+                _read_exactly(descriptor, piece, at + done, file.path)
+                if hasher is not None:
+                    hasher.update(piece)
     finally:
         os.close(descriptor)
+
+
+def _read_overlapped(
+    descriptor: int,
+    view: memoryview,
+    at: int,
+    path: Path,
+    hasher: Checksum,
+    pool: ThreadPoolExecutor,
+) -> None:
+    """Reads ``view`` from ``at`` an `OVERLAPPED` piece at a time, hashing each piece on
+    ``pool``'s thread (in order: one piece at a time) while this thread reads the next."""
+    hashing: Future[None] | None = None
+    try:
+        for done in range(0, len(view), OVERLAPPED):
+            piece = view[done : done + OVERLAPPED]
+            _read_exactly(descriptor, piece, at + done, path)
+            if hashing is not None:
+                hashing.result()
+                hashing = None
+            try:
+                hashing = pool.submit(hasher.update, piece)
+            except RuntimeError:  # the interpreter is shutting down: no new threads
+                hasher.update(piece)
+        if hashing is not None:
+            hashing.result()
+            hashing = None
+    finally:
+        if hashing is not None:  # a read failed: the hash still reads the buffer
+            wait_futures([hashing])
+
+
+class _Hashing:
+    """The one thread that hashes buffered reads beside the reader, made on first use
+    in each process (a forked child inherits the executor but not its thread)."""
+
+    pool: ThreadPoolExecutor | None = None
+    pid = 0
+
+
+def _hashing_pool() -> ThreadPoolExecutor | None:
+    """The hashing thread's executor, or None once the interpreter is shutting down (no
+    new threads: the caller hashes on its own thread then)."""
+    if _Hashing.pool is None or _Hashing.pid != os.getpid():
+        try:
+            _Hashing.pool = ThreadPoolExecutor(1, thread_name_prefix="fhelium-disk-hash")
+        except RuntimeError:
+            return None
+        _Hashing.pid = os.getpid()
+    return _Hashing.pool
 
 
 def _read_exactly(descriptor: int, view: memoryview, offset: int, path: Path) -> None:

@@ -16,6 +16,8 @@ pub const MAX_CUDA_INDEX: u8 = 127;
 pub const MAX_DISK_INDEX: u8 = 127;
 /// The first disk location code: CUDA codes end just below it.
 const DISK_BASE: u32 = 2 + MAX_CUDA_INDEX as u32 + 1;
+/// How many location codes there are: every code is below this.
+pub const LOCATION_CODES: u32 = DISK_BASE + MAX_DISK_INDEX as u32 + 1;
 
 /// The names the glue gave disk directories, by index: process-wide, like the
 /// numbering itself, so every message names a directory by its path.

@@ -10,7 +10,7 @@ use std::cell::Cell;
 use crate::fasthash::FastMap;
 use std::fmt::Write as _;
 
-use crate::location::Location;
+use crate::location::{LOCATION_CODES, Location};
 use crate::plan::{Action, Plan};
 use crate::state::{HandleId, State, ValueRecord};
 
@@ -61,10 +61,13 @@ struct Books {
     peak: u64,
 }
 
+/// Words of a [`LocationSet`]: one bit for every location code, disks included.
+const SET_WORDS: usize = LOCATION_CODES.div_ceil(64) as usize;
+
 /// A set of locations as a bitset over their codes. Code order is the canonical
 /// order, so the lowest set bit is the canonical first location; no allocation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct LocationSet([u64; 3]);
+struct LocationSet([u64; SET_WORDS]);
 
 impl LocationSet {
     fn bit(location: Location) -> (usize, u64) {
@@ -92,12 +95,12 @@ impl LocationSet {
     }
 
     fn is_empty(self) -> bool {
-        self.0 == [0; 3]
+        self.0 == [0; SET_WORDS]
     }
 
     /// Locations in canonical order.
     fn iter(self) -> impl Iterator<Item = Location> {
-        (0u32..192)
+        (0u32..LOCATION_CODES)
             .filter(move |&code| self.0[code as usize / 64] & (1u64 << (code % 64)) != 0)
             .filter_map(|code| Location::from_code(code).ok())
     }
@@ -604,5 +607,27 @@ mod tests {
         assert_eq!(py_repr("a\\b\n"), "'a\\\\b\\n'");
         assert_eq!(py_repr("\u{1}"), "'\\x01'");
         assert_eq!(py_repr("é"), "'é'");
+    }
+
+    #[test]
+    fn location_sets_hold_every_location_disks_included() {
+        use crate::location::{MAX_CUDA_INDEX, MAX_DISK_INDEX};
+        let every: Vec<Location> = [Location::PageableHost, Location::PinnedHost]
+            .into_iter()
+            .chain((0..=MAX_CUDA_INDEX).map(Location::Cuda))
+            .chain((0..=MAX_DISK_INDEX).map(Location::Disk))
+            .collect();
+        let mut set = LocationSet::default();
+        for &location in every.iter().rev() {
+            set.insert(location);
+            assert!(set.contains(location));
+            assert_eq!(set.first(), Some(location));
+        }
+        assert_eq!(set.len() as usize, every.len());
+        assert_eq!(set.iter().collect::<Vec<_>>(), every);
+        for &location in &every {
+            set.remove(location);
+        }
+        assert!(set.is_empty());
     }
 }
