@@ -382,3 +382,43 @@ def test_a_copy_failing_midway_loses_nothing(
             assert isinstance(got, ResidentTensor)
             assert torch.equal(got.tensor, expected)
         manager.close()
+
+
+DISKS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from fhelium.residency import (
+        PAGEABLE_HOST, ResidencyController, ResidencyManager, ResidencyRequest,
+        ResidencyRequirement,
+    )
+    from fhelium.residency.disk import disk_location
+    from fhelium.values import ResidentTensor
+
+    disks = [disk_location(f"{sys.argv[1]}/d{i}") for i in range(100)]
+    with ResidencyManager({PAGEABLE_HOST: 1 << 20, **{d: 1 << 20 for d in disks}}) as manager:
+        handle = manager.adopt(ResidentTensor(torch.arange(16.0)))
+        decision = ResidencyController(manager).decide(
+            ResidencyRequest("last", [ResidencyRequirement(handle, disks[-1])])
+        )
+        with ResidencyController(manager).scope(decision):
+            pass
+        manager.move(handle, PAGEABLE_HOST)
+        print("ok", [m.location.name for m in manager.snapshot().values[0].materializations])
+    """
+)
+
+
+def test_a_process_can_plan_with_a_hundred_disk_directories(tmp_path: Path) -> None:
+    """Disk locations past the 62nd of a process have location codes above 191; the
+    planner's location sets once stopped there and `decide` panicked."""
+    result = subprocess.run(
+        capped([sys.executable, "-c", DISKS_SCRIPT, str(tmp_path)]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[0] == "ok"
+    assert "pageable-host" in result.stdout
