@@ -32,7 +32,7 @@ from fhelium.residency._runtime import SimulatedRuntime, use_runtime
 from fhelium.residency.pipeline import ResidencyPipeline
 from fhelium.residency.schedule import ScheduleAwarePolicy
 from fhelium.values import ResidentTensor
-from helpers.controller import fewest_misses
+from helpers.controller import fewest_misses, leftovers
 from helpers.manager import assert_balanced
 
 CUDA = cuda_location("cuda:0")
@@ -87,15 +87,6 @@ def runtime() -> Iterator[SimulatedRuntime]:
     simulated = SimulatedRuntime(1, pinned=True)
     with use_runtime(simulated):
         yield simulated
-
-
-def _leftovers(manager: ResidencyManager) -> tuple[int, int, int]:
-    """(use tokens, hold tokens, reserved bytes) anywhere."""
-    snapshot = manager.snapshot()
-    uses = sum(entry.use_count for entry in snapshot.locations)
-    holds = sum(entry.hold_count for entry in snapshot.locations)
-    reserved = sum(entry.reserved_bytes for entry in snapshot.locations)
-    return uses, holds, reserved
 
 
 def _run(
@@ -173,7 +164,7 @@ def test_every_step_sees_its_own_values(
         policy = ScheduleAwarePolicy(requests) if aware else DeterministicTieredLRU()
         controller = ResidencyController(env.manager, policy=policy)
         assert _run(env, controller, requests, prefetch) == [float(i) for i in order]
-        assert _leftovers(env.manager) == (0, 0, 0)
+        assert leftovers(env.manager) == (0, 0, 0)
         assert env.manager._engine.core.transfer_count() == 0
         env.manager.close()
 
@@ -255,7 +246,7 @@ def test_reservations_are_kept_for_a_staged_step(runtime: SimulatedRuntime) -> N
         cuda = next(e for e in env.manager.snapshot().locations if e.location == CUDA)
         assert cuda.reserved_bytes == SIZE  # now the step's own scope holds it
         next(steps)
-    assert _leftovers(env.manager) == (0, 0, 0)
+    assert leftovers(env.manager) == (0, 0, 0)
 
 
 def test_break_releases_everything(runtime: SimulatedRuntime) -> None:
@@ -265,7 +256,7 @@ def test_break_releases_everything(runtime: SimulatedRuntime) -> None:
     for step in controller.run(requests, prefetch=2, consumer_streams={CUDA: env.stream}):
         if step.request.name == "step-2":
             break
-    assert _leftovers(env.manager) == (0, 0, 0)
+    assert leftovers(env.manager) == (0, 0, 0)
     assert env.manager._engine.core.transfer_count() == 0
     runtime.complete_events()
     env.manager.close()  # nothing left open: no ResidencyInUseError
@@ -281,7 +272,7 @@ def test_a_closed_pipeline_yields_nothing(runtime: SimulatedRuntime) -> None:
     with pytest.raises(RuntimeError):
         _ = step.values
     assert list(pipeline) == []
-    assert _leftovers(env.manager) == (0, 0, 0)
+    assert leftovers(env.manager) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("failing_load", [1, 2, 3])
@@ -297,7 +288,7 @@ def test_a_failing_source_leaves_nothing_behind(
     with pytest.raises(Exception) as raised:  # noqa: PT011 - checked below
         _run(env, controller, requests, prefetch)
     assert "unreadable" in "".join(map(str, [raised.value, raised.value.__cause__]))
-    assert _leftovers(env.manager) == (0, 0, 0)
+    assert leftovers(env.manager) == (0, 0, 0)
     assert env.manager._engine.core.transfer_count() == 0
     assert_balanced(env.manager.snapshot())
     runtime.complete_events()
@@ -319,7 +310,7 @@ def test_a_failing_copy_leaves_nothing_behind(runtime: SimulatedRuntime, failing
 
     with pytest.raises(RuntimeError, match="injected failure"), pipeline:
         consume()
-    assert _leftovers(env.manager) == (0, 0, 0)
+    assert leftovers(env.manager) == (0, 0, 0)
     assert env.manager._engine.core.transfer_count() == 0
     assert_balanced(env.manager.snapshot())
     runtime.complete_events()
@@ -340,7 +331,7 @@ def test_a_raising_body_leaves_nothing_behind(runtime: SimulatedRuntime, failing
     steps = controller.run(requests, prefetch=2, consumer_streams={CUDA: env.stream})
     with pytest.raises(ZeroDivisionError), steps:
         consume(steps)
-    assert _leftovers(env.manager) == (0, 0, 0)
+    assert leftovers(env.manager) == (0, 0, 0)
     assert env.manager._engine.core.transfer_count() == 0
     runtime.complete_events()
     env.manager.close()
@@ -353,7 +344,7 @@ def test_a_step_that_cannot_fit_raises_and_releases(runtime: SimulatedRuntime) -
     pipeline = controller.run(requests, prefetch=1, consumer_streams={CUDA: env.stream})
     with pytest.raises(ResidencyPlanError), pipeline:
         _consume(pipeline, runtime)
-    assert _leftovers(env.manager) == (0, 0, 0)
+    assert leftovers(env.manager) == (0, 0, 0)
 
 
 def test_argument_checks(runtime: SimulatedRuntime) -> None:

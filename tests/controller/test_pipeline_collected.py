@@ -31,6 +31,7 @@ from fhelium.residency import (
 )
 from fhelium.residency._runtime import SimulatedRuntime, use_runtime
 from fhelium.values import ResidentTensor
+from helpers.controller import leftovers
 from helpers.manager import assert_balanced
 
 CUDA = cuda_location("cuda:0")
@@ -61,16 +62,6 @@ def runtime() -> Iterator[SimulatedRuntime]:
     simulated = SimulatedRuntime(1, pinned=True)
     with use_runtime(simulated):
         yield simulated
-
-
-def _leftovers(manager: ResidencyManager) -> tuple[int, int, int]:
-    """(use tokens, hold tokens, reserved bytes) anywhere."""
-    snapshot = manager.snapshot()
-    return (
-        sum(entry.use_count for entry in snapshot.locations),
-        sum(entry.hold_count for entry in snapshot.locations),
-        sum(entry.reserved_bytes for entry in snapshot.locations),
-    )
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
@@ -108,7 +99,7 @@ def test_pipeline_collected_inside_load_is_deferred(
         cycle: list[Any] = [pipeline]
         cycle.append(cycle)
         del pipeline, step, cycle
-        assert _leftovers(manager) != (0, 0, 0)
+        assert leftovers(manager) != (0, 0, 0)
         # Everything made since `gc.disable()` is in the youngest generation: collecting
         # it alone keeps the time measured to the pipeline's own finalization.
         loader.during = lambda: gc.collect(0)
@@ -123,7 +114,7 @@ def test_pipeline_collected_inside_load_is_deferred(
     assert unraisable == [], [str(entry.exc_value) for entry in unraisable]
     assert "Exception ignored" not in capfd.readouterr().err
     # The queued releases were applied when load() returned.
-    assert _leftovers(manager) == (0, 0, 0)
+    assert leftovers(manager) == (0, 0, 0)
     snapshot = manager.snapshot()
     assert_balanced(snapshot)
     assert snapshot.reservations == ()

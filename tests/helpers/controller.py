@@ -199,3 +199,13 @@ def fewest_misses(requests: tuple[int, ...], capacity: int) -> int:
         return 1 + min(search(step + 1, (cached - {victim}) | {value}) for victim in cached)
 
     return search(0, frozenset())
+
+
+def leftovers(manager: ResidencyManager) -> tuple[int, int, int]:
+    """(use tokens, hold tokens, reserved bytes) anywhere in ``manager``'s books."""
+    snapshot = manager.snapshot()
+    return (
+        sum(entry.use_count for entry in snapshot.locations),
+        sum(entry.hold_count for entry in snapshot.locations),
+        sum(entry.reserved_bytes for entry in snapshot.locations),
+    )
