@@ -26,6 +26,7 @@ from torch import nn
 
 __all__ = [
     "BUILDERS",
+    "RoutedMoE",
     "GENERATIVE",
     "TinyModel",
     "build",
@@ -38,6 +39,7 @@ __all__ = [
     "mixtral",
     "mlp",
     "outputs",
+    "routed_moe",
     "t5",
     "weight_nbytes",
 ]
@@ -354,6 +356,52 @@ def cnn() -> TinyModel:
         factory=factory,
         save=save,
     )
+
+
+class RoutedMoE(nn.Module):
+    """A mixture of experts as a ModuleList, in plain torch: each token goes to its top
+    expert, and only the experts some token picked run (in index order), so the order of
+    units depends on the input, as in older transformers MoE code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.gate = nn.Linear(32, 4)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 32)) for _ in range(4)
+        )
+        self.head = nn.Linear(32, 8)
+
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        """Each token's expert."""
+        return self.gate(self.embed(x)).argmax(dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)
+        choice = self.gate(hidden).argmax(dim=-1)
+        mixed = torch.zeros_like(hidden)
+        for expert in sorted(set(choice.tolist())):
+            rows = choice == expert
+            mixed[rows] = self.experts[expert](hidden[rows])
+        return self.head(hidden + mixed)
+
+
+def routed_moe() -> tuple[RoutedMoE, tuple[torch.Tensor, ...]]:
+    """A `RoutedMoE` (eval, CPU, float32, seeded) and inputs whose tokens pick different
+    sets of experts, one input to another."""
+    torch.manual_seed(SEED)
+    model = RoutedMoE().eval()
+    generator = torch.Generator().manual_seed(4)
+    inputs: list[torch.Tensor] = []
+    routes: list[frozenset[int]] = []
+    with torch.no_grad():
+        while len(inputs) < 3:
+            x = torch.randn(3, 16, generator=generator) * 3
+            route = frozenset(model.route(x).tolist())
+            if route not in routes:
+                inputs.append(x)
+                routes.append(route)
+    return model, tuple(inputs)
 
 
 BUILDERS: dict[str, Callable[[], TinyModel]] = {

@@ -32,6 +32,7 @@ from helpers.models import (
     device_budget,
     generate,
     outputs,
+    routed_moe,
     weight_nbytes,
 )
 
@@ -162,3 +163,20 @@ def test_checkpoint_onto_a_meta_model(name: str, tmp_path: Path) -> None:
     assert 0 < stats.device_peak_bytes <= budget, (stats, budget)
     # Closed: the parameters are back on meta, none materialised on the CPU.
     assert all(parameter.is_meta for parameter in meta.parameters())
+
+
+def test_a_router_that_changes_the_order() -> None:
+    # transformers' Mixtral runs each layer's experts as one module (fused parameters), so
+    # its order never changes; a ModuleList MoE runs only the experts its router picked.
+    model, inputs = routed_moe()
+    expected = [model(x) for x in inputs]
+    budget = device_budget(model)
+    assert budget < weight_nbytes(model)
+    with offload(model, device="cuda:0", budget=budget) as off:
+        for x, want in zip((*inputs, *inputs), (*expected, *expected), strict=True):
+            assert torch.equal(model(x), want)
+        stats = off.stats()
+    assert 0 < stats.device_peak_bytes <= budget, (stats, budget)
+    assert stats.forwards == 2 * len(inputs)
+    # Each input after the first took another order than the one recorded before it.
+    assert stats.rerecords >= 1, stats
