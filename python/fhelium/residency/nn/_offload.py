@@ -1,0 +1,984 @@
+"""`offload(module, ...)`: run a PyTorch module whose weights do not fit on its device.
+
+Each unit's weights are one managed value; forward hooks make a unit's value resident on
+the device for its forward (a step of `ResidencyController.run`) and put placeholders back
+after it. The first forward is recorded; later forwards follow the recording cyclically,
+prefetching the next steps, and a forward that takes another order is followed as it goes
+and recorded again. See docs/concepts/offload.md for the rules this module implements.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import torch
+from torch import nn
+from torch.utils import hooks as torch_hooks
+
+from fhelium.errors import ResidencyBudgetError, ResidencyPlanError
+from fhelium.residency._runtime import current_runtime
+from fhelium.residency._runtime.torch_runtime import TorchCudaRuntime
+from fhelium.residency._validation import require_strict_int
+from fhelium.residency.controller import ResidencyController
+from fhelium.residency.disk import disk_location
+from fhelium.residency.location import (
+    PAGEABLE_HOST,
+    PINNED_HOST,
+    ResidencyLocation,
+    cuda_location,
+)
+from fhelium.residency.manager import ResidencyManager, engine_of
+from fhelium.residency.model import (
+    ReplicaMode,
+    ResidencyHandle,
+)
+from fhelium.residency.nn._units import (
+    Placeholder,
+    TensorGroup,
+    UnitRule,
+    placeholders,
+    plan_units,
+)
+from fhelium.residency.pipeline import ResidencyPipeline
+from fhelium.residency.policy import DeterministicTieredLRU, ResidencyPolicy
+from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
+from fhelium.residency.schedule import ScheduleAwarePolicy
+from fhelium.values import TensorBundle
+
+__all__ = ["Offload", "OffloadStats", "OffloadUnit", "offload"]
+
+# An offload's own manager keeps this many transition reports between two readings
+# (each forward's end reads and clears them for `stats`).
+_TRACE_CAPACITY: Final = 1 << 16
+
+PolicyName = Literal["schedule-aware", "lru"]
+Key = tuple[int, ...]  # a step: the units active when it was entered, outermost first
+
+
+@dataclass(frozen=True)
+class OffloadUnit:
+    """One unit of an offload: a module whose forward is one step.
+
+    Attributes:
+        name: The module's qualified name (``"<root>"`` for the root).
+        module: The module.
+        handles: The values its forward requires: its own tensors first (when it has
+            any), then each tied tensor it shares with other units.
+        nbytes: The bytes those values are charged on the device.
+    """
+
+    name: str
+    module: nn.Module
+    handles: tuple[ResidencyHandle[TensorBundle], ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """What an offload did, since it was opened (docs/concepts/offload.md#stats).
+
+    Attributes:
+        forwards: Root forwards run.
+        steps: Unit forwards run (each a step).
+        loads: Copies into the device (a value made resident there).
+        h2d_bytes: Bytes copied from host memory to the device.
+        d2h_bytes: Bytes copied from the device to host memory.
+        disk_read_bytes: Bytes read from the disk location.
+        disk_write_bytes: Bytes written to the disk location.
+        stalls: Steps whose values were not all copied in ahead of their turn.
+        mispredictions: Steps that were not the recording's prediction.
+        rerecords: Times the recording was replaced by a forward's real order.
+        device_peak_bytes: The device's peak of charged bytes (used plus reserved).
+        host_peak_bytes: The host location's peak of used bytes.
+    """
+
+    forwards: int
+    steps: int
+    loads: int
+    h2d_bytes: int
+    d2h_bytes: int
+    disk_read_bytes: int
+    disk_write_bytes: int
+    stalls: int
+    mispredictions: int
+    rerecords: int
+    device_peak_bytes: int
+    host_peak_bytes: int
+
+
+class _Counters:
+    __slots__ = (
+        "d2h",
+        "disk_read",
+        "disk_write",
+        "forwards",
+        "h2d",
+        "loads",
+        "mispredictions",
+        "rerecords",
+        "stalls",
+        "steps",
+    )
+
+    def __init__(self) -> None:
+        self.forwards = self.steps = self.loads = self.stalls = 0
+        self.h2d = self.d2h = self.disk_read = self.disk_write = 0
+        self.mispredictions = self.rerecords = 0
+
+
+class _Value:
+    """A managed value of the offload: its handle, slots and placeholders, and the
+    device tensors last installed (reused while the same materialisation is resident)."""
+
+    __slots__ = ("bundle", "group", "handle", "index", "installed", "placeholders", "tensors")
+
+    def __init__(
+        self, index: int, group: TensorGroup, handle: ResidencyHandle[TensorBundle]
+    ) -> None:
+        self.index = index
+        self.group = group
+        self.handle = handle
+        self.placeholders: list[Placeholder] = []
+        self.installed = 0  # how many active units use it
+        self.bundle: TensorBundle | None = None
+        self.tensors: list[torch.Tensor] = []
+
+    def install(self, bundle: Any) -> None:
+        if bundle is not self.bundle:
+            tensors: list[torch.Tensor] = []
+            for tensor, slots in zip(bundle._resident_tensors, self.group.slots, strict=True):
+                if slots[0].is_parameter:
+                    tensors.append(nn.Parameter(tensor, requires_grad=False))
+                else:
+                    tensors.append(tensor)
+            self.bundle, self.tensors = bundle, tensors
+        for tensor, slots in zip(self.tensors, self.group.slots, strict=True):
+            for slot in slots:
+                slot.install(tensor)
+
+    def uninstall(self) -> None:
+        for placeholder, slots in zip(self.placeholders, self.group.slots, strict=True):
+            for slot in slots:
+                slot.install(placeholder)
+
+
+class _Feeder:
+    """The pipeline's requests: the step about to be entered, then the recording's
+    predictions (docs/concepts/offload.md#the-schedule)."""
+
+    __slots__ = ("handed", "offload", "stopped", "upcoming")
+
+    def __init__(self, offload: Offload) -> None:
+        self.offload = offload
+        self.upcoming: Key | None = None
+        self.handed: deque[tuple[Key, int]] = deque()
+        self.stopped = False
+
+    def __iter__(self) -> _Feeder:
+        return self
+
+    def __next__(self) -> ResidencyRequest:
+        offload = self.offload
+        if self.upcoming is not None:
+            key, self.upcoming = self.upcoming, None
+            return offload._request(key)
+        predicted = offload._predict()
+        if predicted is None:
+            self.stopped = True
+            raise StopIteration
+        self.handed.append(predicted)
+        return offload._request(predicted[0])
+
+
+class Offload:
+    """A module offloaded by `offload`: a context manager; `close` puts it back.
+
+    While it is open, calling the module (and transformers' ``generate``) works unchanged
+    and computes on `device`; each unit's weights are resident there only around its
+    forward. See docs/concepts/offload.md.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        device: str | torch.device,
+        budget: int | None,
+        host: Literal["pinned", "pageable"],
+        host_budget: int | None,
+        disk: str | os.PathLike[str] | None,
+        disk_budget: int | None,
+        prefetch: int,
+        policy: PolicyName | ResidencyPolicy,
+        units: UnitRule,
+        checkpoint: str | os.PathLike[str] | None,
+        dtype: torch.dtype | None,
+        manager: ResidencyManager | None,
+    ) -> None:
+        self._closed = True  # until fully built: close() then restores what was done
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if require_strict_int(prefetch, "prefetch") < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if host not in ("pinned", "pageable"):
+            raise ValueError(f"host must be 'pinned' or 'pageable', got {host!r}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+        if isinstance(policy, str):
+            if policy not in ("schedule-aware", "lru"):
+                raise ValueError(f"policy must be 'schedule-aware' or 'lru', got {policy!r}")
+        elif not isinstance(policy, ResidencyPolicy):
+            raise TypeError("policy must be 'schedule-aware', 'lru' or a ResidencyPolicy")
+        for name, amount in (("budget", budget), ("host_budget", host_budget)):
+            if amount is not None and require_strict_int(amount, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {amount}")
+        if disk_budget is not None and require_strict_int(disk_budget, "disk_budget") < 0:
+            raise ValueError(f"disk_budget must be >= 0, got {disk_budget}")
+        if disk_budget is not None and disk is None:
+            raise ValueError("disk_budget needs disk= (the directory spills go to)")
+        if manager is None and budget is None:
+            raise TypeError("offload() needs budget= (the device's byte budget), or manager=")
+        if manager is not None and not isinstance(manager, ResidencyManager):
+            raise TypeError(f"manager must be a ResidencyManager, got {type(manager).__name__}")
+        torch_device = torch.device(device) if isinstance(device, str) else device
+        if not isinstance(torch_device, torch.device) or torch_device.type != "cuda":
+            raise ValueError(
+                f"device must be a CUDA device ('cuda:0'); got {device!r} (without a GPU, "
+                "install the simulated runtime: docs/concepts/simulation.md)"
+            )
+        if torch_device.index is None:
+            torch_device = torch.device("cuda", 0)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+            raise ValueError(
+                "offload() is for inference: the module has parameters that require grad "
+                "while autograd is enabled. Call it under `torch.no_grad()` or "
+                "`torch.inference_mode()`, or call `module.requires_grad_(False)` first"
+            )
+        self._module = module
+        self._location = cuda_location(torch_device)
+        self._prefetch = prefetch
+        self._policy_choice = policy
+        self._owns_manager = manager is None
+        self._counters = _Counters()
+        self._hooks: list[torch_hooks.RemovableHandle] = []
+        self._values: list[_Value] = []
+        self._pipeline: ResidencyPipeline | None = None
+        self._feeder: _Feeder | None = None
+        self._stack: list[int] = []
+        self._requests: dict[Key, ResidencyRequest] = {}
+        self._recording: list[Key] | None = None
+        self._positions: dict[Key, list[int]] = {}
+        self._cursor = 0
+        self._actual: list[Key] = []
+        self._depth = 0
+        # Resident mode (docs/concepts/offload.md#resident-mode): when every value the
+        # recording uses fits the device at once, one use keeps them all there.
+        self._resident: Any = None
+        self._resident_units: frozenset[int] = frozenset()
+        self._from_checkpoint = checkpoint is not None
+        self._trace_seen: Any = None
+        self._disk = None if disk is None else disk_location(Path(disk))
+        self._host_budget = host_budget
+        if manager is None:
+            runtime = current_runtime()
+            self._host = _host_location(runtime, host)
+            budgets: dict[ResidencyLocation, int] = {self._location: int(budget or 0)}
+            if host_budget is not None:
+                budgets[self._host] = host_budget
+            if self._disk is not None and disk_budget is not None:
+                budgets[self._disk] = disk_budget
+            manager = ResidencyManager(budgets, trace_capacity=_TRACE_CAPACITY)
+        else:
+            if budget is not None or host_budget is not None or disk_budget is not None:
+                raise ValueError(
+                    "with manager=, budgets are the manager's: leave budget, host_budget "
+                    "and disk_budget unset"
+                )
+            self._host = _host_location(engine_of(manager).runtime, host)
+        self._manager = manager
+        self._budget = next(
+            (
+                record.budget_bytes
+                for record in manager.snapshot().locations
+                if record.location == self._location
+            ),
+            None,
+        )
+        self._runtime = engine_of(manager).runtime
+        self._core = engine_of(manager).core
+        self._simulated = type(self._runtime) is not TorchCudaRuntime
+        # Where the compute tensors physically are: the device, or the CPU tensors
+        # that stand for it on the simulated runtime.
+        self._compute_device = torch.device("cpu") if self._simulated else torch_device
+        self._stream = self._runtime.current_stream(torch_device)
+        self._build(units, checkpoint, dtype)
+
+    # ------------------------------------------------------------------ building
+
+    def _build(
+        self,
+        rule: UnitRule,
+        checkpoint: str | os.PathLike[str] | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        unit_plans, groups = plan_units(self._module, rule)
+        if not unit_plans:
+            raise ValueError("the module has no parameters or buffers to offload")
+        if checkpoint is None:
+            for group in groups:
+                for name, tensor in zip(group.names, group.tensors, strict=True):
+                    if tensor.is_meta:
+                        raise ValueError(
+                            f"{name} is on the meta device: pass checkpoint= to load the "
+                            "weights, or build the module with real tensors"
+                        )
+                    if tensor.device.type != "cpu":
+                        raise ValueError(
+                            f"{name} is on {tensor.device}: offload() takes a module whose "
+                            "tensors are on the CPU (or on meta, with checkpoint=)"
+                        )
+        sources = None
+        if checkpoint is not None:
+            from fhelium.residency.nn._checkpoint import unit_sources
+
+            sources = unit_sources(checkpoint, groups, dtype)
+        self._closed = False
+        try:
+            self._adopt(groups, sources, dtype)
+        except BaseException:
+            self.close()
+            raise
+        self._units = tuple(
+            OffloadUnit(
+                plan.name,
+                plan.module,
+                tuple(self._values[g].handle for g in plan.groups),
+                sum(self._nbytes[g] for g in plan.groups),
+            )
+            for plan in unit_plans
+        )
+        self._unit_values = [[self._values[g] for g in plan.groups] for plan in unit_plans]
+        self._controller = self._make_controller()
+        for index, plan in enumerate(unit_plans):
+            self._hooks.append(plan.module.register_forward_pre_hook(self._pre_hook(index)))
+            self._hooks.append(
+                plan.module.register_forward_hook(self._post_hook(index), always_call=True)
+            )
+        self._hooks.append(self._module.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._hooks.append(self._module.register_forward_hook(self._root_post, always_call=True))
+
+    def _adopt(
+        self,
+        groups: list[TensorGroup],
+        sources: list[Any] | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        manager = self._manager
+        host = self._host
+        host_room = self._room(host)
+        disk_room = None if self._disk is None else self._room(self._disk)
+        self._nbytes: list[int] = []
+        for index, group in enumerate(groups):
+            if sources is not None:
+                source, spec = sources[index]
+                handle = manager.register_source(spec, source)
+                value = _Value(index, group, handle)
+                self._nbytes.append(spec.storage_nbytes)
+            else:
+                tensors = {
+                    name: (
+                        tensor.detach().to(dtype)
+                        if dtype is not None and tensor.is_floating_point()
+                        else tensor.detach()
+                    )
+                    for name, tensor in zip(group.names, group.tensors, strict=True)
+                }
+                bundle = TensorBundle(tensors)
+                nbytes = bundle.storage_nbytes
+                target = host
+                if host_room is not None and nbytes > host_room:
+                    if disk_room is None and self._disk is None:
+                        # Refused as the manager would refuse it; what was adopted
+                        # so far goes back to the module (`_build`).
+                        budget_bytes = self._host_budget or 0
+                        raise ResidencyBudgetError(
+                            location=host.name,
+                            budget_bytes=budget_bytes,
+                            used_bytes=budget_bytes - host_room,
+                            reserved_bytes=0,
+                            requested_bytes=nbytes,
+                        )
+                    assert self._disk is not None
+                    target = self._disk
+                handle = manager.adopt(
+                    bundle, at=PAGEABLE_HOST, replica_mode=ReplicaMode.REPLICABLE
+                )
+                value = _Value(index, group, handle)
+                del bundle, tensors
+                self._nbytes.append(nbytes)
+                if target is host and host_room is not None:
+                    host_room -= nbytes
+            value.placeholders = list(placeholders(group, self._compute_device))
+            # The group forgets the module's original tensors (their memory is freed
+            # once the manager moved them); the placeholders keep shapes and dtypes.
+            group.tensors = list(value.placeholders)
+            value.uninstall()
+            self._values.append(value)
+            if sources is None and target != PAGEABLE_HOST:
+                manager.move(handle, target)
+
+    def _room(self, location: ResidencyLocation) -> int | None:
+        for record in self._manager.snapshot().locations:
+            if record.location == location:
+                return record.remaining_budget_bytes
+        return None
+
+    def _make_controller(self) -> ResidencyController:
+        tiers: dict[ResidencyLocation, list[ResidencyLocation]] = {self._location: [self._host]}
+        if self._disk is not None:
+            tiers[self._host] = [self._disk]
+        choice = self._policy_choice
+        policy: ResidencyPolicy
+        if not isinstance(choice, str):
+            policy = choice
+        elif choice == "lru" or not self._recording:
+            policy = DeterministicTieredLRU(tiers)
+        else:
+            steps = [self._request(key) for key in self._recording]
+            policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)  # type: ignore[call-arg]
+        return ResidencyController(self._manager, policy=policy)
+
+    # ------------------------------------------------------------------ the steps
+
+    def _request(self, key: Key) -> ResidencyRequest:
+        request = self._requests.get(key)
+        if request is None:
+            handles: dict[ResidencyHandle[Any], None] = {}
+            for unit in key:
+                for value in self._unit_values[unit]:
+                    handles[value.handle] = None
+            location = self._location
+            request = self._requests[key] = ResidencyRequest(
+                "/".join(self._units[unit].name for unit in key),
+                [ResidencyRequirement(handle, location) for handle in handles],
+            )
+        return request
+
+    def _predict(self) -> tuple[Key, int] | None:
+        """The recording's next step and its position, or None without a recording."""
+        recording = self._recording
+        if not recording:
+            return None
+        position = self._cursor
+        self._cursor = (position + 1) % len(recording)
+        return recording[position], position
+
+    def _resync(self, key: Key, expected: int) -> None:
+        """After a misprediction: predict from the recording's next occurrence of
+        ``key`` at or after position ``expected`` (cyclically)."""
+        recording = self._recording
+        positions = self._positions.get(key)
+        if not recording or not positions:
+            return
+        at = bisect.bisect_left(positions, expected)
+        position = positions[at] if at < len(positions) else positions[0]
+        self._cursor = (position + 1) % len(recording)
+        policy = self._controller.policy
+        if isinstance(policy, ScheduleAwarePolicy):
+            policy.seek(position)
+
+    def _restart(self, key: Key) -> Any:
+        """A new pipeline whose first step is ``key``, then the predictions."""
+        self._stop_pipeline()
+        recording = self._recording
+        if recording:
+            if recording[self._cursor] == key:
+                self._cursor = (self._cursor + 1) % len(recording)
+            else:
+                self._counters.mispredictions += 1
+                self._resync(key, self._cursor)
+        feeder = self._feeder = _Feeder(self)
+        feeder.upcoming = key
+        self._pipeline = self._controller.run(
+            feeder, prefetch=self._prefetch, consumer_streams={self._location: self._stream}
+        )
+        return self._next(self._pipeline, staged=False)
+
+    def _next(self, pipeline: ResidencyPipeline, *, staged: bool) -> Any:
+        """Enters the pipeline's next step; a step that changed the manager's state
+        at its turn (it had to load) and was not staged ahead is a stall."""
+        core = self._core
+        version = core.version
+        use = next(pipeline)
+        if not staged and core.version != version:
+            self._counters.stalls += 1
+        return use
+
+    def _stop_pipeline(self) -> None:
+        pipeline, self._pipeline = self._pipeline, None
+        self._feeder = None
+        if pipeline is not None:
+            pipeline.close()
+        self._leave_resident()
+
+    def _enter_resident(self) -> None:
+        """Keeps every value the recording uses on the device under one use, when they
+        fit the budget together; steps then only put tensors in place."""
+        recording = self._recording
+        if not recording or self._resident is not None or self._budget is None:
+            return
+        units = frozenset(unit for key in recording for unit in key)
+        values = {id(v): v for unit in units for v in self._unit_values[unit]}
+        if sum(self._nbytes[v.index] for v in values.values()) > self._budget:
+            return
+        self._stop_pipeline()
+        location = self._location
+        request = ResidencyRequest(
+            "resident", [ResidencyRequirement(v.handle, location) for v in values.values()]
+        )
+        use = self._controller.use(request, consumer_streams={location: self._stream})
+        try:
+            use.__enter__()
+        except (ResidencyPlanError, ResidencyBudgetError):
+            return  # something else holds the room: steps go through the pipeline
+        for value in values.values():
+            bundle = use.value(value.handle, at=location)
+            if bundle is not value.bundle:
+                value.install(bundle)
+                if not value.installed:
+                    value.uninstall()
+        self._resident, self._resident_units = use, units
+
+    def _leave_resident(self) -> None:
+        use, self._resident = self._resident, None
+        self._resident_units = frozenset()
+        if use is not None:
+            use.__exit__(None, None, None)
+
+    def _enter(self, key: Key) -> Any:
+        self._counters.steps += 1
+        feeder, pipeline = self._feeder, self._pipeline
+        if feeder is not None and pipeline is not None:
+            handed = feeder.handed
+            if handed:
+                predicted, position = handed[0]
+                if predicted == key:
+                    handed.popleft()
+                    try:
+                        return self._next(pipeline, staged=pipeline.position in pipeline.staged)
+                    except StopIteration:
+                        pass
+                else:
+                    # Predict again from where this step was expected; `_restart`
+                    # counts the misprediction and finds the step in the recording.
+                    self._stop_pipeline()
+                    self._cursor = position
+            elif not feeder.stopped:
+                feeder.upcoming = key
+                try:
+                    return self._next(pipeline, staged=False)
+                except StopIteration:
+                    pass
+        return self._restart(key)
+
+    def _pre_hook(self, unit: int) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any) -> None:
+            stack = self._stack
+            stack.append(unit)
+            key = tuple(stack)
+            self._actual.append(key)
+            if self._resident is not None:
+                if unit in self._resident_units:
+                    self._counters.steps += 1
+                    for value in self._unit_values[unit]:
+                        value.installed += 1
+                        if value.installed == 1:
+                            value.install(value.bundle)
+                    return
+                self._leave_resident()
+            try:
+                use = self._enter(key)
+                location = self._location
+                for value in self._unit_values[unit]:
+                    value.installed += 1
+                    if value.installed == 1:
+                        value.install(use.value(value.handle, at=location))
+            except BaseException:
+                for value in self._unit_values[unit]:
+                    if value.installed:
+                        value.installed -= 1
+                        if value.installed == 0:
+                            value.uninstall()
+                stack.pop()
+                raise
+
+        return pre
+
+    def _post_hook(self, unit: int) -> Callable[..., None]:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            stack = self._stack
+            if not stack or stack[-1] != unit:
+                return  # the pre-hook failed: it undid itself
+            stack.pop()
+            for value in self._unit_values[unit]:
+                value.installed -= 1
+                if value.installed == 0:
+                    value.uninstall()
+
+        return post
+
+    def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        self._depth += 1
+        if self._simulated:
+            return None
+        device = self._compute_device
+
+        def move(item: Any) -> Any:
+            if isinstance(item, torch.Tensor) and item.device != device:
+                return item.to(device, non_blocking=True)
+            return item
+
+        return torch.utils._pytree.tree_map(move, (args, kwargs))
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        self._counters.forwards += 1
+        actual, self._actual = self._actual, []
+        if actual != self._recording:
+            if self._recording is not None:
+                self._counters.rerecords += 1
+            self._record(actual)
+        if self._resident is None:
+            self._enter_resident()
+        self._collect()
+
+    def _record(self, actual: list[Key]) -> None:
+        self._stop_pipeline()
+        self._recording = actual
+        positions: dict[Key, list[int]] = {}
+        for position, key in enumerate(actual):
+            positions.setdefault(key, []).append(position)
+        self._positions = positions
+        self._cursor = 0
+        self._controller = self._make_controller()
+
+    # ------------------------------------------------------------------ stats
+
+    def _collect(self) -> None:
+        """Counts the transitions since the last reading (the manager's trace)."""
+        manager = self._manager
+        reports = manager.trace()
+        if not self._owns_manager:
+            seen = self._trace_seen
+            start = 0
+            if seen is not None:
+                for index in range(len(reports) - 1, -1, -1):
+                    if reports[index] is seen:
+                        start = index + 1
+                        break
+            self._trace_seen = reports[-1] if reports else seen
+            reports = reports[start:]
+        else:
+            manager.clear_trace()
+        counters = self._counters
+        for report in reports:
+            if report.no_op or report.destination is None or report.source is None:
+                continue
+            source: str = report.source.kind
+            destination: str = report.destination.kind
+            nbytes = report.storage_nbytes
+            if destination == "cuda":
+                counters.loads += 1
+                if source in ("pinned-host", "pageable-host"):
+                    counters.h2d += nbytes
+            elif source == "cuda" and destination in ("pinned-host", "pageable-host"):
+                counters.d2h += nbytes
+            if source == "disk":
+                counters.disk_read += nbytes
+            if destination == "disk":
+                counters.disk_write += nbytes
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def module(self) -> nn.Module:
+        """The offloaded module."""
+        return self._module
+
+    @property
+    def manager(self) -> ResidencyManager:
+        """The manager that owns the weights."""
+        return self._manager
+
+    @property
+    def controller(self) -> ResidencyController:
+        """The controller that decides the evictions (a new one after each recording)."""
+        return self._controller
+
+    @property
+    def location(self) -> ResidencyLocation:
+        """The device's location."""
+        return self._location
+
+    @property
+    def units(self) -> tuple[OffloadUnit, ...]:
+        """The units, in module order."""
+        return self._units
+
+    @property
+    def schedule(self) -> tuple[tuple[str, ...], ...]:
+        """The recorded order: per step, the names of the units active when it was
+        entered, outermost first; empty before the first forward."""
+        names = [unit.name for unit in self._units]
+        return tuple(tuple(names[u] for u in key) for key in self._recording or ())
+
+    def stats(self) -> OffloadStats:
+        """What the offload did so far (see `OffloadStats`)."""
+        if not self._manager_closed():
+            self._collect()
+        counters = self._counters
+        device_peak = host_peak = 0
+        if not self._manager_closed():
+            for record in self._manager.snapshot().locations:
+                if record.location == self._location:
+                    device_peak = record.peak_charged_bytes
+                elif record.location == self._host:
+                    host_peak = record.peak_used_bytes
+            self._peaks = (device_peak, host_peak)
+        else:
+            device_peak, host_peak = getattr(self, "_peaks", (0, 0))
+        return OffloadStats(
+            forwards=counters.forwards,
+            steps=counters.steps,
+            loads=counters.loads,
+            h2d_bytes=counters.h2d,
+            d2h_bytes=counters.d2h,
+            disk_read_bytes=counters.disk_read,
+            disk_write_bytes=counters.disk_write,
+            stalls=counters.stalls,
+            mispredictions=counters.mispredictions,
+            rerecords=counters.rerecords,
+            device_peak_bytes=device_peak,
+            host_peak_bytes=host_peak,
+        )
+
+    def _manager_closed(self) -> bool:
+        return bool(engine_of(self._manager).core.closed)
+
+    @contextlib.contextmanager
+    def materialize(self, submodule: nn.Module) -> Iterator[nn.Module]:
+        """Give temporary, budgeted access to ``submodule``'s weights on the device.
+
+        Args:
+            submodule: The offloaded module or one of its submodules.
+
+        Yields:
+            ``submodule``, its tensors in place until the block ends.
+
+        Raises:
+            ValueError: ``submodule`` is not part of the offloaded module.
+            ResidencyPlanError: Its weights do not fit the device budget.
+        """
+        if not any(submodule is m for m in self._module.modules()):
+            raise ValueError("submodule is not part of the offloaded module")
+        inside = {id(m) for m in submodule.modules()}
+        ancestors = _ancestors_of(self._module, submodule)
+        ancestors = _ancestors_of(self._module, submodule)
+        wanted = [
+            index
+            for index, unit in enumerate(self._units)
+            if id(unit.module) in inside or any(unit.module is m for m in ancestors)
+        ]
+        self._stop_pipeline()
+        values: dict[int, _Value] = {}
+        for index in wanted:
+            for value in self._unit_values[index]:
+                values[id(value)] = value
+        if not values:
+            yield submodule
+            return
+        request = ResidencyRequest(
+            "materialize",
+            [ResidencyRequirement(value.handle, self._location) for value in values.values()],
+        )
+        with self._controller.use(request, consumer_streams={self._location: self._stream}) as use:
+            for value in values.values():
+                value.installed += 1
+                if value.installed == 1:
+                    value.install(use.value(value.handle, at=self._location))
+            try:
+                yield submodule
+            finally:
+                for value in values.values():
+                    value.installed -= 1
+                    if value.installed == 0:
+                        value.uninstall()
+
+    def close(self) -> None:
+        """Remove every hook and put the module back as it was; idempotent.
+
+        Parameters and buffers go back to the CPU, or to meta when they came from a
+        checkpoint. The manager is closed when the offload created it.
+        """
+        if self._closed and not self._values:
+            return
+        self._closed = True
+        error: BaseException | None = None
+        try:
+            self._stop_pipeline()
+        except BaseException as failure:
+            error = failure
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._stack = []
+        values, self._values = self._values, []
+        if not self._manager_closed():
+            try:
+                self._collect()
+                self.stats()
+            except BaseException as failure:
+                error = error or failure
+        for value in values:
+            try:
+                self._restore(value)
+            except BaseException as failure:
+                error = error or failure
+        if self._owns_manager:
+            try:
+                self._manager.close()
+            except BaseException as failure:
+                error = error or failure
+        if error is not None:
+            raise error
+
+    def _restore(self, value: _Value) -> None:
+        group = value.group
+        if self._from_checkpoint:
+            for placeholder, slots in zip(value.placeholders, group.slots, strict=True):
+                empty = torch.empty(placeholder.shape, dtype=placeholder.dtype, device="meta")
+                tensor: torch.Tensor = (
+                    nn.Parameter(empty, requires_grad=False) if slots[0].is_parameter else empty
+                )
+                for slot in slots:
+                    slot.install(tensor)
+            return
+        manager = self._manager
+        host = self._host
+        snapshot_locations = _locations_of(manager, value.handle)
+        at = host if host in snapshot_locations else PAGEABLE_HOST
+        if at not in snapshot_locations:
+            manager.ensure(value.handle, PAGEABLE_HOST)
+        with manager.acquire([value.handle], at=at) as borrowed:
+            bundle = borrowed[value.handle]
+        for tensor, slots in zip(bundle._resident_tensors, group.slots, strict=True):
+            restored: torch.Tensor = (
+                nn.Parameter(tensor, requires_grad=False) if slots[0].is_parameter else tensor
+            )
+            for slot in slots:
+                slot.install(restored)
+
+    def __enter__(self) -> Offload:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"Offload({type(self._module).__name__}, units={len(self._units)}, "
+            f"device={self._location.name}, prefetch={self._prefetch}, {state})"
+        )
+
+
+def _host_location(runtime: Any, host: str) -> ResidencyLocation:
+    """The host tier: pinned where the runtime has pinned memory, else pageable (with
+    one warning)."""
+    if host == "pageable":
+        return PAGEABLE_HOST
+    try:
+        runtime.empty_pinned(1)
+    except RuntimeError:
+        warnings.warn(
+            "pinned host memory is not available here; the offload keeps weights in "
+            "pageable host memory (copies to the device are slower)",
+            UserWarning,
+            stacklevel=4,
+        )
+        return PAGEABLE_HOST
+    return PINNED_HOST
+
+
+def _ancestors_of(root: nn.Module, target: nn.Module) -> list[nn.Module]:
+    """The modules on the path from ``root`` down to ``target`` (both included)."""
+    path: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> bool:
+        path.append(module)
+        if module is target:
+            return True
+        for child in module.children():
+            if walk(child):
+                return True
+        path.pop()
+        return False
+
+    walk(root)
+    return path
+
+
+def _locations_of(
+    manager: ResidencyManager, handle: ResidencyHandle[Any]
+) -> set[ResidencyLocation]:
+    for entry in manager.snapshot().values:
+        if entry.handle == handle:
+            return {m.location for m in entry.materializations}
+    return set()
+
+
+def offload(
+    module: nn.Module,
+    *,
+    device: str | torch.device = "cuda:0",
+    budget: int | None = None,
+    host: Literal["pinned", "pageable"] = "pinned",
+    host_budget: int | None = None,
+    disk: str | os.PathLike[str] | None = None,
+    disk_budget: int | None = None,
+    prefetch: int = 1,
+    policy: PolicyName | ResidencyPolicy = "schedule-aware",
+    units: UnitRule = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
+    manager: ResidencyManager | None = None,
+) -> Offload:
+    """Run ``module`` with its weights offloaded: on ``device`` only around each unit's forward.
+
+    See docs/concepts/offload.md.
+    """
+    return Offload(
+        module,
+        device=device,
+        budget=budget,
+        host=host,
+        host_budget=host_budget,
+        disk=disk,
+        disk_budget=disk_budget,
+        prefetch=prefetch,
+        policy=policy,
+        units=units,
+        checkpoint=checkpoint,
+        dtype=dtype,
+        manager=manager,
+    )
