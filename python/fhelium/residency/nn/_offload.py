@@ -366,6 +366,15 @@ class Offload:
             for plan in unit_plans
         )
         self._unit_values = [[self._values[g] for g in plan.groups] for plan in unit_plans]
+        budget = self._budget
+        for unit in self._units:
+            if budget is not None and unit.nbytes > budget:
+                self.close()
+                raise ValueError(
+                    f"unit {unit.name!r} needs {unit.nbytes} bytes on the device, more than "
+                    f"the budget of {budget}: raise budget, or pass units= to cut the "
+                    "module finer (docs/concepts/offload.md#units)"
+                )
         self._controller = self._make_controller()
         for index, plan in enumerate(unit_plans):
             self._hooks.append(plan.module.register_forward_pre_hook(self._pre_hook(index)))
@@ -418,9 +427,7 @@ class Offload:
                         )
                     assert self._disk is not None
                     target = self._disk
-                handle = manager.adopt(
-                    bundle, at=PAGEABLE_HOST, replica_mode=ReplicaMode.REPLICABLE
-                )
+                handle = manager.adopt(bundle, replica_mode=ReplicaMode.REPLICABLE)
                 value = _Value(index, group, handle)
                 del bundle, tensors
                 self._nbytes.append(nbytes)
@@ -432,7 +439,7 @@ class Offload:
             group.tensors = list(value.placeholders)
             value.uninstall()
             self._values.append(value)
-            if sources is None and target != PAGEABLE_HOST:
+            if sources is None and target not in _locations_of(manager, handle):
                 manager.move(handle, target)
 
     def _room(self, location: ResidencyLocation) -> int | None:
@@ -453,7 +460,10 @@ class Offload:
             policy = DeterministicTieredLRU(tiers)
         else:
             steps = [self._request(key) for key in self._recording]
-            policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)  # type: ignore[call-arg]
+            try:  # TEMPORARY until cyclic lands
+                policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)  # type: ignore[call-arg]
+            except TypeError:
+                policy = ScheduleAwarePolicy(steps, fallback_tiers=tiers)
         return ResidencyController(self._manager, policy=policy)
 
     # ------------------------------------------------------------------ the steps
@@ -495,16 +505,23 @@ class Offload:
         if isinstance(policy, ScheduleAwarePolicy):
             policy.seek(position)
 
-    def _restart(self, key: Key) -> Any:
+    def _follow(self, key: Key) -> None:
+        """Moves the prediction past ``key``: the recording's next step, or (a
+        misprediction) the step after ``key``'s next occurrence in the recording."""
+        recording = self._recording
+        if not recording:
+            return
+        if recording[self._cursor] == key:
+            self._cursor = (self._cursor + 1) % len(recording)
+        else:
+            self._counters.mispredictions += 1
+            self._resync(key, self._cursor)
+
+    def _restart(self, key: Key, *, follow: bool = True) -> Any:
         """A new pipeline whose first step is ``key``, then the predictions."""
         self._stop_pipeline()
-        recording = self._recording
-        if recording:
-            if recording[self._cursor] == key:
-                self._cursor = (self._cursor + 1) % len(recording)
-            else:
-                self._counters.mispredictions += 1
-                self._resync(key, self._cursor)
+        if follow:
+            self._follow(key)
         feeder = self._feeder = _Feeder(self)
         feeder.upcoming = key
         self._pipeline = self._controller.run(
@@ -582,11 +599,12 @@ class Offload:
                     self._stop_pipeline()
                     self._cursor = position
             elif not feeder.stopped:
+                self._follow(key)
                 feeder.upcoming = key
                 try:
                     return self._next(pipeline, staged=False)
                 except StopIteration:
-                    pass
+                    return self._restart(key, follow=False)
         return self._restart(key)
 
     def _pre_hook(self, unit: int) -> Callable[..., None]:
@@ -873,14 +891,18 @@ class Offload:
                 for slot in slots:
                     slot.install(tensor)
             return
+        # Back in pageable memory, as the module's tensors were: copied out of whatever
+        # the value lives in, and that copy dropped at once (one value's bytes extra at
+        # a time).
         manager = self._manager
-        host = self._host
-        snapshot_locations = _locations_of(manager, value.handle)
-        at = host if host in snapshot_locations else PAGEABLE_HOST
-        if at not in snapshot_locations:
-            manager.ensure(value.handle, PAGEABLE_HOST)
-        with manager.acquire([value.handle], at=at) as borrowed:
-            bundle = borrowed[value.handle]
+        handle = value.handle
+        held = _locations_of(manager, handle)
+        if PAGEABLE_HOST not in held:
+            manager.ensure(handle, PAGEABLE_HOST)
+        with manager.acquire([handle], at=PAGEABLE_HOST) as borrowed:
+            bundle = borrowed[handle]
+        for location in held - {PAGEABLE_HOST}:
+            manager.drop(handle, location)
         for tensor, slots in zip(bundle._resident_tensors, group.slots, strict=True):
             restored: torch.Tensor = (
                 nn.Parameter(tensor, requires_grad=False) if slots[0].is_parameter else tensor
