@@ -111,6 +111,8 @@ def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_a_single_file_round_trips(single: Path, tensors: dict[str, torch.Tensor]) -> None:
     checkpoint = Checkpoint.open(single)
     assert sorted(checkpoint.keys()) == sorted(tensors)
+    assert "embed.weight" in checkpoint
+    assert "lm_head.weight" not in checkpoint
     assert checkpoint.files == (single,)
     assert checkpoint.metadata == {"format": "pt", "note": "single"}
     loaded = _load_all(checkpoint)
@@ -134,6 +136,8 @@ def test_a_directory_with_model_safetensors(
 def test_a_sharded_checkpoint_round_trips(sharded: Path, tensors: dict[str, torch.Tensor]) -> None:
     checkpoint = Checkpoint.open(sharded)
     assert checkpoint.keys() == tuple(sorted(tensors))
+    assert "norm.scale" in checkpoint
+    assert "ghost" not in checkpoint
     assert len(checkpoint.files) == len(SHARDS)
     assert checkpoint.metadata["total_size"] == sum(
         t.numel() * t.element_size() for t in tensors.values()
@@ -176,7 +180,7 @@ def test_shard_headers_are_read_only_when_needed(sharded: Path) -> None:
     assert value["w"].dtype == torch.bfloat16
     with pytest.raises(ResidencyCheckpointError) as raised:
         checkpoint.entry("layers.1.steps")
-    assert raised.value.path == str(third)
+    assert (raised.value.key, raised.value.path) == ("layers.1.steps", str(third))
 
 
 # --- validation: every failure names the key and the file -------------------------------
@@ -267,6 +271,8 @@ def test_check_and_source_refuse_bad_arguments(single: Path) -> None:
         checkpoint.check({}, dtype=torch.int8)
     with pytest.raises(ValueError, match="at least one"):
         checkpoint.source({})
+    with pytest.raises(ValueError, match="non-empty"):
+        checkpoint.source({" ": "empty"})
     with pytest.raises(TypeError):
         checkpoint.source({"a": 3})  # type: ignore[dict-item]
     with pytest.raises(TypeError):
@@ -278,8 +284,8 @@ def test_an_index_pointing_at_a_missing_shard(sharded: Path) -> None:
     gone = checkpoint.files[1]
     gone.unlink()
     with pytest.raises(ResidencyCheckpointError, match="does not exist") as raised:
-        checkpoint.entry("norm.scale")
-    assert (raised.value.key, raised.value.path) == (None, str(gone))
+        checkpoint.check({"norm.scale": (torch.Size([]), torch.float32)})
+    assert (raised.value.key, raised.value.path) == ("norm.scale", str(gone))
 
 
 def test_an_index_naming_a_tensor_its_shard_lacks(sharded: Path) -> None:

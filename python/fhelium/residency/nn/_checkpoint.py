@@ -339,7 +339,14 @@ class Checkpoint:
                 raise ResidencyCheckpointError(
                     "no tensor of that name in the index", key=key, path=str(self._index)
                 )
-            found = self._shard(file).entries.get(key)
+            try:
+                shard = self._shard(file)
+            except ResidencyCheckpointError as error:
+                if error.key is not None:
+                    raise
+                # A shard that is missing or damaged: say which tensor needed it.
+                raise ResidencyCheckpointError(error.detail, key=key, path=error.path) from error
+            found = shard.entries.get(key)
             if found is None:
                 raise ResidencyCheckpointError(
                     f"the index {self._index.name} maps it to this shard, which has no such tensor",
@@ -423,7 +430,8 @@ class Checkpoint:
         Raises:
             TypeError: ``names`` is not a mapping of str to str, or ``dtype`` is not a
                 torch.dtype.
-            ValueError: ``names`` is empty, or ``dtype`` is not floating point.
+            ValueError: ``names`` is empty or has an empty name, or ``dtype`` is not
+                floating point.
             ResidencyCheckpointError: A key that is not in the checkpoint, or a damaged
                 header.
         """
@@ -436,6 +444,8 @@ class Checkpoint:
         for name, key in names.items():
             if not isinstance(name, str) or not isinstance(key, str):
                 raise TypeError(f"names must map str to str, got {name!r}: {key!r}")
+            if not name or name.isspace():
+                raise ValueError(f"value names must be non-empty, got {name!r}")
             entries.append((name, self.entry(key)))
         identities = {found.path: self._shard(found.path).identity for _, found in entries}
         return CheckpointSource(tuple(entries), identities, cast)
