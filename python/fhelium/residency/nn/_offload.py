@@ -41,6 +41,7 @@ from fhelium.residency.model import (
     ReplicaMode,
     ResidencyHandle,
 )
+from fhelium.residency.nn._loading import group_sources
 from fhelium.residency.nn._units import (
     Placeholder,
     TensorGroup,
@@ -140,7 +141,16 @@ class _Value:
     """A managed value of the offload: its handle, slots and placeholders, and the
     device tensors last installed (reused while the same materialisation is resident)."""
 
-    __slots__ = ("bundle", "group", "handle", "index", "installed", "placeholders", "tensors")
+    __slots__ = (
+        "bundle",
+        "group",
+        "handle",
+        "index",
+        "installed",
+        "placeholders",
+        "reconstructible",
+        "tensors",
+    )
 
     def __init__(
         self, index: int, group: TensorGroup, handle: ResidencyHandle[TensorBundle]
@@ -150,6 +160,9 @@ class _Value:
         self.handle = handle
         self.placeholders: list[Placeholder] = []
         self.installed = 0  # how many active units use it
+        # Read from a checkpoint: each step also keeps a host copy (a cache of the
+        # file), docs/concepts/offload.md#checkpoints.
+        self.reconstructible = False
         self.bundle: TensorBundle | None = None
         self.tensors: list[torch.Tensor] = []
 
@@ -352,9 +365,8 @@ class Offload:
                         )
         sources = None
         if checkpoint is not None:
-            from fhelium.residency.nn._checkpoint import unit_sources
-
-            sources = unit_sources(checkpoint, groups, dtype)
+            sources = group_sources(checkpoint, groups, dtype)
+        self._sources = sources or []
         self._closed = False
         try:
             self._adopt(groups, sources, dtype)
@@ -372,7 +384,15 @@ class Offload:
         )
         self._unit_values = [[self._values[g] for g in plan.groups] for plan in unit_plans]
         budget = self._budget
+        host_budget = self._host_budget if self._from_checkpoint else None
         for unit in self._units:
+            if host_budget is not None and unit.nbytes > host_budget:
+                self.close()
+                raise ValueError(
+                    f"unit {unit.name!r} needs {unit.nbytes} bytes in host memory, more "
+                    f"than host_budget={host_budget}: raise host_budget, or pass units= to "
+                    "cut the module finer (docs/concepts/offload.md#units)"
+                )
             if budget is not None and unit.nbytes > budget:
                 self.close()
                 raise ValueError(
@@ -398,10 +418,11 @@ class Offload:
         self._nbytes: list[int] = []
         for index, group in enumerate(groups):
             if sources is not None:
-                source, spec = sources[index]
-                handle = manager.register_source(spec, source)
+                source = sources[index]
+                handle = manager.register_source(source.spec(), source)
                 value = _Value(index, group, handle)
-                self._nbytes.append(spec.storage_nbytes)
+                value.reconstructible = True
+                self._nbytes.append(source.nbytes)
             else:
                 tensors = {
                     name: (
@@ -472,14 +493,15 @@ class Offload:
     def _request(self, key: Key) -> ResidencyRequest:
         request = self._requests.get(key)
         if request is None:
-            handles: dict[ResidencyHandle[Any], None] = {}
+            requirements: dict[ResidencyRequirement, None] = {}
             for unit in key:
                 for value in self._unit_values[unit]:
-                    handles[value.handle] = None
-            location = self._location
+                    # The host copy first: the device's is then copied from it.
+                    if value.reconstructible:
+                        requirements[ResidencyRequirement(value.handle, self._host)] = None
+                    requirements[ResidencyRequirement(value.handle, self._location)] = None
             request = self._requests[key] = ResidencyRequest(
-                "/".join(self._units[unit].name for unit in key),
-                [ResidencyRequirement(handle, location) for handle in handles],
+                "/".join(self._units[unit].name for unit in key), list(requirements)
             )
         return request
 
@@ -690,7 +712,7 @@ class Offload:
     def _wrap(self, module: nn.Module, forward: Callable[..., Any]) -> None:
         """Puts ``forward`` in front of ``module.forward``; `close` undoes it."""
         self._wrapped.append((module, module.__dict__.get("forward", _ABSENT)))
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
 
     def _unwrap(self) -> None:
         wrapped, self._wrapped = self._wrapped, []
@@ -698,7 +720,7 @@ class Offload:
             if previous is _ABSENT:
                 module.__dict__.pop("forward", None)
             else:
-                module.forward = previous  # type: ignore[method-assign]
+                module.forward = previous
 
     def _pass_end(self, finished: bool) -> None:
         """After a root forward: a forward that finished and took another order than
@@ -822,7 +844,8 @@ class Offload:
             loads=counters.loads,
             h2d_bytes=counters.h2d,
             d2h_bytes=counters.d2h,
-            disk_read_bytes=counters.disk_read,
+            disk_read_bytes=counters.disk_read
+            + sum(source.reads * source.read_nbytes for source in self._sources),
             disk_write_bytes=counters.disk_write,
             stalls=counters.stalls,
             mispredictions=counters.mispredictions,
