@@ -214,11 +214,34 @@ class _Feeder:
 
 
 class Offload:
-    """A module offloaded by `offload`: a context manager; `close` puts it back.
+    """A module offloaded by `offload`: a context manager; `close` puts the module back.
 
     While it is open, calling the module (and transformers' ``generate``) works unchanged
-    and computes on `device`; each unit's weights are resident there only around its
-    forward. See docs/concepts/offload.md.
+    and computes on `location`'s device; each unit's weights are resident there only
+    around its forward, under the manager's strict device budget. Forwards run one at a
+    time (a lock serialises threads). Constructed by `offload`, whose arguments these
+    are. See docs/concepts/offload.md.
+
+    Args:
+        module: The module to run.
+        device: The CUDA device it computes on.
+        budget: The device's byte budget, or ``None`` with ``manager``.
+        host: ``"pinned"`` or ``"pageable"``: where the weights wait.
+        host_budget: The host's byte budget, or ``None`` for none.
+        disk: A directory for the weights the host budget cannot hold, or ``None``.
+        disk_budget: The disk directory's byte budget, or ``None``.
+        prefetch: How many later steps' copies are issued ahead.
+        policy: ``"schedule-aware"``, ``"lru"`` or a `ResidencyPolicy`.
+        units: The unit rule (docs/concepts/offload.md#units).
+        checkpoint: A safetensors file or directory to read the weights from.
+        dtype: The floating dtype the weights are cast to, or ``None``.
+        manager: A manager to use instead of a new one.
+
+    Raises:
+        TypeError: See `offload`.
+        ValueError: See `offload`.
+        ResidencyBudgetError: See `offload`.
+        ResidencyCheckpointError: See `offload`.
     """
 
     def __init__(
@@ -547,8 +570,11 @@ class Offload:
             self._follow(key)
         feeder = self._feeder = _Feeder(self)
         feeder.upcoming = key
+        # Without a recording there is nothing to prefetch: the steps are handed to
+        # the pipeline one at a time, as they come.
+        prefetch = self._prefetch if self._recording else 0
         self._pipeline = self._controller.run(
-            feeder, prefetch=self._prefetch, consumer_streams={self._location: self._stream}
+            feeder, prefetch=prefetch, consumer_streams={self._location: self._stream}
         )
         return self._next(self._pipeline, staged=False)
 
@@ -563,11 +589,24 @@ class Offload:
         return use
 
     def _stop_pipeline(self) -> None:
+        """Ends the pipeline and resident mode, and waits on the host for the device's
+        reads of their steps: the next pipeline cannot wait for leases it did not take,
+        and needs their room (a misprediction, a new recording, `materialize`, `close`)."""
         pipeline, self._pipeline = self._pipeline, None
         self._feeder = None
-        if pipeline is not None:
-            pipeline.close()
-        self._leave_resident()
+        resident, self._resident = self._resident, None
+        self._resident_units = frozenset()
+        if pipeline is None and resident is None:
+            return
+        try:
+            if pipeline is not None:
+                pipeline.close()
+        finally:
+            try:
+                if resident is not None:
+                    resident.__exit__(None, None, None)
+            finally:
+                self._runtime.synchronize_stream(self._stream)
 
     def _enter_resident(self) -> None:
         """Keeps every value the recording uses on the device under one use, when they
@@ -596,12 +635,6 @@ class Offload:
                 if not value.installed:
                     value.uninstall()
         self._resident, self._resident_units = use, units
-
-    def _leave_resident(self) -> None:
-        use, self._resident = self._resident, None
-        self._resident_units = frozenset()
-        if use is not None:
-            use.__exit__(None, None, None)
 
     def _enter(self, key: Key) -> Any:
         self._counters.steps += 1
@@ -645,7 +678,7 @@ class Offload:
                         if value.installed == 1:
                             value.install(value.bundle)
                     return
-                self._leave_resident()
+                self._stop_pipeline()
             use = self._enter(key)
             location = self._location
             for value in self._unit_values[unit]:
@@ -824,7 +857,14 @@ class Offload:
         return tuple(tuple(names[u] for u in key) for key in self._recording or ())
 
     def stats(self) -> OffloadStats:
-        """What the offload did so far (see `OffloadStats`)."""
+        """Return what the offload did so far (see `OffloadStats`); works after `close`.
+
+        Returns:
+            The counts and peaks, from the offload's opening to now (to the close).
+
+        Raises:
+            ResidencyReentrancyError: Called from inside a source's ``load()``.
+        """
         if not self._manager_closed():
             self._collect()
         counters = self._counters
@@ -861,6 +901,11 @@ class Offload:
     def materialize(self, submodule: nn.Module) -> Iterator[nn.Module]:
         """Give temporary, budgeted access to ``submodule``'s weights on the device.
 
+        Every unit inside ``submodule`` (and every unit that contains it) is made
+        resident on the device, evicting others as needed, and its tensors are put in
+        place until the block ends; then the placeholders are back. Outside a forward
+        only (the prefetched steps are given up first).
+
         Args:
             submodule: The offloaded module or one of its submodules.
 
@@ -870,6 +915,19 @@ class Offload:
         Raises:
             ValueError: ``submodule`` is not part of the offloaded module.
             ResidencyPlanError: Its weights do not fit the device budget.
+
+        Example:
+            ```python
+            import torch
+            from torch import nn
+            from fhelium.residency.nn import offload
+            from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            with torch.no_grad(), use_runtime(SimulatedRuntime(1)):
+                with offload(model, budget=1 << 20) as off, off.materialize(model[1]):
+                    total = model[1].weight.sum()  # readable inside the block only
+            ```
         """
         if not any(submodule is m for m in self._module.modules()):
             raise ValueError("submodule is not part of the offloaded module")
@@ -907,10 +965,15 @@ class Offload:
                         value.uninstall()
 
     def close(self) -> None:
-        """Remove every hook and put the module back as it was; idempotent.
+        """Unwrap every forward and put the module back as it was; idempotent.
 
-        Parameters and buffers go back to the CPU, or to meta when they came from a
+        Parameters and buffers go back to pageable CPU memory (new `nn.Parameter`
+        objects with ``requires_grad=False``), or to meta when they came from a
         checkpoint. The manager is closed when the offload created it.
+
+        Raises:
+            Exception: An error from ending the pipeline or from copying a value back
+                propagates after every other step ran.
         """
         if self._closed and not self._values:
             return
@@ -918,6 +981,9 @@ class Offload:
         error: BaseException | None = None
         try:
             self._stop_pipeline()
+            # The device's reads of the last steps (and of `materialize`) end before
+            # the device copies are dropped.
+            self._runtime.synchronize_stream(self._stream)
         except BaseException as failure:
             error = failure
         self._unwrap()
@@ -1047,9 +1113,73 @@ def offload(
     dtype: torch.dtype | None = None,
     manager: ResidencyManager | None = None,
 ) -> Offload:
-    """Run ``module`` with its weights offloaded: on ``device`` only around each unit's forward.
+    """Run ``module`` with its weights on ``device`` only around each unit's forward.
 
-    See docs/concepts/offload.md.
+    The module is cut into units (by default each module that directly owns parameters or
+    buffers; ``units=`` chooses blocks), each unit's tensors one managed value (a tied
+    tensor is one value shared by its units). The weights wait in host memory (pinned
+    where available), or on disk past ``host_budget``; the device holds at most
+    ``budget`` bytes of them (activations are not charged). The first forward is
+    recorded; later forwards follow the recording cyclically, issuing the next
+    ``prefetch`` units' copies ahead, and a forward that takes another order is followed
+    as it goes and recorded again. When everything the forward uses fits the budget, it
+    stays resident. Inference only. See docs/concepts/offload.md.
+
+    Args:
+        module: The module; its tensors on the CPU, or on meta with ``checkpoint``.
+        device: The CUDA device to compute on (a simulated one under the simulated
+            runtime, docs/concepts/simulation.md).
+        budget: The device's strict byte budget for the weights; required unless
+            ``manager`` is given.
+        host: ``"pinned"`` (pageable, with one warning, where pinned memory is not
+            available) or ``"pageable"``.
+        host_budget: The host's byte budget, or ``None`` for none.
+        disk: A directory that takes the weights the host budget cannot hold.
+        disk_budget: The disk directory's byte budget, or ``None``; needs ``disk``.
+        prefetch: How many later steps to stage while a step runs (a strict int >= 0).
+        policy: ``"schedule-aware"`` (Belady's rule over the recorded order, cyclic),
+            ``"lru"``, or any `ResidencyPolicy`.
+        units: ``None``, a module class, a tuple of classes, or a predicate
+            ``(qualified name, module) -> bool`` (docs/concepts/offload.md#units).
+        checkpoint: A safetensors file, or a directory with ``model.safetensors`` or
+            ``model.safetensors.index.json``, for a module built on meta
+            (`init_empty_weights`).
+        dtype: A floating dtype to cast floating weights to, or ``None``.
+        manager: A manager to keep the weights in (its budgets apply; ``budget``,
+            ``host_budget`` and ``disk_budget`` must then be ``None``); by default a new
+            one, closed by `Offload.close`.
+
+    Returns:
+        The open `Offload`.
+
+    Raises:
+        TypeError: ``module`` is not a module; no ``budget`` and no ``manager``; an
+            argument of the wrong kind.
+        ValueError: A non-CUDA ``device``, a negative ``prefetch`` or budget, an unknown
+            ``host`` or ``policy``, parameters that require grad while autograd is on,
+            tensors on meta without ``checkpoint`` (or off the CPU), budgets given with
+            ``manager``, or a unit larger than the device budget.
+        ResidencyBudgetError: The host budget cannot hold the weights and there is no
+            ``disk``.
+        ResidencyCheckpointError: A tensor missing from the checkpoint, or of another
+            shape or dtype; nothing was loaded.
+
+    Example:
+        ```python
+        import torch
+        from torch import nn
+        from fhelium.residency.nn import offload
+        from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()
+        x = torch.randn(2, 64)
+        with torch.no_grad():
+            expected = model(x)
+            with use_runtime(SimulatedRuntime(1)), offload(model, budget=40_000) as off:
+                for _ in range(3):
+                    assert torch.equal(model(x), expected)
+                assert off.stats().device_peak_bytes <= 40_000
+        ```
     """
     return Offload(
         module,
