@@ -24,9 +24,9 @@ def _no_grad() -> Iterator[None]:
         yield
 
 
-@pytest.fixture
-def runtime() -> Iterator[SimulatedRuntime]:
-    simulated = SimulatedRuntime(1, auto_complete=True)
+@pytest.fixture(params=[True, False], ids=["events-complete", "events-pending"])
+def runtime(request: pytest.FixtureRequest) -> Iterator[SimulatedRuntime]:
+    simulated = SimulatedRuntime(1, auto_complete=request.param)
     with use_runtime(simulated):
         yield simulated
 
