@@ -6,9 +6,11 @@ the library. A step requires a set of values, all resident at once. Before a ste
 its missing values are loaded; while they do not fit, the resident value not required by
 this step whose next use in the cyclic order is farthest ahead is evicted (ties: the one
 used least recently first, then the one seen first in the order). Evictions are drops (the
-host keeps every value), so only loads move bytes. With equal sizes this rule is optimal;
-with variable sizes it is the farthest-next-use rule the offload promises to match, not a
-proven optimum.
+host keeps every value), so only loads move bytes. With equal sizes this rule is optimal.
+With variable sizes it is the rule the offload's schedule-aware policy applies, and the
+one its byte counts are checked against, but not always the minimum: it may drop several
+small values where one large one would do (tests/nn/test_belady.py has an order where it
+moves 11 bytes a pass and the optimum 8).
 
 The order repeats pass after pass (one pass per forward), from a given resident set (an
 empty device, or what the offload held after its first forward). The passes reach a steady
