@@ -235,8 +235,10 @@ class ScheduleAwarePolicy:
         return min(count, position + steps)
 
     def advance(self, steps: int = 1) -> int:
-        """Move ``steps`` steps forward: past the last step of a cyclic schedule to its
-        first, never past the end of a one-pass schedule.
+        """Move ``steps`` steps forward, wrapping when cyclic, never past a one-pass end.
+
+        Past the last step of a cyclic schedule comes its first; a one-pass schedule stops
+        at ``len(schedule)``.
 
         Args:
             steps: How many steps (an int >= 0).

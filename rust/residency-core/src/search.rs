@@ -553,8 +553,8 @@ pub struct ScheduleAware {
 pub struct NextUses {
     steps: Arc<FastMap<usize, Vec<u64>>>,
     cursor: u64,
-    /// The schedule's length when it repeats; 0 for one pass.
-    period: u64,
+    /// The schedule's length when it repeats; `None` for one pass.
+    period: Option<u64>,
 }
 
 impl NextUses {
@@ -574,21 +574,21 @@ impl NextUses {
         Self {
             steps: Arc::new(steps),
             cursor: 0,
-            period: 0,
+            period: None,
         }
     }
 
     /// The steps of a schedule that repeats forever, standing at its start.
     pub fn cyclic(schedule: &[Vec<usize>]) -> Self {
         Self {
-            period: u64::try_from(schedule.len()).unwrap_or(u64::MAX),
+            period: Some(u64::try_from(schedule.len()).unwrap_or(u64::MAX)),
             ..Self::new(schedule)
         }
     }
 
     /// Whether the schedule repeats.
     pub fn is_cyclic(&self) -> bool {
-        self.period > 0
+        self.period.is_some()
     }
 
     /// The same steps, standing at step `cursor`: the steps before it are done. A
@@ -598,7 +598,10 @@ impl NextUses {
         let cursor = u64::try_from(cursor).unwrap_or(u64::MAX);
         Self {
             steps: Arc::clone(&self.steps),
-            cursor: cursor.checked_rem(self.period).unwrap_or(cursor),
+            cursor: self
+                .period
+                .and_then(|period| cursor.checked_rem(period))
+                .unwrap_or(cursor),
             period: self.period,
         }
     }
@@ -609,8 +612,10 @@ impl NextUses {
         let uses = self.steps.get(&position)?;
         match uses.get(uses.partition_point(|&step| step < self.cursor)) {
             Some(&step) => Some(step),
-            None if self.period > 0 => uses.first().map(|&step| step.saturating_add(self.period)),
-            None => None,
+            None => {
+                let period = self.period?;
+                uses.first().map(|&step| step.saturating_add(period))
+            }
         }
     }
 
