@@ -610,13 +610,13 @@ impl NextUses {
     /// schedule, a step of the next pass counts from the schedule's length.
     pub fn get(&self, position: usize) -> Option<u64> {
         let uses = self.steps.get(&position)?;
-        match uses.get(uses.partition_point(|&step| step < self.cursor)) {
-            Some(&step) => Some(step),
-            None => {
-                let period = self.period?;
-                uses.first().map(|&step| step.saturating_add(period))
-            }
-        }
+        let next = uses.get(uses.partition_point(|&step| step < self.cursor));
+        // Past its last step in this pass, a cyclic schedule's next use is its first
+        // step of the next pass.
+        next.copied().or_else(|| {
+            let period = self.period?;
+            uses.first().map(|&step| step.saturating_add(period))
+        })
     }
 
     /// Records that `position` is requested at `step`.
