@@ -607,9 +607,7 @@ class ResidencyController:
             and cached[1].discards == core.discard_count()
         ):
             return cached[1]
-        index = core.schedule_index(
-            [list(step) for step in policy.schedule], cyclic=policy.cyclic
-        )
+        index = core.schedule_index([list(step) for step in policy.schedule], cyclic=policy.cyclic)
         self._schedule_cache = (policy, index)
         return index
 
