@@ -299,10 +299,10 @@ class ScheduleAwarePolicy:
                 return
             self._warned = True
         warnings.warn(
-            f"the schedule-aware policy's one-pass schedule is exhausted (all {count} steps "
-            "done): every later decision falls back to the DeterministicTieredLRU order. "
-            "Build ScheduleAwarePolicy(..., cyclic=True) for a schedule that repeats, or "
-            "call policy.seek(0) before a new pass",
+            f"the ScheduleAwarePolicy's one-pass schedule is exhausted: a decision stands "
+            f"past its last step (of {count}), so it and every later one fall back to the "
+            "DeterministicTieredLRU order. Build ScheduleAwarePolicy(..., cyclic=True) for a "
+            "schedule that repeats, or call policy.seek(0) before a new pass",
             ResidencyScheduleExhaustedWarning,
             stacklevel=_outside_fhelium(),
         )
