@@ -67,6 +67,18 @@ class ArtifactError(FHEliumError):
     """A missing, corrupt or incompatible stored artifact."""
 
 
+class ResidencyScheduleExhaustedWarning(UserWarning):
+    """A controller decides with a one-pass `ScheduleAwarePolicy` whose schedule has run out.
+
+    Warned once per exhaustion: every later decision falls back to
+    `DeterministicTieredLRU`'s order, which misses every step of a repeating schedule that
+    outgrows the budget. Build the policy with ``cyclic=True`` for a schedule that repeats,
+    or call ``seek(0)`` before a new pass. A warning, not an error: every decision stays
+    correct, only the choice of victims degrades. See
+    docs/concepts/controller.md#schedule-aware-eviction.
+    """
+
+
 class ResidencyError(FHEliumError, RuntimeError):
     """Base class of residency failures; every one is also a `RuntimeError`.
 
@@ -651,18 +663,6 @@ class ResidencyCommunicationError(ResidencyCollectiveError):
     def __reduce__(self) -> tuple[Any, ...]:
         kwargs = {"operation": self.operation, "phase": self.phase, "detail": self.detail}
         return (_rebuild, (type(self), kwargs), self.__dict__)
-
-
-class ResidencyScheduleExhaustedWarning(UserWarning):
-    """A controller decides with a one-pass `ScheduleAwarePolicy` whose schedule has run out.
-
-    Warned once per exhaustion: every later decision falls back to
-    `DeterministicTieredLRU`'s order, which misses every step of a repeating schedule that
-    outgrows the budget. Build the policy with ``cyclic=True`` for a schedule that repeats,
-    or call ``seek(0)`` before a new pass. A warning, not an error: every decision stays
-    correct, only the choice of victims degrades. See
-    docs/concepts/controller.md#schedule-aware-eviction.
-    """
 
 
 # The annotations above name record classes of fhelium.residency, which itself imports this
