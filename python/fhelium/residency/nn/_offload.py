@@ -507,10 +507,7 @@ class Offload:
             policy = DeterministicTieredLRU(tiers)
         else:
             steps = [self._request(key) for key in self._recording]
-            try:  # TEMPORARY until cyclic lands
-                policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)  # type: ignore[call-arg]
-            except TypeError:
-                policy = ScheduleAwarePolicy(steps, fallback_tiers=tiers)
+            policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)
         return ResidencyController(self._manager, policy=policy)
 
     # ------------------------------------------------------------------ the steps
