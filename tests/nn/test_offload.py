@@ -481,3 +481,27 @@ def test_with_a_manager_of_the_callers(runtime: SimulatedRuntime) -> None:
         values = manager.snapshot().values
         assert all(v.discarded and not v.materializations for v in values)
     assert torch.equal(model(x), expected)
+
+
+def test_prefetch_hides_the_loads(runtime: SimulatedRuntime) -> None:
+    model = mlp(9)
+    x = torch.randn(2, 32)
+    budget = weights_nbytes(model) // 3
+    per_forward = {}
+    for prefetch in (0, 1):
+        with offload(model, budget=budget, prefetch=prefetch) as off:
+            model(x)
+            before = off.stats()
+            for _ in range(3):
+                model(x)
+            after = off.stats()
+            per_forward[prefetch] = (
+                (after.loads - before.loads) / 3,
+                (after.stalls - before.stalls) / 3,
+            )
+    loads, stalls = per_forward[0]
+    assert loads > 0
+    assert stalls == loads  # without prefetch every load is waited for at its turn
+    loads, stalls = per_forward[1]
+    assert loads > 0
+    assert stalls < 1  # the next unit is already on its way

@@ -578,12 +578,10 @@ class Offload:
         return self._next(self._pipeline, staged=False)
 
     def _next(self, pipeline: ResidencyPipeline, *, staged: bool) -> Any:
-        """Enters the pipeline's next step; a step that changed the manager's state
-        at its turn (it had to load) and was not staged ahead is a stall."""
-        core = self._core
-        version = core.version
+        """Enters the pipeline's next step; a step that was not staged ahead and had to
+        copy something in at its turn is a stall."""
         use = next(pipeline)
-        if not staged and core.version != version:
+        if not staged and use.decision.plan.enter:
             self._counters.stalls += 1
         return use
 
