@@ -965,7 +965,82 @@ def offload(
 ) -> Offload:
     """Run ``module`` with its weights offloaded: on ``device`` only around each unit's forward.
 
-    See docs/concepts/offload.md.
+    While the returned `Offload` is open, calling ``module`` (and transformers'
+    ``generate``) works unchanged and computes on ``device``. Each unit's weights are one
+    managed value, made resident for its forward under the strict ``budget`` and replaced
+    by placeholders after it. The first forward is recorded; later forwards follow it
+    cyclically, evicting by next use and prefetching the next ``prefetch`` steps, and a
+    forward that takes another order is followed as it goes and recorded again. Only the
+    weights are charged, not the activations. See docs/concepts/offload.md.
+
+    Args:
+        module: The module, for inference: its tensors on the CPU, or its parameters on
+            ``meta`` with ``checkpoint`` (see `init_empty_weights`).
+        device: The CUDA device to compute on (a real one, or the simulated runtime's);
+            ``"cuda"`` means ``"cuda:0"``.
+        budget: The device's byte budget for weights (a strict int >= 0). Required
+            unless ``manager`` is given.
+        host: Where the weights wait: ``"pinned"`` (falls back to ``"pageable"`` with one
+            `UserWarning` where pinned memory is not available) or ``"pageable"``.
+        host_budget: The host location's byte budget, or ``None`` for no budget.
+        disk: A directory for a disk location: weights that do not fit ``host_budget``
+            go there, and the host spills to it.
+        disk_budget: The disk location's byte budget (needs ``disk``), or ``None``.
+        prefetch: How many predicted steps to stage while a step runs (a strict int
+            >= 0); 0 loads each step at its turn.
+        policy: ``"schedule-aware"`` (evict the value used farthest ahead in the
+            recorded order), ``"lru"`` (`DeterministicTieredLRU`), or a `ResidencyPolicy`.
+        units: What moves as one value: ``None`` (each module that directly owns
+            parameters or buffers), a module class, a tuple of classes, or a predicate
+            ``(qualified_name, module) -> bool``. A matching module is a unit with its
+            whole subtree; tied tensors are one value shared by their units.
+        checkpoint: A safetensors file, or a directory with ``model.safetensors`` or
+            ``model.safetensors.index.json`` (what ``save_pretrained`` writes), read a
+            unit at a time; keys are the module's ``state_dict()`` names.
+        dtype: Cast floating tensors to this dtype as they are adopted or loaded, or
+            ``None`` to keep theirs.
+        manager: A `ResidencyManager` to use, whose budgets apply (leave ``budget``,
+            ``host_budget`` and ``disk_budget`` unset); it is not closed with the
+            offload. ``None``: the offload makes its own and closes it.
+
+    Returns:
+        The open `Offload`: a context manager, with ``close()``, ``stats()``,
+        ``materialize()``, ``units`` and ``schedule``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``; ``budget``, ``host_budget``,
+            ``disk_budget`` or ``prefetch`` is not a strict int; ``dtype``, ``policy``,
+            ``units`` or ``manager`` of the wrong kind; neither ``budget`` nor
+            ``manager`` given.
+        ValueError: A negative count; an unknown ``host`` or ``policy`` name; a device
+            that is not CUDA; ``disk_budget`` without ``disk``; budgets with
+            ``manager``; a parameter that requires grad while autograd is enabled; a
+            tensor on ``meta`` without ``checkpoint``, or on a device other than the
+            CPU; a module with no parameters or buffers.
+        ResidencyBudgetError: The weights do not fit ``host_budget`` and there is no
+            ``disk``; the module is left as it was.
+        ResidencyCheckpointError: A key of the module missing from ``checkpoint``, or
+            of another shape, or of a dtype that does not load; raised before anything
+            is loaded.
+
+    Example:
+        ```python
+        import torch
+        from torch import nn
+        from fhelium.residency.nn import offload
+        from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+
+        model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))  # 263,168 B each
+        budget = 3 * 263_168                                             # half the weights
+        x = torch.randn(4, 256)
+        with torch.no_grad():
+            expected = model(x)
+            with use_runtime(SimulatedRuntime(1)), offload(model, budget=budget) as off:
+                for _ in range(3):
+                    assert torch.equal(model(x), expected)
+                stats = off.stats()
+        assert stats.forwards == 3 and stats.device_peak_bytes <= budget
+        ```
     """
     return Offload(
         module,
