@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
+import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ from typing import Any, Final, Literal
 
 import torch
 from torch import nn
-from torch.utils import hooks as torch_hooks
+from torch.utils._pytree import tree_map
 
 from fhelium.errors import ResidencyBudgetError, ResidencyPlanError
 from fhelium.residency._runtime import current_runtime
@@ -40,6 +41,7 @@ from fhelium.residency.model import (
     ReplicaMode,
     ResidencyHandle,
 )
+from fhelium.residency.nn._loading import group_sources
 from fhelium.residency.nn._units import (
     Placeholder,
     TensorGroup,
@@ -60,7 +62,8 @@ __all__ = ["Offload", "OffloadStats", "OffloadUnit", "offload"]
 _TRACE_CAPACITY: Final = 1 << 16
 
 PolicyName = Literal["schedule-aware", "lru"]
-Key = tuple[int, ...]  # a step: the units active when it was entered, outermost first
+Key = tuple[int, ...]
+_ABSENT: Final = object()  # a step: the units active when it was entered, outermost first
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,16 @@ class _Value:
     """A managed value of the offload: its handle, slots and placeholders, and the
     device tensors last installed (reused while the same materialisation is resident)."""
 
-    __slots__ = ("bundle", "group", "handle", "index", "installed", "placeholders", "tensors")
+    __slots__ = (
+        "bundle",
+        "group",
+        "handle",
+        "index",
+        "installed",
+        "placeholders",
+        "reconstructible",
+        "tensors",
+    )
 
     def __init__(
         self, index: int, group: TensorGroup, handle: ResidencyHandle[TensorBundle]
@@ -148,6 +160,9 @@ class _Value:
         self.handle = handle
         self.placeholders: list[Placeholder] = []
         self.installed = 0  # how many active units use it
+        # Read from a checkpoint: each step also keeps a host copy (a cache of the
+        # file), docs/concepts/offload.md#checkpoints.
+        self.reconstructible = False
         self.bundle: TensorBundle | None = None
         self.tensors: list[torch.Tensor] = []
 
@@ -199,11 +214,34 @@ class _Feeder:
 
 
 class Offload:
-    """A module offloaded by `offload`: a context manager; `close` puts it back.
+    """A module offloaded by `offload`: a context manager; `close` puts the module back.
 
     While it is open, calling the module (and transformers' ``generate``) works unchanged
-    and computes on `device`; each unit's weights are resident there only around its
-    forward. See docs/concepts/offload.md.
+    and computes on `location`'s device; each unit's weights are resident there only
+    around its forward, under the manager's strict device budget. Forwards run one at a
+    time (a lock serialises threads). Constructed by `offload`, whose arguments these
+    are. See docs/concepts/offload.md.
+
+    Args:
+        module: The module to run.
+        device: The CUDA device it computes on.
+        budget: The device's byte budget, or ``None`` with ``manager``.
+        host: ``"pinned"`` or ``"pageable"``: where the weights wait.
+        host_budget: The host's byte budget, or ``None`` for none.
+        disk: A directory for the weights the host budget cannot hold, or ``None``.
+        disk_budget: The disk directory's byte budget, or ``None``.
+        prefetch: How many later steps' copies are issued ahead.
+        policy: ``"schedule-aware"``, ``"lru"`` or a `ResidencyPolicy`.
+        units: The unit rule (docs/concepts/offload.md#units).
+        checkpoint: A safetensors file or directory to read the weights from.
+        dtype: The floating dtype the weights are cast to, or ``None``.
+        manager: A manager to use instead of a new one.
+
+    Raises:
+        TypeError: See `offload`.
+        ValueError: See `offload`.
+        ResidencyBudgetError: See `offload`.
+        ResidencyCheckpointError: See `offload`.
     """
 
     def __init__(
@@ -268,7 +306,10 @@ class Offload:
         self._policy_choice = policy
         self._owns_manager = manager is None
         self._counters = _Counters()
-        self._hooks: list[torch_hooks.RemovableHandle] = []
+        # The modules whose forward is wrapped, each with its own `forward` attribute
+        # before (or `_ABSENT`), and the lock that runs one forward at a time.
+        self._wrapped: list[tuple[nn.Module, Any]] = []
+        self._lock = threading.RLock()
         self._values: list[_Value] = []
         self._pipeline: ResidencyPipeline | None = None
         self._feeder: _Feeder | None = None
@@ -347,9 +388,8 @@ class Offload:
                         )
         sources = None
         if checkpoint is not None:
-            from fhelium.residency.nn._checkpoint import unit_sources
-
-            sources = unit_sources(checkpoint, groups, dtype)
+            sources = group_sources(checkpoint, groups, dtype)
+        self._sources = sources or []
         self._closed = False
         try:
             self._adopt(groups, sources, dtype)
@@ -366,14 +406,27 @@ class Offload:
             for plan in unit_plans
         )
         self._unit_values = [[self._values[g] for g in plan.groups] for plan in unit_plans]
+        budget = self._budget
+        host_budget = self._host_budget if self._from_checkpoint else None
+        for unit in self._units:
+            if host_budget is not None and unit.nbytes > host_budget:
+                self.close()
+                raise ValueError(
+                    f"unit {unit.name!r} needs {unit.nbytes} bytes in host memory, more "
+                    f"than host_budget={host_budget}: raise host_budget, or pass units= to "
+                    "cut the module finer (docs/concepts/offload.md#units)"
+                )
+            if budget is not None and unit.nbytes > budget:
+                self.close()
+                raise ValueError(
+                    f"unit {unit.name!r} needs {unit.nbytes} bytes on the device, more than "
+                    f"the budget of {budget}: raise budget, or pass units= to cut the "
+                    "module finer (docs/concepts/offload.md#units)"
+                )
         self._controller = self._make_controller()
         for index, plan in enumerate(unit_plans):
-            self._hooks.append(plan.module.register_forward_pre_hook(self._pre_hook(index)))
-            self._hooks.append(
-                plan.module.register_forward_hook(self._post_hook(index), always_call=True)
-            )
-        self._hooks.append(self._module.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self._hooks.append(self._module.register_forward_hook(self._root_post, always_call=True))
+            self._wrap_unit(index, plan.module)
+        self._wrap_root()
 
     def _adopt(
         self,
@@ -388,10 +441,11 @@ class Offload:
         self._nbytes: list[int] = []
         for index, group in enumerate(groups):
             if sources is not None:
-                source, spec = sources[index]
-                handle = manager.register_source(spec, source)
+                source = sources[index]
+                handle = manager.register_source(source.spec(), source)
                 value = _Value(index, group, handle)
-                self._nbytes.append(spec.storage_nbytes)
+                value.reconstructible = True
+                self._nbytes.append(source.nbytes)
             else:
                 tensors = {
                     name: (
@@ -418,9 +472,7 @@ class Offload:
                         )
                     assert self._disk is not None
                     target = self._disk
-                handle = manager.adopt(
-                    bundle, at=PAGEABLE_HOST, replica_mode=ReplicaMode.REPLICABLE
-                )
+                handle = manager.adopt(bundle, replica_mode=ReplicaMode.REPLICABLE)
                 value = _Value(index, group, handle)
                 del bundle, tensors
                 self._nbytes.append(nbytes)
@@ -432,7 +484,7 @@ class Offload:
             group.tensors = list(value.placeholders)
             value.uninstall()
             self._values.append(value)
-            if sources is None and target != PAGEABLE_HOST:
+            if sources is None and target not in _locations_of(manager, handle):
                 manager.move(handle, target)
 
     def _room(self, location: ResidencyLocation) -> int | None:
@@ -453,7 +505,10 @@ class Offload:
             policy = DeterministicTieredLRU(tiers)
         else:
             steps = [self._request(key) for key in self._recording]
-            policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)  # type: ignore[call-arg]
+            try:  # TEMPORARY until cyclic lands
+                policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)  # type: ignore[call-arg]
+            except TypeError:
+                policy = ScheduleAwarePolicy(steps, fallback_tiers=tiers)
         return ResidencyController(self._manager, policy=policy)
 
     # ------------------------------------------------------------------ the steps
@@ -461,14 +516,15 @@ class Offload:
     def _request(self, key: Key) -> ResidencyRequest:
         request = self._requests.get(key)
         if request is None:
-            handles: dict[ResidencyHandle[Any], None] = {}
+            requirements: dict[ResidencyRequirement, None] = {}
             for unit in key:
                 for value in self._unit_values[unit]:
-                    handles[value.handle] = None
-            location = self._location
+                    # The host copy first: the device's is then copied from it.
+                    if value.reconstructible:
+                        requirements[ResidencyRequirement(value.handle, self._host)] = None
+                    requirements[ResidencyRequirement(value.handle, self._location)] = None
             request = self._requests[key] = ResidencyRequest(
-                "/".join(self._units[unit].name for unit in key),
-                [ResidencyRequirement(handle, location) for handle in handles],
+                "/".join(self._units[unit].name for unit in key), list(requirements)
             )
         return request
 
@@ -495,20 +551,30 @@ class Offload:
         if isinstance(policy, ScheduleAwarePolicy):
             policy.seek(position)
 
-    def _restart(self, key: Key) -> Any:
+    def _follow(self, key: Key) -> None:
+        """Moves the prediction past ``key``: the recording's next step, or (a
+        misprediction) the step after ``key``'s next occurrence in the recording."""
+        recording = self._recording
+        if not recording:
+            return
+        if recording[self._cursor] == key:
+            self._cursor = (self._cursor + 1) % len(recording)
+        else:
+            self._counters.mispredictions += 1
+            self._resync(key, self._cursor)
+
+    def _restart(self, key: Key, *, follow: bool = True) -> Any:
         """A new pipeline whose first step is ``key``, then the predictions."""
         self._stop_pipeline()
-        recording = self._recording
-        if recording:
-            if recording[self._cursor] == key:
-                self._cursor = (self._cursor + 1) % len(recording)
-            else:
-                self._counters.mispredictions += 1
-                self._resync(key, self._cursor)
+        if follow:
+            self._follow(key)
         feeder = self._feeder = _Feeder(self)
         feeder.upcoming = key
+        # Without a recording there is nothing to prefetch: the steps are handed to
+        # the pipeline one at a time, as they come.
+        prefetch = self._prefetch if self._recording else 0
         self._pipeline = self._controller.run(
-            feeder, prefetch=self._prefetch, consumer_streams={self._location: self._stream}
+            feeder, prefetch=prefetch, consumer_streams={self._location: self._stream}
         )
         return self._next(self._pipeline, staged=False)
 
@@ -523,11 +589,24 @@ class Offload:
         return use
 
     def _stop_pipeline(self) -> None:
+        """Ends the pipeline and resident mode, and waits on the host for the device's
+        reads of their steps: the next pipeline cannot wait for leases it did not take,
+        and needs their room (a misprediction, a new recording, `materialize`, `close`)."""
         pipeline, self._pipeline = self._pipeline, None
         self._feeder = None
-        if pipeline is not None:
-            pipeline.close()
-        self._leave_resident()
+        resident, self._resident = self._resident, None
+        self._resident_units = frozenset()
+        if pipeline is None and resident is None:
+            return
+        try:
+            if pipeline is not None:
+                pipeline.close()
+        finally:
+            try:
+                if resident is not None:
+                    resident.__exit__(None, None, None)
+            finally:
+                self._runtime.synchronize_stream(self._stream)
 
     def _enter_resident(self) -> None:
         """Keeps every value the recording uses on the device under one use, when they
@@ -557,12 +636,6 @@ class Offload:
                     value.uninstall()
         self._resident, self._resident_units = use, units
 
-    def _leave_resident(self) -> None:
-        use, self._resident = self._resident, None
-        self._resident_units = frozenset()
-        if use is not None:
-            use.__exit__(None, None, None)
-
     def _enter(self, key: Key) -> Any:
         self._counters.steps += 1
         feeder, pipeline = self._feeder, self._pipeline
@@ -582,19 +655,21 @@ class Offload:
                     self._stop_pipeline()
                     self._cursor = position
             elif not feeder.stopped:
+                self._follow(key)
                 feeder.upcoming = key
                 try:
                     return self._next(pipeline, staged=False)
                 except StopIteration:
-                    pass
+                    return self._restart(key, follow=False)
         return self._restart(key)
 
-    def _pre_hook(self, unit: int) -> Callable[..., None]:
-        def pre(module: nn.Module, args: Any) -> None:
-            stack = self._stack
-            stack.append(unit)
-            key = tuple(stack)
-            self._actual.append(key)
+    def _unit_enter(self, unit: int) -> None:
+        """Before unit ``unit``'s forward: its step, and its tensors in their slots."""
+        stack = self._stack
+        stack.append(unit)
+        key = tuple(stack)
+        self._actual.append(key)
+        try:
             if self._resident is not None:
                 if unit in self._resident_units:
                     self._counters.steps += 1
@@ -603,57 +678,96 @@ class Offload:
                         if value.installed == 1:
                             value.install(value.bundle)
                     return
-                self._leave_resident()
-            try:
-                use = self._enter(key)
-                location = self._location
-                for value in self._unit_values[unit]:
-                    value.installed += 1
-                    if value.installed == 1:
-                        value.install(use.value(value.handle, at=location))
-            except BaseException:
-                for value in self._unit_values[unit]:
-                    if value.installed:
-                        value.installed -= 1
-                        if value.installed == 0:
-                            value.uninstall()
-                stack.pop()
-                raise
-
-        return pre
-
-    def _post_hook(self, unit: int) -> Callable[..., None]:
-        def post(module: nn.Module, args: Any, output: Any) -> None:
-            stack = self._stack
-            if not stack or stack[-1] != unit:
-                return  # the pre-hook failed: it undid itself
-            stack.pop()
+                self._stop_pipeline()
+            use = self._enter(key)
+            location = self._location
             for value in self._unit_values[unit]:
+                value.installed += 1
+                if value.installed == 1:
+                    value.install(use.value(value.handle, at=location))
+        except BaseException:
+            self._unit_exit(unit)
+            raise
+
+    def _unit_exit(self, unit: int) -> None:
+        """After unit ``unit``'s forward (or a failed entry): placeholders back."""
+        stack = self._stack
+        if stack and stack[-1] == unit:
+            stack.pop()
+        for value in self._unit_values[unit]:
+            if value.installed:
                 value.installed -= 1
                 if value.installed == 0:
                     value.uninstall()
 
-        return post
+    def _wrap_unit(self, unit: int, module: nn.Module) -> None:
+        original = module.forward
+        lock, enter, leave = self._lock, self._unit_enter, self._unit_exit
 
-    def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        self._depth += 1
-        if self._simulated:
-            return None
-        device = self._compute_device
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                enter(unit)
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    leave(unit)
+
+        self._wrap(module, forward)
+
+    def _wrap_root(self) -> None:
+        module = self._module
+        original = module.forward
+        lock = self._lock
+        device = None if self._simulated else self._compute_device
 
         def move(item: Any) -> Any:
             if isinstance(item, torch.Tensor) and item.device != device:
                 return item.to(device, non_blocking=True)
             return item
 
-        return torch.utils._pytree.tree_map(move, (args, kwargs))
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                if device is not None:
+                    args, kwargs = tree_map(move, (args, kwargs))
+                self._depth += 1
+                finished = False
+                try:
+                    output = original(*args, **kwargs)
+                    finished = True
+                    return output
+                finally:
+                    self._depth -= 1
+                    if not self._depth:
+                        self._pass_end(finished)
 
-    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._depth -= 1
-        if self._depth:
+        self._wrap(module, forward)
+
+    def _wrap(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+        """Puts ``forward`` in front of ``module.forward``; `close` undoes it."""
+        self._wrapped.append((module, module.__dict__.get("forward", _ABSENT)))
+        module.forward = forward
+
+    def _unwrap(self) -> None:
+        wrapped, self._wrapped = self._wrapped, []
+        for module, previous in reversed(wrapped):
+            if previous is _ABSENT:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+
+    def _pass_end(self, finished: bool) -> None:
+        """After a root forward: a forward that finished and took another order than
+        the recording is the new recording (one that raised records nothing)."""
+        actual, self._actual = self._actual, []
+        if self._stack:
+            # A forward interrupted inside a unit (KeyboardInterrupt, say) left it
+            # entered: placeholders back everywhere.
+            for unit in reversed(self._stack):
+                self._unit_exit(unit)
+            self._stack = []
+        if not finished:
             return
         self._counters.forwards += 1
-        actual, self._actual = self._actual, []
         if actual != self._recording:
             if self._recording is not None:
                 self._counters.rerecords += 1
@@ -743,7 +857,14 @@ class Offload:
         return tuple(tuple(names[u] for u in key) for key in self._recording or ())
 
     def stats(self) -> OffloadStats:
-        """What the offload did so far (see `OffloadStats`)."""
+        """Return what the offload did so far (see `OffloadStats`); works after `close`.
+
+        Returns:
+            The counts and peaks, from the offload's opening to now (to the close).
+
+        Raises:
+            ResidencyReentrancyError: Called from inside a source's ``load()``.
+        """
         if not self._manager_closed():
             self._collect()
         counters = self._counters
@@ -763,7 +884,8 @@ class Offload:
             loads=counters.loads,
             h2d_bytes=counters.h2d,
             d2h_bytes=counters.d2h,
-            disk_read_bytes=counters.disk_read,
+            disk_read_bytes=counters.disk_read
+            + sum(source.reads * source.read_nbytes for source in self._sources),
             disk_write_bytes=counters.disk_write,
             stalls=counters.stalls,
             mispredictions=counters.mispredictions,
@@ -779,6 +901,11 @@ class Offload:
     def materialize(self, submodule: nn.Module) -> Iterator[nn.Module]:
         """Give temporary, budgeted access to ``submodule``'s weights on the device.
 
+        Every unit inside ``submodule`` (and every unit that contains it) is made
+        resident on the device, evicting others as needed, and its tensors are put in
+        place until the block ends; then the placeholders are back. Outside a forward
+        only (the prefetched steps are given up first).
+
         Args:
             submodule: The offloaded module or one of its submodules.
 
@@ -788,6 +915,19 @@ class Offload:
         Raises:
             ValueError: ``submodule`` is not part of the offloaded module.
             ResidencyPlanError: Its weights do not fit the device budget.
+
+        Example:
+            ```python
+            import torch
+            from torch import nn
+            from fhelium.residency.nn import offload
+            from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            with torch.no_grad(), use_runtime(SimulatedRuntime(1)):
+                with offload(model, budget=1 << 20) as off, off.materialize(model[1]):
+                    total = model[1].weight.sum()  # readable inside the block only
+            ```
         """
         if not any(submodule is m for m in self._module.modules()):
             raise ValueError("submodule is not part of the offloaded module")
@@ -825,10 +965,15 @@ class Offload:
                         value.uninstall()
 
     def close(self) -> None:
-        """Remove every hook and put the module back as it was; idempotent.
+        """Unwrap every forward and put the module back as it was; idempotent.
 
-        Parameters and buffers go back to the CPU, or to meta when they came from a
+        Parameters and buffers go back to pageable CPU memory (new `nn.Parameter`
+        objects with ``requires_grad=False``), or to meta when they came from a
         checkpoint. The manager is closed when the offload created it.
+
+        Raises:
+            Exception: An error from ending the pipeline or from copying a value back
+                propagates after every other step ran.
         """
         if self._closed and not self._values:
             return
@@ -836,11 +981,12 @@ class Offload:
         error: BaseException | None = None
         try:
             self._stop_pipeline()
+            # The device's reads of the last steps (and of `materialize`) end before
+            # the device copies are dropped.
+            self._runtime.synchronize_stream(self._stream)
         except BaseException as failure:
             error = failure
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._unwrap()
         self._stack = []
         values, self._values = self._values, []
         if not self._manager_closed():
@@ -873,14 +1019,18 @@ class Offload:
                 for slot in slots:
                     slot.install(tensor)
             return
+        # Back in pageable memory, as the module's tensors were: copied out of whatever
+        # the value lives in, and that copy dropped at once (one value's bytes extra at
+        # a time).
         manager = self._manager
-        host = self._host
-        snapshot_locations = _locations_of(manager, value.handle)
-        at = host if host in snapshot_locations else PAGEABLE_HOST
-        if at not in snapshot_locations:
-            manager.ensure(value.handle, PAGEABLE_HOST)
-        with manager.acquire([value.handle], at=at) as borrowed:
-            bundle = borrowed[value.handle]
+        handle = value.handle
+        held = _locations_of(manager, handle)
+        if PAGEABLE_HOST not in held:
+            manager.ensure(handle, PAGEABLE_HOST)
+        with manager.acquire([handle], at=PAGEABLE_HOST) as borrowed:
+            bundle = borrowed[handle]
+        for location in held - {PAGEABLE_HOST}:
+            manager.drop(handle, location)
         for tensor, slots in zip(bundle._resident_tensors, group.slots, strict=True):
             restored: torch.Tensor = (
                 nn.Parameter(tensor, requires_grad=False) if slots[0].is_parameter else tensor
@@ -963,65 +1113,67 @@ def offload(
     dtype: torch.dtype | None = None,
     manager: ResidencyManager | None = None,
 ) -> Offload:
-    """Run ``module`` with its weights offloaded: on ``device`` only around each unit's forward.
+    """Run ``module`` with its weights on ``device`` only around each unit's forward.
 
     While the returned `Offload` is open, calling ``module`` (and transformers'
-    ``generate``) works unchanged and computes on ``device``. Each unit's weights are one
-    managed value, made resident for its forward under the strict ``budget`` and replaced
-    by placeholders after it. The first forward is recorded; later forwards follow it
-    cyclically, evicting by next use and prefetching the next ``prefetch`` steps, and a
-    forward that takes another order is followed as it goes and recorded again. Only the
-    weights are charged, not the activations. See docs/concepts/offload.md.
+    ``generate``) works unchanged and computes on ``device``. The module is cut into
+    units (by default each module that directly owns parameters or buffers; ``units=``
+    chooses blocks), each unit's tensors one managed value (a tied tensor is one value
+    shared by its units). The weights wait in host memory (pinned where available), or
+    on disk past ``host_budget``; the device holds at most ``budget`` bytes of them
+    (activations are not charged). The first forward is recorded; later forwards follow
+    the recording cyclically, evicting the value used farthest ahead and issuing the
+    next ``prefetch`` units' copies ahead, and a forward that takes another order is
+    followed as it goes and recorded again. When everything the forward uses fits the
+    budget, it stays resident. Inference only. See docs/concepts/offload.md.
 
     Args:
         module: The module, for inference: its tensors on the CPU, or its parameters on
-            ``meta`` with ``checkpoint`` (see `init_empty_weights`).
-        device: The CUDA device to compute on (a real one, or the simulated runtime's);
-            ``"cuda"`` means ``"cuda:0"``.
-        budget: The device's byte budget for weights (a strict int >= 0). Required
-            unless ``manager`` is given.
-        host: Where the weights wait: ``"pinned"`` (falls back to ``"pageable"`` with one
-            `UserWarning` where pinned memory is not available) or ``"pageable"``.
-        host_budget: The host location's byte budget, or ``None`` for no budget.
-        disk: A directory for a disk location: weights that do not fit ``host_budget``
-            go there, and the host spills to it.
-        disk_budget: The disk location's byte budget (needs ``disk``), or ``None``.
+            meta with ``checkpoint`` (build it under `init_empty_weights`).
+        device: The CUDA device to compute on (a simulated one under the simulated
+            runtime, docs/concepts/simulation.md); ``"cuda"`` means ``"cuda:0"``.
+        budget: The device's strict byte budget for the weights (a strict int >= 0);
+            required unless ``manager`` is given. Every unit must fit it.
+        host: Where the weights wait: ``"pinned"`` (pageable, with one `UserWarning`,
+            where pinned memory is not available) or ``"pageable"``.
+        host_budget: The host's byte budget, or ``None`` for none.
+        disk: A directory that takes the weights the host budget cannot hold, and the
+            host's spills.
+        disk_budget: The disk directory's byte budget, or ``None``; needs ``disk``.
         prefetch: How many predicted steps to stage while a step runs (a strict int
             >= 0); 0 loads each step at its turn.
-        policy: ``"schedule-aware"`` (evict the value used farthest ahead in the
-            recorded order), ``"lru"`` (`DeterministicTieredLRU`), or a `ResidencyPolicy`.
-        units: What moves as one value: ``None`` (each module that directly owns
-            parameters or buffers), a module class, a tuple of classes, or a predicate
-            ``(qualified_name, module) -> bool``. A matching module is a unit with its
-            whole subtree; tied tensors are one value shared by their units.
+        policy: ``"schedule-aware"`` (Belady's rule over the recorded order, cyclic),
+            ``"lru"`` (`DeterministicTieredLRU`), or any `ResidencyPolicy`.
+        units: What moves as one value: ``None``, a module class, a tuple of classes, or
+            a predicate ``(qualified name, module) -> bool``; a matching module is a
+            unit with its whole subtree (docs/concepts/offload.md#units).
         checkpoint: A safetensors file, or a directory with ``model.safetensors`` or
             ``model.safetensors.index.json`` (what ``save_pretrained`` writes), read a
             unit at a time; keys are the module's ``state_dict()`` names.
-        dtype: Cast floating tensors to this dtype as they are adopted or loaded, or
-            ``None`` to keep theirs.
-        manager: A `ResidencyManager` to use, whose budgets apply (leave ``budget``,
-            ``host_budget`` and ``disk_budget`` unset); it is not closed with the
-            offload. ``None``: the offload makes its own and closes it.
+        dtype: A floating dtype to cast floating weights to as they are adopted or
+            loaded, or ``None`` to keep theirs.
+        manager: A manager to keep the weights in (its budgets apply; ``budget``,
+            ``host_budget`` and ``disk_budget`` must then be ``None``); it is not
+            closed with the offload. By default a new one, closed by `Offload.close`.
 
     Returns:
         The open `Offload`: a context manager, with ``close()``, ``stats()``,
         ``materialize()``, ``units`` and ``schedule``.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``; ``budget``, ``host_budget``,
-            ``disk_budget`` or ``prefetch`` is not a strict int; ``dtype``, ``policy``,
-            ``units`` or ``manager`` of the wrong kind; neither ``budget`` nor
-            ``manager`` given.
-        ValueError: A negative count; an unknown ``host`` or ``policy`` name; a device
-            that is not CUDA; ``disk_budget`` without ``disk``; budgets with
-            ``manager``; a parameter that requires grad while autograd is enabled; a
-            tensor on ``meta`` without ``checkpoint``, or on a device other than the
-            CPU; a module with no parameters or buffers.
-        ResidencyBudgetError: The weights do not fit ``host_budget`` and there is no
+        TypeError: ``module`` is not a module; no ``budget`` and no ``manager``;
+            ``budget``, ``host_budget``, ``disk_budget`` or ``prefetch`` is not a strict
+            int; ``dtype``, ``policy``, ``units`` or ``manager`` of the wrong kind.
+        ValueError: A non-CUDA ``device``, a negative ``prefetch`` or budget, an unknown
+            ``host`` or ``policy``, ``disk_budget`` without ``disk``, parameters that
+            require grad while autograd is on, tensors on meta without ``checkpoint``
+            (or off the CPU), budgets given with ``manager``, a module with no
+            parameters or buffers, or a unit larger than the device budget (or, with
+            ``checkpoint``, than ``host_budget``).
+        ResidencyBudgetError: The host budget cannot hold the weights and there is no
             ``disk``; the module is left as it was.
-        ResidencyCheckpointError: A key of the module missing from ``checkpoint``, or
-            of another shape, or of a dtype that does not load; raised before anything
-            is loaded.
+        ResidencyCheckpointError: A tensor missing from the checkpoint, or of another
+            shape, or of a dtype that does not load; nothing was loaded.
 
     Example:
         ```python
@@ -1030,16 +1182,15 @@ def offload(
         from fhelium.residency.nn import offload
         from fhelium.residency.simulation import SimulatedRuntime, use_runtime
 
-        model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))  # 263,168 B each
-        budget = 3 * 263_168                                             # half the weights
-        x = torch.randn(4, 256)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()  # 16,640 B each
+        x = torch.randn(2, 64)
         with torch.no_grad():
             expected = model(x)
-            with use_runtime(SimulatedRuntime(1)), offload(model, budget=budget) as off:
-                for _ in range(3):
+            with use_runtime(SimulatedRuntime(1)), offload(model, budget=40_000) as off:
+                for _ in range(3):                      # a third of the weights fit
                     assert torch.equal(model(x), expected)
                 stats = off.stats()
-        assert stats.forwards == 3 and stats.device_peak_bytes <= budget
+        assert stats.forwards == 3 and stats.device_peak_bytes <= 40_000
         ```
     """
     return Offload(
