@@ -472,7 +472,9 @@ class Offload:
                         )
                     assert self._disk is not None
                     target = self._disk
-                handle = manager.adopt(bundle, replica_mode=ReplicaMode.REPLICABLE)
+                # Where adopt puts it (docs/concepts/values.md#adopt).
+                adopted = PINNED_HOST if self._runtime.value_is_pinned(bundle) else PAGEABLE_HOST
+                handle = manager.adopt(bundle, at=adopted, replica_mode=ReplicaMode.REPLICABLE)
                 value = _Value(index, group, handle)
                 del bundle, tensors
                 self._nbytes.append(nbytes)
@@ -484,7 +486,7 @@ class Offload:
             group.tensors = list(value.placeholders)
             value.uninstall()
             self._values.append(value)
-            if sources is None and target not in _locations_of(manager, handle):
+            if sources is None and target != adopted:
                 manager.move(handle, target)
 
     def _room(self, location: ResidencyLocation) -> int | None:
@@ -995,9 +997,13 @@ class Offload:
                 self.stats()
             except BaseException as failure:
                 error = error or failure
+        held: dict[ResidencyHandle[Any], set[ResidencyLocation]] = {}
+        if values and not self._manager_closed():
+            for entry in self._manager.snapshot().values:
+                held[entry.handle] = {m.location for m in entry.materializations}
         for value in values:
             try:
-                self._restore(value)
+                self._restore(value, held.get(value.handle, set()))
             except BaseException as failure:
                 error = error or failure
         if self._owns_manager:
@@ -1008,7 +1014,9 @@ class Offload:
         if error is not None:
             raise error
 
-    def _restore(self, value: _Value) -> None:
+    def _restore(self, value: _Value, held: set[ResidencyLocation]) -> None:
+        """Puts ``value``'s tensors back in its slots (``held``: where it lives), and
+        discards it from a caller's manager."""
         group = value.group
         if self._from_checkpoint:
             for placeholder, slots in zip(value.placeholders, group.slots, strict=True):
@@ -1018,22 +1026,28 @@ class Offload:
                 )
                 for slot in slots:
                     slot.install(tensor)
+            if not self._owns_manager:
+                self._manager.discard(value.handle)
             return
         # Back in pageable memory, as the module's tensors were: copied out of whatever
         # the value lives in, and that copy dropped at once (one value's bytes extra at
         # a time).
         manager = self._manager
         handle = value.handle
-        held = _locations_of(manager, handle)
         if PAGEABLE_HOST not in held:
             manager.ensure(handle, PAGEABLE_HOST)
         with manager.acquire([handle], at=PAGEABLE_HOST) as borrowed:
             bundle = borrowed[handle]
-        for location in held - {PAGEABLE_HOST}:
-            manager.drop(handle, location)
-        for tensor, slots in zip(bundle._resident_tensors, group.slots, strict=True):
+        if self._owns_manager:
+            for location in held - {PAGEABLE_HOST}:
+                manager.drop(handle, location)
+        else:
+            manager.discard(handle)
+        for tensor, slots, grad in zip(
+            bundle._resident_tensors, group.slots, group.requires_grad, strict=True
+        ):
             restored: torch.Tensor = (
-                nn.Parameter(tensor, requires_grad=False) if slots[0].is_parameter else tensor
+                nn.Parameter(tensor, requires_grad=grad) if slots[0].is_parameter else tensor
             )
             for slot in slots:
                 slot.install(restored)
@@ -1086,15 +1100,6 @@ def _ancestors_of(root: nn.Module, target: nn.Module) -> list[nn.Module]:
 
     walk(root)
     return path
-
-
-def _locations_of(
-    manager: ResidencyManager, handle: ResidencyHandle[Any]
-) -> set[ResidencyLocation]:
-    for entry in manager.snapshot().values:
-        if entry.handle == handle:
-            return {m.location for m in entry.materializations}
-    return set()
 
 
 def offload(
