@@ -35,6 +35,7 @@ __all__ = [
     "StateError",
     "ExecutionError",
     "ArtifactError",
+    "ResidencyScheduleExhaustedWarning",
 ]
 
 
@@ -65,6 +66,18 @@ class ExecutionError(FHEliumError):
 
 class ArtifactError(FHEliumError):
     """A missing, corrupt or incompatible stored artifact."""
+
+
+class ResidencyScheduleExhaustedWarning(UserWarning):
+    """A controller decides with a one-pass `ScheduleAwarePolicy` whose schedule has run out.
+
+    Warned once per exhaustion: every later decision falls back to
+    `DeterministicTieredLRU`'s order, which misses every step of a repeating schedule that
+    outgrows the budget. Build the policy with ``cyclic=True`` for a schedule that repeats,
+    or call ``seek(0)`` before a new pass. A warning, not an error: every decision stays
+    correct, only the choice of victims degrades. See
+    docs/concepts/controller.md#schedule-aware-eviction.
+    """
 
 
 class ResidencyError(FHEliumError, RuntimeError):
