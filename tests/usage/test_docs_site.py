@@ -39,6 +39,7 @@ MODULES = [
             "sources",
         )
     ),
+    "fhelium.residency.nn",
     "fhelium.values",
     "fhelium.errors",
 ]

@@ -1115,54 +1115,65 @@ def offload(
 ) -> Offload:
     """Run ``module`` with its weights on ``device`` only around each unit's forward.
 
-    The module is cut into units (by default each module that directly owns parameters or
-    buffers; ``units=`` chooses blocks), each unit's tensors one managed value (a tied
-    tensor is one value shared by its units). The weights wait in host memory (pinned
-    where available), or on disk past ``host_budget``; the device holds at most
-    ``budget`` bytes of them (activations are not charged). The first forward is
-    recorded; later forwards follow the recording cyclically, issuing the next
-    ``prefetch`` units' copies ahead, and a forward that takes another order is followed
-    as it goes and recorded again. When everything the forward uses fits the budget, it
-    stays resident. Inference only. See docs/concepts/offload.md.
+    While the returned `Offload` is open, calling ``module`` (and transformers'
+    ``generate``) works unchanged and computes on ``device``. The module is cut into
+    units (by default each module that directly owns parameters or buffers; ``units=``
+    chooses blocks), each unit's tensors one managed value (a tied tensor is one value
+    shared by its units). The weights wait in host memory (pinned where available), or
+    on disk past ``host_budget``; the device holds at most ``budget`` bytes of them
+    (activations are not charged). The first forward is recorded; later forwards follow
+    the recording cyclically, evicting the value used farthest ahead and issuing the
+    next ``prefetch`` units' copies ahead, and a forward that takes another order is
+    followed as it goes and recorded again. When everything the forward uses fits the
+    budget, it stays resident. Inference only. See docs/concepts/offload.md.
 
     Args:
-        module: The module; its tensors on the CPU, or on meta with ``checkpoint``.
+        module: The module, for inference: its tensors on the CPU, or its parameters on
+            meta with ``checkpoint`` (build it under `init_empty_weights`).
         device: The CUDA device to compute on (a simulated one under the simulated
-            runtime, docs/concepts/simulation.md).
-        budget: The device's strict byte budget for the weights; required unless
-            ``manager`` is given.
-        host: ``"pinned"`` (pageable, with one warning, where pinned memory is not
-            available) or ``"pageable"``.
+            runtime, docs/concepts/simulation.md); ``"cuda"`` means ``"cuda:0"``.
+        budget: The device's strict byte budget for the weights (a strict int >= 0);
+            required unless ``manager`` is given. Every unit must fit it.
+        host: Where the weights wait: ``"pinned"`` (pageable, with one `UserWarning`,
+            where pinned memory is not available) or ``"pageable"``.
         host_budget: The host's byte budget, or ``None`` for none.
-        disk: A directory that takes the weights the host budget cannot hold.
+        disk: A directory that takes the weights the host budget cannot hold, and the
+            host's spills.
         disk_budget: The disk directory's byte budget, or ``None``; needs ``disk``.
-        prefetch: How many later steps to stage while a step runs (a strict int >= 0).
+        prefetch: How many predicted steps to stage while a step runs (a strict int
+            >= 0); 0 loads each step at its turn.
         policy: ``"schedule-aware"`` (Belady's rule over the recorded order, cyclic),
-            ``"lru"``, or any `ResidencyPolicy`.
-        units: ``None``, a module class, a tuple of classes, or a predicate
-            ``(qualified name, module) -> bool`` (docs/concepts/offload.md#units).
+            ``"lru"`` (`DeterministicTieredLRU`), or any `ResidencyPolicy`.
+        units: What moves as one value: ``None``, a module class, a tuple of classes, or
+            a predicate ``(qualified name, module) -> bool``; a matching module is a
+            unit with its whole subtree (docs/concepts/offload.md#units).
         checkpoint: A safetensors file, or a directory with ``model.safetensors`` or
-            ``model.safetensors.index.json``, for a module built on meta
-            (`init_empty_weights`).
-        dtype: A floating dtype to cast floating weights to, or ``None``.
+            ``model.safetensors.index.json`` (what ``save_pretrained`` writes), read a
+            unit at a time; keys are the module's ``state_dict()`` names.
+        dtype: A floating dtype to cast floating weights to as they are adopted or
+            loaded, or ``None`` to keep theirs.
         manager: A manager to keep the weights in (its budgets apply; ``budget``,
-            ``host_budget`` and ``disk_budget`` must then be ``None``); by default a new
-            one, closed by `Offload.close`.
+            ``host_budget`` and ``disk_budget`` must then be ``None``); it is not
+            closed with the offload. By default a new one, closed by `Offload.close`.
 
     Returns:
-        The open `Offload`.
+        The open `Offload`: a context manager, with ``close()``, ``stats()``,
+        ``materialize()``, ``units`` and ``schedule``.
 
     Raises:
-        TypeError: ``module`` is not a module; no ``budget`` and no ``manager``; an
-            argument of the wrong kind.
+        TypeError: ``module`` is not a module; no ``budget`` and no ``manager``;
+            ``budget``, ``host_budget``, ``disk_budget`` or ``prefetch`` is not a strict
+            int; ``dtype``, ``policy``, ``units`` or ``manager`` of the wrong kind.
         ValueError: A non-CUDA ``device``, a negative ``prefetch`` or budget, an unknown
-            ``host`` or ``policy``, parameters that require grad while autograd is on,
-            tensors on meta without ``checkpoint`` (or off the CPU), budgets given with
-            ``manager``, or a unit larger than the device budget.
+            ``host`` or ``policy``, ``disk_budget`` without ``disk``, parameters that
+            require grad while autograd is on, tensors on meta without ``checkpoint``
+            (or off the CPU), budgets given with ``manager``, a module with no
+            parameters or buffers, or a unit larger than the device budget (or, with
+            ``checkpoint``, than ``host_budget``).
         ResidencyBudgetError: The host budget cannot hold the weights and there is no
-            ``disk``.
+            ``disk``; the module is left as it was.
         ResidencyCheckpointError: A tensor missing from the checkpoint, or of another
-            shape or dtype; nothing was loaded.
+            shape, or of a dtype that does not load; nothing was loaded.
 
     Example:
         ```python
@@ -1171,14 +1182,15 @@ def offload(
         from fhelium.residency.nn import offload
         from fhelium.residency.simulation import SimulatedRuntime, use_runtime
 
-        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()  # 16,640 B each
         x = torch.randn(2, 64)
         with torch.no_grad():
             expected = model(x)
             with use_runtime(SimulatedRuntime(1)), offload(model, budget=40_000) as off:
-                for _ in range(3):
+                for _ in range(3):                      # a third of the weights fit
                     assert torch.equal(model(x), expected)
-                assert off.stats().device_peak_bytes <= 40_000
+                stats = off.stats()
+        assert stats.forwards == 3 and stats.device_peak_bytes <= 40_000
         ```
     """
     return Offload(
