@@ -505,3 +505,50 @@ def test_prefetch_hides_the_loads(runtime: SimulatedRuntime) -> None:
     loads, stalls = per_forward[1]
     assert loads > 0
     assert stalls < 1  # the next unit is already on its way
+
+
+def test_offload_again_after_close(runtime: SimulatedRuntime, tmp_path: Path) -> None:
+    from fhelium.residency.nn import init_empty_weights
+
+    class WithTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+            self.register_buffer("table", torch.arange(8.0), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) + self.table
+
+    torch.manual_seed(6)
+    model = WithTable().eval()
+    x = torch.randn(2, 8)
+    expected = model(x)
+    file = save(model, tmp_path / "m.safetensors")
+    for _ in range(2):  # pinned host copies come back pageable: a second offload works
+        with offload(model, budget=1 << 20):
+            assert torch.equal(model(x), expected)
+    assert torch.equal(model(x), expected)
+    with init_empty_weights():
+        empty = WithTable().eval()
+    for _ in range(2):  # the buffer the file lacks comes back real
+        with offload(empty, checkpoint=file, budget=1 << 20):
+            assert torch.equal(empty(x), expected)
+        assert empty.linear.weight.is_meta
+        assert torch.equal(empty.table, torch.arange(8.0))
+
+
+def test_pageable_host_with_a_budget_spills_to_disk(
+    runtime: SimulatedRuntime, tmp_path: Path
+) -> None:
+    model = mlp(8, 64)
+    x = torch.randn(2, 64)
+    expected = model(x)
+    total = weights_nbytes(model)
+    with offload(
+        model, budget=total // 4, host="pageable", host_budget=total // 2, disk=tmp_path / "d"
+    ) as off:
+        for _ in range(2):
+            assert torch.equal(model(x), expected)
+        assert off.stats().host_peak_bytes <= total // 2
+        assert off.stats().disk_read_bytes > 0
+    assert torch.equal(model(x), expected)

@@ -23,20 +23,20 @@ class GroupSource:
     checkpoint does not hold (non-persistent ones, such as rotary ``inv_freq``) copied
     from the module as it was built."""
 
-    __slots__ = ("_kept", "_names", "_read", "read_nbytes", "reads")
+    __slots__ = ("_names", "_read", "kept", "read_nbytes", "reads")
 
     def __init__(
         self, names: list[str], read: CheckpointSource | None, kept: dict[str, torch.Tensor]
     ) -> None:
         self._names = names
         self._read = read
-        self._kept = kept
+        self.kept = kept  # the buffers the checkpoint lacks, as the module built them
         self.read_nbytes = 0 if read is None else read.read_nbytes
         self.reads = 0  # loads so far (the offload's stats count the bytes)
 
     @property
     def nbytes(self) -> int:
-        kept = sum(t.numel() * t.element_size() for t in self._kept.values())
+        kept = sum(t.numel() * t.element_size() for t in self.kept.values())
         return kept + (0 if self._read is None else self._read.nbytes)
 
     def spec(self) -> ResidencyValueSpec[TensorBundle]:
@@ -48,7 +48,7 @@ class GroupSource:
     def load(self) -> TensorBundle:
         read = {} if self._read is None else self._read.load().tensors
         self.reads += 1
-        kept = self._kept
+        kept = self.kept
         return TensorBundle(
             {name: read[name] if name in read else kept[name].clone() for name in self._names}
         )

@@ -41,7 +41,7 @@ from fhelium.residency.model import (
     ReplicaMode,
     ResidencyHandle,
 )
-from fhelium.residency.nn._loading import group_sources
+from fhelium.residency.nn._loading import GroupSource, group_sources
 from fhelium.residency.nn._units import (
     Placeholder,
     TensorGroup,
@@ -147,6 +147,7 @@ class _Value:
         "handle",
         "index",
         "installed",
+        "kept",
         "placeholders",
         "reconstructible",
         "tensors",
@@ -163,6 +164,9 @@ class _Value:
         # Read from a checkpoint: each step also keeps a host copy (a cache of the
         # file), docs/concepts/offload.md#checkpoints.
         self.reconstructible = False
+        # Its buffers a checkpoint does not hold, as the module built them: `close`
+        # puts them back (docs/concepts/offload.md#checkpoints).
+        self.kept: dict[str, torch.Tensor] = {}
         self.bundle: TensorBundle | None = None
         self.tensors: list[torch.Tensor] = []
 
@@ -431,23 +435,54 @@ class Offload:
     def _adopt(
         self,
         groups: list[TensorGroup],
-        sources: list[Any] | None,
+        sources: list[GroupSource] | None,
         dtype: torch.dtype | None,
     ) -> None:
+        """Registers every group as a value: read from ``sources``, or adopted from the
+        module and moved to the host tier (or, past the host budget, to disk)."""
         manager = self._manager
-        host = self._host
-        host_room = self._room(host)
-        disk_room = None if self._disk is None else self._room(self._disk)
-        self._nbytes: list[int] = []
-        for index, group in enumerate(groups):
-            if sources is not None:
-                source = sources[index]
+        self._nbytes = [0] * len(groups)
+        if sources is not None:
+            for index, (group, source) in enumerate(zip(groups, sources, strict=True)):
                 handle = manager.register_source(source.spec(), source)
                 value = _Value(index, group, handle)
                 value.reconstructible = True
-                self._nbytes.append(source.nbytes)
-            else:
-                tensors = {
+                value.kept = source.kept
+                self._nbytes[index] = source.nbytes
+                self._install_placeholders(value)
+            return
+        # Where each group goes: the host tier while its budget lasts, then disk. The
+        # groups bound for disk are adopted (and moved) first, so a budgeted pageable
+        # host never holds them.
+        host, disk = self._host, self._disk
+        room = self._room(host)
+        sizes = [_storage_nbytes(group.tensors, dtype) for group in groups]
+        if room is not None and disk is not None and host == PAGEABLE_HOST:
+            # A read from disk lands in pageable memory first: room for the largest.
+            room = max(0, room - max(sizes))
+        targets: list[ResidencyLocation] = []
+        for nbytes in sizes:
+            target = host
+            if room is not None and nbytes > room:
+                if disk is None:
+                    # Refused as the manager would refuse it; nothing was adopted.
+                    budget_bytes = self._host_budget or 0
+                    raise ResidencyBudgetError(
+                        location=host.name,
+                        budget_bytes=budget_bytes,
+                        used_bytes=budget_bytes - room,
+                        reserved_bytes=0,
+                        requested_bytes=nbytes,
+                    )
+                target = disk
+            elif room is not None:
+                room -= nbytes
+            targets.append(target)
+        order = sorted(range(len(groups)), key=lambda index: targets[index] == host)
+        for index in order:
+            group, target = groups[index], targets[index]
+            bundle = TensorBundle(
+                {
                     name: (
                         tensor.detach().to(dtype)
                         if dtype is not None and tensor.is_floating_point()
@@ -455,39 +490,26 @@ class Offload:
                     )
                     for name, tensor in zip(group.names, group.tensors, strict=True)
                 }
-                bundle = TensorBundle(tensors)
-                nbytes = bundle.storage_nbytes
-                target = host
-                if host_room is not None and nbytes > host_room:
-                    if disk_room is None and self._disk is None:
-                        # Refused as the manager would refuse it; what was adopted
-                        # so far goes back to the module (`_build`).
-                        budget_bytes = self._host_budget or 0
-                        raise ResidencyBudgetError(
-                            location=host.name,
-                            budget_bytes=budget_bytes,
-                            used_bytes=budget_bytes - host_room,
-                            reserved_bytes=0,
-                            requested_bytes=nbytes,
-                        )
-                    assert self._disk is not None
-                    target = self._disk
-                # Where adopt puts it (docs/concepts/values.md#adopt).
-                adopted = PINNED_HOST if self._runtime.value_is_pinned(bundle) else PAGEABLE_HOST
-                handle = manager.adopt(bundle, at=adopted, replica_mode=ReplicaMode.REPLICABLE)
-                value = _Value(index, group, handle)
-                del bundle, tensors
-                self._nbytes.append(nbytes)
-                if target is host and host_room is not None:
-                    host_room -= nbytes
-            value.placeholders = list(placeholders(group, self._compute_device))
-            # The group forgets the module's original tensors (their memory is freed
-            # once the manager moved them); the placeholders keep shapes and dtypes.
-            group.tensors = list(value.placeholders)
-            value.uninstall()
-            self._values.append(value)
-            if sources is None and target != adopted:
+            )
+            # Where adopt puts it (docs/concepts/values.md#adopt).
+            adopted = PINNED_HOST if self._runtime.value_is_pinned(bundle) else PAGEABLE_HOST
+            handle = manager.adopt(bundle, at=adopted, replica_mode=ReplicaMode.REPLICABLE)
+            self._nbytes[index] = bundle.storage_nbytes
+            del bundle
+            value = _Value(index, group, handle)
+            self._install_placeholders(value)
+            if target != adopted:
                 manager.move(handle, target)
+        self._values.sort(key=lambda value: value.index)
+
+    def _install_placeholders(self, value: _Value) -> None:
+        """Puts ``value``'s placeholders in its slots; the group forgets the module's
+        original tensors (their memory is freed once the manager moved them)."""
+        group = value.group
+        value.placeholders = list(placeholders(group, self._compute_device))
+        group.tensors = list(value.placeholders)
+        value.uninstall()
+        self._values.append(value)
 
     def _room(self, location: ResidencyLocation) -> int | None:
         for record in self._manager.snapshot().locations:
@@ -996,6 +1018,8 @@ class Offload:
         if values and not self._manager_closed():
             for entry in self._manager.snapshot().values:
                 held[entry.handle] = {m.location for m in entry.materializations}
+        # Those with a pageable copy first: each discard frees room for the next copy.
+        values.sort(key=lambda value: PAGEABLE_HOST not in held.get(value.handle, ()))
         for value in values:
             try:
                 self._restore(value, held.get(value.handle, set()))
@@ -1014,10 +1038,14 @@ class Offload:
         discards it from a caller's manager."""
         group = value.group
         if self._from_checkpoint:
-            for placeholder, slots in zip(value.placeholders, group.slots, strict=True):
-                empty = torch.empty(placeholder.shape, dtype=placeholder.dtype, device="meta")
+            for name, placeholder, slots, grad in zip(
+                group.names, value.placeholders, group.slots, group.requires_grad, strict=True
+            ):
+                empty = value.kept.get(name)
+                if empty is None:
+                    empty = torch.empty(placeholder.shape, dtype=placeholder.dtype, device="meta")
                 tensor: torch.Tensor = (
-                    nn.Parameter(empty, requires_grad=False) if slots[0].is_parameter else empty
+                    nn.Parameter(empty, requires_grad=grad) if slots[0].is_parameter else empty
                 )
                 for slot in slots:
                     slot.install(tensor)
@@ -1025,19 +1053,15 @@ class Offload:
                 self._manager.discard(value.handle)
             return
         # Back in pageable memory, as the module's tensors were: copied out of whatever
-        # the value lives in, and that copy dropped at once (one value's bytes extra at
-        # a time).
+        # the value lives in (one value's bytes extra at a time).
         manager = self._manager
         handle = value.handle
         if PAGEABLE_HOST not in held:
             manager.ensure(handle, PAGEABLE_HOST)
         with manager.acquire([handle], at=PAGEABLE_HOST) as borrowed:
             bundle = borrowed[handle]
-        if self._owns_manager:
-            for location in held - {PAGEABLE_HOST}:
-                manager.drop(handle, location)
-        else:
-            manager.discard(handle)
+        # Forgotten at once: its charges are free for the next value's copy.
+        manager.discard(handle)
         for tensor, slots, grad in zip(
             bundle._resident_tensors, group.slots, group.requires_grad, strict=True
         ):
@@ -1059,6 +1083,22 @@ class Offload:
             f"Offload({type(self._module).__name__}, units={len(self._units)}, "
             f"device={self._location.name}, prefetch={self._prefetch}, {state})"
         )
+
+
+def _storage_nbytes(tensors: list[torch.Tensor], dtype: torch.dtype | None) -> int:
+    """The bytes a bundle of ``tensors`` (cast to ``dtype``) is charged: each storage
+    once, a cast tensor its own size."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        if dtype is not None and tensor.is_floating_point():
+            total += tensor.numel() * dtype.itemsize
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen or storage.nbytes() == 0:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 def _host_location(runtime: Any, host: str) -> ResidencyLocation:
