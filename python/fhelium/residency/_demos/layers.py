@@ -1,4 +1,4 @@
-"""`python -m fhelium.residency demo`: layer weights streamed through a bounded device.
+"""`python -m fhelium.residency demo layers`: layer weights streamed through a bounded device.
 
 A transformer-like stack of layer weights lives on disk as safetensors files, is
 registered as reconstructible values and staged once in pinned host memory. A compute
@@ -12,10 +12,7 @@ budget and time (CUDA events on a GPU, the timeline model's prediction on the CP
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,15 +34,12 @@ from fhelium.residency import (
     ResidencyRequirement,
     ResidencySnapshot,
     ResidencyTransitionReport,
-    cuda_location,
 )
+from fhelium.residency._demos._compute import MIB, Compute, GpuTimer
 from fhelium.residency.disk import DiskLocation, disk_location
 from fhelium.residency.schedule import ScheduleAwarePolicy
-from fhelium.residency.simulation import SimulatedRuntime, Timeline, use_runtime
 from fhelium.residency.sources import SafetensorsSource
 from fhelium.values import ResidentTensor
-
-MIB = 1 << 20
 
 
 def _shards(cache: Path, count: int, width: int) -> list[Path]:
@@ -62,71 +56,6 @@ def _shards(cache: Path, count: int, width: int) -> list[Path]:
             save_file({"weight": weight.contiguous()}, str(path))
         paths.append(path)
     return paths
-
-
-class _Compute:
-    """Where the demo computes: a CUDA device, or a simulated one with a timeline."""
-
-    def __init__(self, device: str, *, h2d_gbps: float, tflops: float, index: int = 0) -> None:
-        self.on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        # A rank's own GPU is cuda:{LOCAL_RANK}; the simulated device is always cuda:0.
-        self.location = cuda_location(f"cuda:{index if self.on_gpu else 0}")
-        self.tflops = tflops
-        self.runtime: SimulatedRuntime | None = None
-        if self.on_gpu:
-            self.torch_device = torch.device("cuda", index)
-            self.description = torch.cuda.get_device_name(index)
-            self.stream: Any = torch.cuda.current_stream(self.torch_device)
-        else:
-            bandwidth = h2d_gbps * 1e9
-            self.runtime = SimulatedRuntime(
-                1,
-                pinned=True,
-                timeline=Timeline(h2d_bytes_per_s=bandwidth, d2h_bytes_per_s=bandwidth),
-            )
-            self.torch_device = torch.device("cpu")
-            self.description = (
-                "simulated cuda:0 (no GPU: CPU tensors stand in for device memory; times are "
-                f"the timeline model's, {h2d_gbps:g} GB/s per copy direction, "
-                f"{tflops:g} TFLOP/s compute)"
-            )
-            self.stream = self.runtime.current_stream(torch.device("cuda", 0))
-        self.simulated_device = torch.device("cuda", 0)
-
-    @property
-    def timeline(self) -> Timeline | None:
-        return None if self.runtime is None else self.runtime.timeline
-
-    def installed(self) -> contextlib.AbstractContextManager[Any]:
-        if self.runtime is None:
-            return contextlib.nullcontext()
-        return use_runtime(self.runtime)
-
-    def kernels(self) -> contextlib.AbstractContextManager[Any]:
-        """Where the body's kernels go: the consumer stream the leases protect."""
-        if self.on_gpu:
-            return torch.cuda.stream(self.stream)
-        return contextlib.nullcontext()
-
-    def declare(self, flops: float, label: str) -> None:
-        """On the simulated device, the body's compute time in the timeline model."""
-        if self.runtime is not None:
-            self.runtime.compute(self.stream, flops / (self.tflops * 1e12), label=label)
-
-    def synchronize(self) -> None:
-        if self.on_gpu:
-            torch.cuda.synchronize(self.torch_device)
-        elif self.runtime is not None:
-            self.runtime.synchronize_device(self.simulated_device)
-
-    def clock_ns(self) -> int:
-        """The plot's clock: wall time on a GPU; otherwise the model's virtual time at
-        which the device finishes the work declared so far (the host runs ahead)."""
-        timeline = self.timeline
-        if timeline is None:
-            return time.perf_counter_ns()
-        ends = [span.end for span in timeline.spans if span.engine == "compute"]
-        return round(max([timeline.now, *ends]) * 1e9)
 
 
 def _fewest_loads(schedule: Sequence[int], capacity: int) -> int:
@@ -208,7 +137,7 @@ def run_demo(
     pinned host's budget holds only `host_layers` of them (default: a third), and the
     rest live in a disk location in that directory, read back whenever a step needs
     them."""
-    compute = _Compute(device, h2d_gbps=h2d_gbps, tflops=tflops)
+    compute = Compute(device, h2d_gbps=h2d_gbps, tflops=tflops)
     if width is None:
         width = 5792 if compute.on_gpu else 256
     if batch is None:
@@ -403,7 +332,7 @@ def run_distributed_demo(
     from fhelium.residency.distributed import broadcast, rank_manager
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    compute = _Compute(device, h2d_gbps=h2d_gbps, tflops=tflops, index=local_rank)
+    compute = Compute(device, h2d_gbps=h2d_gbps, tflops=tflops, index=local_rank)
     if compute.on_gpu:
         torch.cuda.set_device(local_rank)
     started_here = not dist.is_initialized()
@@ -551,27 +480,11 @@ def run_distributed_demo(
     return summary
 
 
-class _GpuTimer:
-    """A run's makespan on the GPU, between two CUDA events on the consumer stream."""
-
-    def __init__(self, compute: _Compute) -> None:
-        compute.synchronize()
-        self._compute = compute
-        self._start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        self._start.record(compute.stream)
-
-    def stop(self) -> float:
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end.record(self._compute.stream)
-        end.synchronize()
-        return float(self._start.elapsed_time(end)) / 1e3
-
-
 def _stream(
     controller: ResidencyController,
     requests: list[ResidencyRequest],
     prefetch: int,
-    compute: _Compute,
+    compute: Compute,
     location: ResidencyLocation,
     batch: int,
     width: int,
@@ -587,7 +500,7 @@ def _stream(
     checksum = torch.zeros((), device=compute.torch_device)
     samples: list[tuple[int, ResidencySnapshot[Any]]] = []
     origin = compute.clock_ns()
-    timer = _GpuTimer(compute) if compute.on_gpu else None
+    timer = GpuTimer(compute) if compute.on_gpu else None
     with controller.run(
         requests, prefetch=prefetch, consumer_streams={location: compute.stream}
     ) as steps:
@@ -661,76 +574,3 @@ def _plot_runs(
     figure.suptitle("fhelium.residency demo: one budget, three ways")
     figure.savefig(path, format="png")
     return True
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fhelium-residency", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="stream layer weights through a bounded device")
-    demo.add_argument("--out", type=Path, default=Path("residency-demo"), help="output folder")
-    demo.add_argument("--layers", type=int, default=24)
-    demo.add_argument("--passes", type=int, default=3)
-    demo.add_argument(
-        "--budget-layers",
-        type=int,
-        default=None,
-        help="layers the budget holds (default 8; with --distributed a third of a rank's)",
-    )
-    demo.add_argument("--width", type=int, default=None, help="layers are width x width")
-    demo.add_argument("--batch", type=int, default=None, help="activation rows")
-    demo.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    demo.add_argument("--cache", type=Path, default=None, help="where the layer files live")
-    demo.add_argument(
-        "--h2d-gbps", type=float, default=55.0, help="CPU only: the model's copy bandwidth"
-    )
-    demo.add_argument(
-        "--tflops", type=float, default=60.0, help="CPU only: the model's compute rate"
-    )
-    demo.add_argument(
-        "--disk", type=Path, default=None, help="keep the layers past --host-layers on disk here"
-    )
-    demo.add_argument(
-        "--host-layers", type=int, default=None, help="with --disk: layers the pinned host holds"
-    )
-    demo.add_argument(
-        "--distributed",
-        action="store_true",
-        help="under torchrun: each rank streams its own partition, rank 0 broadcasts the "
-        "shared weights (NCCL on GPUs, gloo on the CPU)",
-    )
-    arguments = parser.parse_args(argv)
-    if arguments.distributed:
-        if arguments.disk is not None:
-            parser.error("--disk is not available with --distributed")
-        run_distributed_demo(
-            arguments.out,
-            layers=arguments.layers,
-            width=arguments.width,
-            batch=arguments.batch,
-            passes=arguments.passes,
-            budget_layers=arguments.budget_layers,
-            device=arguments.device,
-            cache=arguments.cache,
-            h2d_gbps=arguments.h2d_gbps,
-            tflops=arguments.tflops,
-        )
-        return 0
-    run_demo(
-        arguments.out,
-        layers=arguments.layers,
-        width=arguments.width,
-        batch=arguments.batch,
-        passes=arguments.passes,
-        budget_layers=8 if arguments.budget_layers is None else arguments.budget_layers,
-        device=arguments.device,
-        cache=arguments.cache,
-        h2d_gbps=arguments.h2d_gbps,
-        tflops=arguments.tflops,
-        disk=arguments.disk,
-        host_layers=arguments.host_layers,
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
