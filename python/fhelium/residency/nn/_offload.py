@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
+import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ from typing import Any, Final, Literal
 
 import torch
 from torch import nn
-from torch.utils import hooks as torch_hooks
+from torch.utils._pytree import tree_map
 
 from fhelium.errors import ResidencyBudgetError, ResidencyPlanError
 from fhelium.residency._runtime import current_runtime
@@ -60,7 +61,8 @@ __all__ = ["Offload", "OffloadStats", "OffloadUnit", "offload"]
 _TRACE_CAPACITY: Final = 1 << 16
 
 PolicyName = Literal["schedule-aware", "lru"]
-Key = tuple[int, ...]  # a step: the units active when it was entered, outermost first
+Key = tuple[int, ...]
+_ABSENT: Final = object()  # a step: the units active when it was entered, outermost first
 
 
 @dataclass(frozen=True)
@@ -268,7 +270,10 @@ class Offload:
         self._policy_choice = policy
         self._owns_manager = manager is None
         self._counters = _Counters()
-        self._hooks: list[torch_hooks.RemovableHandle] = []
+        # The modules whose forward is wrapped, each with its own `forward` attribute
+        # before (or `_ABSENT`), and the lock that runs one forward at a time.
+        self._wrapped: list[tuple[nn.Module, Any]] = []
+        self._lock = threading.RLock()
         self._values: list[_Value] = []
         self._pipeline: ResidencyPipeline | None = None
         self._feeder: _Feeder | None = None
@@ -366,14 +371,19 @@ class Offload:
             for plan in unit_plans
         )
         self._unit_values = [[self._values[g] for g in plan.groups] for plan in unit_plans]
+        budget = self._budget
+        for unit in self._units:
+            if budget is not None and unit.nbytes > budget:
+                self.close()
+                raise ValueError(
+                    f"unit {unit.name!r} needs {unit.nbytes} bytes on the device, more than "
+                    f"the budget of {budget}: raise budget, or pass units= to cut the "
+                    "module finer (docs/concepts/offload.md#units)"
+                )
         self._controller = self._make_controller()
         for index, plan in enumerate(unit_plans):
-            self._hooks.append(plan.module.register_forward_pre_hook(self._pre_hook(index)))
-            self._hooks.append(
-                plan.module.register_forward_hook(self._post_hook(index), always_call=True)
-            )
-        self._hooks.append(self._module.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self._hooks.append(self._module.register_forward_hook(self._root_post, always_call=True))
+            self._wrap_unit(index, plan.module)
+        self._wrap_root()
 
     def _adopt(
         self,
@@ -418,9 +428,7 @@ class Offload:
                         )
                     assert self._disk is not None
                     target = self._disk
-                handle = manager.adopt(
-                    bundle, at=PAGEABLE_HOST, replica_mode=ReplicaMode.REPLICABLE
-                )
+                handle = manager.adopt(bundle, replica_mode=ReplicaMode.REPLICABLE)
                 value = _Value(index, group, handle)
                 del bundle, tensors
                 self._nbytes.append(nbytes)
@@ -432,7 +440,7 @@ class Offload:
             group.tensors = list(value.placeholders)
             value.uninstall()
             self._values.append(value)
-            if sources is None and target != PAGEABLE_HOST:
+            if sources is None and target not in _locations_of(manager, handle):
                 manager.move(handle, target)
 
     def _room(self, location: ResidencyLocation) -> int | None:
@@ -453,7 +461,10 @@ class Offload:
             policy = DeterministicTieredLRU(tiers)
         else:
             steps = [self._request(key) for key in self._recording]
-            policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)  # type: ignore[call-arg]
+            try:  # TEMPORARY until cyclic lands
+                policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)  # type: ignore[call-arg]
+            except TypeError:
+                policy = ScheduleAwarePolicy(steps, fallback_tiers=tiers)
         return ResidencyController(self._manager, policy=policy)
 
     # ------------------------------------------------------------------ the steps
@@ -495,16 +506,23 @@ class Offload:
         if isinstance(policy, ScheduleAwarePolicy):
             policy.seek(position)
 
-    def _restart(self, key: Key) -> Any:
+    def _follow(self, key: Key) -> None:
+        """Moves the prediction past ``key``: the recording's next step, or (a
+        misprediction) the step after ``key``'s next occurrence in the recording."""
+        recording = self._recording
+        if not recording:
+            return
+        if recording[self._cursor] == key:
+            self._cursor = (self._cursor + 1) % len(recording)
+        else:
+            self._counters.mispredictions += 1
+            self._resync(key, self._cursor)
+
+    def _restart(self, key: Key, *, follow: bool = True) -> Any:
         """A new pipeline whose first step is ``key``, then the predictions."""
         self._stop_pipeline()
-        recording = self._recording
-        if recording:
-            if recording[self._cursor] == key:
-                self._cursor = (self._cursor + 1) % len(recording)
-            else:
-                self._counters.mispredictions += 1
-                self._resync(key, self._cursor)
+        if follow:
+            self._follow(key)
         feeder = self._feeder = _Feeder(self)
         feeder.upcoming = key
         self._pipeline = self._controller.run(
@@ -582,19 +600,21 @@ class Offload:
                     self._stop_pipeline()
                     self._cursor = position
             elif not feeder.stopped:
+                self._follow(key)
                 feeder.upcoming = key
                 try:
                     return self._next(pipeline, staged=False)
                 except StopIteration:
-                    pass
+                    return self._restart(key, follow=False)
         return self._restart(key)
 
-    def _pre_hook(self, unit: int) -> Callable[..., None]:
-        def pre(module: nn.Module, args: Any) -> None:
-            stack = self._stack
-            stack.append(unit)
-            key = tuple(stack)
-            self._actual.append(key)
+    def _unit_enter(self, unit: int) -> None:
+        """Before unit ``unit``'s forward: its step, and its tensors in their slots."""
+        stack = self._stack
+        stack.append(unit)
+        key = tuple(stack)
+        self._actual.append(key)
+        try:
             if self._resident is not None:
                 if unit in self._resident_units:
                     self._counters.steps += 1
@@ -604,56 +624,95 @@ class Offload:
                             value.install(value.bundle)
                     return
                 self._leave_resident()
-            try:
-                use = self._enter(key)
-                location = self._location
-                for value in self._unit_values[unit]:
-                    value.installed += 1
-                    if value.installed == 1:
-                        value.install(use.value(value.handle, at=location))
-            except BaseException:
-                for value in self._unit_values[unit]:
-                    if value.installed:
-                        value.installed -= 1
-                        if value.installed == 0:
-                            value.uninstall()
-                stack.pop()
-                raise
-
-        return pre
-
-    def _post_hook(self, unit: int) -> Callable[..., None]:
-        def post(module: nn.Module, args: Any, output: Any) -> None:
-            stack = self._stack
-            if not stack or stack[-1] != unit:
-                return  # the pre-hook failed: it undid itself
-            stack.pop()
+            use = self._enter(key)
+            location = self._location
             for value in self._unit_values[unit]:
+                value.installed += 1
+                if value.installed == 1:
+                    value.install(use.value(value.handle, at=location))
+        except BaseException:
+            self._unit_exit(unit)
+            raise
+
+    def _unit_exit(self, unit: int) -> None:
+        """After unit ``unit``'s forward (or a failed entry): placeholders back."""
+        stack = self._stack
+        if stack and stack[-1] == unit:
+            stack.pop()
+        for value in self._unit_values[unit]:
+            if value.installed:
                 value.installed -= 1
                 if value.installed == 0:
                     value.uninstall()
 
-        return post
+    def _wrap_unit(self, unit: int, module: nn.Module) -> None:
+        original = module.forward
+        lock, enter, leave = self._lock, self._unit_enter, self._unit_exit
 
-    def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        self._depth += 1
-        if self._simulated:
-            return None
-        device = self._compute_device
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                enter(unit)
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    leave(unit)
+
+        self._wrap(module, forward)
+
+    def _wrap_root(self) -> None:
+        module = self._module
+        original = module.forward
+        lock = self._lock
+        device = None if self._simulated else self._compute_device
 
         def move(item: Any) -> Any:
             if isinstance(item, torch.Tensor) and item.device != device:
                 return item.to(device, non_blocking=True)
             return item
 
-        return torch.utils._pytree.tree_map(move, (args, kwargs))
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                if device is not None:
+                    args, kwargs = tree_map(move, (args, kwargs))
+                self._depth += 1
+                finished = False
+                try:
+                    output = original(*args, **kwargs)
+                    finished = True
+                    return output
+                finally:
+                    self._depth -= 1
+                    if not self._depth:
+                        self._pass_end(finished)
 
-    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._depth -= 1
-        if self._depth:
+        self._wrap(module, forward)
+
+    def _wrap(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+        """Puts ``forward`` in front of ``module.forward``; `close` undoes it."""
+        self._wrapped.append((module, module.__dict__.get("forward", _ABSENT)))
+        module.forward = forward  # type: ignore[method-assign]
+
+    def _unwrap(self) -> None:
+        wrapped, self._wrapped = self._wrapped, []
+        for module, previous in reversed(wrapped):
+            if previous is _ABSENT:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous  # type: ignore[method-assign]
+
+    def _pass_end(self, finished: bool) -> None:
+        """After a root forward: a forward that finished and took another order than
+        the recording is the new recording (one that raised records nothing)."""
+        actual, self._actual = self._actual, []
+        if self._stack:
+            # A forward interrupted inside a unit (KeyboardInterrupt, say) left it
+            # entered: placeholders back everywhere.
+            for unit in reversed(self._stack):
+                self._unit_exit(unit)
+            self._stack = []
+        if not finished:
             return
         self._counters.forwards += 1
-        actual, self._actual = self._actual, []
         if actual != self._recording:
             if self._recording is not None:
                 self._counters.rerecords += 1
@@ -838,9 +897,7 @@ class Offload:
             self._stop_pipeline()
         except BaseException as failure:
             error = failure
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._unwrap()
         self._stack = []
         values, self._values = self._values, []
         if not self._manager_closed():
@@ -873,14 +930,18 @@ class Offload:
                 for slot in slots:
                     slot.install(tensor)
             return
+        # Back in pageable memory, as the module's tensors were: copied out of whatever
+        # the value lives in, and that copy dropped at once (one value's bytes extra at
+        # a time).
         manager = self._manager
-        host = self._host
-        snapshot_locations = _locations_of(manager, value.handle)
-        at = host if host in snapshot_locations else PAGEABLE_HOST
-        if at not in snapshot_locations:
-            manager.ensure(value.handle, PAGEABLE_HOST)
-        with manager.acquire([value.handle], at=at) as borrowed:
-            bundle = borrowed[value.handle]
+        handle = value.handle
+        held = _locations_of(manager, handle)
+        if PAGEABLE_HOST not in held:
+            manager.ensure(handle, PAGEABLE_HOST)
+        with manager.acquire([handle], at=PAGEABLE_HOST) as borrowed:
+            bundle = borrowed[handle]
+        for location in held - {PAGEABLE_HOST}:
+            manager.drop(handle, location)
         for tensor, slots in zip(bundle._resident_tensors, group.slots, strict=True):
             restored: torch.Tensor = (
                 nn.Parameter(tensor, requires_grad=False) if slots[0].is_parameter else tensor
