@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -93,7 +93,7 @@ CPU_SIZES = LlamaSizes(
 )
 
 # (name, policy, prefetch or None for the run's `prefetch`, budget kind)
-_RUNS: tuple[tuple[str, str, int | None, str], ...] = (
+_RUNS: tuple[tuple[str, Literal["lru", "schedule-aware"], int | None, str], ...] = (
     ("resident", "lru", 0, "everything"),
     ("every unit, every token", "lru", 0, "largest unit"),
     ("lru", "lru", None, "a third"),
@@ -151,7 +151,7 @@ def checkpoint(cache: Path, sizes: LlamaSizes) -> tuple[Path, bool]:
 def _unit_rule() -> type[nn.Module]:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    return LlamaDecoderLayer  # type: ignore[no-any-return]
+    return LlamaDecoderLayer
 
 
 def _unit_bytes(model: nn.Module) -> list[int]:
@@ -207,7 +207,7 @@ class _Work:
             self.context = 0 if cache is None else int(cache.get_seq_length())
             return original(*args, **kwargs)
 
-        model.forward = forward  # type: ignore[method-assign]
+        model.forward = forward
         self.undo.append(lambda: model.__dict__.pop("forward", None))
 
     def _wrap(self, name: str, module: nn.Module, *, attention: bool) -> None:
@@ -237,7 +237,7 @@ class _Work:
             self.compute.declare_seconds(seconds, name)
             return output
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         self.undo.append(lambda: module.__dict__.pop("forward", None))
 
     def remove(self) -> None:
@@ -395,6 +395,7 @@ def run_llama_demo(
                 "budget_bytes": budget,
                 "budget_kind": budget_kind,
                 "tokens": generated,
+                "new_tokens": new_tokens,
                 "forwards": after.forwards - before.forwards,
                 "h2d_bytes": after.h2d_bytes - before.h2d_bytes,
                 "loads": after.loads - before.loads,
@@ -415,9 +416,9 @@ def run_llama_demo(
         figures["h2d_bytes_per_token"] = figures["h2d_bytes"] / new_tokens
     time_kind = "measured (CUDA events)" if compute.on_gpu else "predicted (timeline model)"
     exposed_kind = (
-        "estimated: time minus the resident run's"
+        "estimated as the time less the resident run's"
         if compute.on_gpu
-        else "predicted: makespan minus compute"
+        else "predicted (timeline model): the makespan less the compute engine's busy time"
     )
     summary: dict[str, Any] = {
         "device": compute.description,
@@ -439,14 +440,10 @@ def run_llama_demo(
     log("")
     for line in table:
         log(line)
-    log(
-        f"tok/s and copy-exposed: {time_kind}; copy-exposed is the copy time not hidden "
-        f"behind compute ({exposed_kind})."
-    )
-    log(
-        "every unit, every token: Accelerate's hooks emulated by offload(policy='lru', "
-        "prefetch=0) at a budget of the largest unit."
-    )
+    log(f"tok/s: {time_kind}. copy-exposed: the copy time not hidden behind compute,")
+    log(f"  {exposed_kind}.")
+    log("every unit, every token: Accelerate's hooks, emulated by offload(policy='lru',")
+    log("  prefetch=0) at a budget of the largest unit.")
     same = len({tuple(figures["tokens"]) for figures in runs.values()}) == 1
     log("tokens: " + ("the same in every run." if same else "DIFFERENT between runs!"))
     plotted = _plot(runs, out / "llama.png", time_kind, log)
@@ -460,15 +457,15 @@ def _table(runs: dict[str, dict[str, Any]], on_gpu: bool) -> list[str]:
     rate = "tok/s" if on_gpu else "tok/s (pred.)"
     lines = [
         f"{'run':<25}{'prefetch':>9}{rate:>15}{'H2D MiB/tok':>13}"
-        f"{'device peak/budget MiB':>24}{'host peak MiB':>15}{'copy-exposed ms':>17}"
+        f"{'device peak/budget MiB':>24}{'host peak MiB':>15}{'copy-exposed ms/tok':>21}"
     ]
     for name, figures in runs.items():
         peak = f"{figures['device_peak_bytes'] / MIB:.1f}/{figures['budget_bytes'] / MIB:.1f}"
         lines.append(
-            f"{name:<25}{figures['prefetch']:>9}{figures['tokens_per_s']:>15.1f}"
+            f"{name:<25}{figures['prefetch']:>9}{figures['tokens_per_s']:>15.0f}"
             f"{figures['h2d_bytes_per_token'] / MIB:>13.2f}{peak:>24}"
             f"{figures['host_peak_bytes'] / MIB:>15.1f}"
-            f"{figures['exposed_copy_seconds'] * 1e3:>17.2f}"
+            f"{figures['exposed_copy_seconds'] * 1e3 / figures['new_tokens']:>21.3f}"
         )
     return lines
 
