@@ -30,10 +30,12 @@ __all__ = [
     "ResidencyDivergenceError",
     "ResidencyCollectiveError",
     "ResidencyCommunicationError",
+    "ResidencyCheckpointError",
     "ConfigurationError",
     "StateError",
     "ExecutionError",
     "ArtifactError",
+    "ResidencyScheduleExhaustedWarning",
 ]
 
 
@@ -64,6 +66,18 @@ class ExecutionError(FHEliumError):
 
 class ArtifactError(FHEliumError):
     """A missing, corrupt or incompatible stored artifact."""
+
+
+class ResidencyScheduleExhaustedWarning(UserWarning):
+    """A controller decides with a one-pass `ScheduleAwarePolicy` whose schedule has run out.
+
+    Warned once per exhaustion: every later decision falls back to
+    `DeterministicTieredLRU`'s order, which misses every step of a repeating schedule that
+    outgrows the budget. Build the policy with ``cyclic=True`` for a schedule that repeats,
+    or call ``seek(0)`` before a new pass. A warning, not an error: every decision stays
+    correct, only the choice of victims degrades. See
+    docs/concepts/controller.md#schedule-aware-eviction.
+    """
 
 
 class ResidencyError(FHEliumError, RuntimeError):
@@ -649,6 +663,43 @@ class ResidencyCommunicationError(ResidencyCollectiveError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         kwargs = {"operation": self.operation, "phase": self.phase, "detail": self.detail}
+        return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+class ResidencyCheckpointError(ResidencyError, ValueError):
+    """A checkpoint that does not fit the module it is meant for, or cannot be parsed.
+
+    A missing key, a tensor of another shape, a dtype that cannot be cast to the
+    parameter's (a floating tensor for an integer or bool parameter, or the reverse), an
+    unknown dtype, a damaged header or index: raised before anything is loaded. It is the
+    one residency error that is also a `ValueError`, since what is wrong is the checkpoint
+    handed in, not the manager's state. See docs/concepts/errors.md#structured-errors.
+
+    Args:
+        detail: What is wrong.
+        key: The tensor's name in the checkpoint, or ``None`` when no one key is at fault.
+        path: The file at fault (the shard, the index, the directory), or ``None``.
+
+    Attributes:
+        detail: What is wrong (``str``).
+        key: The tensor's name, or ``None``.
+        path: The file, or ``None``.
+    """
+
+    detail: str
+    key: str | None
+    path: str | None
+
+    def __init__(self, detail: str, *, key: str | None = None, path: str | None = None) -> None:
+        self.detail = str(detail)
+        self.key = None if key is None else str(key)
+        self.path = None if path is None else str(path)
+        where = "checkpoint" if self.path is None else f"checkpoint {self.path}"
+        what = "" if self.key is None else f", key {self.key!r}"
+        super().__init__(f"{where}{what}: {self.detail}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {"detail": self.detail, "key": self.key, "path": self.path}
         return (_rebuild, (type(self), kwargs), self.__dict__)
 
 

@@ -5,8 +5,10 @@ Hypothesis draws thousands of small managers (2-6 values over the four locations
 them budgeted with small budgets, random replica modes, recoverability, sources, extra
 replicas, holds, pending CUDA leases, outside reservations, discarded values, controller
 metadata, access epochs from real `use` entries and fallback tiers), random requests with
-reservations, small `search_state_limit`s and four policy flavours (the built-in policy,
-the same order through a Python policy, and two reversed orders). Both sides must agree on
+reservations, small `search_state_limit`s and six policy flavours (the built-in policy,
+the same order through a Python policy, two reversed orders, and the schedule-aware policy,
+natively and through a subclass, over a random one-pass or cyclic schedule standing at a
+random step, exhausted included). Both sides must agree on
 the outcome kind, the reclaim and enter actions in order, the evictions (action, rank,
 released location, bytes, reason) and `explored_states`, including where the limit is hit.
 
@@ -18,6 +20,7 @@ the explanation's reason (controller.md#decide, step 7).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,7 @@ from fhelium.errors import (
     ResidencyHandleError,
     ResidencyOwnershipError,
     ResidencyPlanError,
+    ResidencyScheduleExhaustedWarning,
     ResidencySearchLimitError,
 )
 from fhelium.residency._runtime import SimulatedStream
@@ -38,6 +42,7 @@ from fhelium.residency.manager import ResidencyManager
 from fhelium.residency.model import ReplicaMode
 from fhelium.residency.plan import MemoryReservation
 from fhelium.residency.policy import DeterministicTieredLRU, ResidencyPolicyMetadata
+from fhelium.residency.schedule import ScheduleAwarePolicy
 from helpers.controller import RecordingPolicy, eviction_tuples, request
 from helpers.controller_reference import planning_input, ref_plan, reference_decide
 from helpers.manager import (
@@ -84,6 +89,15 @@ class ReversedLRU(DeterministicTieredLRU):
         return tuple(reversed(super().order_candidates(candidates)))
 
 
+class ConsultedSchedule(ScheduleAwarePolicy):
+    """A subclass of the schedule-aware policy: consulted through `order_candidates`."""
+
+    __slots__ = ()
+
+
+SCHEDULED = ("schedule", "schedule-python")
+
+
 def make_policy(kind: str, tiers: dict[ResidencyLocation, list[ResidencyLocation]]) -> Any:
     if kind == "native":
         return DeterministicTieredLRU(tiers)
@@ -120,6 +134,10 @@ class Scenario:
     requirements: tuple[tuple[int, ResidencyLocation], ...]
     request_reservations: tuple[tuple[ResidencyLocation, int], ...]
     limit: int
+    # The schedule-aware flavours': steps of value numbers, cyclic, the step to stand at.
+    schedule: tuple[tuple[int, ...], ...] = ()
+    cyclic: bool = False
+    position: int = 0
 
 
 locations = st.sampled_from(ALL)
@@ -179,7 +197,11 @@ def scenarios(draw: Any) -> Scenario:
         holds=tuple(draw(st.lists(st.tuples(index, locations), max_size=2))),
         reservations=tuple(draw(st.lists(st.tuples(locations, small_bytes), max_size=1))),
         tiers=tuple(tiers),
-        policy=draw(st.sampled_from(["native", "native", "python", "reversed", "subclass"])),
+        policy=draw(
+            st.sampled_from(
+                ["native", "native", "python", "reversed", "subclass", *SCHEDULED, "schedule"]
+            )
+        ),
         requirements=tuple(
             draw(
                 st.lists(
@@ -195,6 +217,14 @@ def scenarios(draw: Any) -> Scenario:
         # Limits stay small: the documented search can cycle (moves between two tiers) until
         # the limit, and the reference recurses once per state.
         limit=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 13, 300, 300])),
+        schedule=tuple(
+            tuple(step)
+            for step in draw(
+                st.lists(st.lists(index, min_size=1, max_size=3, unique=True), max_size=6)
+            )
+        ),
+        cyclic=draw(st.booleans()),
+        position=draw(st.integers(0, 6)),
     )
 
 
@@ -205,10 +235,13 @@ class World:
         self.runtime = runtime
         self.scenario = scenario
         self.manager = ResidencyManager(dict(scenario.budgets))
-        self.policy = make_policy(scenario.policy, {k: list(v) for k, v in scenario.tiers})
-        self.controller = ResidencyController(
-            self.manager, policy=self.policy, search_state_limit=scenario.limit
-        )
+        self.tiers = {k: list(v) for k, v in scenario.tiers}
+        self.scheduled = scenario.policy in SCHEDULED
+        # A schedule names the values: its policy and controller come once they exist.
+        self.policy: Any = None if self.scheduled else make_policy(scenario.policy, self.tiers)
+        self.controller: Any = None
+        if not self.scheduled:
+            self._control()
         self.handles: list[Any] = []
         self.sources: list[Source] = []
         self.metadata: dict[Any, ResidencyPolicyMetadata] = {}
@@ -217,16 +250,35 @@ class World:
         self.epoch = 0
         self.lifetimes: list[Any] = []
 
+    def _control(self) -> None:
+        self.controller = ResidencyController(
+            self.manager, policy=self.policy, search_state_limit=self.scenario.limit
+        )
+
     def build(self) -> None:
         for plan in self.scenario.values:
             self.handles.append(self._value(plan))
+        if self.scheduled:
+            kind = ScheduleAwarePolicy if self.scenario.policy == "schedule" else ConsultedSchedule
+            self.policy = kind(
+                [[self.handles[i] for i in step] for step in self.scenario.schedule],
+                cyclic=self.scenario.cyclic,
+                fallback_tiers=self.tiers,
+            )
+            self._control()
         for index, priority, key in self.scenario.metadata:
             self._metadata(self.handles[index], priority, key)
         for plan, handle in zip(self.scenario.values, self.handles, strict=True):
             if plan.discard:
                 self.manager.discard(handle)
-        for group in self.scenario.touches:
-            self._touch(group)
+        with warnings.catch_warnings():
+            # Touches may run a one-pass schedule out; the decide checked stands at
+            # `position` below, sought afresh (which warns again when exhausted).
+            warnings.simplefilter("ignore", ResidencyScheduleExhaustedWarning)
+            for group in self.scenario.touches:
+                self._touch(group)
+        if self.scheduled:
+            self.policy.seek(self.scenario.position % (len(self.scenario.schedule) + 1))
         if self.scenario.complete_events:
             self.runtime.complete_events()
         snap = self.manager.snapshot()
@@ -356,7 +408,13 @@ def check(world: World) -> str:
         key = f"explored-{min(expected.explored_states, 6)}"
         SEEN[key] = SEEN.get(key, 0) + 1
     calls = [source.calls for source in world.sources]
-    kind, result = outcome_of(world.controller, req)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kind, result = outcome_of(world.controller, req)
+    # A one-pass schedule that has run out says so (and orders as the tiered LRU,
+    # which the reference's call of its `order_candidates` checks); nothing else warns.
+    exhausted = world.scheduled and world.policy.exhausted
+    assert [w.category for w in caught] == [ResidencyScheduleExhaustedWarning] * exhausted
     assert world.manager.state_version == planning.state_version
     assert [source.calls for source in world.sources] == calls
 
@@ -407,6 +465,10 @@ def test_decide_matches_the_reference(scenario: Scenario) -> None:
             world.build()
             outcome = check(world)
             SEEN[outcome] = SEEN.get(outcome, 0) + 1
+            if world.scheduled:
+                mode = "cyclic" if scenario.cyclic else "one-pass"
+                key = f"{scenario.policy}/{mode}/{outcome}"
+                SEEN[key] = SEEN.get(key, 0) + 1
         finally:
             world.close()
 
@@ -417,3 +479,7 @@ def test_the_differential_covers_every_outcome() -> None:
         return
     for kind in ("ok", "reclaim", "limit", "infeasible"):
         assert SEEN.get(kind, 0) > 0, SEEN
+    # The schedule-aware flavours chose victims, both ways and in both modes.
+    for policy in SCHEDULED:
+        for mode in ("cyclic", "one-pass"):
+            assert SEEN.get(f"{policy}/{mode}/reclaim", 0) > 0, SEEN

@@ -38,6 +38,7 @@ PUBLIC_MODULES = (
     "fhelium.residency.simulation",
     "fhelium.residency.sources",
     "fhelium.residency.export",
+    "fhelium.residency.nn",
 )
 
 

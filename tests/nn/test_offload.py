@@ -24,9 +24,9 @@ def _no_grad() -> Iterator[None]:
         yield
 
 
-@pytest.fixture
-def runtime() -> Iterator[SimulatedRuntime]:
-    simulated = SimulatedRuntime(1, auto_complete=True)
+@pytest.fixture(params=[True, False], ids=["events-complete", "events-pending"])
+def runtime(request: pytest.FixtureRequest) -> Iterator[SimulatedRuntime]:
+    simulated = SimulatedRuntime(1, auto_complete=request.param)
     with use_runtime(simulated):
         yield simulated
 
@@ -204,6 +204,7 @@ def test_close_puts_the_module_back(runtime: SimulatedRuntime) -> None:
         assert tensor.device.type == "cpu"
         assert torch.equal(tensor, original[name]), name
     assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())  # as they were
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert engine_closed(manager)
     assert torch.equal(model(x), expected)
@@ -374,3 +375,109 @@ def test_repr(runtime: SimulatedRuntime) -> None:
         assert "units=2" in repr(off)
         assert "open" in repr(off)
     assert "closed" in repr(off)
+
+
+def save(module: nn.Module, path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path))
+    return path
+
+
+def test_checkpoint_onto_a_meta_module(runtime: SimulatedRuntime, tmp_path: Path) -> None:
+    from fhelium.residency.nn import init_empty_weights
+
+    model = Cnn().eval()
+    x = torch.randn(2, 3, 8, 8)
+    expected = model(x)
+    file = save(model, tmp_path / "cnn.safetensors")
+    with init_empty_weights():
+        empty = Cnn().eval()
+    assert empty.conv.weight.is_meta
+    total = weights_nbytes(model)
+    with offload(empty, checkpoint=file, budget=total * 7 // 8, host_budget=total) as off:
+        for _ in range(3):
+            assert torch.equal(empty(x), expected)
+        stats = off.stats()
+        # The host keeps a copy of what it read: the file is read once.
+        assert stats.disk_read_bytes == total
+        assert stats.host_peak_bytes <= total
+    assert all(p.is_meta for p in empty.parameters())
+
+
+def test_checkpoint_cast_and_kept_buffers(runtime: SimulatedRuntime, tmp_path: Path) -> None:
+    from fhelium.residency.nn import init_empty_weights
+
+    class WithTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+            self.register_buffer("table", torch.arange(8.0), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) + self.table
+
+    torch.manual_seed(5)
+    model = WithTable().eval()
+    file = save(model, tmp_path / "m.safetensors")
+    x = torch.randn(2, 8)
+    with init_empty_weights():
+        empty = WithTable().eval()
+    assert not empty.table.is_meta  # buffers stay real
+    with offload(empty, checkpoint=file, budget=1 << 20, dtype=torch.float64):
+        out = empty(x.double())
+        assert out.dtype == torch.float64
+        expected = model.double()(x.double())
+        assert torch.allclose(out, expected)
+
+
+def test_checkpoint_errors_before_anything_runs(runtime: SimulatedRuntime, tmp_path: Path) -> None:
+    from fhelium.errors import ResidencyCheckpointError
+    from fhelium.residency.nn import init_empty_weights
+
+    model = mlp(2)
+    state = model.state_dict()
+    del state["1.0.bias"]
+    from safetensors.torch import save_file
+
+    save_file(state, str(tmp_path / "missing.safetensors"))
+    with init_empty_weights():
+        empty = mlp(2)
+    with pytest.raises(ResidencyCheckpointError) as caught:
+        offload(empty, checkpoint=tmp_path / "missing.safetensors", budget=1 << 20)
+    assert caught.value.key == "1.0.bias"
+    assert caught.value.path is not None
+    assert caught.value.path.endswith("missing.safetensors")
+    assert all(p.is_meta for p in empty.parameters())  # untouched
+    assert not any("forward" in m.__dict__ for m in empty.modules())
+    state = mlp(2).state_dict()
+    state["0.0.weight"] = torch.zeros(31, 32)
+    save_file(state, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(ResidencyCheckpointError, match="shape") as caught:
+        offload(empty, checkpoint=tmp_path / "shape.safetensors", budget=1 << 20)
+    assert caught.value.key == "0.0.weight"
+    with pytest.raises(ValueError, match="meta"):
+        offload(empty, budget=1 << 20)  # no checkpoint for a meta module
+
+
+def test_with_a_manager_of_the_callers(runtime: SimulatedRuntime) -> None:
+    from fhelium.residency import ResidencyManager, cuda_location
+
+    model = mlp(4)
+    x = torch.randn(2, 32)
+    expected = model(x)
+    gpu = cuda_location("cuda:0")
+    budget = weights_nbytes(model) // 2
+    with ResidencyManager({gpu: budget}) as manager:
+        with pytest.raises(ValueError, match="budgets are the manager's"):
+            offload(model, manager=manager, budget=budget)
+        with offload(model, manager=manager) as off:
+            assert off.manager is manager
+            for _ in range(2):
+                assert torch.equal(model(x), expected)
+            assert off.stats().h2d_bytes > 0
+            assert off.stats().device_peak_bytes <= budget
+        # The module has its tensors back: the manager forgot them.
+        values = manager.snapshot().values
+        assert all(v.discarded and not v.materializations for v in values)
+    assert torch.equal(model(x), expected)

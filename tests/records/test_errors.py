@@ -17,6 +17,7 @@ from fhelium import errors
 from fhelium.errors import (
     FHEliumError,
     ResidencyBudgetError,
+    ResidencyCheckpointError,
     ResidencyClosedError,
     ResidencyCollectiveError,
     ResidencyCommunicationError,
@@ -60,6 +61,9 @@ PARENT = {
 }
 ALL_RESIDENCY = [ResidencyError, *PARENT]
 ALL = [FHEliumError, *ALL_RESIDENCY]
+# The one residency error that is also a ValueError: a checkpoint that does not fit its
+# module is a bad argument's content (docs/concepts/errors.md#hierarchy).
+ALSO_VALUE_ERROR = {ResidencyCheckpointError: (ResidencyError, ValueError)}
 MESSAGE_ONLY = [
     ResidencyHandleError,
     ResidencyUnavailableError,
@@ -84,7 +88,7 @@ def test_errors_module_reachable_from_package() -> None:
     assert fhelium.errors is errors
 
 
-@pytest.mark.parametrize("cls", ALL, ids=_id)
+@pytest.mark.parametrize("cls", [*ALL, *ALSO_VALUE_ERROR], ids=_id)
 def test_error_defined_and_exported_by_errors_module(cls: type) -> None:
     assert cls.__module__ == "fhelium.errors"
     assert cls.__name__ in errors.__all__
@@ -118,6 +122,20 @@ def test_exact_parent(cls: type, parent: type) -> None:
 def test_no_residency_error_is_value_or_type_error(cls: type) -> None:
     assert not issubclass(cls, ValueError)
     assert not issubclass(cls, TypeError)
+
+
+@pytest.mark.parametrize(("cls", "bases"), list(ALSO_VALUE_ERROR.items()), ids=["checkpoint"])
+def test_errors_that_are_also_value_errors(cls: type, bases: tuple[type, ...]) -> None:
+    assert cls.__bases__ == bases
+    assert issubclass(cls, ResidencyError)
+    assert issubclass(cls, ValueError)
+    assert not issubclass(cls, TypeError)
+    assert set(errors.__all__) == {c.__name__ for c in [*ALL, *ALSO_VALUE_ERROR]} | {
+        "ConfigurationError",
+        "StateError",
+        "ExecutionError",
+        "ArtifactError",
+    }
 
 
 def test_plan_execution_error_is_sibling_of_plan_error() -> None:

@@ -236,11 +236,11 @@ def _decision_fields(decision: ResidencyDecision) -> tuple[Any, ...]:
 def _standing_at(policy: ScheduleAwarePolicy, position: int) -> Iterator[None]:
     """The policy stands at step ``position`` for the block, then where it stood."""
     standing = policy.position
-    policy.seek(min(position, len(policy.schedule)))
+    policy._stand(position)
     try:
         yield
     finally:
-        policy.seek(standing)
+        policy._stand(standing)
 
 
 class ResidencyController:
@@ -458,6 +458,11 @@ class ResidencyController:
         is given (a prefetch decides for a later step)."""
         # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
         self._engine.core.check_process()
+        policy = self._policy
+        if isinstance(policy, ScheduleAwarePolicy):
+            # A one-pass schedule that has run out says so, once, before anything is
+            # decided (docs/concepts/controller.md#schedule-aware-eviction).
+            policy._deciding_at(policy.position if position is None else position)
         with self._lock:
             manager = self._manager
             engine = self._engine
@@ -549,9 +554,9 @@ class ResidencyController:
             tiered = policy
         elif type(policy) is ScheduleAwarePolicy:
             tiered = policy._tiered
-            # The same order, natively: the schedule as handle indices, resolved once
-            # per policy until a value is discarded, and the policy's position
-            # (docs/concepts/controller.md#schedule-aware-eviction).
+            # The same order, natively: the schedule as handle indices (one pass or
+            # repeating), resolved once per policy until a value is discarded, and the
+            # policy's position (docs/concepts/controller.md#schedule-aware-eviction).
             schedule = (
                 self._schedule_index(policy),
                 policy.position if position is None else position,
@@ -602,7 +607,7 @@ class ResidencyController:
             and cached[1].discards == core.discard_count()
         ):
             return cached[1]
-        index = core.schedule_index([list(step) for step in policy.schedule])
+        index = core.schedule_index([list(step) for step in policy.schedule], cyclic=policy.cyclic)
         self._schedule_cache = (policy, index)
         return index
 

@@ -505,8 +505,8 @@ class _Pipeline:
         policy = controller.policy
         position = None
         if isinstance(policy, ScheduleAwarePolicy):
-            # The policy already stands past the active step.
-            position = min(len(policy.schedule), policy.position + distance - 1)
+            # The policy already stands past the active step; a cyclic schedule wraps.
+            position = policy._after(policy.position, distance - 1)
         core = controller._engine.core
         needs = _needs(request)
         manager = controller.manager

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
+import sys
 import threading
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from fhelium.errors import ResidencyScheduleExhaustedWarning
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
 from fhelium.residency.policy import DeterministicTieredLRU, ResidencyEvictionCandidate
@@ -24,6 +28,20 @@ __all__ = ["ScheduleAwarePolicy"]
 
 # The next use of a value the rest of the schedule never requests: beyond every step.
 _NEVER = float("inf")
+
+# fhelium's own source folder: a warning names the first caller outside it.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _outside_fhelium() -> int:
+    """The ``stacklevel`` of the innermost caller outside fhelium, counted from the caller
+    of this function's caller (the one that warns)."""
+    frame = sys._getframe(1).f_back
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def _step_handles(step: object, index: int) -> frozenset[ResidencyHandle[Any]]:
@@ -56,18 +74,28 @@ class ScheduleAwarePolicy:
     2. next use: never requested again first, then the farthest next use;
     3. then `DeterministicTieredLRU`'s order (access epoch, stable key, registration).
 
+    With ``cyclic=True`` the schedule repeats forever (a model's forward, token after
+    token): after its last step the position wraps to 0, and a next use may lie in the next
+    pass (see `next_use`). Without it the schedule is one pass: once every step is done the
+    policy is `exhausted`, has no next use left for anything and orders as
+    `DeterministicTieredLRU`; a controller that still decides with it warns once
+    (`fhelium.errors.ResidencyScheduleExhaustedWarning`) until `seek` starts a new pass.
+
     ``fallback_tiers`` are `DeterministicTieredLRU`'s. A controller using this policy moves
-    `position` forward itself through `observe`; `advance` and `seek` move it by hand. The
-    schedule and the tiers are immutable; the position is the only state, safe to move from
-    several threads. See docs/concepts/controller.md#schedule-aware-eviction.
+    `position` forward itself through `observe`, which counts the steps used off the
+    schedule (`misses`); `advance` and `seek` move it by hand. The schedule, ``cyclic`` and
+    the tiers are immutable; the position and the counts are the only state, safe to move
+    from several threads. See docs/concepts/controller.md#schedule-aware-eviction.
 
     Args:
         schedule: The future steps, read once.
+        cyclic: Whether the schedule repeats after its last step.
         fallback_tiers: Spill destinations by location, as for `DeterministicTieredLRU`.
 
     Raises:
         TypeError: ``schedule`` is a string or not iterable, a step is neither a request nor
-            an iterable of handles, or ``fallback_tiers`` is malformed.
+            an iterable of handles, ``cyclic`` is not a bool, or ``fallback_tiers`` is
+            malformed.
         ValueError: ``fallback_tiers`` lists a location among its own destinations or repeats
             one.
 
@@ -84,22 +112,43 @@ class ScheduleAwarePolicy:
             assert (policy.next_use(a), policy.next_use(b)) == (0, 1)
             assert policy.observe([a]) and policy.position == 1
             assert policy.next_use(a) == 2
+            assert not policy.observe([a]) and policy.misses == 1  # step 1 requests b
+
+            repeating = ScheduleAwarePolicy([[a], [b]], cyclic=True)
+            assert repeating.observe([a]) and repeating.observe([b])
+            assert repeating.position == 0  # wrapped: the next pass
+            repeating.advance()
+            assert repeating.next_use(a) == 2  # step 0 of the next pass
         ```
     """
 
-    __slots__ = ("_identity", "_lock", "_position", "_steps", "_tiered", "_uses")
+    __slots__ = (
+        "_cyclic",
+        "_identity",
+        "_lock",
+        "_misses",
+        "_position",
+        "_steps",
+        "_tiered",
+        "_uses",
+        "_warned",
+    )
 
     def __init__(
         self,
         schedule: Iterable[ResidencyRequest | Iterable[ResidencyHandle[Any]]],
         *,
+        cyclic: bool = False,
         fallback_tiers: Mapping[ResidencyLocation, Sequence[ResidencyLocation]] | None = None,
     ) -> None:
         if isinstance(schedule, (str, bytes)) or not isinstance(schedule, Iterable):
             raise TypeError(f"schedule must be an iterable of steps, got {type(schedule).__name__}")
+        if not isinstance(cyclic, bool):
+            raise TypeError(f"cyclic must be a bool, got {type(cyclic).__name__}")
         steps = tuple(_step_handles(step, index) for index, step in enumerate(schedule))
         self._tiered = DeterministicTieredLRU(fallback_tiers)
         self._steps = steps
+        self._cyclic = cyclic
         uses: dict[ResidencyHandle[Any], list[int]] = {}
         for index, handles in enumerate(steps):
             for handle in handles:
@@ -112,9 +161,14 @@ class ScheduleAwarePolicy:
             digest.update(b"\1")
         self._identity = (
             ("schedule", (len(steps), digest.hexdigest())),
+            ("cyclic", cyclic),
             *self._tiered.config_identity,
         )
         self._position = 0
+        self._misses = 0
+        # Whether this exhaustion was warned about: set by the first decide past the
+        # end, cleared by `seek` (a new pass).
+        self._warned = False
         self._lock = threading.Lock()
 
     @property
@@ -124,10 +178,11 @@ class ScheduleAwarePolicy:
 
     @property
     def config_identity(self) -> tuple[tuple[str, object], ...]:
-        """``(("schedule", (step count, sha256 of the steps' ids)), ("fallback_tiers", ...))``.
+        """``(("schedule", (step count, sha256 of the steps' ids)), ("cyclic", bool),
+        ("fallback_tiers", ...))``.
 
-        The position is state, not configuration, so a decision stays usable as the policy
-        advances.
+        The position and the counts are state, not configuration, so a decision stays usable
+        as the policy advances.
         """
         return self._identity
 
@@ -137,12 +192,53 @@ class ScheduleAwarePolicy:
         return self._steps
 
     @property
+    def cyclic(self) -> bool:
+        """Whether the schedule repeats: after its last step, its first step comes next."""
+        return self._cyclic
+
+    @property
     def position(self) -> int:
-        """The step the policy stands at; ``len(schedule)`` once every step is done."""
+        """The step the policy stands at.
+
+        In ``0..len(schedule) - 1`` for a cyclic schedule (0 again after the last step); a
+        one-pass schedule reaches ``len(schedule)`` once every step is done.
+        """
         return self._position
 
+    @property
+    def exhausted(self) -> bool:
+        """Whether a one-pass schedule has run out: every step done, no next use left.
+
+        An exhausted policy orders as `DeterministicTieredLRU`; a controller that decides
+        with it warns once (`fhelium.errors.ResidencyScheduleExhaustedWarning`). `seek`
+        starts a new pass. Never true for a cyclic schedule.
+        """
+        return not self._cyclic and self._position >= len(self._steps)
+
+    @property
+    def misses(self) -> int:
+        """How many `observe` calls did not advance: steps used off the schedule.
+
+        A step whose handles are not exactly those of the step at `position` (another
+        order, or any step once the schedule is `exhausted`) counts one. The count only
+        grows; a controller's decisions for such steps follow the schedule only as far as
+        it still predicts them.
+        """
+        return self._misses
+
+    def _after(self, position: int, steps: int) -> int:
+        """The position ``steps`` steps after ``position``: wrapped when cyclic, else never
+        past the end."""
+        count = len(self._steps)
+        if self._cyclic:
+            return (position + steps) % count if count else 0
+        return min(count, position + steps)
+
     def advance(self, steps: int = 1) -> int:
-        """Move ``steps`` steps forward, never past the end.
+        """Move ``steps`` steps forward, wrapping when cyclic, never past a one-pass end.
+
+        Past the last step of a cyclic schedule comes its first; a one-pass schedule stops
+        at ``len(schedule)``.
 
         Args:
             steps: How many steps (an int >= 0).
@@ -159,14 +255,18 @@ class ScheduleAwarePolicy:
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         with self._lock:
-            self._position = min(len(self._steps), self._position + steps)
+            self._position = self._after(self._position, steps)
             return self._position
 
     def seek(self, position: int) -> None:
         """Stand at step ``position``, for a new pass or a schedule driven by hand.
 
+        A one-pass schedule sought back before its end is no longer `exhausted`, and a
+        later exhaustion warns again.
+
         Args:
-            position: The step, ``0..len(schedule)``.
+            position: The step, ``0..len(schedule)``; a cyclic schedule takes
+                ``len(schedule)`` as 0, the next pass's first step.
 
         Raises:
             TypeError: ``position`` is a ``bool`` or not an int.
@@ -177,13 +277,42 @@ class ScheduleAwarePolicy:
         if not 0 <= position <= len(self._steps):
             raise ValueError(f"position must be in 0..{len(self._steps)}, got {position}")
         with self._lock:
-            self._position = position
+            self._position = self._after(position, 0)
+            self._warned = False
+
+    def _stand(self, position: int) -> None:
+        """Stand at ``position`` (in range) for the controller, which stands back where the
+        policy was afterwards: not a new pass, so an exhaustion already warned about stays
+        warned."""
+        with self._lock:
+            self._position = self._after(position, 0)
+
+    def _deciding_at(self, position: int) -> None:
+        """A controller decides for step ``position``: warns once per exhaustion when a
+        one-pass schedule has no step left there
+        (docs/concepts/controller.md#schedule-aware-eviction)."""
+        count = len(self._steps)
+        if self._cyclic or position < count:
+            return
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        warnings.warn(
+            f"the ScheduleAwarePolicy's one-pass schedule is exhausted: a decision stands "
+            f"past its last step (of {count}), so it and every later one fall back to the "
+            "DeterministicTieredLRU order. Build ScheduleAwarePolicy(..., cyclic=True) for a "
+            "schedule that repeats, or call policy.seek(0) before a new pass",
+            ResidencyScheduleExhaustedWarning,
+            stacklevel=_outside_fhelium(),
+        )
 
     def observe(self, handles: Iterable[ResidencyHandle[Any]]) -> bool:
         """Record a used step: advance past the current step if ``handles`` are exactly its own.
 
-        The controller calls it after each successful use. Any other set of handles leaves the
-        position where it is.
+        The controller calls it after each successful use. Past the last step, a cyclic
+        schedule stands at its first step again. Any other set of handles leaves the position
+        where it is and counts one of `misses`.
 
         Args:
             handles: The handles the used request required.
@@ -196,19 +325,28 @@ class ScheduleAwarePolicy:
         """
         used = frozenset(handles)
         with self._lock:
-            if self._position < len(self._steps) and self._steps[self._position] == used:
-                self._position += 1
+            position = self._position
+            if position < len(self._steps) and self._steps[position] == used:
+                self._position = self._after(position, 1)
                 return True
+            self._misses += 1
             return False
 
     def next_use(self, handle: ResidencyHandle[Any]) -> int | None:
         """Return the first step at or after `position` requesting ``handle``.
 
+        Steps are counted on from the start of the current pass: in a cyclic schedule, a
+        request only in the next pass is at ``len(schedule) + i`` for its step ``i``
+        (standing at 5 of 8, a value requested only at step 2 is next used at 10). So
+        ``next_use(handle) - position`` is always the distance to the next use, and a
+        farther use is always a larger number, across the wrap too.
+
         Args:
             handle: The value.
 
         Returns:
-            That step's index, or ``None`` when it is never requested again.
+            That step's index, or ``None`` when it is never requested again (in a cyclic
+            schedule: when no step requests it).
 
         Raises:
             TypeError: ``handle`` is unhashable.
@@ -216,8 +354,11 @@ class ScheduleAwarePolicy:
         steps = self._uses.get(handle)
         if not steps:
             return None
-        at = bisect.bisect_left(steps, self._position)
-        return steps[at] if at < len(steps) else None
+        position = self._position
+        at = bisect.bisect_left(steps, position)
+        if at < len(steps):
+            return steps[at]
+        return steps[0] + len(self._steps) if self._cyclic else None
 
     def fallback_locations(self, location: ResidencyLocation) -> tuple[ResidencyLocation, ...]:
         """Return the configured destinations for ``location``, or ``()``.
@@ -263,5 +404,5 @@ class ScheduleAwarePolicy:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(steps={len(self._steps)}, position={self._position}, "
-            f"fallback_tiers={self._tiered!r})"
+            f"cyclic={self._cyclic}, misses={self._misses}, fallback_tiers={self._tiered!r})"
         )

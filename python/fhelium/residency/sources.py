@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from fhelium.residency._safetensors import dtype_size as _dtype_size
 from fhelium.residency.model import Recoverability, ReplicaMode, ResidencyValueSpec
 from fhelium.values.tensor_resident import ResidentTensor, TensorBundle, TensorResident
 
@@ -130,26 +131,3 @@ class SafetensorsSource(Generic[ValueT]):
 
     def __repr__(self) -> str:
         return f"SafetensorsSource({str(self._path)!r}, {list(self._keys)!r})"
-
-
-_DTYPE_SIZES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
-
-
-def _dtype_size(name: str) -> int:
-    try:
-        return _DTYPE_SIZES[name]
-    except KeyError:
-        raise ValueError(f"unsupported safetensors dtype {name!r}") from None

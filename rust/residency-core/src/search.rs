@@ -544,10 +544,17 @@ pub struct ScheduleAware {
 /// binary search, so standing at another step costs nothing and a lookup costs
 /// `O(log uses)`, whatever the schedule's length. The steps are shared: a schedule
 /// indexed once serves every decide.
+///
+/// A cyclic schedule (`NextUses::cyclic`) repeats forever: past its last step, a
+/// position's next use is its first step of the next pass, counted on from the
+/// schedule's length (step `i` of the next pass is `len + i`), so farther uses stay
+/// larger across the wrap (docs/concepts/controller.md#schedule-aware-eviction).
 #[derive(Debug, Clone, Default)]
 pub struct NextUses {
     steps: Arc<FastMap<usize, Vec<u64>>>,
     cursor: u64,
+    /// The schedule's length when it repeats; `None` for one pass.
+    period: Option<u64>,
 }
 
 impl NextUses {
@@ -567,23 +574,49 @@ impl NextUses {
         Self {
             steps: Arc::new(steps),
             cursor: 0,
+            period: None,
         }
     }
 
-    /// The same steps, standing at step `cursor`: the steps before it are done.
+    /// The steps of a schedule that repeats forever, standing at its start.
+    pub fn cyclic(schedule: &[Vec<usize>]) -> Self {
+        Self {
+            period: Some(u64::try_from(schedule.len()).unwrap_or(u64::MAX)),
+            ..Self::new(schedule)
+        }
+    }
+
+    /// Whether the schedule repeats.
+    pub fn is_cyclic(&self) -> bool {
+        self.period.is_some()
+    }
+
+    /// The same steps, standing at step `cursor`: the steps before it are done. A
+    /// cyclic schedule's cursor wraps: `len` is step 0 of the next pass.
     #[must_use]
     pub fn at(&self, cursor: usize) -> Self {
+        let cursor = u64::try_from(cursor).unwrap_or(u64::MAX);
         Self {
             steps: Arc::clone(&self.steps),
-            cursor: u64::try_from(cursor).unwrap_or(u64::MAX),
+            cursor: self
+                .period
+                .and_then(|period| cursor.checked_rem(period))
+                .unwrap_or(cursor),
+            period: self.period,
         }
     }
 
-    /// The step at which `position` is next requested, if it is.
+    /// The step at which `position` is next requested, if it is: in a cyclic
+    /// schedule, a step of the next pass counts from the schedule's length.
     pub fn get(&self, position: usize) -> Option<u64> {
         let uses = self.steps.get(&position)?;
-        uses.get(uses.partition_point(|&step| step < self.cursor))
-            .copied()
+        let next = uses.get(uses.partition_point(|&step| step < self.cursor));
+        // Past its last step in this pass, a cyclic schedule's next use is its first
+        // step of the next pass.
+        next.copied().or_else(|| {
+            let period = self.period?;
+            uses.first().map(|&step| step.saturating_add(period))
+        })
     }
 
     /// Records that `position` is requested at `step`.
@@ -594,7 +627,8 @@ impl NextUses {
         }
     }
 
-    /// The positions requested at or after the current step, in no particular order.
+    /// The positions requested at or after the current step (in a cyclic schedule,
+    /// every position it requests), in no particular order.
     pub fn positions(&self) -> impl Iterator<Item = usize> + '_ {
         self.steps
             .keys()

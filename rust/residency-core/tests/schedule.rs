@@ -164,7 +164,50 @@ fn fewest_misses(requests: &[usize], capacity: usize) -> usize {
     search(requests, capacity, 0, 0, &mut HashMap::new())
 }
 
+/// Misses of the same cache serving `passes` passes of `one_pass`, evicting by a
+/// cyclic index of one pass only, standing at each request's step within its pass.
+fn cyclic_policy_misses(one_pass: &[usize], passes: usize, capacity: usize) -> usize {
+    let schedule: Vec<Vec<usize>> = one_pass.iter().map(|&value| vec![value]).collect();
+    let uses = NextUses::cyclic(&schedule);
+    let mut cached: Vec<usize> = Vec::new();
+    let mut misses = 0;
+    for step in 0..passes * one_pass.len() {
+        let value = one_pass[step % one_pass.len()];
+        if cached.contains(&value) {
+            continue;
+        }
+        misses += 1;
+        if cached.len() == capacity {
+            let mut policy = ScheduleAware {
+                lru: TieredLru::default(),
+                // The unrolled step: the index wraps it to the pass's own step.
+                next_use: uses.at(step),
+            };
+            let victim = evicted_first(&mut policy, &cached)[0];
+            cached.retain(|&kept| kept != victim);
+        }
+        cached.push(value);
+    }
+    misses
+}
+
 proptest! {
+    /// A one-pass schedule indexed as cyclic and used for several passes misses as
+    /// little as any choice of victims over the passes unrolled (ties among values
+    /// that the last pass no longer needs cost nothing).
+    #[test]
+    fn a_cyclic_index_misses_the_fewest_possible_over_several_passes(
+        one_pass in prop::collection::vec(0usize..6, 1..9),
+        passes in 1usize..4,
+        capacity in 1usize..5,
+    ) {
+        let requests: Vec<usize> = (0..passes).flat_map(|_| one_pass.iter().copied()).collect();
+        prop_assert_eq!(
+            cyclic_policy_misses(&one_pass, passes, capacity),
+            fewest_misses(&requests, capacity)
+        );
+    }
+
     #[test]
     fn schedule_aware_misses_are_the_fewest_possible_on_random_schedules(
         requests in prop::collection::vec(0usize..6, 0..24),
@@ -236,4 +279,60 @@ proptest! {
             (0..8).filter(|&position| uses.get(position).is_some()).collect();
         prop_assert_eq!(listed, expected);
     }
+
+    /// In a cyclic schedule the position wraps (`len` is the next pass's step 0), and a
+    /// next use is the first request at or after it in the schedule written out twice:
+    /// a step of the next pass counts on from the length, so a farther use is a larger
+    /// step across the wrap; a position no step requests is never used.
+    #[test]
+    fn cyclic_next_uses_are_the_first_request_in_two_passes(
+        schedule in prop::collection::vec(prop::collection::vec(0usize..8, 0..4), 0..24),
+        cursor in 0usize..50,
+    ) {
+        let uses = NextUses::cyclic(&schedule).at(cursor);
+        prop_assert!(uses.is_cyclic() && !NextUses::new(&schedule).is_cyclic());
+        let start = cursor.checked_rem(schedule.len()).unwrap_or(0);
+        for position in 0..8 {
+            let walked = schedule
+                .iter()
+                .chain(&schedule)
+                .enumerate()
+                .skip(start)
+                .find(|(_, step)| step.contains(&position))
+                .map(|(step, _)| step as u64);
+            prop_assert_eq!(uses.get(position), walked);
+        }
+        let mut listed: Vec<usize> = uses.positions().collect();
+        listed.sort_unstable();
+        let requested: Vec<usize> = (0..8)
+            .filter(|position| schedule.iter().any(|step| step.contains(position)))
+            .collect();
+        prop_assert_eq!(listed, requested);
+    }
+}
+
+#[test]
+fn a_cyclic_next_use_past_the_wrap_is_the_first_step_plus_the_length() {
+    // Eight steps; value 1 only at step 2, value 0 at steps 0 and 6.
+    let mut schedule = vec![Vec::new(); 8];
+    schedule[2].push(1);
+    schedule[0].push(0);
+    schedule[6].push(0);
+    let cyclic = NextUses::cyclic(&schedule).at(5);
+    assert_eq!(
+        (cyclic.get(1), cyclic.get(0), cyclic.get(7)),
+        (Some(10), Some(6), None)
+    );
+    assert_eq!(cyclic.at(7).get(0), Some(8));
+    assert_eq!(cyclic.at(8).get(1), Some(2)); // 8 is the next pass's step 0
+    let once = NextUses::new(&schedule).at(5);
+    assert_eq!((once.get(1), once.get(0)), (None, Some(6)));
+    // Standing at 5, the farthest is value 1 (step 10), then value 0 (step 6); the
+    // one-pass order puts value 1 first too, as never used again.
+    let mut policy = ScheduleAware {
+        lru: TieredLru::default(),
+        next_use: cyclic.at(7),
+    };
+    // At step 7: value 0 next at 8, value 1 at 10: value 1 goes first.
+    assert_eq!(evicted_first(&mut policy, &[0, 1]), vec![1, 0]);
 }

@@ -738,13 +738,16 @@ impl CoreManager {
         self.context.check_stream(py, stream, location, at)
     }
 
-    /// A schedule's steps (lists of handles) as live handle indices of this manager;
-    /// handles that do not resolve are left out (see `search::ScheduleIndex`).
+    /// A schedule's steps (lists of handles) as live handle indices of this manager,
+    /// one pass or, `cyclic`, repeating forever; handles that do not resolve are left
+    /// out (see `search::ScheduleIndex`).
+    #[pyo3(signature = (steps, cyclic=false))]
     #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
     fn schedule_index(
         &self,
         py: Python<'_>,
         steps: Vec<Vec<Bound<'_, PyAny>>>,
+        cyclic: bool,
     ) -> PyResult<crate::search::ScheduleIndex> {
         let discards = self.core.discards();
         let mut resolved = Vec::with_capacity(steps.len());
@@ -757,7 +760,9 @@ impl CoreManager {
             }
             resolved.push(indices);
         }
-        Ok(crate::search::ScheduleIndex::new(&resolved, discards))
+        Ok(crate::search::ScheduleIndex::new(
+            &resolved, discards, cyclic,
+        ))
     }
 
     /// How many values this manager has discarded (a schedule index's validity).

@@ -147,9 +147,14 @@ pub struct ScheduleIndex {
 }
 
 impl ScheduleIndex {
-    pub fn new(steps: &[Vec<usize>], discards: u64) -> Self {
+    /// The index of `steps`, one pass of them or, `cyclic`, repeated forever.
+    pub fn new(steps: &[Vec<usize>], discards: u64, cyclic: bool) -> Self {
         Self {
-            uses: NextUses::new(steps),
+            uses: if cyclic {
+                NextUses::cyclic(steps)
+            } else {
+                NextUses::new(steps)
+            },
             len: steps.len(),
             discards,
         }
@@ -213,6 +218,12 @@ impl ScheduleIndex {
     #[getter]
     fn discards(&self) -> u64 {
         self.discards
+    }
+
+    /// Whether the schedule repeats: past its last step, its first step comes next.
+    #[getter]
+    fn cyclic(&self) -> bool {
+        self.uses.is_cyclic()
     }
 
     fn __len__(&self) -> usize {

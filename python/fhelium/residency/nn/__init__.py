@@ -2,9 +2,11 @@
 
 `offload(module, device=..., budget=...)` returns an `Offload`; while it is open the
 module computes on the device with each unit's weights resident only around its forward.
+`init_empty_weights()` builds a module without weights, for `offload(..., checkpoint=...)`.
 See docs/concepts/offload.md and docs/tutorials/offload.md.
 """
 
+from fhelium.residency.nn._checkpoint import init_empty_weights
 from fhelium.residency.nn._offload import Offload, OffloadStats, OffloadUnit, offload
 
-__all__ = ["Offload", "OffloadStats", "OffloadUnit", "offload"]
+__all__ = ["Offload", "OffloadStats", "OffloadUnit", "init_empty_weights", "offload"]

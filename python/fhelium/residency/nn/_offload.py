@@ -41,6 +41,7 @@ from fhelium.residency.model import (
     ReplicaMode,
     ResidencyHandle,
 )
+from fhelium.residency.nn._loading import group_sources
 from fhelium.residency.nn._units import (
     Placeholder,
     TensorGroup,
@@ -140,7 +141,16 @@ class _Value:
     """A managed value of the offload: its handle, slots and placeholders, and the
     device tensors last installed (reused while the same materialisation is resident)."""
 
-    __slots__ = ("bundle", "group", "handle", "index", "installed", "placeholders", "tensors")
+    __slots__ = (
+        "bundle",
+        "group",
+        "handle",
+        "index",
+        "installed",
+        "placeholders",
+        "reconstructible",
+        "tensors",
+    )
 
     def __init__(
         self, index: int, group: TensorGroup, handle: ResidencyHandle[TensorBundle]
@@ -150,6 +160,9 @@ class _Value:
         self.handle = handle
         self.placeholders: list[Placeholder] = []
         self.installed = 0  # how many active units use it
+        # Read from a checkpoint: each step also keeps a host copy (a cache of the
+        # file), docs/concepts/offload.md#checkpoints.
+        self.reconstructible = False
         self.bundle: TensorBundle | None = None
         self.tensors: list[torch.Tensor] = []
 
@@ -201,11 +214,34 @@ class _Feeder:
 
 
 class Offload:
-    """A module offloaded by `offload`: a context manager; `close` puts it back.
+    """A module offloaded by `offload`: a context manager; `close` puts the module back.
 
     While it is open, calling the module (and transformers' ``generate``) works unchanged
-    and computes on `device`; each unit's weights are resident there only around its
-    forward. See docs/concepts/offload.md.
+    and computes on `location`'s device; each unit's weights are resident there only
+    around its forward, under the manager's strict device budget. Forwards run one at a
+    time (a lock serialises threads). Constructed by `offload`, whose arguments these
+    are. See docs/concepts/offload.md.
+
+    Args:
+        module: The module to run.
+        device: The CUDA device it computes on.
+        budget: The device's byte budget, or ``None`` with ``manager``.
+        host: ``"pinned"`` or ``"pageable"``: where the weights wait.
+        host_budget: The host's byte budget, or ``None`` for none.
+        disk: A directory for the weights the host budget cannot hold, or ``None``.
+        disk_budget: The disk directory's byte budget, or ``None``.
+        prefetch: How many later steps' copies are issued ahead.
+        policy: ``"schedule-aware"``, ``"lru"`` or a `ResidencyPolicy`.
+        units: The unit rule (docs/concepts/offload.md#units).
+        checkpoint: A safetensors file or directory to read the weights from.
+        dtype: The floating dtype the weights are cast to, or ``None``.
+        manager: A manager to use instead of a new one.
+
+    Raises:
+        TypeError: See `offload`.
+        ValueError: See `offload`.
+        ResidencyBudgetError: See `offload`.
+        ResidencyCheckpointError: See `offload`.
     """
 
     def __init__(
@@ -352,9 +388,8 @@ class Offload:
                         )
         sources = None
         if checkpoint is not None:
-            from fhelium.residency.nn._checkpoint import unit_sources
-
-            sources = unit_sources(checkpoint, groups, dtype)
+            sources = group_sources(checkpoint, groups, dtype)
+        self._sources = sources or []
         self._closed = False
         try:
             self._adopt(groups, sources, dtype)
@@ -372,7 +407,15 @@ class Offload:
         )
         self._unit_values = [[self._values[g] for g in plan.groups] for plan in unit_plans]
         budget = self._budget
+        host_budget = self._host_budget if self._from_checkpoint else None
         for unit in self._units:
+            if host_budget is not None and unit.nbytes > host_budget:
+                self.close()
+                raise ValueError(
+                    f"unit {unit.name!r} needs {unit.nbytes} bytes in host memory, more "
+                    f"than host_budget={host_budget}: raise host_budget, or pass units= to "
+                    "cut the module finer (docs/concepts/offload.md#units)"
+                )
             if budget is not None and unit.nbytes > budget:
                 self.close()
                 raise ValueError(
@@ -398,10 +441,11 @@ class Offload:
         self._nbytes: list[int] = []
         for index, group in enumerate(groups):
             if sources is not None:
-                source, spec = sources[index]
-                handle = manager.register_source(spec, source)
+                source = sources[index]
+                handle = manager.register_source(source.spec(), source)
                 value = _Value(index, group, handle)
-                self._nbytes.append(spec.storage_nbytes)
+                value.reconstructible = True
+                self._nbytes.append(source.nbytes)
             else:
                 tensors = {
                     name: (
@@ -428,7 +472,9 @@ class Offload:
                         )
                     assert self._disk is not None
                     target = self._disk
-                handle = manager.adopt(bundle, replica_mode=ReplicaMode.REPLICABLE)
+                # Where adopt puts it (docs/concepts/values.md#adopt).
+                adopted = PINNED_HOST if self._runtime.value_is_pinned(bundle) else PAGEABLE_HOST
+                handle = manager.adopt(bundle, at=adopted, replica_mode=ReplicaMode.REPLICABLE)
                 value = _Value(index, group, handle)
                 del bundle, tensors
                 self._nbytes.append(nbytes)
@@ -440,7 +486,7 @@ class Offload:
             group.tensors = list(value.placeholders)
             value.uninstall()
             self._values.append(value)
-            if sources is None and target not in _locations_of(manager, handle):
+            if sources is None and target != adopted:
                 manager.move(handle, target)
 
     def _room(self, location: ResidencyLocation) -> int | None:
@@ -461,10 +507,7 @@ class Offload:
             policy = DeterministicTieredLRU(tiers)
         else:
             steps = [self._request(key) for key in self._recording]
-            try:  # TEMPORARY until cyclic lands
-                policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)  # type: ignore[call-arg]
-            except TypeError:
-                policy = ScheduleAwarePolicy(steps, fallback_tiers=tiers)
+            policy = ScheduleAwarePolicy(steps, cyclic=True, fallback_tiers=tiers)
         return ResidencyController(self._manager, policy=policy)
 
     # ------------------------------------------------------------------ the steps
@@ -472,14 +515,15 @@ class Offload:
     def _request(self, key: Key) -> ResidencyRequest:
         request = self._requests.get(key)
         if request is None:
-            handles: dict[ResidencyHandle[Any], None] = {}
+            requirements: dict[ResidencyRequirement, None] = {}
             for unit in key:
                 for value in self._unit_values[unit]:
-                    handles[value.handle] = None
-            location = self._location
+                    # The host copy first: the device's is then copied from it.
+                    if value.reconstructible:
+                        requirements[ResidencyRequirement(value.handle, self._host)] = None
+                    requirements[ResidencyRequirement(value.handle, self._location)] = None
             request = self._requests[key] = ResidencyRequest(
-                "/".join(self._units[unit].name for unit in key),
-                [ResidencyRequirement(handle, location) for handle in handles],
+                "/".join(self._units[unit].name for unit in key), list(requirements)
             )
         return request
 
@@ -525,8 +569,11 @@ class Offload:
             self._follow(key)
         feeder = self._feeder = _Feeder(self)
         feeder.upcoming = key
+        # Without a recording there is nothing to prefetch: the steps are handed to
+        # the pipeline one at a time, as they come.
+        prefetch = self._prefetch if self._recording else 0
         self._pipeline = self._controller.run(
-            feeder, prefetch=self._prefetch, consumer_streams={self._location: self._stream}
+            feeder, prefetch=prefetch, consumer_streams={self._location: self._stream}
         )
         return self._next(self._pipeline, staged=False)
 
@@ -541,11 +588,24 @@ class Offload:
         return use
 
     def _stop_pipeline(self) -> None:
+        """Ends the pipeline and resident mode, and waits on the host for the device's
+        reads of their steps: the next pipeline cannot wait for leases it did not take,
+        and needs their room (a misprediction, a new recording, `materialize`, `close`)."""
         pipeline, self._pipeline = self._pipeline, None
         self._feeder = None
-        if pipeline is not None:
-            pipeline.close()
-        self._leave_resident()
+        resident, self._resident = self._resident, None
+        self._resident_units = frozenset()
+        if pipeline is None and resident is None:
+            return
+        try:
+            if pipeline is not None:
+                pipeline.close()
+        finally:
+            try:
+                if resident is not None:
+                    resident.__exit__(None, None, None)
+            finally:
+                self._runtime.synchronize_stream(self._stream)
 
     def _enter_resident(self) -> None:
         """Keeps every value the recording uses on the device under one use, when they
@@ -574,12 +634,6 @@ class Offload:
                 if not value.installed:
                     value.uninstall()
         self._resident, self._resident_units = use, units
-
-    def _leave_resident(self) -> None:
-        use, self._resident = self._resident, None
-        self._resident_units = frozenset()
-        if use is not None:
-            use.__exit__(None, None, None)
 
     def _enter(self, key: Key) -> Any:
         self._counters.steps += 1
@@ -623,7 +677,7 @@ class Offload:
                         if value.installed == 1:
                             value.install(value.bundle)
                     return
-                self._leave_resident()
+                self._stop_pipeline()
             use = self._enter(key)
             location = self._location
             for value in self._unit_values[unit]:
@@ -690,7 +744,7 @@ class Offload:
     def _wrap(self, module: nn.Module, forward: Callable[..., Any]) -> None:
         """Puts ``forward`` in front of ``module.forward``; `close` undoes it."""
         self._wrapped.append((module, module.__dict__.get("forward", _ABSENT)))
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
 
     def _unwrap(self) -> None:
         wrapped, self._wrapped = self._wrapped, []
@@ -698,7 +752,7 @@ class Offload:
             if previous is _ABSENT:
                 module.__dict__.pop("forward", None)
             else:
-                module.forward = previous  # type: ignore[method-assign]
+                module.forward = previous
 
     def _pass_end(self, finished: bool) -> None:
         """After a root forward: a forward that finished and took another order than
@@ -802,7 +856,14 @@ class Offload:
         return tuple(tuple(names[u] for u in key) for key in self._recording or ())
 
     def stats(self) -> OffloadStats:
-        """What the offload did so far (see `OffloadStats`)."""
+        """Return what the offload did so far (see `OffloadStats`); works after `close`.
+
+        Returns:
+            The counts and peaks, from the offload's opening to now (to the close).
+
+        Raises:
+            ResidencyReentrancyError: Called from inside a source's ``load()``.
+        """
         if not self._manager_closed():
             self._collect()
         counters = self._counters
@@ -822,7 +883,8 @@ class Offload:
             loads=counters.loads,
             h2d_bytes=counters.h2d,
             d2h_bytes=counters.d2h,
-            disk_read_bytes=counters.disk_read,
+            disk_read_bytes=counters.disk_read
+            + sum(source.reads * source.read_nbytes for source in self._sources),
             disk_write_bytes=counters.disk_write,
             stalls=counters.stalls,
             mispredictions=counters.mispredictions,
@@ -838,6 +900,11 @@ class Offload:
     def materialize(self, submodule: nn.Module) -> Iterator[nn.Module]:
         """Give temporary, budgeted access to ``submodule``'s weights on the device.
 
+        Every unit inside ``submodule`` (and every unit that contains it) is made
+        resident on the device, evicting others as needed, and its tensors are put in
+        place until the block ends; then the placeholders are back. Outside a forward
+        only (the prefetched steps are given up first).
+
         Args:
             submodule: The offloaded module or one of its submodules.
 
@@ -847,6 +914,19 @@ class Offload:
         Raises:
             ValueError: ``submodule`` is not part of the offloaded module.
             ResidencyPlanError: Its weights do not fit the device budget.
+
+        Example:
+            ```python
+            import torch
+            from torch import nn
+            from fhelium.residency.nn import offload
+            from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            with torch.no_grad(), use_runtime(SimulatedRuntime(1)):
+                with offload(model, budget=1 << 20) as off, off.materialize(model[1]):
+                    total = model[1].weight.sum()  # readable inside the block only
+            ```
         """
         if not any(submodule is m for m in self._module.modules()):
             raise ValueError("submodule is not part of the offloaded module")
@@ -884,10 +964,15 @@ class Offload:
                         value.uninstall()
 
     def close(self) -> None:
-        """Remove every hook and put the module back as it was; idempotent.
+        """Unwrap every forward and put the module back as it was; idempotent.
 
-        Parameters and buffers go back to the CPU, or to meta when they came from a
+        Parameters and buffers go back to pageable CPU memory (new `nn.Parameter`
+        objects with ``requires_grad=False``), or to meta when they came from a
         checkpoint. The manager is closed when the offload created it.
+
+        Raises:
+            Exception: An error from ending the pipeline or from copying a value back
+                propagates after every other step ran.
         """
         if self._closed and not self._values:
             return
@@ -895,6 +980,9 @@ class Offload:
         error: BaseException | None = None
         try:
             self._stop_pipeline()
+            # The device's reads of the last steps (and of `materialize`) end before
+            # the device copies are dropped.
+            self._runtime.synchronize_stream(self._stream)
         except BaseException as failure:
             error = failure
         self._unwrap()
@@ -906,9 +994,13 @@ class Offload:
                 self.stats()
             except BaseException as failure:
                 error = error or failure
+        held: dict[ResidencyHandle[Any], set[ResidencyLocation]] = {}
+        if values and not self._manager_closed():
+            for entry in self._manager.snapshot().values:
+                held[entry.handle] = {m.location for m in entry.materializations}
         for value in values:
             try:
-                self._restore(value)
+                self._restore(value, held.get(value.handle, set()))
             except BaseException as failure:
                 error = error or failure
         if self._owns_manager:
@@ -919,7 +1011,9 @@ class Offload:
         if error is not None:
             raise error
 
-    def _restore(self, value: _Value) -> None:
+    def _restore(self, value: _Value, held: set[ResidencyLocation]) -> None:
+        """Puts ``value``'s tensors back in its slots (``held``: where it lives), and
+        discards it from a caller's manager."""
         group = value.group
         if self._from_checkpoint:
             for placeholder, slots in zip(value.placeholders, group.slots, strict=True):
@@ -929,22 +1023,28 @@ class Offload:
                 )
                 for slot in slots:
                     slot.install(tensor)
+            if not self._owns_manager:
+                self._manager.discard(value.handle)
             return
         # Back in pageable memory, as the module's tensors were: copied out of whatever
         # the value lives in, and that copy dropped at once (one value's bytes extra at
         # a time).
         manager = self._manager
         handle = value.handle
-        held = _locations_of(manager, handle)
         if PAGEABLE_HOST not in held:
             manager.ensure(handle, PAGEABLE_HOST)
         with manager.acquire([handle], at=PAGEABLE_HOST) as borrowed:
             bundle = borrowed[handle]
-        for location in held - {PAGEABLE_HOST}:
-            manager.drop(handle, location)
-        for tensor, slots in zip(bundle._resident_tensors, group.slots, strict=True):
+        if self._owns_manager:
+            for location in held - {PAGEABLE_HOST}:
+                manager.drop(handle, location)
+        else:
+            manager.discard(handle)
+        for tensor, slots, grad in zip(
+            bundle._resident_tensors, group.slots, group.requires_grad, strict=True
+        ):
             restored: torch.Tensor = (
-                nn.Parameter(tensor, requires_grad=False) if slots[0].is_parameter else tensor
+                nn.Parameter(tensor, requires_grad=grad) if slots[0].is_parameter else tensor
             )
             for slot in slots:
                 slot.install(restored)
@@ -999,15 +1099,6 @@ def _ancestors_of(root: nn.Module, target: nn.Module) -> list[nn.Module]:
     return path
 
 
-def _locations_of(
-    manager: ResidencyManager, handle: ResidencyHandle[Any]
-) -> set[ResidencyLocation]:
-    for entry in manager.snapshot().values:
-        if entry.handle == handle:
-            return {m.location for m in entry.materializations}
-    return set()
-
-
 def offload(
     module: nn.Module,
     *,
@@ -1024,9 +1115,73 @@ def offload(
     dtype: torch.dtype | None = None,
     manager: ResidencyManager | None = None,
 ) -> Offload:
-    """Run ``module`` with its weights offloaded: on ``device`` only around each unit's forward.
+    """Run ``module`` with its weights on ``device`` only around each unit's forward.
 
-    See docs/concepts/offload.md.
+    The module is cut into units (by default each module that directly owns parameters or
+    buffers; ``units=`` chooses blocks), each unit's tensors one managed value (a tied
+    tensor is one value shared by its units). The weights wait in host memory (pinned
+    where available), or on disk past ``host_budget``; the device holds at most
+    ``budget`` bytes of them (activations are not charged). The first forward is
+    recorded; later forwards follow the recording cyclically, issuing the next
+    ``prefetch`` units' copies ahead, and a forward that takes another order is followed
+    as it goes and recorded again. When everything the forward uses fits the budget, it
+    stays resident. Inference only. See docs/concepts/offload.md.
+
+    Args:
+        module: The module; its tensors on the CPU, or on meta with ``checkpoint``.
+        device: The CUDA device to compute on (a simulated one under the simulated
+            runtime, docs/concepts/simulation.md).
+        budget: The device's strict byte budget for the weights; required unless
+            ``manager`` is given.
+        host: ``"pinned"`` (pageable, with one warning, where pinned memory is not
+            available) or ``"pageable"``.
+        host_budget: The host's byte budget, or ``None`` for none.
+        disk: A directory that takes the weights the host budget cannot hold.
+        disk_budget: The disk directory's byte budget, or ``None``; needs ``disk``.
+        prefetch: How many later steps to stage while a step runs (a strict int >= 0).
+        policy: ``"schedule-aware"`` (Belady's rule over the recorded order, cyclic),
+            ``"lru"``, or any `ResidencyPolicy`.
+        units: ``None``, a module class, a tuple of classes, or a predicate
+            ``(qualified name, module) -> bool`` (docs/concepts/offload.md#units).
+        checkpoint: A safetensors file, or a directory with ``model.safetensors`` or
+            ``model.safetensors.index.json``, for a module built on meta
+            (`init_empty_weights`).
+        dtype: A floating dtype to cast floating weights to, or ``None``.
+        manager: A manager to keep the weights in (its budgets apply; ``budget``,
+            ``host_budget`` and ``disk_budget`` must then be ``None``); by default a new
+            one, closed by `Offload.close`.
+
+    Returns:
+        The open `Offload`.
+
+    Raises:
+        TypeError: ``module`` is not a module; no ``budget`` and no ``manager``; an
+            argument of the wrong kind.
+        ValueError: A non-CUDA ``device``, a negative ``prefetch`` or budget, an unknown
+            ``host`` or ``policy``, parameters that require grad while autograd is on,
+            tensors on meta without ``checkpoint`` (or off the CPU), budgets given with
+            ``manager``, or a unit larger than the device budget.
+        ResidencyBudgetError: The host budget cannot hold the weights and there is no
+            ``disk``.
+        ResidencyCheckpointError: A tensor missing from the checkpoint, or of another
+            shape or dtype; nothing was loaded.
+
+    Example:
+        ```python
+        import torch
+        from torch import nn
+        from fhelium.residency.nn import offload
+        from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()
+        x = torch.randn(2, 64)
+        with torch.no_grad():
+            expected = model(x)
+            with use_runtime(SimulatedRuntime(1)), offload(model, budget=40_000) as off:
+                for _ in range(3):
+                    assert torch.equal(model(x), expected)
+                assert off.stats().device_peak_bytes <= 40_000
+        ```
     """
     return Offload(
         module,

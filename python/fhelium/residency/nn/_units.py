@@ -45,6 +45,7 @@ class TensorGroup:
     tensors: list[torch.Tensor] = field(default_factory=list)
     slots: list[list[Slot]] = field(default_factory=list)
     persistent: list[bool] = field(default_factory=list)
+    requires_grad: list[bool] = field(default_factory=list)  # parameters' own flags
     units: list[int] = field(default_factory=list)  # the units that require the value
 
 
@@ -179,6 +180,7 @@ def plan_units(root: nn.Module, rule: UnitRule) -> tuple[list[UnitPlan], list[Te
                     group.tensors.append(tensor)
                     group.slots.append([])
                     group.persistent.append(persistent)
+                    group.requires_grad.append(tensor.requires_grad)
                 groups[group_index].slots[0].extend(slots)
                 continue
             group_index = own_group[index]
@@ -191,6 +193,7 @@ def plan_units(root: nn.Module, rule: UnitRule) -> tuple[list[UnitPlan], list[Te
             group.tensors.append(tensor)
             group.slots.append(list(slots))
             group.persistent.append(persistent)
+            group.requires_grad.append(tensor.requires_grad)
     return units, groups
 
 
