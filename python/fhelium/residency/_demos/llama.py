@@ -356,37 +356,39 @@ def run_llama_demo(
                 model = transformers.LlamaForCausalLM(config)
             model.eval()
             work = None if compute.on_gpu else _Work(compute, model, sizes, tflops, hbm_gbps)
-            with offload(
-                model,
-                device=compute.torch_device if compute.on_gpu else compute.simulated_device,
-                budget=budget,
-                policy=policy,
-                prefetch=ahead,
-                units=_unit_rule(),
-                checkpoint=folder,
-                dtype=dtype,
-            ) as off:
-                made = sorted(unit.nbytes for unit in off.units)
-                if made != sorted(units):
-                    raise RuntimeError(
-                        f"the offload made units of {made} bytes, the demo expected {units}"
-                    )
-                # The warm-up: the prompt's forward is recorded (and, when everything
-                # fits, leaves every unit resident).
-                model(prompt, use_cache=False)
-                before = off.stats()
-                flops_before = 0.0 if work is None else work.flops
-                with _timed(compute) as timing:
-                    tokens = model.generate(
-                        prompt,
-                        attention_mask=torch.ones_like(prompt),
-                        max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens,
-                        do_sample=False,
-                    )
-                after = off.stats()
-            if work is not None:
-                work.remove()
+            try:
+                with offload(
+                    model,
+                    device=compute.torch_device if compute.on_gpu else compute.simulated_device,
+                    budget=budget,
+                    policy=policy,
+                    prefetch=ahead,
+                    units=_unit_rule(),
+                    checkpoint=folder,
+                    dtype=dtype,
+                ) as off:
+                    made = sorted(unit.nbytes for unit in off.units)
+                    if made != sorted(units):
+                        raise RuntimeError(
+                            f"the offload made units of {made} bytes, the demo expected {units}"
+                        )
+                    # The warm-up: the prompt's forward is recorded (and, when everything
+                    # fits, leaves every unit resident).
+                    model(prompt, use_cache=False)
+                    before = off.stats()
+                    flops_before = 0.0 if work is None else work.flops
+                    with _timed(compute) as timing:
+                        tokens = model.generate(
+                            prompt,
+                            attention_mask=torch.ones_like(prompt),
+                            max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens,
+                            do_sample=False,
+                        )
+                    after = off.stats()
+            finally:
+                if work is not None:
+                    work.remove()
             generated = tokens[0, prompt_tokens:].tolist()
             seconds = timing["seconds"]
             runs[name] = {
