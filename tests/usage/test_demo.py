@@ -1,7 +1,8 @@
-"""The main job runs end to end on the CPU (simulated cuda:0 with the timeline model):
-three runs of one cyclic workload through one budget, where the schedule-aware policy
-loads exactly Belady's MIN, prefetch hides copies behind compute, the budget holds, and
-the trace and the plot are written."""
+"""The layer demo (`python -m fhelium.residency demo layers`) runs end to end on the
+CPU (simulated cuda:0 with the timeline model): three runs of one cyclic workload
+through one budget, where the schedule-aware policy loads exactly Belady's MIN,
+prefetch hides copies behind compute, the budget holds, and the trace and the plot are
+written."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from fhelium.residency.__main__ import main, run_demo
+from fhelium.residency.__main__ import main
+from fhelium.residency._demos.layers import run_demo
 from helpers.controller import fewest_misses
 
 LAYER_BYTES = 64 * 64 * 4
@@ -90,6 +92,7 @@ def test_command_line_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture[
     code = main(
         [
             "demo",
+            "layers",
             "--out",
             str(tmp_path / "cli"),
             "--layers",
@@ -120,6 +123,7 @@ def test_command_line_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture[
         main(
             [
                 "demo",
+                "layers",
                 "--out",
                 str(tmp_path / "again"),
                 "--layers",

@@ -1,0 +1,195 @@
+"""The main job, `python -m fhelium.residency demo`, runs end to end on the CPU (simulated
+cuda:0 with the timeline model), at tiny sizes: a random-weight Llama written once as a
+sharded checkpoint, generating through `offload` four ways, and the table's invariants
+hold (same tokens, budgets held, the schedule-aware policy moving no more than the LRU,
+the Accelerate-like run moving the whole model per token)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from fhelium.residency.__main__ import main
+from fhelium.residency._demos.llama import LlamaSizes, run_llama_demo
+
+TINY = LlamaSizes(
+    layers=8, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, dtype="float32"
+)
+TINY_FLAGS = [
+    "--layers",
+    "8",
+    "--hidden",
+    "64",
+    "--intermediate",
+    "128",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--vocab",
+    "256",
+    "--prompt-tokens",
+    "5",
+    "--new-tokens",
+    "2",
+]
+NEW_TOKENS = 4
+RUNS = ["resident", "every unit, every token", "lru", "schedule-aware"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("demo-cache")
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> dict[str, Any]:
+    return run_llama_demo(
+        tmp_path_factory.mktemp("demo") / "out",
+        sizes=TINY,
+        prompt_tokens=5,
+        new_tokens=NEW_TOKENS,
+        device="cpu",
+        cache=cache,
+        quiet=True,
+    )
+
+
+def test_four_runs_generate_the_same_tokens_as_the_plain_model(summary: dict[str, Any]) -> None:
+    runs = summary["runs"]
+    assert list(runs) == RUNS
+    assert summary["time"] == "predicted (timeline model)"
+    tokens = {tuple(figures["tokens"]) for figures in runs.values()}
+    assert len(tokens) == 1
+    (generated,) = tokens
+    assert len(generated) == NEW_TOKENS
+    # The plain model, loaded from the same checkpoint by transformers, agrees.
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(summary["checkpoint"]).eval()
+    prompt = torch.randint(
+        0, TINY.vocab, (1, 5), generator=torch.Generator().manual_seed(1235)
+    )  # the demo's prompt (seed SEED + 1)
+    with torch.inference_mode():
+        plain = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    assert tuple(plain[0, 5:].tolist()) == generated
+
+
+def test_every_budget_holds_and_the_budgets_are_as_labelled(summary: dict[str, Any]) -> None:
+    runs = summary["runs"]
+    weights, units = summary["weights_bytes"], summary["unit_bytes"]
+    assert weights == sum(units)
+    assert runs["resident"]["budget_bytes"] == weights
+    assert runs["every unit, every token"]["budget_bytes"] == max(units)
+    assert runs["lru"]["budget_bytes"] == runs["schedule-aware"]["budget_bytes"] == weights // 3
+    for name, figures in runs.items():
+        assert 0 < figures["device_peak_bytes"] <= figures["budget_bytes"], name
+        assert figures["host_peak_bytes"] >= weights, name  # the pinned host holds them all
+
+
+def test_bytes_per_token(summary: dict[str, Any]) -> None:
+    runs = summary["runs"]
+    weights = summary["weights_bytes"]
+    for figures in runs.values():
+        assert figures["forwards"] == NEW_TOKENS  # one forward per generated token
+        assert figures["h2d_bytes_per_token"] == figures["h2d_bytes"] / NEW_TOKENS
+    # Everything stayed resident after the warm-up: nothing moves.
+    assert runs["resident"]["h2d_bytes"] == 0
+    # What Accelerate's hooks do: the whole model, every token.
+    assert runs["every unit, every token"]["h2d_bytes"] == NEW_TOKENS * weights
+    # The schedule-aware policy keeps what is needed soonest: it moves no more than the
+    # LRU at the same budget and prefetch.
+    assert runs["schedule-aware"]["h2d_bytes"] <= runs["lru"]["h2d_bytes"]
+
+
+def test_predicted_times(summary: dict[str, Any]) -> None:
+    runs = summary["runs"]
+    for name, figures in runs.items():
+        assert figures["seconds"] > 0, name
+        assert figures["tokens_per_s"] == pytest.approx(NEW_TOKENS / figures["seconds"])
+        # The copy time not hidden: the makespan less the compute engine's busy time.
+        exposed = figures["seconds"] - figures["compute_seconds"]
+        assert figures["exposed_copy_seconds"] == pytest.approx(exposed)
+        assert figures["exposed_copy_seconds"] >= -1e-12, name
+    assert runs["resident"]["exposed_copy_seconds"] == pytest.approx(0.0, abs=1e-12)
+    # Moving the whole model per token cannot be faster than keeping it resident.
+    assert runs["every unit, every token"]["tokens_per_s"] < runs["resident"]["tokens_per_s"]
+    assert runs["schedule-aware"]["tokens_per_s"] >= runs["lru"]["tokens_per_s"]
+
+
+def test_the_checkpoint_is_sharded(summary: dict[str, Any]) -> None:
+    folder = Path(summary["checkpoint"])
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == summary["shards"] >= 2
+    assert summary["written"]
+
+
+def test_the_summary_and_the_plot_are_written(summary: dict[str, Any]) -> None:
+    assert Path(summary["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    written = json.loads((Path(summary["plot"]).parent / "summary.json").read_text())
+    assert (
+        written["runs"]["schedule-aware"]["h2d_bytes"]
+        == (summary["runs"]["schedule-aware"]["h2d_bytes"])
+    )
+
+
+def test_command_line_prints_the_table_and_reuses_the_checkpoint(
+    summary: dict[str, Any], tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = Path(summary["checkpoint"])
+    before = {path.name: path.stat().st_mtime_ns for path in folder.iterdir()}
+    flags = ["--device", "cpu", "--out", str(tmp_path), "--cache", str(cache)]
+    assert main(["demo", *flags, *TINY_FLAGS]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith(f"checkpoint: {folder} (") and "reused" in line for line in lines)
+    assert {path.name: path.stat().st_mtime_ns for path in folder.iterdir()} == before
+    header = next(line for line in lines if line.startswith("run "))
+    assert "tok/s (pred.)" in header
+    for name in RUNS:
+        assert any(line.startswith(f"{name} ") for line in lines), name
+    assert "tokens: the same in every run." in lines
+    assert any("predicted (timeline model)" in line for line in lines)
+
+
+def test_the_layer_options_belong_to_the_layer_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--width", "32"])
+    assert "`demo layers`" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "layers", "--hidden", "32"])
+    assert "`demo llama`" in capsys.readouterr().err
+
+
+def test_without_transformers_the_demo_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
+    assert main(["demo", "--device", "cpu", "--out", str(tmp_path), "--cache", str(tmp_path)]) == 1
+    error = capsys.readouterr().err
+    assert "transformers" in error
+    assert "pip install" in error
+
+
+def test_a_budget_smaller_than_a_unit_is_refused(tmp_path: Path, cache: Path) -> None:
+    with pytest.raises(ValueError, match="largest unit"):
+        run_llama_demo(
+            tmp_path,
+            sizes=TINY,
+            budget_bytes=1024,
+            device="cpu",
+            cache=cache,
+            quiet=True,
+        )
