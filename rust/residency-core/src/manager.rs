@@ -927,6 +927,15 @@ impl Manager {
         }
     }
 
+    /// The handles and location of a pending lease; `None` for any other token.
+    pub fn pending_lease_values(&self, token: u64) -> Option<(Vec<HandleId>, Location)> {
+        self.inner()
+            .leases
+            .get(&token)
+            .filter(|lease| lease.pending)
+            .map(|lease| (lease.handles.clone(), lease.location))
+    }
+
     /// True while the lease record exists, is active and `handle` is one of its
     /// handles (borrowed lookups check this).
     pub fn lease_covers(&self, token: u64, handle: HandleId) -> bool {
