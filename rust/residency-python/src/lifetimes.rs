@@ -486,10 +486,10 @@ pub fn settle(
 /// Releases the pending leases among `tokens` without a host wait where the device's
 /// order makes that safe (docs/concepts/controller.md#evicting-around-reads-in-flight):
 /// the owning stream of each of the lease's values waits on the device for the
-/// lease's events, then the lease is released. A lease with a value whose owning
-/// stream is unknown, or one that keeps a loaded buffer alive for a copy in flight,
-/// is waited for on the host with `host`, and otherwise left pending. Returns the
-/// tokens left pending.
+/// lease's events, then the lease is released (a copy in flight keeps its record,
+/// its events and the buffer it reads until they complete). A lease with a value
+/// whose owning stream is unknown is waited for on the host with `host`, and
+/// otherwise left pending. Returns the tokens left pending.
 pub fn settle_on_device(
     manager: &CoreManager,
     py: Python<'_>,
@@ -510,7 +510,7 @@ pub fn settle_on_device(
                 continue;
             };
             let mut owners: Vec<Py<PyAny>> = Vec::new();
-            let mut known = matches!(location, Location::Cuda(_)) && !objects.keeps_buffer(token);
+            let mut known = matches!(location, Location::Cuda(_));
             for &index in &handles {
                 if !known {
                     break;

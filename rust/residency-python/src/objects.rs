@@ -197,14 +197,6 @@ impl Objects {
             .map(|stream| stream.clone_ref(py))
     }
 
-    /// Whether the pending lease `token` protects a copy in flight that keeps a
-    /// loaded buffer alive (it must outlive the copy).
-    pub fn keeps_buffer(&self, token: u64) -> bool {
-        self.store()
-            .transfers
-            .iter()
-            .any(|transfer| transfer.token == token && transfer.keepalive.is_some())
-    }
 
     /// Forgets a discarded value's materialisations (at `codes`) and source; the
     /// handle and spec stay for snapshots. The objects are returned so they die after
