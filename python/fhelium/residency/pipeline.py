@@ -538,15 +538,16 @@ class _Pipeline:
             try:
                 decision = controller._decide(staging, position)
             except (ResidencyPlanError, ResidencyBudgetError):
-                if self._release_on_device(ended) or (wait and self._wait_oldest(ended)):
+                if wait and (self._release_on_device(ended) or self._wait_oldest(ended)):
                     continue
                 return False
             if decision.plan.reclaim and ended:
-                if self._release_on_device(ended):
-                    continue
+                # Before the body nothing is released: staging may block the host (a
+                # read from disk), which must not delay the body's kernels.
                 if not wait:
                     return False
-                self._wait_oldest(ended)
+                if not self._release_on_device(ended):
+                    self._wait_oldest(ended)
                 continue
             staged = _Staged(needs)
 
