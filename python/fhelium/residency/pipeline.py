@@ -520,6 +520,12 @@ class _Pipeline:
         by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]] = {}
         for requirement in request.requirements:
             by_location.setdefault(requirement.location, []).append(requirement.handle)
+        if not wait and any(
+            core.blocks_host(handles, location) for location, handles in by_location.items()
+        ):
+            # A read from disk or a copy from pageable memory blocks the host: before
+            # the body it would delay the body's kernels.
+            return False
         stale = 0
         while True:
             while ended and not core.pending_among(ended[0]):

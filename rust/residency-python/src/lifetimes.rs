@@ -586,6 +586,32 @@ pub fn transfers_into(
     })
 }
 
+/// Whether bringing `handles` to `at` would block the host on a copy: one from disk or
+/// from pageable memory (where a source loads it included), or any copy to the host
+/// (docs/concepts/controller.md#staging). Changes nothing.
+pub fn blocks_host(
+    manager: &CoreManager,
+    py: Python<'_>,
+    handles: &Bound<'_, PyAny>,
+    at: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
+    let handles = &manager.context().normalized_handles(py, handles)?;
+    manager.with_gate(py, true, true, || {
+        let location = manager.context().location_code(py, at)?;
+        let indices = resolve_in_order(manager, py, handles, location)?;
+        for index in indices {
+            // Only a copy to a device from pinned or device memory is asynchronous.
+            match lift(py, manager.core().ensure_source(index, location))? {
+                None => {}
+                Some(Location::PinnedHost | Location::Cuda(_))
+                    if matches!(location, Location::Cuda(_)) => {}
+                Some(_) => return Ok(true),
+            }
+        }
+        Ok(false)
+    })
+}
+
 /// Tracks an unreleased lease by a weak reference whose callback finalizes it if it
 /// is collected before its release (docs/concepts/lifetimes.md#finalizers).
 pub fn track_lease(

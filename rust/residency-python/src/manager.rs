@@ -834,6 +834,17 @@ impl CoreManager {
         crate::lifetimes::settle_on_device(self, py, &tokens, host)
     }
 
+    /// Whether bringing `handles` to `at` would block the host on a copy (from disk or
+    /// pageable memory, or to the host).
+    fn blocks_host(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        at: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        crate::lifetimes::blocks_host(self, py, handles, at)
+    }
+
     /// The pending tokens of the transfers still in flight into `handles` at `at`.
     fn transfers_into(
         &self,

@@ -197,7 +197,6 @@ impl Objects {
             .map(|stream| stream.clone_ref(py))
     }
 
-
     /// Forgets a discarded value's materialisations (at `codes`) and source; the
     /// handle and spec stay for snapshots. The objects are returned so they die after
     /// the lock.
