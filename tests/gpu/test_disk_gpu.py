@@ -2,8 +2,9 @@
 values spilled from the device to disk and read back through the pinned staging ring,
 with buffered and direct I/O, bitwise equal, with views and shared storages kept, a
 prefetch pipeline reading layers from disk with its copies in flight, and nothing left
-protected or charged. Skipped without CUDA; the same rules run in CI on the simulated
-runtime (tests/disk/)."""
+protected or charged. Each staging copy can be delayed by a `torch.cuda._sleep` on its
+stream, so the pipeline test fails if a consumer reads a layer before its copy landed.
+Skipped without CUDA; the same rules run in CI on the simulated runtime (tests/disk/)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from fhelium.residency import (
     ResidencyRequirement,
     cuda_location,
 )
+from fhelium.residency._runtime.torch_runtime import TorchCudaRuntime, _as_stream
 from fhelium.residency.disk import disk_location
 from fhelium.values import ResidentTensor, TensorBundle
 
@@ -30,6 +32,8 @@ pytestmark = [
 
 CUDA0 = cuda_location("cuda:0")
 MIB = 1 << 20
+# About 5 ms of GPU time at 2 GHz per staged chunk: far longer than its copy.
+SLEEP_CYCLES = 10_000_000
 
 
 @pytest.mark.parametrize("direct_io", [False, True])
@@ -61,7 +65,10 @@ def test_a_device_value_round_trips_through_disk(tmp_path: Path, direct_io: bool
     assert not any(Path(disk.path).glob("*/*.safetensors"))
 
 
-def test_a_prefetch_pipeline_streams_layers_from_disk(tmp_path: Path) -> None:
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_prefetch_pipeline_streams_layers_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, delayed: bool
+) -> None:
     disk = disk_location(tmp_path / "layers")
     width = 1024
     layer = width * width * 4
@@ -78,6 +85,22 @@ def test_a_prefetch_pipeline_streams_layers_from_disk(tmp_path: Path) -> None:
         for i, h in enumerate(handles * 2)
     ]
     compute = torch.cuda.Stream()
+    if delayed:
+        real = TorchCudaRuntime.copy_bytes
+        slept: list[torch.cuda.Stream] = []
+
+        def delayed_copy(
+            self: TorchCudaRuntime, destination: torch.Tensor, source: torch.Tensor, stream: object
+        ) -> None:
+            cuda_stream = _as_stream(stream)
+            if destination.is_cuda:
+                # Every staging copy to the device lands long after it is enqueued.
+                slept.append(cuda_stream)
+                with torch.cuda.device(cuda_stream.device), torch.cuda.stream(cuda_stream):
+                    torch.cuda._sleep(SLEEP_CYCLES)
+            real(self, destination, source, stream)
+
+        monkeypatch.setattr(TorchCudaRuntime, "copy_bytes", delayed_copy)
     sums = []
     with ResidencyController(manager).run(
         requests, prefetch=1, consumer_streams={CUDA0: compute}
@@ -94,6 +117,8 @@ def test_a_prefetch_pipeline_streams_layers_from_disk(tmp_path: Path) -> None:
     for index, total in enumerate(sums):
         expected = weights[index % 6].view(torch.int32).to(torch.int64).sum()
         assert int(total) == int(expected), index
+    if delayed:
+        assert any(stream != compute for stream in slept)  # prefetched on a stream of its own
     manager.close()
 
 

@@ -736,6 +736,7 @@ def test_public_module_exports() -> None:
     assert sorted(simulation.__all__) == [
         "SimulatedCopy",
         "SimulatedEvent",
+        "SimulatedHazard",
         "SimulatedRuntime",
         "SimulatedStream",
         "Timeline",

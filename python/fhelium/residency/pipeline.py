@@ -396,10 +396,13 @@ class _Pipeline:
         core = controller._engine.core
         # A staged step's values are in place and its reservations' headroom was kept:
         # it evicts nothing, so there is nothing to wait for first.
+        released = False
         while ended and staged is None:
-            # A step that must evict while ended steps still protect values waits for
+            # A step that must evict while ended steps still protect values releases
             # them first: their values may be the better victims (in a cyclic
-            # schedule, the one just used is the one needed farthest ahead).
+            # schedule, the one just used is the one needed farthest ahead). Device
+            # waits first, with no host round trip; a host wait only for what needs one
+            # (docs/concepts/controller.md#evicting-around-reads-in-flight).
             if not core.pending_among(ended[0]):
                 ended.popleft()
                 continue
@@ -407,7 +410,11 @@ class _Pipeline:
                 if not controller._decide(request, None).plan.reclaim:
                     break
             except (ResidencyPlanError, ResidencyBudgetError):
-                pass  # waiting below may make it fit
+                pass  # releasing below may make it fit
+            if not released:
+                released = True
+                self._release_on_device(ended)
+                continue
             self._wait_oldest(ended)
         while True:
             use = ResidencyUse(
@@ -513,6 +520,12 @@ class _Pipeline:
         by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]] = {}
         for requirement in request.requirements:
             by_location.setdefault(requirement.location, []).append(requirement.handle)
+        if not wait and any(
+            core.blocks_host(handles, location) for location, handles in by_location.items()
+        ):
+            # A read from disk or a copy from pageable memory blocks the host: before
+            # the body it would delay the body's kernels.
+            return False
         stale = 0
         while True:
             while ended and not core.pending_among(ended[0]):
@@ -531,13 +544,16 @@ class _Pipeline:
             try:
                 decision = controller._decide(staging, position)
             except (ResidencyPlanError, ResidencyBudgetError):
-                if wait and self._wait_oldest(ended):
+                if wait and (self._release_on_device(ended) or self._wait_oldest(ended)):
                     continue
                 return False
             if decision.plan.reclaim and ended:
+                # Before the body nothing is released: staging may block the host (a
+                # read from disk), which must not delay the body's kernels.
                 if not wait:
                     return False
-                self._wait_oldest(ended)
+                if not self._release_on_device(ended):
+                    self._wait_oldest(ended)
                 continue
             staged = _Staged(needs)
 
@@ -573,6 +589,21 @@ class _Pipeline:
                 continue
             self.staged[index] = staged
             return True
+
+    def _release_on_device(self, ended: collections.deque[list[int]]) -> bool:
+        """Releases the ended steps' pending leases behind device waits of their values'
+        owning streams, keeping in ``ended`` what needs a host wait; False when nothing
+        was released."""
+        if not ended:
+            return False
+        tokens = [token for step in ended for token in step]
+        left = set(self.controller._engine.core.settle_on_device(tokens, host=False))
+        if len(left) == len(tokens):
+            return False
+        kept = [[token for token in step if token in left] for step in ended]
+        ended.clear()
+        ended.extend(step for step in kept if step)
+        return True
 
     def _wait_oldest(self, ended: collections.deque[list[int]]) -> bool:
         """Waits for the oldest ended step's leases and releases them; False when no

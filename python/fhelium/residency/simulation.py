@@ -15,6 +15,7 @@ from fhelium.residency._runtime import current_runtime, set_runtime, use_runtime
 from fhelium.residency._runtime.simulated import (
     SimulatedCopy,
     SimulatedEvent,
+    SimulatedHazard,
     SimulatedRuntime,
     SimulatedStream,
     Timeline,
@@ -24,6 +25,7 @@ from fhelium.residency._runtime.simulated import (
 __all__ = [
     "SimulatedCopy",
     "SimulatedEvent",
+    "SimulatedHazard",
     "SimulatedRuntime",
     "SimulatedStream",
     "Timeline",

@@ -611,6 +611,18 @@ impl Manager {
 
     /// Decides an ensure: no-op, copy from a materialisation (destination admitted),
     /// or reconstruction.
+    /// Where an ensure of `handle` at `at` would copy from, changing nothing: `None`
+    /// when it is resident there already (or has nowhere to come from), else the
+    /// materialisation it copies, or the location its source loads it into.
+    pub fn ensure_source(&self, handle: HandleId, at: Location) -> CoreResult<Option<Location>> {
+        let inner = self.inner();
+        let record = inner.live_record(handle)?;
+        if record.is_resident(at) {
+            return Ok(None);
+        }
+        Ok(record.best_source(None).or(record.source))
+    }
+
     pub fn plan_ensure(&self, handle: HandleId, at: Location) -> CoreResult<EnsurePlan> {
         let inner = self.inner();
         let record = inner.live_record(handle)?;
@@ -925,6 +937,15 @@ impl Manager {
             Some(lease) if lease.pending => LeaseState::Pending,
             Some(_) => LeaseState::Active,
         }
+    }
+
+    /// The handles and location of a pending lease; `None` for any other token.
+    pub fn pending_lease_values(&self, token: u64) -> Option<(Vec<HandleId>, Location)> {
+        self.inner()
+            .leases
+            .get(&token)
+            .filter(|lease| lease.pending)
+            .map(|lease| (lease.handles.clone(), lease.location))
     }
 
     /// True while the lease record exists, is active and `handle` is one of its

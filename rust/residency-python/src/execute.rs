@@ -769,9 +769,13 @@ fn execute_step<'py>(
             &lift(py, core.materialization_locations(index))?,
         )?,
     };
+    // An asynchronous plan (a prefetch) takes no allocator readings: its copies are
+    // still in flight, and a reading per transition would cost two allocator queries
+    // before the next copy is enqueued (docs/concepts/transitions.md#telemetry).
+    let sampled = !manager.asynchronous();
     let before = match &device {
-        Some(cuda) => sample(context, py, cuda)?,
-        None => None,
+        Some(cuda) if sampled => sample(context, py, cuda)?,
+        _ => None,
     };
     let outcome = match step {
         Step::Ensure { at, location } => ensure(manager, py, index, at, &location, stream)?,
@@ -798,8 +802,8 @@ fn execute_step<'py>(
         }
     };
     let after = match &device {
-        Some(cuda) => sample(context, py, cuda)?,
-        None => None,
+        Some(cuda) if sampled => sample(context, py, cuda)?,
+        _ => None,
     };
     let spec = lift(py, core.value_spec(index))?;
     let allocator = device.map(|device| {
@@ -1077,7 +1081,7 @@ fn copy_in(
     let value = manager.value_object(py, index, source)?;
     // Only an ensure's copy may stay in flight: a move removes its source at once.
     let asynchronous = !exclusive_transition && asynchronous_to(manager, at);
-    let (copied, event) = copy_to(
+    let (copied, event, owner) = copy_to(
         manager.context(),
         py,
         &value,
@@ -1087,7 +1091,26 @@ fn copy_in(
         asynchronous,
     )?;
     let installed = install(manager, py, index, at, &copied, exclusive_transition);
+    owned_by(manager, index, at, owner, installed.is_ok());
     in_flight(manager, py, index, Some(source), at, event, None, installed)
+}
+
+/// Remembers the stream that allocated an installed device copy: its owning stream
+/// (docs/concepts/controller.md#evicting-around-reads-in-flight).
+fn owned_by(
+    manager: &CoreManager,
+    index: HandleId,
+    at: Location,
+    owner: Option<Bound<'_, PyAny>>,
+    installed: bool,
+) {
+    if let (true, Some(owner)) = (installed, owner) {
+        drop(
+            manager
+                .objects()
+                .set_stream(index, at.code(), owner.unbind()),
+        );
+    }
 }
 
 /// Whether a copy to `at` is left in flight: during a prefetch, to a CUDA location.
@@ -1192,6 +1215,8 @@ fn load_in(
 /// fails, the stream is synchronised before the error propagates, because the copy
 /// may still be reading its source (docs/concepts/transitions.md).
 /// With `asynchronous`, a CUDA copy is not waited for: its event comes back with it.
+/// A CUDA copy also gives back the stream that allocated it.
+#[allow(clippy::type_complexity)] // the copy, its event and its owning stream
 fn copy_to<'py>(
     context: &Context,
     py: Python<'py>,
@@ -1200,7 +1225,11 @@ fn copy_to<'py>(
     at: Location,
     stream: Option<&Bound<'py, PyAny>>,
     asynchronous: bool,
-) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
+) -> PyResult<(
+    Bound<'py, PyAny>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+)> {
     let runtime = context.runtime.bind(py);
     let disk = context.disk.bind(py);
     if let Location::Disk(_) = source {
@@ -1210,7 +1239,7 @@ fn copy_to<'py>(
         if !matches!(at, Location::Cuda(_)) {
             let pinned = at == Location::PinnedHost;
             let read = disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?;
-            return Ok((read, None));
+            return Ok((read, None, None));
         }
         let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
         let copy_stream = match stream {
@@ -1225,10 +1254,10 @@ fn copy_to<'py>(
             )?
             .extract()?;
         if asynchronous {
-            return Ok((read, Some(event)));
+            return Ok((read, Some(event), Some(copy_stream)));
         }
         runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-        return Ok((read, None));
+        return Ok((read, None, Some(copy_stream)));
     }
     match at {
         Location::Disk(_) => Ok((
@@ -1237,13 +1266,16 @@ fn copy_to<'py>(
                 (context.location(py, at)?, value, runtime),
             )?,
             None,
+            None,
         )),
         Location::PinnedHost => Ok((
             runtime.call_method1(intern!(py, "copy_to_pinned"), (value,))?,
             None,
+            None,
         )),
         Location::PageableHost => Ok((
             runtime.call_method1(intern!(py, "copy_to_pageable"), (value,))?,
+            None,
             None,
         )),
         Location::Cuda(_) => {
@@ -1252,7 +1284,7 @@ fn copy_to<'py>(
                 Some(stream) => stream.clone(),
                 None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
             };
-            let copied = (|| {
+            let copied = (|| -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
                 let options = PyDict::new(py);
                 options.set_item(
                     intern!(py, "non_blocking"),
@@ -1270,8 +1302,9 @@ fn copy_to<'py>(
                 runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
                 Ok((copied, None))
             })();
-            let Err(error) = copied else {
-                return copied;
+            let error = match copied {
+                Ok((copied, event)) => return Ok((copied, event, Some(copy_stream))),
+                Err(error) => error,
             };
             // Interrupts too: the copy may still be reading the source on the stream.
             if let Err(cleanup) =
@@ -1327,7 +1360,7 @@ fn reconstruct_into(
             validate(manager, py, index, source, loaded, true)?;
             lift(py, core.admit(index, at))?;
             let asynchronous = !exclusive_transition && asynchronous_to(manager, at);
-            let (copied, event) = copy_to(
+            let (copied, event, owner) = copy_to(
                 manager.context(),
                 py,
                 loaded,
@@ -1337,6 +1370,7 @@ fn reconstruct_into(
                 asynchronous,
             )?;
             let installed = install(manager, py, index, at, &copied, exclusive_transition);
+            owned_by(manager, index, at, owner, installed.is_ok());
             in_flight(manager, py, index, None, at, event, Some(loaded), installed)
         }
     })();

@@ -79,7 +79,7 @@ pub fn reap(manager: &CoreManager, py: Python<'_>) -> PyResult<()> {
     manager.drain_deferred();
     let core = manager.core();
     if core.pending_leases() == 0 {
-        return Ok(());
+        return reap_released_transfers(manager, py, false);
     }
     let runtime = manager.context().runtime(py);
     let query = intern!(py, "event_query");
@@ -94,6 +94,34 @@ pub fn reap(manager: &CoreManager, py: Python<'_>) -> PyResult<()> {
         if completed {
             core.release_pending(token);
             drop(manager.objects().take_pending(token));
+        }
+    }
+    reap_released_transfers(manager, py, false)
+}
+
+/// Forgets the transfers released on the device whose events completed; with
+/// `wait`, waits for them on the host first.
+fn reap_released_transfers(manager: &CoreManager, py: Python<'_>, wait: bool) -> PyResult<()> {
+    let objects = manager.objects();
+    if objects.transfer_count() == 0 {
+        return Ok(());
+    }
+    let runtime = manager.context().runtime(py);
+    for (token, events) in objects.released_transfers(py) {
+        let mut completed = true;
+        for event in &events {
+            if wait {
+                runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+            } else if !runtime
+                .call_method1(intern!(py, "event_query"), (event,))?
+                .is_truthy()?
+            {
+                completed = false;
+                break;
+            }
+        }
+        if completed {
+            drop(objects.forget_released_transfer(token));
         }
     }
     Ok(())
@@ -447,8 +475,73 @@ pub fn settle(
             core.release_pending(token);
             drop(manager.objects().take_pending(token));
         }
+        if transfers {
+            reap_released_transfers(manager, py, true)?;
+        }
         // A transfer's source shares its event: now complete, reaping releases it.
         reap(manager, py)
+    })
+}
+
+/// Releases the pending leases among `tokens` without a host wait where the device's
+/// order makes that safe (docs/concepts/controller.md#evicting-around-reads-in-flight):
+/// the owning stream of each of the lease's values waits on the device for the
+/// lease's events, then the lease is released (a copy in flight keeps its record,
+/// its events and the buffer it reads until they complete). A lease with a value
+/// whose owning stream is unknown is waited for on the host with `host`, and
+/// otherwise left pending. Returns the tokens left pending.
+pub fn settle_on_device(
+    manager: &CoreManager,
+    py: Python<'_>,
+    tokens: &[u64],
+    host: bool,
+) -> PyResult<Vec<u64>> {
+    manager.with_gate(py, true, true, || {
+        reap(manager, py)?;
+        let core = manager.core();
+        let objects = manager.objects();
+        let runtime = manager.context().runtime(py);
+        let mut left = Vec::new();
+        for (token, events) in objects.pending(py) {
+            if !tokens.contains(&token) {
+                continue;
+            }
+            let Some((handles, location)) = core.pending_lease_values(token) else {
+                continue;
+            };
+            let mut owners: Vec<Py<PyAny>> = Vec::new();
+            let mut known = matches!(location, Location::Cuda(_));
+            for &index in &handles {
+                if !known {
+                    break;
+                }
+                match objects.stream(py, index, location.code()) {
+                    Some(owner) => {
+                        if !owners.iter().any(|seen| seen.is(&owner)) {
+                            owners.push(owner);
+                        }
+                    }
+                    None => known = false,
+                }
+            }
+            if known {
+                for owner in &owners {
+                    for event in &events {
+                        runtime.call_method1(intern!(py, "wait_event"), (owner, event))?;
+                    }
+                }
+            } else if host {
+                for event in &events {
+                    runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+                }
+            } else {
+                left.push(token);
+                continue;
+            }
+            core.release_pending(token);
+            drop(objects.release_on_device(token));
+        }
+        Ok(left)
     })
 }
 
@@ -490,6 +583,32 @@ pub fn transfers_into(
         Ok(manager
             .objects()
             .transfer_tokens_into(&indices, location.code()))
+    })
+}
+
+/// Whether bringing `handles` to `at` would block the host on a copy: one from disk or
+/// from pageable memory (where a source loads it included), or any copy to the host
+/// (docs/concepts/controller.md#staging). Changes nothing.
+pub fn blocks_host(
+    manager: &CoreManager,
+    py: Python<'_>,
+    handles: &Bound<'_, PyAny>,
+    at: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
+    let handles = &manager.context().normalized_handles(py, handles)?;
+    manager.with_gate(py, true, true, || {
+        let location = manager.context().location_code(py, at)?;
+        let indices = resolve_in_order(manager, py, handles, location)?;
+        for index in indices {
+            // Only a copy to a device from pinned or device memory is asynchronous.
+            match lift(py, manager.core().ensure_source(index, location))? {
+                None => {}
+                Some(Location::PinnedHost | Location::Cuda(_))
+                    if matches!(location, Location::Cuda(_)) => {}
+                Some(_) => return Ok(true),
+            }
+        }
+        Ok(false)
     })
 }
 

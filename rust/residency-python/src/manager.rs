@@ -830,6 +830,26 @@ impl CoreManager {
         crate::lifetimes::settle(self, py, &tokens, transfers)
     }
 
+    /// Releases the pending leases among `tokens` with device-side waits of their
+    /// values' owning streams; what needs a host wait is waited for with `host`, else
+    /// left pending and returned (docs/concepts/controller.md#evicting-around-reads-in-flight).
+    #[pyo3(signature = (tokens, *, host))]
+    #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
+    fn settle_on_device(&self, py: Python<'_>, tokens: Vec<u64>, host: bool) -> PyResult<Vec<u64>> {
+        crate::lifetimes::settle_on_device(self, py, &tokens, host)
+    }
+
+    /// Whether bringing `handles` to `at` would block the host on a copy (from disk or
+    /// pageable memory, or to the host).
+    fn blocks_host(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        at: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        crate::lifetimes::blocks_host(self, py, handles, at)
+    }
+
     /// The pending tokens of the transfers still in flight into `handles` at `at`.
     fn transfers_into(
         &self,

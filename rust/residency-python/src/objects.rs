@@ -28,6 +28,9 @@ struct Store {
     entries: Vec<Entry>,
     /// The object of each materialisation, by (handle index, location code).
     values: FastMap<(u32, u32), Py<PyAny>>,
+    /// The stream that allocated each device materialisation the manager copied
+    /// there (its owning stream, docs/concepts/controller.md#evicting-around-reads-in-flight).
+    streams: FastMap<(u32, u32), Py<PyAny>>,
     labels: FastMap<u64, Py<PyAny>>,
     /// Releases that arrived while a source callback ran on another thread, applied
     /// oldest first as soon as the callback has returned.
@@ -53,6 +56,10 @@ struct Transfer {
     /// What the copy reads when it is no materialisation (a loaded value), kept
     /// alive until the copy has completed.
     keepalive: Option<Py<PyAny>>,
+    /// Empty while `token` is pending (its events are there). Once the protection was
+    /// released on the device, the copy's events: consumers still wait for them, and
+    /// the record goes when they complete.
+    events: Vec<Py<PyAny>>,
 }
 
 /// Python objects released together, after the store's lock.
@@ -152,13 +159,42 @@ impl Objects {
 
     /// Keeps `value` as the object of the materialisation; a replaced object is
     /// returned so it dies after the lock.
+    /// A new object has no known owning stream until `set_stream` names it.
     pub fn set_value(&self, index: u32, code: u32, value: Py<PyAny>) -> Option<Py<PyAny>> {
-        self.store().values.insert((index, code), value)
+        let mut store = self.store();
+        let stream = store.streams.remove(&(index, code));
+        let replaced = store.values.insert((index, code), value);
+        drop(store);
+        drop(stream);
+        replaced
     }
 
     /// Removes one materialisation's object; it is released after the lock.
     pub fn take_value(&self, index: u32, code: u32) -> Option<Py<PyAny>> {
-        self.store().values.remove(&(index, code))
+        let mut store = self.store();
+        let stream = store.streams.remove(&(index, code));
+        let value = store.values.remove(&(index, code));
+        drop(store);
+        drop(stream);
+        value
+    }
+
+    /// Names the stream that allocated the materialisation's memory.
+    pub fn set_stream(&self, index: u32, code: u32, stream: Py<PyAny>) -> Option<Py<PyAny>> {
+        let mut store = self.store();
+        if !store.values.contains_key(&(index, code)) {
+            return Some(stream);
+        }
+        store.streams.insert((index, code), stream)
+    }
+
+    /// The stream that allocated the materialisation's memory, when the manager
+    /// made the copy.
+    pub fn stream(&self, py: Python<'_>, index: u32, code: u32) -> Option<Py<PyAny>> {
+        self.store()
+            .streams
+            .get(&(index, code))
+            .map(|stream| stream.clone_ref(py))
     }
 
     /// Forgets a discarded value's materialisations (at `codes`) and source; the
@@ -170,6 +206,9 @@ impl Objects {
             .iter()
             .filter_map(|code| store.values.remove(&(index, *code)))
             .collect();
+        for code in codes {
+            released.extend(store.streams.remove(&(index, *code)));
+        }
         if let Some(entry) = store.entries.get_mut(index as usize) {
             released.extend(entry.source.take());
         }
@@ -196,6 +235,7 @@ impl Objects {
     pub fn clear(&self) -> Vec<Py<PyAny>> {
         let mut store = self.store();
         let mut released: Vec<Py<PyAny>> = store.values.drain().map(|(_, value)| value).collect();
+        released.extend(store.streams.drain().map(|(_, stream)| stream));
         for entry in &mut store.entries {
             released.extend(entry.source.take());
         }
@@ -255,6 +295,57 @@ impl Objects {
         Some((events, kept))
     }
 
+    /// Forgets a pending lease released on the device: its events move to the
+    /// transfer it protected, if any, which consumers still wait for until they
+    /// complete; otherwise they are returned, to be released after the lock.
+    pub fn release_on_device(&self, token: u64) -> Released {
+        let mut store = self.store();
+        let Some(position) = store.pending.iter().position(|(known, _)| *known == token) else {
+            return Vec::new();
+        };
+        let events = store.pending.remove(position).1;
+        match store
+            .transfers
+            .iter_mut()
+            .find(|transfer| transfer.token == token)
+        {
+            Some(transfer) => {
+                transfer.events = events;
+                Vec::new()
+            }
+            None => events,
+        }
+    }
+
+    /// The transfers whose protection was released on the device, with their events.
+    pub fn released_transfers(&self, py: Python<'_>) -> Vec<(u64, Vec<Py<PyAny>>)> {
+        self.store()
+            .transfers
+            .iter()
+            .filter(|transfer| !transfer.events.is_empty())
+            .map(|transfer| {
+                let events = transfer.events.iter().map(|event| event.clone_ref(py));
+                (transfer.token, events.collect())
+            })
+            .collect()
+    }
+
+    /// Forgets a released transfer whose events completed; its objects are released
+    /// after the lock.
+    pub fn forget_released_transfer(&self, token: u64) -> Released {
+        let mut store = self.store();
+        let mut released = Vec::new();
+        store.transfers.retain_mut(|transfer| {
+            if transfer.token != token || transfer.events.is_empty() {
+                return true;
+            }
+            released.append(&mut transfer.events);
+            released.extend(transfer.keepalive.take());
+            false
+        });
+        released
+    }
+
     /// Records an asynchronous copy into `(index, code)` protected by `token`.
     pub fn add_transfer(&self, token: u64, index: u32, code: u32, keepalive: Option<Py<PyAny>>) {
         self.store().transfers.push(Transfer {
@@ -262,6 +353,7 @@ impl Objects {
             index,
             code,
             keepalive,
+            events: Vec::new(),
         });
     }
 
@@ -279,6 +371,7 @@ impl Objects {
             if let Some((_, pending)) = store.pending.iter().find(|(t, _)| *t == transfer.token) {
                 events.extend(pending.iter().map(|event| event.clone_ref(py)));
             }
+            events.extend(transfer.events.iter().map(|event| event.clone_ref(py)));
         }
         events
     }
@@ -339,7 +432,7 @@ impl Objects {
         let pending = std::mem::take(&mut store.pending);
         let kept = std::mem::take(&mut store.transfers)
             .into_iter()
-            .filter_map(|transfer| transfer.keepalive)
+            .flat_map(|transfer| transfer.events.into_iter().chain(transfer.keepalive))
             .collect();
         (pending, kept)
     }

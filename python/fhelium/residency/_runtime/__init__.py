@@ -16,6 +16,7 @@ from fhelium.residency._runtime.base import DeviceRuntime, StorageKey, ValueFact
 from fhelium.residency._runtime.simulated import (
     SimulatedCopy,
     SimulatedEvent,
+    SimulatedHazard,
     SimulatedRuntime,
     SimulatedStream,
     Timeline,
@@ -27,6 +28,7 @@ __all__ = [
     "DeviceRuntime",
     "SimulatedCopy",
     "SimulatedEvent",
+    "SimulatedHazard",
     "SimulatedRuntime",
     "SimulatedStream",
     "StorageKey",

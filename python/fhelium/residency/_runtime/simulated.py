@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fhelium.residency._runtime._reuse import Clock, ReuseOrder, SimulatedHazard
 from fhelium.residency._runtime.base import DeviceRuntime, ValueFacts
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
 from fhelium.values.tensor_resident import TensorResident, _layout_copy
@@ -35,6 +36,7 @@ from fhelium.values.tensor_resident import TensorResident, _layout_copy
 __all__ = [
     "SimulatedCopy",
     "SimulatedEvent",
+    "SimulatedHazard",
     "SimulatedRuntime",
     "SimulatedStream",
     "Timeline",
@@ -436,12 +438,15 @@ class SimulatedEvent:
         completed: Whether it starts complete.
     """
 
-    __slots__ = ("__weakref__", "_completed", "_stream", "_time")
+    __slots__ = ("__weakref__", "_clock", "_completed", "_stream", "_time")
 
     def __init__(self, stream: SimulatedStream, *, completed: bool = False) -> None:
         self._stream = stream
         self._completed = completed
         self._time: float | None = None
+        # What the event orders after it (docs/concepts/simulation.md#memory-reuse);
+        # None for an event built by hand, which orders nothing.
+        self._clock: Clock | None = None
 
     @property
     def stream(self) -> SimulatedStream:
@@ -640,6 +645,8 @@ class SimulatedRuntime:
         self.calls: collections.Counter[str] = collections.Counter()
         self.copies: list[SimulatedCopy] = []
         self.waits: list[tuple[SimulatedStream, SimulatedEvent]] = []
+        self.hazards: list[SimulatedHazard] = []
+        self._order = ReuseOrder()
         self._timeline: Timeline | None = None
         if timeline is not None:
             timeline._attach(self)
@@ -976,7 +983,10 @@ class SimulatedRuntime:
             stream = self._resolve_stream(stream, index)
         if stream.device != target:
             raise ValueError(f"stream {stream!r} is on {stream.device}, not on {target}")
-        result = self._cuda_copy(value, target)
+        with self._lock:
+            # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse).
+            self._order.read(stream, self._device_storage_keys(value._resident_tensors))
+        result = self._cuda_copy(value, target, stream)
         timeline = self._timeline
         if timeline is not None:
             by_device = self._storage_bytes_by_device(value)
@@ -1036,7 +1046,7 @@ class SimulatedRuntime:
         if resolved.device != target:
             raise ValueError(f"stream {stream!r} is on {resolved.device}, not on {target}")
         buffer = torch.empty(nbytes, dtype=torch.uint8)
-        self._register((buffer,), target, pinned=False)
+        self._register((buffer,), target, pinned=False, owner=resolved)
         return buffer
 
     def copy_bytes(self, destination: torch.Tensor, source: torch.Tensor, stream: Any) -> None:
@@ -1070,6 +1080,8 @@ class SimulatedRuntime:
         if destination.shape != source.shape or destination.dtype != source.dtype:
             raise ValueError("copy_bytes needs two flat tensors of one dtype and length")
         destination.copy_(source)
+        with self._lock:
+            self._order.read(resolved, self._device_storage_keys((source,)))
         timeline = self._timeline
         engine = "h2d" if to_device.type == "cuda" else "d2h"
         host_pinned = pinned_source if engine == "h2d" else pinned_host
@@ -1203,6 +1215,7 @@ class SimulatedRuntime:
     def _wait(self, resolved: SimulatedStream, checked: SimulatedEvent) -> None:
         with self._lock:
             self.waits.append((resolved, checked))
+            self._order.wait(resolved, checked._clock)
             if self._timeline is not None and checked._time is not None:
                 self._timeline._wait(resolved, checked._time)
 
@@ -1221,6 +1234,8 @@ class SimulatedRuntime:
         """
         self._enter("synchronize_stream")
         resolved = self._resolve_stream(stream, None)
+        with self._lock:
+            self._order.drained(resolved)
         timeline = self._timeline
         if timeline is None:
             self._complete_where(lambda event: event.stream is resolved)
@@ -1243,6 +1258,11 @@ class SimulatedRuntime:
         """
         self._enter("synchronize_device")
         target = self._cuda_device(device)
+        streams = [*self._default_streams, *self._streams_by_handle.values()]
+        with self._lock:
+            for each in streams:
+                if each.device == target:
+                    self._order.drained(each)
         timeline = self._timeline
         if timeline is None:
             self._complete_where(lambda event: event.device == target)
@@ -1279,16 +1299,22 @@ class SimulatedRuntime:
         timeline = self._timeline
         if timeline is not None:
             with self._lock:
+                event._clock = self._order.clock(stream)
                 time = timeline._tail(event._stream)
                 event._time = time
                 event._completed = time <= timeline._now
-                if not event._completed:
+                if event._completed:
+                    self._order.completed(event._clock)
+                else:
                     self._pending.add(event)
             return event
         event._time = None
         event._completed = self._auto_complete
-        if not self._auto_complete:
-            with self._lock:
+        with self._lock:
+            event._clock = self._order.clock(stream)
+            if self._auto_complete:
+                self._order.completed(event._clock)
+            else:
                 self._pending.add(event)
         return event
 
@@ -1324,6 +1350,7 @@ class SimulatedRuntime:
             if not checked._completed and time <= timeline._now:
                 checked._completed = True
                 self._pending.discard(checked)
+                self._order.completed(checked._clock)
             return checked._completed
 
     def synchronize_event(self, event: Any) -> None:
@@ -1474,7 +1501,8 @@ class SimulatedRuntime:
         Raises:
             ValueError: A device the runtime does not simulate.
         """
-        return self._cuda_copy(value, self._cuda_device(device))
+        target = self._cuda_device(device)
+        return self._cuda_copy(value, target, self._default_streams[target.index or 0])
 
     def pin(self, value: _V) -> _V:
         """Return a copy of ``value`` in new simulated pinned host storage: a test helper.
@@ -1543,7 +1571,14 @@ class SimulatedRuntime:
             self._timeline._advance(max(times, default=0.0))
             return self._complete_pending_locked(lambda event: True)
 
-    def compute(self, stream: Any, seconds: float, *, label: str = "compute") -> TimelineSpan:
+    def compute(
+        self,
+        stream: Any,
+        seconds: float,
+        *,
+        label: str = "compute",
+        reads: TensorResident | torch.Tensor | None = None,
+    ) -> TimelineSpan:
         """Declare that ``seconds`` of kernels are enqueued on ``stream``, and return the span.
 
         The work occupies the stream's device's compute engine after everything enqueued on the
@@ -1553,6 +1588,7 @@ class SimulatedRuntime:
             stream: The stream the kernels run on.
             seconds: Their duration, a finite number >= 0.
             label: The span's label.
+            reads: A value (or tensor) the kernels read, declared as `read` does.
 
         Returns:
             The `TimelineSpan` of the work.
@@ -1573,8 +1609,36 @@ class SimulatedRuntime:
         if not isinstance(label, str):
             raise TypeError(f"label must be a str, got {type(label).__name__}")
         resolved = self._resolve_stream(stream, None)
+        if reads is not None:
+            self.read(resolved, reads)
         with self._lock:
+            self._order.enqueue(resolved)
             return timeline._compute(resolved, duration, label)
+
+    def read(self, stream: Any, value: TensorResident | torch.Tensor) -> None:
+        """Declare that the work enqueued on ``stream`` now reads ``value``: a test helper.
+
+        See docs/concepts/simulation.md#memory-reuse. A freed block keeps its readers; the next allocation on the stream that owns it
+        records a `SimulatedHazard` in `hazards` for a reader it is not ordered after.
+
+        Args:
+            stream: The stream whose work reads the value.
+            value: A `TensorResident` or a tensor; only simulated device storages count.
+
+        Raises:
+            TypeError: ``stream`` is not a stream of this runtime, or ``value`` is neither.
+        """
+        resolved = self._resolve_stream(stream, None)
+        if isinstance(value, torch.Tensor):
+            tensors: Iterable[torch.Tensor] = (value,)
+        elif isinstance(value, TensorResident):
+            tensors = value._resident_tensors
+        else:
+            raise TypeError(
+                f"value must be a TensorResident or a tensor, got {type(value).__name__}"
+            )
+        with self._lock:
+            self._order.read(resolved, self._device_storage_keys(tensors))
 
     def pending_event_count(self) -> int:
         """Return how many events recorded by this runtime are still incomplete (not counted).
@@ -1676,12 +1740,21 @@ class SimulatedRuntime:
                 )
         return device
 
-    def _cuda_copy(self, value: _V, target: torch.device) -> _V:
+    def _cuda_copy(self, value: _V, target: torch.device, owner: SimulatedStream) -> _V:
         # `to(copy=True)` always clones, so even a CPU source gets new, independent storage,
         # exactly like a real host-to-device copy.
         result = value.to("cpu", copy=True, non_blocking=False)
-        self._register(result._resident_tensors, target, pinned=False)
+        self._register(result._resident_tensors, target, pinned=False, owner=owner)
         return result
+
+    def _device_storage_keys(self, tensors: Iterable[torch.Tensor]) -> list[int]:
+        """The keys of the registered simulated device storages among ``tensors``'."""
+        keys = []
+        for tensor in tensors:
+            entry = self._registry.get(tensor.untyped_storage()._cdata)
+            if entry is not None and entry.device.type == "cuda":
+                keys.append(entry.key)
+        return keys
 
     def _pinned_copy(self, value: _V) -> _V:
         if not self._pinned:
@@ -1694,11 +1767,20 @@ class SimulatedRuntime:
         return value._with_resident_tensors(clones)
 
     def _register(
-        self, tensors: Iterable[torch.Tensor], device: torch.device, *, pinned: bool
+        self,
+        tensors: Iterable[torch.Tensor],
+        device: torch.device,
+        *,
+        pinned: bool,
+        owner: SimulatedStream | None = None,
     ) -> None:
         freed = self._freed.append
         with self._lock:
             self._drain_freed_locked()
+            if owner is not None:
+                # An allocation on `owner` may reuse any block freed to its pool.
+                for reader, nbytes in self._order.check(owner):
+                    self.hazards.append(SimulatedHazard(device, owner, reader, nbytes))
             for tensor in tensors:
                 storage = tensor.untyped_storage()
                 if pinned and storage.nbytes() == 0:
@@ -1713,6 +1795,8 @@ class SimulatedRuntime:
                     self._uncount_locked(previous)
                 self._registry[entry.key] = entry
                 if device.type == "cuda":
+                    if owner is not None:
+                        self._order.allocated(owner, entry.key)
                     self._allocated_bytes[device] += entry.nbytes
                     self._reserved_bytes[device] += _reserved_nbytes(entry.nbytes)
                     entry.counted = True
@@ -1734,6 +1818,8 @@ class SimulatedRuntime:
             # have the key while this entry exists (its `address` holds it).
             if self._registry.get(entry.key) is entry:
                 del self._registry[entry.key]
+                if entry.device.type == "cuda":
+                    self._order.freed(entry.key, entry.nbytes)
 
     def _complete_where(self, predicate: Callable[[SimulatedEvent], bool]) -> int:
         with self._lock:
@@ -1741,11 +1827,13 @@ class SimulatedRuntime:
             for event in done:
                 event._completed = True
                 self._pending.discard(event)
+                self._order.completed(event._clock)
         return len(done)
 
     def _forget_event(self, event: SimulatedEvent) -> None:
         with self._lock:
             self._pending.discard(event)
+            self._order.completed(event._clock)
 
     def _complete_pending_locked(self, predicate: Callable[[SimulatedEvent], bool]) -> int:
         """With the timeline's clock moved: completes the pending events it has reached,
@@ -1760,6 +1848,7 @@ class SimulatedRuntime:
         for event in done:
             event._completed = True
             self._pending.discard(event)
+            self._order.completed(event._clock)
         return len(done)
 
     def _sync_timeline(self, time: float, predicate: Callable[[SimulatedEvent], bool]) -> None:

@@ -1,0 +1,143 @@
+"""The simulated runtime's memory-reuse check (docs/concepts/simulation.md#memory-reuse).
+
+Order between streams is tracked with vector clocks: each stream counts the work
+enqueued on it, and knows, per other stream, how much of that stream's work it is
+ordered after (through `wait_event`, or through the host having seen an event
+complete before it enqueued). A freed device storage keeps its readers' positions in
+the pool of the stream that allocated it; the next allocation on that stream checks
+that every such reader is ordered before it. Every method is called under the
+runtime's lock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from fhelium.residency._runtime.simulated import SimulatedStream
+
+__all__ = ["Clock", "ReuseOrder", "SimulatedHazard"]
+
+# Per stream (by simulated handle): how many of its enqueued operations are covered.
+Clock = dict[int, int]
+
+
+class SimulatedHazard(NamedTuple):
+    """A freed device block that an allocation may reuse while it is still read: a named tuple.
+
+    Recorded in ``SimulatedRuntime.hazards`` (docs/concepts/simulation.md#memory-reuse).
+
+    Attributes:
+        device: The simulated device.
+        stream: The stream that allocated, which owns the freed block.
+        reader: A stream whose declared read of the block is not ordered before the
+            allocation.
+        nbytes: The freed block's bytes.
+    """
+
+    device: torch.device
+    stream: SimulatedStream
+    reader: SimulatedStream
+    nbytes: int
+
+
+class _Freed(NamedTuple):
+    readers: Clock
+    nbytes: int
+
+
+def _merge(into: Clock, other: Clock) -> None:
+    for stream, position in other.items():
+        if into.get(stream, 0) < position:
+            into[stream] = position
+
+
+class ReuseOrder:
+    """Happens-before between simulated streams and the host, the readers of each live
+    device storage, the owning stream of each, and each stream's pool of freed blocks."""
+
+    __slots__ = ("_host", "_knows", "_owners", "_pools", "_readers", "_seq", "_streams")
+
+    def __init__(self) -> None:
+        self._seq: Clock = {}
+        self._knows: dict[int, Clock] = {}
+        self._host: Clock = {}
+        self._streams: dict[int, SimulatedStream] = {}
+        # By storage key: the readers' last positions, and the owning stream.
+        self._readers: dict[int, Clock] = {}
+        self._owners: dict[int, int] = {}
+        # By owning stream: freed blocks whose readers were not yet seen ordered.
+        self._pools: dict[int, list[_Freed]] = {}
+
+    def _catch_up(self, stream: SimulatedStream) -> Clock:
+        """What ``stream`` is ordered after now: work enqueued from here on also follows
+        everything the host has seen complete."""
+        handle = stream._handle
+        knows = self._knows.get(handle)
+        if knows is None:
+            knows = self._knows[handle] = {}
+        _merge(knows, self._host)
+        return knows
+
+    def enqueue(self, stream: SimulatedStream) -> int:
+        """One operation enqueued on ``stream``; its position there."""
+        self._catch_up(stream)
+        handle = stream._handle
+        position = self._seq.get(handle, 0) + 1
+        self._seq[handle] = position
+        return position
+
+    def clock(self, stream: SimulatedStream) -> Clock:
+        """An event recorded on ``stream`` now: everything enqueued there, and everything
+        that is ordered before it."""
+        clock = dict(self._catch_up(stream))
+        clock[stream._handle] = self._seq.get(stream._handle, 0)
+        return clock
+
+    def wait(self, stream: SimulatedStream, clock: Clock | None) -> None:
+        if clock is not None:
+            _merge(self._catch_up(stream), clock)
+
+    def completed(self, clock: Clock | None) -> None:
+        """The host saw an event complete."""
+        if clock is not None:
+            _merge(self._host, clock)
+
+    def drained(self, stream: SimulatedStream) -> None:
+        """The host waited for everything enqueued on ``stream``."""
+        _merge(self._host, self.clock(stream))
+
+    def read(self, stream: SimulatedStream, keys: list[int]) -> None:
+        """Work enqueued on ``stream`` now reads the storages ``keys``."""
+        position = self.enqueue(stream)
+        handle = stream._handle
+        self._streams[handle] = stream
+        for key in keys:
+            self._readers.setdefault(key, {})[handle] = position
+
+    def allocated(self, stream: SimulatedStream, key: int) -> None:
+        self._owners[key] = stream._handle
+
+    def freed(self, key: int, nbytes: int) -> None:
+        readers = self._readers.pop(key, None)
+        owner = self._owners.pop(key, None)
+        if readers and owner is not None:
+            self._pools.setdefault(owner, []).append(_Freed(readers, nbytes))
+
+    def check(self, stream: SimulatedStream) -> list[tuple[SimulatedStream, int]]:
+        """An allocation on ``stream``: empties its pool, returning ``(reader, nbytes)``
+        for each freed block with a reader not ordered before it."""
+        pool = self._pools.pop(stream._handle, None)
+        if not pool:
+            return []
+        knows = self._catch_up(stream)
+        handle = stream._handle
+        hazards: list[tuple[SimulatedStream, int]] = []
+        for block in pool:
+            for reader, position in block.readers.items():
+                if reader != handle and knows.get(reader, 0) < position:
+                    hazards.append((self._streams[reader], block.nbytes))
+                    break
+        return hazards

@@ -1,0 +1,152 @@
+"""The simulated runtime's memory-reuse check (docs/concepts/simulation.md#memory-reuse):
+a freed device block keeps its readers, and an allocation on the stream that owns it
+is a hazard unless every reader is ordered before it (a device wait, a host
+synchronisation, or the same stream)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from fhelium.residency.simulation import SimulatedHazard, SimulatedRuntime, Timeline
+from fhelium.values import ResidentTensor
+
+DEVICE = torch.device("cuda", 0)
+
+
+def _setup(
+    runtime: SimulatedRuntime,
+) -> tuple[object, object, ResidentTensor]:
+    transfer = runtime.create_stream(DEVICE)
+    consumer = runtime.create_stream(DEVICE)
+    value = ResidentTensor(torch.arange(1024, dtype=torch.float32))
+    copied = runtime.copy_to_cuda(value, DEVICE, transfer, non_blocking=True)
+    assert isinstance(copied, ResidentTensor)
+    return transfer, consumer, copied
+
+
+def _reallocate(runtime: SimulatedRuntime, transfer: object) -> None:
+    """After the caller dropped its copy: a new allocation on ``transfer``."""
+    gc.collect()
+    runtime.copy_to_cuda(ResidentTensor(torch.zeros(1024)), DEVICE, transfer, non_blocking=True)
+
+
+def test_a_block_reused_while_its_reader_runs_is_a_hazard() -> None:
+    runtime = SimulatedRuntime(1)
+    transfer, consumer, copied = _setup(runtime)
+    runtime.read(consumer, copied)
+    runtime.record_event(consumer)  # the lease's release event: never waited for
+    del copied
+    _reallocate(runtime, transfer)
+    assert runtime.hazards == [SimulatedHazard(DEVICE, transfer, consumer, 4096)]
+    # Reported once: the block left the pool.
+    runtime.copy_to_cuda(ResidentTensor(torch.zeros(4)), DEVICE, transfer, non_blocking=True)
+    assert len(runtime.hazards) == 1
+
+
+def test_a_device_wait_on_the_owning_stream_orders_the_reuse() -> None:
+    runtime = SimulatedRuntime(1)
+    transfer, consumer, copied = _setup(runtime)
+    runtime.read(consumer, copied)
+    runtime.wait_event(transfer, runtime.record_event(consumer))
+    del copied
+    _reallocate(runtime, transfer)
+    assert runtime.hazards == []
+    assert runtime.pending_event_count() == 1  # nothing waited on the host
+
+
+def test_a_wait_recorded_before_the_read_does_not_order_it() -> None:
+    runtime = SimulatedRuntime(1)
+    transfer, consumer, copied = _setup(runtime)
+    runtime.wait_event(transfer, runtime.record_event(consumer))
+    runtime.read(consumer, copied)
+    del copied
+    _reallocate(runtime, transfer)
+    assert [hazard.reader for hazard in runtime.hazards] == [consumer]
+
+
+def test_a_wait_by_another_stream_does_not_order_the_owning_one() -> None:
+    runtime = SimulatedRuntime(1)
+    transfer, consumer, copied = _setup(runtime)
+    other = runtime.create_stream(DEVICE)
+    runtime.read(consumer, copied)
+    runtime.wait_event(other, runtime.record_event(consumer))
+    del copied
+    _reallocate(runtime, transfer)
+    assert [hazard.stream for hazard in runtime.hazards] == [transfer]
+    # An allocation on the other stream never reuses the block: no hazard there.
+    runtime.hazards.clear()
+    _transfer2, consumer2, copied2 = _setup(runtime)
+    runtime.read(consumer2, copied2)
+    runtime.record_event(consumer2)
+    del copied2
+    gc.collect()
+    runtime.empty_cuda(16, DEVICE, other)
+    assert runtime.hazards == []
+
+
+@pytest.mark.parametrize("how", ["event", "stream", "device", "complete_events", "by_hand"])
+def test_a_host_synchronisation_orders_every_later_allocation(how: str) -> None:
+    runtime = SimulatedRuntime(1)
+    transfer, consumer, copied = _setup(runtime)
+    runtime.read(consumer, copied)
+    event = runtime.record_event(consumer)
+    if how == "event":
+        runtime.synchronize_event(event)
+    elif how == "stream":
+        runtime.synchronize_stream(consumer)
+    elif how == "device":
+        runtime.synchronize_device(DEVICE)
+    elif how == "complete_events":
+        runtime.complete_events()
+    else:
+        event.complete()
+    del copied
+    _reallocate(runtime, transfer)
+    assert runtime.hazards == []
+
+
+def test_a_read_on_the_owning_stream_is_ordered_by_the_stream() -> None:
+    runtime = SimulatedRuntime(1)
+    transfer, _consumer, copied = _setup(runtime)
+    runtime.read(transfer, copied)
+    del copied
+    _reallocate(runtime, transfer)
+    assert runtime.hazards == []
+
+
+def test_with_a_timeline_an_event_the_host_reached_orders_the_reuse() -> None:
+    runtime = SimulatedRuntime(1, timeline=Timeline())
+    transfer, consumer, copied = _setup(runtime)
+    runtime.compute(consumer, 0.001, reads=copied)
+    event = runtime.record_event(consumer)
+    assert not runtime.event_query(event)
+    runtime.compute(consumer, 0.0)
+    runtime.synchronize_stream(consumer)
+    assert runtime.event_query(event)
+    del copied
+    _reallocate(runtime, transfer)
+    assert runtime.hazards == []
+
+
+def test_a_chain_of_waits_orders_transitively() -> None:
+    runtime = SimulatedRuntime(1)
+    transfer, consumer, copied = _setup(runtime)
+    middle = runtime.create_stream(DEVICE)
+    runtime.read(consumer, copied)
+    runtime.wait_event(middle, runtime.record_event(consumer))
+    runtime.wait_event(transfer, runtime.record_event(middle))
+    del copied
+    _reallocate(runtime, transfer)
+    assert runtime.hazards == []
+
+
+def test_read_checks_its_arguments() -> None:
+    runtime = SimulatedRuntime(1)
+    stream = runtime.create_stream(DEVICE)
+    with pytest.raises(TypeError):
+        runtime.read(stream, object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        runtime.read(object(), torch.zeros(1))
