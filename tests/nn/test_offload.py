@@ -552,3 +552,17 @@ def test_pageable_host_with_a_budget_spills_to_disk(
         assert off.stats().host_peak_bytes <= total // 2
         assert off.stats().disk_read_bytes > 0
     assert torch.equal(model(x), expected)
+
+
+def test_under_inference_mode(runtime: SimulatedRuntime) -> None:
+    model = mlp(4)
+    x = torch.randn(2, 32)
+    expected = model(x)
+    with torch.inference_mode(), offload(model, budget=weights_nbytes(model) // 2):
+        for _ in range(2):
+            assert torch.equal(model(x), expected)
+    # Back as it was: ordinary tensors that autograd can use.
+    assert not any(p.is_inference() for p in model.parameters())
+    with torch.enable_grad():
+        model(x).sum().backward()
+    assert model[0][0].weight.grad is not None

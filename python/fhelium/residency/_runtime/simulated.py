@@ -1618,8 +1618,9 @@ class SimulatedRuntime:
     def read(self, stream: Any, value: TensorResident | torch.Tensor) -> None:
         """Declare that the work enqueued on ``stream`` now reads ``value``: a test helper.
 
-        See docs/concepts/simulation.md#memory-reuse. A freed block keeps its readers; the next allocation on the stream that owns it
-        records a `SimulatedHazard` in `hazards` for a reader it is not ordered after.
+        See docs/concepts/simulation.md#memory-reuse. A freed block keeps its readers; the
+        next allocation on the stream that owns it records a `SimulatedHazard` in `hazards`
+        for a reader it is not ordered after.
 
         Args:
             stream: The stream whose work reads the value.

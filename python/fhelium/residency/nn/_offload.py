@@ -1065,8 +1065,14 @@ class Offload:
         for tensor, slots, grad in zip(
             bundle._resident_tensors, group.slots, group.requires_grad, strict=True
         ):
+            plain = tensor
+            if tensor.is_inference():
+                # Copied under `torch.inference_mode()`: the module's tensors were
+                # ordinary ones, usable with autograd; so are these.
+                with torch.inference_mode(False):
+                    plain = tensor.clone()
             restored: torch.Tensor = (
-                nn.Parameter(tensor, requires_grad=grad) if slots[0].is_parameter else tensor
+                nn.Parameter(plain, requires_grad=grad) if slots[0].is_parameter else plain
             )
             for slot in slots:
                 slot.install(restored)
