@@ -73,7 +73,7 @@ def main() -> None:
                 rows.append(
                     (
                         f"fhelium offload, prefetch {prefetch}",
-                        fastest(lambda: offloaded(x), repeats),
+                        fastest(lambda model=offloaded: model(x), repeats),
                     )
                 )
         try:
