@@ -131,6 +131,7 @@ def test_errors_that_are_also_value_errors(cls: type, bases: tuple[type, ...]) -
     assert issubclass(cls, ValueError)
     assert not issubclass(cls, TypeError)
     assert set(errors.__all__) == {c.__name__ for c in [*ALL, *ALSO_VALUE_ERROR]} | {
+        "ResidencyScheduleExhaustedWarning",
         "ConfigurationError",
         "StateError",
         "ExecutionError",

@@ -13,34 +13,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
 if TYPE_CHECKING:
     from fhelium.residency._runtime.simulated import SimulatedStream
 
-__all__ = ["Clock", "ReuseOrder", "SimulatedHazard"]
+__all__ = ["Clock", "ReuseOrder"]
 
 # Per stream (by simulated handle): how many of its enqueued operations are covered.
 Clock = dict[int, int]
-
-
-class SimulatedHazard(NamedTuple):
-    """A freed device block that an allocation may reuse while it is still read: a named tuple.
-
-    Recorded in ``SimulatedRuntime.hazards`` (docs/concepts/simulation.md#memory-reuse).
-
-    Attributes:
-        device: The simulated device.
-        stream: The stream that allocated, which owns the freed block.
-        reader: A stream whose declared read of the block is not ordered before the
-            allocation.
-        nbytes: The freed block's bytes.
-    """
-
-    device: torch.device
-    stream: SimulatedStream
-    reader: SimulatedStream
-    nbytes: int
 
 
 class _Freed(NamedTuple):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fhelium.residency._runtime._reuse import Clock, ReuseOrder, SimulatedHazard
+from fhelium.residency._runtime._reuse import Clock, ReuseOrder
 from fhelium.residency._runtime.base import DeviceRuntime, ValueFacts
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
 from fhelium.values.tensor_resident import TensorResident, _layout_copy
@@ -424,6 +424,25 @@ class SimulatedStream:
 
     def __repr__(self) -> str:
         return f"SimulatedStream({self._device}, id={id(self):#x})"
+
+
+class SimulatedHazard(NamedTuple):
+    """A freed device block that an allocation may reuse while it is still read: a named tuple.
+
+    Recorded in ``SimulatedRuntime.hazards`` (docs/concepts/simulation.md#memory-reuse).
+
+    Attributes:
+        device: The simulated device.
+        stream: The stream that allocated, which owns the freed block.
+        reader: A stream whose declared read of the block is not ordered before the
+            allocation.
+        nbytes: The freed block's bytes.
+    """
+
+    device: torch.device
+    stream: SimulatedStream
+    reader: SimulatedStream
+    nbytes: int
 
 
 class SimulatedEvent:
