@@ -566,3 +566,25 @@ def test_under_inference_mode(runtime: SimulatedRuntime) -> None:
     with torch.enable_grad():
         model(x).sum().backward()
     assert model[0][0].weight.grad is not None
+
+
+def test_checkpoint_under_a_host_budget(runtime: SimulatedRuntime, tmp_path: Path) -> None:
+    from fhelium.residency.nn import init_empty_weights
+
+    model = mlp(8)
+    x = torch.randn(2, 32)
+    expected = model(x)
+    file = save(model, tmp_path / "mlp.safetensors")
+    total = weights_nbytes(model)
+    with init_empty_weights():
+        empty = mlp(8)
+    with offload(
+        empty, checkpoint=file, budget=total // 4, host_budget=total // 2, prefetch=1
+    ) as off:
+        for _ in range(3):
+            assert torch.equal(empty(x), expected)
+        stats = off.stats()
+        assert stats.host_peak_bytes <= total // 2
+        assert stats.device_peak_bytes <= total // 4
+        # The host caches what it can: fewer reads than one file read per forward.
+        assert total < stats.disk_read_bytes < 4 * total

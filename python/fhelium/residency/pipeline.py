@@ -416,6 +416,7 @@ class _Pipeline:
                 self._release_on_device(ended)
                 continue
             self._wait_oldest(ended)
+        settled = False
         while True:
             use = ResidencyUse(
                 controller=self.controller,
@@ -426,8 +427,15 @@ class _Pipeline:
             try:
                 entered = use.__enter__()
             except (ResidencyPlanError, ResidencyBudgetError):
-                if not self._wait_oldest(ended):
+                if self._wait_oldest(ended):
+                    continue
+                if settled:
                     raise
+                # Last, the copies still in flight: a source they read stays
+                # protected until they complete, which only a host wait observes
+                # once their steps were released on the device.
+                settled = True
+                self._settle_transfers()
             else:
                 self.active = _needs(request)
                 try:
