@@ -57,7 +57,9 @@ def test_outputs_equal_the_plain_model(prefetch: int, policy: str, cycles: int) 
         del reference
         weights = sum(t.numel() * t.element_size() for t in original.values())
         budget = weights // 3
-        with offload(model, device="cuda:0", budget=budget, prefetch=prefetch, policy=policy) as off:
+        with offload(
+            model, device="cuda:0", budget=budget, prefetch=prefetch, policy=policy
+        ) as off:
             for _ in range(4):
                 out = model(x)  # inputs are moved to the device
                 assert out.is_cuda
