@@ -1,6 +1,6 @@
 """`offload(module, ...)`: run a PyTorch module whose weights do not fit on its device.
 
-Each unit's weights are one managed value; forward hooks make a unit's value resident on
+Each unit's weights are one managed value; forward wrappers make a unit's value resident on
 the device for its forward (a step of `ResidencyController.run`) and put placeholders back
 after it. The first forward is recorded; later forwards follow the recording cyclically,
 prefetching the next steps, and a forward that takes another order is followed as it goes
@@ -173,7 +173,7 @@ class _Value:
     def install(self, bundle: Any) -> None:
         if bundle is not self.bundle:
             tensors: list[torch.Tensor] = []
-            for tensor, slots in zip(bundle._resident_tensors, self.group.slots, strict=True):
+            for tensor, slots in zip(bundle.tensors.values(), self.group.slots, strict=True):
                 if slots[0].is_parameter:
                     tensors.append(nn.Parameter(tensor, requires_grad=False))
                 else:
@@ -1060,10 +1060,11 @@ class Offload:
             manager.ensure(handle, PAGEABLE_HOST)
         with manager.acquire([handle], at=PAGEABLE_HOST) as borrowed:
             bundle = borrowed[handle]
+        assert isinstance(bundle, TensorBundle)  # every offload value is one
         # Forgotten at once: its charges are free for the next value's copy.
         manager.discard(handle)
         for tensor, slots, grad in zip(
-            bundle._resident_tensors, group.slots, group.requires_grad, strict=True
+            bundle.tensors.values(), group.slots, group.requires_grad, strict=True
         ):
             plain = tensor
             if tensor.is_inference():
