@@ -638,6 +638,8 @@ class SimulatedRuntime:
         self._pinned = pinned
         self._auto_complete = auto_complete
         self._devices = tuple(torch.device("cuda", index) for index in range(device_count))
+        # Each device's location, made on its first copy (for the copy log).
+        self._cuda_locations: dict[int, ResidencyLocation] = {}
         self._lock = threading.Lock()
         self._registry: dict[int, _Entry] = {}
         # Live simulated CUDA bytes per device, allocated and rounded up to the allocator's
@@ -942,7 +944,7 @@ class SimulatedRuntime:
         """
         self._enter("copy_to_pageable")
         # Fresh CPU storage is unregistered, hence pageable, whatever the source was.
-        result = value.to("cpu", copy=True, non_blocking=False)
+        result = value.to(_CPU, copy=True, non_blocking=False)
         if self._timeline is not None:
             self._time_download(value)
         self._log(PAGEABLE_HOST, None, non_blocking=False)
@@ -1014,7 +1016,10 @@ class SimulatedRuntime:
                 timeline._enqueue_copy(
                     stream, engine, sum(by_device.values()), blocking=not non_blocking
                 )
-        self._log(cuda_location(target), stream, non_blocking=non_blocking)
+        location = self._cuda_locations.get(index)
+        if location is None:
+            location = self._cuda_locations[index] = cuda_location(target)
+        self._log(location, stream, non_blocking=non_blocking)
         return result
 
     # --- byte buffers (the disk tier's staging) -------------------------------------
@@ -1712,6 +1717,10 @@ class SimulatedRuntime:
 
     def _cuda_index(self, device: torch.device | str | int) -> int:
         """The index of the simulated CUDA device named by ``device`` (else ``ValueError``)."""
+        if type(device) is torch.device:
+            known = self._device_index(device)
+            if known is not None:
+                return known
         try:
             normalized = (
                 torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -1763,7 +1772,7 @@ class SimulatedRuntime:
     def _cuda_copy(self, value: _V, target: torch.device, owner: SimulatedStream) -> _V:
         # `to(copy=True)` always clones, so even a CPU source gets new, independent storage,
         # exactly like a real host-to-device copy.
-        result = value.to("cpu", copy=True, non_blocking=False)
+        result = value.to(_CPU, copy=True, non_blocking=False)
         self._register(result._resident_tensors, target, pinned=False, owner=owner)
         return result
 
