@@ -34,6 +34,8 @@ class Controller(Protocol):
     """What a use and a pipeline ask of the `ResidencyController` they serve."""
 
     _manager: ResidencyManager
+    # What the pipeline derives from each request, by request object.
+    _shapes: dict[int, Any]
 
     @property
     def manager(self) -> ResidencyManager: ...
@@ -163,6 +165,40 @@ class ResidencyUse:
         self._leases: list[ResidencyLease] = []
         self._exited = False
         self._state = "new"
+
+    @classmethod
+    def _made(
+        cls,
+        controller: Controller,
+        request: ResidencyRequest,
+        consumers: dict[ResidencyLocation, Any],
+        transfers: dict[ResidencyLocation, Any],
+        by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]],
+    ) -> ResidencyUse:
+        """A use for a pipeline's step: ``request`` is a `ResidencyRequest`, the stream
+        maps are normalized, and ``by_location`` is its handles by location (the
+        pipeline derives them once per request). Consumer streams that are not exactly
+        the request's CUDA locations are refused as the constructor refuses them."""
+        if len(consumers) != sum(location.kind == "cuda" for location in by_location):
+            return cls(
+                controller=controller,
+                request=request,
+                consumer_streams=consumers,
+                transfer_streams=transfers,
+            )
+        use = object.__new__(cls)
+        use._controller = controller
+        use.request = request
+        use._consumer_streams = consumers
+        use._transfer_streams = transfers
+        use._decision = None
+        use._scope = None
+        use._stack = None
+        use._values = None
+        use._leases = []
+        use._exited = False
+        use._state = "new"
+        return use
 
     @property
     def decision(self) -> ResidencyDecision:
