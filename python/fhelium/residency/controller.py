@@ -180,6 +180,12 @@ class _Decision(ResidencyDecision):
         core, ir, _simulation, slots, reclaim_rows, enter_rows, _evictions = cast(
             tuple[Any, ...], self._source
         )
+        request = self.request
+        if not slots:
+            # Nothing to do (a request already satisfied): no action to build.
+            plan = _new_plan(request.name, (), (), request.reservations, ())
+            object.__setattr__(plan, "_ir", _lowering.LoweredPlan(ir, ()))
+            return plan
         handle_of = core.handle
         handles = tuple(handle_of(index) for index in slots)
 
@@ -197,7 +203,6 @@ class _Decision(ResidencyDecision):
         collecting = gc.isenabled()
         gc.disable()
         try:
-            request = self.request
             plan = _new_plan(
                 request.name,
                 tuple(action(row) for row in enter_rows),
