@@ -34,8 +34,6 @@ class Controller(Protocol):
     """What a use and a pipeline ask of the `ResidencyController` they serve."""
 
     _manager: ResidencyManager
-    # What the pipeline derives from each request, by request object.
-    _shapes: dict[int, Any]
 
     @property
     def manager(self) -> ResidencyManager: ...
@@ -393,12 +391,12 @@ def _unwind(
             pending = True
             details = (type(error), error, error.__traceback__)
     if pending:
-        error = details[1]
-        fixed = error.__context__
+        raised: BaseException = details[1]
+        fixed = raised.__context__
         try:
-            raise error
+            raise raised
         except BaseException:
-            error.__context__ = fixed
+            raised.__context__ = fixed
             raise
     return received and suppressed
 

@@ -117,8 +117,9 @@ class _Shape:
         return staging
 
 
-def _shape(controller: Controller, request: ResidencyRequest) -> _Shape:
-    """``request``'s shape, kept by the controller per request object."""
+def _shape(controller: Any, request: ResidencyRequest) -> _Shape:
+    """``request``'s shape, kept by the controller (a `ResidencyController`) per request
+    object."""
     shapes: dict[int, _Shape] = controller._shapes
     shape = shapes.get(id(request))
     if shape is None or shape.request is not request:

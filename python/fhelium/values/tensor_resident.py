@@ -228,7 +228,7 @@ def _whole_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a plain contiguous tensor (or parameter) spanning its whole,
     non-empty storage from offset 0, without lazy conjugate or negative bits: copying it
     with ``to(copy=True)`` then keeps the storage layout `_layout_copy` would rebuild."""
-    return (
+    return bool(
         (type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter)
         and tensor.layout == torch.strided
         and not tensor.is_quantized
