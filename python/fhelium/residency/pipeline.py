@@ -534,6 +534,8 @@ class _Pipeline:
         """Per location, the headroom the staged steps (and a step needing ``needs``)
         would find missing at their entry, beyond the active step's reservation and the
         guard: each staged step must find the largest of their reservations free."""
+        if not needs and not self.staged:
+            return {}
         wanted: dict[ResidencyLocation, int] = dict(needs)
         for staged in self.staged.values():
             for location, nbytes in staged.needs.items():
@@ -547,13 +549,18 @@ class _Pipeline:
 
     def _keep_guard(self, needs: dict[ResidencyLocation, int]) -> None:
         """Reserves the headroom `_extra` finds missing."""
+        extra = self._extra(needs)
+        if not extra:
+            return
         manager = self.controller.manager
-        for location, nbytes in self._extra(needs).items():
+        for location, nbytes in extra.items():
             self.guard.setdefault(location, []).append(
                 manager.reserve(location, nbytes, label="prefetch headroom")
             )
 
     def _release_guard(self) -> None:
+        if not self.guard:
+            return
         guard, self.guard = self.guard, {}
         _release_all(reservation for kept in guard.values() for reservation in kept)
 

@@ -396,6 +396,11 @@ class ResidentTensor(TensorResident):
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         (tensor,) = tensors
+        if type(self) is ResidentTensor:
+            # Its one slot is the tensor: nothing else to copy.
+            plain = object.__new__(ResidentTensor)
+            object.__setattr__(plain, "_tensor", tensor)
+            return plain  # type: ignore[return-value]
         # A shallow copy rather than a constructor call: subclasses keep their own
         # metadata and constructor signature, and nothing is re-validated.
         clone = copy.copy(self)

@@ -1447,7 +1447,8 @@ class SimulatedRuntime:
             return None
         simulated = self._devices[index]
         with self._lock:
-            self._drain_freed_locked()
+            if self._freed:
+                self._drain_freed_locked()
             return self._allocated_bytes[simulated], self._reserved_bytes[simulated]
 
     def _allocated(self, device: torch.device) -> int | None:
