@@ -287,8 +287,14 @@ class ResidencyUse:
         try:
             stale = 0
             while True:
-                self._decision = controller.decide(request)
-                scope = controller.scope(self._decision, transfer_streams=self._transfer_streams)
+                decision = self._decision = controller.decide(request)
+                # The controller's own fresh decision: its manager and policy are this
+                # controller's, so the scope is the manager's directly.
+                scope = manager.scope(
+                    decision.plan,
+                    expected_state_version=decision.expected_state_version,
+                    transfer_streams=self._transfer_streams,
+                )
                 # Closing a scope whose entry failed does nothing.
                 exits.append(scope.__exit__)
                 try:

@@ -816,6 +816,27 @@ class SimulatedRuntime:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("measure")
+        tensors = value._resident_tensors
+        if len(tensors) == 1:
+            # One tensor, one lookup: the same facts as the general pass below.
+            (tensor,) = tensors
+            storage = tensor.untyped_storage()
+            entry = self._registry.get(storage._cdata)
+            if entry is not None:
+                device, pinned_here = entry.device, entry.pinned
+            else:
+                device = tensor.device
+                pinned_here = device.type == "cpu" and tensor.is_pinned()
+            size = storage.nbytes()
+            code = -1 if device.type == "cpu" else (device.index or 0)
+            return ValueFacts(
+                device,
+                code,
+                bool(size) and code == -1 and pinned_here,
+                tensor.nbytes,
+                size,
+                [(code, storage.data_ptr())] if size else [],
+            )
         device = self._value_device(value)
         on_host = device.type == "cpu"
         code = -1 if on_host else (device.index or 0)
