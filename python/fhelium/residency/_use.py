@@ -176,7 +176,7 @@ class ResidencyUse:
         request: ResidencyRequest,
         consumers: dict[ResidencyLocation, Any],
         transfers: dict[ResidencyLocation, Any],
-        by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]],
+        by_location: dict[ResidencyLocation, tuple[ResidencyHandle[Any], ...]],
     ) -> ResidencyUse:
         """A use for a pipeline's step: ``request`` is a `ResidencyRequest`, the stream
         maps are normalized, and ``by_location`` is its handles by location (the
@@ -332,7 +332,7 @@ class ResidencyUse:
         consumers = self._consumer_streams
         for location, requirements in by_location.items():
             lease: ResidencyLease = manager.acquire(
-                [requirement.handle for requirement in requirements],
+                tuple([requirement.handle for requirement in requirements]),
                 at=location,
                 consumer_stream=consumers.get(location),
             )

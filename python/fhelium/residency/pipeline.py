@@ -90,9 +90,11 @@ class _Shape:
     def __init__(self, request: ResidencyRequest) -> None:
         self.request = request
         self.needs = _needs(request)
-        self.by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]] = {}
+        by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]] = {}
         for requirement in request.requirements:
-            self.by_location.setdefault(requirement.location, []).append(requirement.handle)
+            by_location.setdefault(requirement.location, []).append(requirement.handle)
+        # As tuples: what the manager takes without normalizing them again.
+        self.by_location = {location: tuple(handles) for location, handles in by_location.items()}
         self.cuda = tuple(location for location in self.by_location if location.kind == "cuda")
         # The request to stage with each headroom (its items), made once.
         self.staging: dict[tuple[tuple[ResidencyLocation, int], ...], ResidencyRequest] = {}
