@@ -160,7 +160,8 @@ def test_single_whole_storage_tensor_copies_as_a_new_leaf(source: torch.Tensor) 
     )
     assert tensor.storage_offset() == 0
     assert copy.storage_nbytes == value.storage_nbytes == source.untyped_storage().nbytes()
-    assert tensor.is_leaf and tensor.grad_fn is None
+    assert tensor.is_leaf
+    assert tensor.grad_fn is None
     assert tensor.requires_grad == source.requires_grad
     assert torch.equal(tensor.detach(), source.detach())
     source.data.fill_(7)  # independent of the source
