@@ -78,6 +78,9 @@ def _needs(request: ResidencyRequest) -> dict[ResidencyLocation, int]:
 # The most requests a controller keeps the shape of (see `_shape`); past it, the cache
 # starts again empty.
 _SHAPES: Final = 4096
+# The most staging requests a shape keeps, one per headroom met; past it, it starts
+# again empty.
+_STAGINGS: Final = 64
 
 
 class _Shape:
@@ -108,6 +111,8 @@ class _Shape:
         key = tuple(extra.items())
         staging = self.staging.get(key)
         if staging is None:
+            if len(self.staging) >= _STAGINGS:
+                self.staging.clear()
             staging = self.staging[key] = ResidencyRequest(
                 request.name,
                 request.requirements,
