@@ -68,6 +68,20 @@ _new_plan = trusted_builder(ResidencyPlan)
 _new_candidate = trusted_builder(ResidencyEvictionCandidate)
 
 
+# The record's slot setters, for the fields `_Decision._set` fills.
+_DECISION_SETTERS: Final = tuple(
+    ResidencyDecision.__dict__[name].__set__
+    for name in (
+        "manager_id",
+        "expected_state_version",
+        "explored_states",
+        "request",
+        "policy_name",
+        "policy_config",
+    )
+)
+
+
 class _Decision(ResidencyDecision):
     """A `ResidencyDecision` over the core's decided plan IR and its simulation: the
     plan's records, the evictions and the explanation are built on first access, once.
@@ -138,13 +152,20 @@ class _Decision(ResidencyDecision):
         policy_name: str,
         policy_config: tuple[tuple[str, object], ...],
     ) -> None:
-        slots = ResidencyDecision.__dict__
-        slots["manager_id"].__set__(self, manager_id)
-        slots["expected_state_version"].__set__(self, state_version)
-        slots["explored_states"].__set__(self, explored)
-        slots["request"].__set__(self, request)
-        slots["policy_name"].__set__(self, policy_name)
-        slots["policy_config"].__set__(self, policy_config)
+        (
+            set_manager_id,
+            set_version,
+            set_explored,
+            set_request,
+            set_policy_name,
+            set_policy_config,
+        ) = _DECISION_SETTERS
+        set_manager_id(self, manager_id)
+        set_version(self, state_version)
+        set_explored(self, explored)
+        set_request(self, request)
+        set_policy_name(self, policy_name)
+        set_policy_config(self, policy_config)
 
     @property
     def plan(self) -> ResidencyPlan:
@@ -896,4 +917,4 @@ class ResidencyController:
         # (docs/concepts/controller.md#schedule-aware-eviction).
         observe = getattr(self._policy, "observe", None)
         if callable(observe):
-            observe(requirement.handle for requirement in request.requirements)
+            observe(tuple([requirement.handle for requirement in request.requirements]))

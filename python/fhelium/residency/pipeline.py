@@ -655,13 +655,12 @@ class _Pipeline:
 
             plan = decision.plan
             try:
-                _plans.execute_actions(
+                _plans.execute_staged(
                     controller._engine,
                     (*plan.reclaim, *plan.enter),
                     name=request.name,
                     transfer_streams=self._streams(shape)[1],
                     expected_state_version=decision.expected_state_version,
-                    asynchronous=True,
                     then=keep,
                 )
             except ResidencyStaleStateError:
