@@ -15,7 +15,10 @@ prints the step at each count and the ratio of the largest count's figure to the
 smallest's; then the smallest count with as many simulated cuda:0 storages alive
 outside the manager as the largest count (activations, say); then the largest count
 with half its values used once before the stream (each then has an access epoch, as
-every unit of a model does after a forward).
+every unit of a model does after a forward); then the smallest and largest counts with
+the caller reading every record each step offers (its decision's plan, evictions and
+explanation, and its report's transitions): what a caller reads is built on demand, and
+this is the cost when all of it is.
 
 `--profile` also prints where the time goes at the largest count (cProfile, the
 entries with the most own time, per policy).
@@ -118,16 +121,29 @@ class Bench:
             replica_mode=ReplicaMode.REPLICABLE,
         )
 
-    def run(self) -> float:
+    def run(self, reads: bool = False) -> float:
         """One pass over the stream; returns the process's CPU microseconds per step (CPU
-        time, not wall time: other processes on the machine do not count)."""
+        time, not wall time: other processes on the machine do not count). With
+        ``reads``, the caller also reads every record a step offers: its decision's plan,
+        evictions and per-action explanation, and (once it has ended) its report's
+        transitions."""
         if isinstance(self.policy, ScheduleAwarePolicy):
             self.policy.seek(0)
         streams = {self.cuda0: self.stream}
         started = time.process_time()
         with self.controller.run(self.requests, prefetch=1, consumer_streams=streams) as run:
-            for step in run:
-                step.value(step.request.requirements[0].handle, at=self.cuda0)
+            if reads:
+                previous = None
+                for step in run:
+                    step.value(step.request.requirements[0].handle, at=self.cuda0)
+                    decision = step.decision
+                    read = (decision.plan, decision.evictions, decision.explanation.actions)
+                    if previous is not None:
+                        read += (previous.report.transitions,)
+                    previous = step
+            else:
+                for step in run:
+                    step.value(step.request.requirements[0].handle, at=self.cuda0)
         return (time.process_time() - started) / len(self.requests) * 1e6
 
     def close(self) -> None:
@@ -135,12 +151,18 @@ class Bench:
 
 
 def step_us(
-    count: int, policy: str, steps: int, repeats: int, live: int = 0, touched: bool = False
+    count: int,
+    policy: str,
+    steps: int,
+    repeats: int,
+    live: int = 0,
+    touched: bool = False,
+    reads: bool = False,
 ) -> float:
     bench = Bench(count, steps, policy, live, touched)
     try:
-        bench.run()  # warm up: the device fills, code paths are compiled
-        return min(bench.run() for _ in range(repeats))
+        bench.run(reads)  # warm up: the device fills, code paths are compiled
+        return min(bench.run(reads) for _ in range(repeats))
     finally:
         bench.close()
 
@@ -210,7 +232,13 @@ def main() -> None:
         measured = step_us(counts[-1], policy, steps, repeats, touched=True)
         verdict = "ok" if measured <= TARGET_US else "OVER"
         name = f"{label} step, N = {counts[-1]}, half used once before (us)"
-        print(f"{name:<{width}}  {measured:9.2f}   target <= {TARGET_US:g}   {verdict}\n")
+        print(f"{name:<{width}}  {measured:9.2f}   target <= {TARGET_US:g}   {verdict}")
+        for count in (counts[0], counts[-1]):
+            measured = step_us(count, policy, steps, repeats, reads=True)
+            verdict = "ok" if measured <= TARGET_US else "OVER"
+            name = f"{label} step, N = {count}, every record read (us)"
+            print(f"{name:<{width}}  {measured:9.2f}   target <= {TARGET_US:g}   {verdict}")
+        print()
     if args.profile:
         for policy, label in policies:
             print(f"profile, {label}, N = {counts[-1]}, one pass of {steps} steps (by own time):")

@@ -154,6 +154,21 @@ def test_discarded_handle(basic: Basic) -> None:
         basic.controller.decide(request("r", (basic.a, PAGEABLE_HOST), (basic.c, PAGEABLE_HOST)))
 
 
+def test_a_request_decided_again_after_a_discard_is_refused(basic: Basic) -> None:
+    # The same request object, decided once while its values were live: the controller
+    # keeps it lowered for the core, and a discard since must still refuse it.
+    req = request("r", (basic.a, PAGEABLE_HOST), (basic.c, PAGEABLE_HOST))
+    basic.controller.decide(req)
+    basic.controller.decide(req)
+    basic.manager.discard(basic.c)
+    with pytest.raises(ResidencyHandleError, match="discarded"):
+        basic.controller.decide(req)
+    # Another request still decides, and the first stays refused.
+    basic.controller.decide(request("r", (basic.a, PAGEABLE_HOST)))
+    with pytest.raises(ResidencyHandleError, match="discarded"):
+        basic.controller.decide(req)
+
+
 def test_exclusive_at_two_locations(basic: Basic, sim: Any) -> None:
     x = adopt_at(basic.manager, sim, PAGEABLE_HOST, replica=EXCLUSIVE)
     version = basic.manager.state_version

@@ -296,6 +296,8 @@ def test_value_lookup_errors(setup: Setup) -> None:
             use.value("handle", at=PAGEABLE_HOST)  # type: ignore[arg-type]
         with pytest.raises(TypeError):
             use.value(setup.c, at="pageable-host")  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            use.value([setup.c], at=PAGEABLE_HOST)  # type: ignore[arg-type]
         assert torch.equal(use.value(setup.c, at=PAGEABLE_HOST).tensor, tensor_value().tensor)
 
 

@@ -135,6 +135,39 @@ def test_single_tensor_view_copies_its_whole_storage() -> None:
     assert torch.equal(copy.tensor, value.tensor)
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        torch.arange(6.0).reshape(2, 3),
+        torch.nn.Parameter(torch.arange(6.0).reshape(2, 3)),
+        torch.arange(6, dtype=torch.int16),
+    ],
+    ids=["tensor", "parameter", "int16"],
+)
+def test_single_whole_storage_tensor_copies_as_a_new_leaf(source: torch.Tensor) -> None:
+    # A one-field value that is its whole storage (a layer's weight, typically) is
+    # copied in one torch call: the copy must be what the layout rebuild gives.
+    value = ResidentTensor(source)
+    copy = value.to("cpu", copy=True)
+    tensor = copy.tensor
+    assert type(copy) is ResidentTensor
+    assert type(tensor) is torch.Tensor
+    assert tensor.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+    assert (tensor.dtype, tensor.size(), tensor.stride()) == (
+        source.dtype,
+        source.size(),
+        source.stride(),
+    )
+    assert tensor.storage_offset() == 0
+    assert copy.storage_nbytes == value.storage_nbytes == source.untyped_storage().nbytes()
+    assert tensor.is_leaf
+    assert tensor.grad_fn is None
+    assert tensor.requires_grad == source.requires_grad
+    assert torch.equal(tensor.detach(), source.detach())
+    source.data.fill_(7)  # independent of the source
+    assert not torch.equal(tensor.detach(), source.detach())
+
+
 def test_fields_disagreeing_on_one_storage_size_are_refused() -> None:
     class Disagreeing(TensorResident):
         """Two fields reporting one address with different storage sizes."""

@@ -49,6 +49,7 @@ __all__ = [
     "abandon_scope",
     "enter_scope",
     "execute_actions",
+    "execute_staged",
     "exit_scope",
     "explain",
     "optional_version",
@@ -126,6 +127,36 @@ def execute_actions(
                 raise TypeError(
                     f"actions[{position}] must be a residency action, got {type(action).__name__}"
                 )
+    run, started = _run_actions(
+        engine, normalized, name, transfer_streams, expected_state_version, asynchronous, then
+    )
+    return _PlanReport._capture(name, run, started, max(started, _time_ns()))
+
+
+def execute_staged(
+    engine: Engine,
+    actions: tuple[ResidencyAction, ...],
+    *,
+    name: str,
+    transfer_streams: object,
+    expected_state_version: int,
+    then: Callable[[], object],
+) -> None:
+    """`execute_actions` for a pipeline's staging, asynchronously and without a report:
+    ``actions`` are a decided plan's own records (checked when they were built) and
+    ``name`` its request's."""
+    _run_actions(engine, actions, name, transfer_streams, expected_state_version, True, then)
+
+
+def _run_actions(
+    engine: Engine,
+    normalized: tuple[ResidencyAction, ...],
+    name: str,
+    transfer_streams: object,
+    expected_state_version: object,
+    asynchronous: bool,
+    then: Callable[[], object] | None,
+) -> tuple[_core.PlanRun, int]:
     lowered = _lowering.lower_actions(name, normalized)
     run = _core.PlanRun(_REPORT_RECORDS)
     started = _time_ns()
@@ -149,7 +180,7 @@ def execute_actions(
         if not after.started:
             _note_committed(error, name, len(run))
         raise
-    return _PlanReport._capture(name, run, started, max(started, _time_ns()))
+    return run, started
 
 
 def _failure(

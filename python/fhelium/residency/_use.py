@@ -7,8 +7,8 @@ re-exports it, and it reads as defined there. See docs/concepts/controller.md#us
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final, Protocol
 
 from fhelium.errors import ResidencyStaleStateError
@@ -77,10 +77,15 @@ def normalize_streams(manager: ResidencyManager, streams: object, name: str) -> 
 class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
     """Borrowed values by requirement; valid while the use's leases are active."""
 
-    __slots__ = ("_borrowed",)
+    __slots__ = ("_borrowed", "_pairs")
 
     def __init__(self, borrowed: dict[ResidencyRequirement, BorrowedValues]) -> None:
         self._borrowed = borrowed
+        # The same, by (handle, location) pair (`ResidencyUse.value`).
+        self._pairs = {
+            (requirement.handle, requirement.location): values
+            for requirement, values in borrowed.items()
+        }
 
     def __getitem__(self, requirement: ResidencyRequirement) -> TensorResident:
         return self._borrowed[requirement][requirement.handle]
@@ -119,9 +124,9 @@ class ResidencyUse:
         "_controller",
         "_decision",
         "_exited",
+        "_exits",
         "_leases",
         "_scope",
-        "_stack",
         "_state",
         "_transfer_streams",
         "_values",
@@ -158,11 +163,45 @@ class ResidencyUse:
         self._transfer_streams = normalize_streams(manager, transfer_streams, "transfer_streams")
         self._decision: ResidencyDecision | None = None
         self._scope: ResidencyScope | None = None
-        self._stack: contextlib.ExitStack | None = None
+        self._exits: list[Callable[[Any, Any, Any], object]] | None = None
         self._values: _UseValues | None = None
         self._leases: list[ResidencyLease] = []
         self._exited = False
         self._state = "new"
+
+    @classmethod
+    def _made(
+        cls,
+        controller: Controller,
+        request: ResidencyRequest,
+        consumers: dict[ResidencyLocation, Any],
+        transfers: dict[ResidencyLocation, Any],
+        by_location: dict[ResidencyLocation, tuple[ResidencyHandle[Any], ...]],
+    ) -> ResidencyUse:
+        """A use for a pipeline's step: ``request`` is a `ResidencyRequest`, the stream
+        maps are normalized, and ``by_location`` is its handles by location (the
+        pipeline derives them once per request). Consumer streams that are not exactly
+        the request's CUDA locations are refused as the constructor refuses them."""
+        if len(consumers) != sum(location.kind == "cuda" for location in by_location):
+            return cls(
+                controller=controller,
+                request=request,
+                consumer_streams=consumers,
+                transfer_streams=transfers,
+            )
+        use = object.__new__(cls)
+        use._controller = controller
+        use.request = request
+        use._consumer_streams = consumers
+        use._transfer_streams = transfers
+        use._decision = None
+        use._scope = None
+        use._exits = None
+        use._values = None
+        use._leases = []
+        use._exited = False
+        use._state = "new"
+        return use
 
     @property
     def decision(self) -> ResidencyDecision:
@@ -204,6 +243,16 @@ class ResidencyUse:
             TypeError: ``handle`` is not a handle or ``at`` not a location.
             ResidencyLifetimeClosedError: The lease was released.
         """
+        values = self._values
+        if values is not None and self._state == "active":
+            try:
+                borrowed = values._pairs.get((handle, at))
+            except TypeError:
+                borrowed = None  # unhashable: the requirement below says why
+            if borrowed is not None:
+                # A handle and a location equal only their own kind: the pair is a
+                # requirement's.
+                return borrowed[handle]
         return self.values[ResidencyRequirement(handle, at)]
 
     @property
@@ -224,37 +273,49 @@ class ResidencyUse:
         self._state = "entering"
         controller = self._controller
         manager = controller._manager
-        stack = contextlib.ExitStack()
+        request = self.request
+        # What closing the use runs, in reverse: the scope's exit, then each lease's.
+        exits: list[Callable[[Any, Any, Any], object]] = []
         by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
-        for requirement in self.request.requirements:
+        for requirement in request.requirements:
             by_location.setdefault(requirement.location, []).append(requirement)
         borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
+
+        def borrow() -> None:
+            self._borrow(manager, by_location, exits, borrowed)
+
         try:
             stale = 0
             while True:
-                self._decision = controller.decide(self.request)
-                scope = controller.scope(self._decision, transfer_streams=self._transfer_streams)
+                decision = self._decision = controller.decide(request)
+                # The controller's own fresh decision: its manager and policy are this
+                # controller's, so the scope is the manager's directly.
+                scope = manager.scope(
+                    decision.plan,
+                    expected_state_version=decision.expected_state_version,
+                    transfer_streams=self._transfer_streams,
+                )
                 # Closing a scope whose entry failed does nothing.
-                stack.push(scope.__exit__)
+                exits.append(scope.__exit__)
                 try:
                     # Entered and borrowed under one hold of the manager: no other
                     # thread can take what the entry made resident before it is leased.
-                    scope._enter(lambda: self._borrow(manager, by_location, stack, borrowed))
+                    scope._enter(borrow)
                 except ResidencyStaleStateError:
                     # Another thread changed the manager since the decision: decide again.
-                    stack.pop_all()  # only the refused scope's exit, which does nothing
+                    exits.clear()  # only the refused scope's exit, which does nothing
                     stale += 1
                     if stale > STALE_RETRIES:
                         raise
                     continue
                 break
             self._scope = scope
-            controller._record_access(self.request)
+            controller._record_access(request)
         except BaseException:
             self._state = "closed"
-            stack.close()
+            _unwind(exits, None, None, None)
             raise
-        self._stack = stack
+        self._exits = exits
         self._values = _UseValues(borrowed)
         self._state = "active"
         return self
@@ -263,18 +324,20 @@ class ResidencyUse:
         self,
         manager: ResidencyManager,
         by_location: dict[ResidencyLocation, list[ResidencyRequirement]],
-        stack: contextlib.ExitStack,
+        exits: list[Callable[[Any, Any, Any], object]],
         borrowed: dict[ResidencyRequirement, BorrowedValues],
     ) -> None:
-        """Acquires and enters each location's lease onto ``stack``, under the scope
-        entry's hold of the manager; closing the stack releases them."""
+        """Acquires and enters each location's lease, its exit onto ``exits``, under the
+        scope entry's hold of the manager; unwinding ``exits`` releases them."""
+        consumers = self._consumer_streams
         for location, requirements in by_location.items():
             lease: ResidencyLease = manager.acquire(
-                [requirement.handle for requirement in requirements],
+                tuple([requirement.handle for requirement in requirements]),
                 at=location,
-                consumer_stream=self._consumer_streams.get(location),
+                consumer_stream=consumers.get(location),
             )
-            values = stack.enter_context(lease)
+            values = lease.__enter__()
+            exits.append(lease.__exit__)
             self._leases.append(lease)
             for requirement in requirements:
                 borrowed[requirement] = values
@@ -283,11 +346,10 @@ class ResidencyUse:
         """Ends an active use as finalizers do, without their warnings: its leases and
         its scope's reservations are released, or queued while this thread cannot enter
         the manager (docs/concepts/controller.md#ending-a-pipeline)."""
-        if self._state != "active" or self._stack is None:
+        if self._state != "active" or self._exits is None:
             return
         self._state = "closed"
-        self._stack.pop_all()
-        self._stack = None
+        self._exits = None
         self._values = None
         for lease in self._leases:
             lease._release_deferred()
@@ -296,16 +358,67 @@ class ResidencyUse:
         self._exited = True
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> bool:
-        if self._state != "active" or self._stack is None:
+        if self._state != "active" or self._exits is None:
             return False
         self._state = "closed"
-        stack, self._stack = self._stack, None
+        exits, self._exits = self._exits, None
         try:
-            suppressed = bool(stack.__exit__(exc_type, exc, traceback))
+            suppressed = _unwind(exits, exc_type, exc, traceback)
         finally:
             self._values = None
         self._exited = True
         return suppressed
+
+
+def _unwind(
+    exits: list[Callable[[Any, Any, Any], object]],
+    exc_type: Any,
+    exc: BaseException | None,
+    traceback: Any,
+) -> bool:
+    """Runs ``exits`` last first and empties it, as `contextlib.ExitStack` closes: each
+    is given the exception propagating so far (a new error raised by one replaces it,
+    chained to it), and that error is raised at the end. True when an exit suppressed
+    the exception the caller passed."""
+    received = exc_type is not None
+    suppressed = False
+    pending = False
+    details: tuple[Any, Any, Any] = (exc_type, exc, traceback)
+    frame_exc = sys.exc_info()[1]
+    while exits:
+        callback = exits.pop()
+        try:
+            if callback(*details):
+                suppressed = True
+                pending = False
+                details = (None, None, None)
+        except BaseException as error:
+            _fix_context(error, details[1], frame_exc)
+            pending = True
+            details = (type(error), error, error.__traceback__)
+    if pending:
+        raised: BaseException = details[1]
+        fixed = raised.__context__
+        try:
+            raise raised
+        except BaseException:
+            raised.__context__ = fixed
+            raise
+    return received and suppressed
+
+
+def _fix_context(
+    error: BaseException, previous: BaseException | None, frame_exc: BaseException | None
+) -> None:
+    """`contextlib.ExitStack`'s context fix: ``error``'s chain ends at ``previous``."""
+    while True:
+        context = error.__context__
+        if context is None or context is previous:
+            return
+        if context is frame_exc:
+            break
+        error = context
+    error.__context__ = previous
 
 
 # Reads as the controller's, which re-exports it (repr, messages, documentation).

@@ -11,7 +11,7 @@ import contextlib
 import gc
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Final, cast
+from typing import Any, Final, NamedTuple, cast
 
 from fhelium import _core
 from fhelium._core import ActionKind, PolicyKeys, decide_request
@@ -46,6 +46,18 @@ __all__ = ["ResidencyController", "ResidencyDecision", "ResidencyEviction", "Res
 
 _DEFAULT_METADATA: Final = ResidencyPolicyMetadata()
 _I64 = (1 << 63) - 1
+# The most requests a controller keeps lowered (see `ResidencyController._lowered`); past
+# it, the cache starts again empty.
+_LOWERED_REQUESTS: Final = 4096
+
+
+class _LoweredRequest(NamedTuple):
+    """A request as `decide_request` reads it."""
+
+    rows: list[tuple[int, int]]
+    name: str
+    reservations: list[tuple[int, int, str]]
+    labels: list[str]
 
 
 _new_ensure = trusted_builder(EnsureResident)
@@ -54,6 +66,20 @@ _new_drop = trusted_builder(DropResident)
 _new_eviction = trusted_builder(ResidencyEviction)
 _new_plan = trusted_builder(ResidencyPlan)
 _new_candidate = trusted_builder(ResidencyEvictionCandidate)
+
+
+# The record's slot setters, for the fields `_Decision._set` fills.
+_DECISION_SETTERS: Final = tuple(
+    ResidencyDecision.__dict__[name].__set__
+    for name in (
+        "manager_id",
+        "expected_state_version",
+        "explored_states",
+        "request",
+        "policy_name",
+        "policy_config",
+    )
+)
 
 
 class _Decision(ResidencyDecision):
@@ -126,13 +152,20 @@ class _Decision(ResidencyDecision):
         policy_name: str,
         policy_config: tuple[tuple[str, object], ...],
     ) -> None:
-        slots = ResidencyDecision.__dict__
-        slots["manager_id"].__set__(self, manager_id)
-        slots["expected_state_version"].__set__(self, state_version)
-        slots["explored_states"].__set__(self, explored)
-        slots["request"].__set__(self, request)
-        slots["policy_name"].__set__(self, policy_name)
-        slots["policy_config"].__set__(self, policy_config)
+        (
+            set_manager_id,
+            set_version,
+            set_explored,
+            set_request,
+            set_policy_name,
+            set_policy_config,
+        ) = _DECISION_SETTERS
+        set_manager_id(self, manager_id)
+        set_version(self, state_version)
+        set_explored(self, explored)
+        set_request(self, request)
+        set_policy_name(self, policy_name)
+        set_policy_config(self, policy_config)
 
     @property
     def plan(self) -> ResidencyPlan:
@@ -168,6 +201,12 @@ class _Decision(ResidencyDecision):
         core, ir, _simulation, slots, reclaim_rows, enter_rows, _evictions = cast(
             tuple[Any, ...], self._source
         )
+        request = self.request
+        if not slots:
+            # Nothing to do (a request already satisfied): no action to build.
+            plan = _new_plan(request.name, (), (), request.reservations, ())
+            object.__setattr__(plan, "_ir", _lowering.LoweredPlan(ir, ()))
+            return plan
         handle_of = core.handle
         handles = tuple(handle_of(index) for index in slots)
 
@@ -185,7 +224,6 @@ class _Decision(ResidencyDecision):
         collecting = gc.isenabled()
         gc.disable()
         try:
-            request = self.request
             plan = _new_plan(
                 request.name,
                 tuple(action(row) for row in enter_rows),
@@ -298,11 +336,14 @@ class ResidencyController:
         "_epochs",
         "_limit",
         "_lock",
+        "_lowered_requests",
         "_manager",
         "_metadata",
         "_native_keys",
+        "_native_tiers",
         "_policy",
         "_schedule_cache",
+        "_shapes",
     )
 
     def __init__(
@@ -338,6 +379,13 @@ class ResidencyController:
         self._epoch = 0
         # The schedule-aware policy's steps as handle indices (see `_schedule_index`).
         self._schedule_cache: tuple[ScheduleAwarePolicy, Any] | None = None
+        # Requests as the core reads them, by request object (see `_lowered`).
+        self._lowered_requests: dict[int, tuple[ResidencyRequest, int, _LoweredRequest]] = {}
+        # What a pipeline derives from each request, by request object (see
+        # `pipeline._shape`).
+        self._shapes: dict[int, Any] = {}
+        # The tiered policy's tiers as location codes (see `_search`).
+        self._native_tiers: tuple[Any, list[tuple[int, list[int]]]] | None = None
         self._lock = threading.RLock()
 
     @property
@@ -473,10 +521,9 @@ class ResidencyController:
             # afterwards makes the decision stale at scope entry, never here (see
             # docs/concepts/controller.md#decide).
             def planned(completed: list[int]) -> tuple[Any, ...]:
-                rows = self._requirement_rows(request)
                 # The search, the plan's core IR and its simulation (the explanation),
                 # in one core call; explain's rule for completed pending leases.
-                return self._search(request, rows, completed, position)
+                return self._search(request, self._lowered(request), completed, position)
 
             state_version, found = core.decide(planned)
             (ir, simulation, slots, reclaim, enter, evictions, explored, _version) = found
@@ -490,6 +537,36 @@ class ResidencyController:
                 self._policy,
                 (core, ir, simulation, slots, reclaim, enter, evictions),
             )
+
+    def _lowered(self, request: ResidencyRequest) -> _LoweredRequest:
+        """The request validated and lowered for the core (`_requirement_rows`, then its
+        name and reservations), kept per request object while no value is discarded: a
+        request is immutable, and a handle's index changes only when a value is
+        discarded. Called under the core's gate."""
+        discards = self._engine.core.discard_count()
+        cached = self._lowered_requests.get(id(request))
+        if cached is not None and cached[0] is request and cached[1] == discards:
+            return cached[2]
+        rows = self._requirement_rows(request)
+        lowered = _LoweredRequest(
+            rows,
+            # The name appears in the search's errors and as the plan IR's name; the
+            # core holds it as UTF-8 text.
+            _lowering.diagnostic_text(request.name),
+            [
+                (
+                    _lowering.location_code(reservation.location),
+                    byte_count(reservation.nbytes, f"reservation {reservation.label!r}"),
+                    _lowering.diagnostic_text(reservation.label),
+                )
+                for reservation in request.reservations
+            ],
+            [repr(reservation.label) for reservation in request.reservations],
+        )
+        if len(self._lowered_requests) >= _LOWERED_REQUESTS:
+            self._lowered_requests.clear()
+        self._lowered_requests[id(request)] = (request, discards, lowered)
+        return lowered
 
     def _requirement_rows(self, request: ResidencyRequest) -> list[tuple[int, int]]:
         """Request validation (docs/concepts/controller.md#decide, step 3), then the core's
@@ -523,7 +600,7 @@ class ResidencyController:
     def _search(
         self,
         request: ResidencyRequest,
-        rows: list[tuple[int, int]],
+        lowered: _LoweredRequest,
         completed_leases: list[int],
         position: int | None = None,
     ) -> _core._Decision:
@@ -531,22 +608,8 @@ class ResidencyController:
         failure as its error."""
         engine = self._engine
         core = engine.core
-        # The name appears in those errors and as the plan IR's name; the core holds it
-        # as UTF-8 text.
-        name = _lowering.diagnostic_text(request.name)
-        reservations = [
-            (
-                _lowering.location_code(reservation.location),
-                byte_count(reservation.nbytes, f"reservation {reservation.label!r}"),
-                _lowering.diagnostic_text(reservation.label),
-            )
-            for reservation in request.reservations
-        ]
-        simulated = (
-            engine.cuda_count or -1,
-            completed_leases,
-            [repr(reservation.label) for reservation in request.reservations],
-        )
+        rows, name, reservations, labels = lowered
+        simulated = (engine.cuda_count or -1, completed_leases, labels)
         policy = self._policy
         tiered: DeterministicTieredLRU | None = None
         schedule: tuple[Any, int] | None = None
@@ -562,16 +625,20 @@ class ResidencyController:
                 policy.position if position is None else position,
             )
         if tiered is not None:
-            native = (
-                self._native_keys,
-                [
-                    (
-                        _lowering.location_code(source),
-                        [_lowering.location_code(target) for target in targets],
-                    )
-                    for source, targets in tiered._tiers
-                ],
-            )
+            tiers = self._native_tiers
+            if tiers is None or tiers[0] is not tiered._tiers:
+                # The policy's tiers as location codes (an immutable table, lowered once).
+                tiers = self._native_tiers = (
+                    tiered._tiers,
+                    [
+                        (
+                            _lowering.location_code(source),
+                            [_lowering.location_code(target) for target in targets],
+                        )
+                        for source, targets in tiered._tiers
+                    ],
+                )
+            native = (self._native_keys, tiers[1])
             return decide_request(
                 core,
                 name,
@@ -850,4 +917,4 @@ class ResidencyController:
         # (docs/concepts/controller.md#schedule-aware-eviction).
         observe = getattr(self._policy, "observe", None)
         if callable(observe):
-            observe(requirement.handle for requirement in request.requirements)
+            observe(tuple([requirement.handle for requirement in request.requirements]))

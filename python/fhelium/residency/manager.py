@@ -1006,7 +1006,11 @@ class ResidencyScope(FinalizedLifetime):
             raise TypeError(f"manager must be a ResidencyManager, got {type(manager).__name__}")
         if not isinstance(plan, ResidencyPlan):
             raise TypeError(f"plan must be a ResidencyPlan, got {type(plan).__name__}")
-        if transfer_streams is not None and not isinstance(transfer_streams, Mapping):
+        if (
+            transfer_streams is not None
+            and type(transfer_streams) is not dict
+            and not isinstance(transfer_streams, Mapping)
+        ):
             raise TypeError(
                 f"transfer_streams must be a Mapping, got {type(transfer_streams).__name__}"
             )

@@ -75,6 +75,67 @@ def _needs(request: ResidencyRequest) -> dict[ResidencyLocation, int]:
     return needs
 
 
+# The most requests a controller keeps the shape of (see `_shape`); past it, the cache
+# starts again empty.
+_SHAPES: Final = 4096
+# The most staging requests a shape keeps, one per headroom met; past it, it starts
+# again empty.
+_STAGINGS: Final = 64
+
+
+class _Shape:
+    """What a pipeline derives from one request, once per request object (a request is
+    immutable): its reservation bytes per location, its handles per location, its CUDA
+    locations, and its staging requests by headroom."""
+
+    __slots__ = ("by_location", "cuda", "needs", "request", "staging")
+
+    def __init__(self, request: ResidencyRequest) -> None:
+        self.request = request
+        self.needs = _needs(request)
+        by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]] = {}
+        for requirement in request.requirements:
+            by_location.setdefault(requirement.location, []).append(requirement.handle)
+        # As tuples: what the manager takes without normalizing them again.
+        self.by_location = {location: tuple(handles) for location, handles in by_location.items()}
+        self.cuda = tuple(location for location in self.by_location if location.kind == "cuda")
+        # The request to stage with each headroom (its items), made once.
+        self.staging: dict[tuple[tuple[ResidencyLocation, int], ...], ResidencyRequest] = {}
+
+    def staging_request(self, extra: dict[ResidencyLocation, int]) -> ResidencyRequest:
+        """The request the staging decides: the step's values, with the headroom its
+        reservations (and the staged steps') would find missing at its entry."""
+        request = self.request
+        if not extra and not request.reservations:
+            return request
+        key = tuple(extra.items())
+        staging = self.staging.get(key)
+        if staging is None:
+            if len(self.staging) >= _STAGINGS:
+                self.staging.clear()
+            staging = self.staging[key] = ResidencyRequest(
+                request.name,
+                request.requirements,
+                tuple(
+                    MemoryReservation(location, nbytes, "prefetch headroom")
+                    for location, nbytes in key
+                ),
+            )
+        return staging
+
+
+def _shape(controller: Any, request: ResidencyRequest) -> _Shape:
+    """``request``'s shape, kept by the controller (a `ResidencyController`) per request
+    object."""
+    shapes: dict[int, _Shape] = controller._shapes
+    shape = shapes.get(id(request))
+    if shape is None or shape.request is not request:
+        if len(shapes) >= _SHAPES:
+            shapes.clear()
+        shape = shapes[id(request)] = _Shape(request)
+    return shape
+
+
 class ResidencyPipeline(Iterator[ResidencyUse]):
     """The steps of `ResidencyController.run`, each an entered `ResidencyUse`.
 
@@ -212,6 +273,7 @@ class _Pipeline:
         "prefetch",
         "requests",
         "staged",
+        "streams",
         "transfers",
     )
 
@@ -247,10 +309,29 @@ class _Pipeline:
         self.guard: dict[ResidencyLocation, list[ResidencyReservation]] = {}
         # The active step's reservation bytes per location.
         self.active: dict[ResidencyLocation, int] = {}
+        # The consumer and transfer streams by a request's CUDA locations (`_streams`).
+        self.streams: dict[
+            tuple[ResidencyLocation, ...],
+            tuple[dict[ResidencyLocation, Any], dict[ResidencyLocation, Any]],
+        ] = {}
         self.position = 0
         self.closed = False
         # Dropped (or collected) rather than closed: set by the pipeline's finalizer.
         self.dropped = False
+
+    def _streams(
+        self, shape: _Shape
+    ) -> tuple[dict[ResidencyLocation, Any], dict[ResidencyLocation, Any]]:
+        """The consumer and transfer streams of a request with ``shape``, made once per
+        set of CUDA locations."""
+        streams = self.streams.get(shape.cuda)
+        if streams is None:
+            request = shape.request
+            streams = self.streams[shape.cuda] = (
+                self._streams_for(request, self.consumers),
+                self._transfer_streams(request),
+            )
+        return streams
 
     # ------------------------------------------------------------------ the steps
 
@@ -417,13 +498,10 @@ class _Pipeline:
                 continue
             self._wait_oldest(ended)
         settled = False
+        shape = _shape(controller, request)
+        consumers, transfers = self._streams(shape)
         while True:
-            use = ResidencyUse(
-                controller=self.controller,
-                request=request,
-                consumer_streams=self._streams_for(request, self.consumers),
-                transfer_streams=self._transfer_streams(request),
-            )
+            use = ResidencyUse._made(controller, request, consumers, transfers, shape.by_location)
             try:
                 entered = use.__enter__()
             except (ResidencyPlanError, ResidencyBudgetError):
@@ -437,7 +515,7 @@ class _Pipeline:
                 settled = True
                 self._settle_transfers()
             else:
-                self.active = _needs(request)
+                self.active = shape.needs
                 try:
                     try:
                         self._keep_guard({})
@@ -463,6 +541,8 @@ class _Pipeline:
         """Per location, the headroom the staged steps (and a step needing ``needs``)
         would find missing at their entry, beyond the active step's reservation and the
         guard: each staged step must find the largest of their reservations free."""
+        if not needs and not self.staged:
+            return {}
         wanted: dict[ResidencyLocation, int] = dict(needs)
         for staged in self.staged.values():
             for location, nbytes in staged.needs.items():
@@ -476,13 +556,18 @@ class _Pipeline:
 
     def _keep_guard(self, needs: dict[ResidencyLocation, int]) -> None:
         """Reserves the headroom `_extra` finds missing."""
+        extra = self._extra(needs)
+        if not extra:
+            return
         manager = self.controller.manager
-        for location, nbytes in self._extra(needs).items():
+        for location, nbytes in extra.items():
             self.guard.setdefault(location, []).append(
                 manager.reserve(location, nbytes, label="prefetch headroom")
             )
 
     def _release_guard(self) -> None:
+        if not self.guard:
+            return
         guard, self.guard = self.guard, {}
         _release_all(reservation for kept in guard.values() for reservation in kept)
 
@@ -523,11 +608,10 @@ class _Pipeline:
             # The policy already stands past the active step; a cyclic schedule wraps.
             position = policy._after(policy.position, distance - 1)
         core = controller._engine.core
-        needs = _needs(request)
+        shape = _shape(controller, request)
+        needs = shape.needs
         manager = controller.manager
-        by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]] = {}
-        for requirement in request.requirements:
-            by_location.setdefault(requirement.location, []).append(requirement.handle)
+        by_location = shape.by_location
         if not wait and any(
             core.blocks_host(handles, location) for location, handles in by_location.items()
         ):
@@ -540,15 +624,7 @@ class _Pipeline:
                 ended.popleft()  # completed on their own: nothing to wait for
             # The step's values, with the headroom its reservations (and the staged
             # steps') would find missing at its entry, decided together.
-            extra = self._extra(needs)
-            staging = ResidencyRequest(
-                request.name,
-                request.requirements,
-                tuple(
-                    MemoryReservation(location, nbytes, "prefetch headroom")
-                    for location, nbytes in extra.items()
-                ),
-            )
+            staging = shape.staging_request(self._extra(needs))
             try:
                 decision = controller._decide(staging, position)
             except (ResidencyPlanError, ResidencyBudgetError):
@@ -579,13 +655,12 @@ class _Pipeline:
 
             plan = decision.plan
             try:
-                _plans.execute_actions(
+                _plans.execute_staged(
                     controller._engine,
                     (*plan.reclaim, *plan.enter),
                     name=request.name,
-                    transfer_streams=self._transfer_streams(request),
+                    transfer_streams=self._streams(shape)[1],
                     expected_state_version=decision.expected_state_version,
-                    asynchronous=True,
                     then=keep,
                 )
             except ResidencyStaleStateError:

@@ -151,10 +151,18 @@ class TensorResident(abc.ABC):
                 two fields at one storage address reporting different storage sizes.
             TypeError: A ``device`` that ``torch.device`` cannot convert.
         """
-        target = _indexed(torch.device(device))
+        target = _indexed(device if type(device) is torch.device else torch.device(device))
         tensors = self._resident_tensors
         if not copy and all(tensor.device == target for tensor in tensors):
             return self
+        if len(tensors) == 1 and _whole_storage(tensors[0]):
+            # One field that is its whole storage: one copy of it keeps the layout.
+            (tensor,) = tensors
+            # Detached: copied without autograd, a leaf with its source's requires_grad.
+            field = tensor.detach().to(target, non_blocking=non_blocking, copy=True)
+            if tensor.requires_grad:
+                field.requires_grad_(True)
+            return self._with_resident_tensors((field,))
 
         def allocate(nbytes: int) -> torch.Tensor:
             return torch.empty(nbytes, dtype=torch.uint8, device=target)
@@ -214,6 +222,22 @@ def _indexed(device: torch.device) -> torch.device:
     if device.index is not None or device.type in ("cpu", "meta"):
         return device
     return torch.empty(0, device=device).device
+
+
+def _whole_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain contiguous tensor (or parameter) spanning its whole,
+    non-empty storage from offset 0, without lazy conjugate or negative bits: copying it
+    with ``to(copy=True)`` then keeps the storage layout `_layout_copy` would rebuild."""
+    return bool(
+        (type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter)
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and tensor.storage_offset() == 0
+        and tensor.is_contiguous()
+        and 0 < tensor.nbytes == tensor.untyped_storage().nbytes()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
 
 
 def _empty_pinned(nbytes: int) -> torch.Tensor:
@@ -372,6 +396,11 @@ class ResidentTensor(TensorResident):
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         (tensor,) = tensors
+        if type(self) is ResidentTensor:
+            # Its one slot is the tensor: nothing else to copy.
+            plain = object.__new__(ResidentTensor)
+            object.__setattr__(plain, "_tensor", tensor)
+            return plain  # type: ignore[return-value]
         # A shallow copy rather than a constructor call: subclasses keep their own
         # metadata and constructor signature, and nothing is re-validated.
         clone = copy.copy(self)

@@ -638,6 +638,8 @@ class SimulatedRuntime:
         self._pinned = pinned
         self._auto_complete = auto_complete
         self._devices = tuple(torch.device("cuda", index) for index in range(device_count))
+        # Each device's location, made on its first copy (for the copy log).
+        self._cuda_locations: dict[int, ResidencyLocation] = {}
         self._lock = threading.Lock()
         self._registry: dict[int, _Entry] = {}
         # Live simulated CUDA bytes per device, allocated and rounded up to the allocator's
@@ -814,6 +816,27 @@ class SimulatedRuntime:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("measure")
+        tensors = value._resident_tensors
+        if len(tensors) == 1:
+            # One tensor, one lookup: the same facts as the general pass below.
+            (tensor,) = tensors
+            storage = tensor.untyped_storage()
+            entry = self._registry.get(storage._cdata)
+            if entry is not None:
+                device, pinned_here = entry.device, entry.pinned
+            else:
+                device = tensor.device
+                pinned_here = device.type == "cpu" and tensor.is_pinned()
+            size = storage.nbytes()
+            code = -1 if device.type == "cpu" else (device.index or 0)
+            return ValueFacts(
+                device,
+                code,
+                bool(size) and code == -1 and pinned_here,
+                tensor.nbytes,
+                size,
+                [(code, storage.data_ptr())] if size else [],
+            )
         device = self._value_device(value)
         on_host = device.type == "cpu"
         code = -1 if on_host else (device.index or 0)
@@ -942,7 +965,7 @@ class SimulatedRuntime:
         """
         self._enter("copy_to_pageable")
         # Fresh CPU storage is unregistered, hence pageable, whatever the source was.
-        result = value.to("cpu", copy=True, non_blocking=False)
+        result = value.to(_CPU, copy=True, non_blocking=False)
         if self._timeline is not None:
             self._time_download(value)
         self._log(PAGEABLE_HOST, None, non_blocking=False)
@@ -1014,7 +1037,10 @@ class SimulatedRuntime:
                 timeline._enqueue_copy(
                     stream, engine, sum(by_device.values()), blocking=not non_blocking
                 )
-        self._log(cuda_location(target), stream, non_blocking=non_blocking)
+        location = self._cuda_locations.get(index)
+        if location is None:
+            location = self._cuda_locations[index] = cuda_location(target)
+        self._log(location, stream, non_blocking=non_blocking)
         return result
 
     # --- byte buffers (the disk tier's staging) -------------------------------------
@@ -1442,7 +1468,8 @@ class SimulatedRuntime:
             return None
         simulated = self._devices[index]
         with self._lock:
-            self._drain_freed_locked()
+            if self._freed:
+                self._drain_freed_locked()
             return self._allocated_bytes[simulated], self._reserved_bytes[simulated]
 
     def _allocated(self, device: torch.device) -> int | None:
@@ -1712,6 +1739,10 @@ class SimulatedRuntime:
 
     def _cuda_index(self, device: torch.device | str | int) -> int:
         """The index of the simulated CUDA device named by ``device`` (else ``ValueError``)."""
+        if type(device) is torch.device:
+            known = self._device_index(device)
+            if known is not None:
+                return known
         try:
             normalized = (
                 torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -1763,7 +1794,7 @@ class SimulatedRuntime:
     def _cuda_copy(self, value: _V, target: torch.device, owner: SimulatedStream) -> _V:
         # `to(copy=True)` always clones, so even a CPU source gets new, independent storage,
         # exactly like a real host-to-device copy.
-        result = value.to("cpu", copy=True, non_blocking=False)
+        result = value.to(_CPU, copy=True, non_blocking=False)
         self._register(result._resident_tensors, target, pinned=False, owner=owner)
         return result
 
