@@ -884,6 +884,10 @@ class Offload:
         Raises:
             ResidencyReentrancyError: Called from inside a source's ``load()``.
         """
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> OffloadStats:
         if not self._manager_closed():
             self._collect()
         counters = self._counters
@@ -948,10 +952,14 @@ class Offload:
                     total = model[1].weight.sum()  # readable inside the block only
             ```
         """
+        with self._lock, self._materialize(submodule) as module:
+            yield module
+
+    @contextlib.contextmanager
+    def _materialize(self, submodule: nn.Module) -> Iterator[nn.Module]:
         if not any(submodule is m for m in self._module.modules()):
             raise ValueError("submodule is not part of the offloaded module")
         inside = {id(m) for m in submodule.modules()}
-        ancestors = _ancestors_of(self._module, submodule)
         ancestors = _ancestors_of(self._module, submodule)
         wanted = [
             index
@@ -994,6 +1002,10 @@ class Offload:
             Exception: An error from ending the pipeline or from copying a value back
                 propagates after every other step ran.
         """
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed and not self._values:
             return
         self._closed = True
@@ -1011,7 +1023,7 @@ class Offload:
         if not self._manager_closed():
             try:
                 self._collect()
-                self.stats()
+                self._stats()
             except BaseException as failure:
                 error = error or failure
         held: dict[ResidencyHandle[Any], set[ResidencyLocation]] = {}
