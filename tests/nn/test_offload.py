@@ -118,8 +118,13 @@ def test_units_by_class_and_predicate(runtime: SimulatedRuntime) -> None:
     with offload(model, budget=1 << 20, units=lambda name, m: name in ("0", "1")) as off:
         # Blocks 0 and 1 are units; the layers left over follow the default rule.
         assert [unit.name for unit in off.units] == ["0", "1", "2.0", "3.0"]
+    # A predicate of one argument is given the module.
+    with offload(model, budget=1 << 20, units=lambda m: m is model[2]) as off:
+        assert [unit.name for unit in off.units] == ["0.0", "1.0", "2", "3.0"]
     with pytest.raises(TypeError, match="units"):
         offload(model, budget=1 << 20, units=42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bool"):
+        offload(model, budget=1 << 20, units=lambda m: "yes")
 
 
 def test_tied_weights_are_one_value(runtime: SimulatedRuntime) -> None:

@@ -1204,7 +1204,8 @@ def offload(
         policy: ``"schedule-aware"`` (Belady's rule over the recorded order, cyclic),
             ``"lru"`` (`DeterministicTieredLRU`), or any `ResidencyPolicy`.
         units: What moves as one value: ``None``, a module class, a tuple of classes, or
-            a predicate ``(qualified name, module) -> bool``; a matching module is a
+            a predicate ``(module) -> bool`` or ``(qualified name, module) -> bool``;
+            a matching module is a
             unit with its whole subtree (docs/concepts/offload.md#units).
         checkpoint: A safetensors file, or a directory with ``model.safetensors`` or
             ``model.safetensors.index.json`` (what ``save_pretrained`` writes), read a

@@ -4,6 +4,7 @@ for a unit's tensors outside its forward (docs/concepts/offload.md#units).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -17,7 +18,13 @@ __all__ = ["UnitRule", "Slot", "TensorGroup", "UnitPlan", "plan_units", "Placeho
 
 # What `units=` accepts: None (the default rule), a module class, a tuple of classes, or a
 # predicate over (qualified name, module).
-UnitRule = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None
+UnitRule = (
+    type[nn.Module]
+    | tuple[type[nn.Module], ...]
+    | Callable[[nn.Module], bool]
+    | Callable[[str, nn.Module], bool]
+    | None
+)
 
 
 @dataclass(eq=False)
@@ -72,10 +79,11 @@ def _matcher(rule: UnitRule) -> Callable[[str, nn.Module], bool] | None:
         classes = rule
         return lambda _name, module: isinstance(module, classes)
     if callable(rule):
-        predicate = rule
+        predicate: Callable[..., object] = rule
+        takes_name = _positional_count(rule) >= 2
 
         def matches(name: str, module: nn.Module) -> bool:
-            answer = predicate(name, module)
+            answer = predicate(name, module) if takes_name else predicate(module)
             if not isinstance(answer, bool):
                 raise TypeError(f"the units predicate must return a bool, got {answer!r}")
             return answer
@@ -83,8 +91,27 @@ def _matcher(rule: UnitRule) -> Callable[[str, nn.Module], bool] | None:
         return matches
     raise TypeError(
         "units must be None, an nn.Module class, a tuple of classes, or a callable "
-        f"(name, module) -> bool, got {type(rule).__name__}"
+        f"(module) -> bool or (name, module) -> bool, got {type(rule).__name__}"
     )
+
+
+def _positional_count(function: Callable[..., object]) -> int:
+    """How many positional arguments ``function`` takes (2 for ``*args``); a predicate of
+    one is called with the module, of two with its qualified name and the module."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    count = 0
+    for parameter in parameters:
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            return 2
+        if parameter.kind in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        ):
+            count += 1
+    return count
 
 
 def _owns(module: nn.Module) -> bool:
