@@ -593,3 +593,19 @@ def test_checkpoint_under_a_host_budget(runtime: SimulatedRuntime, tmp_path: Pat
         assert stats.device_peak_bytes <= total // 4
         # The host caches what it can: fewer reads than one file read per forward.
         assert total < stats.disk_read_bytes < 4 * total
+
+
+def test_offloaded_twice_or_used_after_close(runtime: SimulatedRuntime) -> None:
+    from fhelium.errors import ResidencyClosedError
+
+    model = mlp(2)
+    x = torch.randn(1, 32)
+    expected = model(x)
+    off = offload(model, budget=1 << 20)
+    with pytest.raises(ValueError, match="already offloaded"):
+        offload(model, budget=1 << 20)
+    assert torch.equal(model(x), expected)  # the first one is untouched
+    off.close()
+    with pytest.raises(ResidencyClosedError), off.materialize(model[0]):
+        pass
+    assert torch.equal(model(x), expected)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from fhelium.errors import ResidencyBudgetError, ResidencyPlanError
+from fhelium.errors import ResidencyBudgetError, ResidencyClosedError, ResidencyPlanError
 from fhelium.residency._runtime import current_runtime
 from fhelium.residency._runtime.torch_runtime import TorchCudaRuntime
 from fhelium.residency._validation import require_strict_int
@@ -377,6 +377,12 @@ class Offload:
         unit_plans, groups = plan_units(self._module, rule)
         if not unit_plans:
             raise ValueError("the module has no parameters or buffers to offload")
+        for group in groups:
+            for name, tensor in zip(group.names, group.tensors, strict=True):
+                if isinstance(tensor, Placeholder):
+                    raise ValueError(
+                        f"{name} is already offloaded: close the other offload of this module first"
+                    )
         if checkpoint is None:
             for group in groups:
                 for name, tensor in zip(group.names, group.tensors, strict=True):
@@ -938,6 +944,7 @@ class Offload:
         Raises:
             ValueError: ``submodule`` is not part of the offloaded module.
             ResidencyPlanError: Its weights do not fit the device budget.
+            ResidencyClosedError: The offload is closed.
 
         Example:
             ```python
@@ -952,8 +959,11 @@ class Offload:
                     total = model[1].weight.sum()  # readable inside the block only
             ```
         """
-        with self._lock, self._materialize(submodule) as module:
-            yield module
+        with self._lock:
+            if self._closed:
+                raise ResidencyClosedError("the offload is closed: materialize needs it open")
+            with self._materialize(submodule) as module:
+                yield module
 
     @contextlib.contextmanager
     def _materialize(self, submodule: nn.Module) -> Iterator[nn.Module]:
@@ -1228,7 +1238,8 @@ def offload(
             ``host`` or ``policy``, ``disk_budget`` without ``disk``, parameters that
             require grad while autograd is on, tensors on meta without ``checkpoint``
             (or off the CPU), budgets given with ``manager``, a module with no
-            parameters or buffers, or a unit larger than the device budget (or, with
+            parameters or buffers, a module already offloaded (and not closed), or a
+            unit larger than the device budget (or, with
             ``checkpoint``, than ``host_budget``).
         ResidencyBudgetError: The host budget cannot hold the weights and there is no
             ``disk``; the module is left as it was.
