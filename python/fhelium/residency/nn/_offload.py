@@ -330,6 +330,8 @@ class Offload:
         self._resident_units: frozenset[int] = frozenset()
         self._from_checkpoint = checkpoint is not None
         self._trace_seen: Any = None
+        # The peaks last read, for `stats` after the manager closed.
+        self._peaks = (0, 0)
         self._disk = None if disk is None else disk_location(Path(disk))
         self._host_budget = host_budget
         if manager is None:
@@ -358,7 +360,6 @@ class Offload:
             None,
         )
         self._runtime = engine_of(manager).runtime
-        self._core = engine_of(manager).core
         self._simulated = type(self._runtime) is not TorchCudaRuntime
         # Where the compute tensors physically are: the device, or the CPU tensors
         # that stand for it on the simulated runtime.
@@ -906,7 +907,7 @@ class Offload:
                     host_peak = record.peak_used_bytes
             self._peaks = (device_peak, host_peak)
         else:
-            device_peak, host_peak = getattr(self, "_peaks", (0, 0))
+            device_peak, host_peak = self._peaks
         return OffloadStats(
             forwards=counters.forwards,
             steps=counters.steps,
