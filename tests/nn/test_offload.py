@@ -74,6 +74,18 @@ class Tied(nn.Module):
         return self.head(torch.relu(self.body(self.embed(ids))))
 
 
+class WithTable(nn.Module):
+    """A linear layer and a non-persistent buffer (as rotary ``inv_freq`` is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("table", torch.arange(8.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.table
+
+
 class Switch(nn.Module):
     """Runs its layers forward or backward: the order a forward takes depends on input."""
 
@@ -413,15 +425,6 @@ def test_checkpoint_onto_a_meta_module(runtime: SimulatedRuntime, tmp_path: Path
 def test_checkpoint_cast_and_kept_buffers(runtime: SimulatedRuntime, tmp_path: Path) -> None:
     from fhelium.residency.nn import init_empty_weights
 
-    class WithTable(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(8, 8)
-            self.register_buffer("table", torch.arange(8.0), persistent=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.linear(x) + self.table
-
     torch.manual_seed(5)
     model = WithTable().eval()
     file = save(model, tmp_path / "m.safetensors")
@@ -514,15 +517,6 @@ def test_prefetch_hides_the_loads(runtime: SimulatedRuntime) -> None:
 
 def test_offload_again_after_close(runtime: SimulatedRuntime, tmp_path: Path) -> None:
     from fhelium.residency.nn import init_empty_weights
-
-    class WithTable(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(8, 8)
-            self.register_buffer("table", torch.arange(8.0), persistent=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.linear(x) + self.table
 
     torch.manual_seed(6)
     model = WithTable().eval()

@@ -417,23 +417,18 @@ class Offload:
             for plan in unit_plans
         )
         self._unit_values = [[self._values[g] for g in plan.groups] for plan in unit_plans]
-        budget = self._budget
-        host_budget = self._host_budget if self._from_checkpoint else None
+        limits = [("on the device", "budget", self._budget)]
+        if self._from_checkpoint:
+            limits.append(("in host memory", "host_budget", self._host_budget))
         for unit in self._units:
-            if host_budget is not None and unit.nbytes > host_budget:
-                self.close()
-                raise ValueError(
-                    f"unit {unit.name!r} needs {unit.nbytes} bytes in host memory, more "
-                    f"than host_budget={host_budget}: raise host_budget, or pass units= to "
-                    "cut the module finer (docs/concepts/offload.md#units)"
-                )
-            if budget is not None and unit.nbytes > budget:
-                self.close()
-                raise ValueError(
-                    f"unit {unit.name!r} needs {unit.nbytes} bytes on the device, more than "
-                    f"the budget of {budget}: raise budget, or pass units= to cut the "
-                    "module finer (docs/concepts/offload.md#units)"
-                )
+            for where, name, limit in limits:
+                if limit is not None and unit.nbytes > limit:
+                    self.close()
+                    raise ValueError(
+                        f"unit {unit.name!r} needs {unit.nbytes} bytes {where}, more than "
+                        f"{name}={limit}: raise {name}, or pass units= to cut the module "
+                        "finer (docs/concepts/offload.md#units)"
+                    )
         self._controller = self._make_controller()
         for index, plan in enumerate(unit_plans):
             self._wrap_unit(index, plan.module)
