@@ -74,10 +74,11 @@ import secrets
 import socket
 import stat
 import struct
+import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ import numpy as np
 import torch
 
 from fhelium._core import Checksum
+from fhelium.residency._runtime.base import StagedEvent
 from fhelium.errors import (
     ResidencyIntegrityError,
     ResidencyInUseError,
@@ -663,6 +665,52 @@ class DiskStore:
             event = runtime.record_event(stream)
         return _rebuild(file, buffers), event
 
+    def read_to_cuda_deferred(
+        self,
+        file: DiskFile,
+        device: torch.device,
+        stream: Any,
+        staging: Staging,
+    ) -> tuple[TensorResident, StagedEvent]:
+        """`read_to_cuda` without blocking the caller on the file: the size is checked
+        and the device memory allocated here, then the ring's I/O thread reads the
+        chunks, checks the checksums and enqueues the copies on ``stream``, after the
+        reads queued before it (docs/concepts/locations-and-budgets.md#deferred-reads).
+        The `StagedEvent` returned covers the last copy once that thread has enqueued
+        it; on a failure it carries the error, after the copies made were waited for."""
+        runtime = staging.runtime
+        try:
+            self._check_size(file)
+        except OSError as error:
+            raise ResidencyMaterializationError(f"reading {file.path} failed: {error}") from error
+        buffers = [runtime.empty_cuda(length, device, stream) for _, length in file.storages]
+        value = _rebuild(file, buffers)
+        staged = StagedEvent()
+        staged.value = value
+        verify = self.verify
+
+        def read() -> None:
+            hashers = [Checksum() for _ in file.storages] if verify else None
+            try:
+                try:
+                    event = self._read_staged(
+                        file, buffers, staging, stream, hashers=hashers, inline=True
+                    )
+                except OSError as failure:
+                    raise ResidencyMaterializationError(
+                        f"reading {file.path} failed: {failure}"
+                    ) from failure
+                if event is None:
+                    event = runtime.record_event(stream)
+            except BaseException as error:  # carried by the event to whoever waits
+                # `_read_staged` waited for the copies it made before raising.
+                staged.finish(None, error)
+                return
+            staged.finish(event, None)
+
+        staging.defer(read)
+        return value, staged
+
     def _read_staged(
         self,
         file: DiskFile,
@@ -671,6 +719,7 @@ class DiskStore:
         stream: Any = None,
         *,
         hashers: list[Checksum] | None = None,
+        inline: bool = False,
     ) -> Any:
         """Reads the file's data into ``buffers`` (one per storage, host or CUDA),
         hashing each storage's bytes into ``hashers`` as they arrive and checking them
@@ -681,8 +730,9 @@ class DiskStore:
         from the file for all its whole pages. Everything else goes through
         ``staging``, a chunk at a time: while one slot's bytes are copied out (CUDA
         copies enqueued on ``stream``), the ring's I/O thread reads the next chunk into
-        the other and hashes it. Returns the event of the last device copy (None when
-        none was made)."""
+        the other and hashes it. With ``inline`` (on the I/O thread itself) every read
+        runs on the calling thread, while the device copies of the chunk before run.
+        Returns the event of the last device copy (None when none was made)."""
         descriptor, direct = self._open(file.path, os.O_RDONLY)
         path = file.path
         last = None
@@ -749,7 +799,7 @@ class DiskStore:
                 if got < step:
                     raise ended_early()
 
-            inline = len(chunks) <= 1
+            inline = inline or len(chunks) <= 1
             slot = staging.take()
             if chunks:
                 staging.submit(slot, inline, read, slot, *chunks[0])
@@ -949,6 +999,7 @@ class Staging:
         "_events",
         "_holders",
         "_io",
+        "_jobs",
         "_loose",
         "_pool",
         "_pool_pid",
@@ -968,6 +1019,8 @@ class Staging:
         # Per slot: the file read or write the I/O thread runs on it.
         self._io: list[Future[None] | None] = [None] * SLOTS
         self._loose: list[Future[None]] = []
+        # Deferred reads the I/O thread runs whole, slots included; they never raise.
+        self._jobs: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self.next = 0
@@ -1007,12 +1060,8 @@ class Staging:
         if inline:
             work(*args)
             return
-        if self._pool is None or self._pool_pid != os.getpid():
-            # A forked child inherits the pool but not its thread: it makes its own.
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fhelium-disk-io")
-            self._pool_pid = os.getpid()
         try:
-            future = self._pool.submit(work, *args)
+            future = self._executor().submit(work, *args)
         except RuntimeError:  # the interpreter is shutting down: no new threads
             work(*args)
             return
@@ -1020,6 +1069,32 @@ class Staging:
             self._loose.append(future)
         else:
             self._io[slot] = future
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_pid != os.getpid():
+            # A forked child inherits the pool but not its thread: it makes its own.
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fhelium-disk-io")
+            self._pool_pid = os.getpid()
+            self._jobs = []
+        return self._pool
+
+    def defer(self, job: Callable[[], None]) -> None:
+        """Runs ``job`` (a whole deferred read, which uses the slots itself and never
+        raises) on the I/O thread after the reads deferred before it; at once where no
+        thread can start."""
+        self._jobs = [future for future in self._jobs if not future.done()]
+        if not self.buffers:
+            self._allocate()  # here, not on the I/O thread: pinning may sync
+        try:
+            self._jobs.append(self._executor().submit(job))
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            job()
+
+    def quiesce(self) -> None:
+        """Waits for the deferred reads: the caller then has the slots to itself."""
+        jobs, self._jobs = self._jobs, []
+        if jobs:
+            wait_futures(jobs)
 
     def finish_io(self, slot: int | None = None) -> None:
         """Waits for the I/O on ``slot`` (all I/O for None), raising its error."""
@@ -1098,6 +1173,7 @@ class Staging:
     def close(self) -> None:
         """`settle`, then ends the I/O thread."""
         try:
+            self.quiesce()
             self.settle()
         finally:
             pool, self._pool = self._pool, None
@@ -1195,9 +1271,12 @@ class DiskTier:
     The binding calls it to write, read and remove the materialisations at disk
     locations (docs/concepts/locations-and-budgets.md#disk)."""
 
-    __slots__ = ("owner_id", "staging", "stores", "written")
+    __slots__ = ("_deferring", "owner_id", "staging", "stores", "written")
 
     def __init__(self) -> None:
+        # Per thread: the list the reads to a device it defers are added to, while a
+        # pipeline stages ahead (`deferring`); None otherwise.
+        self._deferring = threading.local()
         self.owner_id = ""
         self.stores: dict[str, DiskStore] = {}
         self.staging: Staging | None = None
@@ -1221,13 +1300,33 @@ class DiskTier:
                 return store
         raise ResidencyMaterializationError(f"{file.path} belongs to no open disk store")
 
-    def _staging(self, runtime: Any) -> Staging:
+    def _staging(self, runtime: Any, *, deferred: bool = False) -> Staging:
+        """The ring, for ``runtime``; unless for a ``deferred`` read, once the reads
+        deferred before are done (the caller then uses the slots itself)."""
         staging = self.staging
         if staging is None or staging.runtime is not runtime:
             if staging is not None:
                 staging.close()
             staging = self.staging = Staging(runtime)
+        elif not deferred:
+            staging.quiesce()
         return staging
+
+    @contextlib.contextmanager
+    def deferring(self, runtime: Any) -> Iterator[list[StagedEvent]]:
+        """While open, this thread's reads from disk to a device are deferred to the
+        ring's I/O thread (where ``runtime`` accepts a `StagedEvent`); yields the list
+        their events are added to, in order."""
+        issued: list[StagedEvent] = []
+        if not getattr(runtime, "staged_events", False):
+            yield issued
+            return
+        previous = getattr(self._deferring, "issued", None)
+        self._deferring.issued = issued
+        try:
+            yield issued
+        finally:
+            self._deferring.issued = previous
 
     def write(self, location: Any, value: TensorResident, runtime: Any) -> DiskFile:
         """Writes a host or CUDA value to a new file (a CUDA one through the staging
@@ -1253,8 +1352,17 @@ class DiskTier:
         self, file: DiskFile, device: torch.device, stream: Any, runtime: Any
     ) -> tuple[TensorResident, Any]:
         """The stored value on ``device``, copied through the staging ring on
-        ``stream``, and the event of its last copy (enqueued, not waited for)."""
-        return self._store_of(file).read_to_cuda(file, device, stream, self._staging(runtime))
+        ``stream``, and the event of its last copy (enqueued, not waited for). While
+        this thread is `deferring`, the reads and copies are left to the ring's I/O
+        thread and the event is a `StagedEvent`."""
+        store = self._store_of(file)
+        issued = getattr(self._deferring, "issued", None)
+        if issued is None:
+            return store.read_to_cuda(file, device, stream, self._staging(runtime))
+        staging = self._staging(runtime, deferred=True)
+        value, event = store.read_to_cuda_deferred(file, device, stream, staging)
+        issued.append(event)
+        return value, event
 
     def remove(self, file: object) -> None:
         if isinstance(file, DiskFile):

@@ -588,12 +588,14 @@ pub fn transfers_into(
 
 /// Whether bringing `handles` to `at` would block the host on a copy: one from disk or
 /// from pageable memory (where a source loads it included), or any copy to the host
-/// (docs/concepts/controller.md#staging). Changes nothing.
+/// (docs/concepts/controller.md#staging). With `disk_deferred`, a read from disk to a
+/// device does not (the disk tier reads it on its I/O thread). Changes nothing.
 pub fn blocks_host(
     manager: &CoreManager,
     py: Python<'_>,
     handles: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
+    disk_deferred: bool,
 ) -> PyResult<bool> {
     let handles = &manager.context().normalized_handles(py, handles)?;
     manager.with_gate(py, true, true, || {
@@ -605,6 +607,8 @@ pub fn blocks_host(
                 None => {}
                 Some(Location::PinnedHost | Location::Cuda(_))
                     if matches!(location, Location::Cuda(_)) => {}
+                Some(Location::Disk(_))
+                    if disk_deferred && matches!(location, Location::Cuda(_)) => {}
                 Some(_) => return Ok(true),
             }
         }
