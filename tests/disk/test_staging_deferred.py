@@ -25,6 +25,7 @@ from fhelium.residency import (
     ResidencyRequirement,
     cuda_location,
 )
+from fhelium.residency import _disk
 from fhelium.residency.disk import disk_location
 from fhelium.residency.simulation import SimulatedRuntime, Timeline, use_runtime
 from fhelium.values import ResidentTensor
@@ -39,7 +40,12 @@ Body = Callable[[int, Any], None]
 
 
 def _run(
-    tmp_path: Path, tier: str, body: Body | None = None, steps_run: int = 4
+    tmp_path: Path,
+    tier: str,
+    body: Body | None = None,
+    *,
+    stop: int | None = None,
+    prepare: Callable[[Path], None] | None = None,
 ) -> tuple[float, list[tuple[int, ...]], list[float], ResidencyManager, list[Any]]:
     timeline = Timeline(h2d_bytes_per_s=64e6, d2h_bytes_per_s=64e6)
     runtime = SimulatedRuntime(1, timeline=timeline)
@@ -59,8 +65,10 @@ def _run(
             handles.append(handle)
         requests = [
             ResidencyRequest(f"step-{i}", [ResidencyRequirement(h, CUDA0)])
-            for i, h in enumerate(handles[:steps_run])
+            for i, h in enumerate(handles)
         ]
+        if prepare is not None:
+            prepare(tmp_path / tier)
         consumer = runtime.create_stream(torch.device("cuda", 0))
         sums: list[float] = []
         with ResidencyController(manager).run(
@@ -76,6 +84,8 @@ def _run(
                 runtime.compute(consumer, COMPUTE_S, reads=value)
                 assert torch.equal(value.tensor, torch.full((LAYER,), float(number)))
                 sums.append(float(value.tensor[0]))
+                if number == stop:
+                    break
         runtime.synchronize_device(torch.device("cuda", 0))
         assert runtime.hazards == []
     return timeline.makespan, staged_in_body, sums, manager, handles
@@ -228,3 +238,43 @@ def _keep_managers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     while _MANAGERS:
         _MANAGERS.pop().close()
+
+
+def test_a_checksum_mismatch_raises_at_the_step_that_needs_it(tmp_path: Path) -> None:
+    def corrupt(directory: Path) -> None:
+        # The files are named in write order: the third is step 2's value.
+        (store,) = directory.iterdir()
+        files = sorted(store.glob("value-*.safetensors"), key=lambda p: int(p.name.split("-")[2]))
+        with open(files[2], "r+b") as file:
+            file.seek(-1, os.SEEK_END)
+            byte = file.read(1)
+            file.seek(-1, os.SEEK_END)
+            file.write(bytes([byte[0] ^ 0xFF]))
+
+    reached: list[int] = []
+    with pytest.raises(ResidencyIntegrityError):
+        _run(tmp_path, "disk", lambda number, _: reached.append(number), prepare=corrupt)
+    assert reached == [0, 1]
+    manager = _last_manager(tmp_path)
+    _nothing_left(manager, [value.handle for value in manager.snapshot().values], 2)
+
+
+def test_a_failed_read_of_a_step_never_entered_is_dropped_quietly(
+    tmp_path: Path, io_reads: dict[str, Any]
+) -> None:
+    io_reads["fail"] = {1}  # step 2's read, staged while step 1 runs
+    _, _, sums, manager, handles = _run(tmp_path, "disk", stop=1)
+    # The pipeline ended after step 1: no step needed the value, nothing raised.
+    assert sums == [0.0, 1.0]
+    assert io_reads["count"] == 2
+    _nothing_left(manager, handles, 2)
+
+
+def test_a_value_of_many_chunks_arrives_right(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunks of 8 KiB: each value is 8 of them through the two slots, each slot
+    # refilled on the I/O thread once its copy completed.
+    monkeypatch.setattr(_disk, "CHUNK", 8192)
+    makespan, staged = _makespan(tmp_path, "disk")
+    assert staged == [(1,), (2,), (3,), ()]

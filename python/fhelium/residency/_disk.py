@@ -675,7 +675,7 @@ class DiskStore:
         """`read_to_cuda` without blocking the caller on the file: the size is checked
         and the device memory allocated here, then the ring's I/O thread reads the
         chunks, checks the checksums and enqueues the copies on ``stream``, after the
-        reads queued before it (docs/concepts/locations-and-budgets.md#deferred-reads).
+        reads queued before it (docs/concepts/locations-and-budgets.md#staging-and-direct-io).
         The `StagedEvent` returned covers the last copy once that thread has enqueued
         it; on a failure it carries the error, after the copies made were waited for."""
         runtime = staging.runtime

@@ -40,7 +40,7 @@ class ValueFacts(NamedTuple):
 class StagedEvent:
     """The event of copies another thread is still enqueueing: a read from disk to a
     device that the disk tier's I/O thread runs, a chunk at a time
-    (docs/concepts/locations-and-budgets.md#deferred-reads). Once that thread has
+    (docs/concepts/locations-and-budgets.md#staging-and-direct-io). Once that thread has
     enqueued the last copy it sets `event`, the runtime's own event recorded after it,
     or `error` when the read failed (its copies then completed, waited for there).
 
