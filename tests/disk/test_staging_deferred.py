@@ -23,9 +23,9 @@ from fhelium.residency import (
     ResidencyManager,
     ResidencyRequest,
     ResidencyRequirement,
+    _disk,
     cuda_location,
 )
-from fhelium.residency import _disk
 from fhelium.residency.disk import disk_location
 from fhelium.residency.simulation import SimulatedRuntime, Timeline, use_runtime
 from fhelium.values import ResidentTensor
@@ -120,7 +120,7 @@ def test_asynchronous_staging_still_runs_before_the_body(tmp_path: Path) -> None
 
 
 @pytest.fixture
-def io_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+def io_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """File reads on the disk tier's I/O thread, made to wait for ``gate`` (set by
     default) and to fail where ``fail`` (a set of read numbers, counted from 0) says."""
     real = os.preadv
@@ -148,7 +148,7 @@ def io_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         return got
 
     monkeypatch.setattr(os, "preadv", preadv)
-    yield state
+    return state
 
 
 def test_the_host_returns_before_the_read_completes(
@@ -165,7 +165,7 @@ def test_the_host_returns_before_the_read_completes(
             seen.append((steps.staged, io_reads["done"]))
             io_reads["gate"].set()
 
-    _, staged, sums, manager, _ = _run(tmp_path, "disk", body)
+    _, _, sums, manager, _ = _run(tmp_path, "disk", body)
     manager.close()
     assert seen == [((1,), 0)]
     assert sums == [0.0, 1.0, 2.0, 3.0]  # and every value arrived right
@@ -175,7 +175,7 @@ def test_the_host_returns_before_the_read_completes(
 def _nothing_left(manager: ResidencyManager, handles: list[Any], failed: int) -> None:
     # The steps that ran released their leases behind their consumers' work.
     manager._engine.runtime.synchronize_device(torch.device("cuda", 0))
-    manager.state_version  # reaps what completed
+    assert manager.state_version > 0  # reading it reaps what completed
     snapshot = manager.snapshot()
     for value in snapshot.values:
         for materialization in value.materializations:
@@ -190,10 +190,7 @@ def _nothing_left(manager: ResidencyManager, handles: list[Any], failed: int) ->
     (cuda,) = [entry for entry in snapshot.locations if entry.location == CUDA0]
     assert cuda.reserved_bytes == 0
     assert cuda.used_bytes == sum(
-        m.charged_nbytes
-        for v in snapshot.values
-        for m in v.materializations
-        if m.location == CUDA0
+        m.charged_nbytes for v in snapshot.values for m in v.materializations if m.location == CUDA0
     )
 
 
@@ -276,5 +273,5 @@ def test_a_value_of_many_chunks_arrives_right(
     # Chunks of 8 KiB: each value is 8 of them through the two slots, each slot
     # refilled on the I/O thread once its copy completed.
     monkeypatch.setattr(_disk, "CHUNK", 8192)
-    makespan, staged = _makespan(tmp_path, "disk")
+    _, staged = _makespan(tmp_path, "disk")
     assert staged == [(1,), (2,), (3,), ()]

@@ -89,12 +89,12 @@ import numpy as np
 import torch
 
 from fhelium._core import Checksum
-from fhelium.residency._runtime.base import StagedEvent
 from fhelium.errors import (
     ResidencyIntegrityError,
     ResidencyInUseError,
     ResidencyMaterializationError,
 )
+from fhelium.residency._runtime.base import StagedEvent
 from fhelium.values.tensor_resident import TensorResident
 
 __all__ = ["DiskFile", "DiskStore", "DiskTier"]
@@ -1093,7 +1093,8 @@ class Staging:
     def quiesce(self) -> None:
         """Waits for the deferred reads: the caller then has the slots to itself."""
         jobs, self._jobs = self._jobs, []
-        if jobs:
+        # A forked child inherits the parent's jobs, not the thread that runs them.
+        if jobs and self._pool_pid == os.getpid():
             wait_futures(jobs)
 
     def finish_io(self, slot: int | None = None) -> None:

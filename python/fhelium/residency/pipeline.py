@@ -14,8 +14,8 @@ from typing import Any, Final
 
 from fhelium.errors import (
     ResidencyBudgetError,
-    ResidencyError,
     ResidencyClosedError,
+    ResidencyError,
     ResidencyPlanError,
     ResidencyReentrancyError,
     ResidencyStaleStateError,

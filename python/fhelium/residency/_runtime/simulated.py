@@ -609,6 +609,7 @@ class SimulatedRuntime:
         assert runtime.calls["copy_to_cuda"] == 1
         ```
     """
+
     # It takes a `StagedEvent` wherever it takes an event.
     staged_events = True
 

@@ -172,23 +172,26 @@ class TorchCudaRuntime:
             return event
 
     def event_query(self, event: CudaEvent | torch.cuda.Event | StagedEvent) -> bool:
-        if type(event) is StagedEvent:
+        if isinstance(event, StagedEvent):
             return event.query(self.event_query)
         return bool(event.query())
 
     def synchronize_event(self, event: CudaEvent | torch.cuda.Event | StagedEvent) -> None:
-        if type(event) is StagedEvent:
-            event = event.resolve()
-            if event is None:
+        if isinstance(event, StagedEvent):
+            resolved: CudaEvent | torch.cuda.Event | None = event.resolve()
+            if resolved is None:
                 return
+            event = resolved
         event.synchronize()
 
     def wait_event(self, stream: Any, event: CudaEvent | torch.cuda.Event | StagedEvent) -> None:
         cuda_stream = _as_stream(stream)
-        if type(event) is StagedEvent:
-            event = event.resolve()
-            if event is None:
+        if isinstance(event, StagedEvent):
+            # Once its copies are enqueued (a failed read raises here).
+            resolved: CudaEvent | torch.cuda.Event | None = event.resolve()
+            if resolved is None:
                 return
+            event = resolved
         if isinstance(event, CudaEvent):
             # A default stream's raw handle is 0 on every device, and the CUDA runtime
             # reads 0 as the *current* device's default stream: the wait is enqueued with
