@@ -15,7 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from fhelium.errors import ResidencyIntegrityError, ResidencyMaterializationError
+from fhelium.errors import (
+    ResidencyIntegrityError,
+    ResidencyMaterializationError,
+    ResidencyPlanExecutionError,
+)
 from fhelium.residency import (
     PINNED_HOST,
     ReplicaMode,
@@ -251,6 +255,22 @@ def test_a_checksum_mismatch_raises_at_the_step_that_needs_it(tmp_path: Path) ->
     reached: list[int] = []
     with pytest.raises(ResidencyIntegrityError):
         _run(tmp_path, "disk", lambda number, _: reached.append(number), prepare=corrupt)
+    assert reached == [0, 1]
+    manager = _last_manager(tmp_path)
+    _nothing_left(manager, [value.handle for value in manager.snapshot().values], 2)
+
+
+def test_an_error_staging_before_the_body_is_raised_after_it(tmp_path: Path) -> None:
+    def truncate(directory: Path) -> None:
+        (store,) = directory.iterdir()
+        files = sorted(store.glob("value-*.safetensors"), key=lambda p: int(p.name.split("-")[2]))
+        os.truncate(files[2], files[2].stat().st_size - 1)
+
+    reached: list[int] = []
+    # Step 2's file is found cut short while it is staged, before step 1's body: step 1
+    # still runs, and the error comes from the iteration that ends it.
+    with pytest.raises(ResidencyPlanExecutionError, match="truncated"):
+        _run(tmp_path, "disk", lambda number, _: reached.append(number), prepare=truncate)
     assert reached == [0, 1]
     manager = _last_manager(tmp_path)
     _nothing_left(manager, [value.handle for value in manager.snapshot().values], 2)

@@ -284,6 +284,7 @@ class _Pipeline:
         "current",
         "dropped",
         "guard",
+        "held",
         "position",
         "prefetch",
         "requests",
@@ -319,6 +320,8 @@ class _Pipeline:
         self.created: dict[ResidencyLocation, Any] = {}
         self.current: ResidencyUse | None = None
         self.staged: dict[int, _Staged] = {}
+        # An error staging raised before the active step's body, raised after it.
+        self.held: Exception | None = None
         # Headroom kept for the staged steps' reservations beyond the active step's own
         # (docs/concepts/controller.md#staging), per location.
         self.guard: dict[ResidencyLocation, list[ResidencyReservation]] = {}
@@ -411,6 +414,7 @@ class _Pipeline:
             return
         use, self.current = self.current, None
         staged, self.staged = self.staged, {}
+        self.held = None  # its step is never entered now
         error: BaseException | None = None
         if use is not None:
             try:
@@ -628,11 +632,23 @@ class _Pipeline:
         wait: bool,
     ) -> None:
         """Stages the steps after the active one ``index`` in order, up to the first
-        that cannot be staged now."""
+        that cannot be staged now. An error before the body (``wait`` false) is held
+        and raised after it: the active step's body runs first, and the error comes
+        from the iteration that ends it, as when that staging runs after the body."""
+        held, self.held = self.held, None
+        if held is not None:
+            raise held
         for later, upcoming in list(ahead)[1:]:
-            if later not in self.staged and not self._stage(
-                later, later - index, upcoming, ended, wait=wait
-            ):
+            if later in self.staged:
+                continue
+            try:
+                staged = self._stage(later, later - index, upcoming, ended, wait=wait)
+            except Exception as error:
+                if wait:
+                    raise
+                self.held = error
+                return
+            if not staged:
                 return
 
     def _stage(
