@@ -1192,6 +1192,30 @@ class Staging:
             )
 
 
+def _copy_through(
+    staging: Staging, tensors: tuple[torch.Tensor, ...], buffers: list[torch.Tensor], stream: Any
+) -> Any:
+    """Copies host ``tensors`` into device ``buffers`` (flat bytes, one each) through
+    the ring, a chunk at a time on ``stream``, on the thread that calls it; the event
+    of the last copy (None when none was made). On a failure the copies made are
+    waited for before it raises."""
+    last = None
+    try:
+        for tensor, buffer in zip(tensors, buffers, strict=True):
+            flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+            for begin in range(0, int(flat.numel()), CHUNK):
+                piece = flat[begin : begin + CHUNK]
+                slot = staging.take()
+                staging.fill(slot, 0, piece, None)
+                staging.drain(slot, 0, buffer[begin : begin + int(piece.numel())], stream)
+                event = staging.seal(slot)
+                last = event if event is not None else last
+    except BaseException as error:
+        staging.settle_after(error)
+        raise
+    return last
+
+
 def _layout(
     tensors: tuple[torch.Tensor, ...],
 ) -> tuple[dict[str, Any], tuple[tuple[int, int], ...], tuple[Any, ...], list[torch.Tensor]]:
@@ -1364,6 +1388,68 @@ class DiskTier:
         value, event = store.read_to_cuda_deferred(file, device, stream, staging)
         issued.append(event)
         return value, event
+
+    def load_to_cuda(
+        self, source: Any, device: torch.device, stream: Any, runtime: Any
+    ) -> tuple[TensorResident, StagedEvent] | None:
+        """While this thread is `deferring`, a reconstruction from a source that
+        `loads_alone` (it never calls a manager) into pageable memory, left to the
+        ring's I/O thread: the destination is allocated here from the source's
+        ``layout()``, and that thread runs ``load()``, checks that the loaded value has
+        that layout and copies it through the ring, a chunk at a time, on ``stream``.
+        None where the reconstruction is not deferred (it then runs as usual)
+        (docs/concepts/values.md#reconstruction)."""
+        issued = getattr(self._deferring, "issued", None)
+        if issued is None or not getattr(source, "loads_alone", False):
+            return None
+        layout = source.layout()
+        if not isinstance(layout, TensorResident):
+            raise TypeError(
+                f"{type(source).__name__}.layout() must return a TensorResident, "
+                f"got {type(layout).__name__}"
+            )
+        shapes = [(tensor.shape, tensor.dtype) for tensor in layout._resident_tensors]
+        buffers = [
+            runtime.empty_cuda(shape.numel() * dtype.itemsize, device, stream)
+            for shape, dtype in shapes
+        ]
+        value = layout._with_resident_tensors(
+            tuple(
+                buffer[: shape.numel() * dtype.itemsize].view(dtype).view(shape)
+                for buffer, (shape, dtype) in zip(buffers, shapes, strict=True)
+            )
+        )
+        staging = self._staging(runtime, deferred=True)
+        staged = StagedEvent()
+        staged.value = value
+
+        def load() -> None:
+            try:
+                loaded = source.load()
+                tensors = (
+                    loaded._resident_tensors if isinstance(loaded, TensorResident) else None
+                )
+                if (
+                    type(loaded) is not type(layout)
+                    or tensors is None
+                    or [(t.shape, t.dtype, t.device.type) for t in tensors]
+                    != [(shape, dtype, "cpu") for shape, dtype in shapes]
+                ):
+                    raise ResidencyMaterializationError(
+                        f"{type(source).__name__}.load() returned a value other than its "
+                        "layout() described"
+                    )
+                event = _copy_through(staging, tensors, buffers, stream)
+                if event is None:
+                    event = runtime.record_event(stream)
+            except BaseException as error:  # carried by the event to whoever waits
+                staged.finish(None, error)
+                return
+            staged.finish(event, None)
+
+        staging.defer(load)
+        issued.append(staged)
+        return value, staged
 
     def remove(self, file: object) -> None:
         if isinstance(file, DiskFile):

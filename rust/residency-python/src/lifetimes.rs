@@ -609,11 +609,32 @@ pub fn blocks_host(
                     if matches!(location, Location::Cuda(_)) => {}
                 Some(Location::Disk(_))
                     if disk_deferred && matches!(location, Location::Cuda(_)) => {}
+                // Reconstructed by a source the disk tier may load on its I/O thread.
+                Some(Location::PageableHost)
+                    if disk_deferred
+                        && matches!(location, Location::Cuda(_))
+                        && manager
+                            .core()
+                            .check_resident(&[index], Location::PageableHost)
+                            .is_err()
+                        && loads_alone(manager, py, index)? => {}
                 Some(_) => return Ok(true),
             }
         }
         Ok(false)
     })
+}
+
+/// Whether the value's source says it never calls a manager (`loads_alone`): the
+/// disk tier may then run its `load()` on its I/O thread.
+fn loads_alone(manager: &CoreManager, py: Python<'_>, index: HandleId) -> PyResult<bool> {
+    let Some(source) = manager.objects().source(py, index) else {
+        return Ok(false);
+    };
+    match source.bind(py).getattr_opt(intern!(py, "loads_alone"))? {
+        Some(flag) => flag.is_truthy(),
+        None => Ok(false),
+    }
 }
 
 /// Tracks an unreleased lease by a weak reference whose callback finalizes it if it
