@@ -1398,7 +1398,7 @@ class DiskTier:
         ``layout()``, and that thread runs ``load()``, checks that the loaded value has
         that layout and copies it through the ring, a chunk at a time, on ``stream``.
         None where the reconstruction is not deferred (it then runs as usual)
-        (docs/concepts/values.md#reconstruction)."""
+        (docs/concepts/values.md#reconstructions-a-pipeline-defers)."""
         issued = getattr(self._deferring, "issued", None)
         if issued is None or not getattr(source, "loads_alone", False):
             return None
@@ -1426,9 +1426,7 @@ class DiskTier:
         def load() -> None:
             try:
                 loaded = source.load()
-                tensors = (
-                    loaded._resident_tensors if isinstance(loaded, TensorResident) else None
-                )
+                tensors = loaded._resident_tensors if isinstance(loaded, TensorResident) else None
                 if (
                     type(loaded) is not type(layout)
                     or tensors is None

@@ -1199,7 +1199,10 @@ fn load_in(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     if !exclusive_transition
-        && matches!(source_location, Location::PageableHost | Location::PinnedHost)
+        && matches!(
+            source_location,
+            Location::PageableHost | Location::PinnedHost
+        )
         && asynchronous_to(manager, at)
     {
         let deferred = defer_load(manager, py, index, at, stream);
@@ -1227,7 +1230,7 @@ fn load_in(
 /// the destination, allocated from the source's layout, is admitted and installed at
 /// `at` at once, and protected by the `StagedEvent` that covers its copies, as a copy
 /// in flight is. False (nothing done) where the tier does not defer it
-/// (docs/concepts/values.md#reconstruction).
+/// (docs/concepts/values.md#reconstructions-a-pipeline-defers).
 fn defer_load(
     manager: &CoreManager,
     py: Python<'_>,

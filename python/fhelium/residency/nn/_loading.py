@@ -27,7 +27,7 @@ class GroupSource:
 
     # Its `load` reads files and never calls a manager, and `layout` says what it
     # returns: a pipeline may run it on the disk tier's I/O thread
-    # (docs/concepts/values.md#reconstruction).
+    # (docs/concepts/values.md#reconstructions-a-pipeline-defers).
     loads_alone = True
 
     def __init__(
@@ -55,9 +55,13 @@ class GroupSource:
         read = {} if self._read is None else self._read.layout()
         tensors = {}
         for name in self._names:
-            shape, dtype = read[name] if name in read else (
-                self.kept[name].shape,
-                self.kept[name].dtype,
+            shape, dtype = (
+                read[name]
+                if name in read
+                else (
+                    self.kept[name].shape,
+                    self.kept[name].dtype,
+                )
             )
             tensors[name] = torch.empty(shape, dtype=dtype, device="meta")
         return TensorBundle(tensors)
