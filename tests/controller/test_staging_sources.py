@@ -14,6 +14,8 @@ import torch
 
 from fhelium.errors import ResidencyMaterializationError
 from fhelium.residency import (
+    PAGEABLE_HOST,
+    PINNED_HOST,
     Recoverability,
     ReplicaMode,
     ResidencyController,
@@ -43,6 +45,7 @@ class Layer:
         self.log = log
         self.fail = False
         self.wrong = False
+        self.pin: Any = None  # loads into pinned memory through this, when set
 
     def spec(self) -> ResidencyValueSpec[TensorBundle]:
         return ResidencyValueSpec(
@@ -63,7 +66,8 @@ class Layer:
         if self.fail:
             raise ValueError(f"layer {self.index} cannot be read (injected)")
         size = LAYER // 2 if self.wrong else LAYER
-        return TensorBundle({"weight": torch.full((size,), float(self.index))})
+        value = TensorBundle({"weight": torch.full((size,), float(self.index))})
+        return value if self.pin is None else self.pin(value)
 
 
 class Gated(Layer):
@@ -76,6 +80,8 @@ def _run(
     kind: type[Layer] = Layer,
     body: Any = None,
     setup: Any = None,
+    *,
+    pinned: bool = False,
 ) -> tuple[float, list[tuple[int, ...]], list[float], ResidencyManager, list[Any], list[Any]]:
     timeline = Timeline(h2d_bytes_per_s=64e6, d2h_bytes_per_s=64e6)
     runtime = SimulatedRuntime(1, timeline=timeline)
@@ -89,7 +95,13 @@ def _run(
         sources = [kind(index, gate, log) for index in range(4)]
         if setup is not None:
             setup(sources, gate)
-        handles = [manager.register_source(source.spec(), source) for source in sources]
+        where = PINNED_HOST if pinned else PAGEABLE_HOST
+        for source in sources:
+            source.pin = runtime.pin if pinned else None
+        handles = [
+            manager.register_source(source.spec(), source, source_location=where)
+            for source in sources
+        ]
         requests = [
             ResidencyRequest(f"step-{i}", [ResidencyRequirement(h, CUDA0)])
             for i, h in enumerate(handles)
@@ -126,8 +138,9 @@ def _close_managers() -> Any:
         _MANAGERS.pop()[0].close()
 
 
-def test_a_source_that_loads_alone_is_staged_before_the_body() -> None:
-    makespan, staged, sums, _, _, log = _run()
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
+def test_a_source_that_loads_alone_is_staged_before_the_body(pinned: bool) -> None:
+    makespan, staged, sums, _, _, log = _run(pinned=pinned)
     assert staged == [(1,), (2,), (3,), ()]
     assert sums == [0.0, 1.0, 2.0, 3.0]
     # Step 0 is loaded in its turn, on the pipeline's thread; the others on the I/O thread.
@@ -135,8 +148,11 @@ def test_a_source_that_loads_alone_is_staged_before_the_body() -> None:
     assert makespan == pytest.approx(1e-3 + 4 * COMPUTE_S, rel=0.05)
 
 
-def test_any_other_source_loads_under_the_gate_after_the_body() -> None:
-    _, staged, sums, _, _, log = _run(Gated)
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
+def test_any_other_source_loads_under_the_gate_after_the_body(pinned: bool) -> None:
+    # Its `load()` blocks the host, wherever it loads: before the body it would delay
+    # the body's kernels.
+    _, staged, sums, _, _, log = _run(Gated, pinned=pinned)
     assert staged == [(), (), (), ()]
     assert sums == [0.0, 1.0, 2.0, 3.0]
     assert not any(name.startswith(IO_THREAD) for _, name in log)

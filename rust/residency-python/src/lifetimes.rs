@@ -587,9 +587,10 @@ pub fn transfers_into(
 }
 
 /// Whether bringing `handles` to `at` would block the host on a copy: one from disk or
-/// from pageable memory (where a source loads it included), or any copy to the host
+/// from pageable memory, a source's `load()`, or any copy to the host
 /// (docs/concepts/controller.md#staging). With `disk_deferred`, a read from disk to a
-/// device does not (the disk tier reads it on its I/O thread). Changes nothing.
+/// device does not, nor does a source that `loads_alone` (the disk tier runs them on
+/// its I/O thread). Changes nothing.
 pub fn blocks_host(
     manager: &CoreManager,
     py: Python<'_>,
@@ -601,23 +602,24 @@ pub fn blocks_host(
     manager.with_gate(py, true, true, || {
         let location = manager.context().location_code(py, at)?;
         let indices = resolve_in_order(manager, py, handles, location)?;
+        let to_device = matches!(location, Location::Cuda(_));
         for index in indices {
+            let source = lift(py, manager.core().ensure_source(index, location))?;
+            // A source's `load()` (the value has no copy where it loads) blocks the
+            // host, unless the disk tier may run it on its I/O thread.
+            if let Some(from @ (Location::PageableHost | Location::PinnedHost)) = source {
+                if manager.core().check_resident(&[index], from).is_err() {
+                    if !(disk_deferred && to_device && loads_alone(manager, py, index)?) {
+                        return Ok(true);
+                    }
+                    continue;
+                }
+            }
             // Only a copy to a device from pinned or device memory is asynchronous.
-            match lift(py, manager.core().ensure_source(index, location))? {
+            match source {
                 None => {}
-                Some(Location::PinnedHost | Location::Cuda(_))
-                    if matches!(location, Location::Cuda(_)) => {}
-                Some(Location::Disk(_))
-                    if disk_deferred && matches!(location, Location::Cuda(_)) => {}
-                // Reconstructed by a source the disk tier may load on its I/O thread.
-                Some(Location::PageableHost)
-                    if disk_deferred
-                        && matches!(location, Location::Cuda(_))
-                        && manager
-                            .core()
-                            .check_resident(&[index], Location::PageableHost)
-                            .is_err()
-                        && loads_alone(manager, py, index)? => {}
+                Some(Location::PinnedHost | Location::Cuda(_)) if to_device => {}
+                Some(Location::Disk(_)) if disk_deferred && to_device => {}
                 Some(_) => return Ok(true),
             }
         }
