@@ -587,7 +587,7 @@ pub fn transfers_into(
 }
 
 /// Whether bringing `handles` to `at` would block the host on a copy: one from disk or
-/// from pageable memory, a source's `load()`, or any copy to the host
+/// from pageable memory (where a source loads it included), or any copy to the host
 /// (docs/concepts/controller.md#staging). With `disk_deferred`, a read from disk to a
 /// device does not, nor does a source that `loads_alone` (the disk tier runs them on
 /// its I/O thread). Changes nothing.
@@ -605,15 +605,19 @@ pub fn blocks_host(
         let to_device = matches!(location, Location::Cuda(_));
         for index in indices {
             let source = lift(py, manager.core().ensure_source(index, location))?;
-            // A source's `load()` (the value has no copy where it loads) blocks the
-            // host, unless the disk tier may run it on its I/O thread.
-            if let Some(from @ (Location::PageableHost | Location::PinnedHost)) = source {
-                if manager.core().check_resident(&[index], from).is_err() {
-                    if !(disk_deferred && to_device && loads_alone(manager, py, index)?) {
-                        return Ok(true);
-                    }
-                    continue;
-                }
+            // A source's `load()` into pageable memory (the value has no copy there)
+            // blocks the host, unless the disk tier may run it on its I/O thread. (One
+            // into pinned memory counts as a copy from pinned memory.)
+            if source == Some(Location::PageableHost)
+                && disk_deferred
+                && to_device
+                && manager
+                    .core()
+                    .check_resident(&[index], Location::PageableHost)
+                    .is_err()
+                && loads_alone(manager, py, index)?
+            {
+                continue;
             }
             // Only a copy to a device from pinned or device memory is asynchronous.
             match source {
