@@ -45,7 +45,11 @@ Bytes that come from or go to a CUDA device, and every byte of a store opened wi
 where the runtime can pin, each guarded by the event of the last copy that used it.
 Reading the next chunk from the file (on the ring's I/O thread) overlaps hashing and
 copying out the one before, and writing a chunk to the file overlaps hashing and the
-device copy of the next. With ``direct=True`` the file is opened with ``O_DIRECT``
+device copy of the next. While a pipeline stages a step (`DiskTier.deferring`), a
+read to a device, or a reconstruction by a source that ``loads_alone``, runs whole on
+the I/O thread, after the ones before it, and its event is a `StagedEvent`
+(docs/concepts/locations-and-budgets.md#staging-and-direct-io); whatever else uses the
+ring first waits for them. With ``direct=True`` the file is opened with ``O_DIRECT``
 (bypassing the page cache) when the file system allows it, and with buffered I/O
 otherwise.
 
