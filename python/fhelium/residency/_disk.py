@@ -45,7 +45,7 @@ Bytes that come from or go to a CUDA device, and every byte of a store opened wi
 where the runtime can pin, each guarded by the event of the last copy that used it.
 Reading the next chunk from the file (on the ring's I/O thread) overlaps hashing and
 copying out the one before, and writing a chunk to the file overlaps hashing and the
-device copy of the next. While a pipeline stages a step (`DiskTier.deferring`), a
+device copy of the next. While a pipeline stages a step (`DiskTier.defer`), a
 read to a device, or a reconstruction by a source that ``loads_alone``, runs whole on
 the I/O thread, after the ones before it, and its event is a `StagedEvent`
 (docs/concepts/locations-and-budgets.md#staging-and-direct-io); whatever else uses the
@@ -82,7 +82,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -1341,21 +1341,22 @@ class DiskTier:
             staging.quiesce()
         return staging
 
-    @contextlib.contextmanager
-    def deferring(self, runtime: Any) -> Iterator[list[StagedEvent]]:
-        """While open, this thread's reads from disk to a device are deferred to the
-        ring's I/O thread (where ``runtime`` accepts a `StagedEvent`); yields the list
-        their events are added to, in order."""
+    def defer(self, runtime: Any) -> tuple[list[StagedEvent], list[StagedEvent] | None]:
+        """From now on, this thread's reads from disk to a device (and reconstructions by
+        sources that ``loads_alone``) are deferred to the ring's I/O thread, where
+        ``runtime`` accepts a `StagedEvent`: the list their events are added to, in
+        order, and what to give `undefer` (a pipeline's staging; no context manager,
+        which would cost a step more)."""
+        local = self._deferring
+        previous: list[StagedEvent] | None = getattr(local, "issued", None)
         issued: list[StagedEvent] = []
-        if not getattr(runtime, "staged_events", False):
-            yield issued
-            return
-        previous = getattr(self._deferring, "issued", None)
-        self._deferring.issued = issued
-        try:
-            yield issued
-        finally:
-            self._deferring.issued = previous
+        if getattr(runtime, "staged_events", False):
+            local.issued = issued
+        return issued, previous
+
+    def undefer(self, previous: list[StagedEvent] | None) -> None:
+        """Ends `defer`: this thread's reads block again (or go to ``previous``)."""
+        self._deferring.issued = previous
 
     def write(self, location: Any, value: TensorResident, runtime: Any) -> DiskFile:
         """Writes a host or CUDA value to a new file (a CUDA one through the staging
@@ -1396,7 +1397,7 @@ class DiskTier:
     def load_to_cuda(
         self, source: Any, device: torch.device, stream: Any, runtime: Any
     ) -> tuple[TensorResident, StagedEvent] | None:
-        """While this thread is `deferring`, a reconstruction from a source that
+        """While this thread defers (`defer`), a reconstruction from a source that
         `loads_alone` (it never calls a manager) into pageable memory, left to the
         ring's I/O thread: the destination is allocated here from the source's
         ``layout()``, and that thread runs ``load()``, checks that the loaded value has

@@ -722,29 +722,35 @@ class _Pipeline:
                     raise
 
             plan = decision.plan
+            # Reads from disk (and loads by sources that load alone) are left to the
+            # disk tier's I/O thread (docs/concepts/controller.md#staging).
+            tier = controller._engine.disk
+            reads, previous = tier.defer(runtime)
             try:
-                with controller._engine.disk.deferring(runtime) as reads:
-                    try:
-                        _plans.execute_staged(
-                            controller._engine,
-                            (*plan.reclaim, *plan.enter),
-                            name=request.name,
-                            transfer_streams=self._streams(shape)[1],
-                            expected_state_version=decision.expected_state_version,
-                            then=keep,
-                        )
-                    except BaseException:
-                        staged.reads = reads
-                        self._forget_reads({index: staged})
-                        raise
-                staged.reads = reads
+                try:
+                    _plans.execute_staged(
+                        controller._engine,
+                        (*plan.reclaim, *plan.enter),
+                        name=request.name,
+                        transfer_streams=self._streams(shape)[1],
+                        expected_state_version=decision.expected_state_version,
+                        then=keep,
+                    )
+                finally:
+                    tier.undefer(previous)
+                    staged.reads = reads
             except ResidencyStaleStateError:
+                self._forget_reads({index: staged})
                 # Another thread changed the manager since the decision: decide again,
                 # or leave the step to be staged (or entered) later.
                 stale += 1
                 if stale > STALE_RETRIES:
                     return False
                 continue
+            except BaseException:
+                # What the plan committed stays; a failed read's copy goes.
+                self._forget_reads({index: staged})
+                raise
             self.staged[index] = staged
             return True
 
