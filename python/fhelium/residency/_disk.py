@@ -1304,7 +1304,7 @@ class DiskTier:
 
     def __init__(self) -> None:
         # Per thread: the list the reads to a device it defers are added to, while a
-        # pipeline stages ahead (`deferring`); None otherwise.
+        # pipeline stages ahead (`defer`); None otherwise.
         self._deferring = threading.local()
         self.owner_id = ""
         self.stores: dict[str, DiskStore] = {}
@@ -1383,7 +1383,7 @@ class DiskTier:
     ) -> tuple[TensorResident, Any]:
         """The stored value on ``device``, copied through the staging ring on
         ``stream``, and the event of its last copy (enqueued, not waited for). While
-        this thread is `deferring`, the reads and copies are left to the ring's I/O
+        this thread defers (`defer`), the reads and copies are left to the ring's I/O
         thread and the event is a `StagedEvent`."""
         store = self._store_of(file)
         issued = getattr(self._deferring, "issued", None)
