@@ -1250,7 +1250,7 @@ class SimulatedRuntime:
         Args:
             stream: A `SimulatedStream`, or an object exposing its handle through
                 ``__cuda_stream__``.
-            event: A `SimulatedEvent` of this runtime.
+            event: A `SimulatedEvent` of this runtime, or a `StagedEvent` around one.
 
         Raises:
             TypeError: ``stream`` is not a stream of this runtime.
@@ -1377,7 +1377,7 @@ class SimulatedRuntime:
         A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
 
         Args:
-            event: A `SimulatedEvent` of this runtime.
+            event: A `SimulatedEvent` of this runtime, or a `StagedEvent` around one.
 
         Returns:
             Whether it is complete.
@@ -1414,7 +1414,7 @@ class SimulatedRuntime:
         A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
 
         Args:
-            event: A `SimulatedEvent` of this runtime.
+            event: A `SimulatedEvent` of this runtime, or a `StagedEvent` around one.
 
         Raises:
             TypeError: ``event`` is not a `SimulatedEvent`.
