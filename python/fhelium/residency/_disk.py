@@ -45,7 +45,11 @@ Bytes that come from or go to a CUDA device, and every byte of a store opened wi
 where the runtime can pin, each guarded by the event of the last copy that used it.
 Reading the next chunk from the file (on the ring's I/O thread) overlaps hashing and
 copying out the one before, and writing a chunk to the file overlaps hashing and the
-device copy of the next. With ``direct=True`` the file is opened with ``O_DIRECT``
+device copy of the next. While a pipeline stages a step (`DiskTier.defer`), a
+read to a device, or a reconstruction by a source that ``loads_alone``, runs whole on
+the I/O thread, after the ones before it, and its event is a `StagedEvent`
+(docs/concepts/locations-and-budgets.md#staging-and-direct-io); whatever else uses the
+ring first waits for them. With ``direct=True`` the file is opened with ``O_DIRECT``
 (bypassing the page cache) when the file system allows it, and with buffered I/O
 otherwise.
 
@@ -74,6 +78,7 @@ import secrets
 import socket
 import stat
 import struct
+import threading
 import time
 import warnings
 import weakref
@@ -93,6 +98,7 @@ from fhelium.errors import (
     ResidencyInUseError,
     ResidencyMaterializationError,
 )
+from fhelium.residency._runtime.base import StagedEvent
 from fhelium.values.tensor_resident import TensorResident
 
 __all__ = ["DiskFile", "DiskStore", "DiskTier"]
@@ -663,6 +669,52 @@ class DiskStore:
             event = runtime.record_event(stream)
         return _rebuild(file, buffers), event
 
+    def read_to_cuda_deferred(
+        self,
+        file: DiskFile,
+        device: torch.device,
+        stream: Any,
+        staging: Staging,
+    ) -> tuple[TensorResident, StagedEvent]:
+        """`read_to_cuda` without blocking the caller on the file: the size is checked
+        and the device memory allocated here, then the ring's I/O thread reads the
+        chunks, checks the checksums and enqueues the copies on ``stream``, after the
+        reads queued before it (docs/concepts/locations-and-budgets.md#staging-and-direct-io).
+        The `StagedEvent` returned covers the last copy once that thread has enqueued
+        it; on a failure it carries the error, after the copies made were waited for."""
+        runtime = staging.runtime
+        try:
+            self._check_size(file)
+        except OSError as error:
+            raise ResidencyMaterializationError(f"reading {file.path} failed: {error}") from error
+        buffers = [runtime.empty_cuda(length, device, stream) for _, length in file.storages]
+        value = _rebuild(file, buffers)
+        staged = StagedEvent()
+        staged.value = value
+        verify = self.verify
+
+        def read() -> None:
+            hashers = [Checksum() for _ in file.storages] if verify else None
+            try:
+                try:
+                    event = self._read_staged(
+                        file, buffers, staging, stream, hashers=hashers, inline=True
+                    )
+                except OSError as failure:
+                    raise ResidencyMaterializationError(
+                        f"reading {file.path} failed: {failure}"
+                    ) from failure
+                if event is None:
+                    event = runtime.record_event(stream)
+            except BaseException as error:  # carried by the event to whoever waits
+                # `_read_staged` waited for the copies it made before raising.
+                staged.finish(None, error)
+                return
+            staged.finish(event, None)
+
+        staging.defer(read)
+        return value, staged
+
     def _read_staged(
         self,
         file: DiskFile,
@@ -671,6 +723,7 @@ class DiskStore:
         stream: Any = None,
         *,
         hashers: list[Checksum] | None = None,
+        inline: bool = False,
     ) -> Any:
         """Reads the file's data into ``buffers`` (one per storage, host or CUDA),
         hashing each storage's bytes into ``hashers`` as they arrive and checking them
@@ -681,8 +734,9 @@ class DiskStore:
         from the file for all its whole pages. Everything else goes through
         ``staging``, a chunk at a time: while one slot's bytes are copied out (CUDA
         copies enqueued on ``stream``), the ring's I/O thread reads the next chunk into
-        the other and hashes it. Returns the event of the last device copy (None when
-        none was made)."""
+        the other and hashes it. With ``inline`` (on the I/O thread itself) every read
+        runs on the calling thread, while the device copies of the chunk before run.
+        Returns the event of the last device copy (None when none was made)."""
         descriptor, direct = self._open(file.path, os.O_RDONLY)
         path = file.path
         last = None
@@ -749,7 +803,7 @@ class DiskStore:
                 if got < step:
                     raise ended_early()
 
-            inline = len(chunks) <= 1
+            inline = inline or len(chunks) <= 1
             slot = staging.take()
             if chunks:
                 staging.submit(slot, inline, read, slot, *chunks[0])
@@ -949,6 +1003,7 @@ class Staging:
         "_events",
         "_holders",
         "_io",
+        "_jobs",
         "_loose",
         "_pool",
         "_pool_pid",
@@ -968,6 +1023,8 @@ class Staging:
         # Per slot: the file read or write the I/O thread runs on it.
         self._io: list[Future[None] | None] = [None] * SLOTS
         self._loose: list[Future[None]] = []
+        # Deferred reads the I/O thread runs whole, slots included; they never raise.
+        self._jobs: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self.next = 0
@@ -1007,12 +1064,8 @@ class Staging:
         if inline:
             work(*args)
             return
-        if self._pool is None or self._pool_pid != os.getpid():
-            # A forked child inherits the pool but not its thread: it makes its own.
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fhelium-disk-io")
-            self._pool_pid = os.getpid()
         try:
-            future = self._pool.submit(work, *args)
+            future = self._executor().submit(work, *args)
         except RuntimeError:  # the interpreter is shutting down: no new threads
             work(*args)
             return
@@ -1020,6 +1073,33 @@ class Staging:
             self._loose.append(future)
         else:
             self._io[slot] = future
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_pid != os.getpid():
+            # A forked child inherits the pool but not its thread: it makes its own.
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fhelium-disk-io")
+            self._pool_pid = os.getpid()
+            self._jobs = []
+        return self._pool
+
+    def defer(self, job: Callable[[], None]) -> None:
+        """Runs ``job`` (a whole deferred read, which uses the slots itself and never
+        raises) on the I/O thread after the reads deferred before it; at once where no
+        thread can start."""
+        self._jobs = [future for future in self._jobs if not future.done()]
+        if not self.buffers:
+            self._allocate()  # here, not on the I/O thread: pinning may sync
+        try:
+            self._jobs.append(self._executor().submit(job))
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            job()
+
+    def quiesce(self) -> None:
+        """Waits for the deferred reads: the caller then has the slots to itself."""
+        jobs, self._jobs = self._jobs, []
+        # A forked child inherits the parent's jobs, not the thread that runs them.
+        if jobs and self._pool_pid == os.getpid():
+            wait_futures(jobs)
 
     def finish_io(self, slot: int | None = None) -> None:
         """Waits for the I/O on ``slot`` (all I/O for None), raising its error."""
@@ -1098,6 +1178,7 @@ class Staging:
     def close(self) -> None:
         """`settle`, then ends the I/O thread."""
         try:
+            self.quiesce()
             self.settle()
         finally:
             pool, self._pool = self._pool, None
@@ -1113,6 +1194,30 @@ class Staging:
                 f"waiting for the disk tier's staging copies after the failure also failed: "
                 f"{cleanup!r}"
             )
+
+
+def _copy_through(
+    staging: Staging, tensors: tuple[torch.Tensor, ...], buffers: list[torch.Tensor], stream: Any
+) -> Any:
+    """Copies host ``tensors`` into device ``buffers`` (flat bytes, one each) through
+    the ring, a chunk at a time on ``stream``, on the thread that calls it; the event
+    of the last copy (None when none was made). On a failure the copies made are
+    waited for before it raises."""
+    last = None
+    try:
+        for tensor, buffer in zip(tensors, buffers, strict=True):
+            flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+            for begin in range(0, int(flat.numel()), CHUNK):
+                piece = flat[begin : begin + CHUNK]
+                slot = staging.take()
+                staging.fill(slot, 0, piece, None)
+                staging.drain(slot, 0, buffer[begin : begin + int(piece.numel())], stream)
+                event = staging.seal(slot)
+                last = event if event is not None else last
+    except BaseException as error:
+        staging.settle_after(error)
+        raise
+    return last
 
 
 def _layout(
@@ -1195,9 +1300,12 @@ class DiskTier:
     The binding calls it to write, read and remove the materialisations at disk
     locations (docs/concepts/locations-and-budgets.md#disk)."""
 
-    __slots__ = ("owner_id", "staging", "stores", "written")
+    __slots__ = ("_deferring", "owner_id", "staging", "stores", "written")
 
     def __init__(self) -> None:
+        # Per thread: the list the reads to a device it defers are added to, while a
+        # pipeline stages ahead (`defer`); None otherwise.
+        self._deferring = threading.local()
         self.owner_id = ""
         self.stores: dict[str, DiskStore] = {}
         self.staging: Staging | None = None
@@ -1221,13 +1329,34 @@ class DiskTier:
                 return store
         raise ResidencyMaterializationError(f"{file.path} belongs to no open disk store")
 
-    def _staging(self, runtime: Any) -> Staging:
+    def _staging(self, runtime: Any, *, deferred: bool = False) -> Staging:
+        """The ring, for ``runtime``; unless for a ``deferred`` read, once the reads
+        deferred before are done (the caller then uses the slots itself)."""
         staging = self.staging
         if staging is None or staging.runtime is not runtime:
             if staging is not None:
                 staging.close()
             staging = self.staging = Staging(runtime)
+        elif not deferred:
+            staging.quiesce()
         return staging
+
+    def defer(self, runtime: Any) -> tuple[list[StagedEvent], list[StagedEvent] | None]:
+        """From now on, this thread's reads from disk to a device (and reconstructions by
+        sources that ``loads_alone``) are deferred to the ring's I/O thread, where
+        ``runtime`` accepts a `StagedEvent`: the list their events are added to, in
+        order, and what to give `undefer` (a pipeline's staging; no context manager,
+        which would cost a step more)."""
+        local = self._deferring
+        previous: list[StagedEvent] | None = getattr(local, "issued", None)
+        issued: list[StagedEvent] = []
+        if getattr(runtime, "staged_events", False):
+            local.issued = issued
+        return issued, previous
+
+    def undefer(self, previous: list[StagedEvent] | None) -> None:
+        """Ends `defer`: this thread's reads block again (or go to ``previous``)."""
+        self._deferring.issued = previous
 
     def write(self, location: Any, value: TensorResident, runtime: Any) -> DiskFile:
         """Writes a host or CUDA value to a new file (a CUDA one through the staging
@@ -1253,8 +1382,77 @@ class DiskTier:
         self, file: DiskFile, device: torch.device, stream: Any, runtime: Any
     ) -> tuple[TensorResident, Any]:
         """The stored value on ``device``, copied through the staging ring on
-        ``stream``, and the event of its last copy (enqueued, not waited for)."""
-        return self._store_of(file).read_to_cuda(file, device, stream, self._staging(runtime))
+        ``stream``, and the event of its last copy (enqueued, not waited for). While
+        this thread defers (`defer`), the reads and copies are left to the ring's I/O
+        thread and the event is a `StagedEvent`."""
+        store = self._store_of(file)
+        issued = getattr(self._deferring, "issued", None)
+        if issued is None:
+            return store.read_to_cuda(file, device, stream, self._staging(runtime))
+        staging = self._staging(runtime, deferred=True)
+        value, event = store.read_to_cuda_deferred(file, device, stream, staging)
+        issued.append(event)
+        return value, event
+
+    def load_to_cuda(
+        self, source: Any, device: torch.device, stream: Any, runtime: Any
+    ) -> tuple[TensorResident, StagedEvent] | None:
+        """While this thread defers (`defer`), a reconstruction from a source that
+        `loads_alone` (it never calls a manager) into pageable memory, left to the
+        ring's I/O thread: the destination is allocated here from the source's
+        ``layout()``, and that thread runs ``load()``, checks that the loaded value has
+        that layout and copies it through the ring, a chunk at a time, on ``stream``.
+        None where the reconstruction is not deferred (it then runs as usual)
+        (docs/concepts/values.md#reconstructions-a-pipeline-defers)."""
+        issued = getattr(self._deferring, "issued", None)
+        if issued is None or not getattr(source, "loads_alone", False):
+            return None
+        layout = source.layout()
+        if not isinstance(layout, TensorResident):
+            raise TypeError(
+                f"{type(source).__name__}.layout() must return a TensorResident, "
+                f"got {type(layout).__name__}"
+            )
+        shapes = [(tensor.shape, tensor.dtype) for tensor in layout._resident_tensors]
+        buffers = [
+            runtime.empty_cuda(shape.numel() * dtype.itemsize, device, stream)
+            for shape, dtype in shapes
+        ]
+        value = layout._with_resident_tensors(
+            tuple(
+                buffer[: shape.numel() * dtype.itemsize].view(dtype).view(shape)
+                for buffer, (shape, dtype) in zip(buffers, shapes, strict=True)
+            )
+        )
+        staging = self._staging(runtime, deferred=True)
+        staged = StagedEvent()
+        staged.value = value
+
+        def load() -> None:
+            try:
+                loaded = source.load()
+                tensors = loaded._resident_tensors if isinstance(loaded, TensorResident) else None
+                if (
+                    type(loaded) is not type(layout)
+                    or tensors is None
+                    or [(t.shape, t.dtype, t.device.type) for t in tensors]
+                    != [(shape, dtype, "cpu") for shape, dtype in shapes]
+                ):
+                    raise ResidencyMaterializationError(
+                        f"{type(source).__name__}.load() returned a value other than its "
+                        "layout() described"
+                    )
+                event = _copy_through(staging, tensors, buffers, stream)
+                if event is None:
+                    event = runtime.record_event(stream)
+            except BaseException as error:  # carried by the event to whoever waits
+                staged.finish(None, error)
+                return
+            staged.finish(event, None)
+
+        staging.defer(load)
+        issued.append(staged)
+        return value, staged
 
     def remove(self, file: object) -> None:
         if isinstance(file, DiskFile):

@@ -130,6 +130,7 @@ class Engine:
         "__weakref__",
         "core",
         "cuda_count",
+        "disk",
         "manager_id",
         "owner",
         "runtime",
@@ -145,7 +146,7 @@ class Engine:
         runtime = self.runtime
         self.cuda_count: int = runtime.device_count() if runtime.cuda_available() else 0
         # The manager's files at disk locations; named after the manager once it has an id.
-        disk = DiskTier()
+        disk = self.disk = DiskTier()
         context = (
             EnsureResident,
             MoveResident,

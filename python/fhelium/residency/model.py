@@ -188,6 +188,12 @@ class ResidencySource(Protocol[ValueT_co]):
     on that manager raises `ResidencyReentrancyError`. `fhelium.residency.sources`
     ships `SafetensorsSource`. See docs/concepts/values.md#sources and
     docs/concepts/values.md#reconstruction.
+
+    A source whose ``load`` never calls a manager may say so with a true
+    ``loads_alone`` attribute and a ``layout()`` method (the value ``load`` returns,
+    every tensor on the meta device): a pipeline may then run ``load`` on the disk
+    tier's I/O thread, outside the gate
+    (docs/concepts/values.md#reconstructions-a-pipeline-defers).
     """
 
     def load(self) -> ValueT_co:

@@ -7,6 +7,7 @@ See docs/concepts/controller.md#prefetch for the rules this module implements.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any, Final
@@ -14,11 +15,13 @@ from typing import Any, Final
 from fhelium.errors import (
     ResidencyBudgetError,
     ResidencyClosedError,
+    ResidencyError,
     ResidencyPlanError,
     ResidencyReentrancyError,
     ResidencyStaleStateError,
 )
 from fhelium.residency import _plans
+from fhelium.residency._runtime.base import StagedEvent
 from fhelium.residency._use import STALE_RETRIES, Controller, ResidencyUse, normalize_streams
 from fhelium.residency._validation import require_strict_int
 from fhelium.residency.lease import ResidencyHold, ResidencyReservation
@@ -44,16 +47,28 @@ class _Staged:
     """What keeps a prefetched step's values until its turn: a hold per location. Its
     request's reservations count toward the pipeline's headroom guard."""
 
-    __slots__ = ("holds", "needs")
+    __slots__ = ("holds", "needs", "reads", "request")
 
-    def __init__(self, needs: dict[ResidencyLocation, int]) -> None:
+    def __init__(self, needs: dict[ResidencyLocation, int], request: ResidencyRequest) -> None:
         self.holds: list[ResidencyHold] = []
         self.needs = needs
+        self.request = request
+        # The events of its reads from disk that the disk tier's I/O thread runs.
+        self.reads: list[StagedEvent] = []
 
     def release(self) -> None:
         """Releases every hold, all of them even when one raises."""
         holds, self.holds = self.holds, []
         _release_all(holds)
+
+    def failure(self) -> BaseException | None:
+        """Waits until its deferred reads have enqueued their copies (or failed); the
+        first failure, claimed (docs/concepts/controller.md#staging)."""
+        reads, self.reads = self.reads, []
+        error = None
+        for read in reads:
+            error = read.claim() or error
+        return error
 
 
 def _release_all(lifetimes: Iterable[ResidencyHold | ResidencyReservation]) -> None:
@@ -269,6 +284,7 @@ class _Pipeline:
         "current",
         "dropped",
         "guard",
+        "held",
         "position",
         "prefetch",
         "requests",
@@ -304,6 +320,8 @@ class _Pipeline:
         self.created: dict[ResidencyLocation, Any] = {}
         self.current: ResidencyUse | None = None
         self.staged: dict[int, _Staged] = {}
+        # An error staging raised before the active step's body, raised after it.
+        self.held: Exception | None = None
         # Headroom kept for the staged steps' reservations beyond the active step's own
         # (docs/concepts/controller.md#staging), per location.
         self.guard: dict[ResidencyLocation, list[ResidencyReservation]] = {}
@@ -396,6 +414,7 @@ class _Pipeline:
             return
         use, self.current = self.current, None
         staged, self.staged = self.staged, {}
+        self.held = None  # its step is never entered now
         error: BaseException | None = None
         if use is not None:
             try:
@@ -407,6 +426,10 @@ class _Pipeline:
                 step.release()
             except BaseException as failure:
                 error = error or failure
+        try:
+            self._forget_reads(staged)
+        except BaseException as failure:
+            error = error or failure
         try:
             self._release_guard()
         except BaseException as failure:
@@ -470,6 +493,14 @@ class _Pipeline:
             # Its values stay where the prefetch put them: the use requires them there,
             # so its decision never evicts them.
             staged.release()
+            # A read from disk it deferred failed: the step that needs the value raises,
+            # holding nothing, with the value's partial copies gone.
+            failure = staged.failure()
+            if failure is not None:
+                self._release_staged()
+                self._release_guard()
+                self._drop_unread(request)
+                raise failure
         # The headroom kept for the staged steps is free for this step's own scope; what
         # the steps still staged need beyond it is kept again once it is entered.
         self._release_guard()
@@ -532,7 +563,28 @@ class _Pipeline:
 
     def _release_staged(self) -> None:
         staged, self.staged = self.staged, {}
-        _release_all(hold for step in staged.values() for hold in step.holds)
+        try:
+            _release_all(hold for step in staged.values() for hold in step.holds)
+        finally:
+            self._forget_reads(staged)
+
+    def _forget_reads(self, staged: dict[int, _Staged]) -> None:
+        """Steps given up before their turn: the copies of their failed deferred reads
+        are dropped (nobody needs the value now; its next use reads it again)."""
+        for step in staged.values():
+            if step.reads and step.failure() is not None:
+                self._drop_unread(step.request)
+
+    def _drop_unread(self, request: ResidencyRequest) -> None:
+        """Drops the request's device copies that can go: what a failed deferred read
+        wrote is one of them (its error claimed, nothing protects it any more). A copy
+        that cannot go (in use, or the value's only one) was not written by a read from
+        disk, which leaves the disk copy: it stays."""
+        manager = self.controller.manager
+        for requirement in request.requirements:
+            if requirement.location.kind == "cuda":
+                with contextlib.suppress(ResidencyError):
+                    manager.drop(requirement.handle, requirement.location)
 
     def _guard_bytes(self, location: ResidencyLocation) -> int:
         return sum(reservation.nbytes for reservation in self.guard.get(location, ()))
@@ -580,11 +632,23 @@ class _Pipeline:
         wait: bool,
     ) -> None:
         """Stages the steps after the active one ``index`` in order, up to the first
-        that cannot be staged now."""
+        that cannot be staged now. An error before the body (``wait`` false) is held
+        and raised after it: the active step's body runs first, and the error comes
+        from the iteration that ends it, as when that staging runs after the body."""
+        held, self.held = self.held, None
+        if held is not None:
+            raise held
         for later, upcoming in list(ahead)[1:]:
-            if later not in self.staged and not self._stage(
-                later, later - index, upcoming, ended, wait=wait
-            ):
+            if later in self.staged:
+                continue
+            try:
+                staged = self._stage(later, later - index, upcoming, ended, wait=wait)
+            except Exception as error:
+                if wait:
+                    raise
+                self.held = error
+                return
+            if not staged:
                 return
 
     def _stage(
@@ -612,11 +676,15 @@ class _Pipeline:
         needs = shape.needs
         manager = controller.manager
         by_location = shape.by_location
+        runtime = controller._engine.runtime
+        deferred = getattr(runtime, "staged_events", False)
         if not wait and any(
-            core.blocks_host(handles, location) for location, handles in by_location.items()
+            core.blocks_host(handles, location, disk_deferred=deferred)
+            for location, handles in by_location.items()
         ):
-            # A read from disk or a copy from pageable memory blocks the host: before
-            # the body it would delay the body's kernels.
+            # A copy from pageable memory blocks the host: before the body it would
+            # delay the body's kernels. A read from disk to a device does not where the
+            # runtime takes deferred events: the disk tier's I/O thread runs it.
             return False
         stale = 0
         while True:
@@ -639,7 +707,7 @@ class _Pipeline:
                 if not self._release_on_device(ended):
                     self._wait_oldest(ended)
                 continue
-            staged = _Staged(needs)
+            staged = _Staged(needs, request)
 
             def keep(staged: _Staged = staged) -> None:
                 # Under the plan's hold of the manager: what it made resident is held
@@ -654,22 +722,35 @@ class _Pipeline:
                     raise
 
             plan = decision.plan
+            # Reads from disk (and loads by sources that load alone) are left to the
+            # disk tier's I/O thread (docs/concepts/controller.md#staging).
+            tier = controller._engine.disk
+            reads, previous = tier.defer(runtime)
             try:
-                _plans.execute_staged(
-                    controller._engine,
-                    (*plan.reclaim, *plan.enter),
-                    name=request.name,
-                    transfer_streams=self._streams(shape)[1],
-                    expected_state_version=decision.expected_state_version,
-                    then=keep,
-                )
+                try:
+                    _plans.execute_staged(
+                        controller._engine,
+                        (*plan.reclaim, *plan.enter),
+                        name=request.name,
+                        transfer_streams=self._streams(shape)[1],
+                        expected_state_version=decision.expected_state_version,
+                        then=keep,
+                    )
+                finally:
+                    tier.undefer(previous)
+                    staged.reads = reads
             except ResidencyStaleStateError:
+                self._forget_reads({index: staged})
                 # Another thread changed the manager since the decision: decide again,
                 # or leave the step to be staged (or entered) later.
                 stale += 1
                 if stale > STALE_RETRIES:
                     return False
                 continue
+            except BaseException:
+                # What the plan committed stays; a failed read's copy goes.
+                self._forget_reads({index: staged})
+                raise
             self.staged[index] = staged
             return True
 

@@ -1186,7 +1186,9 @@ fn in_flight(
 }
 
 /// Runs the source's `load()` (the core has charged `source_location`), applies the
-/// releases that arrived meanwhile, and installs the loaded value at `at`.
+/// releases that arrived meanwhile, and installs the loaded value at `at`. In a
+/// prefetch, a source that loads into host memory may leave it to the disk tier
+/// (`defer_load`).
 fn load_in(
     manager: &CoreManager,
     py: Python<'_>,
@@ -1196,6 +1198,20 @@ fn load_in(
     exclusive_transition: bool,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
+    if !exclusive_transition
+        && matches!(
+            source_location,
+            Location::PageableHost | Location::PinnedHost
+        )
+        && asynchronous_to(manager, at)
+    {
+        let deferred = defer_load(manager, py, index, at, stream);
+        if !matches!(deferred, Ok(false)) {
+            // Deferred or failed: the temporary charge goes (nothing was loaded here).
+            let released = lift(py, manager.core().release_temporary(index, source_location));
+            return deferred.and(released).map(drop);
+        }
+    }
     let loaded = manager.load_for(py, index, source_location)?;
     manager.drain_deferred();
     reconstruct_into(
@@ -1208,6 +1224,44 @@ fn load_in(
         exclusive_transition,
         stream,
     )
+}
+
+/// A reconstruction the disk tier runs on its I/O thread (`DiskTier.load_to_cuda`):
+/// the destination, allocated from the source's layout, is admitted and installed at
+/// `at` at once, and protected by the `StagedEvent` that covers its copies, as a copy
+/// in flight is. False (nothing done) where the tier does not defer it
+/// (docs/concepts/values.md#reconstructions-a-pipeline-defers).
+fn defer_load(
+    manager: &CoreManager,
+    py: Python<'_>,
+    index: HandleId,
+    at: Location,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<bool> {
+    let Some(source) = manager.objects().source(py, index) else {
+        return Ok(false);
+    };
+    let context = manager.context();
+    let runtime = context.runtime.bind(py);
+    let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
+    let copy_stream = match stream {
+        Some(stream) => stream.clone(),
+        None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
+    };
+    // The budget check (it charges nothing) before anything is allocated.
+    lift(py, manager.core().admit(index, at))?;
+    let made = context.disk.bind(py).call_method1(
+        intern!(py, "load_to_cuda"),
+        (source.bind(py), &device, &copy_stream, runtime),
+    )?;
+    if made.is_none() {
+        return Ok(false);
+    }
+    let (value, event): (Bound<'_, PyAny>, Bound<'_, PyAny>) = made.extract()?;
+    let installed = install(manager, py, index, at, &value, false);
+    owned_by(manager, index, at, Some(copy_stream), installed.is_ok());
+    in_flight(manager, py, index, None, at, Some(event), None, installed)?;
+    Ok(true)
 }
 
 /// Host copies are synchronous. A CUDA copy is enqueued on the transfer stream (the

@@ -588,28 +588,59 @@ pub fn transfers_into(
 
 /// Whether bringing `handles` to `at` would block the host on a copy: one from disk or
 /// from pageable memory (where a source loads it included), or any copy to the host
-/// (docs/concepts/controller.md#staging). Changes nothing.
+/// (docs/concepts/controller.md#staging). With `disk_deferred`, a read from disk to a
+/// device does not, nor does a source that `loads_alone` (the disk tier runs them on
+/// its I/O thread). Changes nothing.
 pub fn blocks_host(
     manager: &CoreManager,
     py: Python<'_>,
     handles: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
+    disk_deferred: bool,
 ) -> PyResult<bool> {
     let handles = &manager.context().normalized_handles(py, handles)?;
     manager.with_gate(py, true, true, || {
         let location = manager.context().location_code(py, at)?;
         let indices = resolve_in_order(manager, py, handles, location)?;
+        let to_device = matches!(location, Location::Cuda(_));
         for index in indices {
+            let source = lift(py, manager.core().ensure_source(index, location))?;
+            // A source's `load()` into pageable memory (the value has no copy there)
+            // blocks the host, unless the disk tier may run it on its I/O thread. (One
+            // into pinned memory counts as a copy from pinned memory.)
+            if source == Some(Location::PageableHost)
+                && disk_deferred
+                && to_device
+                && manager
+                    .core()
+                    .check_resident(&[index], Location::PageableHost)
+                    .is_err()
+                && loads_alone(manager, py, index)?
+            {
+                continue;
+            }
             // Only a copy to a device from pinned or device memory is asynchronous.
-            match lift(py, manager.core().ensure_source(index, location))? {
+            match source {
                 None => {}
-                Some(Location::PinnedHost | Location::Cuda(_))
-                    if matches!(location, Location::Cuda(_)) => {}
+                Some(Location::PinnedHost | Location::Cuda(_)) if to_device => {}
+                Some(Location::Disk(_)) if disk_deferred && to_device => {}
                 Some(_) => return Ok(true),
             }
         }
         Ok(false)
     })
+}
+
+/// Whether the value's source says it never calls a manager (`loads_alone`): the
+/// disk tier may then run its `load()` on its I/O thread.
+fn loads_alone(manager: &CoreManager, py: Python<'_>, index: HandleId) -> PyResult<bool> {
+    let Some(source) = manager.objects().source(py, index) else {
+        return Ok(false);
+    };
+    match source.bind(py).getattr_opt(intern!(py, "loads_alone"))? {
+        Some(flag) => flag.is_truthy(),
+        None => Ok(false),
+    }
 }
 
 /// Tracks an unreleased lease by a weak reference whose callback finalizes it if it

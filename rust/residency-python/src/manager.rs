@@ -840,14 +840,17 @@ impl CoreManager {
     }
 
     /// Whether bringing `handles` to `at` would block the host on a copy (from disk or
-    /// pageable memory, or to the host).
+    /// pageable memory, or to the host). With `disk_deferred`, a read from disk to a
+    /// device does not: the disk tier reads it on its I/O thread.
+    #[pyo3(signature = (handles, at, *, disk_deferred = false))]
     fn blocks_host(
         &self,
         py: Python<'_>,
         handles: &Bound<'_, PyAny>,
         at: &Bound<'_, PyAny>,
+        disk_deferred: bool,
     ) -> PyResult<bool> {
-        crate::lifetimes::blocks_host(self, py, handles, at)
+        crate::lifetimes::blocks_host(self, py, handles, at, disk_deferred)
     }
 
     /// The pending tokens of the transfers still in flight into `handles` at `at`.

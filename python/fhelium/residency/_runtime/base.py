@@ -7,13 +7,15 @@ and dry runs so that CI, which has no GPU, exercises every CUDA path.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["DeviceRuntime", "StorageKey", "ValueFacts"]
+__all__ = ["DeviceRuntime", "StagedEvent", "StorageKey", "ValueFacts"]
 
 # (device, untyped_storage().data_ptr()) of one non-empty backing storage.
 StorageKey = tuple[torch.device, int]
@@ -33,6 +35,79 @@ class ValueFacts(NamedTuple):
     # (device code, data pointer) per unique non-empty storage: -1 for host memory,
     # the CUDA index otherwise. This is the form the core's alias index takes.
     storage_keys: list[tuple[int, int]]
+
+
+class StagedEvent:
+    """The event of copies another thread is still enqueueing: a read from disk to a
+    device that the disk tier's I/O thread runs, a chunk at a time
+    (docs/concepts/locations-and-budgets.md#staging-and-direct-io). Once that thread has
+    enqueued the last copy it sets `event`, the runtime's own event recorded after it,
+    or `error` when the read failed (its copies then completed, waited for there).
+
+    A runtime that sets ``staged_events = True`` accepts one wherever it takes an event:
+    ``event_query`` is false until the copies are enqueued and then asks `event`;
+    ``synchronize_event`` and ``wait_event`` first wait on the host until they are
+    enqueued. A failed read is the business of whoever issued it, who `claim`s its
+    error: until then ``event_query`` says false (what it wrote stays protected) and
+    ``synchronize_event`` and ``wait_event`` raise the error (no consumer reads it);
+    after that they have nothing to wait for."""
+
+    __slots__ = ("_claimed", "_enqueued", "error", "event", "value")
+
+    def __init__(self) -> None:
+        self._enqueued = threading.Event()
+        self._claimed = False
+        self.event: Any = None
+        self.error: BaseException | None = None
+        # The value the copies fill (set by the tier, for whoever must find it).
+        self.value: Any = None
+
+    def finish(self, event: Any, error: BaseException | None) -> None:
+        """Called once by the thread that enqueued the copies."""
+        self.event = event
+        self.error = error
+        self._enqueued.set()
+
+    def enqueued(self) -> bool:
+        return self._enqueued.is_set()
+
+    def wait_enqueued(self) -> None:
+        self._enqueued.wait()
+
+    def claim(self) -> BaseException | None:
+        """Waits until the copies are enqueued; the read's error (None when it
+        succeeded), now the caller's to raise: from here on the event is complete."""
+        self._enqueued.wait()
+        if self.error is not None:
+            self._claimed = True
+        return self.error
+
+    def query(self, query: Callable[[Any], bool]) -> bool:
+        if not self._enqueued.is_set():
+            return False
+        if self.error is not None:
+            return self._claimed
+        return self.event is None or bool(query(self.event))
+
+    def resolve(self) -> Any:
+        """The runtime's event to wait for, once enqueued (None: nothing to wait for);
+        raises the read's error while it is not claimed."""
+        self._enqueued.wait()
+        if self.error is None:
+            return self.event
+        if self._claimed:
+            return None
+        raise self.error
+
+    def __repr__(self) -> str:
+        state = (
+            "enqueueing"
+            if not self._enqueued.is_set()
+            else "failed"
+            if self.error is not None
+            else "enqueued"
+        )
+        return f"StagedEvent({state})"
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fhelium.residency._runtime._reuse import Clock, ReuseOrder
-from fhelium.residency._runtime.base import DeviceRuntime, ValueFacts
+from fhelium.residency._runtime.base import DeviceRuntime, StagedEvent, ValueFacts
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
 from fhelium.values.tensor_resident import TensorResident, _layout_copy
 
@@ -609,6 +609,9 @@ class SimulatedRuntime:
         assert runtime.calls["copy_to_cuda"] == 1
         ```
     """
+
+    # It takes a `StagedEvent` wherever it takes an event.
+    staged_events = True
 
     def __init__(
         self,
@@ -1247,7 +1250,7 @@ class SimulatedRuntime:
         Args:
             stream: A `SimulatedStream`, or an object exposing its handle through
                 ``__cuda_stream__``.
-            event: A `SimulatedEvent` of this runtime.
+            event: A `SimulatedEvent` of this runtime, or a `StagedEvent` around one.
 
         Raises:
             TypeError: ``stream`` is not a stream of this runtime.
@@ -1255,7 +1258,12 @@ class SimulatedRuntime:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("wait_event")
-        self._wait(self._resolve_stream(stream, None), _check_event(event))
+        resolved = self._resolve_stream(stream, None)
+        if type(event) is StagedEvent:
+            event = event.resolve()
+            if event is None:
+                return
+        self._wait(resolved, _check_event(event))
 
     def _wait(self, resolved: SimulatedStream, checked: SimulatedEvent) -> None:
         with self._lock:
@@ -1369,7 +1377,7 @@ class SimulatedRuntime:
         A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
 
         Args:
-            event: A `SimulatedEvent` of this runtime.
+            event: A `SimulatedEvent` of this runtime, or a `StagedEvent` around one.
 
         Returns:
             Whether it is complete.
@@ -1379,6 +1387,8 @@ class SimulatedRuntime:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("event_query")
+        if type(event) is StagedEvent:
+            return event.query(self._query)
         return self._query(event)
 
     def _query(self, event: Any) -> bool:
@@ -1404,13 +1414,17 @@ class SimulatedRuntime:
         A seam method the manager calls: counted in `calls`, fault-injectable with `fail_next`.
 
         Args:
-            event: A `SimulatedEvent` of this runtime.
+            event: A `SimulatedEvent` of this runtime, or a `StagedEvent` around one.
 
         Raises:
             TypeError: ``event`` is not a `SimulatedEvent`.
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("synchronize_event")
+        if type(event) is StagedEvent:
+            event = event.resolve()
+            if event is None:
+                return
         _check_event(event).complete()
 
     # --- observations ---------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any, Final, NoReturn
 import torch
 
 from fhelium._core import measure_tensors as _measure_tensors
-from fhelium.residency._runtime.base import ValueFacts
+from fhelium.residency._runtime.base import StagedEvent, ValueFacts
 from fhelium.residency._runtime.cuda_events import CudaEvent, CudaEventPool, cuda_bindings_available
 from fhelium.values.tensor_resident import (
     TensorResident,
@@ -45,6 +45,8 @@ class TorchCudaRuntime:
     """
 
     __slots__ = ()
+    # It takes a `StagedEvent` wherever it takes an event.
+    staged_events = True
 
     @property
     def name(self) -> str:
@@ -169,14 +171,27 @@ class TorchCudaRuntime:
             event.record(cuda_stream)
             return event
 
-    def event_query(self, event: CudaEvent | torch.cuda.Event) -> bool:
+    def event_query(self, event: CudaEvent | torch.cuda.Event | StagedEvent) -> bool:
+        if isinstance(event, StagedEvent):
+            return event.query(self.event_query)
         return bool(event.query())
 
-    def synchronize_event(self, event: CudaEvent | torch.cuda.Event) -> None:
+    def synchronize_event(self, event: CudaEvent | torch.cuda.Event | StagedEvent) -> None:
+        if isinstance(event, StagedEvent):
+            resolved: CudaEvent | torch.cuda.Event | None = event.resolve()
+            if resolved is None:
+                return
+            event = resolved
         event.synchronize()
 
-    def wait_event(self, stream: Any, event: CudaEvent | torch.cuda.Event) -> None:
+    def wait_event(self, stream: Any, event: CudaEvent | torch.cuda.Event | StagedEvent) -> None:
         cuda_stream = _as_stream(stream)
+        if isinstance(event, StagedEvent):
+            # Once its copies are enqueued (a failed read raises here).
+            resolved: CudaEvent | torch.cuda.Event | None = event.resolve()
+            if resolved is None:
+                return
+            event = resolved
         if isinstance(event, CudaEvent):
             # A default stream's raw handle is 0 on every device, and the CUDA runtime
             # reads 0 as the *current* device's default stream: the wait is enqueued with

@@ -587,6 +587,13 @@ class CheckpointSource:
             TensorBundle, size, size, replica_mode, Recoverability.RECONSTRUCTIBLE
         )
 
+    def layout(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Each loaded tensor's shape and dtype (after any cast), by name; nothing is
+        read."""
+        return {
+            name: (found.shape, self._loaded_dtype(found.dtype)) for name, found in self._entries
+        }
+
     def load(self) -> TensorBundle:
         """Read the tensors into new pageable host memory.
 

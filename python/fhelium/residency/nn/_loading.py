@@ -25,6 +25,11 @@ class GroupSource:
 
     __slots__ = ("_names", "_read", "kept", "read_nbytes", "reads")
 
+    # Its `load` reads files and never calls a manager, and `layout` says what it
+    # returns: a pipeline may run it on the disk tier's I/O thread
+    # (docs/concepts/values.md#reconstructions-a-pipeline-defers).
+    loads_alone = True
+
     def __init__(
         self, names: list[str], read: CheckpointSource | None, kept: dict[str, torch.Tensor]
     ) -> None:
@@ -44,6 +49,22 @@ class GroupSource:
         return ResidencyValueSpec(
             TensorBundle, size, size, ReplicaMode.REPLICABLE, Recoverability.RECONSTRUCTIBLE
         )
+
+    def layout(self) -> TensorBundle:
+        """What `load` returns, every tensor on the meta device: nothing is read."""
+        read = {} if self._read is None else self._read.layout()
+        tensors = {}
+        for name in self._names:
+            shape, dtype = (
+                read[name]
+                if name in read
+                else (
+                    self.kept[name].shape,
+                    self.kept[name].dtype,
+                )
+            )
+            tensors[name] = torch.empty(shape, dtype=dtype, device="meta")
+        return TensorBundle(tensors)
 
     def load(self) -> TensorBundle:
         read = {} if self._read is None else self._read.load().tensors
