@@ -49,6 +49,8 @@ _I64 = (1 << 63) - 1
 # The most requests a controller keeps lowered (see `ResidencyController._lowered`); past
 # it, the cache starts again empty.
 _LOWERED_REQUESTS: Final = 4096
+# Up to this many actions, a decided plan's records are built with the collector on.
+_FEW_ACTIONS: Final = 16
 
 
 class _LoweredRequest(NamedTuple):
@@ -208,7 +210,7 @@ class _Decision(ResidencyDecision):
             object.__setattr__(plan, "_ir", _lowering.LoweredPlan(ir, ()))
             return plan
         handle_of = core.handle
-        handles = tuple(handle_of(index) for index in slots)
+        handles = tuple([handle_of(index) for index in slots])
 
         def action(row: tuple[ActionKind, int, int, int]) -> Any:
             kind, slot, code, from_code = row
@@ -221,15 +223,18 @@ class _Decision(ResidencyDecision):
                 )
             return _new_drop(handle, location_of(code))
 
-        collecting = gc.isenabled()
-        gc.disable()
+        # A large plan is built with the collector off (its records are all new and
+        # all kept); a few actions are not worth switching it.
+        collecting = len(enter_rows) + len(reclaim_rows) > _FEW_ACTIONS and gc.isenabled()
+        if collecting:
+            gc.disable()
         try:
             plan = _new_plan(
                 request.name,
-                tuple(action(row) for row in enter_rows),
+                tuple([action(row) for row in enter_rows]),
                 (),
                 request.reservations,
-                tuple(action(row) for row in reclaim_rows),
+                tuple([action(row) for row in reclaim_rows]),
             )
         finally:
             if collecting:
