@@ -336,6 +336,7 @@ class ResidencyController:
     """
 
     __slots__ = (
+        "_empty_plans",
         "_engine",
         "_epoch",
         "_epochs",
@@ -386,6 +387,9 @@ class ResidencyController:
         self._schedule_cache: tuple[ScheduleAwarePolicy, Any] | None = None
         # Requests as the core reads them, by request object (see `_lowered`).
         self._lowered_requests: dict[int, tuple[ResidencyRequest, int, _LoweredRequest]] = {}
+        # The empty plan of each request decided satisfied, by request object (see
+        # `_decide`).
+        self._empty_plans: dict[int, tuple[ResidencyRequest, ResidencyPlan]] = {}
         # What a pipeline derives from each request, by request object (see
         # `pipeline._shape`).
         self._shapes: dict[int, Any] = {}
@@ -534,7 +538,7 @@ class ResidencyController:
             (ir, simulation, slots, reclaim, enter, evictions, explored, _version) = found
             if not simulation.feasible:
                 raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
-            return _Decision._capture(
+            decision = _Decision._capture(
                 manager.manager_id,
                 state_version,
                 explored,
@@ -542,6 +546,18 @@ class ResidencyController:
                 self._policy,
                 (core, ir, simulation, slots, reclaim, enter, evictions),
             )
+            if not slots:
+                # A satisfied request (a staged step at its entry): its empty plan is
+                # the same record every time, a request being immutable, so it is
+                # built once per request object.
+                empty = self._empty_plans.get(id(request))
+                if empty is not None and empty[0] is request:
+                    object.__setattr__(decision, "_built_plan", empty[1])
+                else:
+                    if len(self._empty_plans) >= _LOWERED_REQUESTS:
+                        self._empty_plans.clear()
+                    self._empty_plans[id(request)] = (request, decision.plan)
+            return decision
 
     def _lowered(self, request: ResidencyRequest) -> _LoweredRequest:
         """The request validated and lowered for the core (`_requirement_rows`, then its

@@ -1415,10 +1415,10 @@ class SimulatedRuntime:
         event._time = None
         event._completed = self._auto_complete
         with self._lock:
-            event._clock = self._order.clock(stream)
             if self._auto_complete:
-                self._order.completed(event._clock)
+                event._clock = self._order.clock_completed(stream)
             else:
+                event._clock = self._order.clock(stream)
                 self._pending.add(event)
         return event
 
