@@ -349,7 +349,10 @@ class _Then:
 
     def _run(self) -> object:
         self.started = True
-        return cast(Callable[[], object], self.then)()
+        then = self.then
+        # Only handed out as `hook` when there is one.
+        assert then is not None
+        return then()
 
 
 def enter_scope(
@@ -460,7 +463,7 @@ class _PlanReport(_LazyRecord, ResidencyPlanReport):
             collecting = gc.isenabled()
             gc.disable()
             try:
-                built = cast(tuple[ResidencyTransitionReport, ...], run.reports())
+                built = cast("tuple[ResidencyTransitionReport, ...]", run.reports())
             finally:
                 if collecting:
                     gc.enable()

@@ -187,15 +187,15 @@ class ResidencyUse:
         request: ResidencyRequest,
         consumers: dict[ResidencyLocation, Any],
         transfers: dict[ResidencyLocation, Any],
-        by_location: dict[ResidencyLocation, tuple[ResidencyHandle[Any], ...]],
-        grouped: dict[ResidencyLocation, list[ResidencyRequirement]] | None = None,
+        cuda: tuple[ResidencyLocation, ...],
+        grouped: dict[ResidencyLocation, list[ResidencyRequirement]],
     ) -> ResidencyUse:
         """A use for a pipeline's step: ``request`` is a `ResidencyRequest`, the stream
-        maps are normalized, and ``by_location`` is its handles by location and
-        ``grouped`` its requirements by location (the pipeline derives both once per
-        request). Consumer streams that are not exactly
-        the request's CUDA locations are refused as the constructor refuses them."""
-        if len(consumers) != sum(location.kind == "cuda" for location in by_location):
+        maps are normalized, ``cuda`` is its CUDA locations and ``grouped`` its
+        requirements by location (the pipeline derives both once per request).
+        Consumer streams that are not exactly the request's CUDA locations are refused
+        as the constructor refuses them."""
+        if len(consumers) != len(cuda):
             return cls(
                 controller=controller,
                 request=request,

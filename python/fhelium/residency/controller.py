@@ -182,7 +182,7 @@ class _Decision(ResidencyDecision):
         evictions = self._built_evictions
         if evictions is None:
             reclaim = self.plan.reclaim
-            source = cast(tuple[Any, ...], self._source)
+            source = cast("tuple[Any, ...]", self._source)
             evictions = tuple(
                 _new_eviction(reclaim[position], rank, location_of(code), nbytes, reason)
                 for position, rank, code, nbytes, reason in source[6]
@@ -194,14 +194,15 @@ class _Decision(ResidencyDecision):
     def explanation(self) -> ResidencyPlanExplanation:
         explanation = self._built_explanation
         if explanation is None:
-            source = cast(tuple[Any, ...], self._source)
+            source = cast("tuple[Any, ...]", self._source)
             explanation = _Explanation._capture(self.plan, source[2])
             object.__setattr__(self, "_built_explanation", explanation)
         return explanation
 
     def _build_plan(self) -> ResidencyPlan:
+        # A string type: nothing is built at run time (`tuple[Any, ...]` would be).
         core, ir, _simulation, slots, reclaim_rows, enter_rows, _evictions = cast(
-            tuple[Any, ...], self._source
+            "tuple[Any, ...]", self._source
         )
         request = self.request
         if not slots:

@@ -541,7 +541,7 @@ class _Pipeline:
         consumers, transfers = self._streams(shape)
         while True:
             use = ResidencyUse._made(
-                controller, request, consumers, transfers, shape.by_location, shape.grouped
+                controller, request, consumers, transfers, shape.cuda, shape.grouped
             )
             try:
                 entered = use.__enter__()
