@@ -331,20 +331,28 @@ class ScopeRun:
 
 class _Then:
     """A ``then`` hook for the core's plan calls, remembering whether it started: an
-    error raised by it propagates unchanged, not as the plan's."""
+    error raised by it propagates unchanged, not as the plan's. `hook` is a bound
+    method (or ``None``), never a closure over the instance: no reference cycle keeps
+    the hook, and what it refers to (a use, its scope and leases), alive until the
+    collector runs (docs/project.md#per-step-cost)."""
 
-    __slots__ = ("hook", "started")
+    __slots__ = ("started", "then")
 
     def __init__(self, then: Callable[[], object] | None) -> None:
         self.started = False
-        self.hook: Callable[[], object] | None = None
-        if then is not None:
+        self.then = then
 
-            def hook() -> object:
-                self.started = True
-                return then()
+    @property
+    def hook(self) -> Callable[[], object] | None:
+        # A new bound method each time, not kept on the instance (that would be a cycle).
+        return None if self.then is None else self._run
 
-            self.hook = hook
+    def _run(self) -> object:
+        self.started = True
+        then = self.then
+        # Only handed out as `hook` when there is one.
+        assert then is not None
+        return then()
 
 
 def enter_scope(
@@ -455,7 +463,7 @@ class _PlanReport(_LazyRecord, ResidencyPlanReport):
             collecting = gc.isenabled()
             gc.disable()
             try:
-                built = cast(tuple[ResidencyTransitionReport, ...], run.reports())
+                built = cast("tuple[ResidencyTransitionReport, ...]", run.reports())
             finally:
                 if collecting:
                     gc.enable()

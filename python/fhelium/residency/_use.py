@@ -74,6 +74,14 @@ def normalize_streams(manager: ResidencyManager, streams: object, name: str) -> 
     return normalized
 
 
+def _grouped(request: ResidencyRequest) -> dict[ResidencyLocation, list[ResidencyRequirement]]:
+    """A request's requirements by location, in order."""
+    by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
+    for requirement in request.requirements:
+        by_location.setdefault(requirement.location, []).append(requirement)
+    return by_location
+
+
 class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
     """Borrowed values by requirement; valid while the use's leases are active."""
 
@@ -125,6 +133,7 @@ class ResidencyUse:
         "_decision",
         "_exited",
         "_exits",
+        "_grouped",
         "_leases",
         "_scope",
         "_state",
@@ -164,6 +173,8 @@ class ResidencyUse:
         self._decision: ResidencyDecision | None = None
         self._scope: ResidencyScope | None = None
         self._exits: list[Callable[[Any, Any, Any], object]] | None = None
+        # The requirements by location (made at entry).
+        self._grouped: dict[ResidencyLocation, list[ResidencyRequirement]] | None = None
         self._values: _UseValues | None = None
         self._leases: list[ResidencyLease] = []
         self._exited = False
@@ -176,13 +187,15 @@ class ResidencyUse:
         request: ResidencyRequest,
         consumers: dict[ResidencyLocation, Any],
         transfers: dict[ResidencyLocation, Any],
-        by_location: dict[ResidencyLocation, tuple[ResidencyHandle[Any], ...]],
+        cuda: tuple[ResidencyLocation, ...],
+        grouped: dict[ResidencyLocation, list[ResidencyRequirement]],
     ) -> ResidencyUse:
         """A use for a pipeline's step: ``request`` is a `ResidencyRequest`, the stream
-        maps are normalized, and ``by_location`` is its handles by location (the
-        pipeline derives them once per request). Consumer streams that are not exactly
-        the request's CUDA locations are refused as the constructor refuses them."""
-        if len(consumers) != sum(location.kind == "cuda" for location in by_location):
+        maps are normalized, ``cuda`` is its CUDA locations and ``grouped`` its
+        requirements by location (the pipeline derives both once per request).
+        Consumer streams that are not exactly the request's CUDA locations are refused
+        as the constructor refuses them."""
+        if len(consumers) != len(cuda):
             return cls(
                 controller=controller,
                 request=request,
@@ -197,6 +210,7 @@ class ResidencyUse:
         use._decision = None
         use._scope = None
         use._exits = None
+        use._grouped = grouped
         use._values = None
         use._leases = []
         use._exited = False
@@ -276,9 +290,9 @@ class ResidencyUse:
         request = self.request
         # What closing the use runs, in reverse: the scope's exit, then each lease's.
         exits: list[Callable[[Any, Any, Any], object]] = []
-        by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
-        for requirement in request.requirements:
-            by_location.setdefault(requirement.location, []).append(requirement)
+        by_location = self._grouped
+        if by_location is None:
+            by_location = _grouped(request)
         borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
 
         def borrow() -> None:
@@ -287,13 +301,15 @@ class ResidencyUse:
         try:
             stale = 0
             while True:
-                decision = self._decision = controller.decide(request)
+                decision = self._decision = controller._decide(request, None)
                 # The controller's own fresh decision: its manager and policy are this
-                # controller's, so the scope is the manager's directly.
-                scope = manager.scope(
+                # controller's, so the scope is the manager's directly, its plan a
+                # plan and its version an index.
+                scope = ResidencyScope._made(
+                    manager,
                     decision.plan,
-                    expected_state_version=decision.expected_state_version,
-                    transfer_streams=self._transfer_streams,
+                    decision.expected_state_version,
+                    self._transfer_streams,
                 )
                 # Closing a scope whose entry failed does nothing.
                 exits.append(scope.__exit__)

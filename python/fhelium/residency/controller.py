@@ -49,6 +49,8 @@ _I64 = (1 << 63) - 1
 # The most requests a controller keeps lowered (see `ResidencyController._lowered`); past
 # it, the cache starts again empty.
 _LOWERED_REQUESTS: Final = 4096
+# Up to this many actions, a decided plan's records are built with the collector on.
+_FEW_ACTIONS: Final = 16
 
 
 class _LoweredRequest(NamedTuple):
@@ -180,7 +182,7 @@ class _Decision(ResidencyDecision):
         evictions = self._built_evictions
         if evictions is None:
             reclaim = self.plan.reclaim
-            source = cast(tuple[Any, ...], self._source)
+            source = cast("tuple[Any, ...]", self._source)
             evictions = tuple(
                 _new_eviction(reclaim[position], rank, location_of(code), nbytes, reason)
                 for position, rank, code, nbytes, reason in source[6]
@@ -192,14 +194,15 @@ class _Decision(ResidencyDecision):
     def explanation(self) -> ResidencyPlanExplanation:
         explanation = self._built_explanation
         if explanation is None:
-            source = cast(tuple[Any, ...], self._source)
+            source = cast("tuple[Any, ...]", self._source)
             explanation = _Explanation._capture(self.plan, source[2])
             object.__setattr__(self, "_built_explanation", explanation)
         return explanation
 
     def _build_plan(self) -> ResidencyPlan:
+        # A string type: nothing is built at run time (`tuple[Any, ...]` would be).
         core, ir, _simulation, slots, reclaim_rows, enter_rows, _evictions = cast(
-            tuple[Any, ...], self._source
+            "tuple[Any, ...]", self._source
         )
         request = self.request
         if not slots:
@@ -208,7 +211,7 @@ class _Decision(ResidencyDecision):
             object.__setattr__(plan, "_ir", _lowering.LoweredPlan(ir, ()))
             return plan
         handle_of = core.handle
-        handles = tuple(handle_of(index) for index in slots)
+        handles = tuple([handle_of(index) for index in slots])
 
         def action(row: tuple[ActionKind, int, int, int]) -> Any:
             kind, slot, code, from_code = row
@@ -221,15 +224,18 @@ class _Decision(ResidencyDecision):
                 )
             return _new_drop(handle, location_of(code))
 
-        collecting = gc.isenabled()
-        gc.disable()
+        # A large plan is built with the collector off (its records are all new and
+        # all kept); a few actions are not worth switching it.
+        collecting = len(enter_rows) + len(reclaim_rows) > _FEW_ACTIONS and gc.isenabled()
+        if collecting:
+            gc.disable()
         try:
             plan = _new_plan(
                 request.name,
-                tuple(action(row) for row in enter_rows),
+                tuple([action(row) for row in enter_rows]),
                 (),
                 request.reservations,
-                tuple(action(row) for row in reclaim_rows),
+                tuple([action(row) for row in reclaim_rows]),
             )
         finally:
             if collecting:
@@ -331,6 +337,7 @@ class ResidencyController:
     """
 
     __slots__ = (
+        "_empty_plans",
         "_engine",
         "_epoch",
         "_epochs",
@@ -381,6 +388,9 @@ class ResidencyController:
         self._schedule_cache: tuple[ScheduleAwarePolicy, Any] | None = None
         # Requests as the core reads them, by request object (see `_lowered`).
         self._lowered_requests: dict[int, tuple[ResidencyRequest, int, _LoweredRequest]] = {}
+        # The empty plan of each request decided satisfied, by request object (see
+        # `_decide`).
+        self._empty_plans: dict[int, tuple[ResidencyRequest, ResidencyPlan]] = {}
         # What a pipeline derives from each request, by request object (see
         # `pipeline._shape`).
         self._shapes: dict[int, Any] = {}
@@ -529,7 +539,7 @@ class ResidencyController:
             (ir, simulation, slots, reclaim, enter, evictions, explored, _version) = found
             if not simulation.feasible:
                 raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
-            return _Decision._capture(
+            decision = _Decision._capture(
                 manager.manager_id,
                 state_version,
                 explored,
@@ -537,6 +547,18 @@ class ResidencyController:
                 self._policy,
                 (core, ir, simulation, slots, reclaim, enter, evictions),
             )
+            if not slots:
+                # A satisfied request (a staged step at its entry): its empty plan is
+                # the same record every time, a request being immutable, so it is
+                # built once per request object.
+                empty = self._empty_plans.get(id(request))
+                if empty is not None and empty[0] is request:
+                    object.__setattr__(decision, "_built_plan", empty[1])
+                else:
+                    if len(self._empty_plans) >= _LOWERED_REQUESTS:
+                        self._empty_plans.clear()
+                    self._empty_plans[id(request)] = (request, decision.plan)
+            return decision
 
     def _lowered(self, request: ResidencyRequest) -> _LoweredRequest:
         """The request validated and lowered for the core (`_requirement_rows`, then its

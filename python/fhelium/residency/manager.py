@@ -1026,6 +1026,31 @@ class ResidencyScope(FinalizedLifetime):
         self.report: ResidencyPlanReport | None = None
         self.exit_error: ResidencyPlanExecutionError | None = None
 
+    @classmethod
+    def _made(
+        cls,
+        manager: ResidencyManager,
+        plan: ResidencyPlan,
+        expected_state_version: int,
+        transfer_streams: dict[Any, Any],
+    ) -> ResidencyScope:
+        """A scope for a use's own fresh decision: ``plan`` is a `ResidencyPlan`, the
+        version an index and the streams a normalized dict, so nothing is checked
+        again (the constructor's fields, set directly)."""
+        scope = object.__new__(cls)
+        scope._expected = expected_state_version
+        scope._manager = manager
+        scope._plan = plan
+        # A private copy, as the constructor keeps.
+        scope._streams = dict(transfer_streams)
+        scope._state = "new"
+        scope._active = False
+        scope._entered = False
+        scope._run = None
+        scope.report = None
+        scope.exit_error = None
+        return scope
+
     @property
     def manager(self) -> ResidencyManager:
         """The manager the scope runs on."""

@@ -22,7 +22,13 @@ from fhelium.errors import (
 )
 from fhelium.residency import _plans
 from fhelium.residency._runtime.base import StagedEvent
-from fhelium.residency._use import STALE_RETRIES, Controller, ResidencyUse, normalize_streams
+from fhelium.residency._use import (
+    STALE_RETRIES,
+    Controller,
+    ResidencyUse,
+    _grouped,
+    normalize_streams,
+)
 from fhelium.residency._validation import require_strict_int
 from fhelium.residency.lease import ResidencyHold, ResidencyReservation
 from fhelium.residency.location import ResidencyLocation
@@ -103,7 +109,7 @@ class _Shape:
     immutable): its reservation bytes per location, its handles per location, its CUDA
     locations, and its staging requests by headroom."""
 
-    __slots__ = ("by_location", "cuda", "needs", "request", "staging")
+    __slots__ = ("by_location", "cuda", "grouped", "needs", "request", "staging")
 
     def __init__(self, request: ResidencyRequest) -> None:
         self.request = request
@@ -113,6 +119,8 @@ class _Shape:
             by_location.setdefault(requirement.location, []).append(requirement.handle)
         # As tuples: what the manager takes without normalizing them again.
         self.by_location = {location: tuple(handles) for location, handles in by_location.items()}
+        # Its requirements by location, as a use borrows them.
+        self.grouped = _grouped(request)
         self.cuda = tuple(location for location in self.by_location if location.kind == "cuda")
         # The request to stage with each headroom (its items), made once.
         self.staging: dict[tuple[tuple[ResidencyLocation, int], ...], ResidencyRequest] = {}
@@ -532,7 +540,9 @@ class _Pipeline:
         shape = _shape(controller, request)
         consumers, transfers = self._streams(shape)
         while True:
-            use = ResidencyUse._made(controller, request, consumers, transfers, shape.by_location)
+            use = ResidencyUse._made(
+                controller, request, consumers, transfers, shape.cuda, shape.grouped
+            )
             try:
                 entered = use.__enter__()
             except (ResidencyPlanError, ResidencyBudgetError):

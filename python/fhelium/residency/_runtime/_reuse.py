@@ -75,6 +75,20 @@ class ReuseOrder:
         clock[stream._handle] = self._seq.get(stream._handle, 0)
         return clock
 
+    def clock_completed(self, stream: SimulatedStream) -> Clock:
+        """`clock` of an event recorded on ``stream`` now, which the host sees complete
+        at once (`completed`): one pass instead of two."""
+        handle = stream._handle
+        knows = self._knows.get(handle)
+        if knows is None:
+            knows = self._knows[handle] = {}
+        host = self._host
+        _merge(knows, host)
+        clock = dict(knows)
+        clock[handle] = self._seq.get(handle, 0)
+        _merge(host, clock)
+        return clock
+
     def wait(self, stream: SimulatedStream, clock: Clock | None) -> None:
         if clock is not None:
             _merge(self._catch_up(stream), clock)

@@ -1028,11 +1028,14 @@ class SimulatedRuntime:
             stream = self._resolve_stream(stream, index)
         if stream.device != target:
             raise ValueError(f"stream {stream!r} is on {stream.device}, not on {target}")
+        timeline = self._timeline
+        tensors = value._resident_tensors
+        if timeline is None and len(tensors) == 1:
+            return self._copy_one_to_cuda(value, tensors[0], index, target, stream, non_blocking)
         with self._lock:
             # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse).
-            self._order.read(stream, self._device_storage_keys(value._resident_tensors))
+            self._order.read(stream, self._device_storage_keys(tensors))
         result = self._cuda_copy(value, target, stream)
-        timeline = self._timeline
         if timeline is not None:
             by_device = self._storage_bytes_by_device(value)
             engine = "d2d" if any(d.type == "cuda" for d in by_device) else "h2d"
@@ -1044,6 +1047,54 @@ class SimulatedRuntime:
         if location is None:
             location = self._cuda_locations[index] = cuda_location(target)
         self._log(location, stream, non_blocking=non_blocking)
+        return result
+
+    def _copy_one_to_cuda(
+        self,
+        value: _V,
+        tensor: torch.Tensor,
+        index: int,
+        target: torch.device,
+        stream: SimulatedStream,
+        non_blocking: bool,
+    ) -> _V:
+        """`copy_to_cuda` of a one-tensor value without a timeline (most values): the
+        same steps (the source read on ``stream``, the copy, its registration and the
+        log entry), with the bookkeeping under one hold of the lock."""
+        registry = self._registry
+        source = registry.get(tensor.untyped_storage()._cdata)
+        # `to(copy=True)` always clones, so even a CPU source gets new, independent
+        # storage, exactly like a real host-to-device copy.
+        result = value.to(_CPU, copy=True, non_blocking=False)
+        location = self._cuda_locations.get(index)
+        if location is None:
+            location = self._cuda_locations[index] = cuda_location(target)
+        copies = result._resident_tensors
+        order = self._order
+        with self._lock:
+            # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse).
+            order.read(
+                stream,
+                [source.key] if source is not None and source.device.type == "cuda" else [],
+            )
+            if len(copies) != 1:
+                self._register_locked(copies, target, pinned=False, owner=stream)
+            else:
+                if self._freed:
+                    self._drain_freed_locked()
+                # An allocation on `stream` may reuse any block freed to its pool.
+                for reader, nbytes in order.check(stream):
+                    self.hazards.append(SimulatedHazard(target, stream, reader, nbytes))
+                entry = _Entry(copies[0].untyped_storage(), self._freed.append, target, False)
+                previous = registry.get(entry.key)
+                if previous is not None and previous.alive():
+                    self._uncount_locked(previous)
+                registry[entry.key] = entry
+                order.allocated(stream, entry.key)
+                self._allocated_bytes[target] += entry.nbytes
+                self._reserved_bytes[target] += _reserved_nbytes(entry.nbytes)
+                entry.counted = True
+            self.copies.append(SimulatedCopy(location, stream, non_blocking))
         return result
 
     # --- byte buffers (the disk tier's staging) -------------------------------------
@@ -1364,10 +1415,10 @@ class SimulatedRuntime:
         event._time = None
         event._completed = self._auto_complete
         with self._lock:
-            event._clock = self._order.clock(stream)
             if self._auto_complete:
-                self._order.completed(event._clock)
+                event._clock = self._order.clock_completed(stream)
             else:
+                event._clock = self._order.clock(stream)
                 self._pending.add(event)
         return event
 
@@ -1839,32 +1890,42 @@ class SimulatedRuntime:
         pinned: bool,
         owner: SimulatedStream | None = None,
     ) -> None:
-        freed = self._freed.append
         with self._lock:
-            self._drain_freed_locked()
-            if owner is not None:
-                # An allocation on `owner` may reuse any block freed to its pool.
-                for reader, nbytes in self._order.check(owner):
-                    self.hazards.append(SimulatedHazard(device, owner, reader, nbytes))
-            for tensor in tensors:
-                storage = tensor.untyped_storage()
-                if pinned and storage.nbytes() == 0:
-                    # As torch's pinned allocator: zero bytes get no pinned storage, so
-                    # an empty tensor stays a plain (pageable) CPU tensor.
-                    continue
-                entry = _Entry(storage, freed, device, pinned)
-                previous = self._registry.get(entry.key)
-                if previous is not None and previous.alive():
-                    # The same storage again (a view of one already registered): the new
-                    # entry replaces it, and its bytes are counted once.
-                    self._uncount_locked(previous)
-                self._registry[entry.key] = entry
-                if device.type == "cuda":
-                    if owner is not None:
-                        self._order.allocated(owner, entry.key)
-                    self._allocated_bytes[device] += entry.nbytes
-                    self._reserved_bytes[device] += _reserved_nbytes(entry.nbytes)
-                    entry.counted = True
+            self._register_locked(tensors, device, pinned=pinned, owner=owner)
+
+    def _register_locked(
+        self,
+        tensors: Iterable[torch.Tensor],
+        device: torch.device,
+        *,
+        pinned: bool,
+        owner: SimulatedStream | None = None,
+    ) -> None:
+        freed = self._freed.append
+        self._drain_freed_locked()
+        if owner is not None:
+            # An allocation on `owner` may reuse any block freed to its pool.
+            for reader, nbytes in self._order.check(owner):
+                self.hazards.append(SimulatedHazard(device, owner, reader, nbytes))
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if pinned and storage.nbytes() == 0:
+                # As torch's pinned allocator: zero bytes get no pinned storage, so
+                # an empty tensor stays a plain (pageable) CPU tensor.
+                continue
+            entry = _Entry(storage, freed, device, pinned)
+            previous = self._registry.get(entry.key)
+            if previous is not None and previous.alive():
+                # The same storage again (a view of one already registered): the new
+                # entry replaces it, and its bytes are counted once.
+                self._uncount_locked(previous)
+            self._registry[entry.key] = entry
+            if device.type == "cuda":
+                if owner is not None:
+                    self._order.allocated(owner, entry.key)
+                self._allocated_bytes[device] += entry.nbytes
+                self._reserved_bytes[device] += _reserved_nbytes(entry.nbytes)
+                entry.counted = True
 
     def _uncount_locked(self, entry: _Entry) -> None:
         if entry.counted:
