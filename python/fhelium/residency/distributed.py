@@ -482,6 +482,10 @@ class _CheckedController:
         return self._checker.decide(request)
 
     def _decide(self, request: ResidencyRequest, position: int | None) -> ResidencyDecision:
+        # A decision for the step about to run (a use's entry) is checked in lockstep,
+        # as `decide` is; a prefetch's decision for a later step is not.
+        if position is None:
+            return self._checker.decide(request)
         return self._inner._decide(request, position)
 
     def scope(self, decision: ResidencyDecision, *, transfer_streams: Any = None) -> ResidencyScope:
