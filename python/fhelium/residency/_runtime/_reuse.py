@@ -11,10 +11,17 @@ runtime's lock.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from fhelium.residency._runtime.simulated import SimulatedStream
+
+class _Stream(Protocol):
+    """What the check needs of a stream: its simulated handle."""
+
+    _handle: int
+
+
+# The simulated runtime's stream type (the check never imports the runtime).
+SimulatedStream = TypeVar("SimulatedStream", bound=_Stream)
 
 __all__ = ["Clock", "ReuseOrder"]
 
@@ -33,7 +40,7 @@ def _merge(into: Clock, other: Clock) -> None:
             into[stream] = position
 
 
-class ReuseOrder:
+class ReuseOrder(Generic[SimulatedStream]):
     """Happens-before between simulated streams and the host, the readers of each live
     device storage, the owning stream of each, and each stream's pool of freed blocks."""
 

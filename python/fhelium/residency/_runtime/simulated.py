@@ -670,7 +670,7 @@ class SimulatedRuntime:
         self.copies: list[SimulatedCopy] = []
         self.waits: list[tuple[SimulatedStream, SimulatedEvent]] = []
         self.hazards: list[SimulatedHazard] = []
-        self._order = ReuseOrder()
+        self._order: ReuseOrder[SimulatedStream] = ReuseOrder()
         self._timeline: Timeline | None = None
         if timeline is not None:
             timeline._attach(self)
