@@ -166,15 +166,32 @@ class ResidencyUse:
                 "consumer_streams must name exactly the request's CUDA locations; "
                 f"missing {missing}, unexpected {unexpected}"
             )
+        self._init(
+            controller,
+            request,
+            consumers,
+            normalize_streams(manager, transfer_streams, "transfer_streams"),
+            None,
+        )
+
+    def _init(
+        self,
+        controller: Controller,
+        request: ResidencyRequest,
+        consumers: dict[ResidencyLocation, Any],
+        transfers: dict[ResidencyLocation, Any],
+        grouped: dict[ResidencyLocation, list[ResidencyRequirement]] | None,
+    ) -> None:
+        """Every field, once the arguments are checked and the streams normalized."""
         self._controller = controller
         self.request = request
         self._consumer_streams = consumers
-        self._transfer_streams = normalize_streams(manager, transfer_streams, "transfer_streams")
+        self._transfer_streams = transfers
         self._decision: ResidencyDecision | None = None
         self._scope: ResidencyScope | None = None
         self._exits: list[Callable[[Any, Any, Any], object]] | None = None
-        # The requirements by location (made at entry).
-        self._grouped: dict[ResidencyLocation, list[ResidencyRequirement]] | None = None
+        # The requirements by location (made at entry, or given by the pipeline).
+        self._grouped = grouped
         self._values: _UseValues | None = None
         self._leases: list[ResidencyLease] = []
         self._exited = False
@@ -203,18 +220,7 @@ class ResidencyUse:
                 transfer_streams=transfers,
             )
         use = object.__new__(cls)
-        use._controller = controller
-        use.request = request
-        use._consumer_streams = consumers
-        use._transfer_streams = transfers
-        use._decision = None
-        use._scope = None
-        use._exits = None
-        use._grouped = grouped
-        use._values = None
-        use._leases = []
-        use._exited = False
-        use._state = "new"
+        use._init(controller, request, consumers, transfers, grouped)
         return use
 
     @property
