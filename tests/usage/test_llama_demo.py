@@ -6,6 +6,7 @@ the Accelerate-like run moving the whole model per token)."""
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -162,6 +163,41 @@ def test_command_line_prints_the_table_and_reuses_the_checkpoint(
         assert any(line.startswith(f"{name} ") for line in lines), name
     assert "tokens: the same in every run." in lines
     assert any("predicted (timeline model)" in line for line in lines)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_json_and_a_progress_bar_per_token(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    flags = ["--device", "cpu", "--out", str(tmp_path), "--cache", str(cache), "--json"]
+    assert main(["demo", *flags, *TINY_FLAGS]) == 0
+    summary = json.loads(capsys.readouterr().out)  # standard output is only the JSON
+    assert list(summary["runs"]) == RUNS
+    assert all(run["new_tokens"] == 2 for run in summary["runs"].values())
+    # Four runs of one recorded forward and two new tokens each.
+    drawn = terminal.getvalue()
+    assert "12/12" in drawn
+    assert "demo llama: schedule-aware" in drawn
+    assert drawn.endswith("\n")
+
+
+def test_a_budget_smaller_than_a_unit_is_a_usage_error(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--device", "cpu", "--out", str(tmp_path), "--cache", str(cache)]
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", *flags, *TINY_FLAGS, "--budget-mib", "1KiB"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert "smaller than the largest unit" in err
+    assert "1 KiB (1024 bytes)" in err
 
 
 def test_the_layer_options_belong_to_the_layer_demo(capsys: pytest.CaptureFixture[str]) -> None:

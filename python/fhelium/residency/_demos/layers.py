@@ -35,7 +35,10 @@ from fhelium.residency import (
     ResidencySnapshot,
     ResidencyTransitionReport,
 )
+from fhelium.residency._bytesize import format_bytes
+from fhelium.residency._demos import DemoUsageError
 from fhelium.residency._demos._compute import MIB, Compute, GpuTimer
+from fhelium.residency._demos._progress import Progress
 from fhelium.residency.disk import DiskLocation, disk_location
 from fhelium.residency.schedule import ScheduleAwarePolicy
 from fhelium.residency.sources import SafetensorsSource
@@ -127,6 +130,7 @@ def run_demo(
     tflops: float = 60.0,
     disk: Path | None = None,
     host_layers: int | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Streams `passes` passes over `layers` layer weights through a compute budget of
     `budget_layers` of them, three ways; returns the summary and writes the trace and
@@ -143,9 +147,9 @@ def run_demo(
     if batch is None:
         batch = 2048
     if layers < 1 or passes < 1 or width < 1 or batch < 1:
-        raise ValueError("layers, passes, width and batch must be >= 1")
+        raise DemoUsageError("layers, passes, width and batch must be >= 1")
     if not budget_layers >= 2:
-        raise ValueError("budget_layers must be >= 2 (one step computing, one arriving)")
+        raise DemoUsageError("budget_layers must be >= 2 (one step computing, one arriving)")
     log = print if not quiet else (lambda *_: None)
     started = time.perf_counter()
     layer_bytes = width * width * 4
@@ -198,7 +202,7 @@ def run_demo(
             )
         log(
             f"fhelium.residency demo: {passes} passes over {layers} layers of "
-            f"{layer_bytes / MIB:.1f} MiB ({layers * layer_bytes / MIB:.0f} MiB of weights)"
+            f"{format_bytes(layer_bytes)} ({format_bytes(layers * layer_bytes)} of weights)"
         )
         log(
             f"compute: {compute.description}; budget {budget / MIB:.1f} MiB "
@@ -221,6 +225,7 @@ def run_demo(
         run_samples: dict[str, list[tuple[int, ResidencySnapshot[Any]]]] = {}
         series: dict[str, dict[str, list[float]]] = {}
         last_transitions: tuple[ResidencyTransitionReport, ...] = ()
+        bar = Progress(len(_RUNS) * len(schedule), "demo layers", enabled=progress)
         for name, aware, prefetch in _RUNS:
             # A cold start: nothing of the last run stays on the device.
             compute.synchronize()
@@ -232,7 +237,8 @@ def run_demo(
                 compute.timeline.reset()
             policy: ScheduleAwarePolicy | None = ScheduleAwarePolicy(requests) if aware else None
             controller = ResidencyController(manager, policy=policy)
-            stream = _stream(controller, requests, prefetch, compute, location, batch, width)
+            bar.advance(0, f"demo layers: {name}")
+            stream = _stream(controller, requests, prefetch, compute, location, batch, width, bar)
             figures, samples, transitions, seconds, checksum = stream
             series[name] = _series(samples, location)
             peak = int(max(series[name]["charged_bytes"]))
@@ -245,6 +251,7 @@ def run_demo(
             }
             run_samples[name] = samples
             last_transitions = transitions
+        bar.close()
         # The manager's own high-water marks over every run, against which the plotted
         # series are checked (tests/usage/test_demo.py): a peak between two samples
         # would show in these and not in the plot.
@@ -347,12 +354,12 @@ def run_distributed_demo(
     if batch is None:
         batch = 2048
     if layers < world or passes < 1 or width < 1 or batch < 1:
-        raise ValueError("layers must be >= the number of ranks; passes, width, batch >= 1")
+        raise DemoUsageError("layers must be >= the number of ranks; passes, width, batch >= 1")
     owned = list(range(rank, layers, world))
     if budget_layers is None:
         budget_layers = max(2, len(owned) // 3)
     if budget_layers < 2:
-        raise ValueError("budget_layers must be >= 2 (one step computing, one arriving)")
+        raise DemoUsageError("budget_layers must be >= 2 (one step computing, one arriving)")
     log = print if (rank == 0 and not quiet) else (lambda *_: None)
     started = time.perf_counter()
     layer_bytes = width * width * 4
@@ -455,7 +462,7 @@ def run_distributed_demo(
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log(
         f"fhelium.residency demo --distributed: {world} ranks ({summary['backend']}), "
-        f"{passes} passes over {layers} layers of {layer_bytes / MIB:.1f} MiB, partitioned"
+        f"{passes} passes over {layers} layers of {format_bytes(layer_bytes)}, partitioned"
     )
     log(f"compute: {compute.description}; per-rank budget {budget / MIB:.1f} MiB")
     log("")
@@ -488,6 +495,7 @@ def _stream(
     location: ResidencyLocation,
     batch: int,
     width: int,
+    bar: Progress | None = None,
 ) -> tuple[dict[str, int], list[tuple[int, ResidencySnapshot[Any]]], Any, float, float]:
     """Streams ``requests`` through ``controller.run`` once: each step multiplies the
     activations by its values in order (a tanh after the first), on the compute stream,
@@ -518,6 +526,8 @@ def _stream(
                 checksum += activation[0, 0]
             compute.declare(len(values) * 2.0 * batch * width * width, step.request.name)
             samples.append((compute.clock_ns() - origin, manager.snapshot()))
+            if bar is not None:
+                bar.advance()
     compute.synchronize()
     seconds = timer.stop() if timer is not None else compute.timeline.makespan  # type: ignore[union-attr]
     samples.append((compute.clock_ns() - origin, manager.snapshot()))

@@ -42,7 +42,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from fhelium.residency._bytesize import with_exact
+from fhelium.residency._demos import DemoUsageError
 from fhelium.residency._demos._compute import MIB, Compute
+from fhelium.residency._demos._progress import Progress
 
 __all__ = ["GPU_SIZES", "CPU_SIZES", "LlamaSizes", "run_llama_demo"]
 
@@ -285,6 +288,7 @@ def run_llama_demo(
     h2d_gbps: float = 55.0,
     tflops: float = 60.0,
     hbm_gbps: float = 3350.0,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Generates ``new_tokens`` greedy tokens after a random prompt of ``prompt_tokens``,
     four ways (see the module's docstring); returns the summary, prints the table
@@ -303,9 +307,14 @@ def run_llama_demo(
         sizes = GPU_SIZES if compute.on_gpu else CPU_SIZES
     for name, count in (("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
         if count < 1:
-            raise ValueError(f"{name} must be >= 1, got {count}")
+            raise DemoUsageError(f"{name} must be >= 1, got {count}")
     if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        raise DemoUsageError(f"prefetch must be >= 0, got {prefetch}")
+    if sizes.hidden % sizes.heads or sizes.heads % sizes.kv_heads:
+        raise DemoUsageError(
+            f"hidden ({sizes.hidden}) must be a multiple of heads ({sizes.heads}), and heads "
+            f"of kv_heads ({sizes.kv_heads})"
+        )
     dtype = sizes.torch_dtype
     log = print if not quiet else (lambda *_: None)
     started = time.perf_counter()
@@ -322,9 +331,9 @@ def run_llama_demo(
     weights = sum(units)
     third = weights // 3 if budget_bytes is None else budget_bytes
     if third < max(units):
-        raise ValueError(
-            f"a device budget of {third} bytes is smaller than the largest unit "
-            f"({max(units)} bytes): give more layers or a larger budget"
+        raise DemoUsageError(
+            f"a device budget of {with_exact(third)} is smaller than the largest unit "
+            f"({with_exact(max(units))}): give a budget of at least that, or smaller layers"
         )
     budgets = {"everything": weights, "largest unit": max(units), "a third": third}
     prompt = torch.randint(
@@ -348,8 +357,11 @@ def run_llama_demo(
     )
     log(f"generate: {new_tokens} tokens after a prompt of {prompt_tokens}, greedy, batch 1")
     runs: dict[str, dict[str, Any]] = {}
-    with compute.installed(), torch.inference_mode():
+    # Each run: the recorded forward, then one forward per new token.
+    bar = Progress(len(_RUNS) * (1 + new_tokens), "demo llama", enabled=progress)
+    with compute.installed(), torch.inference_mode(), bar:
         for name, policy, run_prefetch, budget_kind in _RUNS:
+            bar.advance(0, f"demo llama: {name}")
             budget = budgets[budget_kind]
             ahead = prefetch if run_prefetch is None else run_prefetch
             with init_empty_weights():
@@ -375,6 +387,7 @@ def run_llama_demo(
                     # The warm-up: the prompt's forward is recorded (and, when everything
                     # fits, leaves every unit resident).
                     model(prompt, use_cache=False)
+                    bar.advance()
                     before = off.stats()
                     flops_before = 0.0 if work is None else work.flops
                     with _timed(compute) as timing:
@@ -384,6 +397,7 @@ def run_llama_demo(
                             max_new_tokens=new_tokens,
                             min_new_tokens=new_tokens,
                             do_sample=False,
+                            streamer=_Ticks(bar),
                         )
                     after = off.stats()
             finally:
@@ -452,6 +466,24 @@ def run_llama_demo(
     summary["plot"] = str(out / "llama.png") if plotted else None
     log(f"wrote {out / 'summary.json'}" + (f" and {summary['plot']}" if plotted else ""))
     return summary
+
+
+class _Ticks:
+    """A `generate` streamer that moves the progress bar once per new token (its first
+    `put` is the prompt)."""
+
+    def __init__(self, bar: Progress) -> None:
+        self.bar = bar
+        self.prompt = True
+
+    def put(self, value: Any) -> None:
+        if self.prompt:
+            self.prompt = False
+            return
+        self.bar.advance()
+
+    def end(self) -> None:
+        return None
 
 
 def _table(runs: dict[str, dict[str, Any]], on_gpu: bool) -> list[str]:
