@@ -1,9 +1,9 @@
 """The storage layout of a value in transit: what a receiving rank needs to rebuild a
 value from its storages' bytes (`Layout`), how a sender describes a value and finds the
 bytes to send (`describe`), and how a receiver rebuilds the value on the buffers those
-bytes arrived in (`rebuild`). The disk tier describes a stored value the same way
-(`_disk.py`'s `_layout` and `_rebuild`); this module holds all of the distributed side,
-so that writing the description once for both is a change here.
+bytes arrived in (`rebuild`). The disk tier's file format describes a stored value the
+same way; this module holds all of the distributed side of it, so that writing the
+description once for both is a change here.
 """
 
 from __future__ import annotations
