@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fhelium.residency import PINNED_HOST, ReplicaMode, cuda_location
-from fhelium.residency import distributed as transfers
+from fhelium.residency.distributed import _collectives as transfers
 from fhelium.residency.distributed import broadcast, gather, rank_manager
 from fhelium.residency.simulation import SimulatedRuntime
 from fhelium.values import TensorBundle

@@ -19,7 +19,7 @@ import torch
 
 from fhelium.errors import ResidencyCommunicationError, ResidencyError
 from fhelium.residency import ReplicaMode, ResidencyManager
-from fhelium.residency import distributed as transfers
+from fhelium.residency.distributed import _collectives as transfers
 from fhelium.residency.distributed import broadcast, gather, rank_location, rank_manager, scatter
 from fhelium.residency.lease import ResidencyLease
 from fhelium.residency.simulation import current_runtime

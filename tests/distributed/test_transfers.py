@@ -185,7 +185,7 @@ def _broadcast_failing(rank: int, world: int, phase: str) -> dict[str, Any]:
     if phase == "transfer" and rank == 1:
         # Rank 1 cannot copy what arrived into its storages (the first of several), but
         # it goes on taking part in every collective, so no rank hangs.
-        from fhelium.residency import distributed
+        from fhelium.residency.distributed import _collectives as distributed
 
         def broken(buffer: Any, staged: Any) -> None:
             raise RuntimeError("injected landing failure")

@@ -276,6 +276,13 @@ def _decision_fields(decision: ResidencyDecision) -> tuple[Any, ...]:
     )
 
 
+def stable_key_of(controller: ResidencyController, handle: ResidencyHandle[Any]) -> str | None:
+    """The stable key ``controller``'s policy metadata gives ``handle``, or ``None``; for
+    internal users (the lockstep digests of `fhelium.residency.distributed`)."""
+    metadata = controller._metadata.get(handle)
+    return None if metadata is None else metadata.stable_key
+
+
 @contextlib.contextmanager
 def _standing_at(policy: ScheduleAwarePolicy, position: int) -> Iterator[None]:
     """The policy stands at step ``position`` for the block, then where it stood."""
