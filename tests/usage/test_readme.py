@@ -45,3 +45,20 @@ def test_the_table_is_what_the_main_job_prints(
     table = match.group(1).strip().splitlines()
     for line in table:
         assert line in printed.splitlines(), line
+
+
+def test_the_status_up_front_says_what_ran_only_in_simulation() -> None:
+    """Before the picture and the set-up: what has run on real hardware, what only on
+    the simulated runtime, and where the GPU check is."""
+    text = (ROOT / "README.md").read_text()
+    status = text.index("## Status")
+    assert status < text.index("## Set up")
+    assert status < text.index("![")
+    section = text[status : text.index("\n## ", status + 1)]
+    assert "simulated runtime" in section
+    assert "scripts/gpu-check" in section
+    assert "tests/gpu/" in section
+    # Whether a GPU run has happened is stated, and agrees with the project record.
+    record = (ROOT / "docs" / "project.md").read_text()
+    never = "Nothing in this library has run on a GPU yet" in section
+    assert never == ("It has not run yet" in record)
