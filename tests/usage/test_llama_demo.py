@@ -131,6 +131,41 @@ def test_predicted_times(summary: dict[str, Any]) -> None:
     assert runs["schedule-aware"]["tokens_per_s"] >= runs["lru"]["tokens_per_s"]
 
 
+def test_the_residency_map_and_the_timeline_are_what_ran(summary: dict[str, Any]) -> None:
+    """The picture's data: per unit step, the unit stepped and the units on the device as
+    it began; per run, the timeline's copy and compute spans, with compute waiting for
+    copies only where weights move."""
+    from fhelium.residency._demos.llama import _stalls
+
+    units = summary["unit_names"]
+    assert "lm_head" in units
+    for name, run in summary["runs"].items():
+        steps = run["residency"]
+        assert len(steps) == run["steps"] > 0, name
+        for stepped, *resident in steps:
+            assert 0 <= stepped < len(units)
+            assert resident == sorted(set(resident))
+        engines = {engine for engine, _, _ in run["spans"]}
+        assert "compute" in engines
+        waited = sum(end - start for start, end in _stalls(run["spans"]))
+        if name == "resident":
+            # Everything stays on the device: every unit, at every step; no copy waited on.
+            assert all(len(resident) == len(units) for _, *resident in steps)
+            assert "h2d" not in engines
+            assert waited == 0.0
+        else:
+            assert "h2d" in engines
+            assert waited > 0.0
+            # The copy time not hidden behind compute includes at least those waits.
+            assert run["exposed_copy_seconds"] >= waited * 0.999
+    # Loaded at its step, every step: with a budget of one unit and no prefetch, the
+    # unit stepped is never on the device before its step (a unit used twice in a row
+    # excepted).
+    every = summary["runs"]["every unit, every token"]["residency"]
+    misses = [stepped not in resident for stepped, *resident in every]
+    assert sum(misses) >= len(every) - summary["new_tokens"]
+
+
 def test_the_checkpoint_is_sharded(summary: dict[str, Any]) -> None:
     folder = Path(summary["checkpoint"])
     index = json.loads((folder / "model.safetensors.index.json").read_text())

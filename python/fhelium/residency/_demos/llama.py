@@ -249,11 +249,49 @@ class _Work:
         self.undo = []
 
 
+class _Probe:
+    """Which units are on the device as each unit's step begins: a forward pre-hook on
+    every unit (it runs before the offload enters the step, so it sees what was staged
+    ahead and what was left from earlier steps)."""
+
+    def __init__(self, off: Any) -> None:
+        self.off = off
+        self.units = [unit.name for unit in off.units]
+        self.steps: list[list[int]] = []  # per step: the unit stepped, then those resident
+        self.on = False
+        self.hooks = [
+            unit.module.register_forward_pre_hook(self._hook(index))
+            for index, unit in enumerate(off.units)
+        ]
+
+    def _hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.on:
+                self.steps.append([index, *self._resident()])
+
+        return hook
+
+    def _resident(self) -> list[int]:
+        off = self.off
+        where: dict[Any, bool] = {}
+        for value in off.manager.snapshot().values:
+            where[value.handle] = any(m.location == off.location for m in value.materializations)
+        return [
+            index
+            for index, unit in enumerate(off.units)
+            if all(where.get(handle, False) for handle in unit.handles)
+        ]
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
 @contextmanager
-def _timed(compute: Compute) -> Iterator[dict[str, float]]:
+def _timed(compute: Compute, spans: list[tuple[str, float, float]]) -> Iterator[dict[str, float]]:
     """The block's time: CUDA events on the GPU's current stream; on the simulated
     runtime the timeline's makespan (reset at the start) and its compute engine's busy
-    time."""
+    time, with the copy and compute spans added to ``spans`` (engine, start, end)."""
     result: dict[str, float] = {}
     timeline = compute.timeline
     if timeline is None:
@@ -272,6 +310,11 @@ def _timed(compute: Compute) -> Iterator[dict[str, float]]:
     compute.synchronize()
     result["seconds"] = timeline.makespan
     result["compute_seconds"] = timeline.busy("compute")
+    spans.extend(
+        (span.engine, span.start, span.end)
+        for span in timeline.spans
+        if span.engine in ("h2d", "compute")
+    )
 
 
 def run_llama_demo(
@@ -390,16 +433,34 @@ def run_llama_demo(
                     bar.advance()
                     before = off.stats()
                     flops_before = 0.0 if work is None else work.flops
-                    with _timed(compute) as timing:
-                        tokens = model.generate(
-                            prompt,
-                            attention_mask=torch.ones_like(prompt),
-                            max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens,
-                            do_sample=False,
-                            streamer=_Ticks(bar),
-                        )
-                    after = off.stats()
+                    probe = _Probe(off)
+                    # On the simulated runtime the map is sampled in the timed generate
+                    # (its times are the timeline's, which host work does not move); on
+                    # a GPU in an untimed repeat, so the sampling costs no measured time.
+                    probe.on = not compute.on_gpu
+                    spans: list[tuple[str, float, float]] = []
+                    try:
+                        with _timed(compute, spans) as timing:
+                            tokens = model.generate(
+                                prompt,
+                                attention_mask=torch.ones_like(prompt),
+                                max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens,
+                                do_sample=False,
+                                streamer=_Ticks(bar),
+                            )
+                        after = off.stats()
+                        if compute.on_gpu:
+                            probe.on = True
+                            model.generate(
+                                prompt,
+                                attention_mask=torch.ones_like(prompt),
+                                max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens,
+                                do_sample=False,
+                            )
+                    finally:
+                        probe.remove()
             finally:
                 if work is not None:
                     work.remove()
@@ -413,6 +474,7 @@ def run_llama_demo(
                 "tokens": generated,
                 "new_tokens": new_tokens,
                 "forwards": after.forwards - before.forwards,
+                "steps": after.steps - before.steps,
                 "h2d_bytes": after.h2d_bytes - before.h2d_bytes,
                 "loads": after.loads - before.loads,
                 "stalls": after.stalls - before.stalls,
@@ -422,6 +484,12 @@ def run_llama_demo(
                 "tokens_per_s": len(generated) / seconds if seconds > 0 else float("inf"),
                 "compute_seconds": timing.get("compute_seconds"),
                 "flops": None if work is None else work.flops - flops_before,
+                # Per unit step of the generate: the unit stepped, then every unit on the
+                # device as the step began.
+                "residency": probe.steps,
+                # The timeline's copy and compute spans (engine, start s, end s); empty on
+                # a GPU.
+                "spans": spans,
             }
     resident = runs["resident"]["seconds"]
     for figures in runs.values():
@@ -446,6 +514,7 @@ def run_llama_demo(
         "unit_bytes": units,
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
+        "unit_names": probe.units,
         "time": time_kind,
         "exposed": exposed_kind,
         "runs": runs,
@@ -462,7 +531,7 @@ def run_llama_demo(
     log("  prefetch=0) at a budget of the largest unit.")
     same = len({tuple(figures["tokens"]) for figures in runs.values()}) == 1
     log("tokens: " + ("the same in every run." if same else "DIFFERENT between runs!"))
-    plotted = _plot(runs, out / "llama.png", time_kind, log)
+    plotted = _plot(runs, summary["unit_names"], out / "llama.png", time_kind, log)
     summary["plot"] = str(out / "llama.png") if plotted else None
     log(f"wrote {out / 'summary.json'}" + (f" and {summary['plot']}" if plotted else ""))
     return summary
@@ -504,9 +573,35 @@ def _table(runs: dict[str, dict[str, Any]], on_gpu: bool) -> list[str]:
     return lines
 
 
-def _plot(runs: dict[str, dict[str, Any]], path: Path, time_kind: str, log: Any) -> bool:
-    """Three panels, one bar per run: the time per token, host-to-device MiB per token,
-    and the copy time not hidden behind compute per token."""
+# The timelines show the first tokens of each generate: whole tokens' copies and compute,
+# wide enough to see.
+_TOKENS_SHOWN = 3
+
+
+def _stalls(spans: list[Any]) -> list[tuple[float, float]]:
+    """The compute engine's idle gaps while a copy runs: where compute waits for weights
+    (the first compute span's start included)."""
+    compute = sorted((start, end) for engine, start, end in spans if engine == "compute")
+    copies = [(start, end) for engine, start, end in spans if engine == "h2d"]
+    gaps: list[tuple[float, float]] = []
+    previous = 0.0
+    for start, end in compute:
+        if start > previous:
+            waited = [
+                (max(previous, a), min(start, b)) for a, b in copies if a < start and b > previous
+            ]
+            if waited:
+                gaps.append((min(a for a, _ in waited), max(b for _, b in waited)))
+        previous = max(previous, end)
+    return gaps
+
+
+def _plot(
+    runs: dict[str, dict[str, Any]], units: list[str], path: Path, time_kind: str, log: Any
+) -> bool:
+    """Per run, the copy engine against compute with the stalls marked, and a unit-by-step
+    map of what was on the device; then the bytes moved per run and, secondary, the
+    device's peak against its budget."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -514,34 +609,92 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path, time_kind: str, log: Any)
         log("llama.png skipped: matplotlib is missing (pip install 'fhelium-residency[plot]')")
         return False
     names = list(runs)
-    figure = Figure(figsize=(12.0, 3.2), dpi=100, layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(1, 3, sharey=True)
+    colours = ["tab:gray", "tab:red", "tab:orange", "tab:blue"][: len(names)]
     kind = time_kind.split(" ", maxsplit=1)[0]
-    panels = (
-        (
-            f"time per token, ms ({kind})",
-            [runs[n]["seconds"] * 1e3 / max(1, len(runs[n]["tokens"])) for n in names],
-        ),
-        ("host-to-device MiB per token", [runs[n]["h2d_bytes_per_token"] / MIB for n in names]),
-        (
-            f"copy time not hidden, ms per token ({kind})",
-            [runs[n]["exposed_copy_seconds"] * 1e3 / max(1, len(runs[n]["tokens"])) for n in names],
-        ),
+    figure = Figure(figsize=(13.0, 11.0), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    grid = figure.add_gridspec(
+        len(names) + 2, len(names), height_ratios=[0.7] * len(names) + [2.2, 1.5]
     )
-    colours = ["tab:gray", "tab:red", "tab:orange", "tab:blue"]
-    for ax, (title, values), fmt in zip(axes, panels, ("%.3f", "%.2f", "%.3f"), strict=True):
-        bars = ax.barh(names, values, color=colours[: len(names)])
-        ax.bar_label(bars, fmt=fmt, padding=3, fontsize="small")
-        ax.set_title(title, fontsize="medium")
-        ax.margins(x=0.25)
+    for row, name in enumerate(names):
+        ax = figure.add_subplot(grid[row, :])
+        spans = runs[name]["spans"]
+        per_token = runs[name]["seconds"] * 1e3 / max(1, len(runs[name]["tokens"]))
+        if not spans:
+            ax.text(
+                0.01,
+                0.5,
+                f"{name}: {per_token:.3f} ms per token ({kind}); no per-engine timeline on a GPU",
+                transform=ax.transAxes,
+                va="center",
+            )
+            ax.set_axis_off()
+            continue
+        stalls = _stalls(spans)
+        ax.broken_barh(
+            [(a * 1e3, (b - a) * 1e3) for a, b in stalls], (-0.4, 0.8), color="red", alpha=0.35
+        )
+        for lane, engine, colour in ((1, "h2d", "tab:purple"), (0, "compute", "tab:green")):
+            bars = [(a * 1e3, (b - a) * 1e3) for e, a, b in spans if e == engine]
+            ax.broken_barh(bars, (lane - 0.4, 0.8), color=colour, edgecolor="white", linewidth=0.3)
+        stalled = sum(b - a for a, b in stalls) * 1e3
+        ax.set_yticks([0, 1], ["compute", "copy"])
+        ax.set_ylim(-0.6, 1.6)
+        shown = min(_TOKENS_SHOWN, len(runs[name]["tokens"]))
+        ax.set_xlim(0.0, per_token * shown)
+        ax.set_title(
+            f"{name}: {per_token:.3f} ms per token; compute waiting for copies (red): "
+            f"{stalled:.2f} ms in all (the first {shown} tokens shown)",
+            fontsize="small",
+            loc="left",
+        )
         ax.grid(axis="x", alpha=0.3)
-    axes[0].invert_yaxis()  # shared: the first run on top
+        if row == len(names) - 1:
+            ax.set_xlabel(f"ms ({time_kind})")
+    for column, name in enumerate(names):
+        ax = figure.add_subplot(grid[len(names), column])
+        steps = runs[name]["residency"]
+        grid_map = [[0.0] * len(steps) for _ in units]
+        for x, (_, *resident) in enumerate(steps):
+            for unit in resident:
+                grid_map[unit][x] = 1.0
+        ax.imshow(
+            grid_map, aspect="auto", cmap="Blues", vmin=0.0, vmax=1.4, interpolation="nearest"
+        )
+        ax.scatter(range(len(steps)), [step[0] for step in steps], s=4, color="black", marker="s")
+        ax.set_title(f"{name}: on the device", fontsize="small")
+        ax.set_xlabel("unit step of the generate")
+        if column == 0:
+            ax.set_yticks(range(len(units)), [_short(unit) for unit in units], fontsize="x-small")
+            ax.set_ylabel("unit (black: the step's own;\non white: loaded at its step)")
+        else:
+            ax.set_yticks([])
+    moved = figure.add_subplot(grid[len(names) + 1, : max(1, len(names) - 1)])
+    values = [runs[n]["h2d_bytes_per_token"] / MIB for n in names]
+    moved.bar_label(
+        moved.barh(names, values, color=colours), fmt="%.2f", padding=3, fontsize="small"
+    )
+    moved.set_title("host-to-device MiB per token", fontsize="small")
+    moved.invert_yaxis()
+    moved.margins(x=0.2)
+    memory = figure.add_subplot(grid[len(names) + 1, len(names) - 1])
+    peaks = [runs[n]["device_peak_bytes"] / MIB for n in names]
+    budgets = [runs[n]["budget_bytes"] / MIB for n in names]
+    memory.barh(names, budgets, color="none", edgecolor="black", linestyle="--")
+    memory.barh(names, peaks, color=colours, alpha=0.6)
+    memory.set_title("device peak / budget (dashed), MiB", fontsize="small")
+    memory.set_yticks([])
+    memory.invert_yaxis()
     figure.suptitle(
         "fhelium.residency demo: a Llama model three times its device budget, four ways"
     )
     figure.savefig(path, format="png")
     return True
+
+
+def _short(name: str) -> str:
+    """A unit's name for an axis: ``model.layers.3`` reads ``layers.3``."""
+    return name.removeprefix("model.")
 
 
 def scaled(sizes: LlamaSizes, **changes: Any) -> LlamaSizes:
