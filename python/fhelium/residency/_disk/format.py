@@ -53,6 +53,7 @@ __all__ = [
     "PIECE",
     "UNKNOWN",
     "DiskFile",
+    "ended_early",
     "layout",
     "prefix",
     "read_buffered",
@@ -346,7 +347,12 @@ def read_exactly(descriptor: int, view: memoryview, offset: int, path: Path) -> 
     while filled < len(view):
         got = os.preadv(descriptor, [view[filled:]], offset + filled)
         if got <= 0:
-            raise ResidencyMaterializationError(
-                f"{path} ended early: it was truncated behind the manager's back"
-            )
+            raise ended_early(path)
         filled += got
+
+
+def ended_early(path: Path) -> ResidencyMaterializationError:
+    """The error of a read that found the file at ``path`` shorter than written."""
+    return ResidencyMaterializationError(
+        f"{path} ended early: it was truncated behind the manager's back"
+    )

@@ -26,8 +26,14 @@ from typing import Any, Final
 import torch
 
 from fhelium._core import Checksum
-from fhelium.errors import ResidencyMaterializationError
-from fhelium.residency._disk.format import ALIGN, DiskFile, read_exactly, verify, write_all
+from fhelium.residency._disk.format import (
+    ALIGN,
+    DiskFile,
+    ended_early,
+    read_exactly,
+    verify,
+    write_all,
+)
 
 __all__ = [
     "CHUNK",
@@ -404,11 +410,6 @@ def read_through(
     path = file.path
     last = None
 
-    def ended_early() -> ResidencyMaterializationError:
-        return ResidencyMaterializationError(
-            f"{path} ended early: it was truncated behind the manager's back"
-        )
-
     try:
         # (offset in the data, length, flat target, storage index) of each byte
         # range to stage.
@@ -458,7 +459,7 @@ def read_through(
             want = step + (-step % ALIGN) if direct else step
             got = os.preadv(descriptor, [staging.view(slot, want)], file.data_start + begin)
             if got < step:
-                raise ended_early()
+                raise ended_early(path)
 
         inline = inline or len(chunks) <= 1
         slot = staging.take()
