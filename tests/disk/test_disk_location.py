@@ -30,9 +30,10 @@ from fhelium.residency import (
     ResidencyRequest,
     ResidencyRequirement,
     ResidencyValueSpec,
-    _disk,
     cuda_location,
 )
+from fhelium.residency._disk import staging as disk_staging
+from fhelium.residency._disk import store as disk_store
 from fhelium.residency.disk import DiskLocation, disk_location
 from fhelium.residency.simulation import SimulatedRuntime, use_runtime
 from fhelium.values import ResidentTensor, TensorBundle
@@ -187,7 +188,7 @@ def test_a_failing_write_loses_nothing_and_leaves_no_charge(
             raise OSError(errno.ENOSPC, "No space left on device")
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(_disk.os, "fsync" if fault == "full" else "replace", failing)
+    monkeypatch.setattr(disk_store.os, "fsync" if fault == "full" else "replace", failing)
     with pytest.raises(ResidencyMaterializationError, match=r"No space|Read-only"):
         manager.move(handle, disk)
     monkeypatch.undo()
@@ -341,7 +342,7 @@ def test_a_copy_failing_midway_loses_nothing(
 ) -> None:
     # Small staging chunks, so the 64 KiB value crosses the device in 16 copies and the
     # third one fails: part of the value has moved, the rest has not.
-    monkeypatch.setattr(_disk, "CHUNK", 4096)
+    monkeypatch.setattr(disk_staging, "CHUNK", 4096)
     disk = disk_location(tmp_path)
     runtime = SimulatedRuntime(1)
     calls = {"n": 0}

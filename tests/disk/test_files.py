@@ -24,8 +24,11 @@ import pytest
 import torch
 
 from fhelium.errors import ResidencyInUseError, ResidencyMaterializationError
-from fhelium.residency import PAGEABLE_HOST, ReplicaMode, ResidencyManager, _disk
-from fhelium.residency._disk import DiskStore, DiskTier
+from fhelium.residency import PAGEABLE_HOST, ReplicaMode, ResidencyManager
+from fhelium.residency._disk import staging as disk_staging
+from fhelium.residency._disk import store as disk_store
+from fhelium.residency._disk.store import DiskStore
+from fhelium.residency._disk.tier import DiskTier
 from fhelium.residency.disk import disk_location
 from fhelium.residency.simulation import SimulatedRuntime
 from fhelium.values import ResidentTensor
@@ -158,13 +161,13 @@ def _age(path: Path, seconds: float) -> None:
 def test_a_directory_without_an_owner_record_is_stale_after_the_documented_age(
     tmp_path: Path,
 ) -> None:
-    left = tmp_path / f"{_disk.PREFIX}killed-early"
+    left = tmp_path / f"{disk_store.PREFIX}killed-early"
     left.mkdir()
     (left / "value-1.safetensors").write_bytes(b"x" * 100)
     # Young: perhaps being created right now, so it is left alone (no warning).
     young = DiskStore(tmp_path, "young")
     assert left.exists()
-    _age(left, _disk.STALE_AGE + 60)
+    _age(left, disk_store.STALE_AGE + 60)
     with pytest.raises(ResidencyInUseError, match="no owner record"):
         DiskStore(tmp_path, "refusing", stale="refuse")
     assert left.exists()
@@ -178,10 +181,10 @@ def test_a_directory_without_an_owner_record_is_stale_after_the_documented_age(
 def test_an_old_directory_without_an_owner_holding_other_files_is_left_alone(
     tmp_path: Path,
 ) -> None:
-    left = tmp_path / f"{_disk.PREFIX}not-ours"
+    left = tmp_path / f"{disk_store.PREFIX}not-ours"
     left.mkdir()
     (left / "notes.txt").write_text("someone else's")
-    _age(left, _disk.STALE_AGE + 60)
+    _age(left, disk_store.STALE_AGE + 60)
     store = DiskStore(tmp_path, "next")  # no warning, no error
     assert (left / "notes.txt").exists()
     store.close()
@@ -189,11 +192,11 @@ def test_an_old_directory_without_an_owner_holding_other_files_is_left_alone(
 
 _KILLED_WHILE_CREATING = """
     import os, signal, sys
-    from fhelium.residency import _disk
+    from fhelium.residency._disk import store
     def killed(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
-    _disk._write_owner = killed  # the process dies right after making the directory
-    _disk.DiskStore(sys.argv[1], "killed")
+    store._write_owner = killed  # the process dies right after making the directory
+    store.DiskStore(sys.argv[1], "killed")
 """
 
 
@@ -203,13 +206,13 @@ def test_a_process_killed_while_creating_its_directory_leaves_nothing_final(
     done = _run_child(_KILLED_WHILE_CREATING, str(tmp_path))
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     # Created atomically: the final name never exists without its owner record.
-    assert not (tmp_path / f"{_disk.PREFIX}killed").exists()
+    assert not (tmp_path / f"{disk_store.PREFIX}killed").exists()
     (left,) = tmp_path.iterdir()
-    assert left.name.startswith(f"{_disk.PREFIX}killed{_disk.CREATING}")
+    assert left.name.startswith(f"{disk_store.PREFIX}killed{disk_store.CREATING}")
     assert list(left.iterdir()) == []
     store = DiskStore(tmp_path, "next")  # young: left alone
     assert left.exists()
-    _age(left, _disk.STALE_AGE + 1)
+    _age(left, disk_store.STALE_AGE + 1)
     with pytest.warns(RuntimeWarning, match="killed while creating it"):
         again = DiskStore(tmp_path, "again")
     assert not left.exists()
@@ -231,12 +234,12 @@ def test_directories_are_0700_and_files_0600_whatever_the_umask(
     previous = os.umask(0)
     try:
         store = DiskStore(tmp_path / "root", "owner", direct=direct)
-        staging = _disk.Staging(SimulatedRuntime(0, pinned=False)) if direct else None
+        staging = disk_staging.Staging(SimulatedRuntime(0, pinned=False)) if direct else None
         file = store.write("v", _value(), staging=staging)
     finally:
         os.umask(previous)
     assert _mode(store.directory) == 0o700
-    assert _mode(store.directory / _disk.OWNER) == 0o600
+    assert _mode(store.directory / disk_store.OWNER) == 0o600
     assert _mode(file.path) == 0o600
     if staging is not None:
         staging.close()
@@ -246,15 +249,15 @@ def test_directories_are_0700_and_files_0600_whatever_the_umask(
 def _stale_record(directory: Path, owner: str = "gone") -> None:
     directory.mkdir(parents=True)
     record = {"pid": _dead_pid(), "host": os.uname().nodename, "owner": owner, "started": "0"}
-    (directory / _disk.OWNER).write_text(json.dumps(record))
+    (directory / disk_store.OWNER).write_text(json.dumps(record))
     (directory / "value-1.safetensors").write_bytes(b"spilled")
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory away")
 def test_the_sweep_leaves_other_users_directories(tmp_path: Path) -> None:
-    other = tmp_path / f"{_disk.PREFIX}someone-else"
+    other = tmp_path / f"{disk_store.PREFIX}someone-else"
     _stale_record(other)
-    for path in (other, other / _disk.OWNER, other / "value-1.safetensors"):
+    for path in (other, other / disk_store.OWNER, other / "value-1.safetensors"):
         os.lchown(path, 65534, 65534)
     store = DiskStore(tmp_path, "mine")  # no warning: not this user's to judge
     assert (other / "value-1.safetensors").read_bytes() == b"spilled"
@@ -266,12 +269,12 @@ def test_a_symlink_named_like_a_store_directory_is_never_followed(tmp_path: Path
     _stale_record(elsewhere)
     root = tmp_path / "root"
     root.mkdir()
-    (root / f"{_disk.PREFIX}planted").symlink_to(elsewhere, target_is_directory=True)
-    _age(root / f"{_disk.PREFIX}planted", _disk.STALE_AGE + 60)
+    (root / f"{disk_store.PREFIX}planted").symlink_to(elsewhere, target_is_directory=True)
+    _age(root / f"{disk_store.PREFIX}planted", disk_store.STALE_AGE + 60)
     store = DiskStore(root, "mine")  # no warning: a symlink is not a store directory
     assert (elsewhere / "value-1.safetensors").read_bytes() == b"spilled"
-    assert (elsewhere / _disk.OWNER).exists()
-    assert (root / f"{_disk.PREFIX}planted").is_symlink()
+    assert (elsewhere / disk_store.OWNER).exists()
+    assert (root / f"{disk_store.PREFIX}planted").is_symlink()
     store.close()
 
 
@@ -283,13 +286,13 @@ def test_a_symlink_planted_inside_a_stale_directory_leaves_its_target(tmp_path: 
         json.dumps({"pid": _dead_pid(), "host": os.uname().nodename, "owner": "x", "started": "0"})
     )
     root = tmp_path / "root"
-    stale = root / f"{_disk.PREFIX}stale"
+    stale = root / f"{disk_store.PREFIX}stale"
     _stale_record(stale)
     (stale / "value-2.safetensors").symlink_to(precious)
     # A symlinked owner record is no record: the directory is judged by its age.
-    linked = root / f"{_disk.PREFIX}linked-owner"
+    linked = root / f"{disk_store.PREFIX}linked-owner"
     linked.mkdir()
-    (linked / _disk.OWNER).symlink_to(record)
+    (linked / disk_store.OWNER).symlink_to(record)
     with pytest.warns(RuntimeWarning, match="exited without closing"):
         store = DiskStore(root, "mine")
     assert not stale.exists()
@@ -371,8 +374,8 @@ def test_a_write_that_finds_its_temporary_name_taken_removes_nothing(
     tmp_path: Path, direct: bool
 ) -> None:
     store = DiskStore(tmp_path, "owner", direct=direct)
-    staging = _disk.Staging(SimulatedRuntime(0, pinned=False)) if direct else None
-    taken = store.directory / f"v{_disk.SUFFIX}{_disk.TEMPORARY}"
+    staging = disk_staging.Staging(SimulatedRuntime(0, pinned=False)) if direct else None
+    taken = store.directory / f"v{disk_store.SUFFIX}{disk_store.TEMPORARY}"
     taken.write_bytes(b"another writer's")
     with pytest.raises(ResidencyMaterializationError, match="exists"):
         store.write("v", _value(), staging=staging)

@@ -24,9 +24,10 @@ from fhelium.residency import (
     ReplicaMode,
     ResidencyLocation,
     ResidencyManager,
-    _disk,
     cuda_location,
 )
+from fhelium.residency._disk import format as disk_format
+from fhelium.residency._disk import staging as disk_staging
 from fhelium.residency.disk import DiskLocation, disk_location
 from fhelium.residency.simulation import SimulatedRuntime, use_runtime
 from fhelium.values import TensorBundle
@@ -42,10 +43,10 @@ def _small_chunks(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureReques
     # storage's checksum is fed in many parts, across chunk boundaries. Buffered reads
     # hash each piece right after reading it ("serial"), or, for storages of two
     # overlapped pieces or more, on the hashing thread while the next piece is read.
-    monkeypatch.setattr(_disk, "CHUNK", 4096)
-    monkeypatch.setattr(_disk, "PIECE", 4096)
+    monkeypatch.setattr(disk_staging, "CHUNK", 4096)
+    monkeypatch.setattr(disk_format, "PIECE", 4096)
     overlapped = 8192 if request.param == "overlapped" else 1 << 40
-    monkeypatch.setattr(_disk, "OVERLAPPED", overlapped)
+    monkeypatch.setattr(disk_format, "OVERLAPPED", overlapped)
 
 
 def _value() -> TensorBundle:

@@ -22,9 +22,11 @@ from fhelium.residency import (
     ReplicaMode,
     ResidencyLocation,
     ResidencyManager,
-    _disk,
     cuda_location,
 )
+from fhelium.residency._disk import format as disk_format
+from fhelium.residency._disk import staging as disk_staging
+from fhelium.residency._disk import store as disk_store
 from fhelium.residency.controller import ResidencyController
 from fhelium.residency.disk import disk_location
 from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
@@ -40,7 +42,7 @@ CHUNK = 4096
 @pytest.fixture(autouse=True)
 def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     # Chunks of one page, so small values cross in several chunks.
-    monkeypatch.setattr(_disk, "CHUNK", CHUNK)
+    monkeypatch.setattr(disk_staging, "CHUNK", CHUNK)
 
 
 def _value() -> TensorBundle:
@@ -106,7 +108,7 @@ def test_a_read_into_pinned_memory_goes_straight_there(tmp_path: Path, direct_io
         assert runtime.calls["copy_to_pinned"] == 0
         assert runtime.calls["empty_pinned"] in (
             3,
-            3 + _disk.SLOTS,
+            3 + disk_staging.SLOTS,
         )  # one per storage, the empty one too
         with manager.acquire([handle], at=PINNED_HOST) as values:
             got = values[handle]
@@ -192,7 +194,7 @@ def test_direct_io_opens_files_with_o_direct_and_they_stay_standard(
             flags.append(mode)
         return real_open(path, mode, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_disk.os, "open", recording_open)
+    monkeypatch.setattr(disk_store.os, "open", recording_open)
     runtime = SimulatedRuntime(1)
     disk = disk_location(tmp_path / "d", direct_io=True)
     expected = _value()
@@ -226,8 +228,8 @@ def test_a_file_system_without_direct_io_falls_back_to_buffered(
             raise OSError(22, "Invalid argument")
         return real_open(path, mode, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_disk.os, "open", no_direct)
-    monkeypatch.setattr(_disk, "_O_DIRECT", 0o40000)
+    monkeypatch.setattr(disk_store.os, "open", no_direct)
+    monkeypatch.setattr(disk_store, "_O_DIRECT", 0o40000)
     runtime = SimulatedRuntime(1)
     disk = disk_location(tmp_path / "d", direct_io=True)
     expected = _value()
@@ -341,8 +343,8 @@ def test_direct_io_moves_whole_pages_of_page_aligned_memory_straight(
 ) -> None:
     if not getattr(os, "O_DIRECT", 0):
         pytest.skip("no O_DIRECT on this platform")
-    store = _disk.DiskStore(tmp_path / "d", "owner", direct=True)
-    staging = _disk.Staging(SimulatedRuntime(0, pinned=False))
+    store = disk_store.DiskStore(tmp_path / "d", "owner", direct=True)
+    staging = disk_staging.Staging(SimulatedRuntime(0, pinned=False))
     # Each file write and read: its length, and "ring" or "straight" (the memory it
     # moves is a staging slot, or the value's own).
     writes: list[tuple[int, str]] = []
@@ -364,8 +366,8 @@ def test_direct_io_moves_whole_pages_of_page_aligned_memory_straight(
         reads.extend((len(buffer), where(buffer)) for buffer in buffers)
         return real_preadv(descriptor, buffers, offset)
 
-    monkeypatch.setattr(_disk.os, "write", write)
-    monkeypatch.setattr(_disk.os, "preadv", preadv)
+    monkeypatch.setattr(disk_format.os, "write", write)
+    monkeypatch.setattr(disk_staging.os, "preadv", preadv)
     nbytes = 5 * CHUNK + 100  # five whole pages and a tail
     memory = _page_aligned(nbytes)
     memory.copy_(torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
@@ -387,7 +389,7 @@ def test_direct_io_moves_whole_pages_of_page_aligned_memory_straight(
     assert torch.equal(unaligned.tensor, memory)
     # Straight pieces of two pages: written, read and hashed piece by piece (each
     # hashed while the next is read), and a damaged page among them is caught.
-    monkeypatch.setattr(_disk, "STRAIGHT", 2 * CHUNK)
+    monkeypatch.setattr(disk_staging, "STRAIGHT", 2 * CHUNK)
     writes.clear()
     reads.clear()
     pieces = [(2 * CHUNK, "straight"), (2 * CHUNK, "straight"), (CHUNK, "straight")]
@@ -413,8 +415,8 @@ def test_direct_io_moves_whole_pages_of_page_aligned_memory_straight(
 def test_a_forked_child_gets_its_own_io_thread(tmp_path: Path) -> None:
     # The parent's ring has an I/O thread; a forked child inherits the pool but not the
     # thread, and must not wait forever on work nobody runs.
-    store = _disk.DiskStore(tmp_path / "d", "owner", direct=True)
-    staging = _disk.Staging(SimulatedRuntime(0, pinned=False))
+    store = disk_store.DiskStore(tmp_path / "d", "owner", direct=True)
+    staging = disk_staging.Staging(SimulatedRuntime(0, pinned=False))
     value = ResidentTensor(torch.arange(20000, dtype=torch.uint8))  # five chunks
     store.write("parent", value, staging=staging)
     child = os.fork()
@@ -443,26 +445,26 @@ def test_a_direct_read_into_pageable_memory_moves_whole_pages_straight(
     second copy (torch's allocator only aligns to 64 bytes)."""
     if not getattr(os, "O_DIRECT", 0):
         pytest.skip("no O_DIRECT on this platform")
-    store = _disk.DiskStore(tmp_path / "d", "owner", direct=True)
-    staging = _disk.Staging(SimulatedRuntime(0, pinned=False))
-    nbytes = 5 * _disk.CHUNK + 100
+    store = disk_store.DiskStore(tmp_path / "d", "owner", direct=True)
+    staging = disk_staging.Staging(SimulatedRuntime(0, pinned=False))
+    nbytes = 5 * disk_staging.CHUNK + 100
     data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     file = store.write("v", ResidentTensor(data), staging=staging)
     drained: list[int] = []
-    real_drain = _disk.Staging.drain
+    real_drain = disk_staging.Staging.drain
 
     def drain(
-        ring: _disk.Staging, slot: int, at: int, target: torch.Tensor, stream: object
+        ring: disk_staging.Staging, slot: int, at: int, target: torch.Tensor, stream: object
     ) -> None:
         drained.append(int(target.numel()))
         real_drain(ring, slot, at, target, stream)
 
-    monkeypatch.setattr(_disk.Staging, "drain", drain)
+    monkeypatch.setattr(disk_staging.Staging, "drain", drain)
     back = store.read(file, staging=staging)
     assert isinstance(back, ResidentTensor)
     assert torch.equal(back.tensor, data)
-    assert back.tensor.data_ptr() % _disk.ALIGN == 0
+    assert back.tensor.data_ptr() % disk_format.ALIGN == 0
     assert back.tensor.untyped_storage().nbytes() == nbytes  # what the manager charges
-    assert drained == [nbytes % _disk.ALIGN]  # only the tail went through the ring
+    assert drained == [nbytes % disk_format.ALIGN]  # only the tail went through the ring
     staging.close()
     store.close()

@@ -27,9 +27,9 @@ from fhelium.residency import (
     ResidencyManager,
     ResidencyRequest,
     ResidencyRequirement,
-    _disk,
     cuda_location,
 )
+from fhelium.residency._disk import staging as disk_staging
 from fhelium.residency.disk import disk_location
 from fhelium.residency.simulation import SimulatedRuntime, Timeline, use_runtime
 from fhelium.values import ResidentTensor
@@ -292,6 +292,6 @@ def test_a_value_of_many_chunks_arrives_right(
 ) -> None:
     # Chunks of 8 KiB: each value is 8 of them through the two slots, each slot
     # refilled on the I/O thread once its copy completed.
-    monkeypatch.setattr(_disk, "CHUNK", 8192)
+    monkeypatch.setattr(disk_staging, "CHUNK", 8192)
     _, staged = _makespan(tmp_path, "disk")
     assert staged == [(1,), (2,), (3,), ()]

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from fhelium.residency import PINNED_HOST, _disk
+from fhelium.residency import PINNED_HOST
+from fhelium.residency._disk import format as disk_format
+from fhelium.residency._disk import staging as disk_staging
 from fhelium.residency._runtime import SimulatedRuntime
 
 
@@ -31,21 +33,21 @@ class Recording(SimulatedRuntime):
         return super().empty_pinned(nbytes + self.offset)[self.offset :]
 
 
-def _check_slots(staging: _disk.Staging, runtime: SimulatedRuntime) -> None:
-    assert len(staging.buffers) == _disk.SLOTS
+def _check_slots(staging: disk_staging.Staging, runtime: SimulatedRuntime) -> None:
+    assert len(staging.buffers) == disk_staging.SLOTS
     for buffer in staging.buffers:
         assert buffer.dtype == torch.uint8
-        assert buffer.numel() == _disk.CHUNK
-        assert buffer.data_ptr() % _disk.ALIGN == 0
+        assert buffer.numel() == disk_staging.CHUNK
+        assert buffer.data_ptr() % disk_format.ALIGN == 0
         assert runtime.placement(buffer) == PINNED_HOST
 
 
 def test_each_slot_is_one_chunk_of_page_aligned_pinned_memory() -> None:
     runtime = Recording()
-    staging = _disk.Staging(runtime)
+    staging = disk_staging.Staging(runtime)
     try:
         staging.take()
-        assert runtime.sizes == [_disk.CHUNK] * _disk.SLOTS
+        assert runtime.sizes == [disk_staging.CHUNK] * disk_staging.SLOTS
         _check_slots(staging, runtime)
     finally:
         staging.close()
@@ -53,11 +55,13 @@ def test_each_slot_is_one_chunk_of_page_aligned_pinned_memory() -> None:
 
 def test_an_unaligned_pinned_buffer_is_replaced_by_one_a_page_bigger() -> None:
     runtime = Recording(offset=64)
-    staging = _disk.Staging(runtime)
+    staging = disk_staging.Staging(runtime)
     try:
         staging.take()
         assert (
-            runtime.sizes == [_disk.CHUNK] * _disk.SLOTS + [_disk.CHUNK + _disk.ALIGN] * _disk.SLOTS
+            runtime.sizes
+            == [disk_staging.CHUNK] * disk_staging.SLOTS
+            + [disk_staging.CHUNK + disk_format.ALIGN] * disk_staging.SLOTS
         )
         _check_slots(staging, runtime)
     finally:

@@ -1,4 +1,4 @@
-"""The disk store under a disk location (python/fhelium/residency/_disk.py): standard
+"""The disk store under a disk location (python/fhelium/residency/_disk/store.py): standard
 safetensors files, exact round trips (views and shared storages included), atomic
 writes, refused truncated or missing files, cleanup at close and at interpreter exit,
 and directories left by killed processes recognised, cleaned or refused."""
@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 
 from fhelium.errors import ResidencyInUseError, ResidencyMaterializationError
-from fhelium.residency import _disk
-from fhelium.residency._disk import DiskStore
+from fhelium.residency._disk import store as disk_store
+from fhelium.residency._disk.store import DiskStore
 from fhelium.values import ResidentTensor, TensorBundle
 from helpers.limits import capped, capped_memory
 
@@ -75,7 +75,7 @@ def test_a_write_failing_midway_leaves_no_file(
     def full(descriptor: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_disk.os, "fsync", full)
+    monkeypatch.setattr(disk_store.os, "fsync", full)
     with pytest.raises(ResidencyMaterializationError, match="No space left"):
         store.write("v", ResidentTensor(torch.ones(1000)))
     assert sorted(path.name for path in store.directory.iterdir()) == ["owner.json"]
@@ -89,7 +89,7 @@ def test_a_read_only_directory_is_a_clear_error(
     def read_only(source: object, destination: object) -> None:
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(_disk.os, "replace", read_only)
+    monkeypatch.setattr(disk_store.os, "replace", read_only)
     with pytest.raises(ResidencyMaterializationError, match="Read-only"):
         store.write("v", ResidentTensor(torch.ones(10)))
     assert sorted(path.name for path in store.directory.iterdir()) == ["owner.json"]
@@ -131,7 +131,7 @@ def test_stores_never_share_a_directory(tmp_path: Path) -> None:
 _CHILD = textwrap.dedent(
     """
     import os, signal, sys, torch
-    from fhelium.residency._disk import DiskStore
+    from fhelium.residency._disk.store import DiskStore
     from fhelium.values import ResidentTensor
     store = DiskStore(sys.argv[1], sys.argv[2])
     store.write("v", ResidentTensor(torch.ones(100)))

@@ -20,7 +20,7 @@ from typing import Any, Final, NoReturn, TypeVar, cast
 from fhelium import _core
 from fhelium._core import LifetimeKind
 from fhelium.residency import _lowering
-from fhelium.residency._disk import DiskTier
+from fhelium.residency._disk.tier import DiskTier
 from fhelium.residency._lifetime import ENGINES
 from fhelium.residency._locations import (
     CUDA_BASE,
