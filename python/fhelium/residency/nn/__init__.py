@@ -6,7 +6,9 @@ module computes on the device with each unit's weights resident only around its 
 See docs/concepts/offload.md and docs/tutorials/offload.md.
 """
 
-from fhelium.residency.nn._checkpoint import init_empty_weights
-from fhelium.residency.nn._offload import Offload, OffloadStats, OffloadUnit, offload
+from fhelium.residency.nn._empty import init_empty_weights
+from fhelium.residency.nn._offload import Offload, offload
+from fhelium.residency.nn._stats import OffloadStats
+from fhelium.residency.nn._values import OffloadUnit
 
 __all__ = ["Offload", "OffloadStats", "OffloadUnit", "init_empty_weights", "offload"]

@@ -11,7 +11,8 @@ import torch
 
 from fhelium.errors import ResidencyCheckpointError
 from fhelium.residency.model import Recoverability, ReplicaMode, ResidencyValueSpec
-from fhelium.residency.nn._checkpoint import Checkpoint, CheckpointSource
+from fhelium.residency.nn._checkpoint import Checkpoint
+from fhelium.residency.nn._checkpoint_source import CheckpointSource
 from fhelium.residency.nn._units import TensorGroup
 from fhelium.values import TensorBundle
 
