@@ -1,8 +1,8 @@
 """`ResidencyManager` and `ResidencyScope`: the public face of one manager.
 
 Both are thin: they check argument shapes, build the action records, and hand the
-work to the manager's engine (`_engine.Engine`), which owns everything else. The
-behaviour they promise is written in docs/concepts/.
+work to the manager's engine, which owns everything else. The behaviour they promise
+is written in the concept guides (docs/concepts/index.md).
 """
 
 from __future__ import annotations
