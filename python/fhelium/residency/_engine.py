@@ -34,7 +34,7 @@ from fhelium.residency._runtime import (
     current_runtime,
 )
 from fhelium.residency._runtime.torch_runtime import pinning_possible
-from fhelium.residency._validation import byte_count, index_int
+from fhelium.residency._validation import byte_size, index_int
 from fhelium.residency.lease import (
     ResidencyHold,
     ResidencyLease,
@@ -95,8 +95,7 @@ def _no_owner() -> None:
 
 
 def _budget_bytes(budget: object, location: ResidencyLocation) -> int:
-    name = f"budget for {location}"
-    return byte_count(index_int(budget, name), name)
+    return byte_size(budget, f"budget for {location}")
 
 
 def normalize_handles(handles: object) -> tuple[ResidencyHandle[Any], ...]:
@@ -137,7 +136,7 @@ class Engine:
     )
 
     def __init__(
-        self, budgets: Mapping[ResidencyLocation, int] | None, trace_capacity: int
+        self, budgets: Mapping[ResidencyLocation, int | str] | None, trace_capacity: int
     ) -> None:
         if budgets is not None and not isinstance(budgets, Mapping):
             raise TypeError(f"budgets must be a Mapping or None, got {type(budgets).__name__}")
@@ -248,10 +247,10 @@ class Engine:
         return hold
 
     def reserve(
-        self, location: ResidencyLocation, nbytes: int, *, label: str
+        self, location: ResidencyLocation, nbytes: int | str, *, label: str
     ) -> ResidencyReservation:
         """Charge `nbytes` of accounting headroom at `location` until released."""
-        nbytes = index_int(nbytes, "nbytes")
+        nbytes = byte_size(nbytes, "nbytes")
         if not isinstance(label, str):
             raise TypeError(f"label must be a str, got {type(label).__name__}")
         if not label or label.isspace():

@@ -10,6 +10,8 @@ from typing import TypeVar
 
 import torch
 
+from fhelium.residency._bytesize import parse_bytes
+
 T = TypeVar("T")
 
 
@@ -110,6 +112,19 @@ def byte_count(value: int, name: str) -> int:
     if value > _U64_MAX:
         raise ValueError(f"{name} of {value} bytes exceeds the supported maximum of 2**64 - 1")
     return value
+
+
+def byte_size(value: object, name: str) -> int:
+    """A byte count a person may write: an int (`index_int`) or a string such as
+    ``"8GiB"``, ``"512MB"`` or ``"1.5 GiB"``
+    (docs/concepts/locations-and-budgets.md#byte-counts)."""
+    if isinstance(value, str):
+        return parse_bytes(value, name)
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(
+            f"{name} must be an int or a size such as '8GiB', got {type(value).__name__}"
+        )
+    return byte_count(index_int(value, name), name)
 
 
 def index_int(value: object, name: str) -> int:

@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from fhelium.errors import ResidencyClosedError
+from fhelium.residency._bytesize import parse_bytes
 from fhelium.residency._runtime import current_runtime
 from fhelium.residency._runtime.torch_runtime import TorchCudaRuntime
-from fhelium.residency._validation import require_strict_int
+from fhelium.residency._validation import byte_count, require_strict_int
 from fhelium.residency.controller import ResidencyController
 from fhelium.residency.disk import disk_location
 from fhelium.residency.location import ResidencyLocation, cuda_location
@@ -81,11 +82,11 @@ class Offload:
         module: nn.Module,
         *,
         device: str | torch.device,
-        budget: int | None,
+        budget: int | str | None,
         host: Literal["pinned", "pageable"],
-        host_budget: int | None,
+        host_budget: int | str | None,
         disk: str | os.PathLike[str] | None,
-        disk_budget: int | None,
+        disk_budget: int | str | None,
         prefetch: int,
         policy: PolicyName | ResidencyPolicy,
         units: UnitRule,
@@ -107,11 +108,16 @@ class Offload:
                 raise ValueError(f"policy must be 'schedule-aware' or 'lru', got {policy!r}")
         elif not isinstance(policy, ResidencyPolicy):
             raise TypeError("policy must be 'schedule-aware', 'lru' or a ResidencyPolicy")
-        for name, amount in (("budget", budget), ("host_budget", host_budget)):
-            if amount is not None and require_strict_int(amount, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {amount}")
-        if disk_budget is not None and require_strict_int(disk_budget, "disk_budget") < 0:
-            raise ValueError(f"disk_budget must be >= 0, got {disk_budget}")
+        # Sizes such as "8GiB" are exact ints from here on
+        # (docs/concepts/locations-and-budgets.md#byte-counts).
+        budget, host_budget, disk_budget = (
+            None if amount is None else _size(amount, name)
+            for name, amount in (
+                ("budget", budget),
+                ("host_budget", host_budget),
+                ("disk_budget", disk_budget),
+            )
+        )
         if disk_budget is not None and disk is None:
             raise ValueError("disk_budget needs disk= (the directory spills go to)")
         if manager is None and budget is None:
@@ -476,6 +482,15 @@ class Offload:
         )
 
 
+def _size(amount: object, name: str) -> int:
+    """A budget argument: a strict int >= 0, or a size such as ``"8GiB"``."""
+    if isinstance(amount, str):
+        return parse_bytes(amount, name)
+    if require_strict_int(amount, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {amount}")
+    return byte_count(amount, name)  # type: ignore[arg-type]
+
+
 def _ancestors_of(root: nn.Module, target: nn.Module) -> list[nn.Module]:
     """The modules on the path from ``root`` down to ``target`` (both included)."""
     path: list[nn.Module] = []
@@ -498,11 +513,11 @@ def offload(
     module: nn.Module,
     *,
     device: str | torch.device = "cuda:0",
-    budget: int | None = None,
+    budget: int | str | None = None,
     host: Literal["pinned", "pageable"] = "pinned",
-    host_budget: int | None = None,
+    host_budget: int | str | None = None,
     disk: str | os.PathLike[str] | None = None,
-    disk_budget: int | None = None,
+    disk_budget: int | str | None = None,
     prefetch: int = 1,
     policy: PolicyName | ResidencyPolicy = "schedule-aware",
     units: UnitRule = None,
@@ -529,14 +544,17 @@ def offload(
             meta with ``checkpoint`` (build it under `init_empty_weights`).
         device: The CUDA device to compute on (a simulated one under the simulated
             runtime, docs/concepts/simulation.md); ``"cuda"`` means ``"cuda:0"``.
-        budget: The device's strict byte budget for the weights (a strict int >= 0);
-            required unless ``manager`` is given. Every unit must fit it.
+        budget: The device's strict byte budget for the weights: a strict int >= 0, or a
+            size such as ``"8GiB"`` or ``"512MB"``
+            (docs/concepts/locations-and-budgets.md#byte-counts); required unless
+            ``manager`` is given. Every unit must fit it.
         host: Where the weights wait: ``"pinned"`` (pageable, with one `UserWarning`,
             where pinned memory is not available) or ``"pageable"``.
-        host_budget: The host's byte budget, or ``None`` for none.
+        host_budget: The host's byte budget (an int or a size), or ``None`` for none.
         disk: A directory that takes the weights the host budget cannot hold, and the
             host's spills.
-        disk_budget: The disk directory's byte budget, or ``None``; needs ``disk``.
+        disk_budget: The disk directory's byte budget (an int or a size), or ``None``;
+            needs ``disk``.
         prefetch: How many predicted steps to stage while a step runs (a strict int
             >= 0); 0 loads each step at its turn.
         policy: ``"schedule-aware"`` (Belady's rule over the recorded order, cyclic),
@@ -560,9 +578,11 @@ def offload(
 
     Raises:
         TypeError: ``module`` is not a module; no ``budget`` and no ``manager``;
-            ``budget``, ``host_budget``, ``disk_budget`` or ``prefetch`` is not a strict
-            int; ``dtype``, ``policy``, ``units`` or ``manager`` of the wrong kind.
-        ValueError: A non-CUDA ``device``, a negative ``prefetch`` or budget, an unknown
+            ``budget``, ``host_budget`` or ``disk_budget`` is neither a strict int nor a
+            string, or ``prefetch`` not a strict int; ``dtype``, ``policy``, ``units`` or
+            ``manager`` of the wrong kind.
+        ValueError: A non-CUDA ``device``, a negative ``prefetch`` or budget, a budget
+            string that is not a byte count, an unknown
             ``host`` or ``policy``, ``disk_budget`` without ``disk``, parameters that
             require grad while autograd is on, tensors on meta without ``checkpoint``
             (or off the CPU), budgets given with ``manager``, a module with no
