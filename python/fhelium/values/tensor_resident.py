@@ -171,7 +171,7 @@ class TensorResident(abc.ABC):
             return tensor.to(target, non_blocking=non_blocking, copy=True)
 
         keep = None if copy else frozenset(i for i, t in enumerate(tensors) if t.device == target)
-        moved = _layout_copy(
+        moved = layout_copy(
             tensors, target, allocate, fallback, non_blocking=non_blocking, keep=keep
         )
         return self._with_resident_tensors(moved)
@@ -212,7 +212,7 @@ class TensorResident(abc.ABC):
         """
         if not copy and self.is_pinned:
             return self
-        pinned = _layout_copy(self._resident_tensors, _CPU, _empty_pinned, _pinned_clone)
+        pinned = layout_copy(self._resident_tensors, _CPU, _empty_pinned, _pinned_clone)
         return self._with_resident_tensors(pinned)
 
 
@@ -227,7 +227,7 @@ def _indexed(device: torch.device) -> torch.device:
 def _whole_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a plain contiguous tensor (or parameter) spanning its whole,
     non-empty storage from offset 0, without lazy conjugate or negative bits: copying it
-    with ``to(copy=True)`` then keeps the storage layout `_layout_copy` would rebuild."""
+    with ``to(copy=True)`` then keeps the storage layout `layout_copy` would rebuild."""
     return bool(
         (type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter)
         and tensor.layout == torch.strided
@@ -252,7 +252,7 @@ def _empty_pinned(nbytes: int) -> torch.Tensor:
     return pinned
 
 
-def _layout_copy(
+def layout_copy(
     tensors: tuple[torch.Tensor, ...],
     device: torch.device,
     allocate: Callable[[int], torch.Tensor],
@@ -329,7 +329,7 @@ def _pinned_clone(tensor: torch.Tensor) -> torch.Tensor:
     return pinned
 
 
-def _storage_keys(value: TensorResident) -> frozenset[tuple[torch.device, int]]:
+def storage_keys(value: TensorResident) -> frozenset[tuple[torch.device, int]]:
     """The ``(device, storage address)`` of every non-empty backing storage of ``value``.
 
     Two values whose key sets intersect alias each other's memory.
@@ -342,7 +342,7 @@ def _storage_keys(value: TensorResident) -> frozenset[tuple[torch.device, int]]:
     return frozenset(keys)
 
 
-def _cpu_pinning_is_uniform(value: TensorResident) -> bool:
+def cpu_pinning_is_uniform(value: TensorResident) -> bool:
     """False only for a host value that mixes pinned and pageable tensors (tensors
     without storage bytes are neither)."""
     pinning = {
