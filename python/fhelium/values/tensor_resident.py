@@ -17,6 +17,9 @@ import torch
 __all__ = ["TensorResident", "ResidentTensor", "TensorBundle", "TensorSequence", "as_resident"]
 
 _CPU = torch.device("cpu")
+_STRIDED = torch.strided
+# The tensor types `to` copies whole with one `to(copy=True)` (see `_whole_storage`).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 _PINNED_UNAVAILABLE = (
     "pinned host storage is unavailable in this PyTorch runtime; use pageable CPU storage "
@@ -159,7 +162,13 @@ class TensorResident(abc.ABC):
             # One field that is its whole storage: one copy of it keeps the layout.
             (tensor,) = tensors
             # Detached: copied without autograd, a leaf with its source's requires_grad.
-            field = tensor.detach().to(target, non_blocking=non_blocking, copy=True)
+            # On its own device, `clone` is the same copy with less dispatch.
+            source = tensor.detach()
+            field = (
+                source.clone()
+                if tensor.device == target
+                else source.to(target, non_blocking=non_blocking, copy=True)
+            )
             if tensor.requires_grad:
                 field.requires_grad_(True)
             return self._with_resident_tensors((field,))
@@ -219,7 +228,8 @@ class TensorResident(abc.ABC):
 def _indexed(device: torch.device) -> torch.device:
     """``device`` with the index torch gives an unindexed accelerator device (``"cuda"``
     names the current CUDA device), so it compares equal to the devices of its tensors."""
-    if device.index is not None or device.type in ("cpu", "meta"):
+    # The CPU by equality first: reading `device.type` builds a string each time.
+    if device.index is not None or device == _CPU or device.type == "meta":
         return device
     return torch.empty(0, device=device).device
 
@@ -229,8 +239,8 @@ def _whole_storage(tensor: torch.Tensor) -> bool:
     non-empty storage from offset 0, without lazy conjugate or negative bits: copying it
     with ``to(copy=True)`` then keeps the storage layout `layout_copy` would rebuild."""
     return bool(
-        (type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter)
-        and tensor.layout == torch.strided
+        type(tensor) in _PLAIN_TENSORS
+        and tensor.layout == _STRIDED
         and not tensor.is_quantized
         and tensor.storage_offset() == 0
         and tensor.is_contiguous()

@@ -392,7 +392,7 @@ class SimulatedRuntime(SimulatedStreams):
             # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse).
             order.read(
                 stream,
-                [source.key] if source is not None and source.device.type == "cuda" else [],
+                [source.key] if source is not None and source.cuda else [],
             )
             self._storage.register_copy_locked(copies, target, stream)
             self.copies.append(SimulatedCopy(location, stream, non_blocking))

@@ -51,6 +51,7 @@ class SimulatedDevices:
     def __init__(self, device_count: int) -> None:
         self._device_count = device_count
         self._devices = tuple(torch.device("cuda", index) for index in range(device_count))
+        self._indices = {device: index for index, device in enumerate(self._devices)}
         self._lock = threading.Lock()
         self._faults: dict[str, collections.deque[_Fault]] = {}
         # Each thread's current device (0 until changed).
@@ -226,7 +227,13 @@ class SimulatedDevices:
         return self._devices[self._cuda_index(device)]
 
     def _device_index(self, device: torch.device) -> int | None:
-        if not isinstance(device, torch.device) or device.type != "cuda":
+        if not isinstance(device, torch.device):
+            return None
+        # A simulated device (or an equal one) by lookup: reading `device.type` is slow.
+        known = self._indices.get(device)
+        if known is not None:
+            return known
+        if device.type != "cuda":
             return None
         # An unindexed "cuda" means the current device, which the simulation fixes at 0.
         index = 0 if device.index is None else device.index

@@ -31,6 +31,8 @@ __all__ = ["SimulatedHazard", "StorageEntry", "StorageRegistry", "reserved_nbyte
 # so that reserved >= allocated holds the way it does on a real device.
 _BLOCK: Final = 512
 
+_new_ref: Final = weakref.ref.__new__
+
 
 class SimulatedHazard(NamedTuple):
     """A freed device block that an allocation may reuse while it is still read: a named tuple.
@@ -63,31 +65,43 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
     exists, no other storage can be allocated at its key.
     """
 
-    __slots__ = ("address", "counted", "device", "key", "nbytes", "pinned")
+    __slots__ = ("address", "counted", "cuda", "device", "key", "nbytes", "pinned", "reserved")
 
-    def __new__(
+    # Plain attributes, set by `make` (see there).
+    address: StorageWeakRef
+    counted: bool
+    cuda: bool
+    device: torch.device
+    key: int
+    nbytes: int
+    pinned: bool
+    reserved: int
+
+    @classmethod
+    def make(
         cls,
         storage: torch.UntypedStorage,
         callback: Callable[[StorageEntry], object],
         device: torch.device,
         pinned: bool,
+        cuda: bool,
     ) -> StorageEntry:
-        return super().__new__(cls, storage, callback)
+        """The entry of ``storage`` on simulated ``device`` (``cuda``: whether it is a CUDA
+        device, which the caller knows without reading ``device.type``, a slow property).
 
-    def __init__(
-        self,
-        storage: torch.UntypedStorage,
-        callback: Callable[[StorageEntry], object],
-        device: torch.device,
-        pinned: bool,
-    ) -> None:
-        # `weakref.ref.__new__` made the reference (its `__init__` only checks arguments).
-        self.address = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-        self.key: int = storage._cdata
-        self.device = device
-        self.pinned = pinned
-        self.nbytes: int = storage.nbytes()
-        self.counted = False
+        Built field by field, without Python ``__new__``/``__init__`` frames: every
+        simulated copy registers one.
+        """
+        entry = _new_ref(cls, storage, callback)
+        entry.address = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        entry.key = storage._cdata
+        entry.device = device
+        entry.pinned = pinned
+        entry.cuda = cuda
+        entry.nbytes = nbytes = storage.nbytes()
+        entry.reserved = reserved_nbytes(nbytes)
+        entry.counted = False
+        return entry
 
     def alive(self) -> bool:
         return self() is not None
@@ -260,7 +274,7 @@ class StorageRegistry:
         keys = []
         for tensor in tensors:
             entry = self.entries.get(tensor.untyped_storage()._cdata)
-            if entry is not None and entry.device.type == "cuda":
+            if entry is not None and entry.cuda:
                 keys.append(entry.key)
         return keys
 
@@ -299,6 +313,7 @@ class StorageRegistry:
         owner: SimulatedStream | None = None,
     ) -> None:
         freed = self.freed.append
+        cuda = device.type == "cuda"
         self.drain_freed_locked()
         if owner is not None:
             # An allocation on `owner` may reuse any block freed to its pool.
@@ -310,18 +325,18 @@ class StorageRegistry:
                 # As torch's pinned allocator: zero bytes get no pinned storage, so
                 # an empty tensor stays a plain (pageable) CPU tensor.
                 continue
-            entry = StorageEntry(storage, freed, device, pinned)
+            entry = StorageEntry.make(storage, freed, device, pinned, cuda)
             previous = self.entries.get(entry.key)
             if previous is not None and previous.alive():
                 # The same storage again (a view of one already registered): the new
                 # entry replaces it, and its bytes are counted once.
                 self.uncount_locked(previous)
             self.entries[entry.key] = entry
-            if device.type == "cuda":
+            if cuda:
                 if owner is not None:
                     self._order.allocated(owner, entry.key)
                 self.allocated[device] += entry.nbytes
-                self.reserved[device] += reserved_nbytes(entry.nbytes)
+                self.reserved[device] += entry.reserved
                 entry.counted = True
 
     def register_copy_locked(
@@ -337,21 +352,23 @@ class StorageRegistry:
         # An allocation on `owner` may reuse any block freed to its pool.
         for reader, nbytes in self._order.check(owner):
             self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
-        entry = StorageEntry(tensors[0].untyped_storage(), self.freed.append, device, False)
+        entry = StorageEntry.make(
+            tensors[0].untyped_storage(), self.freed.append, device, False, True
+        )
         previous = self.entries.get(entry.key)
         if previous is not None and previous.alive():
             self.uncount_locked(previous)
         self.entries[entry.key] = entry
         self._order.allocated(owner, entry.key)
         self.allocated[device] += entry.nbytes
-        self.reserved[device] += reserved_nbytes(entry.nbytes)
+        self.reserved[device] += entry.reserved
         entry.counted = True
 
     def uncount_locked(self, entry: StorageEntry) -> None:
         if entry.counted:
             entry.counted = False
             self.allocated[entry.device] -= entry.nbytes
-            self.reserved[entry.device] -= reserved_nbytes(entry.nbytes)
+            self.reserved[entry.device] -= entry.reserved
 
     def drain_freed_locked(self) -> None:
         """Takes the storages freed since the last call out of the registry and counters;
@@ -364,7 +381,7 @@ class StorageRegistry:
             # have the key while this entry exists (its `address` holds it).
             if self.entries.get(entry.key) is entry:
                 del self.entries[entry.key]
-                if entry.device.type == "cuda":
+                if entry.cuda:
                     self._order.freed(entry.key, entry.nbytes)
 
     def sample(self, device: torch.device) -> tuple[int, int]:

@@ -306,19 +306,22 @@ class SimulatedStreams(SimulatedDevices):
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("wait_event")
-        resolved = self._resolve_stream(stream, None)
-        if type(event) is StagedEvent:
-            event = event.resolve()
-            if event is None:
-                return
-        self._wait(resolved, check_event(event))
+        resolved = stream if type(stream) is SimulatedStream else self._resolve_stream(stream, None)
+        if type(event) is not SimulatedEvent:
+            if type(event) is StagedEvent:
+                event = event.resolve()
+                if event is None:
+                    return
+            event = check_event(event)
+        self._wait(resolved, event)
 
     def _wait(self, resolved: SimulatedStream, checked: SimulatedEvent) -> None:
+        timing = self._timing
         with self._lock:
             self.waits.append((resolved, checked))
             self._order.wait(resolved, checked._clock)
-            if self._timing is not None and checked._time is not None:
-                self._timing.wait(resolved, checked._time)
+            if timing is not None and checked._time is not None:
+                timing.wait(resolved, checked._time)
 
     def synchronize_stream(self, stream: Any) -> None:
         """Wait on the host for everything enqueued on a stream; its events complete.
