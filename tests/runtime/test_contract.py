@@ -790,7 +790,7 @@ def test_simulated_registry_does_not_grow_without_bound(sim: SimulatedRuntime) -
         sim.to_device(ResidentTensor(torch.ones(4)), 0)
     gc.collect()
     assert sim.memory_allocated(CUDA0) == 0
-    assert len(sim._registry) < 200
+    assert len(sim._storage.entries) < 200
 
 
 def test_simulated_copy_to_cuda_from_cpu_clones(sim: SimulatedRuntime) -> None:

@@ -39,7 +39,6 @@ _V = TypeVar("_V", bound=TensorResident)
 
 _CPU: Final = torch.device("cpu")
 
-
 _PINNED_UNAVAILABLE: Final = (
     "pinned host storage is unavailable in this simulated runtime (built with pinned=False); "
     "use pageable CPU storage"
@@ -138,8 +137,6 @@ class SimulatedRuntime(SimulatedStreams):
                     "auto_complete cannot be combined with a timeline: with one, events "
                     "complete when the virtual host clock reaches them"
                 )
-        self._device_count = device_count
-        self._pinned = pinned
         super().__init__(device_count, auto_complete=auto_complete, timeline=timeline)
         self._pinned = pinned
         # Each device's location, made on its first copy (for the copy log).
@@ -147,8 +144,6 @@ class SimulatedRuntime(SimulatedStreams):
         self.copies: list[SimulatedCopy] = []
         self.hazards: list[SimulatedHazard] = []
         self._storage = StorageRegistry(self._lock, self._devices, self._order, self.hazards)
-        # The storage registry, by storage identity (what tests inspect).
-        self._registry = self._storage.entries
         self._cudart = SimulatedCudart(
             self.current_device, self._stream_for_handle, self._record, self._query, self._wait
         )
