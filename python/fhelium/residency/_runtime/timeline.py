@@ -17,7 +17,18 @@ from typing import Final, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["ENGINES", "Timeline", "TimelineClock", "TimelineSpan", "attach"]
+__all__ = [
+    "ENGINES",
+    "TimedStream",
+    "Timeline",
+    "TimelineClock",
+    "TimelineSpan",
+    "attach",
+    "finite_number",
+    "non_negative",
+    "normalize_cuda",
+    "positive",
+]
 
 ENGINES: Final = ("h2d", "d2h", "d2d", "compute")
 """The engines of one simulated device, in track order."""
