@@ -168,8 +168,8 @@ def test_tensor_resident_is_one_class_everywhere() -> None:
 
 def test_private_helpers_live_in_tensor_resident_module() -> None:
     module = fhelium.values.tensor_resident
-    assert callable(module._storage_keys)
-    assert callable(module._cpu_pinning_is_uniform)
+    assert callable(module.storage_keys)
+    assert callable(module.cpu_pinning_is_uniform)
 
 
 def test_errors_submodule_is_package_attribute() -> None:

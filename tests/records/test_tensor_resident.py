@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fhelium.values import ResidentTensor, TensorBundle, TensorResident
-from fhelium.values.tensor_resident import _cpu_pinning_is_uniform, _storage_keys
+from fhelium.values.tensor_resident import cpu_pinning_is_uniform, storage_keys
 from helpers.records import Empty, Pair, Single
 
 CUDA = torch.cuda.is_available()
@@ -146,11 +146,11 @@ def test_zero_size_tensors() -> None:
     value = Pair(torch.empty(0), torch.empty(0, 3, dtype=torch.int64))
     assert value.nbytes == 0
     assert value.storage_nbytes == 0
-    assert _storage_keys(value) == frozenset()
+    assert storage_keys(value) == frozenset()
     mixed = Pair(torch.empty(0), torch.ones(2, dtype=torch.float64))
     assert mixed.nbytes == 16
     assert mixed.storage_nbytes == 16
-    assert _storage_keys(mixed) == frozenset({_key(mixed.b)})
+    assert storage_keys(mixed) == frozenset({_key(mixed.b)})
 
 
 def test_zero_size_view_of_nonempty_storage_still_counts_storage() -> None:
@@ -158,7 +158,7 @@ def test_zero_size_view_of_nonempty_storage_still_counts_storage() -> None:
     value = Single(base[3:3])
     assert value.nbytes == 0
     assert value.storage_nbytes == 40
-    assert _storage_keys(value) == frozenset({_key(base)})
+    assert storage_keys(value) == frozenset({_key(base)})
 
 
 def test_same_key_with_different_storage_sizes_raises() -> None:
@@ -176,18 +176,18 @@ def test_same_key_with_different_storage_sizes_raises() -> None:
 
 
 def test_storage_keys(pair: Pair) -> None:
-    keys = _storage_keys(pair)
+    keys = storage_keys(pair)
     assert isinstance(keys, frozenset)
     assert keys == frozenset({_key(pair.a), _key(pair.b)})
     base = torch.zeros(10)
-    shared = _storage_keys(Pair(base[:2], base[5:]))
+    shared = storage_keys(Pair(base[:2], base[5:]))
     assert shared == frozenset({(torch.device("cpu"), base.untyped_storage().data_ptr())})
-    assert _storage_keys(Empty()) == frozenset()
+    assert storage_keys(Empty()) == frozenset()
 
 
 def test_cpu_pinning_is_uniform_for_pageable_and_non_cpu(pair: Pair) -> None:
-    assert _cpu_pinning_is_uniform(pair) is True
-    assert _cpu_pinning_is_uniform(Single(torch.empty(3, device="meta"))) is True
+    assert cpu_pinning_is_uniform(pair) is True
+    assert cpu_pinning_is_uniform(Single(torch.empty(3, device="meta"))) is True
 
 
 # --- to / cpu ------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def test_to_with_copy_returns_independent_copy(pair: Pair) -> None:
     assert torch.equal(copied.a, pair.a)
     assert torch.equal(copied.b, pair.b)
     assert copied.a.dtype == pair.a.dtype
-    assert _storage_keys(copied).isdisjoint(_storage_keys(pair))
+    assert storage_keys(copied).isdisjoint(storage_keys(pair))
     pair.a.add_(100)
     assert not torch.equal(copied.a, pair.a)
     assert copied.is_pinned is False
@@ -244,7 +244,7 @@ def test_cpu_of_pageable_value(pair: Pair) -> None:
     assert pair.cpu() is pair
     copied = pair.cpu(copy=True)
     assert copied is not pair
-    assert _storage_keys(copied).isdisjoint(_storage_keys(pair))
+    assert storage_keys(copied).isdisjoint(storage_keys(pair))
     assert copied.is_pinned is False
     assert torch.equal(copied.a, pair.a)
 
@@ -284,8 +284,8 @@ def test_pin_memory_creates_pinned_copy() -> None:
     assert torch.equal(pinned.a, a)
     assert pinned.b.requires_grad is True
     assert pinned.b.grad_fn is None
-    assert _storage_keys(pinned).isdisjoint(_storage_keys(value))
-    assert _cpu_pinning_is_uniform(pinned) is True
+    assert storage_keys(pinned).isdisjoint(storage_keys(value))
+    assert cpu_pinning_is_uniform(pinned) is True
     # Already pinned: identity without copy, a new pinned value with copy.
     assert pinned.pin_memory() is pinned
     again = pinned.pin_memory(copy=True)
@@ -304,8 +304,8 @@ def test_pin_memory_creates_pinned_copy() -> None:
 def test_mixed_pinning_is_not_uniform() -> None:
     value = Pair(torch.zeros(2).pin_memory(), torch.zeros(2))
     assert value.is_pinned is False
-    assert _cpu_pinning_is_uniform(value) is False
-    assert _cpu_pinning_is_uniform(Pair(torch.zeros(1).pin_memory(), torch.zeros(1).pin_memory()))
+    assert cpu_pinning_is_uniform(value) is False
+    assert cpu_pinning_is_uniform(Pair(torch.zeros(1).pin_memory(), torch.zeros(1).pin_memory()))
 
 
 @needs_cuda
@@ -314,7 +314,7 @@ def test_cuda_values() -> None:
     assert value.is_cuda is True
     assert value.is_cpu is False
     assert value.is_pinned is False
-    assert _cpu_pinning_is_uniform(value) is True
+    assert cpu_pinning_is_uniform(value) is True
     assert value.device == torch.device("cuda", 0)
     host = value.pin_memory()
     assert host.is_pinned is True

@@ -30,7 +30,7 @@ from fhelium.residency._runtime import (
 from fhelium.residency._runtime import torch_runtime as torch_runtime_module
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, cuda_location
 from fhelium.values import ResidentTensor, TensorBundle, TensorResident
-from fhelium.values.tensor_resident import _cpu_pinning_is_uniform, _storage_keys
+from fhelium.values.tensor_resident import cpu_pinning_is_uniform, storage_keys
 from helpers.records import Empty
 
 CUDA = torch.cuda.is_available()
@@ -190,8 +190,8 @@ def test_pageable_facts(harness: Harness) -> None:
     assert runtime.value_device(value) == CPU
     assert runtime.value_is_pinned(value) is False
     assert runtime.pinning_is_uniform(value) is True
-    assert runtime.storage_keys(value) == _storage_keys(value)
-    assert _cpu_pinning_is_uniform(value)
+    assert runtime.storage_keys(value) == storage_keys(value)
+    assert cpu_pinning_is_uniform(value)
 
 
 def test_pinned_facts(harness: Harness) -> None:
@@ -717,8 +717,8 @@ def test_torch_value_facts_are_the_value_helpers() -> None:
     value = TensorBundle(a=torch.ones(2), b=torch.ones(2)[1:])
     assert runtime.value_device(value) == value.device
     assert runtime.value_is_pinned(value) == value.is_pinned
-    assert runtime.pinning_is_uniform(value) == _cpu_pinning_is_uniform(value)
-    assert runtime.storage_keys(value) == _storage_keys(value)
+    assert runtime.pinning_is_uniform(value) == cpu_pinning_is_uniform(value)
+    assert runtime.storage_keys(value) == storage_keys(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -790,7 +790,7 @@ def test_simulated_registry_does_not_grow_without_bound(sim: SimulatedRuntime) -
         sim.to_device(ResidentTensor(torch.ones(4)), 0)
     gc.collect()
     assert sim.memory_allocated(CUDA0) == 0
-    assert len(sim._registry) < 200
+    assert len(sim._storage.entries) < 200
 
 
 def test_simulated_copy_to_cuda_from_cpu_clones(sim: SimulatedRuntime) -> None:

@@ -54,7 +54,7 @@ def test_a_reading_does_not_visit_the_live_storages(method: str) -> None:
         reading = getattr(runtime, method)
         reading(CUDA0)  # no storage was freed since: nothing left to take out
         visits[count] = _calls_during(lambda: reading(CUDA0))  # noqa: B023
-        assert len(runtime._registry) == 2 * count
+        assert len(runtime._storage.entries) == 2 * count
         assert runtime.memory_sample(CUDA0) == (40 * count, BLOCK * count)
         del kept
     assert visits[4] == visits[400]
@@ -88,4 +88,4 @@ def test_readings_follow_frees_views_and_other_threads() -> None:
     del on_one
     gc.collect()
     assert runtime.memory_sample(CUDA1) == (0, 0)
-    assert runtime._registry == {}
+    assert runtime._storage.entries == {}

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from fhelium.residency._locations import DISK_BASE, disk_code
-from fhelium.residency._runtime.simulated import Timeline, TimelineSpan
+from fhelium.residency._runtime.timeline import Timeline, TimelineSpan
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, DiskLocation, ResidencyLocation
 from fhelium.residency.plan import DiscardValue, DropResident, EnsureResident, MoveResident
 from fhelium.residency.snapshot import (

@@ -12,15 +12,10 @@ docs/concepts/simulation.md.
 """
 
 from fhelium.residency._runtime import current_runtime, set_runtime, use_runtime
-from fhelium.residency._runtime.simulated import (
-    SimulatedCopy,
-    SimulatedEvent,
-    SimulatedHazard,
-    SimulatedRuntime,
-    SimulatedStream,
-    Timeline,
-    TimelineSpan,
-)
+from fhelium.residency._runtime.simulated import SimulatedCopy, SimulatedRuntime
+from fhelium.residency._runtime.simulated_storage import SimulatedHazard
+from fhelium.residency._runtime.simulated_streams import SimulatedEvent, SimulatedStream
+from fhelium.residency._runtime.timeline import Timeline, TimelineSpan
 
 __all__ = [
     "SimulatedCopy",

@@ -17,6 +17,9 @@ import torch
 __all__ = ["TensorResident", "ResidentTensor", "TensorBundle", "TensorSequence", "as_resident"]
 
 _CPU = torch.device("cpu")
+_STRIDED = torch.strided
+# The tensor types `to` copies whole with one `to(copy=True)` (see `_whole_storage`).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 _PINNED_UNAVAILABLE = (
     "pinned host storage is unavailable in this PyTorch runtime; use pageable CPU storage "
@@ -159,7 +162,13 @@ class TensorResident(abc.ABC):
             # One field that is its whole storage: one copy of it keeps the layout.
             (tensor,) = tensors
             # Detached: copied without autograd, a leaf with its source's requires_grad.
-            field = tensor.detach().to(target, non_blocking=non_blocking, copy=True)
+            # On its own device, `clone` is the same copy with less dispatch.
+            source = tensor.detach()
+            field = (
+                source.clone()
+                if tensor.device == target
+                else source.to(target, non_blocking=non_blocking, copy=True)
+            )
             if tensor.requires_grad:
                 field.requires_grad_(True)
             return self._with_resident_tensors((field,))
@@ -171,7 +180,7 @@ class TensorResident(abc.ABC):
             return tensor.to(target, non_blocking=non_blocking, copy=True)
 
         keep = None if copy else frozenset(i for i, t in enumerate(tensors) if t.device == target)
-        moved = _layout_copy(
+        moved = layout_copy(
             tensors, target, allocate, fallback, non_blocking=non_blocking, keep=keep
         )
         return self._with_resident_tensors(moved)
@@ -212,14 +221,15 @@ class TensorResident(abc.ABC):
         """
         if not copy and self.is_pinned:
             return self
-        pinned = _layout_copy(self._resident_tensors, _CPU, _empty_pinned, _pinned_clone)
+        pinned = layout_copy(self._resident_tensors, _CPU, _empty_pinned, _pinned_clone)
         return self._with_resident_tensors(pinned)
 
 
 def _indexed(device: torch.device) -> torch.device:
     """``device`` with the index torch gives an unindexed accelerator device (``"cuda"``
     names the current CUDA device), so it compares equal to the devices of its tensors."""
-    if device.index is not None or device.type in ("cpu", "meta"):
+    # The CPU by equality first: reading `device.type` builds a string each time.
+    if device.index is not None or device == _CPU or device.type == "meta":
         return device
     return torch.empty(0, device=device).device
 
@@ -227,10 +237,10 @@ def _indexed(device: torch.device) -> torch.device:
 def _whole_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a plain contiguous tensor (or parameter) spanning its whole,
     non-empty storage from offset 0, without lazy conjugate or negative bits: copying it
-    with ``to(copy=True)`` then keeps the storage layout `_layout_copy` would rebuild."""
+    with ``to(copy=True)`` then keeps the storage layout `layout_copy` would rebuild."""
     return bool(
-        (type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter)
-        and tensor.layout == torch.strided
+        type(tensor) in _PLAIN_TENSORS
+        and tensor.layout == _STRIDED
         and not tensor.is_quantized
         and tensor.storage_offset() == 0
         and tensor.is_contiguous()
@@ -252,7 +262,7 @@ def _empty_pinned(nbytes: int) -> torch.Tensor:
     return pinned
 
 
-def _layout_copy(
+def layout_copy(
     tensors: tuple[torch.Tensor, ...],
     device: torch.device,
     allocate: Callable[[int], torch.Tensor],
@@ -329,7 +339,7 @@ def _pinned_clone(tensor: torch.Tensor) -> torch.Tensor:
     return pinned
 
 
-def _storage_keys(value: TensorResident) -> frozenset[tuple[torch.device, int]]:
+def storage_keys(value: TensorResident) -> frozenset[tuple[torch.device, int]]:
     """The ``(device, storage address)`` of every non-empty backing storage of ``value``.
 
     Two values whose key sets intersect alias each other's memory.
@@ -342,7 +352,7 @@ def _storage_keys(value: TensorResident) -> frozenset[tuple[torch.device, int]]:
     return frozenset(keys)
 
 
-def _cpu_pinning_is_uniform(value: TensorResident) -> bool:
+def cpu_pinning_is_uniform(value: TensorResident) -> bool:
     """False only for a host value that mixes pinned and pageable tensors (tensors
     without storage bytes are neither)."""
     pinning = {

@@ -13,15 +13,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from fhelium.residency._runtime.base import DeviceRuntime, StorageKey, ValueFacts
-from fhelium.residency._runtime.simulated import (
-    SimulatedCopy,
-    SimulatedEvent,
-    SimulatedHazard,
-    SimulatedRuntime,
-    SimulatedStream,
-    Timeline,
-    TimelineSpan,
-)
+from fhelium.residency._runtime.simulated import SimulatedCopy, SimulatedRuntime
+from fhelium.residency._runtime.simulated_storage import SimulatedHazard
+from fhelium.residency._runtime.simulated_streams import SimulatedEvent, SimulatedStream
+from fhelium.residency._runtime.timeline import Timeline, TimelineSpan
 from fhelium.residency._runtime.torch_runtime import TorchCudaRuntime
 
 __all__ = [

@@ -140,7 +140,7 @@ class DeviceRuntime(Protocol):
         ...
 
     def pinning_is_uniform(self, value: TensorResident) -> bool:
-        """``fhelium.values.tensor_resident._cpu_pinning_is_uniform`` for this runtime."""
+        """``fhelium.values.tensor_resident.cpu_pinning_is_uniform`` for this runtime."""
         ...
 
     def storage_keys(self, value: TensorResident) -> frozenset[StorageKey]:

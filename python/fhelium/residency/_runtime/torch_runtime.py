@@ -15,11 +15,8 @@ import torch
 from fhelium._core import measure_tensors as _measure_tensors
 from fhelium.residency._runtime.base import StagedEvent, ValueFacts
 from fhelium.residency._runtime.cuda_events import CudaEvent, CudaEventPool, cuda_bindings_available
-from fhelium.values.tensor_resident import (
-    TensorResident,
-    _cpu_pinning_is_uniform,
-    _storage_keys,
-)
+from fhelium.values import tensor_resident
+from fhelium.values.tensor_resident import TensorResident
 
 __all__ = ["TorchCudaRuntime"]
 
@@ -76,10 +73,10 @@ class TorchCudaRuntime:
         return value.is_pinned
 
     def pinning_is_uniform(self, value: TensorResident) -> bool:
-        return _cpu_pinning_is_uniform(value)
+        return tensor_resident.cpu_pinning_is_uniform(value)
 
     def storage_keys(self, value: TensorResident) -> frozenset[tuple[torch.device, int]]:
-        return _storage_keys(value)
+        return tensor_resident.storage_keys(value)
 
     # --- movement -----------------------------------------------------------------
     def copy_to_pageable(self, value: TensorResident) -> TensorResident:

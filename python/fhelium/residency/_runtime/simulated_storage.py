@@ -1,0 +1,397 @@
+"""The simulated runtime's storage registry: which storages are "on cuda:N" or "pinned".
+
+Values stay ordinary CPU tensors; `StorageRegistry` records the storages the runtime's
+own copies and buffers created, with their simulated device and pinning, keeps each
+device's allocated and reserved bytes as they are registered and freed, and answers the
+seam's questions about a value's placement from it. A storage it did not create reports
+its real torch placement. A device allocation checks the memory-reuse order
+(docs/concepts/simulation.md#memory-reuse) and records a `SimulatedHazard`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Final, NamedTuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fhelium.residency._runtime._reuse import ReuseOrder
+from fhelium.residency._runtime.base import ValueFacts
+from fhelium.residency._runtime.simulated_streams import SimulatedStream
+from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
+from fhelium.values.tensor_resident import TensorResident
+
+__all__ = ["SimulatedHazard", "StorageEntry", "StorageRegistry", "reserved_nbytes"]
+
+# The CUDA caching allocator rounds every block up to 512 bytes; reserved bytes do the same
+# so that reserved >= allocated holds the way it does on a real device.
+_BLOCK: Final = 512
+
+_new_ref: Final = weakref.ref.__new__
+
+
+class SimulatedHazard(NamedTuple):
+    """A freed device block that an allocation may reuse while it is still read: a named tuple.
+
+    Recorded in ``SimulatedRuntime.hazards`` (docs/concepts/simulation.md#memory-reuse).
+
+    Attributes:
+        device: The simulated device.
+        stream: The stream that allocated, which owns the freed block.
+        reader: A stream whose declared read of the block is not ordered before the
+            allocation.
+        nbytes: The freed block's bytes.
+    """
+
+    device: torch.device
+    stream: SimulatedStream
+    reader: SimulatedStream
+    nbytes: int
+
+
+class StorageEntry(weakref.ref[torch.UntypedStorage]):
+    """Where one registered storage lives: a weak reference to the storage whose callback
+    reports its death, so the per-device byte counters follow frees without a scan.
+
+    torch keeps a storage's Python object alive for as long as the storage itself (as it
+    does a tensor's), so the reference dies, and the callback runs, exactly when the
+    storage is freed. ``counted`` is whether the entry's bytes are still in its device's
+    counters: a storage registered again replaces its entry and is counted once. The
+    storage's C++ weak reference (``address``) keeps the identity unique: while the entry
+    exists, no other storage can be allocated at its key.
+    """
+
+    __slots__ = ("address", "counted", "cuda", "device", "key", "nbytes", "pinned", "reserved")
+
+    # Plain attributes, set by `make` (see there).
+    address: StorageWeakRef
+    counted: bool
+    cuda: bool
+    device: torch.device
+    key: int
+    nbytes: int
+    pinned: bool
+    reserved: int
+
+    @classmethod
+    def make(
+        cls,
+        storage: torch.UntypedStorage,
+        callback: Callable[[StorageEntry], object],
+        device: torch.device,
+        pinned: bool,
+        cuda: bool,
+    ) -> StorageEntry:
+        """The entry of ``storage`` on simulated ``device`` (``cuda``: whether it is a CUDA
+        device, which the caller knows without reading ``device.type``, a slow property).
+
+        Built field by field, without Python ``__new__``/``__init__`` frames: every
+        simulated copy registers one.
+        """
+        entry = _new_ref(cls, storage, callback)
+        entry.address = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        entry.key = storage._cdata
+        entry.device = device
+        entry.pinned = pinned
+        entry.cuda = cuda
+        entry.nbytes = nbytes = storage.nbytes()
+        entry.reserved = reserved_nbytes(nbytes)
+        entry.counted = False
+        return entry
+
+    def alive(self) -> bool:
+        return self() is not None
+
+
+class StorageRegistry:
+    """The storages a `SimulatedRuntime` created, by storage identity, and the live
+    simulated bytes of each device.
+
+    Methods named ``*_locked`` run with ``lock`` (the runtime's) held; the others take it
+    where they change state. Lookups are lock-free: dict lookups are atomic, and a live
+    storage's identity cannot be registered again while the caller holds the storage.
+
+    Args:
+        lock: The runtime's lock.
+        devices: The simulated CUDA devices.
+        order: The runtime's memory-reuse order.
+        hazards: The runtime's ``hazards`` list, which allocations append to.
+    """
+
+    __slots__ = ("_hazards", "_lock", "_order", "allocated", "entries", "freed", "reserved")
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        devices: tuple[torch.device, ...],
+        order: ReuseOrder[SimulatedStream],
+        hazards: list[SimulatedHazard],
+    ) -> None:
+        self._lock = lock
+        self._order = order
+        self._hazards = hazards
+        self.entries: dict[int, StorageEntry] = {}
+        # Live simulated CUDA bytes per device, allocated and rounded up to the allocator's
+        # block, kept as storages are registered and freed: an allocator reading is O(1).
+        # A freed storage's entry lands in `freed` (its weak reference's callback, which
+        # may run on any thread, only appends) and leaves the registry and the counters
+        # at the next registration or reading.
+        self.allocated: dict[torch.device, int] = dict.fromkeys(devices, 0)
+        self.reserved: dict[torch.device, int] = dict.fromkeys(devices, 0)
+        self.freed: collections.deque[StorageEntry] = collections.deque()
+
+    # --- facts about values -----------------------------------------------------------
+    def measure(self, value: TensorResident) -> ValueFacts:
+        """A value's device, pinning and storage in one pass (`SimulatedRuntime.measure`)."""
+        tensors = value._resident_tensors
+        if len(tensors) == 1:
+            # One tensor, one lookup: the same facts as the general pass below.
+            (tensor,) = tensors
+            storage = tensor.untyped_storage()
+            entry = self.entries.get(storage._cdata)
+            if entry is not None:
+                device, pinned_here = entry.device, entry.pinned
+            else:
+                device = tensor.device
+                pinned_here = device.type == "cpu" and tensor.is_pinned()
+            size = storage.nbytes()
+            code = -1 if device.type == "cpu" else (device.index or 0)
+            return ValueFacts(
+                device,
+                code,
+                bool(size) and code == -1 and pinned_here,
+                tensor.nbytes,
+                size,
+                [(code, storage.data_ptr())] if size else [],
+            )
+        device = self.value_device(value)
+        on_host = device.type == "cpu"
+        code = -1 if on_host else (device.index or 0)
+        pinning: set[bool] = set()
+        logical = 0
+        sizes: dict[int, int] = {}
+        for tensor in value._resident_tensors:
+            logical += tensor.nbytes
+            storage = tensor.untyped_storage()
+            size = storage.nbytes()
+            if size and sizes.setdefault(storage.data_ptr(), size) != size:
+                _ = value.storage_nbytes  # raises the documented RuntimeError
+            if on_host and size:
+                # Only memory can be pinned: an empty tensor is neither pinned nor
+                # pageable, and an all-empty host value reads as pageable.
+                pinning.add(self.facts(tensor)[1])
+        pinned: bool | None = (True in pinning) if len(pinning) <= 1 else None
+        return ValueFacts(
+            device, code, pinned, logical, sum(sizes.values()), [(code, ptr) for ptr in sizes]
+        )
+
+    def is_pinned(self, value: TensorResident) -> bool:
+        """Whether a host value is wholly in simulated pinned memory."""
+        # Like TensorResident.is_pinned: the device check comes first and raises the same way.
+        if self.value_device(value).type != "cpu":
+            return False
+        pinning = [
+            self.facts(tensor)[1]
+            for tensor in value._resident_tensors
+            if tensor.untyped_storage().nbytes() > 0
+        ]
+        return bool(pinning) and all(pinning)
+
+    def pinning_is_uniform(self, value: TensorResident) -> bool:
+        """Whether a value's host tensors with storage are all pinned or all pageable."""
+        pinning = set()
+        for tensor in value._resident_tensors:
+            device, pinned = self.facts(tensor)
+            if device.type == "cpu" and tensor.untyped_storage().nbytes() > 0:
+                pinning.add(pinned)
+        return len(pinning) <= 1
+
+    def storage_keys(self, value: TensorResident) -> frozenset[tuple[torch.device, int]]:
+        """The ``(device, storage address)`` of every non-empty storage of a value."""
+        keys: set[tuple[torch.device, int]] = set()
+        for tensor in value._resident_tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() > 0:
+                entry = self.entries.get(storage._cdata)
+                device = tensor.device if entry is None else entry.device
+                keys.add((device, storage.data_ptr()))
+        return frozenset(keys)
+
+    def placement(self, value: TensorResident | torch.Tensor) -> ResidencyLocation:
+        """Where a value (or one tensor) lives in the simulation, as a location."""
+        tensors = (value,) if isinstance(value, torch.Tensor) else value._resident_tensors
+        facts = {self.facts(tensor) for tensor in tensors}
+        if len(facts) > 1:
+            # Empty tensors have no memory to pin: the others decide between the hosts.
+            with_storage = {
+                self.facts(tensor) for tensor in tensors if tensor.untyped_storage().nbytes() > 0
+            }
+            if len({device for device, _ in facts}) == 1 and len(with_storage) == 1:
+                facts = with_storage
+        if not facts:
+            raise RuntimeError(f"{type(value).__name__} has no tensor fields, so no placement")
+        if len(facts) > 1:
+            raise RuntimeError(
+                f"{type(value).__name__} has mixed placements: {sorted(map(str, facts))}"
+            )
+        ((device, pinned),) = facts
+        if device.type == "cuda":
+            return cuda_location(device)
+        if device.type != "cpu":
+            raise RuntimeError(f"{device} is not a residency location")
+        return PINNED_HOST if pinned else PAGEABLE_HOST
+
+    def facts(self, tensor: torch.Tensor) -> tuple[torch.device, bool]:
+        """(simulated device, simulated pinning) of one tensor."""
+        # A lock-free read: dict lookups are atomic, and a live storage's identity cannot be
+        # re-registered while we hold it.
+        entry = self.entries.get(tensor.untyped_storage()._cdata)
+        if entry is not None:
+            return entry.device, entry.pinned
+        device = tensor.device
+        return device, device.type == "cpu" and tensor.is_pinned()
+
+    def value_device(self, value: TensorResident) -> torch.device:
+        tensors = value._resident_tensors
+        if not tensors:
+            raise RuntimeError(f"{type(value).__name__} has no tensor fields, so no device")
+        device = self.facts(tensors[0])[0]
+        for tensor in tensors[1:]:
+            other = self.facts(tensor)[0]
+            if other != device:
+                raise RuntimeError(
+                    f"{type(value).__name__} spans several devices ({device} and {other}); "
+                    "every tensor field must share one device"
+                )
+        return device
+
+    def device_storage_keys(self, tensors: Iterable[torch.Tensor]) -> list[int]:
+        """The keys of the registered simulated device storages among ``tensors``'."""
+        keys = []
+        for tensor in tensors:
+            entry = self.entries.get(tensor.untyped_storage()._cdata)
+            if entry is not None and entry.cuda:
+                keys.append(entry.key)
+        return keys
+
+    def bytes_by_device(self, value: TensorResident) -> dict[torch.device, int]:
+        """The value's unique non-empty storage bytes, by simulated device."""
+        by_device: dict[torch.device, int] = {}
+        seen: set[int] = set()
+        for tensor in value._resident_tensors:
+            device = self.facts(tensor)[0]
+            by_device.setdefault(device, 0)
+            storage = tensor.untyped_storage()
+            size = storage.nbytes()
+            if size and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                by_device[device] += size
+        return by_device
+
+    # --- registration -------------------------------------------------------------------
+    def register(
+        self,
+        tensors: Iterable[torch.Tensor],
+        device: torch.device,
+        *,
+        pinned: bool,
+        owner: SimulatedStream | None = None,
+    ) -> None:
+        with self._lock:
+            self.register_locked(tensors, device, pinned=pinned, owner=owner)
+
+    def register_locked(
+        self,
+        tensors: Iterable[torch.Tensor],
+        device: torch.device,
+        *,
+        pinned: bool,
+        owner: SimulatedStream | None = None,
+    ) -> None:
+        freed = self.freed.append
+        cuda = device.type == "cuda"
+        self.drain_freed_locked()
+        if owner is not None:
+            # An allocation on `owner` may reuse any block freed to its pool.
+            for reader, nbytes in self._order.check(owner):
+                self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if pinned and storage.nbytes() == 0:
+                # As torch's pinned allocator: zero bytes get no pinned storage, so
+                # an empty tensor stays a plain (pageable) CPU tensor.
+                continue
+            entry = StorageEntry.make(storage, freed, device, pinned, cuda)
+            previous = self.entries.get(entry.key)
+            if previous is not None and previous.alive():
+                # The same storage again (a view of one already registered): the new
+                # entry replaces it, and its bytes are counted once.
+                self.uncount_locked(previous)
+            self.entries[entry.key] = entry
+            if cuda:
+                if owner is not None:
+                    self._order.allocated(owner, entry.key)
+                self.allocated[device] += entry.nbytes
+                self.reserved[device] += entry.reserved
+                entry.counted = True
+
+    def register_copy_locked(
+        self, tensors: tuple[torch.Tensor, ...], device: torch.device, owner: SimulatedStream
+    ) -> None:
+        """`register_locked` of a new copy's tensors on simulated CUDA ``device``, allocated
+        on ``owner``: the same steps, with a shortcut for the common single tensor."""
+        if len(tensors) != 1:
+            self.register_locked(tensors, device, pinned=False, owner=owner)
+            return
+        if self.freed:
+            self.drain_freed_locked()
+        # An allocation on `owner` may reuse any block freed to its pool.
+        for reader, nbytes in self._order.check(owner):
+            self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
+        entry = StorageEntry.make(
+            tensors[0].untyped_storage(), self.freed.append, device, False, True
+        )
+        previous = self.entries.get(entry.key)
+        if previous is not None and previous.alive():
+            self.uncount_locked(previous)
+        self.entries[entry.key] = entry
+        self._order.allocated(owner, entry.key)
+        self.allocated[device] += entry.nbytes
+        self.reserved[device] += entry.reserved
+        entry.counted = True
+
+    def uncount_locked(self, entry: StorageEntry) -> None:
+        if entry.counted:
+            entry.counted = False
+            self.allocated[entry.device] -= entry.nbytes
+            self.reserved[entry.device] -= entry.reserved
+
+    def drain_freed_locked(self) -> None:
+        """Takes the storages freed since the last call out of the registry and counters;
+        the work is one step per storage freed, however many are alive."""
+        freed = self.freed
+        while freed:
+            entry = freed.popleft()
+            self.uncount_locked(entry)
+            # A storage registered again has a newer entry there; no other storage can
+            # have the key while this entry exists (its `address` holds it).
+            if self.entries.get(entry.key) is entry:
+                del self.entries[entry.key]
+                if entry.cuda:
+                    self._order.freed(entry.key, entry.nbytes)
+
+    def sample(self, device: torch.device) -> tuple[int, int]:
+        """(allocated, reserved) bytes of a simulated device, after taking the freed out."""
+        with self._lock:
+            if self.freed:
+                self.drain_freed_locked()
+            return self.allocated[device], self.reserved[device]
+
+
+def reserved_nbytes(nbytes: int) -> int:
+    """A storage's bytes as the simulated allocator reserves them: whole blocks."""
+    return -(-nbytes // _BLOCK) * _BLOCK
