@@ -18,8 +18,8 @@ import torch
 from tests.helpers.limits import capped
 
 from fhelium.residency.__main__ import build_parser, main
-from fhelium.residency._bytesize import format_bytes
 from fhelium.residency._demos._progress import Progress
+from fhelium.residency.sizes import format_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -179,7 +179,7 @@ def test_progress_is_drawn_on_a_terminal_and_silent_elsewhere(
     assert "\r" not in captured.err
     assert "[" not in captured.err
     # The header reads in human units: 6 layers of 4 KiB, 24 KiB of weights.
-    assert f"6 layers of {format_bytes(32 * 32 * 4)} ({format_bytes(6 * 32 * 32 * 4)}" in (
+    assert f"6 layers of {format_size(32 * 32 * 4)} ({format_size(6 * 32 * 32 * 4)}" in (
         captured.out
     )
     assert "4 KiB" in captured.out

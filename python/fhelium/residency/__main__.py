@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from fhelium.residency._bytesize import parse_bytes
 from fhelium.residency._demos import DemoUsageError
+from fhelium.residency.sizes import parse_size
 
 # The options of `demo layers` only, with the value `parse_args` leaves when absent.
 _LAYER_OPTIONS = ("passes", "budget_layers", "width", "batch", "disk", "host_layers")
@@ -94,7 +94,7 @@ def _size(text: str) -> int:
     except argparse.ArgumentTypeError:
         pass
     try:
-        value = parse_bytes(text, "budget")
+        value = parse_size(text, "budget")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     if value <= 0:

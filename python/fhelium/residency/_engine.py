@@ -136,7 +136,7 @@ class Engine:
     )
 
     def __init__(
-        self, budgets: Mapping[ResidencyLocation, int | str] | None, trace_capacity: int
+        self, budgets: Mapping[ResidencyLocation, int] | None, trace_capacity: int
     ) -> None:
         if budgets is not None and not isinstance(budgets, Mapping):
             raise TypeError(f"budgets must be a Mapping or None, got {type(budgets).__name__}")
@@ -247,7 +247,7 @@ class Engine:
         return hold
 
     def reserve(
-        self, location: ResidencyLocation, nbytes: int | str, *, label: str
+        self, location: ResidencyLocation, nbytes: int, *, label: str
     ) -> ResidencyReservation:
         """Charge `nbytes` of accounting headroom at `location` until released."""
         nbytes = byte_size(nbytes, "nbytes")

@@ -10,8 +10,6 @@ from typing import TypeVar
 
 import torch
 
-from fhelium.residency._bytesize import parse_bytes
-
 T = TypeVar("T")
 
 
@@ -115,14 +113,13 @@ def byte_count(value: int, name: str) -> int:
 
 
 def byte_size(value: object, name: str) -> int:
-    """A byte count a person may write: an int (`index_int`) or a string such as
-    ``"8GiB"``, ``"512MB"`` or ``"1.5 GiB"``
+    """A byte count taken as an index int (`index_int`), at most 2**64 - 1; a string such
+    as ``"8GiB"`` is a `TypeError` that says how to write it
     (docs/concepts/locations-and-budgets.md#byte-counts)."""
     if isinstance(value, str):
-        return parse_bytes(value, name)
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(
-            f"{name} must be an int or a size such as '8GiB', got {type(value).__name__}"
+            f"{name} must be an int, got str {value!r}: for a size such as '8GiB', pass "
+            f"fhelium.residency.sizes.parse_size({value!r})"
         )
     return byte_count(index_int(value, name), name)
 

@@ -64,8 +64,9 @@ class ResidencyManager:
     Args:
         budgets: Strict byte budgets by location, registered in mapping order. Every other
             location is unbudgeted (never refused, accounted the same way). Each budget is an
-            index int (see docs/concepts/conventions.md#integer-arguments) or a size such as
-            ``"8GiB"`` (see docs/concepts/locations-and-budgets.md#byte-counts).
+            index int (see docs/concepts/conventions.md#integer-arguments); a size such as
+            ``"8GiB"`` is written ``sizes.parse_size("8GiB")``
+            (docs/concepts/locations-and-budgets.md#byte-counts).
         trace_capacity: How many transition reports `trace` keeps (oldest dropped first);
             0 disables the trace. An index int.
 
@@ -93,7 +94,7 @@ class ResidencyManager:
 
     def __init__(
         self,
-        budgets: Mapping[ResidencyLocation, int | str] | None = None,
+        budgets: Mapping[ResidencyLocation, int] | None = None,
         *,
         trace_capacity: int = 4096,
     ) -> None:
@@ -803,7 +804,7 @@ class ResidencyManager:
         return self._engine.hold(handles, at=at)
 
     def reserve(
-        self, location: ResidencyLocation, nbytes: int | str, *, label: str
+        self, location: ResidencyLocation, nbytes: int, *, label: str
     ) -> ResidencyReservation:
         """Charge ``nbytes`` of accounting headroom at ``location`` until released.
 
@@ -813,7 +814,7 @@ class ResidencyManager:
 
         Args:
             location: Where to reserve.
-            nbytes: How many bytes; an index int, or a size such as ``"64MiB"`` (see
+            nbytes: How many bytes; an index int (``sizes.parse_size("64MiB")`` for a size, see
                 docs/concepts/locations-and-budgets.md#byte-counts).
             label: A non-empty name, shown in snapshots.
 
@@ -821,10 +822,11 @@ class ResidencyManager:
             The active reservation.
 
         Raises:
-            TypeError: ``nbytes`` is a ``bool`` or neither an integer nor a string; ``label``
-                is not a string; ``location`` is not a location.
-            ValueError: A negative ``nbytes``, one above ``2**64 - 1``, or a string that is not
-                a byte count; a blank ``label``; an unusable CUDA location.
+            TypeError: ``nbytes`` is a ``bool`` or not an integer (a string, such as ``"64MiB"``,
+                included: the message says to pass ``sizes.parse_size``); ``label`` is not a
+                string; ``location`` is not a location.
+            ValueError: A negative ``nbytes`` or one above ``2**64 - 1``; a blank ``label``; an
+                unusable CUDA location.
             ResidencyBudgetError: The bytes do not fit the budget at ``location``.
             ResidencyClosedError: The manager is closed.
             ResidencyReentrancyError: A source callback of this manager is running, or this

@@ -10,7 +10,6 @@ from typing import Any, Generic, TypeAlias, TypeVar
 
 from fhelium._core import ActionKind
 from fhelium.residency import _lowering
-from fhelium.residency._bytesize import parse_bytes
 from fhelium.residency._validation import (
     require_count,
     require_instance,
@@ -159,15 +158,14 @@ class MemoryReservation:
 
     Attributes:
         location: Where the bytes are reserved.
-        nbytes: How many bytes: a strict int >= 0, or a size such as ``"64MiB"`` (see
-            docs/concepts/locations-and-budgets.md#byte-counts), kept as its exact int.
+        nbytes: How many bytes (a strict int >= 0; for a size such as ``"64MiB"``, pass
+            ``sizes.parse_size("64MiB")``, docs/concepts/locations-and-budgets.md#byte-counts).
         label: A non-empty name, shown in snapshots and budget errors.
 
     Raises:
-        TypeError: ``location`` is not a `ResidencyLocation`, ``nbytes`` neither a strict
-            int nor a string, or ``label`` not a string.
-        ValueError: A negative ``nbytes``, a string that is not a byte count, or a blank
-            ``label``.
+        TypeError: ``location`` is not a `ResidencyLocation`, ``nbytes`` not a strict int,
+            or ``label`` not a string.
+        ValueError: A negative ``nbytes`` or a blank ``label``.
     """
 
     location: ResidencyLocation
@@ -176,8 +174,6 @@ class MemoryReservation:
 
     def __post_init__(self) -> None:
         require_instance(self.location, ResidencyLocation, "location")
-        if isinstance(self.nbytes, str):
-            object.__setattr__(self, "nbytes", parse_bytes(self.nbytes, "nbytes"))
         require_count(self.nbytes, "nbytes")
         require_non_empty_str(self.label, "label")
 

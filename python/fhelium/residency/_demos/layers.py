@@ -35,12 +35,12 @@ from fhelium.residency import (
     ResidencySnapshot,
     ResidencyTransitionReport,
 )
-from fhelium.residency._bytesize import format_bytes
 from fhelium.residency._demos import DemoUsageError
 from fhelium.residency._demos._compute import MIB, Compute, GpuTimer
 from fhelium.residency._demos._progress import Progress
 from fhelium.residency.disk import DiskLocation, disk_location
 from fhelium.residency.schedule import ScheduleAwarePolicy
+from fhelium.residency.sizes import format_size
 from fhelium.residency.sources import SafetensorsSource
 from fhelium.values import ResidentTensor
 
@@ -202,7 +202,7 @@ def run_demo(
             )
         log(
             f"fhelium.residency demo: {passes} passes over {layers} layers of "
-            f"{format_bytes(layer_bytes)} ({format_bytes(layers * layer_bytes)} of weights)"
+            f"{format_size(layer_bytes)} ({format_size(layers * layer_bytes)} of weights)"
         )
         log(
             f"compute: {compute.description}; budget {budget / MIB:.1f} MiB "
@@ -462,7 +462,7 @@ def run_distributed_demo(
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log(
         f"fhelium.residency demo --distributed: {world} ranks ({summary['backend']}), "
-        f"{passes} passes over {layers} layers of {format_bytes(layer_bytes)}, partitioned"
+        f"{passes} passes over {layers} layers of {format_size(layer_bytes)}, partitioned"
     )
     log(f"compute: {compute.description}; per-rank budget {budget / MIB:.1f} MiB")
     log("")

@@ -42,10 +42,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fhelium.residency._bytesize import with_exact
 from fhelium.residency._demos import DemoUsageError
 from fhelium.residency._demos._compute import MIB, Compute
 from fhelium.residency._demos._progress import Progress
+from fhelium.residency.sizes import format_size
 
 __all__ = ["GPU_SIZES", "CPU_SIZES", "LlamaSizes", "run_llama_demo"]
 
@@ -375,8 +375,9 @@ def run_llama_demo(
     third = weights // 3 if budget_bytes is None else budget_bytes
     if third < max(units):
         raise DemoUsageError(
-            f"a device budget of {with_exact(third)} is smaller than the largest unit "
-            f"({with_exact(max(units))}): give a budget of at least that, or smaller layers"
+            f"a device budget of {format_size(third, exact=True)} is smaller than the "
+            f"largest unit ({format_size(max(units), exact=True)}): give a budget of at "
+            "least that, or smaller layers"
         )
     budgets = {"everything": weights, "largest unit": max(units), "a third": third}
     prompt = torch.randint(

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from fhelium.errors import ResidencyClosedError
-from fhelium.residency._bytesize import parse_bytes
 from fhelium.residency._runtime import current_runtime
 from fhelium.residency._runtime.torch_runtime import TorchCudaRuntime
 from fhelium.residency._validation import byte_count, require_strict_int
@@ -40,6 +39,7 @@ from fhelium.residency.nn._units import Placeholder, UnitRule, plan_units
 from fhelium.residency.nn._values import OffloadUnit, OffloadValue, adopt_groups, host_location
 from fhelium.residency.policy import ResidencyPolicy
 from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
+from fhelium.residency.sizes import parse_size
 
 __all__ = ["Offload", "offload"]
 
@@ -485,7 +485,7 @@ class Offload:
 def _size(amount: object, name: str) -> int:
     """A budget argument: a strict int >= 0, or a size such as ``"8GiB"``."""
     if isinstance(amount, str):
-        return parse_bytes(amount, name)
+        return parse_size(amount, name)
     if require_strict_int(amount, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {amount}")
     return byte_count(amount, name)  # type: ignore[arg-type]

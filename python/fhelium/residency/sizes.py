@@ -1,6 +1,6 @@
-"""Byte counts a person reads and writes: ``"8GiB"``, ``"512MB"``, ``"1.5 GiB"`` parsed to
-exact integers, and integers shown in the largest binary unit that reads well (see
-docs/concepts/locations-and-budgets.md#byte-counts)."""
+"""Byte counts as people write and read them: `parse_size` turns ``"8GiB"``, ``"512MB"``
+or ``"1.5 GiB"`` into an exact ``int``; `format_size` shows an ``int`` in the largest
+binary unit that reads well. See docs/concepts/locations-and-budgets.md#byte-counts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Final
 
-__all__ = ["MAX_BYTES", "format_bytes", "parse_bytes", "with_exact"]
+__all__ = ["format_size", "parse_size"]
 
 # The largest count the core keeps (an unsigned 64-bit integer).
 MAX_BYTES: Final = (1 << 64) - 1
@@ -40,11 +40,20 @@ _SHOWN: Final = (
 )
 
 
-def parse_bytes(value: object, what: str = "byte count") -> int:
-    """``value`` as an exact number of bytes: a non-negative ``int``, or a string of a
-    number and an optional unit (``B``, ``KiB``..``PiB`` in powers of 1024, ``KB``..``PB``
-    in powers of 1000; case-insensitive, spaces allowed). A fractional number must come
-    to a whole number of bytes (``"1.5 GiB"`` does; ``"1.5 B"`` does not).
+def parse_size(value: object, what: str = "byte count") -> int:
+    """``value`` as an exact number of bytes.
+
+    A non-negative ``int`` is returned as it is. A string is a number and an optional
+    unit: ``B``, ``KiB`` to ``PiB`` in powers of 1024, ``KB`` to ``PB`` in powers of 1000,
+    case-insensitive, spaces allowed. A fractional number must come to a whole number of
+    bytes (``"1.5 GiB"`` does; ``"1.5 B"`` does not).
+
+    Args:
+        value: The count: an ``int`` or a string such as ``"8GiB"``.
+        what: What the count is, for the error messages (``"budget"``, say).
+
+    Returns:
+        The exact number of bytes.
 
     Raises:
         TypeError: ``value`` is neither an ``int`` nor a ``str`` (``bool`` included).
@@ -85,9 +94,29 @@ def parse_bytes(value: object, what: str = "byte count") -> int:
     return count
 
 
-def format_bytes(count: int) -> str:
-    """``count`` in the largest binary unit it reaches, to three significant digits at
-    most (``"6 MiB"``, ``"256 KiB"``, ``"1.5 GiB"``, ``"17 bytes"``)."""
+def format_size(count: int, *, exact: bool = False) -> str:
+    """``count`` bytes in the largest binary unit it reaches, to three significant digits
+    at most.
+
+    Args:
+        count: A number of bytes.
+        exact: Also show the exact count, in parentheses, when the unit is not bytes.
+
+    Returns:
+        ``"6 MiB"``, ``"256 KiB"``, ``"1.5 GiB"``, ``"17 bytes"``; with ``exact``,
+        ``"1.5 GiB (1610612736 bytes)"``.
+
+    Example:
+        ```python
+        from fhelium.residency.sizes import format_size, parse_size
+
+        assert parse_size("1.5 GiB") == 1610612736
+        assert format_size(parse_size("1.5 GiB"), exact=True) == "1.5 GiB (1610612736 bytes)"
+        ```
+    """
+    if exact:
+        shown = format_size(count)
+        return shown if shown.endswith(("bytes", "byte")) else f"{shown} ({count} bytes)"
     size = abs(count)
     for unit, scale in _SHOWN:
         if size >= scale:
@@ -96,10 +125,3 @@ def format_bytes(count: int) -> str:
                 shown = f"{count / scale:.0f}"
             return f"{shown} {unit}"
     return f"{count} byte" if size == 1 else f"{count} bytes"
-
-
-def with_exact(count: int) -> str:
-    """``count`` for a message: the readable size and, when it is not a plain count of
-    bytes, the exact one (``"1.5 GiB (1610612736 bytes)"``)."""
-    shown = format_bytes(count)
-    return shown if shown.endswith(("bytes", "byte")) else f"{shown} ({count} bytes)"

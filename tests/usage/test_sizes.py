@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fhelium.residency._bytesize import MAX_BYTES, format_bytes, parse_bytes, with_exact
+from fhelium.residency.sizes import MAX_BYTES, format_size, parse_size
 
 
 @pytest.mark.parametrize(
@@ -33,12 +33,12 @@ from fhelium.residency._bytesize import MAX_BYTES, format_bytes, parse_bytes, wi
     ],
 )
 def test_strings_parse_to_exact_counts(text: str, count: int) -> None:
-    assert parse_bytes(text) == count
+    assert parse_size(text) == count
 
 
 def test_ints_pass_through_exactly() -> None:
-    assert parse_bytes(123456789012345) == 123456789012345
-    assert parse_bytes(MAX_BYTES) == MAX_BYTES
+    assert parse_size(123456789012345) == 123456789012345
+    assert parse_size(MAX_BYTES) == MAX_BYTES
 
 
 @pytest.mark.parametrize(
@@ -59,14 +59,14 @@ def test_ints_pass_through_exactly() -> None:
 )
 def test_anything_else_is_a_value_error_that_says_how(value: object, says: str) -> None:
     with pytest.raises(ValueError, match="budget") as error:
-        parse_bytes(value, "budget")
+        parse_size(value, "budget")
     assert says in str(error.value)
 
 
 @pytest.mark.parametrize("value", [1.5, None, True, b"8GiB", [8]])
 def test_other_types_are_a_type_error(value: object) -> None:
     with pytest.raises(TypeError, match="'8GiB'"):
-        parse_bytes(value)
+        parse_size(value)
 
 
 @pytest.mark.parametrize(
@@ -84,21 +84,21 @@ def test_other_types_are_a_type_error(value: object) -> None:
     ],
 )
 def test_counts_show_in_the_largest_unit(count: int, shown: str) -> None:
-    assert format_bytes(count) == shown
+    assert format_size(count) == shown
 
 
 def test_messages_carry_the_exact_count() -> None:
-    assert with_exact(3 << 29) == "1.5 GiB (1610612736 bytes)"
-    assert with_exact(17) == "17 bytes"
+    assert format_size(3 << 29, exact=True) == "1.5 GiB (1610612736 bytes)"
+    assert format_size(17, exact=True) == "17 bytes"
 
 
 @given(st.integers(min_value=0, max_value=MAX_BYTES))
 def test_a_count_round_trips_through_its_exact_text(count: int) -> None:
-    assert parse_bytes(f"{count}") == count
-    assert parse_bytes(f"{count} B") == count
+    assert parse_size(f"{count}") == count
+    assert parse_size(f"{count} B") == count
 
 
 @given(st.integers(min_value=0, max_value=(1 << 34) - 1), st.sampled_from(["KiB", "MiB", "GiB"]))
 def test_whole_units_scale_exactly(number: int, unit: str) -> None:
     scale = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
-    assert parse_bytes(f"{number}{unit}") == number * scale
+    assert parse_size(f"{number}{unit}") == number * scale
