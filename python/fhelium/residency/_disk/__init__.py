@@ -1,7 +1,8 @@
 """The disk tier, split by concept (docs/architecture.md):
 
 - `format`: the file format (a safetensors file per value, a checksum per storage),
-  the value's storage layout, and the file reads and writes;
+  the value's storage layout in the header (`fhelium.residency._storage_layout`
+  describes it), and the file reads and writes;
 - `store`: `DiskStore`, one owner's directory of files: ownership, stale directories,
   atomic writes, checked reads;
 - `staging`: the `Staging` ring, and the transfers that stream a file or a host value

@@ -22,9 +22,11 @@ written, before the file is synced and renamed.
 The header is padded with spaces (as the format allows) so that the data starts at a
 multiple of 4096 bytes: the data can then be read and written with direct I/O.
 
-A value's storage layout (which storage each tensor views, and how: `layout` describes
-it, `rebuild` makes the tensors again from the storages' bytes, `DiskFile` records it)
-is written here only.
+A value's storage layout (which storage each tensor views, and how) is the one the
+distributed transfers use too, written once in `fhelium.residency._storage_layout`:
+`layout` records it in the header, `DiskFile` keeps it, `rebuild` makes the tensors
+again from the storages' bytes. A tensor on a zero-byte storage gets a zero-length
+storage of its own, so every field names one.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ import torch
 
 from fhelium._core import Checksum
 from fhelium.errors import ResidencyIntegrityError, ResidencyMaterializationError
+from fhelium.residency._safetensors import DTYPES
+from fhelium.residency._storage_layout import Field, describe
+from fhelium.residency._storage_layout import rebuild as rebuild_views
 from fhelium.values.tensor_resident import TensorResident
 
 __all__ = [
@@ -82,20 +87,10 @@ CHECKSUM: Final = "xxh3-64"
 # What a checksum looks like in the header while the data is still being written.
 UNKNOWN: Final = "0" * 16
 
-_DTYPES: Final[dict[torch.dtype, str]] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-}
-_NAMES: Final = {name: dtype for dtype, name in _DTYPES.items()}
+# The dtypes a file stores, by their safetensors names (the one table of those names is
+# `fhelium.residency._safetensors.DTYPES`): format "1" stores these and no others.
+_STORED: Final = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "C64")
+_NAMES: Final[dict[torch.dtype, str]] = {DTYPES[name]: name for name in _STORED}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +103,8 @@ class DiskFile:
     skeleton: TensorResident
     # (entry offset from the data start, entry length) per storage, in storage order.
     storages: tuple[tuple[int, int], ...]
-    # Per field: (storage index, dtype, element offset, shape, stride).
-    fields: tuple[tuple[int, torch.dtype, int, tuple[int, ...], tuple[int, ...]], ...]
+    # Per field: its storage, element offset, shape, stride and dtype.
+    fields: tuple[Field, ...]
     data_start: int
     # Per storage: its XXH3-64 checksum as written, 16 hexadecimal digits.
     checksums: tuple[str, ...]
@@ -117,86 +112,57 @@ class DiskFile:
 
 def layout(
     tensors: tuple[torch.Tensor, ...],
-) -> tuple[dict[str, Any], tuple[tuple[int, int], ...], tuple[Any, ...], list[torch.Tensor]]:
+) -> tuple[dict[str, Any], tuple[tuple[int, int], ...], tuple[Field, ...], list[torch.Tensor]]:
     """The safetensors header, each storage's (offset, length), each field's view, and
-    the byte blobs to write in order."""
-    storage_index: dict[int, int] = {}
-    blobs: list[torch.Tensor] = []
+    the byte blobs to write in order.
+
+    Raises:
+        TypeError: A tensor of a dtype the format does not store.
+    """
+    for tensor in tensors:
+        if tensor.dtype not in _NAMES:
+            raise TypeError(f"cannot store a {tensor.dtype} tensor on disk")
+    described, blobs = describe(tensors, "own")
     storages: list[tuple[int, int]] = []
-    fields: list[tuple[int, torch.dtype, int, tuple[int, ...], tuple[int, ...]]] = []
     header: dict[str, Any] = {}
     offset = 0
-    whole: dict[int, int] = {}
-    for position, tensor in enumerate(tensors):
-        if tensor.dtype not in _DTYPES:
-            raise TypeError(f"cannot store a {tensor.dtype} tensor on disk")
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr() if storage.nbytes() else -1 - position
-        if key not in storage_index:
-            storage_index[key] = len(blobs)
-            blob = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-                storage, 0, (storage.nbytes(),), (1,)
-            )
-            blobs.append(blob)
-            storages.append((offset, storage.nbytes()))
-            offset += storage.nbytes()
-            whole[storage_index[key]] = (
-                position
-                if (
-                    tensor.is_contiguous()
-                    and tensor.storage_offset() == 0
-                    and tensor.nbytes == storage.nbytes()
-                )
-                else -1
-            )
-        else:
-            whole[storage_index[key]] = -1  # shared: raw bytes
-        index = storage_index[key]
-        fields.append(
-            (
-                index,
-                tensor.dtype,
-                int(tensor.storage_offset()),
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-            )
-        )
-    for index, (begin, length) in enumerate(storages):
-        field = whole[index]
+    for index, (length, field) in enumerate(zip(described.storages, described.whole, strict=True)):
+        storages.append((offset, length))
         if field >= 0:
-            tensor = tensors[field]
             header[f"field.{field}"] = {
-                "dtype": _DTYPES[tensor.dtype],
-                "shape": list(tensor.shape),
-                "data_offsets": [begin, begin + length],
+                "dtype": _NAMES[tensors[field].dtype],
+                "shape": list(tensors[field].shape),
+                "data_offsets": [offset, offset + length],
             }
         else:
             header[f"storage.{index}"] = {
                 "dtype": "U8",
                 "shape": [length],
-                "data_offsets": [begin, begin + length],
+                "data_offsets": [offset, offset + length],
             }
+        offset += length
     header["__metadata__"] = {
         "fhelium.format": FORMAT,
         "fhelium.checksum": CHECKSUM,
         "fhelium.fields": json.dumps(
             [
-                [index, _DTYPES[dtype], element, list(shape), list(stride)]
-                for index, dtype, element, shape, stride in fields
+                [
+                    field.storage,
+                    _NAMES[field.dtype],
+                    field.offset,
+                    list(field.size),
+                    list(field.stride),
+                ]
+                for field in described.fields
             ]
         ),
     }
-    return header, tuple(storages), tuple(fields), blobs
+    return header, tuple(storages), described.fields, blobs
 
 
 def rebuild(file: DiskFile, buffers: list[torch.Tensor]) -> TensorResident:
     """The stored value's tensors as views of ``buffers`` (one per storage)."""
-    tensors = []
-    for storage, dtype, offset, shape, stride in file.fields:
-        tensor = torch.empty(0, dtype=dtype, device=buffers[storage].device)
-        tensor.set_(buffers[storage].untyped_storage(), offset, shape, stride)
-        tensors.append(tensor)
-    return file.skeleton._with_resident_tensors(tuple(tensors))
+    return rebuild_views(file.skeleton, file.fields, buffers, None)
 
 
 def prefix(header: dict[str, Any], checksums: list[str]) -> bytes:

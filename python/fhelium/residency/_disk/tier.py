@@ -198,8 +198,9 @@ class DiskTier:
     def facts(self, file: DiskFile) -> tuple[int, int]:
         """(logical bytes, storage bytes) of a stored value."""
         logical = sum(
-            int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
-            for _, dtype, _, shape, _ in file.fields
+            int(np.prod(field.size, dtype=np.int64))
+            * torch.empty(0, dtype=field.dtype).element_size()
+            for field in file.fields
         )
         return logical, sum(length for _, length in file.storages)
 
