@@ -8,9 +8,12 @@ dependency) and the scripts are only parsed by ``bash -n``.
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import os
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -19,6 +22,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
 SCRIPTS = ("wheel", "wheel-check")
+# Import names whose declared distribution the installed metadata cannot tell: cuda-python
+# is a metapackage, and the ``cuda`` namespace's files belong to cuda-bindings and others.
+IMPORTED_AS = {"cuda": ("cuda-python",)}
 
 
 def _jobs() -> dict[str, str]:
@@ -130,3 +136,47 @@ def test_the_check_uses_a_fresh_venv_without_rust_and_runs_the_readme_example() 
 def test_built_wheels_and_venvs_are_ignored() -> None:
     ignored = set((ROOT / ".gitignore").read_text(encoding="utf-8").split())
     assert {"/dist/", "/.venv-wheel/", "/.venv-wheel-check/"} <= ignored
+
+
+def canonicalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _module_level_imports() -> dict[str, list[str]]:
+    """Third-party top-level modules the package imports when it is imported (at module
+    level, including inside a module-level ``try``/``if``), with where."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "python" / "fhelium").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for statement in tree.body:
+            nodes = ast.walk(statement) if isinstance(statement, ast.If | ast.Try) else [statement]
+            for node in nodes:
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.partition(".")[0]
+                    if top not in sys.stdlib_module_names and top != "fhelium":
+                        where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                        found.setdefault(top, []).append(where)
+    return found
+
+
+def test_every_module_imported_at_import_time_is_a_declared_dependency() -> None:
+    # An installed wheel gets only its declared dependencies. numpy, imported by the disk
+    # tier when fhelium.residency is imported, was once undeclared: scripts/wheel-check's
+    # install got it only through cuda-python 13's cuda-core, by chance.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    declared = {
+        canonicalize(re.split(r"[\s<>=!~;\[]", spec)[0]) for spec in project["dependencies"]
+    }
+    providers = importlib.metadata.packages_distributions()
+    imports = _module_level_imports()
+    assert "torch" in imports, "the scan finds the package's imports"
+    for module, places in imports.items():
+        dists = {canonicalize(dist) for dist in providers.get(module, [module])}
+        dists |= set(IMPORTED_AS.get(module, ()))
+        assert dists & declared, f"{module} ({', '.join(places)}) is not a declared dependency"
