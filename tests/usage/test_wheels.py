@@ -128,6 +128,11 @@ def test_the_check_uses_a_fresh_venv_without_rust_and_runs_the_readme_example() 
     assert "-m venv" in commands
     assert "--system-site-packages" not in commands
     assert "command -v cargo" in commands
+    # Nor can a toolchain be found through its homes, or fetched by maturin's backend,
+    # and a source archive (which pip would build despite --only-binary) is refused.
+    assert "MATURIN_NO_INSTALL_RUST=1" in commands
+    assert 'CARGO_HOME="$work/no-cargo" RUSTUP_HOME="$work/no-rustup"' in commands
+    assert '[[ "$wheel" == *.whl ]]' in commands
     assert "--only-binary=:all:" in commands
     assert "README.md" in commands
     assert "```python" in commands
