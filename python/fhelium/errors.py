@@ -135,7 +135,14 @@ class ResidencyBudgetError(ResidencyError):
         super().__init__(
             f"residency budget exceeded at {location!r}: "
             f"budget_bytes={self.budget_bytes}, used_bytes={self.used_bytes}, "
-            f"reserved_bytes={self.reserved_bytes}, requested_bytes={self.requested_bytes}"
+            f"reserved_bytes={self.reserved_bytes}, requested_bytes={self.requested_bytes}. "
+            + _budget_remedy(
+                location,
+                self.budget_bytes,
+                self.used_bytes,
+                self.reserved_bytes,
+                self.requested_bytes,
+            )
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -147,6 +154,30 @@ class ResidencyBudgetError(ResidencyError):
             "requested_bytes": self.requested_bytes,
         }
         return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+def _budget_remedy(location: str, budget: int, used: int, reserved: int, requested: int) -> str:
+    """A budget refusal in plain words: the shortfall in units a person reads, and the
+    ways to make room (docs/concepts/errors.md#messages)."""
+    free = max(budget - used - reserved, 0)
+    shortfall = max(requested - free, 0)
+    raise_it = (
+        f"raise the budget by at least {format_bytes(shortfall)} (budgets take sizes "
+        f"such as '8GiB')"
+    )
+    if requested > budget:
+        return (
+            f"{with_exact(requested)} is more than the whole budget of {with_exact(budget)} "
+            f"at {location}. To make room: {raise_it}, or split the value into smaller ones"
+        )
+    return (
+        f"{with_exact(requested)} does not fit in the {with_exact(free)} free of the "
+        f"{with_exact(budget)} budget at {location} ({format_bytes(used)} used, "
+        f"{format_bytes(reserved)} reserved): {with_exact(shortfall)} more is needed. "
+        f"To make room: {raise_it}, or free room there first (drop or move values away, "
+        f"or let a ResidencyController evict them), or release the holds and "
+        f"reservations at {location}"
+    )
 
 
 class ResidencyHandleError(ResidencyError):
@@ -706,5 +737,6 @@ class ResidencyCheckpointError(ResidencyError, ValueError):
 # The annotations above name record classes of fhelium.residency, which itself imports this
 # module. Importing them here, after every exception class exists, keeps the import order
 # acyclic in effect and lets `typing.get_type_hints` resolve the annotations at runtime.
+from fhelium.residency._bytesize import format_bytes, with_exact  # noqa: E402
 from fhelium.residency.plan import MemoryReservation, ResidencyAction  # noqa: E402
 from fhelium.residency.snapshot import ResidencyPlanReport  # noqa: E402
