@@ -94,7 +94,9 @@ class ResidencyBudgetError(ResidencyError):
 
     Raised when ``used + reserved + incoming <= budget`` would fail: an install, the check
     before a copy, a temporary reconstruction charge, a reservation. The message contains
-    the location and every field as ``key=value``. See
+    the location and every field as ``key=value``, then in plain words how much more room
+    is needed (MiB or GiB beside the exact bytes) and the ways to make it; the attributes
+    are the stable interface (docs/concepts/errors.md#messages). See
     docs/concepts/locations-and-budgets.md#budget-admission.
 
     Args:

@@ -138,8 +138,8 @@ def test_a_capacity_failure_names_what_holds_the_room_and_why() -> None:
         "used=786432, reserved=0, protected=1 materialization(s) of 262144 bytes"
     ) in message
     assert "256 KiB (262144 bytes) more is needed" in message
-    assert f"value {states[0].handle_id!r} (256 KiB) is held by 1 hold(s)" in message
-    assert f"value {states[1].handle_id!r} (256 KiB) is its only copy" in message
+    assert f'value "{states[0].handle_id}" (256 KiB) is held by 1 hold(s)' in message
+    assert f'value "{states[1].handle_id}" (256 KiB) is its only copy' in message
     for remedy in (
         "release the holds",
         "give the policy a fallback tier for cuda:0",
