@@ -294,7 +294,9 @@ class ResidencyIntegrityError(ResidencyMaterializationError):
         self.actual = str(actual)
         super().__init__(
             f"{self.path} is damaged: its data's checksum is {self.actual}, not the "
-            f"{self.expected} recorded when it was written (xxh3-64); nothing was installed"
+            f"{self.expected} recorded when it was written (xxh3-64); nothing was installed. "
+            "Drop that disk copy and read the value from another copy, or rebuild it from "
+            "its source; if files keep failing, check the disk"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -338,7 +340,8 @@ class ResidencyStaleStateError(ResidencyPlanError):
         self.actual_version = int(actual_version)
         super().__init__(
             "residency state changed since the plan was made: "
-            f"expected_version={self.expected_version}, actual_version={self.actual_version}"
+            f"expected_version={self.expected_version}, actual_version={self.actual_version}. "
+            "Decide or build the plan again against the current state"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -395,7 +398,12 @@ class ResidencySearchLimitError(ResidencyPlanError):
         super().__init__(
             f"residency search for request {self.request_name!r} is inconclusive: "
             f"state_limit={self.state_limit}, explored_states={self.explored_states}, "
-            f"bound={self.bound}: {self.detail}"
+            f"bound={self.bound}: {self.detail}. The request may still be feasible: "
+            + (
+                "raise the controller's search_state_limit, or require fewer values at once"
+                if self.bound == "states"
+                else "require fewer values at once, or split the request"
+            )
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

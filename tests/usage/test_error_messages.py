@@ -13,8 +13,11 @@ import torch
 
 from fhelium.errors import (
     ResidencyBudgetError,
+    ResidencyIntegrityError,
     ResidencyMaterializationError,
     ResidencyPlanError,
+    ResidencySearchLimitError,
+    ResidencyStaleStateError,
 )
 from fhelium.residency import (
     PAGEABLE_HOST,
@@ -149,3 +152,20 @@ def test_a_capacity_failure_names_what_holds_the_room_and_why() -> None:
         assert remedy in message, message
     hold.release()
     manager.close()
+
+
+def test_the_other_structured_errors_say_what_to_do() -> None:
+    stale = ResidencyStaleStateError(expected_version=1, actual_version=2)
+    assert "expected_version=1, actual_version=2" in str(stale)
+    assert "Decide or build the plan again" in str(stale)
+    limited = ResidencySearchLimitError(
+        request_name="r", state_limit=5, explored_states=5, detail="d"
+    )
+    assert "raise the controller's search_state_limit" in str(limited)
+    deep = ResidencySearchLimitError(
+        request_name="r", state_limit=5, explored_states=3, detail="d", bound="depth"
+    )
+    assert "require fewer values at once" in str(deep)
+    assert "search_state_limit," not in str(deep)
+    damaged = ResidencyIntegrityError(path="/d/v.safetensors", expected="a", actual="b")
+    assert "Drop that disk copy" in str(damaged)
