@@ -1863,6 +1863,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         const NAMED: usize = 3;
         let mut reasons = Reasons::default();
         let mut named = Vec::new();
+        let mut last_why = String::new();
         let (mut others, mut other_bytes) = (0u64, 0u64);
         for value in self.residents(state, location) {
             let Some(mat) = self.mat_at(state, value, location) else {
@@ -1905,11 +1906,14 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                     .values
                     .handle_name(value)
                     .unwrap_or_else(|| format!("#{}", info.handle));
-                named.push(format!(
-                    "value {name} ({}) is {}",
-                    bytes::format_bytes(mat.charged),
-                    why.join(" and ")
-                ));
+                let why = why.join(" and ");
+                let shown = bytes::format_bytes(mat.charged);
+                named.push(if why == last_why {
+                    format!("value {name} ({shown}) likewise")
+                } else {
+                    format!("value {name} ({shown}) is {why}")
+                });
+                last_why = why;
             } else {
                 others += 1;
                 other_bytes = other_bytes.saturating_add(mat.charged);
