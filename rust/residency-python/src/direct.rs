@@ -273,23 +273,11 @@ fn refused_spec(
     ))
 }
 
-/// What to do with a tensor passed where a managed value is expected.
-pub(crate) const TENSOR_HINT: &str = "wrap a tensor first: fhelium.values.ResidentTensor(tensor) \
-     (see docs/concepts/values.md#tensorresident)";
-
-/// Whether `value` is a `torch.Tensor`.
-pub(crate) fn is_tensor(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
-    let tensor = py
-        .import(intern!(py, "torch"))?
-        .getattr(intern!(py, "Tensor"))?;
-    value.is_instance(&tensor)
-}
-
 /// What to do with a value that is not a `TensorResident`: a tensor is wrapped in a
 /// `ResidentTensor`; anything else through `as_resident`.
 fn wrap_hint(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
-    Ok(if is_tensor(py, value)? {
-        TENSOR_HINT
+    Ok(if crate::errors::is_tensor(py, value)? {
+        crate::errors::TENSOR_HINT
     } else {
         "wrap it first: fhelium.values.as_resident(value) takes a tensor, a mapping of names \
          to tensors or a list of tensors (see docs/concepts/values.md#tensorresident)"

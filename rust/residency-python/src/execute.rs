@@ -1521,8 +1521,8 @@ fn validate<'py>(
                 value_type.getattr(intern!(py, "__name__"))?,
                 handle_id.repr()?,
                 value.get_type().name()?,
-                if crate::direct::is_tensor(py, value)? {
-                    format!("; {}", crate::direct::TENSOR_HINT)
+                if crate::errors::is_tensor(py, value)? {
+                    format!("; {}", crate::errors::TENSOR_HINT)
                 } else {
                     String::new()
                 },
