@@ -163,22 +163,23 @@ def _budget_remedy(location: str, budget: int, used: int, reserved: int, request
     ways to make room (docs/concepts/errors.md#messages)."""
     free = max(budget - used - reserved, 0)
     shortfall = max(requested - free, 0)
+    wanted, whole = format_size(requested, exact=True), format_size(budget, exact=True)
     raise_it = (
-        f"raise the budget by at least {format_bytes(shortfall)} (budgets take sizes "
-        f"such as '8GiB')"
+        f"raise the budget by at least {format_size(shortfall)} "
+        f"(fhelium.residency.sizes.parse_size('8GiB') gives a budget in bytes)"
     )
     if requested > budget:
         return (
-            f"{with_exact(requested)} is more than the whole budget of {with_exact(budget)} "
-            f"at {location}. To make room: {raise_it}, or split the value into smaller ones"
+            f"{wanted} is more than the whole budget of {whole} at {location}. "
+            f"To make room: {raise_it}, or split the value into smaller ones"
         )
     return (
-        f"{with_exact(requested)} does not fit in the {with_exact(free)} free of the "
-        f"{with_exact(budget)} budget at {location} ({format_bytes(used)} used, "
-        f"{format_bytes(reserved)} reserved): {with_exact(shortfall)} more is needed. "
-        f"To make room: {raise_it}, or free room there first (drop or move values away, "
-        f"or let a ResidencyController evict them), or release the holds and "
-        f"reservations at {location}"
+        f"{wanted} does not fit in the {format_size(free, exact=True)} free of the {whole} "
+        f"budget at {location} ({format_size(used)} used, {format_size(reserved)} "
+        f"reserved): {format_size(shortfall, exact=True)} more is needed. To make room: "
+        f"{raise_it}, or free room there first (drop or move values away, or let a "
+        f"ResidencyController evict them), or release the holds and reservations at "
+        f"{location}"
     )
 
 
@@ -747,6 +748,6 @@ class ResidencyCheckpointError(ResidencyError, ValueError):
 # The annotations above name record classes of fhelium.residency, which itself imports this
 # module. Importing them here, after every exception class exists, keeps the import order
 # acyclic in effect and lets `typing.get_type_hints` resolve the annotations at runtime.
-from fhelium.residency._bytesize import format_bytes, with_exact  # noqa: E402
 from fhelium.residency.plan import MemoryReservation, ResidencyAction  # noqa: E402
+from fhelium.residency.sizes import format_size  # noqa: E402
 from fhelium.residency.snapshot import ResidencyPlanReport  # noqa: E402

@@ -41,7 +41,7 @@ def _floats(nbytes: int) -> ResidentTensor:
 
 
 def test_a_budget_refusal_names_the_shortfall_and_the_ways_to_make_room() -> None:
-    manager = ResidencyManager({PAGEABLE_HOST: "1MiB"})
+    manager = ResidencyManager({PAGEABLE_HOST: MiB})
     manager.adopt(_floats(768 * KiB))
     with pytest.raises(ResidencyBudgetError) as caught:
         manager.adopt(_floats(512 * KiB))

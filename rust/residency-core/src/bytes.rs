@@ -1,5 +1,5 @@
 //! Byte counts as a person reads them in messages: the largest binary unit the count
-//! reaches, to three significant digits at most, as `fhelium.residency._bytesize`
+//! reaches, to three significant digits at most, as `fhelium.residency.sizes.format_size`
 //! writes them (docs/concepts/locations-and-budgets.md#byte-counts).
 
 /// The binary units, largest first.
@@ -13,7 +13,7 @@ const UNITS: [(&str, u64); 5] = [
 
 /// `count` in the largest binary unit it reaches, to three significant digits at most:
 /// `"6 MiB"`, `"256 KiB"`, `"1.5 GiB"`, `"17 bytes"`, `"1 byte"`.
-pub fn format_bytes(count: u64) -> String {
+pub fn format_size(count: u64) -> String {
     for (unit, scale) in UNITS {
         if count >= scale {
             // The scale is a power of two: the division adds no rounding of its own.
@@ -31,16 +31,16 @@ pub fn format_bytes(count: u64) -> String {
 
 /// `count` for a message: the readable size and, when that is not a plain count of
 /// bytes, the exact one (`"1.5 GiB (1610612736 bytes)"`, `"17 bytes"`).
-pub fn with_exact(count: u64) -> String {
+pub fn format_size_exact(count: u64) -> String {
     if count < 1 << 10 {
-        format_bytes(count)
+        format_size(count)
     } else {
-        format!("{} ({count} bytes)", format_bytes(count))
+        format!("{} ({count} bytes)", format_size(count))
     }
 }
 
 /// Python's `f"{value:.3g}"` for a value of at least 1, written without an exponent
-/// where that format would use one (the whole number instead, as `_bytesize` does).
+/// where that format would use one (the whole number instead, as `format_size` does).
 fn f64_to_3g(value: f64) -> String {
     // The exponent of the value rounded to three significant digits.
     let scientific = format!("{value:.2e}");
@@ -62,7 +62,7 @@ fn f64_to_3g(value: f64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{format_bytes, with_exact};
+    use super::{format_size, format_size_exact};
 
     #[test]
     fn counts_show_as_the_python_helper_shows_them() {
@@ -84,13 +84,13 @@ mod tests {
             (100 << 20, "100 MiB"),
             (524_288, "512 KiB"),
         ] {
-            assert_eq!(format_bytes(count), shown, "{count}");
+            assert_eq!(format_size(count), shown, "{count}");
         }
     }
 
     #[test]
     fn messages_carry_the_exact_count() {
-        assert_eq!(with_exact(3 << 29), "1.5 GiB (1610612736 bytes)");
-        assert_eq!(with_exact(17), "17 bytes");
+        assert_eq!(format_size_exact(3 << 29), "1.5 GiB (1610612736 bytes)");
+        assert_eq!(format_size_exact(17), "17 bytes");
     }
 }

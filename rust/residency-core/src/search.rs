@@ -1813,15 +1813,15 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         };
         let mut text = format!(
             ". At {location}, {what} {}, and {} of its budget of {} is free: ",
-            bytes::with_exact(capacity.nbytes),
-            bytes::with_exact(free),
-            bytes::with_exact(figures.budget),
+            bytes::format_size_exact(capacity.nbytes),
+            bytes::format_size_exact(free),
+            bytes::format_size_exact(figures.budget),
         );
         if capacity.nbytes > figures.budget {
             text.push_str("more than the whole budget");
         } else {
             let short = capacity.nbytes.saturating_sub(free);
-            let _ = write!(text, "{} more is needed", bytes::with_exact(short));
+            let _ = write!(text, "{} more is needed", bytes::format_size_exact(short));
         }
         let (occupants, reasons) = self.occupants(state, location);
         text.push_str(&occupants);
@@ -1907,7 +1907,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                     .handle_name(value)
                     .unwrap_or_else(|| format!("#{}", info.handle));
                 let why = why.join(" and ");
-                let shown = bytes::format_bytes(mat.charged);
+                let shown = bytes::format_size(mat.charged);
                 named.push(if why == last_why {
                     format!("value {name} ({shown}) likewise")
                 } else {
@@ -1926,7 +1926,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                 let _ = write!(
                     text,
                     "; {others} more value(s) ({}) likewise",
-                    bytes::format_bytes(other_bytes)
+                    bytes::format_size(other_bytes)
                 );
             }
         }
