@@ -94,7 +94,9 @@ class ResidencyBudgetError(ResidencyError):
 
     Raised when ``used + reserved + incoming <= budget`` would fail: an install, the check
     before a copy, a temporary reconstruction charge, a reservation. The message contains
-    the location and every field as ``key=value``. See
+    the location and every field as ``key=value``, then in plain words how much more room
+    is needed (MiB or GiB beside the exact bytes) and the ways to make it; the attributes
+    are the stable interface (docs/concepts/errors.md#messages). See
     docs/concepts/locations-and-budgets.md#budget-admission.
 
     Args:
@@ -135,7 +137,14 @@ class ResidencyBudgetError(ResidencyError):
         super().__init__(
             f"residency budget exceeded at {location!r}: "
             f"budget_bytes={self.budget_bytes}, used_bytes={self.used_bytes}, "
-            f"reserved_bytes={self.reserved_bytes}, requested_bytes={self.requested_bytes}"
+            f"reserved_bytes={self.reserved_bytes}, requested_bytes={self.requested_bytes}. "
+            + _budget_remedy(
+                location,
+                self.budget_bytes,
+                self.used_bytes,
+                self.reserved_bytes,
+                self.requested_bytes,
+            )
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -147,6 +156,31 @@ class ResidencyBudgetError(ResidencyError):
             "requested_bytes": self.requested_bytes,
         }
         return (_rebuild, (type(self), kwargs), self.__dict__)
+
+
+def _budget_remedy(location: str, budget: int, used: int, reserved: int, requested: int) -> str:
+    """A budget refusal in plain words: the shortfall in units a person reads, and the
+    ways to make room (docs/concepts/errors.md#messages)."""
+    free = max(budget - used - reserved, 0)
+    shortfall = max(requested - free, 0)
+    wanted, whole = format_size(requested, exact=True), format_size(budget, exact=True)
+    raise_it = (
+        f"raise the budget by at least {format_size(shortfall)} "
+        f"(fhelium.residency.sizes.parse_size('8GiB') gives a budget in bytes)"
+    )
+    if requested > budget:
+        return (
+            f"{wanted} is more than the whole budget of {whole} at {location}. "
+            f"To make room: {raise_it}, or split the value into smaller ones"
+        )
+    return (
+        f"{wanted} does not fit in the {format_size(free, exact=True)} free of the {whole} "
+        f"budget at {location} ({format_size(used)} used, {format_size(reserved)} "
+        f"reserved): {format_size(shortfall, exact=True)} more is needed. To make room: "
+        f"{raise_it}, or free room there first (drop or move values away, or let a "
+        f"ResidencyController evict them), or release the holds and reservations at "
+        f"{location}"
+    )
 
 
 class ResidencyHandleError(ResidencyError):
@@ -261,7 +295,9 @@ class ResidencyIntegrityError(ResidencyMaterializationError):
         self.actual = str(actual)
         super().__init__(
             f"{self.path} is damaged: its data's checksum is {self.actual}, not the "
-            f"{self.expected} recorded when it was written (xxh3-64); nothing was installed"
+            f"{self.expected} recorded when it was written (xxh3-64); nothing was installed. "
+            "Drop that disk copy and read the value from another copy, or rebuild it from "
+            "its source; if files keep failing, check the disk"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -305,7 +341,8 @@ class ResidencyStaleStateError(ResidencyPlanError):
         self.actual_version = int(actual_version)
         super().__init__(
             "residency state changed since the plan was made: "
-            f"expected_version={self.expected_version}, actual_version={self.actual_version}"
+            f"expected_version={self.expected_version}, actual_version={self.actual_version}. "
+            "Decide or build the plan again against the current state"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -362,7 +399,12 @@ class ResidencySearchLimitError(ResidencyPlanError):
         super().__init__(
             f"residency search for request {self.request_name!r} is inconclusive: "
             f"state_limit={self.state_limit}, explored_states={self.explored_states}, "
-            f"bound={self.bound}: {self.detail}"
+            f"bound={self.bound}: {self.detail}. The request may still be feasible: "
+            + (
+                "raise the controller's search_state_limit, or require fewer values at once"
+                if self.bound == "states"
+                else "require fewer values at once, or split the request"
+            )
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -707,4 +749,5 @@ class ResidencyCheckpointError(ResidencyError, ValueError):
 # module. Importing them here, after every exception class exists, keeps the import order
 # acyclic in effect and lets `typing.get_type_hints` resolve the annotations at runtime.
 from fhelium.residency.plan import MemoryReservation, ResidencyAction  # noqa: E402
+from fhelium.residency.sizes import format_size  # noqa: E402
 from fhelium.residency.snapshot import ResidencyPlanReport  # noqa: E402

@@ -5,6 +5,7 @@
 //! Python glue measures values and performs the copies this crate admits.
 #![forbid(unsafe_code)]
 
+pub mod bytes;
 pub mod checksum;
 pub mod error;
 pub mod fasthash;

@@ -19,6 +19,17 @@ const DISK_BASE: u32 = 2 + MAX_CUDA_INDEX as u32 + 1;
 /// How many location codes there are: every code is below this.
 pub const LOCATION_CODES: u32 = DISK_BASE + MAX_DISK_INDEX as u32 + 1;
 
+/// Why a CUDA location cannot be used on a machine without CUDA, and the remedy: the
+/// simulated runtime (docs/concepts/simulation.md). `location` is how the caller
+/// writes the location (`cuda:0`).
+pub fn cuda_unavailable(location: impl fmt::Display) -> String {
+    format!(
+        "{location} is not usable: CUDA is not available. Without a GPU, run under the \
+         simulated runtime: `with fhelium.residency.simulation.use_runtime(SimulatedRuntime(1)):` \
+         around the manager's construction (see docs/concepts/simulation.md)"
+    )
+}
+
 /// The names the glue gave disk directories, by index: process-wide, like the
 /// numbering itself, so every message names a directory by its path.
 static DISK_NAMES: RwLock<Vec<String>> = RwLock::new(Vec::new());

@@ -1265,6 +1265,10 @@ impl StateValues {
 }
 
 impl ValueTable for StateValues {
+    fn handle_name(&self, position: usize) -> Option<String> {
+        Some(format!("{:?}", self.record(position)?.handle_id))
+    }
+
     fn value(&self, position: usize) -> Option<SearchValue> {
         let record = self.record(position)?;
         let handle = HandleId::try_from(position).unwrap_or(HandleId::MAX);

@@ -18,12 +18,14 @@
 //! active in a branch are links in a shared arena ([`Links`]), truncated on backtrack.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 
 use crate::fasthash::{FastMap, FastSet};
 use std::sync::Arc;
 
 use crate::overlay::Overlay;
 
+use crate::bytes;
 use crate::error::CoreError;
 use crate::location::Location;
 use crate::plan::ActionKind;
@@ -168,6 +170,11 @@ pub trait ValueTable {
     fn mat_count(&self, position: usize) -> usize;
     /// The positions of the values materialised at `location`, ascending.
     fn residents(&self, location: Location) -> Vec<usize>;
+    /// How messages name the value at `position` (its handle id, quoted), if the table
+    /// knows it; messages fall back to `#<handle index>`.
+    fn handle_name(&self, _position: usize) -> Option<String> {
+        None
+    }
 }
 
 impl ValueTable for SearchValues {
@@ -681,6 +688,25 @@ struct Books {
     location: Location,
     used: u64,
     reserved: u64,
+}
+
+/// A location's budget and books, for a failure's explanation.
+#[derive(Debug, Clone, Copy)]
+struct Figures {
+    budget: u64,
+    used: u64,
+    reserved: u64,
+}
+
+/// Why values at a location could not make room, for the remedies a failure names.
+#[allow(clippy::struct_excessive_bools)] // One flag per remedy.
+#[derive(Debug, Default)]
+struct Reasons {
+    leased: bool,
+    held: bool,
+    in_flight: bool,
+    required: bool,
+    sole: bool,
 }
 
 /// An append-only persistent list: a state's reclaim history shares its ancestors' and
@@ -1718,8 +1744,9 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         self.charge_memo(Self::memo_cost(&key, 0))?;
         self.failed_requests.insert(key);
         let notes = std::mem::take(&mut frame.notes);
-        let detail = self.exhausted(&frame.state, frame.capacity, notes);
         let parent = frame.parent;
+        // Only the failure the caller sees explains itself; nested ones stay short.
+        let detail = self.exhausted(&frame.state, frame.capacity, notes, parent.is_none());
         frames.pop();
         self.depth -= 1;
         match parent {
@@ -1733,14 +1760,13 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         }
     }
 
-    /// The detail of an exhausted request search (step 5).
+    /// The detail of an exhausted request search (step 5): the figures as `key=value`
+    /// and, with `explain`, in plain words what holds the room and what to do.
     #[inline(never)] // Kept out of the search loop.
-    fn exhausted(&self, state: &State, capacity: Capacity, notes: Notes) -> String {
+    fn exhausted(&self, state: &State, capacity: Capacity, notes: Notes, explain: bool) -> String {
         let (used, reserved) = Self::books(state, capacity.location);
-        let budget = self
-            .budgets
-            .get(&capacity.location)
-            .map_or_else(|| "None".to_owned(), u64::to_string);
+        let budget = self.budgets.get(&capacity.location).copied();
+        let budget_text = budget.map_or_else(|| "None".to_owned(), |budget| budget.to_string());
         let (protected_count, protected_bytes) = self
             .residents(state, capacity.location)
             .into_iter()
@@ -1749,15 +1775,162 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             .fold((0u64, 0u64), |(count, bytes), mat| {
                 (count + 1, bytes.saturating_add(mat.charged))
             });
+        let explanation = match budget {
+            Some(budget) if explain => self.explanation(
+                state,
+                capacity,
+                Figures {
+                    budget,
+                    used,
+                    reserved,
+                },
+            ),
+            _ => String::new(),
+        };
         format!(
-            "capacity failure at {} for {} bytes ({}): budget={budget}, used={used}, \
+            "capacity failure at {} for {} bytes ({}): budget={budget_text}, used={used}, \
              reserved={reserved}, protected={protected_count} materialization(s) of \
-             {protected_bytes} bytes{}",
+             {protected_bytes} bytes{explanation}{}",
             capacity.location,
             capacity.nbytes,
             capacity.stage,
             notes.finish()
         )
+    }
+
+    /// In plain words, after an exhausted search: how much more room `capacity` needs,
+    /// which values hold the room there and why, and what would make room.
+    fn explanation(&self, state: &State, capacity: Capacity, figures: Figures) -> String {
+        let location = capacity.location;
+        let free = figures
+            .budget
+            .saturating_sub(figures.used)
+            .saturating_sub(figures.reserved);
+        let what = match capacity.stage {
+            "reservation" => "a reservation of",
+            "source reconstruction" => "rebuilding a value from its source takes",
+            _ => "the value takes",
+        };
+        let mut text = format!(
+            ". At {location}, {what} {}, and {} of its budget of {} is free: ",
+            bytes::format_size_exact(capacity.nbytes),
+            bytes::format_size_exact(free),
+            bytes::format_size_exact(figures.budget),
+        );
+        if capacity.nbytes > figures.budget {
+            text.push_str("more than the whole budget");
+        } else {
+            let short = capacity.nbytes.saturating_sub(free);
+            let _ = write!(text, "{} more is needed", bytes::format_size_exact(short));
+        }
+        let (occupants, reasons) = self.occupants(state, location);
+        text.push_str(&occupants);
+        let mut remedies = Vec::new();
+        if reasons.leased {
+            remedies.push("release the leases (leave their `use` or `acquire` blocks)".to_owned());
+        }
+        if reasons.held {
+            remedies.push("release the holds".to_owned());
+        }
+        if reasons.in_flight {
+            remedies.push(
+                "wait for the device work in flight (it is reaped by the next operation)"
+                    .to_owned(),
+            );
+        }
+        if figures.reserved > 0 {
+            remedies.push(format!("release the reservations at {location}"));
+        }
+        if reasons.sole {
+            remedies.push(format!(
+                "give the policy a fallback tier for {location} (DeterministicTieredLRU's tiers)"
+            ));
+        }
+        remedies.push(format!("raise {location}'s budget"));
+        remedies.push(if reasons.required {
+            format!("require less at once (this request's own values fill {location})")
+        } else {
+            "require less at once".to_owned()
+        });
+        let _ = write!(text, ". To make room: {}", remedies.join(", or "));
+        text
+    }
+
+    /// The values at `location` that could not make room, the first few named with
+    /// their sizes and why, and which reasons occurred.
+    fn occupants(&self, state: &State, location: Location) -> (String, Reasons) {
+        /// Values named at most; the rest are counted.
+        const NAMED: usize = 3;
+        let mut reasons = Reasons::default();
+        let mut named = Vec::new();
+        let mut last_why = String::new();
+        let (mut others, mut other_bytes) = (0u64, 0u64);
+        for value in self.residents(state, location) {
+            let Some(mat) = self.mat_at(state, value, location) else {
+                continue;
+            };
+            let mut why = Vec::new();
+            if mat.use_count > 0 {
+                reasons.leased = true;
+                why.push(format!("in use by {} lease token(s)", mat.use_count));
+            }
+            if mat.hold_count > 0 {
+                reasons.held = true;
+                why.push(format!("held by {} hold(s)", mat.hold_count));
+            }
+            if mat.pending_count > 0 {
+                reasons.in_flight = true;
+                why.push(format!(
+                    "still read or copied by {} device operation(s) in flight",
+                    mat.pending_count
+                ));
+            }
+            if why.is_empty() && self.required.contains(&(value, location)) {
+                reasons.required = true;
+                why.push("required here by this request".to_owned());
+            }
+            let info = self.value(value);
+            if why.is_empty() && info.source.is_none() && self.mat_count(state, value) == 1 {
+                reasons.sole = true;
+                why.push(
+                    "its only copy, with no source to rebuild it: it can only move, to a \
+                     fallback tier with room"
+                        .to_owned(),
+                );
+            }
+            if why.is_empty() {
+                continue;
+            }
+            if named.len() < NAMED {
+                let name = self
+                    .values
+                    .handle_name(value)
+                    .unwrap_or_else(|| format!("#{}", info.handle));
+                let why = why.join(" and ");
+                let shown = bytes::format_size(mat.charged);
+                named.push(if why == last_why {
+                    format!("value {name} ({shown}) likewise")
+                } else {
+                    format!("value {name} ({shown}) is {why}")
+                });
+                last_why = why;
+            } else {
+                others += 1;
+                other_bytes = other_bytes.saturating_add(mat.charged);
+            }
+        }
+        let mut text = String::new();
+        if !named.is_empty() {
+            let _ = write!(text, ". There, {}", named.join("; "));
+            if others > 0 {
+                let _ = write!(
+                    text,
+                    "; {others} more value(s) ({}) likewise",
+                    bytes::format_size(other_bytes)
+                );
+            }
+        }
+        (text, reasons)
     }
 
     // ----- reclaim options and capacity at a tier (docs/concepts/controller.md#search) --

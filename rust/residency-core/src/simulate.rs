@@ -232,7 +232,7 @@ impl<'a> Simulator<'a> {
         if let Location::Cuda(index) = location {
             match self.cuda {
                 CudaDevices::Unavailable => {
-                    return Err(format!("{location} is not usable: CUDA is not available"));
+                    return Err(crate::location::cuda_unavailable(location));
                 }
                 CudaDevices::Count(count) if u32::from(index) >= count => {
                     return Err(format!(

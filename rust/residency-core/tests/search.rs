@@ -132,6 +132,55 @@ fn a_sole_must_preserve_copy_spills_to_its_tier() {
 }
 
 #[test]
+fn an_exhausted_search_says_what_holds_the_room_and_what_to_do() {
+    let mut held = mat(HOST, 3 << 20);
+    held.hold_count = 1;
+    let mut leased = mat(HOST, 1 << 20);
+    leased.use_count = 2;
+    let values = table(vec![
+        value(0, 3 << 20, Some(HOST), vec![held]),
+        value(1, 1 << 20, None, vec![leased]),
+        value(2, 2 << 20, None, vec![mat(HOST, 2 << 20)]),
+        value(3, 4 << 20, Some(PINNED), vec![]),
+    ]);
+    let budgets = BTreeMap::from([(HOST, 8 << 20)]);
+    let requirements = [Requirement {
+        value: 3,
+        location: HOST,
+    }];
+    let mut policy = lru(&values, &[]);
+    let result =
+        Search::new(&values, &budgets, &requirements, &[], &mut policy, 100).run(&books(&values));
+    let Err(SearchError::Infeasible { detail }) = result else {
+        panic!("expected infeasible, got {result:?}");
+    };
+    assert!(
+        detail.starts_with(
+            "capacity failure at pageable-host for 4194304 bytes (materialization): \
+             budget=8388608, used=6291456, reserved=0, protected=2 materialization(s) of \
+             4194304 bytes"
+        ),
+        "{detail}"
+    );
+    for part in [
+        "the value takes 4 MiB (4194304 bytes), and 2 MiB (2097152 bytes) of its budget of \
+         8 MiB (8388608 bytes) is free: 2 MiB (2097152 bytes) more is needed",
+        "value #0 (3 MiB) is held by 1 hold(s)",
+        "value #1 (1 MiB) is in use by 2 lease token(s)",
+        "value #2 (2 MiB) is its only copy, with no source to rebuild it",
+        "To make room: release the leases",
+        "release the holds",
+        "give the policy a fallback tier for pageable-host",
+        "raise pageable-host's budget",
+        "require less at once",
+    ] {
+        assert!(detail.contains(part), "{part:?} not in {detail}");
+    }
+    assert!(!detail.contains("in flight"), "{detail}");
+    assert!(!detail.contains("reservations"), "{detail}");
+}
+
+#[test]
 fn protected_values_are_never_victims_and_exhaustion_is_infeasible() {
     let mut protected = mat(HOST, 10);
     protected.hold_count = 1;

@@ -253,7 +253,14 @@ fn cuda_locations_are_validated_with_the_managers_messages() {
     );
     assert_eq!(
         missing.reason.as_deref(),
-        Some("cuda:0 is not usable: CUDA is not available")
+        Some(residency_core::location::cuda_unavailable("cuda:0").as_str())
+    );
+    assert!(
+        missing.reason.as_deref().is_some_and(|reason| reason
+            .starts_with("cuda:0 is not usable: CUDA is not available")
+            && reason.contains("SimulatedRuntime(1)")),
+        "{:?}",
+        missing.reason
     );
     let beyond = manager.simulate(
         &ensure(Location::Cuda(2)),

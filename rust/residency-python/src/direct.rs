@@ -273,6 +273,17 @@ fn refused_spec(
     ))
 }
 
+/// What to do with a value that is not a `TensorResident`: a tensor is wrapped in a
+/// `ResidentTensor`; anything else through `as_resident`.
+fn wrap_hint(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+    Ok(if crate::errors::is_tensor(py, value)? {
+        crate::errors::TENSOR_HINT
+    } else {
+        "wrap it first: fhelium.values.as_resident(value) takes a tensor, a mapping of names \
+         to tensors or a list of tensors (see docs/concepts/values.md#tensorresident)"
+    })
+}
+
 /// Adopts a value as a `MUST_PRESERVE` managed value
 /// (docs/concepts/values.md#adopt): `at` is a location record, or `None` for the
 /// value's own placement.
@@ -288,8 +299,9 @@ pub fn adopt(
 ) -> PyResult<Py<PyAny>> {
     if !is_tensor_resident(py, value)? {
         return Err(PyTypeError::new_err(format!(
-            "value must be a TensorResident, got {}",
-            value.get_type().name()?
+            "value must be a TensorResident, got {}; {}",
+            value.get_type().name()?,
+            wrap_hint(py, value)?
         )));
     }
     in_transition(manager, py, || {

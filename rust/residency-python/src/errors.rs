@@ -170,3 +170,15 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
         },
     }
 }
+
+/// What to do with a tensor passed where a managed value is expected.
+pub(crate) const TENSOR_HINT: &str = "wrap a tensor first: fhelium.values.ResidentTensor(tensor) \
+     (see docs/concepts/values.md#tensorresident)";
+
+/// Whether `value` is a `torch.Tensor`.
+pub(crate) fn is_tensor(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let tensor = py
+        .import(pyo3::intern!(py, "torch"))?
+        .getattr(pyo3::intern!(py, "Tensor"))?;
+    value.is_instance(&tensor)
+}

@@ -343,10 +343,9 @@ impl Context {
             .getattr(intern!(py, "index"))?
             .extract()?;
         if self.cuda_count == 0 {
-            return Err(PyValueError::new_err(format!(
-                "{} is not usable: CUDA is not available",
-                location.str()?
-            )));
+            return Err(PyValueError::new_err(
+                residency_core::location::cuda_unavailable(location.str()?),
+            ));
         }
         if index >= self.cuda_count {
             return Err(PyValueError::new_err(format!(
@@ -1518,10 +1517,15 @@ fn validate<'py>(
         return Err(materialization_error(
             py,
             format!(
-                "expected a {} for value {}, got {}",
+                "expected a {} for value {}, got {}{}",
                 value_type.getattr(intern!(py, "__name__"))?,
                 handle_id.repr()?,
                 value.get_type().name()?,
+                if crate::errors::is_tensor(py, value)? {
+                    format!("; {}", crate::errors::TENSOR_HINT)
+                } else {
+                    String::new()
+                },
             ),
         ));
     }
