@@ -15,10 +15,11 @@ import gc
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any, Final, NoReturn, TypeVar, cast
 
 from fhelium import _core
-from fhelium._core import LifetimeKind
+from fhelium._core import LifetimeKind, PolicyKeys, decide_request
 from fhelium.residency import _lowering
 from fhelium.residency._disk.tier import DiskTier
 from fhelium.residency._lifetime import ENGINES
@@ -34,7 +35,7 @@ from fhelium.residency._runtime import (
     current_runtime,
 )
 from fhelium.residency._runtime.torch_runtime import pinning_possible
-from fhelium.residency._validation import byte_size, index_int
+from fhelium.residency._validation import byte_size, index_int, require_non_empty_str
 from fhelium.residency.lease import (
     ResidencyHold,
     ResidencyLease,
@@ -127,12 +128,35 @@ class Engine:
 
     __slots__ = (
         "__weakref__",
+        "adopt",
+        "blocked_here",
+        "blocks_host",
+        "check_process",
         "core",
         "cuda_count",
+        "decide",
+        "discard_count",
         "disk",
+        "drop",
+        "ensure",
+        "enter_scope",
+        "execute_plan",
+        "exit_scope",
+        "handle_at",
         "manager_id",
+        "move_to",
         "owner",
+        "pending_among",
+        "plan_run",
+        "register_source",
+        "release_host_lease_now",
+        "release_lease",
+        "resolve",
         "runtime",
+        "search",
+        "track_lease",
+        "transfers_into",
+        "untrack_lease",
     )
 
     def __init__(
@@ -182,8 +206,64 @@ class Engine:
             context,
             min(capacity, sys.maxsize),
         )
-        self.manager_id: str = self.core.manager_id
+        core = self.core
+        self.manager_id: str = core.manager_id
         disk.owner_id = self.manager_id
+        # The calls on the per-step hot path, bound once: the manager facade and the
+        # controller call them at the cost of the core's own method.
+        # `adopt(value, at, replica_mode)`: a new handle for a value the manager adopts.
+        self.adopt: Callable[..., Any] = core.adopt
+        # `register_source(spec, source, location)`: a new handle for a sourced value.
+        self.register_source: Callable[..., Any] = core.register_source
+        # `ensure(handle, at, stream)`, `move_to(handle, to, from, stream)`,
+        # `drop(handle, at)`: one primitive each, run end to end by the core.
+        self.ensure: Callable[..., ResidencyTransitionReport] = core.ensure
+        self.move_to: Callable[..., ResidencyTransitionReport] = core.move_to
+        self.drop: Callable[..., ResidencyTransitionReport] = core.drop
+        # `check_process()`: refuses a forked child (docs/concepts/lifetimes.md#fork).
+        self.check_process: Callable[[], None] = core.check_process
+        # `resolve(handle)`: the handle's index in the core, or None when it is not live.
+        self.resolve: Callable[[object], int | None] = core.resolve
+        # `handle_at(index)`: the handle at a core index.
+        self.handle_at: Callable[[int], ResidencyHandle[Any]] = core.handle
+        # `discard_count()`: how many values were discarded (indices change only then).
+        self.discard_count: Callable[[], int] = core.discard_count
+        # `decide(planned)`: runs `planned(completed pending leases)` under the gate,
+        # from the state read to the explanation; returns the version read and what
+        # `planned` returned.
+        self.decide: Callable[[Callable[[list[int]], Any]], tuple[int, Any]] = core.decide
+        # `search(name, rows, reservations, limit, cuda, completed, labels, native=,
+        # schedule= | python=)`: the core's search for one lowered request.
+        self.search: Callable[..., Any] = partial(decide_request, core)
+        # `plan_run()`: a new record of one plan run (phase, position, tokens, reports).
+        self.plan_run: Callable[[], _core.PlanRun] = partial(_core.PlanRun, _REPORT_RECORDS)
+        # `execute_plan(run, ir, handles, actions, streams, version, asynchronous=,
+        # then=)`: a lowered action list as one plan; `enter_scope(run, ir, handles,
+        # plan, streams, version, then=)`: scope entry (version check, streams,
+        # preflight, reclaim, reserve, enter); `exit_scope(run, actions)`: scope exit.
+        self.execute_plan: Callable[..., None] = core.execute_plan
+        self.enter_scope: Callable[..., None] = core.enter_scope
+        self.exit_scope: Callable[..., None] = core.exit_scope
+        # `transfers_into(handles, location)`: the tokens of the copies still in flight
+        # into them; `blocks_host(handles, location, disk_deferred=)`: whether making
+        # them resident there would block the host; `pending_among(tokens)`: those
+        # that still protect something (empty when none); `blocked_here()`: whether
+        # this thread cannot enter the manager now (its own callback or transition runs).
+        self.transfers_into: Callable[..., list[int]] = core.transfers_into
+        self.blocks_host: Callable[..., bool] = core.blocks_host
+        self.pending_among: Callable[[list[int]], list[int]] = core.pending_among
+        self.blocked_here: Callable[[], bool] = core.blocked_here
+        # Leases: `release_lease(token, location, streams, wait=, finalizing=)`, the
+        # manager side of `ResidencyLease.release` (docs/concepts/lifetimes.md#lease-release),
+        # whose warnings name the caller of the Python function calling it;
+        # `release_host_lease_now(token)`: a host lease's release when the gate is free
+        # and nothing is queued, else False (then `release_host_lease`);
+        # `track_lease(token, lease)` / `untrack_lease(token)`: the weak reference that
+        # finalizes an unreleased lease collected.
+        self.release_lease: Callable[..., None] = core.release_lease
+        self.release_host_lease_now: Callable[[int], bool] = core.release_host_lease_now
+        self.track_lease: Callable[[int, ResidencyLease], None] = core.track_lease
+        self.untrack_lease: Callable[[int], None] = core.untrack_lease
         # The public manager this engine serves, set by it; weak, so the engine never
         # keeps its owner alive.
         self.owner: Callable[[], object | None] = _no_owner
@@ -223,7 +303,54 @@ class Engine:
         report: ResidencyTransitionReport = self.core.run(action, stream)
         return report
 
-    # ------------------------------------------------------------------ lifetimes
+    def check_open(self) -> None:
+        """ResidencyClosedError once the manager is closed."""
+        self.core.check_open()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the manager is closed."""
+        return bool(self.core.closed)
+
+    # ------------------------------------------------------------------ the controller
+
+    def spec_at(self, index: int) -> ResidencyValueSpec[Any]:
+        """The spec of the value at a core index."""
+        spec: ResidencyValueSpec[Any] = self.core.spec(index)
+        return spec
+
+    def schedule_index(self, steps: list[list[ResidencyHandle[Any]]], *, cyclic: bool) -> Any:
+        """A schedule's steps as handle indices, for the native schedule-aware order."""
+        return self.core.schedule_index(steps, cyclic=cyclic)
+
+    @staticmethod
+    def policy_keys() -> PolicyKeys:
+        """An empty table of native policy keys (epochs and metadata by handle index)."""
+        return PolicyKeys()
+
+    # ------------------------------------------------------------------ plans
+
+    def explain_plan(self, *args: Any) -> _core.SimulationView:
+        """Simulates a lowered plan at the current state; changes nothing."""
+        return self.core.explain_plan(*args)
+
+    # ------------------------------------------------------------------ transfers
+
+    def wait_transfers(
+        self, handles: tuple[ResidencyHandle[Any], ...], location: ResidencyLocation, stream: object
+    ) -> None:
+        """Orders ``stream`` after the copies still in flight into ``handles``."""
+        self.core.wait_transfers(handles, location, stream)
+
+    def settle(self, tokens: list[int], *, transfers: bool = False) -> None:
+        """Waits on the host for ``tokens`` (and, with ``transfers``, every copy in
+        flight) and releases what they protect."""
+        self.core.settle(tokens, transfers=transfers)
+
+    def settle_on_device(self, tokens: list[int]) -> list[int]:
+        """Releases ``tokens`` behind device waits; returns those that need a host wait."""
+        left: list[int] = self.core.settle_on_device(tokens, host=False)
+        return left
 
     def acquire(
         self,
@@ -251,10 +378,7 @@ class Engine:
     ) -> ResidencyReservation:
         """Charge `nbytes` of accounting headroom at `location` until released."""
         nbytes = byte_size(nbytes, "nbytes")
-        if not isinstance(label, str):
-            raise TypeError(f"label must be a str, got {type(label).__name__}")
-        if not label or label.isspace():
-            raise ValueError(f"label must be a non-empty string, got {label!r}")
+        require_non_empty_str(label, "label")
         reservation: ResidencyReservation = self.core.reserve(self, location, nbytes, label)
         return reservation
 
@@ -265,20 +389,10 @@ class Engine:
         value: TensorResident = self.core.borrowed(token, handle, location)
         return value
 
-    def release_lease(
-        self,
-        token: int,
-        location: ResidencyLocation,
-        streams: list[Any],
-        *,
-        wait: bool,
-        finalizing: bool = False,
-    ) -> None:
-        """The manager side of `ResidencyLease.release` (see
-        docs/concepts/lifetimes.md#lease-release)."""
-        self.core.release_lease(
-            token, location, streams, wait=wait, finalizing=finalizing, stacklevel=3
-        )
+    def live_leases(self) -> list[ResidencyLease]:
+        """The leases not yet released."""
+        leases: list[ResidencyLease] = self.core.live_leases()
+        return leases
 
     def release_host_lease(self, token: int, finalizing: bool = False) -> None:
         """A host lease's release, waiting for the gate or queueing as needed."""

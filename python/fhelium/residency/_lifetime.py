@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from fhelium.errors import ResidencyLifetimeClosedError
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["ENGINES", "LIVE", "Lifetime", "LifetimeOwner", "chain_context"]
+__all__ = ["ENGINES", "LIVE", "Lifetime", "LifetimeOwner", "chain_context", "require_active"]
 
 
 class LifetimeOwner(Protocol):
@@ -27,9 +27,13 @@ class LifetimeOwner(Protocol):
 
     manager_id: str
     owner: Callable[[], object | None]
-    core: Any
 
     def check_stream(self, stream: object, location: Any) -> object: ...
+    def track_lease(self, token: int, lease: Any) -> None: ...
+    def untrack_lease(self, token: int) -> None: ...
+    def wait_transfers(self, handles: Any, location: Any, stream: object) -> None: ...
+    def transfers_into(self, handles: Any, location: Any) -> list[int]: ...
+    def release_host_lease_now(self, token: int) -> bool: ...
     def borrowed(self, token: int, handle: Any, location: Any) -> TensorResident: ...
     def release_lease(
         self,
@@ -80,7 +84,7 @@ os.register_at_fork(after_in_child=_forget_inherited)
 @atexit.register
 def _finalize_at_exit() -> None:
     for engine in list(ENGINES):
-        for lease in engine.core.live_leases():
+        for lease in engine.live_leases():
             lease._abandon()
     for reference in list(LIVE.values()):
         lifetime = reference()
@@ -146,12 +150,8 @@ class Lifetime:
     def _closed_message(self) -> str:
         raise NotImplementedError
 
-    def _require_active(self) -> None:
-        if not self._active:
-            raise ResidencyLifetimeClosedError(self._closed_message())
-
     def _enter_once(self, noun: str) -> None:
-        self._require_active()
+        require_active(self)
         # Unset until the first entry on a lease the manager built.
         if getattr(self, "_entered", False):
             raise RuntimeError(f"a {noun} can be entered only once")
@@ -168,6 +168,12 @@ class Lifetime:
         if self._active and not self._inherited():
             self._untrack()
             self._finalize()
+
+
+def require_active(lifetime: Lifetime) -> None:
+    """ResidencyLifetimeClosedError, saying what was released, once ``lifetime`` is."""
+    if not lifetime._active:
+        raise ResidencyLifetimeClosedError(lifetime._closed_message())
 
 
 class FinalizedLifetime(Lifetime):

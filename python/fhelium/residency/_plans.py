@@ -16,23 +16,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, cast
 
-from fhelium import _core
 from fhelium.errors import (
     ResidencyPlanExecutionError,
 )
 from fhelium.residency import _lowering
 from fhelium.residency._locations import location_of
 from fhelium.residency._records import bulk_builder, trusted_builder
-from fhelium.residency._validation import index_int, require_non_empty_str
+from fhelium.residency._validation import index_int, require_instance, require_non_empty_str
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.plan import (
-    DiscardValue,
-    DropResident,
-    EnsureResident,
+    ACTION_TYPES,
     MemoryReservation,
-    MoveResident,
     ResidencyAction,
     ResidencyPlan,
+    lowered_plan,
 )
 from fhelium.residency.snapshot import (
     ResidencyActionExplanation,
@@ -42,6 +39,7 @@ from fhelium.residency.snapshot import (
 )
 
 if TYPE_CHECKING:
+    from fhelium import _core
     from fhelium.residency._engine import Engine
 
 __all__ = [
@@ -52,14 +50,13 @@ __all__ = [
     "execute_staged",
     "exit_scope",
     "explain",
+    "explanation_of",
     "optional_version",
 ]
 
-_ACTION_TYPES: Final = (EnsureResident, MoveResident, DropResident, DiscardValue)
 # The action classes themselves: a list of only these needs no per-action check.
-_EXACT_ACTION_TYPES: Final = frozenset(_ACTION_TYPES)
+_EXACT_ACTION_TYPES: Final = frozenset(ACTION_TYPES)
 _new_report = trusted_builder(ResidencyPlanReport)
-_REPORT_RECORDS = bulk_builder(ResidencyTransitionReport)
 _ACTION_EXPLANATIONS = bulk_builder(ResidencyActionExplanation)
 _time_ns = time.time_ns
 
@@ -123,7 +120,7 @@ def execute_actions(
     normalized = tuple(actions)
     if not _EXACT_ACTION_TYPES.issuperset(map(type, normalized)):
         for position, action in enumerate(normalized):
-            if not isinstance(action, _ACTION_TYPES):
+            if not isinstance(action, ACTION_TYPES):
                 raise TypeError(
                     f"actions[{position}] must be a residency action, got {type(action).__name__}"
                 )
@@ -158,11 +155,11 @@ def _run_actions(
     then: Callable[[], object] | None,
 ) -> tuple[_core.PlanRun, int]:
     lowered = _lowering.lower_actions(name, normalized)
-    run = _core.PlanRun(_REPORT_RECORDS)
+    run = engine.plan_run()
     started = _time_ns()
     after = _Then(then)
     try:
-        engine.core.execute_plan(
+        engine.execute_plan(
             run,
             lowered.ir,
             lowered.handles,
@@ -216,10 +213,16 @@ def explain(
 ) -> ResidencyPlanExplanation:
     """One call into the core, which takes the gate, checks the version and
     simulates; nothing is reaped (completed pending leases merely stop protecting)."""
-    if not isinstance(plan, ResidencyPlan):
-        raise TypeError(f"plan must be a ResidencyPlan, got {type(plan).__name__}")
-    lowered = plan._lowered()
-    simulation = engine.core.explain_plan(lowered.ir, lowered.handles, plan, expected_state_version)
+    require_instance(plan, ResidencyPlan, "plan")
+    lowered = lowered_plan(plan)
+    simulation = engine.explain_plan(lowered.ir, lowered.handles, plan, expected_state_version)
+    return _Explanation._capture(plan, simulation)
+
+
+def explanation_of(
+    plan: ResidencyPlan, simulation: _core.SimulationView
+) -> ResidencyPlanExplanation:
+    """The explanation of ``plan`` from the core's simulation of it, built lazily."""
     return _Explanation._capture(plan, simulation)
 
 
@@ -305,7 +308,7 @@ class _Explanation(_LazyRecord, ResidencyPlanExplanation):
 
     def _build_actions(self) -> tuple[ResidencyActionExplanation, ...]:
         plan = cast(ResidencyPlan, self._plan)
-        simulation = cast(_core.SimulationView, self._simulation)
+        simulation = cast("_core.SimulationView", self._simulation)
         ordered = (*plan.reclaim, *plan.enter, *plan.exit)
         collecting = gc.isenabled()
         gc.disable()
@@ -366,12 +369,12 @@ def enter_scope(
     reclaim, reserve, enter (see docs/concepts/plans.md); then ``then``, under the same
     hold of the gate (a use borrows there). When ``then`` raises, the reservations are
     released and its error propagates unchanged."""
-    lowered = plan._lowered()
-    run = _core.PlanRun(_REPORT_RECORDS)
+    lowered = lowered_plan(plan)
+    run = engine.plan_run()
     started = _time_ns()
     after = _Then(then)
     try:
-        engine.core.enter_scope(
+        engine.enter_scope(
             run, lowered.ir, lowered.handles, plan, transfer_streams, expected, then=after.hook
         )
     except Exception as error:
@@ -390,7 +393,7 @@ def exit_scope(engine: Engine, scope: ScopeRun) -> ResidencyPlanReport:
     """Scope close: exit actions (no preflight), then the reservations."""
     plan, run = scope.plan, scope.run
     try:
-        engine.core.exit_scope(run, plan.exit)
+        engine.exit_scope(run, plan.exit)
     except Exception as error:
         if run.phase != "exit":
             # The manager could not be entered: a reservation never outlives its
@@ -459,7 +462,7 @@ class _PlanReport(_LazyRecord, ResidencyPlanReport):
     def transitions(self) -> tuple[ResidencyTransitionReport, ...]:
         built = self._built
         if built is None:
-            run = cast(_core.PlanRun, self._run)
+            run = cast("_core.PlanRun", self._run)
             collecting = gc.isenabled()
             gc.disable()
             try:

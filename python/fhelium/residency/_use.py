@@ -12,16 +12,41 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final, Protocol
 
 from fhelium.errors import ResidencyStaleStateError
+from fhelium.residency._decider import ControllerBase, decider_of
 from fhelium.residency._decisions import ResidencyDecision
-from fhelium.residency.lease import BorrowedValues, ResidencyLease
+from fhelium.residency._engine import Engine
+from fhelium.residency._scope import (
+    ResidencyScope,
+    close_deferred,
+    engine_of,
+    enter_with,
+    new_scope,
+)
+from fhelium.residency._validation import require_instance
+from fhelium.residency.lease import (
+    BorrowedValues,
+    ResidencyLease,
+    check_borrowed,
+    protecting_tokens,
+    release_deferred,
+)
 from fhelium.residency.location import ResidencyLocation
-from fhelium.residency.manager import ResidencyManager, ResidencyScope, engine_of
+from fhelium.residency.manager import ResidencyManager
 from fhelium.residency.model import ResidencyHandle
 from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
 from fhelium.residency.snapshot import ResidencyPlanReport
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["STALE_RETRIES", "Controller", "ResidencyUse", "normalize_streams"]
+__all__ = [
+    "STALE_RETRIES",
+    "Controller",
+    "ResidencyUse",
+    "exit_deferred",
+    "grouped",
+    "normalize_streams",
+    "step_tokens",
+    "use_for_step",
+]
 
 # A decision goes stale when another thread changes the manager, or a pending lease
 # completes and is reaped, between `decide` and scope entry; a use decides again this
@@ -31,22 +56,28 @@ STALE_RETRIES: Final = 64
 
 
 class Controller(Protocol):
-    """What a use and a pipeline ask of the `ResidencyController` they serve."""
-
-    _manager: ResidencyManager
+    """What a use and a pipeline ask of the controller they serve: its `Decider` (see
+    `_decider`), or a wrapper that checks its decisions."""
 
     @property
     def manager(self) -> ResidencyManager: ...
     @property
     def policy(self) -> Any: ...
     @property
-    def _engine(self) -> Any: ...
-    def decide(self, request: ResidencyRequest) -> ResidencyDecision: ...
-    def _decide(self, request: ResidencyRequest, position: int | None) -> ResidencyDecision: ...
-    def scope(
-        self, decision: ResidencyDecision, *, transfer_streams: Any = None
-    ) -> ResidencyScope: ...
-    def _record_access(self, request: ResidencyRequest) -> None: ...
+    def engine(self) -> Engine: ...
+    @property
+    def shapes(self) -> dict[int, Any]:
+        """What a pipeline derives from each request, by request object."""
+        ...
+
+    def decide(self, request: ResidencyRequest, position: int | None = None) -> ResidencyDecision:
+        """A decision for ``request``, for the step at schedule ``position`` when given
+        (a prefetch), else for the step about to run."""
+        ...
+
+    def record_access(self, request: ResidencyRequest) -> None:
+        """Records that ``request``'s values were used (access epochs, schedule)."""
+        ...
 
 
 def normalize_streams(manager: ResidencyManager, streams: object, name: str) -> dict[Any, Any]:
@@ -74,7 +105,7 @@ def normalize_streams(manager: ResidencyManager, streams: object, name: str) -> 
     return normalized
 
 
-def _grouped(request: ResidencyRequest) -> dict[ResidencyLocation, list[ResidencyRequirement]]:
+def grouped(request: ResidencyRequest) -> dict[ResidencyLocation, list[ResidencyRequirement]]:
     """A request's requirements by location, in order."""
     by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
     for requirement in request.requirements:
@@ -100,12 +131,12 @@ class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
 
     def __iter__(self) -> Iterator[ResidencyRequirement]:
         for requirement, borrowed in self._borrowed.items():
-            borrowed._lease._require_active()
+            check_borrowed(borrowed)
             yield requirement
 
     def __len__(self) -> int:
         for borrowed in self._borrowed.values():
-            borrowed._lease._require_active()
+            check_borrowed(borrowed)
         return len(self._borrowed)
 
 
@@ -145,14 +176,14 @@ class ResidencyUse:
     def __init__(
         self,
         *,
-        controller: Controller,
+        controller: Controller | ControllerBase,
         request: ResidencyRequest,
         consumer_streams: Mapping[ResidencyLocation, Any] | None,
         transfer_streams: Mapping[ResidencyLocation, Any] | None,
     ) -> None:
-        if not isinstance(request, ResidencyRequest):
-            raise TypeError(f"request must be a ResidencyRequest, got {type(request).__name__}")
-        manager = controller._manager
+        require_instance(request, ResidencyRequest, "request")
+        served: Controller = decider_of(controller)
+        manager = served.manager
         consumers = normalize_streams(manager, consumer_streams, "consumer_streams")
         needed = {
             requirement.location
@@ -167,7 +198,7 @@ class ResidencyUse:
                 f"missing {missing}, unexpected {unexpected}"
             )
         self._init(
-            controller,
+            served,
             request,
             consumers,
             normalize_streams(manager, transfer_streams, "transfer_streams"),
@@ -196,32 +227,6 @@ class ResidencyUse:
         self._leases: list[ResidencyLease] = []
         self._exited = False
         self._state = "new"
-
-    @classmethod
-    def _made(
-        cls,
-        controller: Controller,
-        request: ResidencyRequest,
-        consumers: dict[ResidencyLocation, Any],
-        transfers: dict[ResidencyLocation, Any],
-        cuda: tuple[ResidencyLocation, ...],
-        grouped: dict[ResidencyLocation, list[ResidencyRequirement]],
-    ) -> ResidencyUse:
-        """A use for a pipeline's step: ``request`` is a `ResidencyRequest`, the stream
-        maps are normalized, ``cuda`` is its CUDA locations and ``grouped`` its
-        requirements by location (the pipeline derives both once per request).
-        Consumer streams that are not exactly the request's CUDA locations are refused
-        as the constructor refuses them."""
-        if len(consumers) != len(cuda):
-            return cls(
-                controller=controller,
-                request=request,
-                consumer_streams=consumers,
-                transfer_streams=transfers,
-            )
-        use = object.__new__(cls)
-        use._init(controller, request, consumers, transfers, grouped)
-        return use
 
     @property
     def decision(self) -> ResidencyDecision:
@@ -292,13 +297,13 @@ class ResidencyUse:
             raise RuntimeError("a ResidencyUse can be entered only once")
         self._state = "entering"
         controller = self._controller
-        manager = controller._manager
+        manager = controller.manager
         request = self.request
         # What closing the use runs, in reverse: the scope's exit, then each lease's.
         exits: list[Callable[[Any, Any, Any], object]] = []
         by_location = self._grouped
         if by_location is None:
-            by_location = _grouped(request)
+            by_location = grouped(request)
         borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
 
         def borrow() -> None:
@@ -307,11 +312,11 @@ class ResidencyUse:
         try:
             stale = 0
             while True:
-                decision = self._decision = controller._decide(request, None)
+                decision = self._decision = controller.decide(request)
                 # The controller's own fresh decision: its manager and policy are this
                 # controller's, so the scope is the manager's directly, its plan a
                 # plan and its version an index.
-                scope = ResidencyScope._made(
+                scope = new_scope(
                     manager,
                     decision.plan,
                     decision.expected_state_version,
@@ -322,7 +327,7 @@ class ResidencyUse:
                 try:
                     # Entered and borrowed under one hold of the manager: no other
                     # thread can take what the entry made resident before it is leased.
-                    scope._enter(borrow)
+                    enter_with(scope, borrow)
                 except ResidencyStaleStateError:
                     # Another thread changed the manager since the decision: decide again.
                     exits.clear()  # only the refused scope's exit, which does nothing
@@ -332,7 +337,7 @@ class ResidencyUse:
                     continue
                 break
             self._scope = scope
-            controller._record_access(request)
+            controller.record_access(request)
         except BaseException:
             self._state = "closed"
             _unwind(exits, None, None, None)
@@ -364,21 +369,6 @@ class ResidencyUse:
             for requirement in requirements:
                 borrowed[requirement] = values
 
-    def _exit_deferred(self) -> None:
-        """Ends an active use as finalizers do, without their warnings: its leases and
-        its scope's reservations are released, or queued while this thread cannot enter
-        the manager (docs/concepts/controller.md#ending-a-pipeline)."""
-        if self._state != "active" or self._exits is None:
-            return
-        self._state = "closed"
-        self._exits = None
-        self._values = None
-        for lease in self._leases:
-            lease._release_deferred()
-        if self._scope is not None:
-            self._scope._close_deferred()
-        self._exited = True
-
     def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> bool:
         if self._state != "active" or self._exits is None:
             return False
@@ -390,6 +380,59 @@ class ResidencyUse:
             self._values = None
         self._exited = True
         return suppressed
+
+
+def use_for_step(
+    controller: Controller,
+    request: ResidencyRequest,
+    consumers: dict[ResidencyLocation, Any],
+    transfers: dict[ResidencyLocation, Any],
+    cuda: tuple[ResidencyLocation, ...],
+    by_location: dict[ResidencyLocation, list[ResidencyRequirement]],
+) -> ResidencyUse:
+    """A use for a pipeline's step: ``request`` is a `ResidencyRequest`, the stream maps
+    are normalized, ``cuda`` is its CUDA locations and ``by_location`` its requirements
+    by location (the pipeline derives both once per request). Consumer streams that are
+    not exactly the request's CUDA locations are refused as the constructor refuses
+    them."""
+    if len(consumers) != len(cuda):
+        return ResidencyUse(
+            controller=controller,
+            request=request,
+            consumer_streams=consumers,
+            transfer_streams=transfers,
+        )
+    use = object.__new__(ResidencyUse)
+    use._init(controller, request, consumers, transfers, by_location)
+    return use
+
+
+def step_tokens(use: ResidencyUse) -> list[int]:
+    """What an entered use's CUDA leases leave protected once it ends: each lease's own
+    token and those of the copies still in flight into its values (its consumers
+    waited for them, so waiting for the step waits for them)."""
+    return [
+        token
+        for lease in use._leases
+        if lease.location.kind == "cuda"
+        for token in protecting_tokens(lease)
+    ]
+
+
+def exit_deferred(use: ResidencyUse) -> None:
+    """Ends an active use as finalizers do, without their warnings: its leases and its
+    scope's reservations are released, or queued while this thread cannot enter the
+    manager (docs/concepts/controller.md#ending-a-pipeline)."""
+    if use._state != "active" or use._exits is None:
+        return
+    use._state = "closed"
+    use._exits = None
+    use._values = None
+    for lease in use._leases:
+        release_deferred(lease)
+    if use._scope is not None:
+        close_deferred(use._scope)
+    use._exited = True
 
 
 def _unwind(

@@ -13,9 +13,19 @@ import torch
 T = TypeVar("T")
 
 
+def wrong_type(name: str, expected: str, value: object) -> TypeError:
+    """The TypeError for an argument ``name`` that is not ``expected`` ("a str")."""
+    return TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+
+
+def negative(name: str, value: int) -> ValueError:
+    """The ValueError for an argument ``name`` below zero."""
+    return ValueError(f"{name} must be >= 0, got {value}")
+
+
 def require_instance(value: object, cls: type[T], name: str) -> T:
     if not isinstance(value, cls):
-        raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+        raise wrong_type(name, f"a {cls.__name__}", value)
     return value
 
 
@@ -27,14 +37,14 @@ def require_optional_instance(value: object, cls: type[T], name: str) -> T | Non
 
 def require_bool(value: object, name: str) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise wrong_type(name, "a bool", value)
     return value
 
 
 def require_strict_int(value: object, name: str) -> int:
     # bool is an int subclass but never a meaningful count, priority or version.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise wrong_type(name, "an int", value)
     return value
 
 
@@ -42,7 +52,7 @@ def require_count(value: object, name: str) -> int:
     """A strict int that is at least 0."""
     count = require_strict_int(value, name)
     if count < 0:
-        raise ValueError(f"{name} must be >= 0, got {count}")
+        raise negative(name, count)
     return count
 
 
@@ -54,7 +64,7 @@ def require_optional_count(value: object, name: str) -> int | None:
 
 def require_non_empty_str(value: object, name: str) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+        raise wrong_type(name, "a str", value)
     # Same verdict as `not value.strip()`, without building the stripped copy.
     if not value or value.isspace():
         raise ValueError(f"{name} must be a non-empty string, got {value!r}")
@@ -127,11 +137,11 @@ def byte_size(value: object, name: str) -> int:
 def index_int(value: object, name: str) -> int:
     """A lenient non-negative int: bool is a TypeError, `__index__` is accepted."""
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
+        raise wrong_type(name, "an int", value)
     try:
         result = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+        raise wrong_type(name, "an int", value) from None
     if result < 0:
-        raise ValueError(f"{name} must be >= 0, got {result}")
+        raise negative(name, result)
     return result

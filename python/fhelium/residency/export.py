@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from fhelium.residency._locations import DISK_BASE, disk_code
 from fhelium.residency._runtime.timeline import Timeline, TimelineSpan
+from fhelium.residency._validation import require_count
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, DiskLocation, ResidencyLocation
 from fhelium.residency.plan import DiscardValue, DropResident, EnsureResident, MoveResident
 from fhelium.residency.snapshot import (
@@ -108,11 +109,7 @@ def _location_name(location: ResidencyLocation | None) -> str | None:
 
 
 def _check_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
+    return require_count(value, name)
 
 
 def _collect_samples(samples: Iterable[tuple[int, ResidencySnapshot[Any]]]) -> list[_Sample]:

@@ -12,12 +12,20 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from fhelium.residency._lifetime import FinalizedLifetime, Lifetime, LifetimeOwner
+from fhelium.residency._lifetime import (
+    FinalizedLifetime,
+    Lifetime,
+    LifetimeOwner,
+    require_active,
+)
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
 from fhelium.values.tensor_resident import TensorResident
 
 __all__ = ["BorrowedValues", "ResidencyHold", "ResidencyLease", "ResidencyReservation"]
+
+# Internal: `new_hold`, `new_reservation` (the engine's constructors), `check_borrowed`,
+# `protecting_tokens` and `release_deferred` (what uses and pipelines ask of lifetimes).
 
 # Managers (and their engines) whose abandoned leases could not be released safely. A
 # strong root: their storage must never be freed while a CUDA kernel may still read it.
@@ -98,7 +106,7 @@ class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
 
     def __getitem__(self, handle: ResidencyHandle[Any]) -> TensorResident:
         lease = self._lease
-        lease._require_active()
+        require_active(lease)
         # Unset until the first lookup: many leases are never looked into.
         handle_set = getattr(lease, "_handle_set", None)
         if handle_set is None:
@@ -110,11 +118,11 @@ class BorrowedValues(Mapping[ResidencyHandle[Any], TensorResident]):
     def __iter__(self) -> Iterator[ResidencyHandle[Any]]:
         lease = self._lease
         for handle in lease._handles:
-            lease._require_active()
+            require_active(lease)
             yield handle
 
     def __len__(self) -> int:
-        self._lease._require_active()
+        require_active(self._lease)
         return len(self._lease._handles)
 
     def __repr__(self) -> str:
@@ -170,11 +178,11 @@ class ResidencyLease(Lifetime):
         # Leases are tracked by their manager's core, until released; collected
         # still active, the core's weak reference finalizes them.
         self._active = True
-        self._engine.core.track_lease(self._token, self)
+        self._engine.track_lease(self._token, self)
 
     def _untrack(self) -> None:
         self._active = False
-        self._engine.core.untrack_lease(self._token)
+        self._engine.untrack_lease(self._token)
 
     def _finalize(self) -> None:
         _finalize_lease(self._engine, self._token, self._location, self._streams)
@@ -196,7 +204,7 @@ class ResidencyLease(Lifetime):
         Raises:
             ResidencyLifetimeClosedError: The lease was released.
         """
-        self._require_active()
+        require_active(self)
         return BorrowedValues(self)
 
     def _closed_message(self) -> str:
@@ -218,13 +226,13 @@ class ResidencyLease(Lifetime):
             ValueError: A host lease, or a stream on another device.
             TypeError: ``stream`` is not a CUDA stream.
         """
-        self._require_active()
+        require_active(self)
         if self._location.kind != "cuda":
             raise ValueError(f"consumer streams apply to CUDA leases, not {self._location}")
         bound = self._engine.check_stream(stream, self._location)
         if not any(known is bound for known in self._streams):
             # A value a prefetch is still copying in is read after its copy.
-            self._engine.core.wait_transfers(self._handles, self._location, bound)
+            self._engine.wait_transfers(self._handles, self._location, bound)
             self._streams.append(bound)
 
     def release(self, *, wait: bool = False) -> None:
@@ -246,28 +254,14 @@ class ResidencyLease(Lifetime):
             return
         engine = self._engine
         if self._location.kind == "cuda":
-            engine.core.release_lease(self._token, self._location, self._streams, wait=wait)
-        elif not engine.core.release_host_lease_now(self._token):
+            engine.release_lease(self._token, self._location, self._streams, wait=wait)
+        elif not engine.release_host_lease_now(self._token):
             # The gate is busy or releases are queued: the waiting path.
             engine.release_host_lease(self._token)
         # The core stopped tracking the lease as it released it.
         self._active = False
 
     close = release
-
-    def _release_deferred(self) -> None:
-        """Releases as a finalizer does, without its warning: queued while this thread
-        cannot enter the manager (docs/concepts/lifetimes.md#deferred-releases)."""
-        if not self._active:
-            return
-        engine = self._engine
-        if self._location.kind == "cuda":
-            engine.release_lease(
-                self._token, self._location, self._streams, wait=False, finalizing=True
-            )
-        else:
-            engine.release_host_lease(self._token, finalizing=True)
-        self._active = False
 
     def __enter__(self) -> BorrowedValues:
         self._enter_once("lease")
@@ -336,13 +330,6 @@ class ResidencyHold(FinalizedLifetime):
 
     close = release
 
-    def _release_deferred(self) -> None:
-        """Releases as a finalizer does, without its warning: queued while this thread
-        cannot enter the manager (docs/concepts/lifetimes.md#deferred-releases)."""
-        if self._active:
-            self._engine.release_hold(self._token, finalizing=True)
-            self._untrack()
-
     def _closed_message(self) -> str:
         return f"this hold at {self._location} was released"
 
@@ -409,13 +396,6 @@ class ResidencyReservation(FinalizedLifetime):
 
     close = release
 
-    def _release_deferred(self) -> None:
-        """Releases as a finalizer does, without its warning: queued while this thread
-        cannot enter the manager (docs/concepts/lifetimes.md#deferred-releases)."""
-        if self._active:
-            self._engine.release_reservation(self._token, finalizing=True)
-            self._untrack()
-
     def _closed_message(self) -> str:
         return f"reservation {self.label!r} at {self.location} was released"
 
@@ -448,3 +428,37 @@ def new_reservation(
     return ResidencyReservation(
         manager=engine, token=token, location=location, nbytes=nbytes, label=label
     )
+
+
+def check_borrowed(values: BorrowedValues) -> None:
+    """ResidencyLifetimeClosedError once the lease behind ``values`` was released."""
+    require_active(values._lease)
+
+
+def protecting_tokens(lease: ResidencyLease) -> list[int]:
+    """The tokens that protect a lease's values until they complete: its own, and those
+    of the copies still in flight into them."""
+    return [lease._token, *lease._engine.transfers_into(lease._handles, lease._location)]
+
+
+def release_deferred(lifetime: ResidencyLease | ResidencyHold | ResidencyReservation) -> None:
+    """Releases as a finalizer does, without its warning: queued while this thread
+    cannot enter the manager (docs/concepts/lifetimes.md#deferred-releases)."""
+    if not lifetime._active:
+        return
+    engine = lifetime._engine
+    if isinstance(lifetime, ResidencyLease):
+        if lifetime._location.kind == "cuda":
+            engine.release_lease(
+                lifetime._token, lifetime._location, lifetime._streams, wait=False, finalizing=True
+            )
+        else:
+            engine.release_host_lease(lifetime._token, finalizing=True)
+        # The core stopped tracking the lease as it released it.
+        lifetime._active = False
+    elif isinstance(lifetime, ResidencyHold):
+        engine.release_hold(lifetime._token, finalizing=True)
+        lifetime._untrack()
+    else:
+        engine.release_reservation(lifetime._token, finalizing=True)
+        lifetime._untrack()

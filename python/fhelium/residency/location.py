@@ -12,7 +12,7 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from fhelium.residency._validation import seal, to_torch_device
+from fhelium.residency._validation import require_bool, seal, to_torch_device
 
 __all__ = [
     "ResidencyLocationKind",
@@ -231,10 +231,8 @@ class DiskLocation(ResidencyLocation):
     def __init__(
         self, path: str | os.PathLike[str], direct_io: bool = False, verify: bool = True
     ) -> None:
-        if not isinstance(direct_io, bool):
-            raise TypeError(f"direct_io must be a bool, got {type(direct_io).__name__}")
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
+        require_bool(direct_io, "direct_io")
+        require_bool(verify, "verify")
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"a disk location needs a directory path, got {type(path).__name__}")
         text = os.fspath(path)

@@ -1,21 +1,21 @@
 """`ResidencyManager` and `ResidencyScope`: the public face of one manager.
 
 Both are thin: they check argument shapes, build the action records, and hand the
-work to the manager's engine, which owns everything else. The behaviour they promise
-is written in the concept guides (docs/concepts/index.md).
+work to the manager's engine, which owns everything else. The plan methods and
+`ResidencyScope` are written in `_scope`; they are re-exported here. The behaviour
+they promise is written in the concept guides (docs/concepts/index.md).
 """
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
-from fhelium.errors import ResidencyPlanExecutionError
-from fhelium.residency import _plans
 from fhelium.residency._engine import Engine
-from fhelium.residency._lifetime import FinalizedLifetime, chain_context
+from fhelium.residency._lifetime import chain_context
+from fhelium.residency._scope import ManagerPlans, ResidencyScope
+from fhelium.residency._scope import engine_of as engine_of  # noqa: PLC0414 (re-exported)
 from fhelium.residency.lease import ResidencyHold, ResidencyLease, ResidencyReservation
 from fhelium.residency.location import PAGEABLE_HOST, ResidencyLocation
 from fhelium.residency.model import (
@@ -24,17 +24,8 @@ from fhelium.residency.model import (
     ResidencySource,
     ResidencyValueSpec,
 )
-from fhelium.residency.plan import (
-    DiscardValue,
-    ResidencyAction,
-    ResidencyPlan,
-)
-from fhelium.residency.snapshot import (
-    ResidencyPlanExplanation,
-    ResidencyPlanReport,
-    ResidencySnapshot,
-    ResidencyTransitionReport,
-)
+from fhelium.residency.plan import DiscardValue
+from fhelium.residency.snapshot import ResidencySnapshot, ResidencyTransitionReport
 from fhelium.values.tensor_resident import TensorResident
 
 __all__ = ["ResidencyManager", "ResidencyScope"]
@@ -42,12 +33,7 @@ __all__ = ["ResidencyManager", "ResidencyScope"]
 ValueT = TypeVar("ValueT", bound=TensorResident)
 
 
-def engine_of(manager: ResidencyManager) -> Engine:
-    """The engine behind `manager`, for the controller and other internal users."""
-    return manager._engine
-
-
-class ResidencyManager:
+class ResidencyManager(ManagerPlans):
     """Owns where managed values live, under strict per-location byte budgets.
 
     Every value gets an opaque `ResidencyHandle`. The four primitives (`ensure`/`copy`,
@@ -90,7 +76,7 @@ class ResidencyManager:
         ```
     """
 
-    __slots__ = ("__weakref__", "_core", "_engine")
+    __slots__ = ("__weakref__", "_engine")
 
     def __init__(
         self,
@@ -100,9 +86,6 @@ class ResidencyManager:
     ) -> None:
         self._engine = Engine(budgets, trace_capacity)
         self._engine.owner = weakref.ref(self)
-        # The core runs each primitive end to end (the engine's `transition`); the
-        # facade calls it directly on the per-step hot path.
-        self._core = self._engine.core
 
     # ------------------------------------------------------------------ identity
 
@@ -202,7 +185,7 @@ class ResidencyManager:
                 assert entry.materializations[0].location == PINNED_HOST
             ```
         """
-        handle: ResidencyHandle[ValueT] = self._core.adopt(value, at, replica_mode)
+        handle: ResidencyHandle[ValueT] = self._engine.adopt(value, at, replica_mode)
         return handle
 
     def register_source(
@@ -261,7 +244,9 @@ class ResidencyManager:
                 assert report.source == PAGEABLE_HOST
             ```
         """
-        handle: ResidencyHandle[ValueT] = self._core.register_source(spec, source, source_location)
+        handle: ResidencyHandle[ValueT] = self._engine.register_source(
+            spec, source, source_location
+        )
         return handle
 
     # ------------------------------------------------------------------ primitives
@@ -326,7 +311,7 @@ class ResidencyManager:
             ```
         """
         # One call: the core builds the action record (checking argument classes).
-        return self._core.ensure(handle, at, stream)  # type: ignore[no-any-return]
+        return self._engine.ensure(handle, at, stream)
 
     def copy(
         self, handle: ResidencyHandle[Any], to: ResidencyLocation, *, stream: Any = None
@@ -432,7 +417,7 @@ class ResidencyManager:
                 assert (report.source, report.destination) == (PAGEABLE_HOST, cuda0)
             ```
         """
-        return self._core.move_to(handle, to, from_location, stream)  # type: ignore[no-any-return]
+        return self._engine.move_to(handle, to, from_location, stream)
 
     def drop(
         self, handle: ResidencyHandle[Any], at: ResidencyLocation
@@ -477,7 +462,7 @@ class ResidencyManager:
                 assert manager.drop(handle, PAGEABLE_HOST).no_op
             ```
         """
-        return self._core.drop(handle, at)  # type: ignore[no-any-return]
+        return self._engine.drop(handle, at)
 
     def discard(self, handle: ResidencyHandle[Any]) -> ResidencyTransitionReport:
         """End the managed value: remove every materialisation and forget its source.
@@ -514,198 +499,6 @@ class ResidencyManager:
             ```
         """
         return self._engine.transition(DiscardValue(handle), None)
-
-    # ------------------------------------------------------------------ plans
-
-    def execute_actions(
-        self,
-        actions: Iterable[ResidencyAction],
-        *,
-        name: str = "residency-actions",
-        transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
-        expected_state_version: int | None = None,
-    ) -> ResidencyPlanReport:
-        """Preflight, then run one ordered action list.
-
-        The whole list is simulated first (see docs/concepts/plans.md#preflight): an infeasible
-        list raises `ResidencyPlanError` before anything runs. Then the actions run in order, each
-        CUDA destination on its transfer stream. A runtime failure raises
-        `ResidencyPlanExecutionError` with ``phase="execute"`` carrying the committed prefix:
-        execution is not transactional. An empty list is valid. See
-        docs/concepts/plans.md#execute-actions.
-
-        Args:
-            actions: `EnsureResident`, `MoveResident`, `DropResident` and `DiscardValue` records,
-                in order; any iterable.
-            name: The report's plan name; a non-empty string.
-            transfer_streams: CUDA streams by destination location; other destinations use the
-                device's current stream. Host keys are refused.
-            expected_state_version: Refuse to run unless `state_version` (after reaping) equals
-                it; an index int or ``None``.
-
-        Returns:
-            The plan report, with one transition per action, no-ops included.
-
-        Raises:
-            TypeError: ``name`` is not a string; an element of ``actions`` is not an action;
-                ``transfer_streams`` is not a mapping, or has a non-location key or a non-stream
-                value; ``expected_state_version`` is not an integer.
-            ValueError: A blank ``name``; a negative ``expected_state_version``; an unusable CUDA
-                key; a stream for a host key or on another device.
-            ResidencyStaleStateError: ``expected_state_version`` differs from the current
-                version.
-            ResidencyPlanError: The preflight finds the list infeasible; nothing ran.
-            ResidencyPlanExecutionError: An action failed at run time; earlier transitions stay
-                committed and are in ``partial_report``.
-            ResidencyClosedError: The manager is closed.
-            ResidencyReentrancyError: A source callback of this manager is running, or this
-                thread is inside a transition.
-
-        Example:
-            ```python
-            import torch
-            from fhelium.residency import (
-                PAGEABLE_HOST, PINNED_HOST, DropResident, EnsureResident, ReplicaMode,
-                ResidencyManager,
-            )
-            from fhelium.residency.simulation import SimulatedRuntime, use_runtime
-            from fhelium.values import ResidentTensor
-
-            with use_runtime(SimulatedRuntime(device_count=0)), ResidencyManager() as manager:
-                value = ResidentTensor(torch.ones(4))
-                handle = manager.adopt(value, replica_mode=ReplicaMode.REPLICABLE)
-                report = manager.execute_actions(
-                    [EnsureResident(handle, PINNED_HOST), DropResident(handle, PAGEABLE_HOST)],
-                    name="to-pinned",
-                    expected_state_version=manager.state_version,
-                )
-                assert [t.no_op for t in report.transitions] == [False, False]
-            ```
-        """
-        return _plans.execute_actions(
-            self._engine,
-            actions,
-            name=name,
-            transfer_streams=transfer_streams,
-            expected_state_version=expected_state_version,
-        )
-
-    def explain(
-        self, plan: ResidencyPlan, *, expected_state_version: int | None = None
-    ) -> ResidencyPlanExplanation:
-        """Simulate a plan without running it: a dry run that never raises for infeasibility.
-
-        It simulates ``reclaim + enter + exit``, admitting the reservations after the reclaim
-        actions, over a copy of the manager's numbers; bad handles, unusable locations, budgets
-        and protections all become ``feasible=False`` with a reason. It changes nothing, calls no
-        source and does not reap. An explanation is evidence at one point in time: pass its
-        `state_version` as ``expected_state_version`` to a later run. See
-        docs/concepts/plans.md#explain.
-
-        Args:
-            plan: The plan to simulate.
-            expected_state_version: Refuse to explain unless `state_version` equals it; an index
-                int or ``None``.
-
-        Returns:
-            The explanation: feasibility, the first failure's reason, per-action records up to
-            it, and the predicted peak per location.
-
-        Raises:
-            TypeError: ``plan`` is not a `ResidencyPlan`; ``expected_state_version`` is not an
-                integer.
-            ValueError: A negative ``expected_state_version``.
-            ResidencyStaleStateError: ``expected_state_version`` differs from the current
-                version.
-            ResidencyClosedError: The manager is closed.
-            ResidencyReentrancyError: A source callback of this manager is running, or this
-                thread is inside a transition.
-
-        Example:
-            ```python
-            import torch
-            from fhelium.residency import (
-                PAGEABLE_HOST, EnsureResident, MemoryReservation, ResidencyManager, ResidencyPlan,
-            )
-            from fhelium.values import ResidentTensor
-
-            with ResidencyManager({PAGEABLE_HOST: 8192}) as manager:
-                handle = manager.adopt(ResidentTensor(torch.ones(1024)))  # 4096 bytes
-                plan = ResidencyPlan(
-                    "stage",
-                    enter=[EnsureResident(handle, PAGEABLE_HOST)],
-                    reservations=[MemoryReservation(PAGEABLE_HOST, 8192, "workspace")],
-                )
-                explanation = manager.explain(plan)
-                assert not explanation.feasible
-                assert "exceeds budget" in explanation.reason
-            ```
-        """
-        return _plans.explain(self._engine, plan, expected_state_version=expected_state_version)
-
-    def scope(
-        self,
-        plan: ResidencyPlan,
-        *,
-        transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
-        expected_state_version: int | None = None,
-    ) -> ResidencyScope:
-        """Build a single-use scope for a plan; nothing happens until it is entered.
-
-        Entering it (``with manager.scope(plan) as scope:``) checks the version, validates the
-        streams, preflights the whole plan, runs the reclaim actions, admits the reservations and
-        runs the enter actions; leaving it runs the exit actions (without a new preflight) and
-        releases the reservations in every case. Construction touches no manager state. See
-        docs/concepts/plans.md#scopes.
-
-        Args:
-            plan: The plan to run.
-            transfer_streams: CUDA streams by destination location, copied now and validated at
-                entry.
-            expected_state_version: Refuse to enter unless `state_version` equals it; an index
-                int or ``None``, checked now.
-
-        Returns:
-            The scope, not yet entered.
-
-        Raises:
-            TypeError: ``plan`` is not a `ResidencyPlan`, ``transfer_streams`` is not a mapping,
-                or ``expected_state_version`` is not an integer.
-            ValueError: A negative ``expected_state_version``.
-
-        Example:
-            ```python
-            import torch
-            from fhelium.residency import (
-                PAGEABLE_HOST, PINNED_HOST, DropResident, EnsureResident, MemoryReservation,
-                ReplicaMode, ResidencyManager, ResidencyPlan,
-            )
-            from fhelium.residency.simulation import SimulatedRuntime, use_runtime
-            from fhelium.values import ResidentTensor
-
-            with use_runtime(SimulatedRuntime(device_count=0)), ResidencyManager() as manager:
-                value = ResidentTensor(torch.ones(4))
-                handle = manager.adopt(value, replica_mode=ReplicaMode.REPLICABLE)
-                plan = ResidencyPlan(
-                    "stage",
-                    enter=[EnsureResident(handle, PINNED_HOST)],
-                    exit=[DropResident(handle, PINNED_HOST)],
-                    reservations=[MemoryReservation(PAGEABLE_HOST, 1 << 10, "workspace")],
-                )
-                with manager.scope(plan) as scope:
-                    books = {entry.location: entry for entry in manager.snapshot().locations}
-                    assert books[PAGEABLE_HOST].reserved_bytes == 1 << 10
-                assert len(scope.report.transitions) == 2
-            ```
-        """
-        if not isinstance(plan, ResidencyPlan):
-            raise TypeError(f"plan must be a ResidencyPlan, got {type(plan).__name__}")
-        return ResidencyScope(
-            self,
-            plan,
-            transfer_streams=transfer_streams,
-            expected_state_version=expected_state_version,
-        )
 
     # ------------------------------------------------------------------ lifetimes
 
@@ -756,7 +549,9 @@ class ResidencyManager:
                     assert float(values[handle].tensor.sum()) == 4.0
             ```
         """
-        lease: ResidencyLease = self._core.acquire(self._engine, handles, at, consumer_stream)
+        lease: ResidencyLease = self._engine.acquire(
+            handles, at=at, consumer_stream=consumer_stream
+        )
         return lease
 
     def hold(
@@ -946,7 +741,7 @@ class ResidencyManager:
         self._engine.close(wait=wait, force=force)
 
     def __enter__(self) -> ResidencyManager:
-        self._engine.core.check_open()
+        self._engine.check_open()
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
@@ -956,202 +751,3 @@ class ResidencyManager:
             # Errors raised from the core carry no implicit context; chain the body's.
             chain_context(error, exc)
             raise
-
-
-class ResidencyScope(FinalizedLifetime):
-    """A single-use context for one plan, built by `ResidencyManager.scope`.
-
-    Entry checks the version, validates the streams and preflights the whole plan (errors
-    raised unwrapped), then runs the reclaim actions, admits the reservations and runs the
-    enter actions; a failure there raises `ResidencyPlanExecutionError` with the committed
-    prefix and closes the scope. Exit (`close`, or leaving the ``with`` block) runs the exit
-    actions without a new preflight and releases the reservations in reverse order in every
-    case. Scopes nest and never suppress the body's exception; a scope abandoned after entry
-    releases its reservations and warns (`ResourceWarning`), never running exit actions. See
-    docs/concepts/plans.md#scopes.
-
-    Args:
-        manager: The manager to run the plan on.
-        plan: The plan.
-        transfer_streams: CUDA streams by destination location; copied, validated at entry.
-        expected_state_version: Refuse to enter unless the manager's version equals it.
-
-    Attributes:
-        report: The `ResidencyPlanReport` of a successful exit (entry transitions, then exit
-            transitions), otherwise ``None``.
-        exit_error: The `ResidencyPlanExecutionError` of a failed exit, otherwise ``None``.
-
-    Raises:
-        TypeError: ``manager`` is not a `ResidencyManager`, ``plan`` not a `ResidencyPlan`,
-            ``transfer_streams`` not a mapping, or ``expected_state_version`` not an integer.
-        ValueError: A negative ``expected_state_version``.
-    """
-
-    __slots__ = (
-        "_expected",
-        "_manager",
-        "_plan",
-        "_run",
-        "_state",
-        "_streams",
-        "exit_error",
-        "report",
-    )
-
-    def __init__(
-        self,
-        manager: ResidencyManager,
-        plan: ResidencyPlan,
-        *,
-        transfer_streams: Mapping[ResidencyLocation, Any] | None = None,
-        expected_state_version: int | None = None,
-    ) -> None:
-        if not isinstance(manager, ResidencyManager):
-            raise TypeError(f"manager must be a ResidencyManager, got {type(manager).__name__}")
-        if not isinstance(plan, ResidencyPlan):
-            raise TypeError(f"plan must be a ResidencyPlan, got {type(plan).__name__}")
-        if (
-            transfer_streams is not None
-            and type(transfer_streams) is not dict
-            and not isinstance(transfer_streams, Mapping)
-        ):
-            raise TypeError(
-                f"transfer_streams must be a Mapping, got {type(transfer_streams).__name__}"
-            )
-        self._expected = _plans.optional_version(expected_state_version)
-        self._manager = manager
-        self._plan = plan
-        # A private copy: later changes to the caller's mapping do not reach the scope.
-        self._streams: dict[Any, Any] = dict(transfer_streams or {})
-        self._state = "new"
-        self._active = False
-        self._entered = False
-        self._run: _plans.ScopeRun | None = None
-        self.report: ResidencyPlanReport | None = None
-        self.exit_error: ResidencyPlanExecutionError | None = None
-
-    @classmethod
-    def _made(
-        cls,
-        manager: ResidencyManager,
-        plan: ResidencyPlan,
-        expected_state_version: int,
-        transfer_streams: dict[Any, Any],
-    ) -> ResidencyScope:
-        """A scope for a use's own fresh decision: ``plan`` is a `ResidencyPlan`, the
-        version an index and the streams a normalized dict, so nothing is checked
-        again (the constructor's fields, set directly)."""
-        scope = object.__new__(cls)
-        scope._expected = expected_state_version
-        scope._manager = manager
-        scope._plan = plan
-        # A private copy, as the constructor keeps.
-        scope._streams = dict(transfer_streams)
-        scope._state = "new"
-        scope._active = False
-        scope._entered = False
-        scope._run = None
-        scope.report = None
-        scope.exit_error = None
-        return scope
-
-    @property
-    def manager(self) -> ResidencyManager:
-        """The manager the scope runs on."""
-        return self._manager
-
-    @property
-    def plan(self) -> ResidencyPlan:
-        """The plan the scope runs."""
-        return self._plan
-
-    @property
-    def expected_state_version(self) -> int | None:
-        """The version entry requires, or ``None`` for no check."""
-        return self._expected
-
-    def __enter__(self) -> ResidencyScope:
-        return self._enter()
-
-    def _enter(self, then: Callable[[], object] | None = None) -> ResidencyScope:
-        """Entry; ``then`` runs under the same hold of the manager right after it (a
-        use borrows there, docs/concepts/controller.md#use), and when it raises the
-        scope is closed with its reservations released."""
-        if self._state != "new":
-            raise RuntimeError(f"scope of plan {self._plan.name!r} can be entered only once")
-        self._state = "entering"
-        try:
-            self._run = _plans.enter_scope(
-                self._manager._engine, self._plan, self._expected, self._streams, then
-            )
-        except BaseException:
-            self._state = "closed"
-            raise
-        self._state = "entered"
-        self._track()
-        return self
-
-    def close(self) -> None:
-        """Run the exit actions and release the reservations; idempotent.
-
-        The exit actions run against whatever exists now, without a new preflight. The
-        reservations are released in reverse order in every case, also when entering the
-        manager fails. On success `report` holds the whole scope's transitions. See
-        docs/concepts/plans.md#scope-exit.
-
-        Raises:
-            RuntimeError: The scope was never entered.
-            ResidencyPlanExecutionError: An exit action failed; also stored in `exit_error`.
-            ResidencyClosedError: The manager is closed (the reservations are still released).
-            ResidencyReentrancyError: A source callback of this manager is running, or this
-                thread is inside a transition.
-        """
-        if self._state == "closed":
-            return
-        if self._state != "entered" or self._run is None:
-            raise RuntimeError(f"scope of plan {self._plan.name!r} was never entered")
-        self._state = "closed"
-        self._untrack()
-        try:
-            self.report = _plans.exit_scope(self._manager._engine, self._run)
-        except ResidencyPlanExecutionError as error:
-            self.exit_error = error
-            raise
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
-        if self._state == "closed":
-            return
-        try:
-            self.close()
-        except BaseException as error:
-            if exc is None:
-                raise
-            exc.add_note(
-                f"closing the residency scope of plan {self._plan.name!r} also failed: "
-                f"{type(error).__name__}: {error}"
-            )
-
-    def _close_deferred(self) -> None:
-        """Gives the reservations back as a finalizer does, without its warning and
-        without running exit actions: queued while this thread cannot enter the manager
-        (a use's scope has none; docs/concepts/controller.md#ending-a-pipeline)."""
-        if self._state != "entered" or self._run is None:
-            return
-        self._state = "closed"
-        self._untrack()
-        _plans.abandon_scope(self._manager._engine, self._run)
-
-    def _finalize(self) -> None:
-        # Abandoned after a successful entry: give the reservations back, never run
-        # exit actions (what they would do may no longer be right).
-        if self._run is not None:
-            _plans.abandon_scope(self._manager._engine, self._run)
-        warnings.warn(
-            f"the residency scope of plan {self._plan.name!r} was abandoned without "
-            "close(); its reservations were released and its exit actions were not run",
-            ResourceWarning,
-            stacklevel=2,
-        )
-
-    def __repr__(self) -> str:
-        return f"ResidencyScope(plan={self._plan.name!r}, {self._state})"

@@ -21,21 +21,21 @@ from fhelium.errors import (
     ResidencyStaleStateError,
 )
 from fhelium.residency import _plans
-from fhelium.residency._runtime.base import StagedEvent
+from fhelium.residency._staging import Shape, Staged, release_all, shape_of
 from fhelium.residency._use import (
     STALE_RETRIES,
     Controller,
     ResidencyUse,
-    _grouped,
+    exit_deferred,
     normalize_streams,
+    step_tokens,
+    use_for_step,
 )
-from fhelium.residency._validation import require_strict_int
-from fhelium.residency.lease import ResidencyHold, ResidencyReservation
+from fhelium.residency._validation import require_count
+from fhelium.residency.lease import ResidencyReservation, release_deferred
 from fhelium.residency.location import ResidencyLocation
-from fhelium.residency.model import ResidencyHandle
-from fhelium.residency.plan import MemoryReservation
 from fhelium.residency.request import ResidencyRequest
-from fhelium.residency.schedule import ScheduleAwarePolicy
+from fhelium.residency.schedule import ScheduleAwarePolicy, position_after
 
 __all__ = ["ResidencyPipeline"]
 
@@ -47,116 +47,6 @@ _RUNNING: dict[int, tuple[_Pipeline, Generator[ResidencyUse, None, None]]] = {}
 # meanwhile, so the wait is retried this often, this long apart.
 _SETTLE_RETRIES: Final = 2000
 _SETTLE_PAUSE_S: Final = 0.0005
-
-
-class _Staged:
-    """What keeps a prefetched step's values until its turn: a hold per location. Its
-    request's reservations count toward the pipeline's headroom guard."""
-
-    __slots__ = ("holds", "needs", "reads", "request")
-
-    def __init__(self, needs: dict[ResidencyLocation, int], request: ResidencyRequest) -> None:
-        self.holds: list[ResidencyHold] = []
-        self.needs = needs
-        self.request = request
-        # The events of its reads from disk that the disk tier's I/O thread runs.
-        self.reads: list[StagedEvent] = []
-
-    def release(self) -> None:
-        """Releases every hold, all of them even when one raises."""
-        holds, self.holds = self.holds, []
-        _release_all(holds)
-
-    def failure(self) -> BaseException | None:
-        """Waits until its deferred reads have enqueued their copies (or failed); the
-        first failure, claimed (docs/concepts/controller.md#staging)."""
-        reads, self.reads = self.reads, []
-        error = None
-        for read in reads:
-            error = read.claim() or error
-        return error
-
-
-def _release_all(lifetimes: Iterable[ResidencyHold | ResidencyReservation]) -> None:
-    error: BaseException | None = None
-    for lifetime in lifetimes:
-        try:
-            lifetime.release()
-        except BaseException as failure:
-            error = error or failure
-    if error is not None:
-        raise error
-
-
-def _needs(request: ResidencyRequest) -> dict[ResidencyLocation, int]:
-    """A request's reservation bytes per location."""
-    needs: dict[ResidencyLocation, int] = {}
-    for reservation in request.reservations:
-        needs[reservation.location] = needs.get(reservation.location, 0) + reservation.nbytes
-    return needs
-
-
-# The most requests a controller keeps the shape of (see `_shape`); past it, the cache
-# starts again empty.
-_SHAPES: Final = 4096
-# The most staging requests a shape keeps, one per headroom met; past it, it starts
-# again empty.
-_STAGINGS: Final = 64
-
-
-class _Shape:
-    """What a pipeline derives from one request, once per request object (a request is
-    immutable): its reservation bytes per location, its handles per location, its CUDA
-    locations, and its staging requests by headroom."""
-
-    __slots__ = ("by_location", "cuda", "grouped", "needs", "request", "staging")
-
-    def __init__(self, request: ResidencyRequest) -> None:
-        self.request = request
-        self.needs = _needs(request)
-        by_location: dict[ResidencyLocation, list[ResidencyHandle[Any]]] = {}
-        for requirement in request.requirements:
-            by_location.setdefault(requirement.location, []).append(requirement.handle)
-        # As tuples: what the manager takes without normalizing them again.
-        self.by_location = {location: tuple(handles) for location, handles in by_location.items()}
-        # Its requirements by location, as a use borrows them.
-        self.grouped = _grouped(request)
-        self.cuda = tuple(location for location in self.by_location if location.kind == "cuda")
-        # The request to stage with each headroom (its items), made once.
-        self.staging: dict[tuple[tuple[ResidencyLocation, int], ...], ResidencyRequest] = {}
-
-    def staging_request(self, extra: dict[ResidencyLocation, int]) -> ResidencyRequest:
-        """The request the staging decides: the step's values, with the headroom its
-        reservations (and the staged steps') would find missing at its entry."""
-        request = self.request
-        if not extra and not request.reservations:
-            return request
-        key = tuple(extra.items())
-        staging = self.staging.get(key)
-        if staging is None:
-            if len(self.staging) >= _STAGINGS:
-                self.staging.clear()
-            staging = self.staging[key] = ResidencyRequest(
-                request.name,
-                request.requirements,
-                tuple(
-                    MemoryReservation(location, nbytes, "prefetch headroom")
-                    for location, nbytes in key
-                ),
-            )
-        return staging
-
-
-def _shape(controller: Any, request: ResidencyRequest) -> _Shape:
-    """``request``'s shape, kept by the controller (a `ResidencyController`) per request
-    object."""
-    shapes: dict[int, _Shape] = controller._shapes
-    shape = shapes.get(id(request))
-    if shape is None or shape.request is not request:
-        if len(shapes) >= _SHAPES:
-            shapes.clear()
-        shape = shapes[id(request)] = _Shape(request)
-    return shape
 
 
 class ResidencyPipeline(Iterator[ResidencyUse]):
@@ -316,8 +206,7 @@ class _Pipeline:
             raise TypeError(
                 f"requests must be an iterable of ResidencyRequest, got {type(requests).__name__}"
             )
-        if require_strict_int(prefetch, "prefetch") < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        require_count(prefetch, "prefetch")
         manager = controller.manager
         self.controller = controller
         self.requests = iter(requests)
@@ -327,7 +216,7 @@ class _Pipeline:
         # Transfer streams the pipeline created, by location, for prefetches.
         self.created: dict[ResidencyLocation, Any] = {}
         self.current: ResidencyUse | None = None
-        self.staged: dict[int, _Staged] = {}
+        self.staged: dict[int, Staged] = {}
         # An error staging raised before the active step's body, raised after it.
         self.held: Exception | None = None
         # Headroom kept for the staged steps' reservations beyond the active step's own
@@ -346,7 +235,7 @@ class _Pipeline:
         self.dropped = False
 
     def _streams(
-        self, shape: _Shape
+        self, shape: Shape
     ) -> tuple[dict[ResidencyLocation, Any], dict[ResidencyLocation, Any]]:
         """The consumer and transfer streams of a request with ``shape``, made once per
         set of CUDA locations."""
@@ -392,13 +281,7 @@ class _Pipeline:
                 # Once this step has ended, the copies its values came in by are done
                 # too (its consumers waited for them): waiting for the step waits for
                 # them.
-                core = self.controller._engine.core
-                tokens = [
-                    token
-                    for lease in self.current._leases
-                    if lease.location.kind == "cuda"
-                    for token in (lease._token, *core.transfers_into(lease.handles, lease.location))
-                ]
+                tokens = step_tokens(self.current)
                 # Before the body: what fits without waiting for anything. After it
                 # (its work is queued, so a wait cannot starve the device): the rest,
                 # waiting for ended steps where that frees memory or better victims.
@@ -417,7 +300,7 @@ class _Pipeline:
         """Ends the active step, releases every staged step, and waits for the transfers
         still in flight, so nothing of the pipeline's outlives it. A pipeline dropped
         where this thread cannot enter the manager queues all of that instead."""
-        if self.dropped and self.controller._engine.core.blocked_here():
+        if self.dropped and self.controller.engine.blocked_here():
             self._finish_deferred()
             return
         use, self.current = self.current, None
@@ -461,28 +344,28 @@ class _Pipeline:
         guard, self.guard = self.guard, {}
         self.closed = True
         if use is not None:
-            use._exit_deferred()
+            exit_deferred(use)
         for step in staged.values():
             for hold in step.holds:
-                hold._release_deferred()
+                release_deferred(hold)
         for kept in guard.values():
             for reservation in kept:
-                reservation._release_deferred()
+                release_deferred(reservation)
 
     def _settle_transfers(self) -> None:
         """Waits for every copy in flight and releases its protections. While another
         thread's source callback runs the gate refuses; the wait is tried again for
         up to a second, and after that the protections are reaped as their events
         complete, like a released lease's."""
-        core = self.controller._engine.core
+        engine = self.controller.engine
         for _ in range(_SETTLE_RETRIES):
             try:
-                core.settle([], transfers=True)
+                engine.settle([], transfers=True)
                 return
             except ResidencyClosedError:
                 return  # a closed manager holds nothing any more
             except ResidencyReentrancyError:
-                if core.blocked_here():
+                if engine.blocked_here():
                     # This thread's own transition (or callback): waiting cannot
                     # help; the protections are reaped as their events complete.
                     return
@@ -513,7 +396,7 @@ class _Pipeline:
         # the steps still staged need beyond it is kept again once it is entered.
         self._release_guard()
         controller = self.controller
-        core = controller._engine.core
+        engine = controller.engine
         # A staged step's values are in place and its reservations' headroom was kept:
         # it evicts nothing, so there is nothing to wait for first.
         released = False
@@ -523,11 +406,11 @@ class _Pipeline:
             # schedule, the one just used is the one needed farthest ahead). Device
             # waits first, with no host round trip; a host wait only for what needs one
             # (docs/concepts/controller.md#evicting-around-reads-in-flight).
-            if not core.pending_among(ended[0]):
+            if not engine.pending_among(ended[0]):
                 ended.popleft()
                 continue
             try:
-                if not controller._decide(request, None).plan.reclaim:
+                if not controller.decide(request).plan.reclaim:
                     break
             except (ResidencyPlanError, ResidencyBudgetError):
                 pass  # releasing below may make it fit
@@ -537,12 +420,10 @@ class _Pipeline:
                 continue
             self._wait_oldest(ended)
         settled = False
-        shape = _shape(controller, request)
+        shape = shape_of(controller, request)
         consumers, transfers = self._streams(shape)
         while True:
-            use = ResidencyUse._made(
-                controller, request, consumers, transfers, shape.cuda, shape.grouped
-            )
+            use = use_for_step(controller, request, consumers, transfers, shape.cuda, shape.grouped)
             try:
                 entered = use.__enter__()
             except (ResidencyPlanError, ResidencyBudgetError):
@@ -574,11 +455,11 @@ class _Pipeline:
     def _release_staged(self) -> None:
         staged, self.staged = self.staged, {}
         try:
-            _release_all(hold for step in staged.values() for hold in step.holds)
+            release_all(hold for step in staged.values() for hold in step.holds)
         finally:
             self._forget_reads(staged)
 
-    def _forget_reads(self, staged: dict[int, _Staged]) -> None:
+    def _forget_reads(self, staged: dict[int, Staged]) -> None:
         """Steps given up before their turn: the copies of their failed deferred reads
         are dropped (nobody needs the value now; its next use reads it again)."""
         for step in staged.values():
@@ -631,7 +512,7 @@ class _Pipeline:
         if not self.guard:
             return
         guard, self.guard = self.guard, {}
-        _release_all(reservation for kept in guard.values() for reservation in kept)
+        release_all(reservation for kept in guard.values() for reservation in kept)
 
     def _stage_ahead(
         self,
@@ -680,16 +561,16 @@ class _Pipeline:
         position = None
         if isinstance(policy, ScheduleAwarePolicy):
             # The policy already stands past the active step; a cyclic schedule wraps.
-            position = policy._after(policy.position, distance - 1)
-        core = controller._engine.core
-        shape = _shape(controller, request)
+            position = position_after(policy, policy.position, distance - 1)
+        engine = controller.engine
+        shape = shape_of(controller, request)
         needs = shape.needs
         manager = controller.manager
         by_location = shape.by_location
-        runtime = controller._engine.runtime
+        runtime = engine.runtime
         deferred = getattr(runtime, "staged_events", False)
         if not wait and any(
-            core.blocks_host(handles, location, disk_deferred=deferred)
+            engine.blocks_host(handles, location, disk_deferred=deferred)
             for location, handles in by_location.items()
         ):
             # A copy from pageable memory blocks the host: before the body it would
@@ -698,13 +579,13 @@ class _Pipeline:
             return False
         stale = 0
         while True:
-            while ended and not core.pending_among(ended[0]):
+            while ended and not engine.pending_among(ended[0]):
                 ended.popleft()  # completed on their own: nothing to wait for
             # The step's values, with the headroom its reservations (and the staged
             # steps') would find missing at its entry, decided together.
             staging = shape.staging_request(self._extra(needs))
             try:
-                decision = controller._decide(staging, position)
+                decision = controller.decide(staging, position)
             except (ResidencyPlanError, ResidencyBudgetError):
                 if wait and (self._release_on_device(ended) or self._wait_oldest(ended)):
                     continue
@@ -717,9 +598,9 @@ class _Pipeline:
                 if not self._release_on_device(ended):
                     self._wait_oldest(ended)
                 continue
-            staged = _Staged(needs, request)
+            staged = Staged(needs, request)
 
-            def keep(staged: _Staged = staged) -> None:
+            def keep(staged: Staged = staged) -> None:
                 # Under the plan's hold of the manager: what it made resident is held
                 # before any other thread can evict it, and the headroom the decision
                 # counted is still free.
@@ -734,12 +615,12 @@ class _Pipeline:
             plan = decision.plan
             # Reads from disk (and loads by sources that load alone) are left to the
             # disk tier's I/O thread (docs/concepts/controller.md#staging).
-            tier = controller._engine.disk
+            tier = engine.disk
             reads, previous = tier.defer(runtime)
             try:
                 try:
                     _plans.execute_staged(
-                        controller._engine,
+                        engine,
                         (*plan.reclaim, *plan.enter),
                         name=request.name,
                         transfer_streams=self._streams(shape)[1],
@@ -771,7 +652,7 @@ class _Pipeline:
         if not ended:
             return False
         tokens = [token for step in ended for token in step]
-        left = set(self.controller._engine.core.settle_on_device(tokens, host=False))
+        left = set(self.controller.engine.settle_on_device(tokens))
         if len(left) == len(tokens):
             return False
         kept = [[token for token in step if token in left] for step in ended]
@@ -784,7 +665,7 @@ class _Pipeline:
         ended step is left to wait for."""
         if not ended:
             return False
-        self.controller._engine.core.settle(ended.popleft())
+        self.controller.engine.settle(ended.popleft())
         return True
 
     # ------------------------------------------------------------------ streams
@@ -807,7 +688,7 @@ class _Pipeline:
         streams = self._streams_for(request, self.transfers)
         if self.prefetch == 0:
             return streams
-        runtime = self.controller._engine.runtime
+        runtime = self.controller.engine.runtime
         for requirement in request.requirements:
             location = requirement.location
             if location.kind != "cuda" or location in streams:

@@ -127,7 +127,7 @@ class DiscardValue(Generic[ValueT_co]):
 
 
 # Typing only: subscripted generics make this a typing.Union that isinstance rejects.
-# Runtime checks use _ACTION_TYPES.
+# Runtime checks use ACTION_TYPES.
 ResidencyAction: TypeAlias = (
     EnsureResident[Any] | MoveResident[Any] | DropResident[Any] | DiscardValue[Any]
 )
@@ -136,12 +136,12 @@ ResidencyAction: TypeAlias = (
 A typing alias only: runtime checks use the tuple of the four classes (subclasses count).
 See docs/concepts/transitions.md#actions.
 """
-_ACTION_TYPES = (EnsureResident, MoveResident, DropResident, DiscardValue)
+ACTION_TYPES = (EnsureResident, MoveResident, DropResident, DiscardValue)
 
 
 def _require_actions(actions: tuple[object, ...], name: str) -> None:
     for index, action in enumerate(actions):
-        if not isinstance(action, _ACTION_TYPES):
+        if not isinstance(action, ACTION_TYPES):
             raise TypeError(
                 f"{name}[{index}] must be EnsureResident, MoveResident, DropResident or "
                 f"DiscardValue, got {type(action).__name__}"
@@ -273,12 +273,22 @@ class ResidencyPlan(_LoweredPlanSlot):
 
     def _lowered(self) -> _lowering.LoweredPlan:
         """The core IR of this plan, lowered again if unpickling dropped it."""
-        try:
-            return self._ir
-        except AttributeError:
-            lowered = _lowering.lower_plan(self)
-            object.__setattr__(self, "_ir", lowered)
-            return lowered
+        return lowered_plan(self)
+
+
+def lowered_plan(plan: ResidencyPlan) -> _lowering.LoweredPlan:
+    """The core IR of ``plan``, lowered again if unpickling dropped it."""
+    try:
+        return plan._ir
+    except AttributeError:
+        lowered = _lowering.lower_plan(plan)
+        object.__setattr__(plan, "_ir", lowered)
+        return lowered
+
+
+def set_lowered(plan: ResidencyPlan, lowered: _lowering.LoweredPlan) -> None:
+    """Gives a plan built from a decision the IR it was decided as: never lowered again."""
+    object.__setattr__(plan, "_ir", lowered)
 
 
 seal(EnsureResident, MoveResident, DropResident, DiscardValue, MemoryReservation, ResidencyPlan)

@@ -264,10 +264,10 @@ class DeterministicTieredLRU:
         return tuple(sorted(ordered, key=_eviction_key))
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
-        raise AttributeError(f"{type(self).__name__} is immutable")
+        raise _immutable(self)
 
     def __delattr__(self, name: str) -> NoReturn:
-        raise AttributeError(f"{type(self).__name__} is immutable")
+        raise _immutable(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Default slot pickling restores state through the blocked __setattr__.
@@ -281,3 +281,13 @@ class DeterministicTieredLRU:
 
 
 seal(ResidencyPolicyMetadata, ResidencyEvictionCandidate)
+
+
+def _immutable(policy: DeterministicTieredLRU) -> AttributeError:
+    return AttributeError(f"{type(policy).__name__} is immutable")
+
+
+def tier_table(policy: DeterministicTieredLRU) -> _TierTable:
+    """The policy's fallback tiers, ``((source, (destinations...)), ...)``: an immutable
+    table, the same object for the policy's life (the controller lowers it once)."""
+    return policy._tiers

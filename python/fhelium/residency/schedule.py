@@ -10,15 +10,17 @@ the value that order needs next; this policy evicts the value needed farthest ah
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from fhelium.errors import ResidencyScheduleExhaustedWarning
+from fhelium.residency._validation import require_bool, require_count, require_strict_int
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
 from fhelium.residency.policy import DeterministicTieredLRU, ResidencyEvictionCandidate
@@ -143,8 +145,7 @@ class ScheduleAwarePolicy:
     ) -> None:
         if isinstance(schedule, (str, bytes)) or not isinstance(schedule, Iterable):
             raise TypeError(f"schedule must be an iterable of steps, got {type(schedule).__name__}")
-        if not isinstance(cyclic, bool):
-            raise TypeError(f"cyclic must be a bool, got {type(cyclic).__name__}")
+        require_bool(cyclic, "cyclic")
         steps = tuple(_step_handles(step, index) for index, step in enumerate(schedule))
         self._tiered = DeterministicTieredLRU(fallback_tiers)
         self._steps = steps
@@ -250,10 +251,7 @@ class ScheduleAwarePolicy:
             TypeError: ``steps`` is a ``bool`` or not an int.
             ValueError: A negative ``steps``.
         """
-        if isinstance(steps, bool) or not isinstance(steps, int):
-            raise TypeError(f"steps must be an int, got {type(steps).__name__}")
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
+        require_count(steps, "steps")
         with self._lock:
             self._position = self._after(self._position, steps)
             return self._position
@@ -272,40 +270,12 @@ class ScheduleAwarePolicy:
             TypeError: ``position`` is a ``bool`` or not an int.
             ValueError: ``position`` is out of range.
         """
-        if isinstance(position, bool) or not isinstance(position, int):
-            raise TypeError(f"position must be an int, got {type(position).__name__}")
+        require_strict_int(position, "position")
         if not 0 <= position <= len(self._steps):
             raise ValueError(f"position must be in 0..{len(self._steps)}, got {position}")
         with self._lock:
             self._position = self._after(position, 0)
             self._warned = False
-
-    def _stand(self, position: int) -> None:
-        """Stand at ``position`` (in range) for the controller, which stands back where the
-        policy was afterwards: not a new pass, so an exhaustion already warned about stays
-        warned."""
-        with self._lock:
-            self._position = self._after(position, 0)
-
-    def _deciding_at(self, position: int) -> None:
-        """A controller decides for step ``position``: warns once per exhaustion when a
-        one-pass schedule has no step left there
-        (docs/concepts/controller.md#schedule-aware-eviction)."""
-        count = len(self._steps)
-        if self._cyclic or position < count:
-            return
-        with self._lock:
-            if self._warned:
-                return
-            self._warned = True
-        warnings.warn(
-            f"the ScheduleAwarePolicy's one-pass schedule is exhausted: a decision stands "
-            f"past its last step (of {count}), so it and every later one fall back to the "
-            "DeterministicTieredLRU order. Build ScheduleAwarePolicy(..., cyclic=True) for a "
-            "schedule that repeats, or call policy.seek(0) before a new pass",
-            ResidencyScheduleExhaustedWarning,
-            stacklevel=_outside_fhelium(),
-        )
 
     def observe(self, handles: Iterable[ResidencyHandle[Any]]) -> bool:
         """Record a used step: advance past the current step if ``handles`` are exactly its own.
@@ -406,3 +376,52 @@ class ScheduleAwarePolicy:
             f"{type(self).__name__}(steps={len(self._steps)}, position={self._position}, "
             f"cyclic={self._cyclic}, misses={self._misses}, fallback_tiers={self._tiered!r})"
         )
+
+
+# ---------------------------------------------------------------------- for the controller
+
+
+def tiered_of(policy: ScheduleAwarePolicy) -> DeterministicTieredLRU:
+    """The tiered LRU a schedule-aware policy falls back to (its ``fallback_tiers``)."""
+    return policy._tiered
+
+
+def position_after(policy: ScheduleAwarePolicy, position: int, steps: int) -> int:
+    """The position ``steps`` steps after ``position``: wrapped when cyclic, else never
+    past the end."""
+    return policy._after(position, steps)
+
+
+@contextlib.contextmanager
+def standing_at(policy: ScheduleAwarePolicy, position: int) -> Iterator[None]:
+    """The policy stands at step ``position`` (in range) for the block, then where it
+    stood: not a new pass, so an exhaustion already warned about stays warned."""
+    with policy._lock:
+        standing = policy._position
+        policy._position = policy._after(position, 0)
+    try:
+        yield
+    finally:
+        with policy._lock:
+            policy._position = policy._after(standing, 0)
+
+
+def deciding_at(policy: ScheduleAwarePolicy, position: int) -> None:
+    """A controller decides for step ``position``: warns once per exhaustion when a
+    one-pass schedule has no step left there
+    (docs/concepts/controller.md#schedule-aware-eviction)."""
+    count = len(policy._steps)
+    if policy._cyclic or position < count:
+        return
+    with policy._lock:
+        if policy._warned:
+            return
+        policy._warned = True
+    warnings.warn(
+        f"the ScheduleAwarePolicy's one-pass schedule is exhausted: a decision stands "
+        f"past its last step (of {count}), so it and every later one fall back to the "
+        "DeterministicTieredLRU order. Build ScheduleAwarePolicy(..., cyclic=True) for a "
+        "schedule that repeats, or call policy.seek(0) before a new pass",
+        ResidencyScheduleExhaustedWarning,
+        stacklevel=_outside_fhelium(),
+    )

@@ -23,7 +23,7 @@ from fhelium.residency._validation import (
 )
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle, ResidencyValueSpec
-from fhelium.residency.plan import _ACTION_TYPES, MemoryReservation, ResidencyAction
+from fhelium.residency.plan import ACTION_TYPES, MemoryReservation, ResidencyAction
 from fhelium.values.tensor_resident import TensorResident
 
 __all__ = [
@@ -43,7 +43,7 @@ ValueT_co = TypeVar("ValueT_co", bound=TensorResident, covariant=True)
 
 
 def _require_action(action: object) -> None:
-    if not isinstance(action, _ACTION_TYPES):
+    if not isinstance(action, ACTION_TYPES):
         raise TypeError(
             "action must be EnsureResident, MoveResident, DropResident or DiscardValue, "
             f"got {type(action).__name__}"

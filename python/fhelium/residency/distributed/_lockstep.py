@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fhelium.errors import ResidencyDivergenceError
+from fhelium.residency._decider import Decider, decider_of
 from fhelium.residency._decisions import ResidencyDecision
 from fhelium.residency._use import ResidencyUse
 from fhelium.residency._validation import seal
@@ -28,7 +29,7 @@ from fhelium.residency.distributed._ranks import (
     transport,
 )
 from fhelium.residency.location import DiskLocation, ResidencyLocation
-from fhelium.residency.manager import ResidencyManager, ResidencyScope, engine_of
+from fhelium.residency.manager import ResidencyManager, engine_of
 from fhelium.residency.pipeline import ResidencyPipeline
 from fhelium.residency.plan import DropResident, EnsureResident, MoveResident
 from fhelium.residency.request import ResidencyRequest
@@ -73,7 +74,7 @@ def _value_key(
         stable_key = stable_key_of(controller, handle)
         if stable_key is not None:
             return f"key:{stable_key}"
-    index = engine_of(manager).core.resolve(handle)
+    index = engine_of(manager).resolve(handle)
     return "#?" if index is None else f"#{index}"
 
 
@@ -261,38 +262,27 @@ def check_lockstep(
 
 
 class _CheckedController:
-    """The controller as a `ResidencyUse` sees it, with every `decide` checked."""
+    """The controller as a `ResidencyUse` sees it (the `Controller` protocol of `_use`),
+    with every decision for the step about to run checked."""
 
     def __init__(self, checker: LockstepChecker) -> None:
         self._checker = checker
-        inner = checker.controller
+        inner: Decider = decider_of(checker.controller)
         self._inner = inner
-        self._manager = inner.manager
-        self._engine = inner._engine
+        self.manager = inner.manager
+        self.policy = inner.policy
+        self.engine = inner.engine
+        self.shapes = inner.shapes
 
-    @property
-    def manager(self) -> ResidencyManager:
-        return self._inner.manager
-
-    @property
-    def policy(self) -> Any:
-        return self._inner.policy
-
-    def decide(self, request: ResidencyRequest) -> ResidencyDecision:
-        return self._checker.decide(request)
-
-    def _decide(self, request: ResidencyRequest, position: int | None) -> ResidencyDecision:
+    def decide(self, request: ResidencyRequest, position: int | None = None) -> ResidencyDecision:
         # A decision for the step about to run (a use's entry) is checked in lockstep,
         # as `decide` is; a prefetch's decision for a later step is not.
         if position is None:
             return self._checker.decide(request)
-        return self._inner._decide(request, position)
+        return self._inner.decide(request, position)
 
-    def scope(self, decision: ResidencyDecision, *, transfer_streams: Any = None) -> ResidencyScope:
-        return self._inner.scope(decision, transfer_streams=transfer_streams)
-
-    def _record_access(self, request: ResidencyRequest) -> None:
-        self._inner._record_access(request)
+    def record_access(self, request: ResidencyRequest) -> None:
+        self._inner.record_access(request)
 
 
 class LockstepChecker:

@@ -1,0 +1,245 @@
+"""The decisions `decide` returns: a `ResidencyDecision` over the core's decided plan
+IR and its simulation, whose records are built when they are first read
+(docs/concepts/controller.md#decisions-and-evictions).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Final, cast
+
+from fhelium._core import ActionKind
+from fhelium.residency import _lowering
+from fhelium.residency._decisions import ResidencyDecision, ResidencyEviction
+from fhelium.residency._locations import location_of
+from fhelium.residency._plans import explanation_of
+from fhelium.residency._records import trusted_builder
+from fhelium.residency.plan import (
+    DropResident,
+    EnsureResident,
+    MoveResident,
+    ResidencyPlan,
+    set_lowered,
+)
+from fhelium.residency.policy import ResidencyPolicy
+from fhelium.residency.request import ResidencyRequest
+from fhelium.residency.snapshot import ResidencyPlanExplanation
+
+__all__ = ["LazyDecision", "decided"]
+
+# Up to this many actions, a decided plan's records are built with the collector on.
+_FEW_ACTIONS: Final = 16
+
+_new_ensure = trusted_builder(EnsureResident)
+_new_move = trusted_builder(MoveResident)
+_new_drop = trusted_builder(DropResident)
+_new_eviction = trusted_builder(ResidencyEviction)
+_new_plan = trusted_builder(ResidencyPlan)
+
+
+# The record's slot setters, for the fields `LazyDecision._set` fills.
+_DECISION_SETTERS: Final = tuple(
+    ResidencyDecision.__dict__[name].__set__
+    for name in (
+        "manager_id",
+        "expected_state_version",
+        "explored_states",
+        "request",
+        "policy_name",
+        "policy_config",
+    )
+)
+
+
+class LazyDecision(ResidencyDecision):
+    """A `ResidencyDecision` over the core's decided plan IR and its simulation: the
+    plan's records, the evictions and the explanation are built on first access, once.
+    `decide` itself builds none of them, and a plan built from here carries the IR it
+    was decided as, so scope entry never lowers it again. It compares, hashes and
+    pickles like the plain record."""
+
+    __slots__ = ("_built_evictions", "_built_explanation", "_built_plan", "_source")
+    __qualname__ = "ResidencyDecision"
+
+    _built_evictions: tuple[ResidencyEviction, ...] | None
+    _built_explanation: ResidencyPlanExplanation | None
+    _built_plan: ResidencyPlan | None
+    # (the engine's `handle_at`, plan IR, simulation, handle index per slot, reclaim
+    # rows, enter rows, eviction rows), as the engine's search returned them.
+    _source: tuple[Any, ...] | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Called as the record's own constructor (`dataclasses.replace`): validate like
+        # ResidencyDecision and keep the fields.
+        plain = ResidencyDecision(*args, **kwargs)
+        self._set(
+            plain.manager_id,
+            plain.expected_state_version,
+            plain.explored_states,
+            plain.request,
+            plain.policy_name,
+            plain.policy_config,
+        )
+        init = object.__setattr__
+        init(self, "_built_plan", plain.plan)
+        init(self, "_built_evictions", plain.evictions)
+        init(self, "_built_explanation", plain.explanation)
+        init(self, "_source", None)
+
+    def _set(
+        self,
+        manager_id: str,
+        state_version: int,
+        explored: int,
+        request: ResidencyRequest,
+        policy_name: str,
+        policy_config: tuple[tuple[str, object], ...],
+    ) -> None:
+        (
+            set_manager_id,
+            set_version,
+            set_explored,
+            set_request,
+            set_policy_name,
+            set_policy_config,
+        ) = _DECISION_SETTERS
+        set_manager_id(self, manager_id)
+        set_version(self, state_version)
+        set_explored(self, explored)
+        set_request(self, request)
+        set_policy_name(self, policy_name)
+        set_policy_config(self, policy_config)
+
+    @property
+    def plan(self) -> ResidencyPlan:
+        plan = self._built_plan
+        if plan is None:
+            plan = self._build_plan()
+            object.__setattr__(self, "_built_plan", plan)
+        return plan
+
+    @property
+    def evictions(self) -> tuple[ResidencyEviction, ...]:
+        evictions = self._built_evictions
+        if evictions is None:
+            reclaim = self.plan.reclaim
+            source = cast("tuple[Any, ...]", self._source)
+            evictions = tuple(
+                _new_eviction(reclaim[position], rank, location_of(code), nbytes, reason)
+                for position, rank, code, nbytes, reason in source[6]
+            )
+            object.__setattr__(self, "_built_evictions", evictions)
+        return evictions
+
+    @property
+    def explanation(self) -> ResidencyPlanExplanation:
+        explanation = self._built_explanation
+        if explanation is None:
+            source = cast("tuple[Any, ...]", self._source)
+            explanation = explanation_of(self.plan, source[2])
+            object.__setattr__(self, "_built_explanation", explanation)
+        return explanation
+
+    def _build_plan(self) -> ResidencyPlan:
+        # A string type: nothing is built at run time (`tuple[Any, ...]` would be).
+        handle_of, ir, _simulation, slots, reclaim_rows, enter_rows, _evictions = cast(
+            "tuple[Any, ...]", self._source
+        )
+        request = self.request
+        if not slots:
+            # Nothing to do (a request already satisfied): no action to build.
+            plan = _new_plan(request.name, (), (), request.reservations, ())
+            set_lowered(plan, _lowering.LoweredPlan(ir, ()))
+            return plan
+        handles = tuple([handle_of(index) for index in slots])
+
+        def action(row: tuple[ActionKind, int, int, int]) -> Any:
+            kind, slot, code, from_code = row
+            handle = handles[slot]
+            if kind == ActionKind.ENSURE:
+                return _new_ensure(handle, location_of(code))
+            if kind == ActionKind.MOVE:
+                return _new_move(
+                    handle, location_of(code), None if from_code < 0 else location_of(from_code)
+                )
+            return _new_drop(handle, location_of(code))
+
+        # A large plan is built with the collector off (its records are all new and
+        # all kept); a few actions are not worth switching it.
+        collecting = len(enter_rows) + len(reclaim_rows) > _FEW_ACTIONS and gc.isenabled()
+        if collecting:
+            gc.disable()
+        try:
+            plan = _new_plan(
+                request.name,
+                tuple([action(row) for row in enter_rows]),
+                (),
+                request.reservations,
+                tuple([action(row) for row in reclaim_rows]),
+            )
+        finally:
+            if collecting:
+                gc.enable()
+        # Already the core's IR of exactly these records: never lowered again.
+        set_lowered(plan, _lowering.LoweredPlan(ir, handles))
+        return plan
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ResidencyDecision):
+            return NotImplemented
+        return _decision_fields(self) == _decision_fields(other)
+
+    def __hash__(self) -> int:
+        return hash(_decision_fields(self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ResidencyDecision, _decision_fields(self))
+
+
+# Reads as the record it stands for, by name as by qualified name (repr, messages).
+LazyDecision.__name__ = "ResidencyDecision"
+
+
+def _decision_fields(decision: ResidencyDecision) -> tuple[Any, ...]:
+    """The record's fields in declaration order (what the dataclass compares and
+    hashes)."""
+    return (
+        decision.manager_id,
+        decision.expected_state_version,
+        decision.explored_states,
+        decision.request,
+        decision.plan,
+        decision.policy_name,
+        decision.policy_config,
+        decision.evictions,
+        decision.explanation,
+    )
+
+
+def decided(
+    manager_id: str,
+    state_version: int,
+    explored: int,
+    request: ResidencyRequest,
+    policy: ResidencyPolicy,
+    source: tuple[Any, ...],
+    plan: ResidencyPlan | None = None,
+) -> LazyDecision:
+    """A decision of ``policy`` for ``request`` at ``state_version``, over what the
+    engine's search returned (``source``); ``plan`` is its plan when already built (a
+    satisfied request's empty plan, the same record every time)."""
+    decision = object.__new__(LazyDecision)
+    decision._set(
+        manager_id,
+        state_version,
+        explored,
+        request,
+        policy.name,
+        tuple(policy.config_identity),
+    )
+    init = object.__setattr__
+    init(decision, "_built_plan", plan)
+    init(decision, "_built_evictions", None)
+    init(decision, "_built_explanation", None)
+    init(decision, "_source", source)
+    return decision

@@ -1,0 +1,404 @@
+"""The controller's decider: what `ResidencyController` keeps and how it decides.
+
+`ResidencyController` is the public face; the decider holds its state (the policy,
+the per-handle metadata and access epochs, the caches of lowered requests) and asks
+the engine's search which values to evict or spill so a request fits. Uses and
+pipelines work with the decider, through the `Controller` protocol of `_use`. The
+rules are in docs/concepts/controller.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Final, NamedTuple
+
+from fhelium.errors import ResidencyHandleError, ResidencyOwnershipError, ResidencyPlanError
+from fhelium.residency import _lowering
+from fhelium.residency._decided import LazyDecision, decided
+from fhelium.residency._engine import Engine
+from fhelium.residency._locations import location_of
+from fhelium.residency._records import trusted_builder
+from fhelium.residency._scope import engine_of
+from fhelium.residency._validation import byte_count
+from fhelium.residency.location import ResidencyLocation
+from fhelium.residency.manager import ResidencyManager
+from fhelium.residency.model import ReplicaMode, ResidencyHandle
+from fhelium.residency.plan import ResidencyPlan
+from fhelium.residency.policy import (
+    DeterministicTieredLRU,
+    ResidencyEvictionCandidate,
+    ResidencyPolicy,
+    ResidencyPolicyMetadata,
+    tier_table,
+)
+from fhelium.residency.request import ResidencyRequest
+from fhelium.residency.schedule import (
+    ScheduleAwarePolicy,
+    deciding_at,
+    standing_at,
+    tiered_of,
+)
+
+__all__ = ["ControllerBase", "Decider", "decider_of"]
+
+_DEFAULT_METADATA: Final = ResidencyPolicyMetadata()
+_I64 = (1 << 63) - 1
+# The most requests a decider keeps lowered (see `Decider._lowered`); past it, the
+# cache starts again empty.
+_LOWERED_REQUESTS: Final = 4096
+
+_new_candidate = trusted_builder(ResidencyEvictionCandidate)
+
+
+class _LoweredRequest(NamedTuple):
+    """A request as the engine's search reads it."""
+
+    rows: list[tuple[int, int]]
+    name: str
+    reservations: list[tuple[int, int, str]]
+    labels: list[str]
+
+
+class Decider:
+    """A controller's state and its decisions: one per `ResidencyController`.
+
+    `decide`, `record_access`, `set_metadata`, `engine` and `shapes` are what the
+    controller, its uses and its pipelines call (the `Controller` protocol of `_use`).
+    """
+
+    __slots__ = (
+        "_empty_plans",
+        "_epoch",
+        "_epochs",
+        "_lowered_requests",
+        "_metadata",
+        "_native_keys",
+        "_native_tiers",
+        "_schedule_cache",
+        "engine",
+        "limit",
+        "lock",
+        "manager",
+        "policy",
+        "shapes",
+    )
+
+    def __init__(self, manager: ResidencyManager, policy: ResidencyPolicy, limit: int) -> None:
+        self.manager = manager
+        self.engine: Engine = engine_of(manager)
+        self.policy = policy
+        # The most search states one decision explores.
+        self.limit = limit
+        self._metadata: dict[ResidencyHandle[Any], ResidencyPolicyMetadata] = {}
+        self._epochs: dict[ResidencyHandle[Any], int] = {}
+        # The same two maps by handle index, kept in the core as they change (one
+        # entry per change), for the native policy: a decision hands them on without
+        # resolving or converting every handle again. A discarded value keeps its
+        # entries; it has no materialisation, so it is never a candidate and its keys
+        # are never compared.
+        self._native_keys = self.engine.policy_keys()
+        self._epoch = 0
+        # The schedule-aware policy's steps as handle indices (see `_schedule_index`).
+        self._schedule_cache: tuple[ScheduleAwarePolicy, Any] | None = None
+        # Requests as the core reads them, by request object (see `_lowered`).
+        self._lowered_requests: dict[int, tuple[ResidencyRequest, int, _LoweredRequest]] = {}
+        # The empty plan of each request decided satisfied, by request object (see
+        # `decide`).
+        self._empty_plans: dict[int, tuple[ResidencyRequest, ResidencyPlan]] = {}
+        # What a pipeline derives from each request, by request object (see
+        # `_staging.shape_of`).
+        self.shapes: dict[int, Any] = {}
+        # The tiered policy's tiers as location codes (see `_search`).
+        self._native_tiers: tuple[Any, list[tuple[int, list[int]]]] | None = None
+        self.lock = threading.RLock()
+
+    # ------------------------------------------------------------------ metadata
+
+    def set_metadata(self, handle: ResidencyHandle[Any], metadata: ResidencyPolicyMetadata) -> None:
+        """`ResidencyController.set_policy_metadata` once its arguments are checked."""
+        # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
+        engine = self.engine
+        engine.check_process()
+        with self.lock:
+            manager = self.manager
+            manager.snapshot()  # the lookup goes through a snapshot: reaps, refuses when closed
+            index = engine.resolve(handle) if isinstance(handle, ResidencyHandle) else None
+            if index is None:
+                raise ResidencyHandleError(
+                    f"{handle!r} is not a live handle of manager {manager.manager_id!r}"
+                )
+            stable_key = metadata.stable_key
+            if stable_key is not None:
+                for other, known in self._metadata.items():
+                    if known.stable_key == stable_key and other != handle:
+                        raise ValueError(
+                            f"stable_key {stable_key!r} is already used by another handle"
+                        )
+            self._metadata[handle] = metadata
+            self._native_keys.set_metadata(
+                index, max(-_I64, min(_I64, metadata.priority)), stable_key
+            )
+
+    def metadata_of(self, handle: ResidencyHandle[Any]) -> ResidencyPolicyMetadata | None:
+        """The policy metadata set for ``handle``, or None."""
+        return self._metadata.get(handle)
+
+    def record_access(self, request: ResidencyRequest) -> None:
+        """Records a use of ``request``'s values (their access epochs), then tells a
+        policy that follows a schedule what was used."""
+        # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
+        engine = self.engine
+        engine.check_process()
+        with self.lock:
+            self._epoch += 1
+            epoch = self._epoch
+            resolve = engine.resolve
+            for requirement in request.requirements:
+                handle = requirement.handle
+                self._epochs[handle] = epoch
+                index = resolve(handle)
+                if index is not None:
+                    self._native_keys.set_epoch(index, epoch)
+        # Outside the lock (docs/concepts/controller.md#schedule-aware-eviction).
+        observe = getattr(self.policy, "observe", None)
+        if callable(observe):
+            observe(tuple([requirement.handle for requirement in request.requirements]))
+
+    # ------------------------------------------------------------------ decide
+
+    def decide(self, request: ResidencyRequest, position: int | None = None) -> LazyDecision:
+        """`ResidencyController.decide` for a checked request, with a schedule-aware
+        policy standing at step ``position`` when one is given (a prefetch decides for
+        a later step)."""
+        engine = self.engine
+        # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
+        engine.check_process()
+        policy = self.policy
+        if isinstance(policy, ScheduleAwarePolicy):
+            # A one-pass schedule that has run out says so, once, before anything is
+            # decided (docs/concepts/controller.md#schedule-aware-eviction).
+            deciding_at(policy, policy.position if position is None else position)
+        with self.lock:
+            # The core holds the gate from the state read to the explanation: no other
+            # thread can change what was planned on in between. A completed event reaped
+            # afterwards makes the decision stale at scope entry, never here (see
+            # docs/concepts/controller.md#decide).
+            def planned(completed: list[int]) -> Any:
+                # The search, the plan's core IR and its simulation (the explanation),
+                # in one core call; explain's rule for completed pending leases.
+                return self._search(request, self._lowered(request), completed, position)
+
+            state_version, found = engine.decide(planned)
+            (ir, simulation, slots, reclaim, enter, evictions, explored, _version) = found
+            if not simulation.feasible:
+                raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
+            source = (engine.handle_at, ir, simulation, slots, reclaim, enter, evictions)
+            manager_id = engine.manager_id
+            if slots:
+                return decided(manager_id, state_version, explored, request, policy, source)
+            # A satisfied request (a staged step at its entry): its empty plan is the
+            # same record every time, a request being immutable, so it is built once
+            # per request object.
+            empty = self._empty_plans.get(id(request))
+            if empty is not None and empty[0] is request:
+                return decided(
+                    manager_id, state_version, explored, request, policy, source, empty[1]
+                )
+            decision = decided(manager_id, state_version, explored, request, policy, source)
+            if len(self._empty_plans) >= _LOWERED_REQUESTS:
+                self._empty_plans.clear()
+            self._empty_plans[id(request)] = (request, decision.plan)
+            return decision
+
+    def _lowered(self, request: ResidencyRequest) -> _LoweredRequest:
+        """The request validated and lowered for the core (`_requirement_rows`, then its
+        name and reservations), kept per request object while no value is discarded: a
+        request is immutable, and a handle's index changes only when a value is
+        discarded. Called under the core's gate."""
+        discards = self.engine.discard_count()
+        cached = self._lowered_requests.get(id(request))
+        if cached is not None and cached[0] is request and cached[1] == discards:
+            return cached[2]
+        rows = self._requirement_rows(request)
+        lowered = _LoweredRequest(
+            rows,
+            # The name appears in the search's errors and as the plan IR's name; the
+            # core holds it as UTF-8 text.
+            _lowering.diagnostic_text(request.name),
+            [
+                (
+                    _lowering.location_code(reservation.location),
+                    byte_count(reservation.nbytes, f"reservation {reservation.label!r}"),
+                    _lowering.diagnostic_text(reservation.label),
+                )
+                for reservation in request.reservations
+            ],
+            [repr(reservation.label) for reservation in request.reservations],
+        )
+        if len(self._lowered_requests) >= _LOWERED_REQUESTS:
+            self._lowered_requests.clear()
+        self._lowered_requests[id(request)] = (request, discards, lowered)
+        return lowered
+
+    def _requirement_rows(self, request: ResidencyRequest) -> list[tuple[int, int]]:
+        """Request validation (docs/concepts/controller.md#decide, step 3), then the core's
+        `(handle index, location code)` rows."""
+        engine = self.engine
+        manager_id = engine.manager_id
+        resolve = engine.resolve
+        rows: list[tuple[int, int]] = []
+        locations: dict[int, set[ResidencyLocation]] = {}
+        for requirement in request.requirements:
+            handle = requirement.handle
+            index = resolve(handle) if handle.manager_id == manager_id else None
+            if index is None:
+                # Another manager's, a discarded value's, or one never issued.
+                engine.handle_error(handle)
+            rows.append((index, _lowering.location_code(requirement.location)))
+            locations.setdefault(index, set()).add(requirement.location)
+        for index, places in locations.items():
+            spec = engine.spec_at(index)
+            if spec.replica_mode is ReplicaMode.EXCLUSIVE and len(places) > 1:
+                raise ResidencyOwnershipError(
+                    f"EXCLUSIVE value {engine.handle_at(index).handle_id!r} is required at "
+                    f"{len(places)} locations at once"
+                )
+        return rows
+
+    def _search(
+        self,
+        request: ResidencyRequest,
+        lowered: _LoweredRequest,
+        completed_leases: list[int],
+        position: int | None = None,
+    ) -> Any:
+        """The core's decided plan IR and its simulation; the core raises each search
+        failure as its error."""
+        engine = self.engine
+        rows, name, reservations, labels = lowered
+        simulated = (engine.cuda_count or -1, completed_leases, labels)
+        policy = self.policy
+        tiered: DeterministicTieredLRU | None = None
+        schedule: tuple[Any, int] | None = None
+        if type(policy) is DeterministicTieredLRU:
+            tiered = policy
+        elif type(policy) is ScheduleAwarePolicy:
+            tiered = tiered_of(policy)
+            # The same order, natively: the schedule as handle indices (one pass or
+            # repeating), resolved once per policy until a value is discarded, and the
+            # policy's position (docs/concepts/controller.md#schedule-aware-eviction).
+            schedule = (
+                self._schedule_index(policy),
+                policy.position if position is None else position,
+            )
+        if tiered is not None:
+            table = tier_table(tiered)
+            tiers = self._native_tiers
+            if tiers is None or tiers[0] is not table:
+                # The policy's tiers as location codes (an immutable table, lowered once).
+                tiers = self._native_tiers = (
+                    table,
+                    [
+                        (
+                            _lowering.location_code(source),
+                            [_lowering.location_code(target) for target in targets],
+                        )
+                        for source, targets in table
+                    ],
+                )
+            native = (self._native_keys, tiers[1])
+            return engine.search(
+                name,
+                rows,
+                reservations,
+                self.limit,
+                *simulated,
+                native=native,
+                schedule=schedule,
+            )
+        standing: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if position is not None and isinstance(policy, ScheduleAwarePolicy):
+            # A Python schedule-aware policy reads its own position: it stands at the
+            # step decided for, and back where it was afterwards.
+            standing = standing_at(policy, position)
+        with standing:
+            return engine.search(
+                name,
+                rows,
+                reservations,
+                self.limit,
+                *simulated,
+                python=(self._order, self._fallbacks),
+            )
+
+    def _schedule_index(self, policy: ScheduleAwarePolicy) -> Any:
+        engine = self.engine
+        cached = self._schedule_cache
+        if (
+            cached is not None
+            and cached[0] is policy
+            and cached[1].discards == engine.discard_count()
+        ):
+            return cached[1]
+        index = engine.schedule_index(
+            [list(step) for step in policy.schedule], cyclic=policy.cyclic
+        )
+        self._schedule_cache = (policy, index)
+        return index
+
+    def _order(self, rows: list[tuple[int, int, int]]) -> list[int]:
+        """A Python policy's ordering, as positions into `rows`
+        (docs/concepts/controller.md#candidates)."""
+        handle_of = self.engine.handle_at
+        candidates = []
+        for index, code, charged in rows:
+            handle = handle_of(index)
+            candidates.append(
+                _new_candidate(
+                    handle,
+                    location_of(code),
+                    charged,
+                    index,
+                    self._epochs.get(handle),
+                    self._metadata.get(handle, _DEFAULT_METADATA),
+                )
+            )
+        ordered = tuple(self.policy.order_candidates(tuple(candidates)))
+        positions = {id(candidate): position for position, candidate in enumerate(candidates)}
+        result: list[int] = []
+        seen: set[int] = set()
+        for candidate in ordered:
+            position = positions.get(id(candidate))
+            if position is None or position in seen:
+                break
+            seen.add(position)
+            result.append(position)
+        if len(result) != len(candidates) or len(ordered) != len(candidates):
+            raise RuntimeError(
+                f"policy {self.policy.name!r} must return each of its {len(candidates)} "
+                "candidates exactly once from order_candidates"
+            )
+        return result
+
+    def _fallbacks(self, code: int) -> list[int]:
+        return [
+            _lowering.location_code(location)
+            for location in self.policy.fallback_locations(location_of(code))
+        ]
+
+
+class ControllerBase:
+    """The base of `ResidencyController`: the decider it keeps everything in."""
+
+    __slots__ = ()
+
+    _decider: Decider
+
+
+def decider_of(controller: object) -> Any:
+    """What a use or a pipeline works with: a `ResidencyController`'s decider, or any
+    other object that serves as one (the `Controller` protocol of `_use`) as it is."""
+    if isinstance(controller, ControllerBase):
+        return controller._decider
+    return controller
