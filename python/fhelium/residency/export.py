@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from fhelium.residency._locations import DISK_BASE, disk_code
-from fhelium.residency._runtime.timeline import Timeline, TimelineSpan
+from fhelium.residency._runtime.timeline import Timeline, TimelineSpan, spans_and_now
 from fhelium.residency._validation import require_count
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, DiskLocation, ResidencyLocation
 from fhelium.residency.plan import DiscardValue, DropResident, EnsureResident, MoveResident
@@ -169,7 +169,7 @@ def _virtual_us(seconds: float) -> float:
 
 def _timeline_events(timeline: Timeline) -> tuple[list[_Event], list[_Event], dict[str, object]]:
     """(metadata events, span events, trace metadata) for a timeline's spans."""
-    spans, now = timeline._snapshot()
+    spans, now = spans_and_now(timeline)
     tracks: dict[int, str] = {}
     for span in spans:
         first = _timeline_tid(span) - _TIMELINE_ENGINES.index(span.engine)

@@ -28,6 +28,7 @@ __all__ = [
     "non_negative",
     "normalize_cuda",
     "positive",
+    "spans_and_now",
 ]
 
 ENGINES: Final = ("h2d", "d2h", "d2d", "compute")
@@ -327,11 +328,12 @@ class Timeline:
             f"d2d_bytes_per_s={clock.d2d!r}, now={now!r}, spans={count})"
         )
 
-    def _snapshot(self) -> tuple[tuple[TimelineSpan, ...], float]:
-        """(spans, now), read together."""
-        clock = self._clock
-        with clock.lock:
-            return tuple(clock.spans), clock.now
+
+def spans_and_now(timeline: Timeline) -> tuple[tuple[TimelineSpan, ...], float]:
+    """``timeline``'s spans and its current time, read together (under its lock)."""
+    clock = timeline._clock
+    with clock.lock:
+        return tuple(clock.spans), clock.now
 
 
 def attach(
