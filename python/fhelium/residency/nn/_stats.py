@@ -164,4 +164,4 @@ class Counters:
 
 def manager_closed(manager: ResidencyManager) -> bool:
     """Whether ``manager`` is closed."""
-    return bool(engine_of(manager).core.closed)
+    return engine_of(manager).closed
