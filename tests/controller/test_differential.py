@@ -61,6 +61,10 @@ KEYS = (None, None, "k0", "k1", "k2")
 
 DIFFERENTIAL = settings(
     max_examples=1500,
+    # The same examples every run: `test_the_differential_covers_every_outcome` checks
+    # that each outcome kind was met, which a random draw meets only most of the time
+    # (some kinds come up 2 to 20 times in 1500 examples).
+    derandomize=True,
     deadline=None,
     suppress_health_check=[
         HealthCheck.too_slow,
