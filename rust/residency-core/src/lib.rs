@@ -16,6 +16,7 @@ pub mod plan;
 pub mod search;
 pub mod simulate;
 pub mod state;
+pub mod tokens;
 pub mod value;
 
 pub use error::{CoreError, CoreResult};
@@ -27,4 +28,5 @@ pub use manager::{
 pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
+pub use tokens::{Freed, LifetimeKind, ObjectId, Release};
 pub use value::{HandleName, Recoverability, ReplicaMode, ValueSpec};

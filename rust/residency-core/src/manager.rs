@@ -21,7 +21,10 @@ use crate::plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
 use crate::search::{MatInfo, Planned, SearchOutcome, SearchValue, ValueTable};
 use crate::simulate::{self, CompletedPending, CudaDevices, Simulation, SlotResolution};
 use crate::state::{HandleId, Materialization, ReservationRecord, State, TokenKind, ValueRecord};
+use crate::tokens::{ReleaseQueue, TokenBook};
 use crate::value::{HandleName, Recoverability, ValueSpec};
+
+mod lifetimes;
 
 /// A backing storage identity: (device code, data pointer). Device code is -1 for
 /// host memory and the CUDA index otherwise.
@@ -116,6 +119,8 @@ struct Inner {
     dirty: bool,
     /// How many values were discarded: a handle's resolution changes only then.
     discards: u64,
+    /// The pending leases' events, the transfers in flight and the object ids.
+    book: TokenBook,
 }
 
 #[derive(Debug)]
@@ -133,6 +138,8 @@ pub struct Manager {
     /// threads, so every entry refuses it before touching anything.
     owner_pid: u32,
     inner: Mutex<Inner>,
+    /// Releases queued behind a source callback (docs/concepts/lifetimes.md#deferred-releases).
+    releases: ReleaseQueue,
 }
 
 fn new_uuid() -> Arc<str> {
@@ -228,6 +235,78 @@ impl Inner {
         }
     }
 
+    fn release_lease(&mut self, token: u64) -> bool {
+        let Some(lease) = self.leases.remove(&token) else {
+            return false;
+        };
+        if lease.pending {
+            self.leases.insert(token, lease);
+            return false;
+        }
+        self.tokens(&lease.handles, lease.location, TokenKind::Use, false);
+        self.state.bump();
+        self.dirty = true;
+        true
+    }
+
+    fn lease_to_pending(&mut self, token: u64) -> bool {
+        let Some(lease) = self.leases.get_mut(&token).filter(|lease| !lease.pending) else {
+            return false;
+        };
+        lease.pending = true;
+        let (handles, location) = (lease.handles.clone(), lease.location);
+        self.tokens(&handles, location, TokenKind::Use, false);
+        self.tokens(&handles, location, TokenKind::Pending, true);
+        self.state.pending_leases += 1;
+        self.state.bump();
+        self.dirty = true;
+        true
+    }
+
+    fn release_pending(&mut self, token: u64) -> bool {
+        let Some(lease) = self.leases.remove(&token) else {
+            return false;
+        };
+        if !lease.pending {
+            self.leases.insert(token, lease);
+            return false;
+        }
+        self.tokens(&lease.handles, lease.location, TokenKind::Pending, false);
+        self.state.pending_leases = self.state.pending_leases.saturating_sub(1);
+        self.state.bump();
+        self.dirty = true;
+        true
+    }
+
+    fn release_hold(&mut self, token: u64) -> bool {
+        let Some(hold) = self.holds.remove(&token) else {
+            return false;
+        };
+        self.tokens(&hold.handles, hold.location, TokenKind::Hold, false);
+        self.state.bump();
+        self.dirty = true;
+        true
+    }
+
+    fn release_reservation(&mut self, token: u64) -> bool {
+        let Some(reservation) = self.state.reservations.remove(&token) else {
+            return false;
+        };
+        self.state
+            .remove_reserved(reservation.location, reservation.nbytes);
+        if let Some(books) = self
+            .state
+            .locations
+            .iter_mut()
+            .find(|books| books.location == reservation.location)
+        {
+            books.reservation_count = books.reservation_count.saturating_sub(1);
+        }
+        self.state.bump();
+        self.dirty = true;
+        true
+    }
+
     fn open_lifetimes(&self) -> OpenLifetimes {
         let pending = self.leases.values().filter(|lease| lease.pending).count() as u64;
         OpenLifetimes {
@@ -260,6 +339,7 @@ impl Manager {
                 state,
                 ..Inner::default()
             }),
+            releases: ReleaseQueue::new(),
         }
     }
 
@@ -960,46 +1040,18 @@ impl Manager {
     /// Releases an active lease's use tokens (one version step). `false` if the
     /// lease is unknown or not active.
     pub fn release_lease(&self, token: u64) -> bool {
-        let mut inner = self.inner();
-        match inner.leases.get(&token) {
-            Some(lease) if !lease.pending => {}
-            _ => return false,
-        }
-        let lease = inner.leases.remove(&token).expect("checked above");
-        inner.tokens(&lease.handles, lease.location, TokenKind::Use, false);
-        inner.state.bump();
-        inner.dirty = true;
-        true
+        self.inner().release_lease(token)
     }
 
     /// Turns an active lease's use tokens into pending-event tokens (one step).
     pub fn lease_to_pending(&self, token: u64) -> bool {
-        let mut inner = self.inner();
-        let Some(lease) = inner.leases.get_mut(&token).filter(|lease| !lease.pending) else {
-            return false;
-        };
-        lease.pending = true;
-        let (handles, location) = (lease.handles.clone(), lease.location);
-        inner.tokens(&handles, location, TokenKind::Use, false);
-        inner.tokens(&handles, location, TokenKind::Pending, true);
-        inner.state.pending_leases += 1;
-        inner.state.bump();
-        inner.dirty = true;
-        true
+        self.inner().lease_to_pending(token)
     }
 
-    /// Releases a pending lease whose events completed (one version step).
+    /// Releases a pending lease whose events completed (one version step). Its
+    /// events and the transfer it protected are forgotten too (see `settle_pending`).
     pub fn release_pending(&self, token: u64) -> bool {
-        let mut inner = self.inner();
-        if !inner.leases.get(&token).is_some_and(|lease| lease.pending) {
-            return false;
-        }
-        let lease = inner.leases.remove(&token).expect("checked above");
-        inner.tokens(&lease.handles, lease.location, TokenKind::Pending, false);
-        inner.state.pending_leases = inner.state.pending_leases.saturating_sub(1);
-        inner.state.bump();
-        inner.dirty = true;
-        true
+        self.inner().release_pending(token)
     }
 
     /// Tokens of the leases currently pending on CUDA events, in token order.
@@ -1021,14 +1073,7 @@ impl Manager {
 
     /// Releases a hold (one version step). `false` if unknown.
     pub fn release_hold(&self, token: u64) -> bool {
-        let mut inner = self.inner();
-        let Some(hold) = inner.holds.remove(&token) else {
-            return false;
-        };
-        inner.tokens(&hold.handles, hold.location, TokenKind::Hold, false);
-        inner.state.bump();
-        inner.dirty = true;
-        true
+        self.inner().release_hold(token)
     }
 
     /// Admits and records a reservation (one version step, plus one for a new location).
@@ -1054,24 +1099,7 @@ impl Manager {
 
     /// Releases a reservation (one version step). `false` if unknown.
     pub fn release_reservation(&self, token: u64) -> bool {
-        let mut inner = self.inner();
-        let Some(reservation) = inner.state.reservations.remove(&token) else {
-            return false;
-        };
-        inner
-            .state
-            .remove_reserved(reservation.location, reservation.nbytes);
-        if let Some(books) = inner
-            .state
-            .locations
-            .iter_mut()
-            .find(|books| books.location == reservation.location)
-        {
-            books.reservation_count = books.reservation_count.saturating_sub(1);
-        }
-        inner.state.bump();
-        inner.dirty = true;
-        true
+        self.inner().release_reservation(token)
     }
 
     /// Closes the manager. Without `force`, open lifetimes refuse the close.
