@@ -15,7 +15,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
-use residency_core::{CoreError, EnsurePlan, HandleId, Location, MovePlan};
+use residency_core::{CoreError, EnsurePlan, Freed, HandleId, Location, MovePlan};
 
 use crate::errors::to_py_err;
 use crate::manager::CoreManager;
@@ -1126,10 +1126,11 @@ fn wait_in_flight(
     index: HandleId,
     at: Location,
 ) -> PyResult<()> {
-    let events = manager.objects().transfer_events(py, &[index], at.code());
-    if events.is_empty() {
+    let ids = manager.core().transfer_events(&[index], at);
+    if ids.is_empty() {
         return Ok(());
     }
+    let events = manager.objects().objects(py, &ids);
     let runtime = manager.context().runtime(py);
     for event in &events {
         runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
@@ -1164,25 +1165,16 @@ fn in_flight(
     if installed.is_err() {
         return synchronize(installed);
     }
-    let Ok(token) = core.acquire(&[index], at) else {
-        return synchronize(Ok(()));
-    };
-    core.lease_to_pending(token);
-    let objects = manager.objects();
-    objects.add_pending(token, vec![event.clone().unbind()]);
-    objects.add_transfer(
-        token,
-        index,
-        at.code(),
-        keepalive.map(|kept| kept.clone().unbind()),
-    );
-    if let Some(source) = source {
-        if let Ok(read) = core.acquire(&[index], source) {
-            core.lease_to_pending(read);
-            objects.add_pending(read, vec![event.unbind()]);
-        }
+    let event_id = manager.store_object(event.clone().unbind());
+    let kept = keepalive.map(|kept| manager.store_object(kept.clone().unbind()));
+    let mut freed = Freed::default();
+    let protected = core.protect_transfer(index, at, source, event_id, kept, &mut freed);
+    manager.free(&freed);
+    if protected {
+        Ok(())
+    } else {
+        synchronize(Ok(()))
     }
-    Ok(())
 }
 
 /// Runs the source's `load()` (the core has charged `source_location`), applies the

@@ -73,6 +73,16 @@ impl Manager {
         !self.releases.is_empty()
     }
 
+    /// Whether reaping has anything to do: releases queued, leases pending or
+    /// transfers in flight.
+    pub fn reap_needed(&self) -> bool {
+        if !self.releases.is_empty() {
+            return true;
+        }
+        let inner = self.inner();
+        inner.book.has_pending() || inner.book.transfer_count() > 0
+    }
+
     /// Applies one release. The caller holds the gate.
     pub fn apply(&self, release: Release) -> Freed {
         let mut freed = Freed::default();
