@@ -40,6 +40,7 @@ from fhelium.residency.lease import (
     ResidencyLease,
     ResidencyReservation,
     new_hold,
+    new_lease,
     new_reservation,
 )
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
@@ -163,7 +164,7 @@ class Engine:
             _lowering.type_key,
             _new_spec,
             _MUST_PRESERVE,
-            ResidencyLease,
+            new_lease,
             ReplicaMode.EXCLUSIVE,
             self.cuda_count,
             new_hold,

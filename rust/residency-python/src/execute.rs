@@ -52,8 +52,8 @@ pub struct Context {
     /// Builds an adopted value's spec record: `(type, logical, charge, mode, recoverability)`.
     spec_builder: Py<PyAny>,
     must_preserve: Py<PyAny>,
-    /// The lease class; `lifetimes::new_lease` fills its instances.
-    lease_class: Py<PyAny>,
+    /// Builds a lease: `(engine, token, handles, location, consumer_streams)`.
+    new_lease: Py<PyAny>,
     exclusive: Py<PyAny>,
     /// CUDA devices the runtime reports (0 without CUDA).
     cuda_count: u32,
@@ -159,7 +159,7 @@ impl Context {
     /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
     /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
     /// (ensure_noop, move_noop, drop_noop), type_key, spec_builder, must_preserve,
-    /// lease_class, exclusive, cuda_count, new_hold, new_reservation,
+    /// new_lease, exclusive, cuda_count, new_hold, new_reservation,
     /// normalize_handles, handle_class, (ensure, move, drop action builders))`.
     pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
         let item = |index: usize| items.get_item(index).map(Bound::unbind);
@@ -192,7 +192,7 @@ impl Context {
             type_key: item(12)?,
             spec_builder: item(13)?,
             must_preserve: item(14)?,
-            lease_class: item(15)?,
+            new_lease: item(15)?,
             exclusive: item(16)?,
             cuda_count: items.get_item(17)?.extract()?,
             new_hold: item(18)?,
@@ -257,8 +257,8 @@ impl Context {
         recoverability.is(&self.must_preserve)
     }
 
-    pub(crate) fn lease_class<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.lease_class.bind(py)
+    pub(crate) fn new_lease<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.new_lease.bind(py)
     }
 
     pub(crate) fn new_hold<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {

@@ -303,16 +303,10 @@ pub fn acquire(
             Some(stream) => PyList::new(py, [stream])?,
             None => PyList::empty(py),
         };
-        let lease = new_lease(
-            py,
-            context.lease_class(py),
-            engine,
-            token,
-            handles,
-            at,
-            &streams,
-        )
-        .and_then(|lease| {
+        let lease = context
+            .new_lease(py)
+            .call1((engine, token, handles, at, &streams))
+            .and_then(|lease| {
             track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
             Ok(lease)
         });
@@ -555,7 +549,7 @@ pub fn track_lease(
     Ok(())
 }
 
-/// `fhelium.residency.lease._finalize_lease`, looked up once per process.
+/// `fhelium.residency.lease.finalize_lease`, looked up once per process.
 static FINALIZE_LEASE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// The callback of a tracked lease's weak reference: a lease collected while its
@@ -589,7 +583,7 @@ impl LeaseFinalizer {
             return Ok(());
         };
         drop(reference);
-        let finalize = FINALIZE_LEASE.import(py, "fhelium.residency.lease", "_finalize_lease")?;
+        let finalize = FINALIZE_LEASE.import(py, "fhelium.residency.lease", "finalize_lease")?;
         finalize.call1((
             engine,
             self.token,
@@ -598,36 +592,6 @@ impl LeaseFinalizer {
         ))?;
         Ok(())
     }
-}
-
-/// `object.__new__`, looked up once per process.
-static OBJECT_NEW: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-
-/// A lease the manager has just admitted: an instance of the lease class with the
-/// state its constructor sets, built without running Python code. `_entered` and
-/// `_handle_set` stay unset until first used.
-fn new_lease<'py>(
-    py: Python<'py>,
-    class: &Bound<'py, PyAny>,
-    engine: &Bound<'py, PyAny>,
-    token: u64,
-    handles: &Bound<'py, PyAny>,
-    location: &Bound<'py, PyAny>,
-    streams: &Bound<'py, PyList>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let new = OBJECT_NEW.get_or_try_init(py, || {
-        py.get_type::<PyAny>()
-            .getattr(intern!(py, "__new__"))
-            .map(Bound::unbind)
-    })?;
-    let lease = new.bind(py).call1((class,))?;
-    lease.setattr(intern!(py, "_engine"), engine)?;
-    lease.setattr(intern!(py, "_token"), token)?;
-    lease.setattr(intern!(py, "_handles"), handles)?;
-    lease.setattr(intern!(py, "_location"), location)?;
-    lease.setattr(intern!(py, "_streams"), streams)?;
-    lease.setattr(intern!(py, "_active"), true)?;
-    Ok(lease)
 }
 
 /// The lease objects not yet released that are still alive, oldest first.

@@ -689,17 +689,18 @@ impl CoreManager {
         released
     }
 
-    /// Tracks a lease object built by the glue itself, until it is released.
-    fn track_lease(&self, py: Python<'_>, token: u64, lease: &Bound<'_, PyAny>) -> PyResult<()> {
-        crate::lifetimes::track_lease(
-            self,
-            py,
-            &lease.getattr(pyo3::intern!(py, "_engine"))?,
-            token,
-            &lease.getattr(pyo3::intern!(py, "_location"))?,
-            &lease.getattr(pyo3::intern!(py, "_streams"))?,
-            lease,
-        )
+    /// Tracks a lease object built by the glue itself, until it is released; its
+    /// finalizer releases `token` at `location` on `streams` through `engine`.
+    fn track_lease(
+        &self,
+        py: Python<'_>,
+        token: u64,
+        lease: &Bound<'_, PyAny>,
+        engine: &Bound<'_, PyAny>,
+        location: &Bound<'_, PyAny>,
+        streams: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        crate::lifetimes::track_lease(self, py, engine, token, location, streams, lease)
     }
 
     /// Stops tracking a lease (finalized by its own object, at exit).
