@@ -101,17 +101,19 @@ impl ReleaseQueue {
         self.queued.store(queue.len(), Ordering::Release);
     }
 
+    /// The oldest queued release. Always under the lock: the thread that ends a
+    /// callback clears its flag and then pops, the releasing thread pushes and then
+    /// reads the flag, and only the lock orders the two (a count read without it may
+    /// be stale, and the release lost).
     pub fn pop(&self) -> Option<Release> {
-        if self.is_empty() {
-            return None;
-        }
         let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
         let release = queue.pop_front();
         self.queued.store(queue.len(), Ordering::Release);
         release
     }
 
-    /// True when nothing is queued (without the lock).
+    /// True when nothing is queued (without the lock: a hint for fast paths, which
+    /// may miss a release being queued; the drain after a callback never relies on it).
     pub fn is_empty(&self) -> bool {
         self.queued.load(Ordering::Acquire) == 0
     }

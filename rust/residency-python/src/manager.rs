@@ -253,11 +253,11 @@ impl CoreManager {
     /// Applies the releases queued while a source callback ran, oldest first; the
     /// caller holds the gate.
     pub(crate) fn drain_deferred(&self) {
-        if self.core.releases_queued() {
-            let mut freed = Freed::default();
-            self.core.drain_releases(&mut freed);
-            self.free(&freed);
-        }
+        // Under the queue's lock, never the lock-free hint: after a callback this is
+        // what applies a release queued while it ran.
+        let mut freed = Freed::default();
+        self.core.drain_releases(&mut freed);
+        self.free(&freed);
     }
 
     /// The index of a live handle of this manager, else `None`.

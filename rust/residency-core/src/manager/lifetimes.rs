@@ -92,9 +92,6 @@ impl Manager {
 
     /// Applies the queued releases, oldest first. The caller holds the gate.
     pub fn drain_releases(&self, freed: &mut Freed) {
-        if self.releases.is_empty() {
-            return;
-        }
         self.releases.drain(|release| self.inner().apply(release, freed));
     }
 
