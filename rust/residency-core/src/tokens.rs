@@ -375,7 +375,11 @@ impl TokenBook {
 
     /// The events of the transfers still in flight into any of `handles` at
     /// `location`: the pending lease's while it protects the copy, else the copy's own.
-    pub(crate) fn transfer_events(&self, handles: &[HandleId], location: Location) -> Vec<ObjectId> {
+    pub(crate) fn transfer_events(
+        &self,
+        handles: &[HandleId],
+        location: Location,
+    ) -> Vec<ObjectId> {
         let mut events = Vec::new();
         for transfer in &self.transfers {
             if transfer.location != location || !handles.contains(&transfer.handle) {
@@ -390,10 +394,17 @@ impl TokenBook {
     }
 
     pub(crate) fn transfer_tokens(&self) -> Vec<u64> {
-        self.transfers.iter().map(|transfer| transfer.token).collect()
+        self.transfers
+            .iter()
+            .map(|transfer| transfer.token)
+            .collect()
     }
 
-    pub(crate) fn transfer_tokens_into(&self, handles: &[HandleId], location: Location) -> Vec<u64> {
+    pub(crate) fn transfer_tokens_into(
+        &self,
+        handles: &[HandleId],
+        location: Location,
+    ) -> Vec<u64> {
         self.transfers
             .iter()
             .filter(|transfer| transfer.location == location && handles.contains(&transfer.handle))

@@ -23,13 +23,8 @@ fn manager() -> Manager {
 }
 
 fn spec() -> ValueSpec {
-    ValueSpec::new(
-        8,
-        8,
-        ReplicaMode::Replicable,
-        Recoverability::MustPreserve,
-    )
-    .expect("a valid spec")
+    ValueSpec::new(8, 8, ReplicaMode::Replicable, Recoverability::MustPreserve)
+        .expect("a valid spec")
 }
 
 /// A value resident at `at`.
@@ -182,7 +177,10 @@ fn reaping_releases_a_pending_lease_only_once_every_event_completed() {
     let token = pending_lease(&manager, handle, &[first, second]);
     assert_eq!(counts(&manager, handle, CUDA), (0, 0, 1));
     let refused = manager.drop_materialization(handle, CUDA);
-    assert!(matches!(refused, Err(CoreError::InUse { .. })), "{refused:?}");
+    assert!(
+        matches!(refused, Err(CoreError::InUse { .. })),
+        "{refused:?}"
+    );
 
     // The second is still running: the lease keeps protecting, and the question stops
     // at the first event that is not complete.
@@ -376,9 +374,7 @@ fn with_callback_elsewhere<T: Send + 'static>(
     manager.begin_transition();
     manager.set_callback_active(true);
     let other = Arc::clone(manager);
-    let result = thread::spawn(move || during(other))
-        .join()
-        .expect("joined");
+    let result = thread::spawn(move || during(other)).join().expect("joined");
     manager.set_callback_active(false);
     manager.end_transition();
     let mut freed = Freed::default();

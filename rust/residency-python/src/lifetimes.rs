@@ -307,9 +307,9 @@ pub fn acquire(
             .new_lease(py)
             .call1((engine, token, handles, at, &streams))
             .and_then(|lease| {
-            track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
-            Ok(lease)
-        });
+                track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
+                Ok(lease)
+            });
         handed_out(lease, || {
             core.release_lease(token);
         })

@@ -92,7 +92,8 @@ impl Manager {
 
     /// Applies the queued releases, oldest first. The caller holds the gate.
     pub fn drain_releases(&self, freed: &mut Freed) {
-        self.releases.drain(|release| self.inner().apply(release, freed));
+        self.releases
+            .drain(|release| self.inner().apply(release, freed));
     }
 
     /// Releases a lifetime's tokens now when the gate is free and nothing is queued
@@ -264,7 +265,9 @@ impl Manager {
     ) -> bool {
         let Ok(token) = self.acquire(&[handle], at) else {
             let mut inner = self.inner();
-            inner.book.unref([event].into_iter().chain(keepalive), freed);
+            inner
+                .book
+                .unref([event].into_iter().chain(keepalive), freed);
             return false;
         };
         let mut inner = self.inner();
