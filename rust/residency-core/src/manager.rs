@@ -1043,13 +1043,16 @@ impl Manager {
         self.inner().release_lease(token)
     }
 
-    /// Turns an active lease's use tokens into pending-event tokens (one step).
+    /// Turns an active lease's use tokens into pending-event tokens (one step), with
+    /// no events recorded: the records alone. A CUDA lease's release goes through
+    /// [`Manager::apply`] or [`Manager::release`] with its events instead.
     pub fn lease_to_pending(&self, token: u64) -> bool {
         self.inner().lease_to_pending(token)
     }
 
-    /// Releases a pending lease whose events completed (one version step). Its
-    /// events and the transfer it protected are forgotten too (see `settle_pending`).
+    /// Releases a pending lease's records (one version step). A lease made pending
+    /// with events is settled by [`Manager::settle_pending`], which also forgets its
+    /// events and the transfer it protected, and gives back their ids.
     pub fn release_pending(&self, token: u64) -> bool {
         self.inner().release_pending(token)
     }
