@@ -23,7 +23,8 @@ pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
 pub use location::{Location, MAX_CUDA_INDEX};
 pub use manager::{
-    EnsurePlan, LeaseState, Manager, MovePlan, OpenLifetimes, SearchInputs, StateValues, StorageKey,
+    EnsurePlan, LeaseState, Manager, MovePlan, OpenLifetimes, SearchInputs, SettleWait,
+    StateValues, StorageKey,
 };
 pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};

@@ -26,6 +26,8 @@ use crate::value::{HandleName, Recoverability, ValueSpec};
 
 mod lifetimes;
 
+pub use lifetimes::SettleWait;
+
 /// A backing storage identity: (device code, data pointer). Device code is -1 for
 /// host memory and the CUDA index otherwise.
 pub type StorageKey = (i64, u64);

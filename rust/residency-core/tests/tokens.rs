@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use residency_core::{
     CoreError, Freed, HandleId, LeaseState, LifetimeKind, Location, Manager, ObjectId,
-    Recoverability, Release, ReplicaMode, ValueSpec,
+    Recoverability, Release, ReplicaMode, SettleWait, ValueSpec,
 };
 
 const POLL: Duration = Duration::from_millis(1);
@@ -274,6 +274,68 @@ fn settling_waits_for_the_chosen_leases_and_stops_at_a_failed_wait() {
     let failed = manager.settle(|_| true, false, |_| Err("sync raised"), &mut freed);
     assert_eq!(failed, Err("sync raised"));
     assert_eq!(manager.lease_state(first), LeaseState::Pending);
+}
+
+#[test]
+fn settling_on_the_device_needs_every_owning_stream_or_a_host_wait() {
+    let manager = manager();
+    let (known, unknown) = (value(&manager, CUDA), value(&manager, CUDA));
+    let (a, b) = (manager.new_object(), manager.new_object());
+    let owned = pending_lease(&manager, known, &[a]);
+    let mixed = manager.acquire(&[known, unknown], CUDA).expect("acquired");
+    enter(&manager);
+    manager.apply(Release::Pending {
+        token: mixed,
+        events: vec![b],
+        completed: false,
+    });
+    manager.exit();
+    let owner_of = |handle: HandleId, _: Location| (handle == known).then_some("stream");
+    let mut waits = Vec::new();
+    let mut freed = Freed::default();
+    let left: Result<Vec<u64>, ()> = manager.settle_on_device(
+        &[owned, mixed],
+        false,
+        owner_of,
+        |wait| {
+            waits.push(match wait {
+                SettleWait::Device { owners, events } => (owners, events.to_vec()),
+                SettleWait::Host { events } => (vec!["host"], events.to_vec()),
+            });
+            Ok(())
+        },
+        &mut freed,
+    );
+    // The lease whose every value has a known owning stream: a device wait, released.
+    assert_eq!(left, Ok(vec![mixed]));
+    assert_eq!(waits, vec![(vec!["stream"], vec![a])]);
+    assert_eq!(freed.objects, vec![a]);
+    assert_eq!(manager.lease_state(owned), LeaseState::Unknown);
+    assert_eq!(manager.lease_state(mixed), LeaseState::Pending);
+
+    // A failing wait leaves the lease pending.
+    let failed = manager.settle_on_device(&[mixed], true, owner_of, |_| Err("raised"), &mut freed);
+    assert_eq!(failed, Err("raised"));
+    assert_eq!(manager.lease_state(mixed), LeaseState::Pending);
+    // With `host`, the rest is waited for on the host.
+    waits.clear();
+    let left: Result<Vec<u64>, ()> = manager.settle_on_device(
+        &[mixed],
+        true,
+        owner_of,
+        |wait| {
+            waits.push(match wait {
+                SettleWait::Device { owners, events } => (owners, events.to_vec()),
+                SettleWait::Host { events } => (vec!["host"], events.to_vec()),
+            });
+            Ok(())
+        },
+        &mut freed,
+    );
+    assert_eq!(left, Ok(vec![]));
+    assert_eq!(waits, vec![(vec!["host"], vec![b])]);
+    assert_eq!(manager.lease_state(mixed), LeaseState::Unknown);
+    assert_eq!(manager.live_objects(), 0);
 }
 
 // ----- transfers in flight ----------------------------------------------------------

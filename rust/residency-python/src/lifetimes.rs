@@ -13,7 +13,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
-use residency_core::{CoreError, Freed, HandleId, LeaseState, Location, ObjectId, Release};
+use residency_core::{
+    CoreError, Freed, HandleId, LeaseState, Location, ObjectId, Release, SettleWait,
+};
 
 use crate::errors::{ResidencyUnavailableError, to_py_err};
 use crate::kinds::LifetimeKind;
@@ -377,52 +379,36 @@ pub fn settle_on_device(
 ) -> PyResult<Vec<u64>> {
     manager.with_gate(py, true, true, || {
         reap(manager, py)?;
-        let core = manager.core();
         let objects = manager.objects();
         let runtime = manager.context().runtime(py);
-        let mut left = Vec::new();
-        for (token, ids) in core.pending_events() {
-            if !tokens.contains(&token) {
-                continue;
-            }
-            let events = objects.objects(py, &ids);
-            let Some((handles, location)) = core.pending_lease_values(token) else {
-                continue;
-            };
-            let mut owners: Vec<Py<PyAny>> = Vec::new();
-            let mut known = matches!(location, Location::Cuda(_));
-            for &index in &handles {
-                if !known {
-                    break;
-                }
-                match objects.stream(py, index, location.code()) {
-                    Some(owner) => {
-                        if !owners.iter().any(|seen| seen.is(&owner)) {
-                            owners.push(owner);
+        let mut freed = Freed::default();
+        let left = manager.core().settle_on_device(
+            tokens,
+            host,
+            |index, location| objects.stream(py, index, location.code()),
+            |wait| match wait {
+                SettleWait::Device { owners, events } => {
+                    let events = objects.objects(py, events);
+                    let mut waited: Vec<Py<PyAny>> = Vec::new();
+                    for owner in owners {
+                        if waited.iter().any(|seen| seen.is(&owner)) {
+                            continue;
                         }
+                        for event in &events {
+                            runtime.call_method1(intern!(py, "wait_event"), (&owner, event))?;
+                        }
+                        waited.push(owner);
                     }
-                    None => known = false,
+                    Ok(())
                 }
-            }
-            if known {
-                for owner in &owners {
-                    for event in &events {
-                        runtime.call_method1(intern!(py, "wait_event"), (owner, event))?;
-                    }
-                }
-            } else if host {
-                for event in &events {
-                    runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-                }
-            } else {
-                left.push(token);
-                continue;
-            }
-            let mut freed = Freed::default();
-            core.release_on_device(token, &mut freed);
-            manager.free(&freed);
-        }
-        Ok(left)
+                SettleWait::Host { events } => events
+                    .iter()
+                    .try_for_each(|&id| event_wait(manager, py, runtime, id)),
+            },
+            &mut freed,
+        );
+        manager.free(&freed);
+        left
     })
 }
 

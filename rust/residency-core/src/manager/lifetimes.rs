@@ -13,6 +13,18 @@ use crate::tokens::{self, Freed, LifetimeKind, ObjectId, Release};
 
 use super::{Inner, Manager};
 
+/// How [`Manager::settle_on_device`] waits for a pending lease's events.
+#[derive(Debug)]
+pub enum SettleWait<'a, O> {
+    /// Each owning stream (one per value, repeats included) waits on the device.
+    Device {
+        owners: Vec<O>,
+        events: &'a [ObjectId],
+    },
+    /// The host waits.
+    Host { events: &'a [ObjectId] },
+}
+
 impl Inner {
     /// Applies one release; what it frees is added to `freed`.
     fn apply(&mut self, release: Release, freed: &mut Freed) {
@@ -245,6 +257,52 @@ impl Manager {
             inner.book.forget_on_device(token, freed);
         }
         released
+    }
+
+    /// Releases the pending leases among `tokens` without a host wait where the
+    /// device's order makes that safe (docs/concepts/controller.md#evicting-around-reads-in-flight):
+    /// on CUDA, when `owner` knows the owning stream of every value's memory, those
+    /// streams wait for the lease's events on the device, then the lease is released
+    /// (a transfer it protected keeps the events until they complete). Otherwise, with
+    /// `host`, its events are waited for on the host; else it is left pending, and
+    /// returned. A failing wait stops there, its lease still pending.
+    pub fn settle_on_device<O, E>(
+        &self,
+        tokens: &[u64],
+        host: bool,
+        mut owner: impl FnMut(HandleId, Location) -> Option<O>,
+        mut wait: impl FnMut(SettleWait<'_, O>) -> Result<(), E>,
+        freed: &mut Freed,
+    ) -> Result<Vec<u64>, E> {
+        let mut left = Vec::new();
+        for (token, events) in self.pending_events() {
+            if !tokens.contains(&token) {
+                continue;
+            }
+            let Some((handles, location)) = self.pending_lease_values(token) else {
+                continue;
+            };
+            let owners: Option<Vec<O>> = match location {
+                Location::Cuda(_) => handles
+                    .iter()
+                    .map(|&handle| owner(handle, location))
+                    .collect(),
+                _ => None,
+            };
+            match owners {
+                Some(owners) => wait(SettleWait::Device {
+                    owners,
+                    events: &events,
+                })?,
+                None if host => wait(SettleWait::Host { events: &events })?,
+                None => {
+                    left.push(token);
+                    continue;
+                }
+            }
+            self.release_on_device(token, freed);
+        }
+        Ok(left)
     }
 
     /// Protects an asynchronous copy into `(handle, at)` until `event` completes: the
