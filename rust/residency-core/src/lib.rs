@@ -23,7 +23,7 @@ pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
 pub use location::{Location, MAX_CUDA_INDEX};
 pub use manager::{
-    EnsurePlan, LeaseState, Manager, MovePlan, OpenLifetimes, SearchInputs, SettleWait,
+    EnsurePlan, HostCost, LeaseState, Manager, MovePlan, OpenLifetimes, SearchInputs, SettleWait,
     StateValues, StorageKey,
 };
 pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};

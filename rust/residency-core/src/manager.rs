@@ -59,6 +59,18 @@ pub enum MovePlan {
     Reconstruct { source_location: Location },
 }
 
+/// What bringing one value to a location costs the host (see `Manager::host_costs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostCost {
+    /// Nothing to copy, or an asynchronous copy.
+    Free,
+    /// A copy that blocks the host.
+    Blocks,
+    /// A source's load into pageable memory on the way to a device: it blocks unless
+    /// the source loads alone (the disk tier then runs it on its I/O thread).
+    BlocksUnlessLoadsAlone,
+}
+
 /// Where a lease token stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseState {
@@ -703,6 +715,43 @@ impl Manager {
             return Ok(None);
         }
         Ok(record.best_source(None).or(record.source))
+    }
+
+    /// What bringing each of `handles` to `at` would cost the host, changing nothing
+    /// (docs/concepts/controller.md#staging): only a copy to a device from pinned or
+    /// device memory is asynchronous, and with `disk_deferred` a read from disk to a
+    /// device too (the disk tier reads it on its I/O thread), as is a source's load
+    /// into pageable memory on the way to a device when the source loads alone.
+    pub fn host_costs(
+        &self,
+        handles: &[HandleId],
+        at: Location,
+        disk_deferred: bool,
+    ) -> CoreResult<Vec<HostCost>> {
+        let to_device = matches!(at, Location::Cuda(_));
+        let inner = self.inner();
+        handles
+            .iter()
+            .map(|&handle| {
+                let record = inner.live_record(handle)?;
+                if record.is_resident(at) {
+                    return Ok(HostCost::Free);
+                }
+                let copied = record.best_source(None);
+                Ok(match copied.or(record.source) {
+                    None => HostCost::Free,
+                    // A source's `load()` into pageable memory (no copy there yet).
+                    Some(Location::PageableHost)
+                        if copied.is_none() && disk_deferred && to_device =>
+                    {
+                        HostCost::BlocksUnlessLoadsAlone
+                    }
+                    Some(Location::PinnedHost | Location::Cuda(_)) if to_device => HostCost::Free,
+                    Some(Location::Disk(_)) if disk_deferred && to_device => HostCost::Free,
+                    Some(_) => HostCost::Blocks,
+                })
+            })
+            .collect()
     }
 
     pub fn plan_ensure(&self, handle: HandleId, at: Location) -> CoreResult<EnsurePlan> {

@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::{
-    CoreError, Freed, HandleId, LeaseState, Location, ObjectId, Release, SettleWait,
+    CoreError, Freed, HandleId, HostCost, LeaseState, Location, ObjectId, Release, SettleWait,
 };
 
 use crate::errors::{ResidencyUnavailableError, to_py_err};
@@ -467,29 +467,19 @@ pub fn blocks_host(
     manager.with_gate(py, true, true, || {
         let location = manager.context().location_code(py, at)?;
         let indices = resolve_in_order(manager, py, handles, location)?;
-        let to_device = matches!(location, Location::Cuda(_));
-        for index in indices {
-            let source = lift(py, manager.core().ensure_source(index, location))?;
-            // A source's `load()` into pageable memory (the value has no copy there)
-            // blocks the host, unless the disk tier may run it on its I/O thread. (One
-            // into pinned memory counts as a copy from pinned memory.)
-            if source == Some(Location::PageableHost)
-                && disk_deferred
-                && to_device
-                && manager
-                    .core()
-                    .check_resident(&[index], Location::PageableHost)
-                    .is_err()
-                && loads_alone(manager, py, index)?
-            {
-                continue;
-            }
-            // Only a copy to a device from pinned or device memory is asynchronous.
-            match source {
-                None => {}
-                Some(Location::PinnedHost | Location::Cuda(_)) if to_device => {}
-                Some(Location::Disk(_)) if disk_deferred && to_device => {}
-                Some(_) => return Ok(true),
+        let costs = lift(
+            py,
+            manager.core().host_costs(&indices, location, disk_deferred),
+        )?;
+        for (index, cost) in indices.into_iter().zip(costs) {
+            match cost {
+                HostCost::Free => {}
+                HostCost::Blocks => return Ok(true),
+                HostCost::BlocksUnlessLoadsAlone => {
+                    if !loads_alone(manager, py, index)? {
+                        return Ok(true);
+                    }
+                }
             }
         }
         Ok(false)
