@@ -169,12 +169,14 @@ impl Manager {
         mut complete: impl FnMut(ObjectId) -> Result<bool, E>,
         freed: &mut Freed,
     ) -> Result<(), E> {
-        self.drain_releases(freed);
-        if self.inner().book.has_pending() {
-            for (token, events) in self.pending_events() {
-                if all_complete(&events, &mut complete)? {
-                    self.inner().settle_pending(token, freed);
-                }
+        // The lock-free hint is enough here: a release queued behind a callback is
+        // applied when the callback returns, or by its own thread (`release`).
+        if !self.releases.is_empty() {
+            self.drain_releases(freed);
+        }
+        for (token, events) in self.pending_events() {
+            if all_complete(&events, &mut complete)? {
+                self.inner().settle_pending(token, freed);
             }
         }
         self.reap_transfers(complete, freed)
@@ -186,10 +188,13 @@ impl Manager {
         mut complete: impl FnMut(ObjectId) -> Result<bool, E>,
         freed: &mut Freed,
     ) -> Result<(), E> {
-        if self.inner().book.transfer_count() == 0 {
-            return Ok(());
-        }
-        let released = self.inner().book.released_transfers();
+        let released = {
+            let inner = self.inner();
+            if inner.book.transfer_count() == 0 {
+                return Ok(());
+            }
+            inner.book.released_transfers()
+        };
         for (token, events) in released {
             if all_complete(&events, &mut complete)? {
                 self.inner().book.forget_released_transfer(token, freed);
