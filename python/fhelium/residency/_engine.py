@@ -41,6 +41,7 @@ from fhelium.residency.lease import (
     ResidencyLease,
     ResidencyReservation,
     new_hold,
+    new_lease,
     new_reservation,
 )
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation
@@ -186,7 +187,7 @@ class Engine:
             _lowering.type_key,
             _new_spec,
             _MUST_PRESERVE,
-            ResidencyLease,
+            new_lease,
             ReplicaMode.EXCLUSIVE,
             self.cuda_count,
             new_hold,
@@ -258,11 +259,12 @@ class Engine:
         # whose warnings name the caller of the Python function calling it;
         # `release_host_lease_now(token)`: a host lease's release when the gate is free
         # and nothing is queued, else False (then `release_host_lease`);
-        # `track_lease(token, lease)` / `untrack_lease(token)`: the weak reference that
-        # finalizes an unreleased lease collected.
+        # `track_lease(token, lease, engine, location, streams)` / `untrack_lease(token)`:
+        # the weak reference that finalizes an unreleased lease collected (with what its
+        # finalizer needs, so the binding reads no private attribute of the lease).
         self.release_lease: Callable[..., None] = core.release_lease
         self.release_host_lease_now: Callable[[int], bool] = core.release_host_lease_now
-        self.track_lease: Callable[[int, ResidencyLease], None] = core.track_lease
+        self.track_lease: Callable[..., None] = core.track_lease
         self.untrack_lease: Callable[[int], None] = core.untrack_lease
         # The public manager this engine serves, set by it; weak, so the engine never
         # keeps its owner alive.

@@ -42,9 +42,11 @@ def _warn_abandoned(kind: str, engine: LifetimeOwner, location: object, outcome:
     )
 
 
-def _finalize_lease(
+def finalize_lease(
     engine: LifetimeOwner, token: int, location: ResidencyLocation, streams: list[Any]
 ) -> None:
+    """Releases an abandoned lease safely and warns (the manager's weak reference to an
+    unreleased lease calls this when the lease is collected)."""
     try:
         engine.release_lease(token, location, streams, wait=True, finalizing=True)
     except BaseException:
@@ -178,14 +180,15 @@ class ResidencyLease(Lifetime):
         # Leases are tracked by their manager's core, until released; collected
         # still active, the core's weak reference finalizes them.
         self._active = True
-        self._engine.track_lease(self._token, self)
+        engine = self._engine
+        engine.track_lease(self._token, self, engine, self._location, self._streams)
 
     def _untrack(self) -> None:
         self._active = False
         self._engine.untrack_lease(self._token)
 
     def _finalize(self) -> None:
-        _finalize_lease(self._engine, self._token, self._location, self._streams)
+        finalize_lease(self._engine, self._token, self._location, self._streams)
 
     @property
     def handles(self) -> tuple[ResidencyHandle[Any], ...]:
@@ -409,6 +412,29 @@ class ResidencyReservation(FinalizedLifetime):
             f"ResidencyReservation(label={self.label!r}, location={self.location}, "
             f"nbytes={self.nbytes}, {state})"
         )
+
+
+_new_object = object.__new__
+
+
+def new_lease(
+    engine: LifetimeOwner,
+    token: int,
+    handles: tuple[ResidencyHandle[Any], ...],
+    location: ResidencyLocation,
+    consumer_streams: list[Any],
+) -> ResidencyLease:
+    """The manager's constructor for leases it has just admitted: the state
+    ``ResidencyLease.__init__`` sets, without the tracking the manager does itself.
+    ``_entered`` and ``_handle_set`` stay unset until first used."""
+    lease: ResidencyLease = _new_object(ResidencyLease)
+    lease._engine = engine
+    lease._token = token
+    lease._handles = handles
+    lease._location = location
+    lease._streams = consumer_streams
+    lease._active = True
+    return lease
 
 
 def new_hold(

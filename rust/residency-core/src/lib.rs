@@ -17,15 +17,18 @@ pub mod plan;
 pub mod search;
 pub mod simulate;
 pub mod state;
+pub mod tokens;
 pub mod value;
 
 pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
 pub use location::{Location, MAX_CUDA_INDEX};
 pub use manager::{
-    EnsurePlan, LeaseState, Manager, MovePlan, OpenLifetimes, SearchInputs, StateValues, StorageKey,
+    EnsurePlan, HostCost, LeaseState, Manager, MovePlan, OpenLifetimes, SearchInputs, SettleWait,
+    StateValues, StorageKey,
 };
 pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
+pub use tokens::{Freed, LifetimeKind, ObjectId, Release};
 pub use value::{HandleName, Recoverability, ReplicaMode, ValueSpec};

@@ -21,7 +21,12 @@ use crate::plan::{Action, HandleRef, HandleSlot, Plan, Reservation};
 use crate::search::{MatInfo, Planned, SearchOutcome, SearchValue, ValueTable};
 use crate::simulate::{self, CompletedPending, CudaDevices, Simulation, SlotResolution};
 use crate::state::{HandleId, Materialization, ReservationRecord, State, TokenKind, ValueRecord};
+use crate::tokens::{ReleaseQueue, TokenBook};
 use crate::value::{HandleName, Recoverability, ValueSpec};
+
+mod lifetimes;
+
+pub use lifetimes::SettleWait;
 
 /// A backing storage identity: (device code, data pointer). Device code is -1 for
 /// host memory and the CUDA index otherwise.
@@ -52,6 +57,18 @@ pub enum MovePlan {
     /// No materialisation: reconstruct at this location (temporary charge taken, the
     /// glue releases it); nothing is removed after.
     Reconstruct { source_location: Location },
+}
+
+/// What bringing one value to a location costs the host (see `Manager::host_costs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostCost {
+    /// Nothing to copy, or an asynchronous copy.
+    Free,
+    /// A copy that blocks the host.
+    Blocks,
+    /// A source's load into pageable memory on the way to a device: it blocks unless
+    /// the source loads alone (the disk tier then runs it on its I/O thread).
+    BlocksUnlessLoadsAlone,
 }
 
 /// Where a lease token stands.
@@ -116,6 +133,8 @@ struct Inner {
     dirty: bool,
     /// How many values were discarded: a handle's resolution changes only then.
     discards: u64,
+    /// The pending leases' events, the transfers in flight and the object ids.
+    book: TokenBook,
 }
 
 #[derive(Debug)]
@@ -133,6 +152,8 @@ pub struct Manager {
     /// threads, so every entry refuses it before touching anything.
     owner_pid: u32,
     inner: Mutex<Inner>,
+    /// Releases queued behind a source callback (docs/concepts/lifetimes.md#deferred-releases).
+    releases: ReleaseQueue,
 }
 
 fn new_uuid() -> Arc<str> {
@@ -228,6 +249,78 @@ impl Inner {
         }
     }
 
+    fn release_lease(&mut self, token: u64) -> bool {
+        let Some(lease) = self.leases.remove(&token) else {
+            return false;
+        };
+        if lease.pending {
+            self.leases.insert(token, lease);
+            return false;
+        }
+        self.tokens(&lease.handles, lease.location, TokenKind::Use, false);
+        self.state.bump();
+        self.dirty = true;
+        true
+    }
+
+    fn lease_to_pending(&mut self, token: u64) -> bool {
+        let Some(lease) = self.leases.get_mut(&token).filter(|lease| !lease.pending) else {
+            return false;
+        };
+        lease.pending = true;
+        let (handles, location) = (lease.handles.clone(), lease.location);
+        self.tokens(&handles, location, TokenKind::Use, false);
+        self.tokens(&handles, location, TokenKind::Pending, true);
+        self.state.pending_leases += 1;
+        self.state.bump();
+        self.dirty = true;
+        true
+    }
+
+    fn release_pending(&mut self, token: u64) -> bool {
+        let Some(lease) = self.leases.remove(&token) else {
+            return false;
+        };
+        if !lease.pending {
+            self.leases.insert(token, lease);
+            return false;
+        }
+        self.tokens(&lease.handles, lease.location, TokenKind::Pending, false);
+        self.state.pending_leases = self.state.pending_leases.saturating_sub(1);
+        self.state.bump();
+        self.dirty = true;
+        true
+    }
+
+    fn release_hold(&mut self, token: u64) -> bool {
+        let Some(hold) = self.holds.remove(&token) else {
+            return false;
+        };
+        self.tokens(&hold.handles, hold.location, TokenKind::Hold, false);
+        self.state.bump();
+        self.dirty = true;
+        true
+    }
+
+    fn release_reservation(&mut self, token: u64) -> bool {
+        let Some(reservation) = self.state.reservations.remove(&token) else {
+            return false;
+        };
+        self.state
+            .remove_reserved(reservation.location, reservation.nbytes);
+        if let Some(books) = self
+            .state
+            .locations
+            .iter_mut()
+            .find(|books| books.location == reservation.location)
+        {
+            books.reservation_count = books.reservation_count.saturating_sub(1);
+        }
+        self.state.bump();
+        self.dirty = true;
+        true
+    }
+
     fn open_lifetimes(&self) -> OpenLifetimes {
         let pending = self.leases.values().filter(|lease| lease.pending).count() as u64;
         OpenLifetimes {
@@ -260,6 +353,7 @@ impl Manager {
                 state,
                 ..Inner::default()
             }),
+            releases: ReleaseQueue::new(),
         }
     }
 
@@ -623,6 +717,43 @@ impl Manager {
         Ok(record.best_source(None).or(record.source))
     }
 
+    /// What bringing each of `handles` to `at` would cost the host, changing nothing
+    /// (docs/concepts/controller.md#staging): only a copy to a device from pinned or
+    /// device memory is asynchronous, and with `disk_deferred` a read from disk to a
+    /// device too (the disk tier reads it on its I/O thread), as is a source's load
+    /// into pageable memory on the way to a device when the source loads alone.
+    pub fn host_costs(
+        &self,
+        handles: &[HandleId],
+        at: Location,
+        disk_deferred: bool,
+    ) -> CoreResult<Vec<HostCost>> {
+        let to_device = matches!(at, Location::Cuda(_));
+        let inner = self.inner();
+        handles
+            .iter()
+            .map(|&handle| {
+                let record = inner.live_record(handle)?;
+                if record.is_resident(at) {
+                    return Ok(HostCost::Free);
+                }
+                let copied = record.best_source(None);
+                Ok(match copied.or(record.source) {
+                    None => HostCost::Free,
+                    // A source's `load()` into pageable memory (no copy there yet).
+                    Some(Location::PageableHost)
+                        if copied.is_none() && disk_deferred && to_device =>
+                    {
+                        HostCost::BlocksUnlessLoadsAlone
+                    }
+                    Some(Location::PinnedHost | Location::Cuda(_)) if to_device => HostCost::Free,
+                    Some(Location::Disk(_)) if disk_deferred && to_device => HostCost::Free,
+                    Some(_) => HostCost::Blocks,
+                })
+            })
+            .collect()
+    }
+
     pub fn plan_ensure(&self, handle: HandleId, at: Location) -> CoreResult<EnsurePlan> {
         let inner = self.inner();
         let record = inner.live_record(handle)?;
@@ -960,46 +1091,21 @@ impl Manager {
     /// Releases an active lease's use tokens (one version step). `false` if the
     /// lease is unknown or not active.
     pub fn release_lease(&self, token: u64) -> bool {
-        let mut inner = self.inner();
-        match inner.leases.get(&token) {
-            Some(lease) if !lease.pending => {}
-            _ => return false,
-        }
-        let lease = inner.leases.remove(&token).expect("checked above");
-        inner.tokens(&lease.handles, lease.location, TokenKind::Use, false);
-        inner.state.bump();
-        inner.dirty = true;
-        true
+        self.inner().release_lease(token)
     }
 
-    /// Turns an active lease's use tokens into pending-event tokens (one step).
+    /// Turns an active lease's use tokens into pending-event tokens (one step), with
+    /// no events recorded: the records alone. A CUDA lease's release goes through
+    /// [`Manager::apply`] or [`Manager::release`] with its events instead.
     pub fn lease_to_pending(&self, token: u64) -> bool {
-        let mut inner = self.inner();
-        let Some(lease) = inner.leases.get_mut(&token).filter(|lease| !lease.pending) else {
-            return false;
-        };
-        lease.pending = true;
-        let (handles, location) = (lease.handles.clone(), lease.location);
-        inner.tokens(&handles, location, TokenKind::Use, false);
-        inner.tokens(&handles, location, TokenKind::Pending, true);
-        inner.state.pending_leases += 1;
-        inner.state.bump();
-        inner.dirty = true;
-        true
+        self.inner().lease_to_pending(token)
     }
 
-    /// Releases a pending lease whose events completed (one version step).
+    /// Releases a pending lease's records (one version step). A lease made pending
+    /// with events is settled by [`Manager::settle_pending`], which also forgets its
+    /// events and the transfer it protected, and gives back their ids.
     pub fn release_pending(&self, token: u64) -> bool {
-        let mut inner = self.inner();
-        if !inner.leases.get(&token).is_some_and(|lease| lease.pending) {
-            return false;
-        }
-        let lease = inner.leases.remove(&token).expect("checked above");
-        inner.tokens(&lease.handles, lease.location, TokenKind::Pending, false);
-        inner.state.pending_leases = inner.state.pending_leases.saturating_sub(1);
-        inner.state.bump();
-        inner.dirty = true;
-        true
+        self.inner().release_pending(token)
     }
 
     /// Tokens of the leases currently pending on CUDA events, in token order.
@@ -1021,14 +1127,7 @@ impl Manager {
 
     /// Releases a hold (one version step). `false` if unknown.
     pub fn release_hold(&self, token: u64) -> bool {
-        let mut inner = self.inner();
-        let Some(hold) = inner.holds.remove(&token) else {
-            return false;
-        };
-        inner.tokens(&hold.handles, hold.location, TokenKind::Hold, false);
-        inner.state.bump();
-        inner.dirty = true;
-        true
+        self.inner().release_hold(token)
     }
 
     /// Admits and records a reservation (one version step, plus one for a new location).
@@ -1054,24 +1153,7 @@ impl Manager {
 
     /// Releases a reservation (one version step). `false` if unknown.
     pub fn release_reservation(&self, token: u64) -> bool {
-        let mut inner = self.inner();
-        let Some(reservation) = inner.state.reservations.remove(&token) else {
-            return false;
-        };
-        inner
-            .state
-            .remove_reserved(reservation.location, reservation.nbytes);
-        if let Some(books) = inner
-            .state
-            .locations
-            .iter_mut()
-            .find(|books| books.location == reservation.location)
-        {
-            books.reservation_count = books.reservation_count.saturating_sub(1);
-        }
-        inner.state.bump();
-        inner.dirty = true;
-        true
+        self.inner().release_reservation(token)
     }
 
     /// Closes the manager. Without `force`, open lifetimes refuse the close.

@@ -15,7 +15,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
-use residency_core::{CoreError, EnsurePlan, HandleId, Location, MovePlan};
+use residency_core::{CoreError, EnsurePlan, Freed, HandleId, Location, MovePlan};
 
 use crate::errors::to_py_err;
 use crate::manager::CoreManager;
@@ -52,8 +52,8 @@ pub struct Context {
     /// Builds an adopted value's spec record: `(type, logical, charge, mode, recoverability)`.
     spec_builder: Py<PyAny>,
     must_preserve: Py<PyAny>,
-    /// The lease class; `lifetimes::new_lease` fills its instances.
-    lease_class: Py<PyAny>,
+    /// Builds a lease: `(engine, token, handles, location, consumer_streams)`.
+    new_lease: Py<PyAny>,
     exclusive: Py<PyAny>,
     /// CUDA devices the runtime reports (0 without CUDA).
     cuda_count: u32,
@@ -159,7 +159,7 @@ impl Context {
     /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
     /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
     /// (ensure_noop, move_noop, drop_noop), type_key, spec_builder, must_preserve,
-    /// lease_class, exclusive, cuda_count, new_hold, new_reservation,
+    /// new_lease, exclusive, cuda_count, new_hold, new_reservation,
     /// normalize_handles, handle_class, (ensure, move, drop action builders))`.
     pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
         let item = |index: usize| items.get_item(index).map(Bound::unbind);
@@ -192,7 +192,7 @@ impl Context {
             type_key: item(12)?,
             spec_builder: item(13)?,
             must_preserve: item(14)?,
-            lease_class: item(15)?,
+            new_lease: item(15)?,
             exclusive: item(16)?,
             cuda_count: items.get_item(17)?.extract()?,
             new_hold: item(18)?,
@@ -257,8 +257,8 @@ impl Context {
         recoverability.is(&self.must_preserve)
     }
 
-    pub(crate) fn lease_class<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.lease_class.bind(py)
+    pub(crate) fn new_lease<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.new_lease.bind(py)
     }
 
     pub(crate) fn new_hold<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
@@ -1125,10 +1125,11 @@ fn wait_in_flight(
     index: HandleId,
     at: Location,
 ) -> PyResult<()> {
-    let events = manager.objects().transfer_events(py, &[index], at.code());
-    if events.is_empty() {
+    let ids = manager.core().transfer_events(&[index], at);
+    if ids.is_empty() {
         return Ok(());
     }
+    let events = manager.objects().objects(py, &ids);
     let runtime = manager.context().runtime(py);
     for event in &events {
         runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
@@ -1163,25 +1164,16 @@ fn in_flight(
     if installed.is_err() {
         return synchronize(installed);
     }
-    let Ok(token) = core.acquire(&[index], at) else {
-        return synchronize(Ok(()));
-    };
-    core.lease_to_pending(token);
-    let objects = manager.objects();
-    objects.add_pending(token, vec![event.clone().unbind()]);
-    objects.add_transfer(
-        token,
-        index,
-        at.code(),
-        keepalive.map(|kept| kept.clone().unbind()),
-    );
-    if let Some(source) = source {
-        if let Ok(read) = core.acquire(&[index], source) {
-            core.lease_to_pending(read);
-            objects.add_pending(read, vec![event.unbind()]);
-        }
+    let event_id = manager.store_object(event.clone().unbind());
+    let kept = keepalive.map(|kept| manager.store_object(kept.clone().unbind()));
+    let mut freed = Freed::default();
+    let protected = core.protect_transfer(index, at, source, event_id, kept, &mut freed);
+    manager.free(&freed);
+    if protected {
+        Ok(())
+    } else {
+        synchronize(Ok(()))
     }
-    Ok(())
 }
 
 /// Runs the source's `load()` (the core has charged `source_location`), applies the

@@ -149,3 +149,13 @@ impl From<CoreLeaseState> for LeaseState {
         }
     }
 }
+
+impl From<LifetimeKind> for residency_core::LifetimeKind {
+    fn from(kind: LifetimeKind) -> Self {
+        match kind {
+            LifetimeKind::Lease => Self::Lease,
+            LifetimeKind::Hold => Self::Hold,
+            LifetimeKind::Reservation => Self::Reservation,
+        }
+    }
+}

@@ -13,28 +13,13 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
-use residency_core::{CoreError, HandleId, LeaseState, Location};
+use residency_core::{
+    CoreError, Freed, HandleId, HostCost, LeaseState, Location, ObjectId, Release, SettleWait,
+};
 
 use crate::errors::{ResidencyUnavailableError, to_py_err};
 use crate::kinds::LifetimeKind;
 use crate::manager::CoreManager;
-
-/// A release that arrived while a source callback ran on another thread: applied,
-/// oldest first, as soon as the callback has returned.
-#[derive(Debug)]
-pub enum Deferred {
-    /// A lease's, hold's or reservation's tokens go. A token already gone is no
-    /// error: two threads may release one lifetime at once, a finaliser may race an
-    /// explicit release, and a forced close ends every token.
-    Release { kind: LifetimeKind, token: u64 },
-    /// A CUDA lease's tokens become pending on `events`, or go when they are known
-    /// complete.
-    Pending {
-        token: u64,
-        events: Vec<Py<PyAny>>,
-        completed: bool,
-    },
-}
 
 fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
     result.map_err(|err| to_py_err(py, err))
@@ -46,106 +31,57 @@ fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
     PyErr::warn(py, &py.get_type::<PyRuntimeWarning>(), &message, stacklevel)
 }
 
-/// Applies one release; the caller holds the gate.
-pub fn apply(manager: &CoreManager, release: Deferred) {
-    let core = manager.core();
-    match release {
-        Deferred::Release { kind, token } => {
-            match kind {
-                LifetimeKind::Lease => core.release_lease(token),
-                LifetimeKind::Hold => core.release_hold(token),
-                LifetimeKind::Reservation => manager.release_reservation_token(token),
-            };
-        }
-        Deferred::Pending {
-            token,
-            events,
-            completed,
-        } => {
-            if core.lease_to_pending(token) {
-                if completed {
-                    core.release_pending(token);
-                } else {
-                    manager.objects().add_pending(token, events);
-                }
-            }
-        }
+/// Asks the runtime whether the event at `id` completed. An id no longer kept
+/// belongs to a lease released meanwhile (by code the query ran): nothing waits on it.
+fn event_done(
+    manager: &CoreManager,
+    py: Python<'_>,
+    runtime: &Bound<'_, PyAny>,
+    id: ObjectId,
+) -> PyResult<bool> {
+    match manager.objects().object(py, id) {
+        Some(event) => runtime
+            .call_method1(intern!(py, "event_query"), (event,))?
+            .is_truthy(),
+        None => Ok(true),
     }
+}
+
+/// Waits on the host for the event at `id`.
+fn event_wait(
+    manager: &CoreManager,
+    py: Python<'_>,
+    runtime: &Bound<'_, PyAny>,
+    id: ObjectId,
+) -> PyResult<()> {
+    if let Some(event) = manager.objects().object(py, id) {
+        runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+    }
+    Ok(())
 }
 
 /// Applies the releases queued while a callback ran, then releases the pending CUDA
-/// leases whose events have all completed. The caller holds the gate.
+/// leases whose events have all completed (the core's rule; the runtime answers).
+/// The caller holds the gate.
 pub fn reap(manager: &CoreManager, py: Python<'_>) -> PyResult<()> {
-    manager.drain_deferred();
     let core = manager.core();
-    if core.pending_leases() == 0 {
-        return reap_released_transfers(manager, py, false);
-    }
-    let runtime = manager.context().runtime(py);
-    let query = intern!(py, "event_query");
-    for (token, events) in manager.objects().pending(py) {
-        let mut completed = true;
-        for event in &events {
-            if !runtime.call_method1(query, (event,))?.is_truthy()? {
-                completed = false;
-                break;
-            }
-        }
-        if completed {
-            core.release_pending(token);
-            drop(manager.objects().take_pending(token));
-        }
-    }
-    reap_released_transfers(manager, py, false)
-}
-
-/// Forgets the transfers released on the device whose events completed; with
-/// `wait`, waits for them on the host first.
-fn reap_released_transfers(manager: &CoreManager, py: Python<'_>, wait: bool) -> PyResult<()> {
-    let objects = manager.objects();
-    if objects.transfer_count() == 0 {
+    if !core.reap_needed() {
         return Ok(());
     }
     let runtime = manager.context().runtime(py);
-    for (token, events) in objects.released_transfers(py) {
-        let mut completed = true;
-        for event in &events {
-            if wait {
-                runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-            } else if !runtime
-                .call_method1(intern!(py, "event_query"), (event,))?
-                .is_truthy()?
-            {
-                completed = false;
-                break;
-            }
-        }
-        if completed {
-            drop(objects.forget_released_transfer(token));
-        }
-    }
-    Ok(())
+    let mut freed = Freed::default();
+    let reaped = core.reap(|id| event_done(manager, py, runtime, id), &mut freed);
+    manager.free(&freed);
+    reaped
 }
 
 /// Pending leases whose events all report complete, released or not: they no
 /// longer protect anything. A query that raises keeps its lease protecting.
 pub fn completed_pending(manager: &CoreManager, py: Python<'_>) -> Vec<u64> {
     let runtime = manager.context().runtime(py);
-    let query = intern!(py, "event_query");
     manager
-        .objects()
-        .pending(py)
-        .into_iter()
-        .filter(|(_, events)| {
-            events.iter().all(|event| {
-                runtime
-                    .call_method1(query, (event,))
-                    .and_then(|done| done.is_truthy())
-                    .unwrap_or(false)
-            })
-        })
-        .map(|(token, _)| token)
-        .collect()
+        .core()
+        .completed_pending(|id| event_done(manager, py, runtime, id).unwrap_or(false))
 }
 
 /// Releases a lease, hold or reservation token, waiting for the gate if another
@@ -161,7 +97,11 @@ pub fn release(
     let released = if manager.release_now(kind, token) {
         Ok(())
     } else {
-        release_waiting(manager, py, Deferred::Release { kind, token }, finalizing)
+        let release = Release::Token {
+            kind: kind.into(),
+            token,
+        };
+        release_waiting(manager, py, release, finalizing)
     };
     if kind == LifetimeKind::Lease && released.is_ok() {
         // Released (or queued): the at-exit finalizer has nothing left to do for it.
@@ -170,56 +110,22 @@ pub fn release(
     released
 }
 
+/// The core's release protocol, with the gate taken without the interpreter.
 fn release_waiting(
     manager: &CoreManager,
     py: Python<'_>,
-    release: Deferred,
+    release: Release,
     finalizing: bool,
 ) -> PyResult<()> {
-    let core = manager.core();
-    let gate = core.gate();
-    loop {
-        match manager.enter_core(py, false, true) {
-            Ok(()) => {
-                manager.drain_deferred();
-                apply(manager, release);
-                core.exit();
-                return Ok(());
-            }
-            Err(err @ CoreError::Reentrancy { .. }) => {
-                // A finaliser never fails for re-entrancy: inside a callback, or in the
-                // middle of this thread's own transition, its release waits in the queue.
-                if gate.callback_running_elsewhere()
-                    || (finalizing && (gate.callback_active() || gate.check_reentrant().is_err()))
-                {
-                    break;
-                }
-                if gate.callback_active() {
-                    // The callback is this thread's own.
-                    return Err(to_py_err(py, err));
-                }
-                // Either this thread is mid-transition (this raises), or the callback
-                // ended since the attempt: try again.
-                lift(py, gate.check_reentrant())?;
-            }
-            Err(err) => return Err(to_py_err(py, err)),
-        }
-    }
-    manager.objects().defer(release);
-    if !gate.callback_active() && gate.check_reentrant().is_ok() {
-        // The callback ended while the release was queued: apply it now. (In the
-        // middle of this thread's transition the queue waits for the next operation.)
-        match manager.enter_core(py, false, false) {
-            Ok(()) => {
-                manager.drain_deferred();
-                core.exit();
-            }
-            // Another callback started; its transition drains the queue.
-            Err(CoreError::Reentrancy { .. }) => {}
-            Err(err) => return Err(to_py_err(py, err)),
-        }
-    }
-    Ok(())
+    let mut freed = Freed::default();
+    let released = manager.core().release(
+        release,
+        finalizing,
+        |check_reentrant| manager.enter_core(py, false, check_reentrant),
+        &mut freed,
+    );
+    manager.free(&freed);
+    lift(py, released)
 }
 
 /// A lease's release. On the host its use tokens go at once. On CUDA an event is
@@ -313,21 +219,15 @@ fn release_lease_tokens(
             runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
         }
     }
-    let pending = Deferred::Pending {
+    let pending = Release::Pending {
         token,
-        events,
+        events: events
+            .into_iter()
+            .map(|event| manager.store_object(event))
+            .collect(),
         completed: wait,
     };
-    match manager.enter_core(py, false, true) {
-        Ok(()) => {
-            manager.drain_deferred();
-            apply(manager, pending);
-            core.exit();
-            Ok(())
-        }
-        Err(CoreError::Reentrancy { .. }) => release_waiting(manager, py, pending, finalizing),
-        Err(err) => Err(to_py_err(py, err)),
-    }
+    release_waiting(manager, py, pending, finalizing)
 }
 
 /// The lifetime object built for a new token, or, when building it failed, the
@@ -405,19 +305,13 @@ pub fn acquire(
             Some(stream) => PyList::new(py, [stream])?,
             None => PyList::empty(py),
         };
-        let lease = new_lease(
-            py,
-            context.lease_class(py),
-            engine,
-            token,
-            handles,
-            at,
-            &streams,
-        )
-        .and_then(|lease| {
-            track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
-            Ok(lease)
-        });
+        let lease = context
+            .new_lease(py)
+            .call1((engine, token, handles, at, &streams))
+            .and_then(|lease| {
+                track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
+                Ok(lease)
+            });
         handed_out(lease, || {
             core.release_lease(token);
         })
@@ -434,12 +328,11 @@ fn wait_for_transfers(
     location: Location,
     stream: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    let events = manager
-        .objects()
-        .transfer_events(py, indices, location.code());
-    if events.is_empty() {
+    let ids = manager.core().transfer_events(indices, location);
+    if ids.is_empty() {
         return Ok(());
     }
+    let events = manager.objects().objects(py, &ids);
     let runtime = manager.context().runtime(py);
     for event in &events {
         runtime.call_method1(intern!(py, "wait_event"), (stream, event))?;
@@ -456,28 +349,16 @@ pub fn settle(
     transfers: bool,
 ) -> PyResult<()> {
     manager.with_gate(py, true, true, || {
-        manager.drain_deferred();
-        let core = manager.core();
         let runtime = manager.context().runtime(py);
-        let wanted = |token: u64| tokens.contains(&token);
-        let in_flight = if transfers {
-            manager.objects().transfer_tokens()
-        } else {
-            Vec::new()
-        };
-        for (token, events) in manager.objects().pending(py) {
-            if !wanted(token) && !in_flight.contains(&token) {
-                continue;
-            }
-            for event in &events {
-                runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-            }
-            core.release_pending(token);
-            drop(manager.objects().take_pending(token));
-        }
-        if transfers {
-            reap_released_transfers(manager, py, true)?;
-        }
+        let mut freed = Freed::default();
+        let settled = manager.core().settle(
+            |token| tokens.contains(&token),
+            transfers,
+            |id| event_wait(manager, py, runtime, id),
+            &mut freed,
+        );
+        manager.free(&freed);
+        settled?;
         // A transfer's source shares its event: now complete, reaping releases it.
         reap(manager, py)
     })
@@ -498,50 +379,36 @@ pub fn settle_on_device(
 ) -> PyResult<Vec<u64>> {
     manager.with_gate(py, true, true, || {
         reap(manager, py)?;
-        let core = manager.core();
         let objects = manager.objects();
         let runtime = manager.context().runtime(py);
-        let mut left = Vec::new();
-        for (token, events) in objects.pending(py) {
-            if !tokens.contains(&token) {
-                continue;
-            }
-            let Some((handles, location)) = core.pending_lease_values(token) else {
-                continue;
-            };
-            let mut owners: Vec<Py<PyAny>> = Vec::new();
-            let mut known = matches!(location, Location::Cuda(_));
-            for &index in &handles {
-                if !known {
-                    break;
-                }
-                match objects.stream(py, index, location.code()) {
-                    Some(owner) => {
-                        if !owners.iter().any(|seen| seen.is(&owner)) {
-                            owners.push(owner);
+        let mut freed = Freed::default();
+        let left = manager.core().settle_on_device(
+            tokens,
+            host,
+            |index, location| objects.stream(py, index, location.code()),
+            |wait| match wait {
+                SettleWait::Device { owners, events } => {
+                    let events = objects.objects(py, events);
+                    let mut waited: Vec<Py<PyAny>> = Vec::new();
+                    for owner in owners {
+                        if waited.iter().any(|seen| seen.is(&owner)) {
+                            continue;
                         }
+                        for event in &events {
+                            runtime.call_method1(intern!(py, "wait_event"), (&owner, event))?;
+                        }
+                        waited.push(owner);
                     }
-                    None => known = false,
+                    Ok(())
                 }
-            }
-            if known {
-                for owner in &owners {
-                    for event in &events {
-                        runtime.call_method1(intern!(py, "wait_event"), (owner, event))?;
-                    }
-                }
-            } else if host {
-                for event in &events {
-                    runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-                }
-            } else {
-                left.push(token);
-                continue;
-            }
-            core.release_pending(token);
-            drop(objects.release_on_device(token));
-        }
-        Ok(left)
+                SettleWait::Host { events } => events
+                    .iter()
+                    .try_for_each(|&id| event_wait(manager, py, runtime, id)),
+            },
+            &mut freed,
+        );
+        manager.free(&freed);
+        left
     })
 }
 
@@ -554,7 +421,7 @@ pub fn wait_transfers(
     at: &Bound<'_, PyAny>,
     stream: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    if manager.objects().transfer_count() == 0 {
+    if manager.core().transfer_count() == 0 {
         return Ok(());
     }
     let handles = &manager.context().normalized_handles(py, handles)?;
@@ -573,16 +440,14 @@ pub fn transfers_into(
     handles: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
 ) -> PyResult<Vec<u64>> {
-    if manager.objects().transfer_count() == 0 {
+    if manager.core().transfer_count() == 0 {
         return Ok(Vec::new());
     }
     let handles = &manager.context().normalized_handles(py, handles)?;
     manager.with_gate(py, true, true, || {
         let location = manager.context().location_code(py, at)?;
         let indices = resolve_in_order(manager, py, handles, location)?;
-        Ok(manager
-            .objects()
-            .transfer_tokens_into(&indices, location.code()))
+        Ok(manager.core().transfer_tokens_into(&indices, location))
     })
 }
 
@@ -602,29 +467,19 @@ pub fn blocks_host(
     manager.with_gate(py, true, true, || {
         let location = manager.context().location_code(py, at)?;
         let indices = resolve_in_order(manager, py, handles, location)?;
-        let to_device = matches!(location, Location::Cuda(_));
-        for index in indices {
-            let source = lift(py, manager.core().ensure_source(index, location))?;
-            // A source's `load()` into pageable memory (the value has no copy there)
-            // blocks the host, unless the disk tier may run it on its I/O thread. (One
-            // into pinned memory counts as a copy from pinned memory.)
-            if source == Some(Location::PageableHost)
-                && disk_deferred
-                && to_device
-                && manager
-                    .core()
-                    .check_resident(&[index], Location::PageableHost)
-                    .is_err()
-                && loads_alone(manager, py, index)?
-            {
-                continue;
-            }
-            // Only a copy to a device from pinned or device memory is asynchronous.
-            match source {
-                None => {}
-                Some(Location::PinnedHost | Location::Cuda(_)) if to_device => {}
-                Some(Location::Disk(_)) if disk_deferred && to_device => {}
-                Some(_) => return Ok(true),
+        let costs = lift(
+            py,
+            manager.core().host_costs(&indices, location, disk_deferred),
+        )?;
+        for (index, cost) in indices.into_iter().zip(costs) {
+            match cost {
+                HostCost::Free => {}
+                HostCost::Blocks => return Ok(true),
+                HostCost::BlocksUnlessLoadsAlone => {
+                    if !loads_alone(manager, py, index)? {
+                        return Ok(true);
+                    }
+                }
             }
         }
         Ok(false)
@@ -670,7 +525,7 @@ pub fn track_lease(
     Ok(())
 }
 
-/// `fhelium.residency.lease._finalize_lease`, looked up once per process.
+/// `fhelium.residency.lease.finalize_lease`, looked up once per process.
 static FINALIZE_LEASE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// The callback of a tracked lease's weak reference: a lease collected while its
@@ -704,7 +559,7 @@ impl LeaseFinalizer {
             return Ok(());
         };
         drop(reference);
-        let finalize = FINALIZE_LEASE.import(py, "fhelium.residency.lease", "_finalize_lease")?;
+        let finalize = FINALIZE_LEASE.import(py, "fhelium.residency.lease", "finalize_lease")?;
         finalize.call1((
             engine,
             self.token,
@@ -713,36 +568,6 @@ impl LeaseFinalizer {
         ))?;
         Ok(())
     }
-}
-
-/// `object.__new__`, looked up once per process.
-static OBJECT_NEW: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-
-/// A lease the manager has just admitted: an instance of the lease class with the
-/// state its constructor sets, built without running Python code. `_entered` and
-/// `_handle_set` stay unset until first used.
-fn new_lease<'py>(
-    py: Python<'py>,
-    class: &Bound<'py, PyAny>,
-    engine: &Bound<'py, PyAny>,
-    token: u64,
-    handles: &Bound<'py, PyAny>,
-    location: &Bound<'py, PyAny>,
-    streams: &Bound<'py, PyList>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let new = OBJECT_NEW.get_or_try_init(py, || {
-        py.get_type::<PyAny>()
-            .getattr(intern!(py, "__new__"))
-            .map(Bound::unbind)
-    })?;
-    let lease = new.bind(py).call1((class,))?;
-    lease.setattr(intern!(py, "_engine"), engine)?;
-    lease.setattr(intern!(py, "_token"), token)?;
-    lease.setattr(intern!(py, "_handles"), handles)?;
-    lease.setattr(intern!(py, "_location"), location)?;
-    lease.setattr(intern!(py, "_streams"), streams)?;
-    lease.setattr(intern!(py, "_active"), true)?;
-    Ok(lease)
 }
 
 /// The lease objects not yet released that are still alive, oldest first.
@@ -879,13 +704,15 @@ pub fn close(manager: &CoreManager, py: Python<'_>, wait: bool, force: bool) -> 
         context.forget_direct_actions();
         let runtime = context.runtime(py);
         if wait {
-            for (token, events) in manager.objects().pending(py) {
-                for event in &events {
-                    runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-                }
-                core.release_pending(token);
-                drop(manager.objects().take_pending(token));
-            }
+            let mut freed = Freed::default();
+            let settled = core.settle(
+                |_| true,
+                false,
+                |id| event_wait(manager, py, runtime, id),
+                &mut freed,
+            );
+            manager.free(&freed);
+            settled?;
         } else {
             reap(manager, py)?;
         }
@@ -903,8 +730,9 @@ pub fn close(manager: &CoreManager, py: Python<'_>, wait: bool, force: bool) -> 
         // Every file of the manager's disk locations goes with it.
         context.disk.bind(py).call_method0(intern!(py, "close"))?;
         drop(manager.objects().clear());
-        drop(manager.objects().clear_pending());
-        drop(manager.objects().clear_deferred());
+        let mut freed = Freed::default();
+        core.clear_tokens(&mut freed);
+        manager.free(&freed);
         Ok(())
     })
 }

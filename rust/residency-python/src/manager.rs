@@ -14,7 +14,8 @@ use pyo3::types::{PyString, PyTuple};
 use residency_core::gate::DEFAULT_POLL;
 
 use residency_core::{
-    CoreError, HandleId, HandleName, Location, Manager, Simulation, State, StorageKey, ValueSpec,
+    CoreError, Freed, HandleId, HandleName, Location, Manager, ObjectId, Simulation, State,
+    StorageKey, ValueSpec,
 };
 
 use crate::direct::AdoptedShapes;
@@ -157,26 +158,31 @@ impl CoreManager {
     /// (a token already gone is no error); `false` sends the caller down the waiting
     /// path (nothing has changed then).
     pub(crate) fn release_now(&self, kind: LifetimeKind, token: u64) -> bool {
-        // Queued releases go first, in order: the waiting path applies them (and a
-        // forked child's refusal is raised there).
-        if self.core.check_process().is_err()
-            || self.objects.deferred_pending()
-            || !matches!(self.core.try_enter(false, true), Ok(true))
-        {
-            return false;
+        match self.core.try_release_now(kind.into(), token) {
+            Some(freed) => {
+                self.free(&freed);
+                true
+            }
+            None => false,
         }
-        match kind {
-            LifetimeKind::Lease => self.core.release_lease(token),
-            LifetimeKind::Hold => self.core.release_hold(token),
-            LifetimeKind::Reservation => self.release_reservation_token(token),
-        };
-        self.core.exit();
-        true
     }
 
+    /// Releases a reservation's bytes and forgets its label; the caller holds the gate.
     pub(crate) fn release_reservation_token(&self, token: u64) -> bool {
         drop(self.objects.take_label(token));
         self.core.release_reservation(token)
+    }
+
+    /// Drops the objects the core gave back (after the store's lock).
+    pub(crate) fn free(&self, freed: &Freed) {
+        drop(self.objects.free(freed));
+    }
+
+    /// Keeps `object` (an event, or what a copy in flight reads) at a new core id.
+    pub(crate) fn store_object(&self, object: Py<PyAny>) -> ObjectId {
+        let id = self.core.new_object();
+        drop(self.objects.put(id, object));
+        id
     }
 
     pub(crate) fn adopted_shapes(&self) -> &AdoptedShapes {
@@ -247,9 +253,11 @@ impl CoreManager {
     /// Applies the releases queued while a source callback ran, oldest first; the
     /// caller holds the gate.
     pub(crate) fn drain_deferred(&self) {
-        while let Some(release) = self.objects.pop_deferred() {
-            crate::lifetimes::apply(self, release);
-        }
+        // Under the queue's lock, never the lock-free hint: after a callback this is
+        // what applies a release queued while it ran.
+        let mut freed = Freed::default();
+        self.core.drain_releases(&mut freed);
+        self.free(&freed);
     }
 
     /// The index of a live handle of this manager, else `None`.
@@ -681,17 +689,18 @@ impl CoreManager {
         released
     }
 
-    /// Tracks a lease object built by the glue itself, until it is released.
-    fn track_lease(&self, py: Python<'_>, token: u64, lease: &Bound<'_, PyAny>) -> PyResult<()> {
-        crate::lifetimes::track_lease(
-            self,
-            py,
-            &lease.getattr(pyo3::intern!(py, "_engine"))?,
-            token,
-            &lease.getattr(pyo3::intern!(py, "_location"))?,
-            &lease.getattr(pyo3::intern!(py, "_streams"))?,
-            lease,
-        )
+    /// Tracks a lease object built by the glue itself, until it is released; its
+    /// finalizer releases `token` at `location` on `streams` through `engine`.
+    fn track_lease(
+        &self,
+        py: Python<'_>,
+        token: u64,
+        lease: &Bound<'_, PyAny>,
+        engine: &Bound<'_, PyAny>,
+        location: &Bound<'_, PyAny>,
+        streams: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        crate::lifetimes::track_lease(self, py, engine, token, location, streams, lease)
     }
 
     /// Stops tracking a lease (finalized by its own object, at exit).
@@ -887,7 +896,7 @@ impl CoreManager {
 
     /// How many asynchronous transfers are still in flight (not yet reaped).
     fn transfer_count(&self) -> usize {
-        self.objects.transfer_count()
+        self.core.transfer_count()
     }
 
     /// Scope entry in one call: gate, checks, preflight, reclaim, reserve, enter; then
@@ -1039,7 +1048,7 @@ impl CoreManager {
     /// lock-free one when nothing waits to be reaped, else one taken under the gate.
     fn snapshot_state(&self, py: Python<'_>) -> PyResult<(StateView, u64)> {
         Self::lift(py, self.core.check_process())?;
-        if !self.objects.deferred_pending()
+        if !self.core.releases_queued()
             && let Some(state) = Self::lift(py, self.core.try_published_snapshot())?
         {
             return Ok((StateView { state }, crate::execute::now_ns()));

@@ -1,18 +1,16 @@
 //! The Python objects a manager keeps beside the core's records, indexed by the
 //! core's handle index: the handle and spec objects it issued, the value objects
-//! of every materialisation, the reconstruction sources, and reservation labels.
+//! of every materialisation, the reconstruction sources, reservation labels, and
+//! the events (and copies' sources) the core knows by id, in an array at those ids.
 //!
 //! The core owns the records; these are only the objects it cannot hold. Every
 //! change here happens in the same binding call as the core change it mirrors, so
 //! the two never disagree. The mutex is never held while Python code runs.
 
-use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::prelude::*;
-use residency_core::FastMap;
-
-use crate::lifetimes::Deferred;
+use residency_core::{FastMap, Freed, ObjectId};
 
 /// One value's objects. Kept small: a million registered values are a common case,
 /// and most have no materialisation at a given moment.
@@ -32,34 +30,12 @@ struct Store {
     /// there (its owning stream, docs/concepts/controller.md#evicting-around-reads-in-flight).
     streams: FastMap<(u32, u32), Py<PyAny>>,
     labels: FastMap<u64, Py<PyAny>>,
-    /// Releases that arrived while a source callback ran on another thread, applied
-    /// oldest first as soon as the callback has returned.
-    deferred: VecDeque<Deferred>,
-    /// The events recorded at the release of each pending CUDA lease, in release
-    /// order; the lease protects its memory until they have all completed.
-    pending: Vec<(u64, Vec<Py<PyAny>>)>,
+    /// The objects the core knows by id (`residency_core::ObjectId`): the events of
+    /// pending leases and transfers in flight, and what a copy in flight reads.
+    slots: Vec<Option<Py<PyAny>>>,
     /// A weak reference to each lease object not yet released, by token: at
     /// interpreter exit the leases still alive are finalised while the runtime works.
     leases: FastMap<u64, Py<PyAny>>,
-    /// Asynchronous transfers still in flight: the pending token protecting each
-    /// destination, which consumers there wait for on their streams.
-    transfers: Vec<Transfer>,
-}
-
-/// One asynchronous copy into `(index, code)`, protected by the pending lease
-/// `token` until its event completes (docs/concepts/controller.md#prefetch).
-#[derive(Debug)]
-struct Transfer {
-    token: u64,
-    index: u32,
-    code: u32,
-    /// What the copy reads when it is no materialisation (a loaded value), kept
-    /// alive until the copy has completed.
-    keepalive: Option<Py<PyAny>>,
-    /// Empty while `token` is pending (its events are there). Once the protection was
-    /// released on the device, the copy's events: consumers still wait for them, and
-    /// the record goes when they complete.
-    events: Vec<Py<PyAny>>,
 }
 
 /// Python objects released together, after the store's lock.
@@ -243,161 +219,48 @@ impl Objects {
         released
     }
 
-    pub fn defer(&self, release: Deferred) {
-        self.store().deferred.push_back(release);
-    }
-
-    pub fn deferred_pending(&self) -> bool {
-        !self.store().deferred.is_empty()
-    }
-
-    pub fn pop_deferred(&self) -> Option<Deferred> {
-        self.store().deferred.pop_front()
-    }
-
-    pub fn clear_deferred(&self) -> VecDeque<Deferred> {
-        std::mem::take(&mut self.store().deferred)
-    }
-
-    pub fn add_pending(&self, token: u64, events: Vec<Py<PyAny>>) {
-        self.store().pending.push((token, events));
-    }
-
-    /// The pending leases and their events, in release order.
-    pub fn pending(&self, py: Python<'_>) -> Vec<(u64, Vec<Py<PyAny>>)> {
-        self.store()
-            .pending
-            .iter()
-            .map(|(token, events)| {
-                let events = events.iter().map(|event| event.clone_ref(py)).collect();
-                (*token, events)
-            })
-            .collect()
-    }
-
-    /// Forgets a pending lease's events, and the transfer it protected; they are
-    /// released after the lock.
-    pub fn take_pending(&self, token: u64) -> Option<(Released, Released)> {
+    /// Keeps `object` at the id the core just issued for it.
+    pub fn put(&self, id: ObjectId, object: Py<PyAny>) -> Option<Py<PyAny>> {
         let mut store = self.store();
-        let position = store
-            .pending
-            .iter()
-            .position(|(known, _)| *known == token)?;
-        let events = store.pending.remove(position).1;
-        let mut kept = Vec::new();
-        store.transfers.retain_mut(|transfer| {
-            if transfer.token != token {
-                return true;
-            }
-            kept.extend(transfer.keepalive.take());
-            false
-        });
-        Some((events, kept))
-    }
-
-    /// Forgets a pending lease released on the device: its events move to the
-    /// transfer it protected, if any, which consumers still wait for until they
-    /// complete; otherwise they are returned, to be released after the lock.
-    pub fn release_on_device(&self, token: u64) -> Released {
-        let mut store = self.store();
-        let Some(position) = store.pending.iter().position(|(known, _)| *known == token) else {
-            return Vec::new();
-        };
-        let events = store.pending.remove(position).1;
-        match store
-            .transfers
-            .iter_mut()
-            .find(|transfer| transfer.token == token)
-        {
-            Some(transfer) => {
-                transfer.events = events;
-                Vec::new()
-            }
-            None => events,
+        if store.slots.len() <= id {
+            store.slots.resize_with(id + 1, || None);
         }
+        store.slots[id].replace(object)
     }
 
-    /// The transfers whose protection was released on the device, with their events.
-    pub fn released_transfers(&self, py: Python<'_>) -> Vec<(u64, Vec<Py<PyAny>>)> {
+    /// The object at `id`, while the core refers to it.
+    pub fn object(&self, py: Python<'_>, id: ObjectId) -> Option<Py<PyAny>> {
         self.store()
-            .transfers
-            .iter()
-            .filter(|transfer| !transfer.events.is_empty())
-            .map(|transfer| {
-                let events = transfer.events.iter().map(|event| event.clone_ref(py));
-                (transfer.token, events.collect())
-            })
-            .collect()
+            .slots
+            .get(id)
+            .and_then(|slot| slot.as_ref().map(|object| object.clone_ref(py)))
     }
 
-    /// Forgets a released transfer whose events completed; its objects are released
-    /// after the lock.
-    pub fn forget_released_transfer(&self, token: u64) -> Released {
-        let mut store = self.store();
-        let mut released = Vec::new();
-        store.transfers.retain_mut(|transfer| {
-            if transfer.token != token || transfer.events.is_empty() {
-                return true;
-            }
-            released.append(&mut transfer.events);
-            released.extend(transfer.keepalive.take());
-            false
-        });
-        released
-    }
-
-    /// Records an asynchronous copy into `(index, code)` protected by `token`.
-    pub fn add_transfer(&self, token: u64, index: u32, code: u32, keepalive: Option<Py<PyAny>>) {
-        self.store().transfers.push(Transfer {
-            token,
-            index,
-            code,
-            keepalive,
-            events: Vec::new(),
-        });
-    }
-
-    /// The events of the transfers still in flight into any of `indices` at `code`.
-    pub fn transfer_events(&self, py: Python<'_>, indices: &[u32], code: u32) -> Vec<Py<PyAny>> {
+    /// The objects at `ids`, under one lock.
+    pub fn objects(&self, py: Python<'_>, ids: &[ObjectId]) -> Vec<Py<PyAny>> {
         let store = self.store();
-        if store.transfers.is_empty() {
+        ids.iter()
+            .filter_map(|&id| store.slots.get(id)?.as_ref())
+            .map(|object| object.clone_ref(py))
+            .collect()
+    }
+
+    /// Forgets what the core gave back: the objects at its freed ids and the labels
+    /// of its released reservations; they are released after the lock.
+    pub fn free(&self, freed: &Freed) -> Released {
+        if freed.is_empty() {
             return Vec::new();
         }
-        let mut events = Vec::new();
-        for transfer in &store.transfers {
-            if transfer.code != code || !indices.contains(&transfer.index) {
-                continue;
-            }
-            if let Some((_, pending)) = store.pending.iter().find(|(t, _)| *t == transfer.token) {
-                events.extend(pending.iter().map(|event| event.clone_ref(py)));
-            }
-            events.extend(transfer.events.iter().map(|event| event.clone_ref(py)));
+        let mut store = self.store();
+        let mut released: Released = freed
+            .objects
+            .iter()
+            .filter_map(|&id| store.slots.get_mut(id)?.take())
+            .collect();
+        for token in &freed.reservations {
+            released.extend(store.labels.remove(token));
         }
-        events
-    }
-
-    /// The pending tokens of the transfers in flight.
-    pub fn transfer_tokens(&self) -> Vec<u64> {
-        self.store()
-            .transfers
-            .iter()
-            .map(|transfer| transfer.token)
-            .collect()
-    }
-
-    /// The pending tokens of the transfers in flight into any of `indices` at `code`.
-    pub fn transfer_tokens_into(&self, indices: &[u32], code: u32) -> Vec<u64> {
-        self.store()
-            .transfers
-            .iter()
-            .filter(|transfer| transfer.code == code && indices.contains(&transfer.index))
-            .map(|transfer| transfer.token)
-            .collect()
-    }
-
-    /// How many asynchronous transfers are in flight.
-    pub fn transfer_count(&self) -> usize {
-        self.store().transfers.len()
+        released
     }
 
     pub fn track_lease(&self, token: u64, reference: Py<PyAny>) {
@@ -423,17 +286,5 @@ impl Objects {
             .into_iter()
             .map(|(_, reference)| reference)
             .collect()
-    }
-
-    /// Forgets every pending lease and transfer; the objects are released after the
-    /// lock.
-    pub fn clear_pending(&self) -> (Vec<(u64, Released)>, Released) {
-        let mut store = self.store();
-        let pending = std::mem::take(&mut store.pending);
-        let kept = std::mem::take(&mut store.transfers)
-            .into_iter()
-            .flat_map(|transfer| transfer.events.into_iter().chain(transfer.keepalive))
-            .collect();
-        (pending, kept)
     }
 }
