@@ -1,9 +1,8 @@
 """`ResidencyManager` and `ResidencyScope`: the public face of one manager.
 
 Both are thin: they check argument shapes, build the action records, and hand the
-work to the manager's engine, which owns everything else. The plan methods and
-`ResidencyScope` are written in `_scope`; they are re-exported here. The behaviour
-they promise is written in the concept guides (docs/concepts/index.md).
+work to the manager's engine, which owns everything else. The behaviour they promise
+is written in the concept guides (docs/concepts/index.md).
 """
 
 from __future__ import annotations
