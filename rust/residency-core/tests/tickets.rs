@@ -10,8 +10,8 @@ mod common;
 use common::spec;
 
 use residency_core::{
-    Begun, Committed, CoreError, HandleId, Landed, Location, LocationState, Manager, Ticket,
-    ValueRecord, Work, charge_of,
+    Begun, Committed, CoreError, Freed, HandleId, InFlight, Landed, Location, LocationState,
+    Manager, Ticket, ValueRecord, Work, charge_of,
 };
 
 const HOST: Location = Location::PageableHost;
@@ -625,4 +625,48 @@ fn the_charge_and_placement_rules() {
     assert!(!CUDA.holds(1, Some(false), 8));
     assert!(!CUDA.holds(-2, Some(false), 0));
     assert!(!Location::Disk(0).holds(-1, Some(false), 0));
+}
+
+#[test]
+fn a_copy_in_flight_hands_its_event_to_the_book_or_back() {
+    let manager = Manager::new(&[(CUDA, 16)]);
+    let value = adopted(&manager, 16, false, PINNED);
+    // Refused (the copy measured above its charge): the event comes back.
+    let copying = issued(manager.begin_ensure(value, CUDA, true).expect("fits"));
+    let event = manager.new_object();
+    let kept = manager.new_object();
+    let before = accounts(&manager);
+    let mut freed = Freed::default();
+    let over = Landed {
+        logical_nbytes: 16,
+        storage_nbytes: 17,
+        keys: &[],
+    };
+    let in_flight = InFlight {
+        event,
+        keepalive: Some(kept),
+    };
+    assert!(matches!(
+        manager.commit(copying, Some(over), Some(in_flight), &mut freed),
+        Err(CoreError::Materialization { .. })
+    ));
+    assert_eq!(freed.objects.len(), 2, "the event and what it kept alive");
+    assert!(freed.objects.contains(&event) && freed.objects.contains(&kept));
+    assert_eq!(accounts(&manager), before);
+    assert!(manager.transfer_events(&[value], CUDA).is_empty());
+
+    // Committed: the destination's pending lease and the read source's wait on it.
+    let copying = issued(manager.begin_ensure(value, CUDA, true).expect("fits"));
+    let event = manager.new_object();
+    let mut freed = Freed::default();
+    let in_flight = InFlight {
+        event,
+        keepalive: None,
+    };
+    let committed = manager
+        .commit(copying, Some(landed(16)), Some(in_flight), &mut freed)
+        .expect("commits");
+    assert!(freed.objects.is_empty());
+    assert_eq!(manager.transfer_events(&[value], CUDA), vec![event]);
+    assert!(committed.in_flight.is_some() && committed.read.is_some());
 }
