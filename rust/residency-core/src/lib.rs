@@ -24,11 +24,11 @@ pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
 pub use location::{Location, MAX_CUDA_INDEX};
 pub use manager::{
-    EnsurePlan, HostCost, LeaseState, Manager, MovePlan, OpenLifetimes, SearchInputs, SettleWait,
-    StateValues, StorageKey,
+    Begun, Committed, HostCost, InFlight, Landed, LeaseState, Manager, OpenLifetimes, SearchInputs,
+    SettleWait, StateValues, StorageKey, Ticket, Work,
 };
 pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
 pub use tokens::{Freed, LifetimeKind, ObjectId, Release};
-pub use value::{HandleName, Recoverability, ReplicaMode, ValueSpec};
+pub use value::{HandleName, Recoverability, ReplicaMode, ValueSpec, charge_of};

@@ -112,6 +112,25 @@ impl Location {
         }
     }
 
+    /// The placement rule: whether a value measured on `device_code` (-1 the host, the
+    /// CUDA index, -2 any other device), `pinned` (`None`: a host value mixing pinned
+    /// and pageable tensors) and holding `storage_nbytes` is in place here. A host value
+    /// without storage bytes has no memory to pin, so it is in place at either host
+    /// location (docs/concepts/locations-and-budgets.md#pinned-host); nothing measured
+    /// in memory is in place on disk, where only the disk tier's files are installed.
+    #[inline]
+    pub fn holds(self, device_code: i64, pinned: Option<bool>, storage_nbytes: u64) -> bool {
+        match self {
+            Self::PageableHost | Self::PinnedHost if device_code == -1 && storage_nbytes == 0 => {
+                true
+            }
+            Self::PageableHost => (device_code, pinned) == (-1, Some(false)),
+            Self::PinnedHost => (device_code, pinned) == (-1, Some(true)),
+            Self::Cuda(index) => (device_code, pinned) == (i64::from(index), Some(false)),
+            Self::Disk(_) => false,
+        }
+    }
+
     /// The location name: `pageable-host`, `pinned-host`, `cuda:N` or `disk:N` (the
     /// glue names a disk location by its directory).
     pub fn name(self) -> String {

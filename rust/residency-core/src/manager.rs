@@ -2,9 +2,9 @@
 //!
 //! Every method that reads or changes mutable state expects the caller to hold the
 //! gate (`enter`/`exit`); the inner mutex only guards against lock-free readers and
-//! is never held across a call back into the glue. Each transition is split into a
-//! `plan_*` step that validates and decides, the glue's copy, and `install`/`remove`
-//! steps that commit. The state is published for lock-free readers when the
+//! is never held across a call back into the glue. Each ensure or move is a ticket
+//! (`ticket.rs`): `begin` validates, decides and charges, the glue does the device
+//! work, and `commit` or `abort` ends it. The state is published for lock-free readers when the
 //! outermost gate holder exits, so readers only ever see whole operations.
 
 use crate::fasthash::FastMap;
@@ -22,7 +22,10 @@ use crate::search::{MatInfo, Planned, SearchOutcome, SearchValue, ValueTable};
 use crate::simulate::{self, CompletedPending, CudaDevices, Simulation, SlotResolution};
 use crate::state::{HandleId, Materialization, ReservationRecord, State, TokenKind, ValueRecord};
 use crate::tokens::{ReleaseQueue, TokenBook};
-use crate::value::{HandleName, Recoverability, ValueSpec};
+use crate::value::{HandleName, Recoverability, ValueSpec, charge_of};
+
+mod ticket;
+pub use ticket::{Begun, Committed, InFlight, Landed, Ticket, Work};
 
 mod lifetimes;
 
@@ -31,33 +34,6 @@ pub use lifetimes::SettleWait;
 /// A backing storage identity: (device code, data pointer). Device code is -1 for
 /// host memory and the CUDA index otherwise.
 pub type StorageKey = (i64, u64);
-
-/// What an ensure needs from the glue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EnsurePlan {
-    /// Already resident at the destination.
-    NoOp,
-    /// Copy from this materialisation; the destination budget has been admitted.
-    Copy { source: Location },
-    /// Reconstruct through the registered source at this location first. The
-    /// temporary charge there is already taken; the glue must release it.
-    Reconstruct { source_location: Location },
-}
-
-/// What a move needs from the glue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MovePlan {
-    /// Nothing to do; `source` is what the report names.
-    NoOp { source: Option<Location> },
-    /// The destination is already resident: the source replica was removed.
-    RemovedSource { source: Location },
-    /// Copy from this materialisation, install, then remove the source. The source
-    /// is removable and the destination budget has been admitted.
-    Copy { source: Location },
-    /// No materialisation: reconstruct at this location (temporary charge taken, the
-    /// glue releases it); nothing is removed after.
-    Reconstruct { source_location: Location },
-}
 
 /// What bringing one value to a location costs the host (see `Manager::host_costs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -261,6 +237,24 @@ impl Inner {
         self.state.bump();
         self.dirty = true;
         true
+    }
+
+    /// Use tokens on every materialisation, as one lease (one version step); the
+    /// caller checked that each is resident.
+    fn acquire_locked(&mut self, handles: &[HandleId], location: Location) -> u64 {
+        self.tokens(handles, location, TokenKind::Use, true);
+        let token = self.next_token();
+        self.leases.insert(
+            token,
+            LeaseRecord {
+                handles: handles.to_vec(),
+                location,
+                pending: false,
+            },
+        );
+        self.state.bump();
+        self.dirty = true;
+        token
     }
 
     fn lease_to_pending(&mut self, token: u64) -> bool {
@@ -664,17 +658,8 @@ impl Manager {
 
     // ----- transitions ------------------------------------------------------------
 
-    /// Validates a measured candidate's byte counts against the value's spec.
-    pub fn check_materialization(
-        &self,
-        handle: HandleId,
-        logical_nbytes: u64,
-        storage_nbytes: u64,
-    ) -> CoreResult<()> {
-        let inner = self.inner();
-        Self::check_bytes(inner.record(handle)?, logical_nbytes, storage_nbytes)
-    }
-
+    /// Validates a measured value's byte counts against the value's spec: its logical
+    /// bytes exactly, its charge (the charge rule) at most the spec's.
     fn check_bytes(
         record: &ValueRecord,
         logical_nbytes: u64,
@@ -690,7 +675,7 @@ impl Manager {
                 ),
             });
         }
-        let occupied = logical_nbytes.max(storage_nbytes);
+        let occupied = charge_of(logical_nbytes, storage_nbytes);
         if occupied > spec.storage_nbytes() {
             return Err(CoreError::Materialization {
                 message: format!(
@@ -703,8 +688,6 @@ impl Manager {
         Ok(())
     }
 
-    /// Decides an ensure: no-op, copy from a materialisation (destination admitted),
-    /// or reconstruction.
     /// Where an ensure of `handle` at `at` would copy from, changing nothing: `None`
     /// when it is resident there already (or has nowhere to come from), else the
     /// materialisation it copies, or the location its source loads it into.
@@ -754,37 +737,6 @@ impl Manager {
             .collect()
     }
 
-    pub fn plan_ensure(&self, handle: HandleId, at: Location) -> CoreResult<EnsurePlan> {
-        let inner = self.inner();
-        let record = inner.live_record(handle)?;
-        if record.is_resident(at) {
-            return Ok(EnsurePlan::NoOp);
-        }
-        if record.spec.is_exclusive() && !record.materializations.is_empty() {
-            return Err(CoreError::Ownership {
-                message: format!(
-                    "value {:?} is EXCLUSIVE and already materialized at {}; use move() to relocate it",
-                    record.handle_id,
-                    record
-                        .best_source(None)
-                        .map_or_else(String::new, Location::name)
-                ),
-            });
-        }
-        match (record.best_source(None), record.source) {
-            (Some(source), _) => {
-                inner.state.admit(at, record.spec.storage_nbytes())?;
-                Ok(EnsurePlan::Copy { source })
-            }
-            (None, Some(_)) => {
-                drop(inner);
-                let source_location = self.charge_temporary(handle)?;
-                Ok(EnsurePlan::Reconstruct { source_location })
-            }
-            (None, None) => Err(Self::unavailable(record)),
-        }
-    }
-
     fn unavailable(record: &ValueRecord) -> CoreError {
         CoreError::Unavailable {
             message: format!(
@@ -792,87 +744,6 @@ impl Manager {
                 record.handle_id
             ),
         }
-    }
-
-    /// Decides a move. A `RemovedSource` outcome has already committed the removal.
-    pub fn plan_move(
-        &self,
-        handle: HandleId,
-        to: Location,
-        from: Option<Location>,
-    ) -> CoreResult<MovePlan> {
-        let mut inner = self.inner();
-        let record = Arc::clone(inner.live_record(handle)?);
-        let source = match from {
-            Some(explicit) => {
-                if !record.is_resident(explicit) {
-                    return Err(CoreError::Unavailable {
-                        message: format!(
-                            "explicit source {explicit} of value {:?} is not resident",
-                            record.handle_id
-                        ),
-                    });
-                }
-                Some(explicit)
-            }
-            None => record.best_source(Some(to)),
-        };
-        if record.is_resident(to) {
-            return match source {
-                None => Ok(MovePlan::NoOp { source: None }),
-                Some(source) if source == to => Ok(MovePlan::NoOp { source: Some(to) }),
-                Some(source) => {
-                    inner.check_removable(handle, source)?;
-                    inner.remove(handle, source);
-                    Ok(MovePlan::RemovedSource { source })
-                }
-            };
-        }
-        match (source, record.source) {
-            (Some(source), _) => {
-                inner.check_removable(handle, source)?;
-                inner.state.admit(to, record.spec.storage_nbytes())?;
-                Ok(MovePlan::Copy { source })
-            }
-            (None, Some(_)) => {
-                drop(inner);
-                let source_location = self.charge_temporary(handle)?;
-                Ok(MovePlan::Reconstruct { source_location })
-            }
-            (None, None) => Err(Self::unavailable(&record)),
-        }
-    }
-
-    /// Checks the destination budget before a copy (no charge).
-    pub fn admit(&self, handle: HandleId, location: Location) -> CoreResult<()> {
-        let inner = self.inner();
-        let charge = inner.record(handle)?.spec.storage_nbytes();
-        inner.state.admit(location, charge)
-    }
-
-    /// Charges the temporary reconstruction at the value's source location: budget
-    /// checked, counted as reserved, peak raised, no version step.
-    pub fn charge_temporary(&self, handle: HandleId) -> CoreResult<Location> {
-        let mut inner = self.inner();
-        let record = inner.live_record(handle)?;
-        let Some(source_location) = record.source else {
-            return Err(Self::unavailable(record));
-        };
-        let charge = record.spec.storage_nbytes();
-        inner.state.admit(source_location, charge)?;
-        inner.state.add_reserved(source_location, charge);
-        // The raised peak outlives a failed load, so it must be published.
-        inner.dirty = true;
-        Ok(source_location)
-    }
-
-    /// Returns a temporary charge taken by [`Manager::charge_temporary`].
-    pub fn release_temporary(&self, handle: HandleId, source_location: Location) -> CoreResult<()> {
-        let mut inner = self.inner();
-        let charge = inner.record(handle)?.spec.storage_nbytes();
-        inner.state.remove_reserved(source_location, charge);
-        inner.dirty = true;
-        Ok(())
     }
 
     /// Validates and installs a measured materialisation (docs/concepts/values.md#install).
@@ -953,14 +824,6 @@ impl Manager {
         Ok(())
     }
 
-    /// Removes a materialisation after the glue has committed the move's install.
-    pub fn remove(&self, handle: HandleId, location: Location) -> CoreResult<()> {
-        let mut inner = self.inner();
-        inner.check_removable(handle, location)?;
-        inner.remove(handle, location);
-        Ok(())
-    }
-
     /// Drops one materialisation. `Ok(false)` is the no-op (already absent).
     pub fn drop_materialization(&self, handle: HandleId, at: Location) -> CoreResult<bool> {
         let mut inner = self.inner();
@@ -1027,20 +890,7 @@ impl Manager {
     /// Installs use tokens on every materialisation atomically (one version step).
     pub fn acquire(&self, handles: &[HandleId], location: Location) -> CoreResult<u64> {
         self.check_resident(handles, location)?;
-        let mut inner = self.inner();
-        inner.tokens(handles, location, TokenKind::Use, true);
-        let token = inner.next_token();
-        inner.leases.insert(
-            token,
-            LeaseRecord {
-                handles: handles.to_vec(),
-                location,
-                pending: false,
-            },
-        );
-        inner.state.bump();
-        inner.dirty = true;
-        Ok(token)
+        Ok(self.inner().acquire_locked(handles, location))
     }
 
     /// Installs hold tokens atomically (one version step).

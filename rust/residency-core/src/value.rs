@@ -19,6 +19,14 @@ pub enum Recoverability {
     MustPreserve,
 }
 
+/// The charge rule: a materialisation occupies the larger of its logical payload and
+/// the storage its tensors hold (docs/concepts/values.md#install). An adopted value's
+/// spec is charged this; an installed one may occupy at most its spec's charge.
+#[inline]
+pub fn charge_of(logical_nbytes: u64, storage_nbytes: u64) -> u64 {
+    logical_nbytes.max(storage_nbytes)
+}
+
 /// The immutable specification of a managed value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ValueSpec {

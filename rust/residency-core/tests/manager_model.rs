@@ -3,13 +3,16 @@
 
 #![allow(clippy::panic)] // Test assertions.
 
+mod common;
+
+use common::spec;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use proptest::prelude::*;
 use residency_core::{
-    CoreError, EnsurePlan, HandleId, Location, Manager, MovePlan, Recoverability, ReplicaMode,
-    ValueSpec,
+    Begun, Committed, CoreError, CoreResult, HandleId, Landed, Location, Manager, Ticket, Work,
 };
 
 const LOCATIONS: [Location; 4] = [
@@ -34,10 +37,13 @@ enum Op {
     Ensure {
         value: usize,
         at: usize,
+        asynchronous: bool,
+        fault: Fault,
     },
     Move {
         value: usize,
         to: usize,
+        fault: Fault,
     },
     Drop {
         value: usize,
@@ -60,6 +66,28 @@ enum Op {
     ReleaseLease {
         which: usize,
     },
+    /// A copy left in flight completed: its pending leases are released.
+    Complete {
+        which: usize,
+    },
+}
+
+/// Where the glue's part of a transition fails, if it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    None,
+    /// The copy or the source's `load()` raised after begin.
+    DeviceWork,
+    /// The value measured above its charge: the ticket's byte check refuses it.
+    Oversized,
+}
+
+fn fault() -> impl Strategy<Value = Fault> {
+    prop_oneof![
+        3 => Just(Fault::None),
+        1 => Just(Fault::DeviceWork),
+        1 => Just(Fault::Oversized),
+    ]
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -75,14 +103,26 @@ fn op() -> impl Strategy<Value = Op> {
             bytes,
             exclusive
         }),
-        (0..8usize, at.clone()).prop_map(|(value, at)| Op::Ensure { value, at }),
-        (0..8usize, at.clone()).prop_map(|(value, to)| Op::Move { value, to }),
+        (0..8usize, at.clone(), any::<bool>(), fault()).prop_map(
+            |(value, at, asynchronous, fault)| Op::Ensure {
+                value,
+                at,
+                asynchronous,
+                fault
+            }
+        ),
+        (0..8usize, at.clone(), fault()).prop_map(|(value, to, fault)| Op::Move {
+            value,
+            to,
+            fault
+        }),
         (0..8usize, at.clone()).prop_map(|(value, at)| Op::Drop { value, at }),
         (0..8usize).prop_map(|value| Op::Discard { value }),
         (at.clone(), 0..64u64).prop_map(|(at, bytes)| Op::Reserve { at, bytes }),
         (0..4usize).prop_map(|which| Op::ReleaseReservation { which }),
         (0..8usize, at).prop_map(|(value, at)| Op::Acquire { value, at }),
         (0..4usize).prop_map(|which| Op::ReleaseLease { which }),
+        (0..4usize).prop_map(|which| Op::Complete { which }),
     ]
 }
 
@@ -93,6 +133,8 @@ struct Model {
     reserved: BTreeMap<Location, u64>,
     reservations: Vec<(u64, Location, u64)>,
     leases: Vec<(u64, HandleId, Location)>,
+    /// Pending leases protecting copies left in flight.
+    in_flight: Vec<(u64, HandleId, Location)>,
 }
 
 #[derive(Debug)]
@@ -121,24 +163,6 @@ impl Model {
                 <= budget
         })
     }
-}
-
-fn spec(bytes: u64, exclusive: bool, reconstructible: bool) -> ValueSpec {
-    ValueSpec::new(
-        bytes,
-        bytes,
-        if exclusive {
-            ReplicaMode::Exclusive
-        } else {
-            ReplicaMode::Replicable
-        },
-        if reconstructible {
-            Recoverability::Reconstructible
-        } else {
-            Recoverability::MustPreserve
-        },
-    )
-    .expect("equal byte counts are a valid spec")
 }
 
 /// Runs one op on both sides and checks that the outcome kinds agree.
@@ -187,55 +211,45 @@ fn apply(manager: &Manager, model: &mut Model, budgets: &BTreeMap<Location, u64>
                 uses: BTreeMap::new(),
             });
         }
-        Op::Ensure { value, at } => {
-            let Some(entry) = model.values.get_mut(value) else {
+        Op::Ensure {
+            value,
+            at,
+            asynchronous,
+            fault,
+        } => {
+            let Some(entry) = model.values.get(value) else {
                 return;
             };
             let location = LOCATIONS[at];
-            let result = manager.plan_ensure(entry.handle, location);
+            let (handle, charge) = (entry.handle, entry.charge);
+            let result = manager.begin_ensure(handle, location, asynchronous);
             if entry.discarded {
                 assert!(matches!(result, Err(CoreError::Handle { .. })));
                 return;
             }
             match result {
-                Ok(EnsurePlan::NoOp) => assert!(entry.at.contains(&location)),
-                Ok(EnsurePlan::Copy { source }) => {
-                    assert_eq!(Some(&source), entry.at.iter().next(), "canonical source");
-                    assert!(!entry.exclusive);
-                    manager
-                        .install(
-                            entry.handle,
-                            location,
-                            entry.charge,
-                            entry.charge,
-                            &[],
-                            false,
-                        )
-                        .expect("admitted by plan_ensure");
-                    entry.at.insert(location);
+                Ok(Begun::NoOp { source }) => {
+                    assert!(entry.at.contains(&location) && source.is_none());
                 }
-                Ok(EnsurePlan::Reconstruct {
-                    source_location: source,
-                }) => {
-                    assert!(entry.at.is_empty() && entry.has_source);
-                    let handle = entry.handle;
-                    let charge = entry.charge;
-                    let installed = if source == location {
-                        manager.release_temporary(handle, source).expect("charged");
-                        manager.install(handle, location, charge, charge, &[], false)
-                    } else {
-                        let installed =
-                            manager.install(handle, location, charge, charge, &[], false);
-                        manager.release_temporary(handle, source).expect("charged");
-                        installed
-                    };
-                    match installed {
-                        Ok(()) => {
-                            model.values[value].at.insert(location);
+                Ok(Begun::Ticket(ticket)) => {
+                    match ticket.work() {
+                        Work::Copy { from, in_flight } => {
+                            assert_eq!(Some(&from), entry.at.iter().next(), "canonical source");
+                            assert!(!entry.exclusive);
+                            assert_eq!(
+                                in_flight,
+                                asynchronous && matches!(location, Location::Cuda(_))
+                            );
                         }
-                        Err(CoreError::Budget { .. }) => {}
-                        Err(other) => panic!("unexpected {other:?}"),
+                        Work::Load { .. } => assert!(entry.at.is_empty() && entry.has_source),
+                        other => panic!("an ensure begun at {other:?}"),
                     }
+                    let read = match ticket.work() {
+                        Work::Copy { from, .. } => Some(from),
+                        _ => None,
+                    };
+                    let copied = glue(manager, ticket, charge, fault);
+                    settled(model, budgets, (value, location, read), fault, copied);
                 }
                 Err(CoreError::Ownership { .. }) => {
                     assert!(entry.exclusive && !entry.at.is_empty());
@@ -244,46 +258,47 @@ fn apply(manager: &Manager, model: &mut Model, budgets: &BTreeMap<Location, u64>
                     location: refused, ..
                 }) => {
                     // Either the destination, or the source location of a reconstruction.
-                    assert!(!model.fits(budgets, refused, model.values[value].charge));
+                    assert!(!model.fits(budgets, refused, charge));
                 }
                 Err(other) => panic!("unexpected {other:?}"),
             }
         }
-        Op::Move { value, to } => {
+        Op::Move { value, to, fault } => {
             let Some(entry) = model.values.get(value) else {
                 return;
             };
             let location = LOCATIONS[to];
-            let handle = entry.handle;
-            let result = manager.plan_move(handle, location, None);
+            let (handle, charge) = (entry.handle, entry.charge);
+            let result = manager.begin_move(handle, location, None);
             if entry.discarded {
                 assert!(matches!(result, Err(CoreError::Handle { .. })));
                 return;
             }
             match result {
-                Ok(MovePlan::NoOp { .. }) => {
-                    assert!(entry.at.contains(&location));
+                Ok(Begun::NoOp { source }) => {
+                    assert!(entry.at.contains(&location) && source.is_none());
                 }
-                Ok(MovePlan::RemovedSource { source }) => {
-                    model.values[value].at.remove(&source);
+                Ok(Begun::Ticket(ticket)) => {
+                    match ticket.work() {
+                        Work::Remove => {
+                            assert!(entry.at.contains(&location));
+                            assert_ne!(ticket.source(), location);
+                        }
+                        Work::Copy { from, in_flight } => {
+                            assert!(!entry.at.contains(&location) && entry.at.contains(&from));
+                            assert!(!in_flight, "a move's copy is never left in flight");
+                        }
+                        Work::Load { .. } => assert!(entry.at.is_empty() && entry.has_source),
+                        Work::Install => panic!("a move begun at its install"),
+                    }
+                    let moved = glue(manager, ticket, charge, fault);
+                    settled(model, budgets, (value, location, None), fault, moved);
                 }
-                Ok(MovePlan::Copy { source }) => {
-                    let charge = entry.charge;
-                    manager
-                        .install(handle, location, charge, charge, &[], true)
-                        .expect("admitted by plan_move");
-                    manager.remove(handle, source).expect("checked removable");
-                    let entry = &mut model.values[value];
-                    entry.at.insert(location);
-                    entry.at.remove(&source);
+                Err(CoreError::Budget {
+                    location: refused, ..
+                }) => {
+                    assert!(!model.fits(budgets, refused, charge));
                 }
-                Ok(MovePlan::Reconstruct { source_location }) => {
-                    // The glue's failure path: the load failed, the charge comes back.
-                    manager
-                        .release_temporary(handle, source_location)
-                        .expect("charged by plan_move");
-                }
-                Err(CoreError::Budget { .. }) => {}
                 Err(CoreError::InUse { .. }) => {
                     assert!(entry.uses.values().any(|&count| count > 0));
                 }
@@ -388,11 +403,105 @@ fn apply(manager: &Manager, model: &mut Model, budgets: &BTreeMap<Location, u64>
                 *entry.uses.entry(location).or_default() -= 1;
             }
         }
+        Op::Complete { which } => {
+            if which < model.in_flight.len() {
+                let (token, handle, location) = model.in_flight.remove(which);
+                assert!(manager.release_pending(token));
+                assert!(!manager.release_pending(token), "release is one-shot");
+                let entry = model
+                    .values
+                    .iter_mut()
+                    .find(|entry| entry.handle == handle)
+                    .expect("protected value is modelled");
+                *entry.uses.entry(location).or_default() -= 1;
+            }
+        }
     }
     assert!(
         manager.version() >= version_before,
         "the version never decreases"
     );
+}
+
+/// The glue's part of a transition, as the binding does it through the core's ticket
+/// API: the ticket's device work (here it "copies" or "loads" by measuring `charge`
+/// bytes, or fails as `fault` says), then commit, or abort at the first failure.
+fn glue(manager: &Manager, mut ticket: Ticket, charge: u64, fault: Fault) -> CoreResult<Committed> {
+    let measured = if fault == Fault::Oversized {
+        charge + 1
+    } else {
+        charge
+    };
+    let failed = || CoreError::Internal {
+        message: "the device work failed".to_owned(),
+    };
+    loop {
+        match ticket.work() {
+            Work::Remove => return common::commit(manager, ticket, None),
+            Work::Load { .. } | Work::Copy { .. } if fault == Fault::DeviceWork => {
+                manager.abort(ticket)?;
+                return Err(failed());
+            }
+            Work::Load { .. } => {
+                if let Err(refused) = manager.loaded(&mut ticket, charge, measured) {
+                    manager.abort(ticket)?;
+                    return Err(refused);
+                }
+            }
+            Work::Copy { .. } | Work::Install => {
+                let landed = Landed {
+                    logical_nbytes: charge,
+                    storage_nbytes: measured,
+                    keys: &[],
+                };
+                return common::commit(manager, ticket, Some(landed));
+            }
+        }
+    }
+}
+
+/// Applies a transition of `value` to `location` (copying from `read`, if it copies a
+/// materialisation) to the model: a commit installs at `location`, removes what the
+/// ticket says and protects a copy left in flight and its source; any failure,
+/// wherever the glue stopped, leaves the model (and so the books) as they were.
+fn settled(
+    model: &mut Model,
+    budgets: &BTreeMap<Location, u64>,
+    (value, location, read): (usize, Location, Option<Location>),
+    fault: Fault,
+    outcome: CoreResult<Committed>,
+) {
+    let charge = model.values[value].charge;
+    match outcome {
+        Ok(committed) => {
+            let entry = &mut model.values[value];
+            let installed = entry.at.insert(location);
+            assert!(
+                fault == Fault::None || (!installed && committed.removed.is_some()),
+                "{fault:?} committed {committed:?}"
+            );
+            if let Some(removed) = committed.removed {
+                assert!(entry.at.remove(&removed));
+            }
+            let handle = entry.handle;
+            if let Some(token) = committed.in_flight {
+                *entry.uses.entry(location).or_default() += 1;
+                model.in_flight.push((token, handle, location));
+            }
+            if let Some(token) = committed.read {
+                let read = read.expect("only a copy of a materialisation reads one");
+                *entry.uses.entry(read).or_default() += 1;
+                model.in_flight.push((token, handle, read));
+            }
+        }
+        Err(CoreError::Internal { .. }) => assert_eq!(fault, Fault::DeviceWork),
+        Err(CoreError::Materialization { .. }) => assert_eq!(fault, Fault::Oversized),
+        // A reconstruction loaded elsewhere admits the destination after the load.
+        Err(CoreError::Budget {
+            location: refused, ..
+        }) => assert!(!model.fits(budgets, refused, charge)),
+        Err(other) => panic!("unexpected {other:?}"),
+    }
 }
 
 fn check(manager: &Manager, model: &Model) {
@@ -545,20 +654,22 @@ fn temporary_charge_raises_peak_without_a_version_step_and_is_returned() {
         .register_source(1, spec(60, true, true), Location::PageableHost)
         .expect("registers");
     let version = manager.version();
-    let source = manager.charge_temporary(value).expect("fits");
-    assert_eq!(source, Location::PageableHost);
+    let Ok(Begun::Ticket(ticket)) = manager.begin_ensure(value, Location::PinnedHost, false) else {
+        panic!("expected a reconstruction ticket");
+    };
+    assert_eq!(ticket.temporary(), Some(Location::PageableHost));
     let books = manager.current().books(Location::PageableHost);
     assert_eq!((books.reserved_bytes, books.peak_charged_bytes), (60, 60));
     assert_eq!(manager.version(), version);
     assert!(matches!(
-        manager.charge_temporary(value),
+        manager.begin_ensure(value, Location::PinnedHost, false),
         Err(CoreError::Budget {
             requested_bytes: 60,
             reserved_bytes: 60,
             ..
         })
     ));
-    manager.release_temporary(value, source).expect("charged");
+    manager.abort(ticket).expect("charged");
     let books = manager.current().books(Location::PageableHost);
     assert_eq!((books.reserved_bytes, books.peak_charged_bytes), (0, 60));
     assert_eq!(

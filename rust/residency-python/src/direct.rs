@@ -335,7 +335,7 @@ fn adopt_locked(
     let exclusive = context.is_exclusive(replica_mode);
     let value_type = value.get_type();
     let logical = facts.logical;
-    let charge = logical.max(facts.storage);
+    let charge = residency_core::charge_of(logical, facts.storage);
     let key = (value_type.as_ptr() as usize, logical, charge, exclusive);
     let (type_key, spec_record) = if let Some(entry) = manager.adopted_shapes().get(py, key) {
         entry

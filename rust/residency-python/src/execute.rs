@@ -10,12 +10,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use pyo3::IntoPyObjectExt;
-use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
-use residency_core::{CoreError, EnsurePlan, Freed, HandleId, Location, MovePlan};
+use residency_core::{Begun, CoreError, Freed, HandleId, InFlight, Landed, Location, Ticket, Work};
 
 use crate::errors::to_py_err;
 use crate::manager::CoreManager;
@@ -988,25 +988,19 @@ fn ensure<'py>(
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Outcome<'py>> {
     let context = manager.context();
-    let core = manager.core();
-    let source = match lift(py, core.plan_ensure(index, at))? {
-        EnsurePlan::NoOp => {
-            return Ok(Outcome {
-                no_op: true,
-                source: None,
-                destination: Some(location.clone()),
-                reason: Some(context.ensure_noop.bind(py).clone()),
-            });
-        }
-        EnsurePlan::Copy { source } => {
-            copy_in(manager, py, index, source, at, false, stream)?;
-            source
-        }
-        EnsurePlan::Reconstruct { source_location } => {
-            load_in(manager, py, index, source_location, at, false, stream)?;
-            source_location
-        }
+    let begun = manager
+        .core()
+        .begin_ensure(index, at, manager.asynchronous());
+    let Begun::Ticket(ticket) = lift(py, begun)? else {
+        return Ok(Outcome {
+            no_op: true,
+            source: None,
+            destination: Some(location.clone()),
+            reason: Some(context.ensure_noop.bind(py).clone()),
+        });
     };
+    let source = ticket.source();
+    transit(manager, py, ticket, stream)?;
     installed(context, py, source, location)
 }
 
@@ -1020,9 +1014,8 @@ fn move_<'py>(
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Outcome<'py>> {
     let context = manager.context();
-    let core = manager.core();
-    let source = match lift(py, core.plan_move(index, to, from))? {
-        MovePlan::NoOp { source } => {
+    let ticket = match lift(py, manager.core().begin_move(index, to, from))? {
+        Begun::NoOp { source } => {
             return Ok(Outcome {
                 no_op: true,
                 source: source
@@ -1032,21 +1025,10 @@ fn move_<'py>(
                 reason: Some(context.move_noop.bind(py).clone()),
             });
         }
-        MovePlan::RemovedSource { source } => {
-            manager.forget_value(index, source);
-            source
-        }
-        MovePlan::Copy { source } => {
-            copy_in(manager, py, index, source, to, true, stream)?;
-            lift(py, core.remove(index, source))?;
-            manager.forget_value(index, source);
-            source
-        }
-        MovePlan::Reconstruct { source_location } => {
-            load_in(manager, py, index, source_location, to, true, stream)?;
-            source_location
-        }
+        Begun::Ticket(ticket) => ticket,
     };
+    let source = ticket.source();
+    transit(manager, py, ticket, stream)?;
     installed(context, py, source, location)
 }
 
@@ -1065,56 +1047,188 @@ fn installed<'py>(
     })
 }
 
-/// Copies the materialisation at `source` to `at` and installs it.
-fn copy_in(
+/// Performs the device work the core's ticket names (a copy, or the source's `load()`
+/// and then maybe a copy), then commits the ticket; a failure before the commit
+/// aborts it, which returns every temporary charge (docs/architecture.md#transitions).
+fn transit(
     manager: &CoreManager,
     py: Python<'_>,
-    index: HandleId,
-    source: Location,
-    at: Location,
-    exclusive_transition: bool,
+    mut ticket: Ticket,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    // A source still being written by a transfer in flight is waited for first.
-    wait_in_flight(manager, py, index, source)?;
-    let value = manager.value_object(py, index, source)?;
-    // Only an ensure's copy may stay in flight: a move removes its source at once.
-    let asynchronous = !exclusive_transition && asynchronous_to(manager, at);
-    let (copied, event, owner) = copy_to(
-        manager.context(),
-        py,
-        &value,
-        source,
-        at,
-        stream,
-        asynchronous,
-    )?;
-    let installed = install(manager, py, index, at, &copied, exclusive_transition);
-    owned_by(manager, index, at, owner, installed.is_ok());
-    in_flight(manager, py, index, Some(source), at, event, None, installed)
+    let index = ticket.handle();
+    match ticket.work() {
+        Work::Remove => {
+            let committed = lift(
+                py,
+                manager
+                    .core()
+                    .commit(ticket, None, None, &mut Freed::default()),
+            )?;
+            if let Some(removed) = committed.removed {
+                manager.forget_value(index, removed);
+            }
+            Ok(())
+        }
+        Work::Copy { from, in_flight } => {
+            // A source still being written by a transfer in flight is waited for first.
+            let copied = wait_in_flight(manager, py, index, from)
+                .and_then(|()| manager.value_object(py, index, from))
+                .and_then(|value| {
+                    copy_to(
+                        manager.context(),
+                        py,
+                        &value,
+                        from,
+                        ticket.destination(),
+                        stream,
+                        in_flight,
+                    )
+                });
+            match copied {
+                Ok((copied, event, owner)) => {
+                    land(manager, py, ticket, &copied, event, owner, None)
+                }
+                Err(error) => Err(aborted(manager, ticket, error)),
+            }
+        }
+        Work::Load { deferrable, .. } => {
+            if deferrable {
+                match defer_load(manager, py, &ticket, stream) {
+                    Ok(Some((value, event, owner))) => {
+                        if let Err(err) = manager.core().deferred(&mut ticket) {
+                            let error = aborted(manager, ticket, to_py_err(py, err));
+                            return Err(synchronized(manager, py, Some(&event), error));
+                        }
+                        return land(manager, py, ticket, &value, Some(event), Some(owner), None);
+                    }
+                    Ok(None) => {}
+                    Err(error) => return Err(aborted(manager, ticket, error)),
+                }
+            }
+            match manager.load_for(py, index) {
+                Ok(loaded) => {
+                    manager.drain_deferred();
+                    reconstruct(manager, py, ticket, &loaded, stream)
+                }
+                Err(error) => Err(aborted(manager, ticket, error)),
+            }
+        }
+        Work::Install => {
+            let error = PyRuntimeError::new_err("internal error: a ticket begun at its install");
+            Err(aborted(manager, ticket, error))
+        }
+    }
 }
 
-/// Remembers the stream that allocated an installed device copy: its owning stream
-/// (docs/concepts/controller.md#evicting-around-reads-in-flight).
-fn owned_by(
+/// Aborts `ticket` after its device work failed with `error`, which is returned: the
+/// abort returns the ticket's temporary charge, and can itself fail only for a value
+/// this manager never issued, which the original error outranks.
+fn aborted(manager: &CoreManager, ticket: Ticket, error: PyErr) -> PyErr {
+    drop(manager.core().abort(ticket));
+    error
+}
+
+/// Host-waits for a copy still in flight (`event`) before `error` propagates: the
+/// copy may still be writing its destination. The original error outranks a failed
+/// wait.
+fn synchronized(
     manager: &CoreManager,
-    index: HandleId,
-    at: Location,
+    py: Python<'_>,
+    event: Option<&Bound<'_, PyAny>>,
+    error: PyErr,
+) -> PyErr {
+    if let Some(event) = event {
+        let runtime = manager.context().runtime(py);
+        drop(runtime.call_method1(intern!(py, "synchronize_event"), (event,)));
+    }
+    error
+}
+
+/// Measures the value the device work produced at the ticket's destination and
+/// commits it there; `event` is its copy's, when the copy is left in flight, `owner`
+/// the stream that allocated it, `keepalive` what that copy reads.
+fn land(
+    manager: &CoreManager,
+    py: Python<'_>,
+    ticket: Ticket,
+    value: &Bound<'_, PyAny>,
+    event: Option<Bound<'_, PyAny>>,
     owner: Option<Bound<'_, PyAny>>,
-    installed: bool,
-) {
-    if let (true, Some(owner)) = (installed, owner) {
+    keepalive: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    match validate(manager, py, ticket.handle(), ticket.destination(), value) {
+        Ok(facts) => commit(manager, py, ticket, value, &facts, event, owner, keepalive),
+        Err(error) => {
+            let error = aborted(manager, ticket, error);
+            Err(synchronized(manager, py, event.as_ref(), error))
+        }
+    }
+}
+
+/// Commits `ticket` with the measured `value`, then keeps the Python objects the
+/// commit asks for: the value at its destination, the stream that allocated it, and
+/// the event of a copy left in flight on the pending leases the core made for it (the
+/// destination's, which consumers there wait for, with `keepalive`; and the read
+/// source's). A move's removed source is forgotten.
+#[allow(clippy::too_many_arguments)]
+fn commit(
+    manager: &CoreManager,
+    py: Python<'_>,
+    ticket: Ticket,
+    value: &Bound<'_, PyAny>,
+    facts: &Facts<'_>,
+    event: Option<Bound<'_, PyAny>>,
+    owner: Option<Bound<'_, PyAny>>,
+    keepalive: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let (index, at) = (ticket.handle(), ticket.destination());
+    let landed = Landed {
+        logical_nbytes: facts.logical,
+        storage_nbytes: facts.storage,
+        keys: &facts.keys,
+    };
+    // A copy left in flight: its event (and what it reads) go to the core's book,
+    // which protects the copy with them if the ticket left it in flight.
+    let in_flight = event.as_ref().map(|event| InFlight {
+        event: manager.store_object(event.clone().unbind()),
+        keepalive: keepalive.map(|kept| manager.store_object(kept.clone().unbind())),
+    });
+    let mut freed = Freed::default();
+    let committed = manager
+        .core()
+        .commit(ticket, Some(landed), in_flight, &mut freed);
+    manager.free(&freed);
+    let committed = match committed {
+        Ok(committed) => committed,
+        Err(err) => {
+            return Err(synchronized(
+                manager,
+                py,
+                event.as_ref(),
+                to_py_err(py, err),
+            ));
+        }
+    };
+    manager.keep_value(py, index, at, value);
+    if let Some(owner) = owner {
+        // The installed copy's owning stream
+        // (docs/concepts/controller.md#evicting-around-reads-in-flight).
         drop(
             manager
                 .objects()
                 .set_stream(index, at.code(), owner.unbind()),
         );
     }
-}
-
-/// Whether a copy to `at` is left in flight: during a prefetch, to a CUDA location.
-fn asynchronous_to(manager: &CoreManager, at: Location) -> bool {
-    matches!(at, Location::Cuda(_)) && manager.asynchronous()
+    if let Some(removed) = committed.removed {
+        manager.forget_value(index, removed);
+    }
+    if let (None, Some(event)) = (committed.in_flight, event) {
+        // Not left in flight after all: waited for now.
+        let runtime = manager.context().runtime(py);
+        runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+    }
+    Ok(())
 }
 
 /// Host-waits for the transfers still in flight into `(index, at)` before a copy
@@ -1137,122 +1251,89 @@ fn wait_in_flight(
     Ok(())
 }
 
-/// After an asynchronous copy into `(index, at)` was installed: the destination, and
-/// the source materialisation it reads, stay protected by the copy's event as a
-/// pending lease each, and consumers at `at` wait for it. A copy whose install
-/// failed is waited for before the error returns: it may still be writing.
-#[allow(clippy::too_many_arguments)]
-fn in_flight(
+/// After the source's `load()` returned: the loaded value is measured where it was
+/// loaded and reported to the ticket, which says whether it is installed there or
+/// copied on to the destination (docs/concepts/values.md#reconstruction).
+fn reconstruct(
     manager: &CoreManager,
     py: Python<'_>,
-    index: HandleId,
-    source: Option<Location>,
-    at: Location,
-    event: Option<Bound<'_, PyAny>>,
-    keepalive: Option<&Bound<'_, PyAny>>,
-    installed: PyResult<()>,
-) -> PyResult<()> {
-    let Some(event) = event else {
-        return installed;
-    };
-    let core = manager.core();
-    let synchronize = |result: PyResult<()>| -> PyResult<()> {
-        let runtime = manager.context().runtime(py);
-        let waited = runtime.call_method1(intern!(py, "synchronize_event"), (&event,));
-        result.and(waited.map(drop))
-    };
-    if installed.is_err() {
-        return synchronize(installed);
-    }
-    let event_id = manager.store_object(event.clone().unbind());
-    let kept = keepalive.map(|kept| manager.store_object(kept.clone().unbind()));
-    let mut freed = Freed::default();
-    let protected = core.protect_transfer(index, at, source, event_id, kept, &mut freed);
-    manager.free(&freed);
-    if protected {
-        Ok(())
-    } else {
-        synchronize(Ok(()))
-    }
-}
-
-/// Runs the source's `load()` (the core has charged `source_location`), applies the
-/// releases that arrived meanwhile, and installs the loaded value at `at`. In a
-/// prefetch, a source that loads into host memory may leave it to the disk tier
-/// (`defer_load`).
-fn load_in(
-    manager: &CoreManager,
-    py: Python<'_>,
-    index: HandleId,
-    source_location: Location,
-    at: Location,
-    exclusive_transition: bool,
+    mut ticket: Ticket,
+    loaded: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    if !exclusive_transition
-        && matches!(
-            source_location,
-            Location::PageableHost | Location::PinnedHost
-        )
-        && asynchronous_to(manager, at)
+    let Work::Load { into, .. } = ticket.work() else {
+        let error = PyRuntimeError::new_err("internal error: a reconstruction without a load");
+        return Err(aborted(manager, ticket, error));
+    };
+    let facts = match validate(manager, py, ticket.handle(), into, loaded) {
+        Ok(facts) => facts,
+        Err(error) => return Err(aborted(manager, ticket, error)),
+    };
+    let next = match manager
+        .core()
+        .loaded(&mut ticket, facts.logical, facts.storage)
     {
-        let deferred = defer_load(manager, py, index, at, stream);
-        if !matches!(deferred, Ok(false)) {
-            // Deferred or failed: the temporary charge goes (nothing was loaded here).
-            let released = lift(py, manager.core().release_temporary(index, source_location));
-            return deferred.and(released).map(drop);
+        Ok(next) => next,
+        Err(err) => return Err(aborted(manager, ticket, to_py_err(py, err))),
+    };
+    match next {
+        Work::Copy { from, in_flight } => {
+            let copied = copy_to(
+                manager.context(),
+                py,
+                loaded,
+                from,
+                ticket.destination(),
+                stream,
+                in_flight,
+            );
+            match copied {
+                Ok((copied, event, owner)) => {
+                    land(manager, py, ticket, &copied, event, owner, Some(loaded))
+                }
+                Err(error) => Err(aborted(manager, ticket, error)),
+            }
         }
+        // Loaded where it is installed (the install checks the bytes).
+        _ => commit(manager, py, ticket, loaded, &facts, None, None, None),
     }
-    let loaded = manager.load_for(py, index, source_location)?;
-    manager.drain_deferred();
-    reconstruct_into(
-        manager,
-        py,
-        index,
-        source_location,
-        at,
-        &loaded,
-        exclusive_transition,
-        stream,
-    )
 }
 
 /// A reconstruction the disk tier runs on its I/O thread (`DiskTier.load_to_cuda`):
-/// the destination, allocated from the source's layout, is admitted and installed at
-/// `at` at once, and protected by the `StagedEvent` that covers its copies, as a copy
-/// in flight is. False (nothing done) where the tier does not defer it
-/// (docs/concepts/values.md#reconstructions-a-pipeline-defers).
-fn defer_load(
+/// the destination, allocated from the source's layout, is admitted first and, once
+/// the tier took the load, installed at once and protected by the `StagedEvent` that
+/// covers its copies, as a copy in flight is. `None` (nothing done) where the tier
+/// does not defer it (docs/concepts/values.md#reconstructions-a-pipeline-defers).
+#[allow(clippy::type_complexity)] // the value, its event and its owning stream
+fn defer_load<'py>(
     manager: &CoreManager,
-    py: Python<'_>,
-    index: HandleId,
-    at: Location,
-    stream: Option<&Bound<'_, PyAny>>,
-) -> PyResult<bool> {
-    let Some(source) = manager.objects().source(py, index) else {
-        return Ok(false);
+    py: Python<'py>,
+    ticket: &Ticket,
+    stream: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+    let Some(source) = manager.objects().source(py, ticket.handle()) else {
+        return Ok(None);
     };
     let context = manager.context();
     let runtime = context.runtime.bind(py);
-    let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
+    let device = context
+        .location(py, ticket.destination())?
+        .getattr(intern!(py, "device"))?;
     let copy_stream = match stream {
         Some(stream) => stream.clone(),
         None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
     };
     // The budget check (it charges nothing) before anything is allocated.
-    lift(py, manager.core().admit(index, at))?;
+    lift(py, manager.core().admit_deferred(ticket))?;
     let made = context.disk.bind(py).call_method1(
         intern!(py, "load_to_cuda"),
         (source.bind(py), &device, &copy_stream, runtime),
     )?;
     if made.is_none() {
-        return Ok(false);
+        return Ok(None);
     }
-    let (value, event): (Bound<'_, PyAny>, Bound<'_, PyAny>) = made.extract()?;
-    let installed = install(manager, py, index, at, &value, false);
-    owned_by(manager, index, at, Some(copy_stream), installed.is_ok());
-    in_flight(manager, py, index, None, at, Some(event), None, installed)?;
-    Ok(true)
+    let (value, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = made.extract()?;
+    Ok(Some((value, event, copy_stream)))
 }
 
 /// Host copies are synchronous. A CUDA copy is enqueued on the transfer stream (the
@@ -1378,101 +1459,14 @@ fn copy_to<'py>(
     }
 }
 
-/// After the core took the temporary charge at `source` and `load()` returned:
-/// validate the loaded value there, then install it there or copy it to `at`. The
-/// temporary charge is returned on every path.
-#[allow(clippy::too_many_arguments)]
-fn reconstruct_into(
-    manager: &CoreManager,
-    py: Python<'_>,
-    index: HandleId,
-    source: Location,
-    at: Location,
-    loaded: &Bound<'_, PyAny>,
-    exclusive_transition: bool,
-    stream: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    let core = manager.core();
-    let mut charged = true;
-    let result = (|| {
-        if source == at {
-            // Installing where it was loaded, the core's install checks the bytes.
-            let facts = validate(manager, py, index, source, loaded, false)?;
-            charged = false;
-            lift(py, core.release_temporary(index, source))?;
-            commit(manager, py, index, at, loaded, &facts, exclusive_transition)
-        } else {
-            validate(manager, py, index, source, loaded, true)?;
-            lift(py, core.admit(index, at))?;
-            let asynchronous = !exclusive_transition && asynchronous_to(manager, at);
-            let (copied, event, owner) = copy_to(
-                manager.context(),
-                py,
-                loaded,
-                source,
-                at,
-                stream,
-                asynchronous,
-            )?;
-            let installed = install(manager, py, index, at, &copied, exclusive_transition);
-            owned_by(manager, index, at, owner, installed.is_ok());
-            in_flight(manager, py, index, None, at, event, Some(loaded), installed)
-        }
-    })();
-    if charged {
-        let released = lift(py, core.release_temporary(index, source));
-        result.and(released)
-    } else {
-        result
-    }
-}
-
-fn install(
-    manager: &CoreManager,
-    py: Python<'_>,
-    index: HandleId,
-    at: Location,
-    value: &Bound<'_, PyAny>,
-    exclusive_transition: bool,
-) -> PyResult<()> {
-    let facts = validate(manager, py, index, at, value, false)?;
-    commit(manager, py, index, at, value, &facts, exclusive_transition)
-}
-
-fn commit(
-    manager: &CoreManager,
-    py: Python<'_>,
-    index: HandleId,
-    at: Location,
-    value: &Bound<'_, PyAny>,
-    facts: &Facts<'_>,
-    exclusive_transition: bool,
-) -> PyResult<()> {
-    lift(
-        py,
-        manager.core().install(
-            index,
-            at,
-            facts.logical,
-            facts.storage,
-            &facts.keys,
-            exclusive_transition,
-        ),
-    )?;
-    manager.keep_value(py, index, at, value);
-    Ok(())
-}
-
-/// Type, placement, logical bytes and storage ceiling of a candidate value.
-/// `check_bytes=false` leaves the byte checks to the core's install, which makes them
-/// in the same order right after.
+/// Type and placement of a candidate value, and its measured facts: the core's ticket
+/// checks the bytes (on `loaded` or at the install).
 fn validate<'py>(
     manager: &CoreManager,
     py: Python<'py>,
     index: HandleId,
     at: Location,
     value: &Bound<'py, PyAny>,
-    check_bytes: bool,
 ) -> PyResult<Facts<'py>> {
     let context = manager.context();
     if let Location::Disk(_) = at {
@@ -1482,7 +1476,7 @@ fn validate<'py>(
             .bind(py)
             .call_method1(intern!(py, "facts"), (value,))?
             .extract()?;
-        let facts = Facts {
+        return Ok(Facts {
             device: None,
             first: None,
             device_code: -2,
@@ -1490,16 +1484,7 @@ fn validate<'py>(
             logical,
             storage,
             keys: Vec::new(),
-        };
-        if check_bytes {
-            lift(
-                py,
-                manager
-                    .core()
-                    .check_materialization(index, logical, storage),
-            )?;
-        }
-        return Ok(facts);
+        });
     }
     let spec = manager.spec_object(py, index)?;
     let value_type = spec.bind(py).getattr(intern!(py, "value_type"))?;
@@ -1523,14 +1508,6 @@ fn validate<'py>(
     }
     let facts = measure(context, py, value)?;
     check_measured(context, py, &facts, at, value)?;
-    if check_bytes {
-        lift(
-            py,
-            manager
-                .core()
-                .check_materialization(index, facts.logical, facts.storage),
-        )?;
-    }
     Ok(facts)
 }
 
@@ -1570,19 +1547,8 @@ pub(crate) fn check_measured(
     at: Location,
     value: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    let expected = match at {
-        Location::PageableHost => (-1, Some(false)),
-        Location::PinnedHost => (-1, Some(true)),
-        Location::Cuda(device) => (i64::from(device), Some(false)),
-        // Only the disk tier's files are installed there, never a value itself.
-        Location::Disk(_) => (i64::MIN, None),
-    };
-    // A host value without storage bytes has no memory to pin: it is in place at
-    // either host location (docs/concepts/locations-and-budgets.md#pinned-host).
-    let storage_free_host = facts.device_code == -1
-        && facts.storage == 0
-        && matches!(at, Location::PageableHost | Location::PinnedHost);
-    if (facts.device_code, facts.pinned) == expected || storage_free_host {
+    // The core's placement rule; what is refused is diagnosed by its devices here.
+    if at.holds(facts.device_code, facts.pinned, facts.storage) {
         Ok(())
     } else {
         check_placement(context, py, facts, at, value)

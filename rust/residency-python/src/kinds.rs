@@ -6,8 +6,8 @@
 //! equal to those numbers while callers move over.
 
 use pyo3::prelude::*;
+use residency_core::ActionKind;
 use residency_core::LeaseState as CoreLeaseState;
-use residency_core::{ActionKind, EnsurePlan, MovePlan};
 
 /// The kind of a residency action.
 #[pyclass(
@@ -52,7 +52,7 @@ impl From<PyActionKind> for ActionKind {
     }
 }
 
-/// What an ensure needs from the glue (the core's `EnsurePlan`, without its location).
+/// What an ensure needs from the glue.
 #[pyclass(eq, eq_int, frozen, module = "fhelium._core", name = "EnsureOutcome")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EnsureOutcome {
@@ -67,17 +67,7 @@ pub enum EnsureOutcome {
     Reconstruct = 2,
 }
 
-impl From<&EnsurePlan> for EnsureOutcome {
-    fn from(plan: &EnsurePlan) -> Self {
-        match plan {
-            EnsurePlan::NoOp => Self::NoOp,
-            EnsurePlan::Copy { .. } => Self::Copy,
-            EnsurePlan::Reconstruct { .. } => Self::Reconstruct,
-        }
-    }
-}
-
-/// What a move needs from the glue (the core's `MovePlan`, without its location).
+/// What a move needs from the glue.
 #[pyclass(eq, eq_int, frozen, module = "fhelium._core", name = "MoveOutcome")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoveOutcome {
@@ -93,17 +83,6 @@ pub enum MoveOutcome {
     /// Reconstruct through the registered source; nothing is removed after.
     #[pyo3(name = "RECONSTRUCT")]
     Reconstruct = 3,
-}
-
-impl From<&MovePlan> for MoveOutcome {
-    fn from(plan: &MovePlan) -> Self {
-        match plan {
-            MovePlan::NoOp { .. } => Self::NoOp,
-            MovePlan::RemovedSource { .. } => Self::RemovedSource,
-            MovePlan::Copy { .. } => Self::Copy,
-            MovePlan::Reconstruct { .. } => Self::Reconstruct,
-        }
-    }
 }
 
 /// Which kind of lifetime a token names, for the one-call release.

@@ -398,19 +398,20 @@ impl CoreManager {
         self.handle(py, index)
     }
 
-    /// Runs the source's `load()` after the core took the temporary charge.
+    /// Runs the source's `load()` for a ticket that holds its temporary charge (the
+    /// caller aborts the ticket if this fails); no other gated call may run meanwhile.
     pub(crate) fn load_for<'py>(
         &self,
         py: Python<'py>,
         index: HandleId,
-        source_location: Location,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some(loaded) = self.load_charged(py, index, source_location)? {
-            Ok(loaded)
-        } else {
-            Self::lift(py, self.core.release_temporary(index, source_location))?;
-            Err(unknown_index(index))
-        }
+        let Some(source) = self.objects.source(py, index) else {
+            return Err(unknown_index(index));
+        };
+        self.core.set_callback_active(true);
+        let loaded = source.bind(py).call_method0(pyo3::intern!(py, "load"));
+        self.core.set_callback_active(false);
+        loaded
     }
 
     pub(crate) fn record(&self, transition: &Arc<Transition>) {
@@ -475,30 +476,6 @@ impl CoreManager {
 
     fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
         result.map_err(|err| to_py_err(py, err))
-    }
-
-    /// Runs a reconstruction's `load()` right after the plan took its temporary
-    /// charge. Without a source object the glue loads itself (the charge stays).
-    /// A raising load returns the charge before its exception propagates.
-    fn load_charged<'py>(
-        &self,
-        py: Python<'py>,
-        handle: HandleId,
-        source_location: Location,
-    ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let Some(source) = self.objects.source(py, handle) else {
-            return Ok(None);
-        };
-        self.core.set_callback_active(true);
-        let loaded = source.bind(py).call_method0(pyo3::intern!(py, "load"));
-        self.core.set_callback_active(false);
-        match loaded {
-            Ok(value) => Ok(Some(value)),
-            Err(err) => {
-                Self::lift(py, self.core.release_temporary(handle, source_location))?;
-                Err(err)
-            }
-        }
     }
 }
 
