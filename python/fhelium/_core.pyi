@@ -11,11 +11,8 @@ __all__ = [
     "ActionKind",
     "Checksum",
     "CoreManager",
-    "EnsureOutcome",
     "LeaseFinalizer",
-    "LeaseState",
     "LifetimeKind",
-    "MoveOutcome",
     "PlanIR",
     "PlanRun",
     "PolicyKeys",
@@ -44,40 +41,12 @@ class ActionKind:
     def __int__(self) -> int: ...
 
 @final
-class EnsureOutcome:
-    """What an ensure needs from the glue; equal to its former integer code."""
-
-    NO_OP: ClassVar[EnsureOutcome]
-    COPY: ClassVar[EnsureOutcome]
-    RECONSTRUCT: ClassVar[EnsureOutcome]
-    def __int__(self) -> int: ...
-
-@final
-class MoveOutcome:
-    """What a move needs from the glue; equal to its former integer code."""
-
-    NO_OP: ClassVar[MoveOutcome]
-    REMOVED_SOURCE: ClassVar[MoveOutcome]
-    COPY: ClassVar[MoveOutcome]
-    RECONSTRUCT: ClassVar[MoveOutcome]
-    def __int__(self) -> int: ...
-
-@final
 class LifetimeKind:
     """Which kind of lifetime a token names."""
 
     LEASE: ClassVar[LifetimeKind]
     HOLD: ClassVar[LifetimeKind]
     RESERVATION: ClassVar[LifetimeKind]
-    def __int__(self) -> int: ...
-
-@final
-class LeaseState:
-    """Where a lease token stands."""
-
-    UNKNOWN: ClassVar[LeaseState]
-    ACTIVE: ClassVar[LeaseState]
-    PENDING: ClassVar[LeaseState]
     def __int__(self) -> int: ...
 
 @final

@@ -23,12 +23,18 @@ from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.manager import ResidencyManager, ResidencyScope
 from fhelium.residency.model import ResidencyHandle
 from fhelium.residency.pipeline import ResidencyPipeline
+from fhelium.residency.plan import DropResident, MoveResident, ResidencyPlan  # noqa: F401
 from fhelium.residency.policy import (
     DeterministicTieredLRU,
     ResidencyPolicy,
     ResidencyPolicyMetadata,
 )
 from fhelium.residency.request import ResidencyRequest
+from fhelium.residency.snapshot import ResidencyPlanExplanation  # noqa: F401
+
+# The decision records read as defined here (their `__module__`), so the names their
+# annotations use must resolve here too (`typing.get_type_hints`): hence the plan and
+# snapshot names imported above without other use.
 
 __all__ = ["ResidencyController", "ResidencyDecision", "ResidencyEviction", "ResidencyUse"]
 

@@ -7,7 +7,6 @@
 
 use pyo3::prelude::*;
 use residency_core::ActionKind;
-use residency_core::LeaseState as CoreLeaseState;
 
 /// The kind of a residency action.
 #[pyclass(
@@ -52,39 +51,6 @@ impl From<PyActionKind> for ActionKind {
     }
 }
 
-/// What an ensure needs from the glue.
-#[pyclass(eq, eq_int, frozen, module = "fhelium._core", name = "EnsureOutcome")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EnsureOutcome {
-    /// Already resident at the destination.
-    #[pyo3(name = "NO_OP")]
-    NoOp = 0,
-    /// Copy from a materialisation.
-    #[pyo3(name = "COPY")]
-    Copy = 1,
-    /// Reconstruct through the registered source first.
-    #[pyo3(name = "RECONSTRUCT")]
-    Reconstruct = 2,
-}
-
-/// What a move needs from the glue.
-#[pyclass(eq, eq_int, frozen, module = "fhelium._core", name = "MoveOutcome")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MoveOutcome {
-    /// Nothing to do.
-    #[pyo3(name = "NO_OP")]
-    NoOp = 0,
-    /// The destination was already resident; the source replica was removed.
-    #[pyo3(name = "REMOVED_SOURCE")]
-    RemovedSource = 1,
-    /// Copy, install, then remove the source.
-    #[pyo3(name = "COPY")]
-    Copy = 2,
-    /// Reconstruct through the registered source; nothing is removed after.
-    #[pyo3(name = "RECONSTRUCT")]
-    Reconstruct = 3,
-}
-
 /// Which kind of lifetime a token names, for the one-call release.
 #[pyclass(
     eq,
@@ -102,31 +68,6 @@ pub enum LifetimeKind {
     Hold = 1,
     #[pyo3(name = "RESERVATION")]
     Reservation = 2,
-}
-
-/// Where a lease token stands.
-#[pyclass(eq, eq_int, frozen, module = "fhelium._core", name = "LeaseState")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseState {
-    /// Never issued, released, or dropped by a forced close.
-    #[pyo3(name = "UNKNOWN")]
-    Unknown = 0,
-    /// Borrowing: its use tokens protect the materialisations.
-    #[pyo3(name = "ACTIVE")]
-    Active = 1,
-    /// Released on CUDA streams whose events have not all completed.
-    #[pyo3(name = "PENDING")]
-    Pending = 2,
-}
-
-impl From<CoreLeaseState> for LeaseState {
-    fn from(state: CoreLeaseState) -> Self {
-        match state {
-            CoreLeaseState::Unknown => Self::Unknown,
-            CoreLeaseState::Active => Self::Active,
-            CoreLeaseState::Pending => Self::Pending,
-        }
-    }
 }
 
 impl From<LifetimeKind> for residency_core::LifetimeKind {

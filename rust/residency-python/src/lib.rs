@@ -26,10 +26,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<kinds::PyActionKind>()?;
     module.add_class::<search::ScheduleIndex>()?;
     module.add_class::<search::PolicyKeys>()?;
-    module.add_class::<kinds::EnsureOutcome>()?;
-    module.add_class::<kinds::MoveOutcome>()?;
     module.add_class::<kinds::LifetimeKind>()?;
-    module.add_class::<kinds::LeaseState>()?;
     module.add_class::<plan::PlanIr>()?;
     module.add_class::<manager::CoreManager>()?;
     module.add_class::<manager::StateView>()?;
