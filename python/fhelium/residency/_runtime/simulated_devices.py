@@ -4,7 +4,7 @@
 ``device_count`` simulated CUDA devices, each thread's current device
 (docs/concepts/simulation.md#current-device-and-default-streams), the lock that guards
 the simulation's state, and the counting (``calls``) and fault injection (`fail_next`)
-of every seam method (docs/concepts/simulation.md#fault-injection).
+of every seam method (docs/concepts/simulation.md#instrumentation).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class SimulatedDevices:
         ``exc`` may be an instance (re-raised each time) or a class (instantiated with a message
         each time); it defaults to `RuntimeError`. Successive calls for one method queue up in
         order. The failing call is still counted in ``calls``. See
-        docs/concepts/simulation.md#fault-injection.
+        docs/concepts/simulation.md#instrumentation.
 
         Args:
             method_name: A seam method's name, such as ``"copy_to_cuda"``.
