@@ -17,6 +17,7 @@ import pytest
 import torch
 from tests.helpers.limits import capped
 
+import fhelium
 from fhelium.residency.__main__ import build_parser, main
 from fhelium.residency._demos._progress import Progress
 from fhelium.residency.sizes import format_size
@@ -136,7 +137,13 @@ def test_the_module_exits_2_without_a_traceback(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT)])},
+        # The fhelium this test imported (an installed wheel in CI, the tree here).
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(fhelium.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+            ),
+        },
         timeout=120,
         check=False,
     )
