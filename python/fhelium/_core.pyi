@@ -106,17 +106,17 @@ _Decision = tuple[
 
 def decide_request(
     manager: CoreManager,
+    discards: int,
     request_name: str,
     requirements: list[tuple[int, int]],
     reservations: list[tuple[int, int, str]],
     limit: int,
     cuda_count: int,
-    completed_leases: list[int],
     labels: list[str],
     native: _NativeConfig | None = None,
     python: tuple[Any, Any] | None = None,
     schedule: tuple[ScheduleIndex, int] | None = None,
-) -> _Decision: ...
+) -> _Decision | None: ...
 
 @final
 class Checksum:
@@ -214,7 +214,6 @@ class CoreManager:
         then: Callable[[], Any] | None = None,
     ) -> Any: ...
     def exit_scope(self, run: PlanRun, actions: tuple[Any, ...]) -> None: ...
-    def decide(self, planned: Callable[[list[int]], Any]) -> tuple[int, Any]: ...
     def explain_plan(
         self, ir: PlanIR, handles: tuple[Any, ...], plan: Any, expected_version: object
     ) -> SimulationView: ...

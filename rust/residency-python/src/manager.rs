@@ -919,19 +919,6 @@ impl CoreManager {
             .map(SimulationView::new)
     }
 
-    /// The controller's decision under one gate hold: queued releases and completed
-    /// CUDA leases are reaped, then `planned(completed)` runs with the pending
-    /// leases whose events completed (which no longer protect). Returns the state
-    /// version it planned on and what `planned` returned.
-    fn decide(&self, py: Python<'_>, planned: &Bound<'_, PyAny>) -> PyResult<(u64, Py<PyAny>)> {
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            let version = self.core.version();
-            let completed = crate::lifetimes::completed_pending(self, py);
-            Ok((version, planned.call1((completed,))?.unbind()))
-        })
-    }
-
     /// Scope exit in one call: the exit actions, then the scope's reservations.
     fn exit_scope(
         &self,

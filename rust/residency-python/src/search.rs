@@ -1,7 +1,9 @@
-//! The controller's search, called from Python: the built-in tiered LRU runs natively;
-//! any other policy is reached through two Python callables the glue provides. The
-//! decided plan leaves as core IR with its simulation, computed in the same call, so the
-//! glue never lowers the plan's records again.
+//! The controller's decide, one call from Python per decision: under one hold of the
+//! gate it reaps, reads the state, searches, builds the plan's core IR and simulates it
+//! (the explanation), so the glue never lowers the plan's records again. The built-in
+//! policies run natively; any other policy is the application's Python object,
+//! consulted through two callables the glue provides (one ordering per candidate list,
+//! one tier list per location), as the search reaches them.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -247,32 +249,90 @@ type Decision = (
     u64,
 );
 
-/// The controller's decide for the request named `request_name`, in one call under the
-/// caller's gate hold (docs/concepts/controller.md#decide, steps 4 to 7): the search,
-/// the plan's core IR and its simulation against the same state. `reservations` are
-/// `(code, nbytes, label)`; `cuda_count` is -1 without CUDA, `completed_leases` and
-/// `labels` are as `simulate` takes them. The search's failures raise as their core
-/// errors, a Python policy's as the policy raised them.
+/// The controller's decide for the request named `request_name`, in one call under one
+/// hold of the gate (docs/concepts/controller.md#decide, steps 2 and 4 to 7): queued
+/// releases and completed CUDA leases are reaped, the state version is read, then the
+/// search, the plan's core IR and its simulation run against that state, with the
+/// pending leases whose events completed (which no longer protect). The request comes
+/// lowered: `requirements` are `(handle index, code)` rows resolved while the manager
+/// had discarded `discards` values, `reservations` are `(code, nbytes, label)`;
+/// `cuda_count` is -1 without CUDA and `labels` are as `simulate` takes them. Returns
+/// `None`, having decided nothing, when a value was discarded since the request (or the
+/// schedule index) was resolved: the caller resolves them again. The search's failures
+/// raise as their core errors, a Python policy's as the policy raised them.
 #[pyfunction]
 #[pyo3(signature = (
-    manager, request_name, requirements, reservations, limit, cuda_count, completed_leases,
-    labels, native=None, python=None, schedule=None
+    manager, discards, request_name, requirements, reservations, limit, cuda_count, labels,
+    native=None, python=None, schedule=None
 ))]
 #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)] // pyo3 extracts owned values.
 pub fn decide_request<'py>(
     py: Python<'py>,
     manager: &CoreManager,
+    discards: u64,
     request_name: &str,
     requirements: Vec<(u32, u32)>,
     reservations: Vec<(u32, u64, String)>,
     limit: u64,
     cuda_count: i64,
-    completed_leases: Vec<u64>,
     labels: Vec<String>,
     native: Option<NativeConfig>,
     python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
     schedule: Option<(PyRef<'py, ScheduleIndex>, usize)>,
+) -> PyResult<Option<Decision>> {
+    manager.with_gate(py, true, true, || {
+        crate::lifetimes::reap(manager, py)?;
+        let current = manager.core().discards();
+        if discards != current
+            || schedule
+                .as_ref()
+                .is_some_and(|(index, _)| index.discards != current)
+        {
+            return Ok(None);
+        }
+        let version = manager.core().version();
+        let completed = crate::lifetimes::completed_pending(manager, py);
+        let request = Lowered {
+            name: request_name,
+            requirements,
+            reservations,
+            labels,
+        };
+        decide_locked(
+            py, manager, version, request, limit, cuda_count, completed, native, python, schedule,
+        )
+        .map(Some)
+    })
+}
+
+/// A request as the glue lowered it (see [`decide_request`]).
+struct Lowered<'a> {
+    name: &'a str,
+    requirements: Vec<(u32, u32)>,
+    reservations: Vec<(u32, u64, String)>,
+    labels: Vec<String>,
+}
+
+/// [`decide_request`]'s work once the gate is held and the request is current.
+#[allow(clippy::too_many_arguments)]
+fn decide_locked<'py>(
+    py: Python<'py>,
+    manager: &CoreManager,
+    version: u64,
+    request: Lowered<'_>,
+    limit: u64,
+    cuda_count: i64,
+    completed_leases: Vec<u64>,
+    native: Option<NativeConfig>,
+    python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    schedule: Option<(PyRef<'py, ScheduleIndex>, usize)>,
 ) -> PyResult<Decision> {
+    let Lowered {
+        name: request_name,
+        requirements,
+        reservations,
+        labels,
+    } = request;
     let core = manager.core();
     let inputs = core.search_inputs();
     let mut required = Vec::with_capacity(requirements.len());
@@ -302,10 +362,7 @@ pub fn decide_request<'py>(
         .map(|reservation| (reservation.location, reservation.nbytes))
         .collect();
     let (result, error) = if let Some(config) = native {
-        let discards = core.discards();
-        native_search(
-            py, config, schedule, discards, &inputs, &required, &searched, limit,
-        )?
+        native_search(py, config, schedule, &inputs, &required, &searched, limit)?
     } else if let Some((order, fallbacks)) = python {
         let mut policy = PythonPolicy {
             py,
@@ -349,18 +406,18 @@ pub fn decide_request<'py>(
         enter,
         evictions,
         outcome.explored,
-        inputs.version,
+        version,
     ))
 }
 
 /// The search with a native policy: the tiered LRU, or the schedule-aware policy when
-/// a schedule index and position are given; the first Python error comes back too.
+/// a schedule index and position are given (current: [`decide_request`] checked it);
+/// the first Python error comes back too.
 #[allow(clippy::too_many_arguments)]
 fn native_search(
     py: Python<'_>,
     config: NativeConfig,
     schedule: Option<(PyRef<'_, ScheduleIndex>, usize)>,
-    discards: u64,
     inputs: &SearchInputs,
     required: &[Requirement],
     searched: &[(Location, u64)],
@@ -376,11 +433,6 @@ fn native_search(
         let result = search_with(inputs, required, searched, limit, &mut native);
         return Ok((result, native.error));
     };
-    if index.discards != discards {
-        return Err(PyValueError::new_err(
-            "the schedule index is stale: a value was discarded since it was built",
-        ));
-    }
     // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction).
     let mut native = NativePolicy {
         py,
