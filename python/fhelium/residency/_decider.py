@@ -273,17 +273,7 @@ class Decider:
         evictions, or None when a value was discarded since the request (or the
         schedule) was resolved. The core raises each search failure as its error."""
         engine = self.engine
-        lowered = self._checked(request)
-        discards, rows, name, reservations, labels = lowered
-        arguments = (
-            discards,
-            name,
-            rows,
-            reservations,
-            self.limit,
-            engine.cuda_count or -1,
-            labels,
-        )
+        arguments = (self._checked(request), self.limit, engine.cuda_count or -1)
         policy = self.policy
         tiered: DeterministicTieredLRU | None = None
         schedule: tuple[Any, int] | None = None

@@ -234,11 +234,11 @@ impl ScheduleIndex {
 }
 
 /// `(kind, plan handle slot, location code, from code or -1)`.
-type Row = (PyActionKind, u32, u32, i64);
-type EvictionRow = (usize, usize, u32, u64, String);
+pub type Row = (PyActionKind, u32, u32, i64);
+pub type EvictionRow = (usize, usize, u32, u64, String);
 /// `(plan IR, its simulation, handle index per slot, reclaim rows, enter rows,
 /// evictions, explored_states, state_version)`.
-type Decision = (
+pub type Decision = (
     PlanIr,
     SimulationView,
     Vec<HandleId>,
@@ -249,90 +249,91 @@ type Decision = (
     u64,
 );
 
-/// The controller's decide for the request named `request_name`, in one call under one
-/// hold of the gate (docs/concepts/controller.md#decide, steps 2 and 4 to 7): queued
-/// releases and completed CUDA leases are reaped, the state version is read, then the
-/// search, the plan's core IR and its simulation run against that state, with the
-/// pending leases whose events completed (which no longer protect). The request comes
-/// lowered: `requirements` are `(handle index, code)` rows resolved while the manager
-/// had discarded `discards` values, `reservations` are `(code, nbytes, label)`;
-/// `cuda_count` is -1 without CUDA and `labels` are as `simulate` takes them. Returns
-/// `None`, having decided nothing, when a value was discarded since the request (or the
-/// schedule index) was resolved: the caller resolves them again. The search's failures
-/// raise as their core errors, a Python policy's as the policy raised them.
-#[pyfunction]
-#[pyo3(signature = (
-    manager, discards, request_name, requirements, reservations, limit, cuda_count, labels,
-    native=None, python=None, schedule=None
-))]
-#[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)] // pyo3 extracts owned values.
-pub fn decide_request<'py>(
-    py: Python<'py>,
+/// A request as the glue lowers it (`_decider._LoweredRequest`): the manager's discard
+/// count when its handles were resolved, its `(handle index, location code)` rows, its
+/// name, its reservations as `(code, nbytes, label)` and their labels as `simulate`
+/// takes them.
+#[derive(Debug, FromPyObject)]
+pub struct LoweredRequest(
+    u64,
+    Vec<(u32, u32)>,
+    String,
+    Vec<(u32, u64, String)>,
+    Vec<String>,
+);
+
+/// The policy a decide consults: the built-in tiered LRU's configuration, with the
+/// schedule-aware policy's index and position; or a Python policy's two callables.
+pub enum DecidePolicy<'py> {
+    Native(NativeConfig, Option<(PyRef<'py, ScheduleIndex>, usize)>),
+    Python(Bound<'py, PyAny>, Bound<'py, PyAny>),
+}
+
+impl<'py> DecidePolicy<'py> {
+    /// The policy from `decide_request`'s keywords: exactly one of them.
+    pub fn new(
+        native: Option<NativeConfig>,
+        python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+        schedule: Option<(PyRef<'py, ScheduleIndex>, usize)>,
+    ) -> PyResult<Self> {
+        match (native, python) {
+            (Some(config), None) => Ok(Self::Native(config, schedule)),
+            (None, Some((order, fallbacks))) => Ok(Self::Python(order, fallbacks)),
+            _ => Err(PyValueError::new_err("decide needs one policy")),
+        }
+    }
+}
+
+/// The controller's decide for one lowered request (`CoreManager.decide_request`), in
+/// one call under one hold of the gate (docs/concepts/controller.md#decide): queued
+/// releases and completed CUDA leases are reaped and the state version is read; then
+/// the search, the plan's core IR and its simulation run against that state, with the
+/// pending leases whose events completed (which no longer protect). `cuda_count` is -1
+/// without CUDA. Returns `None`, having decided nothing, when a value was discarded
+/// since the request (or the schedule index) was resolved: the glue resolves them
+/// again. The search's failures raise as their core errors, a Python policy's as the
+/// policy raised them.
+pub fn decide_request(
     manager: &CoreManager,
-    discards: u64,
-    request_name: &str,
-    requirements: Vec<(u32, u32)>,
-    reservations: Vec<(u32, u64, String)>,
+    py: Python<'_>,
+    request: LoweredRequest,
     limit: u64,
     cuda_count: i64,
-    labels: Vec<String>,
-    native: Option<NativeConfig>,
-    python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-    schedule: Option<(PyRef<'py, ScheduleIndex>, usize)>,
+    policy: DecidePolicy<'_>,
 ) -> PyResult<Option<Decision>> {
     manager.with_gate(py, true, true, || {
         crate::lifetimes::reap(manager, py)?;
         let current = manager.core().discards();
-        if discards != current
-            || schedule
-                .as_ref()
-                .is_some_and(|(index, _)| index.discards != current)
-        {
+        let stale_schedule = matches!(
+            &policy,
+            DecidePolicy::Native(_, Some((index, _))) if index.discards != current
+        );
+        if request.0 != current || stale_schedule {
             return Ok(None);
         }
         let version = manager.core().version();
         let completed = crate::lifetimes::completed_pending(manager, py);
-        let request = Lowered {
-            name: request_name,
-            requirements,
-            reservations,
-            labels,
-        };
         decide_locked(
-            py, manager, version, request, limit, cuda_count, completed, native, python, schedule,
+            py, manager, version, request, limit, cuda_count, completed, policy,
         )
         .map(Some)
     })
 }
 
-/// A request as the glue lowered it (see [`decide_request`]).
-struct Lowered<'a> {
-    name: &'a str,
-    requirements: Vec<(u32, u32)>,
-    reservations: Vec<(u32, u64, String)>,
-    labels: Vec<String>,
-}
-
 /// [`decide_request`]'s work once the gate is held and the request is current.
 #[allow(clippy::too_many_arguments)]
-fn decide_locked<'py>(
-    py: Python<'py>,
+fn decide_locked(
+    py: Python<'_>,
     manager: &CoreManager,
     version: u64,
-    request: Lowered<'_>,
+    request: LoweredRequest,
     limit: u64,
     cuda_count: i64,
     completed_leases: Vec<u64>,
-    native: Option<NativeConfig>,
-    python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-    schedule: Option<(PyRef<'py, ScheduleIndex>, usize)>,
+    policy: DecidePolicy<'_>,
 ) -> PyResult<Decision> {
-    let Lowered {
-        name: request_name,
-        requirements,
-        reservations,
-        labels,
-    } = request;
+    let LoweredRequest(_, requirements, request_name, reservations, labels) = request;
+    let request_name = request_name.as_str();
     let core = manager.core();
     let inputs = core.search_inputs();
     let mut required = Vec::with_capacity(requirements.len());
@@ -361,19 +362,20 @@ fn decide_locked<'py>(
         .iter()
         .map(|reservation| (reservation.location, reservation.nbytes))
         .collect();
-    let (result, error) = if let Some(config) = native {
-        native_search(py, config, schedule, &inputs, &required, &searched, limit)?
-    } else if let Some((order, fallbacks)) = python {
-        let mut policy = PythonPolicy {
-            py,
-            order,
-            fallbacks,
-            error: None,
-        };
-        let result = search_with(&inputs, &required, &searched, limit, &mut policy);
-        (result, policy.error)
-    } else {
-        return Err(PyValueError::new_err("decide needs a policy"));
+    let (result, error) = match policy {
+        DecidePolicy::Native(config, schedule) => {
+            native_search(py, config, schedule, &inputs, &required, &searched, limit)?
+        }
+        DecidePolicy::Python(order, fallbacks) => {
+            let mut policy = PythonPolicy {
+                py,
+                order,
+                fallbacks,
+                error: None,
+            };
+            let result = search_with(&inputs, &required, &searched, limit, &mut policy);
+            (result, policy.error)
+        }
     };
     if let Some(err) = error {
         return Err(err);
