@@ -925,6 +925,7 @@ impl CoreManager {
     /// fallbacks)` callables. `None` when a value was discarded since the request was
     /// lowered (see `search::decide_request`).
     #[pyo3(signature = (request, limit, cuda_count, *, native=None, python=None, schedule=None))]
+    #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
     fn decide_request<'py>(
         &self,
         py: Python<'py>,

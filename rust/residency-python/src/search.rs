@@ -314,7 +314,7 @@ pub fn decide_request(
         let version = manager.core().version();
         let completed = crate::lifetimes::completed_pending(manager, py);
         decide_locked(
-            py, manager, version, request, limit, cuda_count, completed, policy,
+            py, manager, version, request, limit, cuda_count, &completed, policy,
         )
         .map(Some)
     })
@@ -329,7 +329,7 @@ fn decide_locked(
     request: LoweredRequest,
     limit: u64,
     cuda_count: i64,
-    completed_leases: Vec<u64>,
+    completed_leases: &[u64],
     policy: DecidePolicy<'_>,
 ) -> PyResult<Decision> {
     let LoweredRequest(_, requirements, request_name, reservations, labels) = request;
@@ -396,7 +396,7 @@ fn decide_locked(
         .map_err(|err| to_py_err(py, err))?;
     let resolutions: Vec<SlotResolution> = slots.iter().copied().map(Ok).collect();
     let cuda = u32::try_from(cuda_count).map_or(CudaDevices::Unavailable, CudaDevices::Count);
-    let simulation = core.simulate(&plan, &resolutions, cuda, &completed_leases, &labels);
+    let simulation = core.simulate(&plan, &resolutions, cuda, completed_leases, &labels);
     let evictions = eviction_rows(&outcome);
     let reclaim = rows(plan.reclaim());
     let enter = rows(plan.enter());
