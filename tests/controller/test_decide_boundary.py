@@ -6,12 +6,17 @@ policies run natively, so no Python runs inside the core at all.
 
 The test watches the calls with `sys.setprofile`: a Python function called from inside
 a call to a method of the binding's manager is a call back from the core.
+
+The controller checks and lowers the request before that call, outside the gate: a value
+another thread discards in between makes it check the request again, so the decide
+refuses the discarded value as if the discard had come first.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
@@ -19,10 +24,11 @@ from typing import Any
 import pytest
 
 from fhelium._core import CoreManager
+from fhelium.errors import ResidencyHandleError
 from fhelium.residency.controller import ResidencyController
 from fhelium.residency.location import PAGEABLE_HOST, ResidencyLocation
 from fhelium.residency.manager import ResidencyManager
-from fhelium.residency.plan import DropResident, MoveResident
+from fhelium.residency.plan import DropResident, EnsureResident, MoveResident
 from fhelium.residency.policy import DeterministicTieredLRU, ResidencyEvictionCandidate
 from fhelium.residency.schedule import ScheduleAwarePolicy
 from helpers.controller import adopt_at, replicated_at, request
@@ -131,3 +137,41 @@ def test_a_python_policy_is_the_only_python_the_core_calls(sim: Any) -> None:
         # never a per-request step of the controller.
         assert CountingPolicy.consultations >= 2
         assert len(callbacks) == CountingPolicy.consultations
+
+
+def decide_until_refused(
+    controller: ResidencyController, wanted: Any, kept: Any, value: Any
+) -> None:
+    """Decides `wanted` again and again, each plan checked, until the decide raises."""
+    while True:
+        decision = controller.decide(wanted)
+        assert decision.plan.enter == (EnsureResident(kept, CUDA0), EnsureResident(value, CUDA0))
+
+
+def test_a_discard_between_the_checks_and_the_core_call_is_refused_as_before(sim: Any) -> None:
+    manager = ResidencyManager({CUDA0: 64})
+    controller = ResidencyController(manager)
+    kept = replicated_at(manager, sim, PAGEABLE_HOST)
+    previous = sys.getswitchinterval()
+    # Threads switch between almost any two bytecodes: the discard lands anywhere in the
+    # decide, the window between the request's checks and the core call included.
+    sys.setswitchinterval(1e-6)
+    try:
+        with manager:
+            for _ in range(100):
+                value = replicated_at(manager, sim, PAGEABLE_HOST)
+                wanted = request("r", (kept, CUDA0), (value, CUDA0))
+                started = threading.Event()
+
+                def discard(value: Any = value, started: threading.Event = started) -> None:
+                    started.wait()
+                    manager.discard(value)
+
+                thread = threading.Thread(target=discard)
+                thread.start()
+                started.set()
+                with pytest.raises(ResidencyHandleError, match="is discarded"):
+                    decide_until_refused(controller, wanted, kept, value)
+                thread.join()
+    finally:
+        sys.setswitchinterval(previous)

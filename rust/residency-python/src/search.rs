@@ -415,7 +415,6 @@ fn decide_locked(
 /// The search with a native policy: the tiered LRU, or the schedule-aware policy when
 /// a schedule index and position are given (current: [`decide_request`] checked it);
 /// the first Python error comes back too.
-#[allow(clippy::too_many_arguments)]
 fn native_search(
     py: Python<'_>,
     config: NativeConfig,
