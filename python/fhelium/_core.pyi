@@ -21,7 +21,6 @@ __all__ = [
     "SimulationView",
     "StateView",
     "checksum",
-    "decide_request",
     "lower_plan",
     "lower_records",
     "measure_tensors",
@@ -103,20 +102,9 @@ _Decision = tuple[
     int,
     int,
 ]
-
-def decide_request(
-    manager: CoreManager,
-    request_name: str,
-    requirements: list[tuple[int, int]],
-    reservations: list[tuple[int, int, str]],
-    limit: int,
-    cuda_count: int,
-    completed_leases: list[int],
-    labels: list[str],
-    native: _NativeConfig | None = None,
-    python: tuple[Any, Any] | None = None,
-    schedule: tuple[ScheduleIndex, int] | None = None,
-) -> _Decision: ...
+# `(discards, (handle index, code) rows, name, (code, nbytes, label) reservations,
+# labels)`: a request as the controller lowers it.
+_LoweredRequest = tuple[int, list[tuple[int, int]], str, list[tuple[int, int, str]], list[str]]
 
 @final
 class Checksum:
@@ -214,10 +202,19 @@ class CoreManager:
         then: Callable[[], Any] | None = None,
     ) -> Any: ...
     def exit_scope(self, run: PlanRun, actions: tuple[Any, ...]) -> None: ...
-    def decide(self, planned: Callable[[list[int]], Any]) -> tuple[int, Any]: ...
     def explain_plan(
         self, ir: PlanIR, handles: tuple[Any, ...], plan: Any, expected_version: object
     ) -> SimulationView: ...
+    def decide_request(
+        self,
+        request: _LoweredRequest,
+        limit: int,
+        cuda_count: int,
+        *,
+        native: _NativeConfig | None = None,
+        python: tuple[Any, Any] | None = None,
+        schedule: tuple[ScheduleIndex, int] | None = None,
+    ) -> _Decision | None: ...
     def trace_reports(self) -> tuple[Any, ...]: ...
     def clear_trace(self) -> None: ...
     @property

@@ -52,8 +52,10 @@ _new_candidate = trusted_builder(ResidencyEvictionCandidate)
 
 
 class _LoweredRequest(NamedTuple):
-    """A request as the engine's search reads it."""
+    """A request as the engine's decide reads it, resolved while the manager had
+    discarded ``discards`` values."""
 
+    discards: int
     rows: list[tuple[int, int]]
     name: str
     reservations: list[tuple[int, int, str]]
@@ -180,17 +182,16 @@ class Decider:
             # decided (docs/concepts/controller.md#schedule-aware-eviction).
             deciding_at(policy, policy.position if position is None else position)
         with self.lock:
-            # The core holds the gate from the state read to the explanation: no other
-            # thread can change what was planned on in between. A completed event reaped
-            # afterwards makes the decision stale at scope entry, never here (see
+            # One core call holds the gate from the state read to the explanation: no
+            # other thread can change what was planned on in between. A completed event
+            # reaped afterwards makes the decision stale at scope entry, never here (see
             # docs/concepts/controller.md#decide).
-            def planned(completed: list[int]) -> Any:
-                # The search, the plan's core IR and its simulation (the explanation),
-                # in one core call; explain's rule for completed pending leases.
-                return self._search(request, self._lowered(request), completed, position)
-
-            state_version, found = engine.decide(planned)
-            (ir, simulation, slots, reclaim, enter, evictions, explored, _version) = found
+            found = None
+            while found is None:
+                # None: a value was discarded after the request was resolved; resolve
+                # it again.
+                found = self._decide_request(request, position)
+            (ir, simulation, slots, reclaim, enter, evictions, explored, state_version) = found
             if not simulation.feasible:
                 raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
             source = (engine.handle_at, ir, simulation, slots, reclaim, enter, evictions)
@@ -215,13 +216,14 @@ class Decider:
         """The request validated and lowered for the core (`_requirement_rows`, then its
         name and reservations), kept per request object while no value is discarded: a
         request is immutable, and a handle's index changes only when a value is
-        discarded. Called under the core's gate."""
+        discarded (the core refuses a lowering older than its last discard)."""
         discards = self.engine.discard_count()
         cached = self._lowered_requests.get(id(request))
         if cached is not None and cached[0] is request and cached[1] == discards:
             return cached[2]
         rows = self._requirement_rows(request)
         lowered = _LoweredRequest(
+            discards,
             rows,
             # The name appears in the search's errors and as the plan IR's name; the
             # core holds it as UTF-8 text.
@@ -266,18 +268,12 @@ class Decider:
                 )
         return rows
 
-    def _search(
-        self,
-        request: ResidencyRequest,
-        lowered: _LoweredRequest,
-        completed_leases: list[int],
-        position: int | None = None,
-    ) -> Any:
-        """The core's decided plan IR and its simulation; the core raises each search
-        failure as its error."""
+    def _decide_request(self, request: ResidencyRequest, position: int | None) -> Any:
+        """The core's decision for ``request`` in one call: its plan IR, simulation and
+        evictions, or None when a value was discarded since the request (or the
+        schedule) was resolved. The core raises each search failure as its error."""
         engine = self.engine
-        rows, name, reservations, labels = lowered
-        simulated = (engine.cuda_count or -1, completed_leases, labels)
+        arguments = (self._checked(request), self.limit, engine.cuda_count or -1)
         policy = self.policy
         tiered: DeterministicTieredLRU | None = None
         schedule: tuple[Any, int] | None = None
@@ -308,29 +304,29 @@ class Decider:
                     ],
                 )
             native = (self._native_keys, tiers[1])
-            return engine.search(
-                name,
-                rows,
-                reservations,
-                self.limit,
-                *simulated,
-                native=native,
-                schedule=schedule,
-            )
+            return engine.decide_request(*arguments, native=native, schedule=schedule)
+        # Any other policy is consulted as the search reaches it: one ordering per list
+        # of candidates, one list of tiers per location
+        # (docs/concepts/controller.md#candidates).
         standing: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if position is not None and isinstance(policy, ScheduleAwarePolicy):
             # A Python schedule-aware policy reads its own position: it stands at the
             # step decided for, and back where it was afterwards.
             standing = standing_at(policy, position)
         with standing:
-            return engine.search(
-                name,
-                rows,
-                reservations,
-                self.limit,
-                *simulated,
-                python=(self._order, self._fallbacks),
-            )
+            return engine.decide_request(*arguments, python=(self._order, self._fallbacks))
+
+    def _checked(self, request: ResidencyRequest) -> _LoweredRequest:
+        """`_lowered`, whose refusals come after the core's own: a closed manager, a call
+        from inside a transition, a failed reap (docs/concepts/controller.md#decide)."""
+        try:
+            return self._lowered(request)
+        except Exception as error:  # re-raised below, as it was raised
+            failure = error
+        # The gate's checks and the reap, as the decide itself would take them first;
+        # outside the handler, so a refusal there is not chained to the request's.
+        _ = self.engine.state_version
+        raise failure
 
     def _schedule_index(self, policy: ScheduleAwarePolicy) -> Any:
         engine = self.engine

@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any, Final, NoReturn, TypeVar, cast
 
 from fhelium import _core
-from fhelium._core import LifetimeKind, PolicyKeys, decide_request
+from fhelium._core import LifetimeKind, PolicyKeys
 from fhelium.residency import _lowering
 from fhelium.residency._disk.tier import DiskTier
 from fhelium.residency._lifetime import ENGINES
@@ -135,7 +135,7 @@ class Engine:
         "check_process",
         "core",
         "cuda_count",
-        "decide",
+        "decide_request",
         "discard_count",
         "disk",
         "drop",
@@ -154,7 +154,6 @@ class Engine:
         "release_lease",
         "resolve",
         "runtime",
-        "search",
         "track_lease",
         "transfers_into",
         "untrack_lease",
@@ -229,13 +228,11 @@ class Engine:
         self.handle_at: Callable[[int], ResidencyHandle[Any]] = core.handle
         # `discard_count()`: how many values were discarded (indices change only then).
         self.discard_count: Callable[[], int] = core.discard_count
-        # `decide(planned)`: runs `planned(completed pending leases)` under the gate,
-        # from the state read to the explanation; returns the version read and what
-        # `planned` returned.
-        self.decide: Callable[[Callable[[list[int]], Any]], tuple[int, Any]] = core.decide
-        # `search(name, rows, reservations, limit, cuda, completed, labels, native=,
-        # schedule= | python=)`: the core's search for one lowered request.
-        self.search: Callable[..., Any] = partial(decide_request, core)
+        # `decide_request(lowered request, limit, cuda, native=, schedule= | python=)`:
+        # the controller's decision in one call under one hold of the gate (reap, state
+        # read, search, plan IR, explanation); None when a value was discarded since
+        # the request was lowered (docs/concepts/controller.md#decide).
+        self.decide_request: Callable[..., Any] = core.decide_request
         # `plan_run()`: a new record of one plan run (phase, position, tokens, reports).
         self.plan_run: Callable[[], _core.PlanRun] = partial(_core.PlanRun, _REPORT_RECORDS)
         # `execute_plan(run, ir, handles, actions, streams, version, asynchronous=,

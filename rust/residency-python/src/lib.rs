@@ -38,7 +38,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(plan::lower_records, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;
-    module.add_function(wrap_pyfunction!(search::decide_request, module)?)?;
     module.add_function(wrap_pyfunction!(checksum::checksum, module)?)?;
     Ok(())
 }

@@ -919,17 +919,25 @@ impl CoreManager {
             .map(SimulationView::new)
     }
 
-    /// The controller's decision under one gate hold: queued releases and completed
-    /// CUDA leases are reaped, then `planned(completed)` runs with the pending
-    /// leases whose events completed (which no longer protect). Returns the state
-    /// version it planned on and what `planned` returned.
-    fn decide(&self, py: Python<'_>, planned: &Bound<'_, PyAny>) -> PyResult<(u64, Py<PyAny>)> {
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            let version = self.core.version();
-            let completed = crate::lifetimes::completed_pending(self, py);
-            Ok((version, planned.call1((completed,))?.unbind()))
-        })
+    /// The controller's decide for one lowered request, in one call under one hold of
+    /// the gate: the built-in policy's configuration (`native`, with the schedule-aware
+    /// policy's index and position in `schedule`) or a Python policy's `(order,
+    /// fallbacks)` callables. `None` when a value was discarded since the request was
+    /// lowered (see `search::decide_request`).
+    #[pyo3(signature = (request, limit, cuda_count, *, native=None, python=None, schedule=None))]
+    #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
+    fn decide_request<'py>(
+        &self,
+        py: Python<'py>,
+        request: crate::search::LoweredRequest,
+        limit: u64,
+        cuda_count: i64,
+        native: Option<crate::search::NativeConfig>,
+        python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+        schedule: Option<(PyRef<'py, crate::search::ScheduleIndex>, usize)>,
+    ) -> PyResult<Option<crate::search::Decision>> {
+        let policy = crate::search::DecidePolicy::new(native, python, schedule)?;
+        crate::search::decide_request(self, py, request, limit, cuda_count, policy)
     }
 
     /// Scope exit in one call: the exit actions, then the scope's reservations.

@@ -1,7 +1,9 @@
-//! The controller's search, called from Python: the built-in tiered LRU runs natively;
-//! any other policy is reached through two Python callables the glue provides. The
-//! decided plan leaves as core IR with its simulation, computed in the same call, so the
-//! glue never lowers the plan's records again.
+//! The controller's decide, one call from Python per decision: under one hold of the
+//! gate it reaps, reads the state, searches, builds the plan's core IR and simulates it
+//! (the explanation), so the glue never lowers the plan's records again. The built-in
+//! policies run natively; any other policy is the application's Python object,
+//! consulted through two callables the glue provides (one ordering per candidate list,
+//! one tier list per location), as the search reaches them.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -232,11 +234,11 @@ impl ScheduleIndex {
 }
 
 /// `(kind, plan handle slot, location code, from code or -1)`.
-type Row = (PyActionKind, u32, u32, i64);
-type EvictionRow = (usize, usize, u32, u64, String);
+pub type Row = (PyActionKind, u32, u32, i64);
+pub type EvictionRow = (usize, usize, u32, u64, String);
 /// `(plan IR, its simulation, handle index per slot, reclaim rows, enter rows,
 /// evictions, explored_states, state_version)`.
-type Decision = (
+pub type Decision = (
     PlanIr,
     SimulationView,
     Vec<HandleId>,
@@ -247,32 +249,91 @@ type Decision = (
     u64,
 );
 
-/// The controller's decide for the request named `request_name`, in one call under the
-/// caller's gate hold (docs/concepts/controller.md#decide, steps 4 to 7): the search,
-/// the plan's core IR and its simulation against the same state. `reservations` are
-/// `(code, nbytes, label)`; `cuda_count` is -1 without CUDA, `completed_leases` and
-/// `labels` are as `simulate` takes them. The search's failures raise as their core
-/// errors, a Python policy's as the policy raised them.
-#[pyfunction]
-#[pyo3(signature = (
-    manager, request_name, requirements, reservations, limit, cuda_count, completed_leases,
-    labels, native=None, python=None, schedule=None
-))]
-#[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)] // pyo3 extracts owned values.
-pub fn decide_request<'py>(
-    py: Python<'py>,
+/// A request as the glue lowers it (`_decider._LoweredRequest`): the manager's discard
+/// count when its handles were resolved, its `(handle index, location code)` rows, its
+/// name, its reservations as `(code, nbytes, label)` and their labels as `simulate`
+/// takes them.
+#[derive(Debug, FromPyObject)]
+pub struct LoweredRequest(
+    u64,
+    Vec<(u32, u32)>,
+    String,
+    Vec<(u32, u64, String)>,
+    Vec<String>,
+);
+
+/// The policy a decide consults: the built-in tiered LRU's configuration, with the
+/// schedule-aware policy's index and position; or a Python policy's two callables.
+pub enum DecidePolicy<'py> {
+    Native(NativeConfig, Option<(PyRef<'py, ScheduleIndex>, usize)>),
+    Python(Bound<'py, PyAny>, Bound<'py, PyAny>),
+}
+
+impl<'py> DecidePolicy<'py> {
+    /// The policy from `decide_request`'s keywords: exactly one of them.
+    pub fn new(
+        native: Option<NativeConfig>,
+        python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+        schedule: Option<(PyRef<'py, ScheduleIndex>, usize)>,
+    ) -> PyResult<Self> {
+        match (native, python) {
+            (Some(config), None) => Ok(Self::Native(config, schedule)),
+            (None, Some((order, fallbacks))) => Ok(Self::Python(order, fallbacks)),
+            _ => Err(PyValueError::new_err("decide needs one policy")),
+        }
+    }
+}
+
+/// The controller's decide for one lowered request (`CoreManager.decide_request`), in
+/// one call under one hold of the gate (docs/concepts/controller.md#decide): queued
+/// releases and completed CUDA leases are reaped and the state version is read; then
+/// the search, the plan's core IR and its simulation run against that state, with the
+/// pending leases whose events completed (which no longer protect). `cuda_count` is -1
+/// without CUDA. Returns `None`, having decided nothing, when a value was discarded
+/// since the request (or the schedule index) was resolved: the glue resolves them
+/// again. The search's failures raise as their core errors, a Python policy's as the
+/// policy raised them.
+pub fn decide_request(
     manager: &CoreManager,
-    request_name: &str,
-    requirements: Vec<(u32, u32)>,
-    reservations: Vec<(u32, u64, String)>,
+    py: Python<'_>,
+    request: LoweredRequest,
     limit: u64,
     cuda_count: i64,
-    completed_leases: Vec<u64>,
-    labels: Vec<String>,
-    native: Option<NativeConfig>,
-    python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-    schedule: Option<(PyRef<'py, ScheduleIndex>, usize)>,
+    policy: DecidePolicy<'_>,
+) -> PyResult<Option<Decision>> {
+    manager.with_gate(py, true, true, || {
+        crate::lifetimes::reap(manager, py)?;
+        let current = manager.core().discards();
+        let stale_schedule = matches!(
+            &policy,
+            DecidePolicy::Native(_, Some((index, _))) if index.discards != current
+        );
+        if request.0 != current || stale_schedule {
+            return Ok(None);
+        }
+        let version = manager.core().version();
+        let completed = crate::lifetimes::completed_pending(manager, py);
+        decide_locked(
+            py, manager, version, request, limit, cuda_count, &completed, policy,
+        )
+        .map(Some)
+    })
+}
+
+/// [`decide_request`]'s work once the gate is held and the request is current.
+#[allow(clippy::too_many_arguments)]
+fn decide_locked(
+    py: Python<'_>,
+    manager: &CoreManager,
+    version: u64,
+    request: LoweredRequest,
+    limit: u64,
+    cuda_count: i64,
+    completed_leases: &[u64],
+    policy: DecidePolicy<'_>,
 ) -> PyResult<Decision> {
+    let LoweredRequest(_, requirements, request_name, reservations, labels) = request;
+    let request_name = request_name.as_str();
     let core = manager.core();
     let inputs = core.search_inputs();
     let mut required = Vec::with_capacity(requirements.len());
@@ -301,22 +362,20 @@ pub fn decide_request<'py>(
         .iter()
         .map(|reservation| (reservation.location, reservation.nbytes))
         .collect();
-    let (result, error) = if let Some(config) = native {
-        let discards = core.discards();
-        native_search(
-            py, config, schedule, discards, &inputs, &required, &searched, limit,
-        )?
-    } else if let Some((order, fallbacks)) = python {
-        let mut policy = PythonPolicy {
-            py,
-            order,
-            fallbacks,
-            error: None,
-        };
-        let result = search_with(&inputs, &required, &searched, limit, &mut policy);
-        (result, policy.error)
-    } else {
-        return Err(PyValueError::new_err("decide needs a policy"));
+    let (result, error) = match policy {
+        DecidePolicy::Native(config, schedule) => {
+            native_search(py, config, schedule, &inputs, &required, &searched, limit)?
+        }
+        DecidePolicy::Python(order, fallbacks) => {
+            let mut policy = PythonPolicy {
+                py,
+                order,
+                fallbacks,
+                error: None,
+            };
+            let result = search_with(&inputs, &required, &searched, limit, &mut policy);
+            (result, policy.error)
+        }
     };
     if let Some(err) = error {
         return Err(err);
@@ -337,7 +396,7 @@ pub fn decide_request<'py>(
         .map_err(|err| to_py_err(py, err))?;
     let resolutions: Vec<SlotResolution> = slots.iter().copied().map(Ok).collect();
     let cuda = u32::try_from(cuda_count).map_or(CudaDevices::Unavailable, CudaDevices::Count);
-    let simulation = core.simulate(&plan, &resolutions, cuda, &completed_leases, &labels);
+    let simulation = core.simulate(&plan, &resolutions, cuda, completed_leases, &labels);
     let evictions = eviction_rows(&outcome);
     let reclaim = rows(plan.reclaim());
     let enter = rows(plan.enter());
@@ -349,18 +408,17 @@ pub fn decide_request<'py>(
         enter,
         evictions,
         outcome.explored,
-        inputs.version,
+        version,
     ))
 }
 
 /// The search with a native policy: the tiered LRU, or the schedule-aware policy when
-/// a schedule index and position are given; the first Python error comes back too.
-#[allow(clippy::too_many_arguments)]
+/// a schedule index and position are given (current: [`decide_request`] checked it);
+/// the first Python error comes back too.
 fn native_search(
     py: Python<'_>,
     config: NativeConfig,
     schedule: Option<(PyRef<'_, ScheduleIndex>, usize)>,
-    discards: u64,
     inputs: &SearchInputs,
     required: &[Requirement],
     searched: &[(Location, u64)],
@@ -376,11 +434,6 @@ fn native_search(
         let result = search_with(inputs, required, searched, limit, &mut native);
         return Ok((result, native.error));
     };
-    if index.discards != discards {
-        return Err(PyValueError::new_err(
-            "the schedule index is stale: a value was discarded since it was built",
-        ));
-    }
     // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction).
     let mut native = NativePolicy {
         py,
