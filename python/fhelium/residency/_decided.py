@@ -25,7 +25,7 @@ from fhelium.residency.policy import ResidencyPolicy
 from fhelium.residency.request import ResidencyRequest
 from fhelium.residency.snapshot import ResidencyPlanExplanation
 
-__all__ = ["LazyDecision", "decided"]
+__all__ = ["LazyDecision", "decided", "satisfied"]
 
 # Up to this many actions, a decided plan's records are built with the collector on.
 _FEW_ACTIONS: Final = 16
@@ -243,3 +243,50 @@ def decided(
     init(decision, "_built_explanation", None)
     init(decision, "_source", source)
     return decision
+
+
+class _Unchanged:
+    """The core's simulation of a plan with no action and no reservation, read off the
+    state it would run on (``view``): feasible, and each location's peak is its
+    ``used + reserved`` bytes, registered locations in registration order, as the
+    core's simulation reports them. It stands in for the `SimulationView` of a decision
+    that `satisfied` builds without a search."""
+
+    __slots__ = ("_view",)
+
+    feasible: Final = True
+    reason: Final = None
+
+    def __init__(self, view: Any) -> None:
+        self._view = view
+
+    def peaks(self) -> list[tuple[int, int]]:
+        return [(row[0], row[2] + row[3]) for row in self._view.location_rows()]
+
+    @staticmethod
+    def action_entries(actions: tuple[Any, ...], builder: Any, locations: Any) -> tuple[Any, ...]:
+        return ()
+
+
+def satisfied(
+    manager_id: str,
+    view: Any,
+    request: ResidencyRequest,
+    policy: ResidencyPolicy,
+    plan: ResidencyPlan,
+) -> LazyDecision:
+    """The decision `decide` takes for ``request`` at the state ``view`` (a published
+    core state) when every requirement is already resident there and the request has
+    no reservations: explored_states 1, ``plan`` its empty plan, no eviction, and a
+    feasible explanation with the state's charged bytes as the peaks
+    (docs/concepts/controller.md#decide). A pipeline's staged step enters with it: its
+    staging made its values resident and held them until its leases were taken."""
+    return decided(
+        manager_id,
+        view.version,
+        1,
+        request,
+        policy,
+        (None, None, _Unchanged(view), (), (), (), ()),
+        plan,
+    )
