@@ -21,6 +21,7 @@ from fhelium.residency import (
     ResidencyManager,
     ResidencyRequest,
     ResidencyRequirement,
+    _lowering,
     cuda_location,
 )
 from fhelium.residency._decider import Decider, decider_of
@@ -210,3 +211,32 @@ def test_a_staged_steps_records_are_those_of_its_use(policy_name: str) -> None:
         held = 1 if got["staged"] and not decision.request.reservations else 0
         assert decision.expected_state_version == reference.expected_state_version - held
         assert decision.expected_state_version < got["version"]
+
+
+def test_a_staging_decided_as_before_is_not_built_or_lowered_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The tiered LRU decides the same in the same state whatever came before.
+    cycle = _Cycle("lru", 24)
+    lowered: list[str] = []
+    lower = _lowering.lower_actions
+
+    def counted(name: str, actions: Any) -> Any:
+        lowered.append(name)
+        return lower(name, actions)
+
+    monkeypatch.setattr(_lowering, "lower_actions", counted)
+    first = cycle.steps(plain=True)
+    assert len(lowered) == 23  # each staging, once
+    lowered.clear()
+    second = cycle.steps(plain=True)
+    # The second pass starts with the device as the first left it, so its first steps
+    # decide otherwise and build their own plans; from the second cycle of layers on,
+    # the same requests are decided the same in the same state, and their stagings run
+    # the plans the first pass built and lowered.
+    assert len(lowered) < LAYERS
+    assert all(int(name.removeprefix("step-")) < LAYERS for name in lowered), lowered
+    assert [step["actions by layer"] for step in second] == [
+        step["actions by layer"] for step in first
+    ]
+    cycle.manager.close()

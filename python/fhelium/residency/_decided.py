@@ -18,6 +18,7 @@ from fhelium.residency.plan import (
     DropResident,
     EnsureResident,
     MoveResident,
+    ResidencyAction,
     ResidencyPlan,
     set_lowered,
 )
@@ -25,7 +26,7 @@ from fhelium.residency.policy import ResidencyPolicy
 from fhelium.residency.request import ResidencyRequest
 from fhelium.residency.snapshot import ResidencyPlanExplanation
 
-__all__ = ["LazyDecision", "decided", "satisfied"]
+__all__ = ["LazyDecision", "StagedRuns", "decided", "satisfied", "staged_run"]
 
 # Up to this many actions, a decided plan's records are built with the collector on.
 _FEW_ACTIONS: Final = 16
@@ -290,3 +291,55 @@ def satisfied(
         (None, None, _Unchanged(view), (), (), (), ()),
         plan,
     )
+
+
+# A staged run: a plan, its actions as one list, and their lowering.
+_Run = tuple[ResidencyPlan, tuple[ResidencyAction, ...], _lowering.LoweredPlan]
+
+
+class StagedRuns:
+    """What a pipeline's staging last ran for one request (see `staged_run`): a cyclic
+    schedule stages the same decision again on every pass."""
+
+    __slots__ = ("key", "run")
+
+    def __init__(self) -> None:
+        # (decided request, discards, handle slots, reclaim rows, enter rows).
+        self.key: tuple[Any, ...] | None = None
+        # (plan, its actions as one list, their lowering).
+        self.run: (
+            tuple[ResidencyPlan, tuple[ResidencyAction, ...], _lowering.LoweredPlan] | None
+        ) = None
+
+
+def staged_run(decision: ResidencyDecision, last: StagedRuns, discards: int) -> _Run:
+    """A decision's plan, its actions as one list (reclaim, then enter) and that list
+    lowered, for a pipeline's staging to run as one plan. A decision for the same
+    request object as ``last``'s, with the same rows over the same handle slots while
+    the manager has discarded ``discards`` values (so the slots name the same handles),
+    takes ``last``'s plan, which is then its own: an equal record, already lowered, so
+    nothing is built or lowered again."""
+    lazy = decision if isinstance(decision, LazyDecision) else None
+    source = None if lazy is None or lazy._built_plan is not None else lazy._source
+    if source is None:
+        plan = decision.plan
+        actions = (*plan.reclaim, *plan.enter)
+        return plan, actions, _lowering.lower_actions(plan.name, actions)
+    key = (decision.request, discards, source[3], source[4], source[5])
+    run = last.run
+    kept = last.key
+    if (
+        run is not None
+        and kept is not None
+        and kept[0] is key[0]
+        and kept[1] == discards
+        and kept[2:] == key[2:]
+    ):
+        object.__setattr__(decision, "_built_plan", run[0])
+        return run
+    plan = decision.plan
+    actions = (*plan.reclaim, *plan.enter)
+    run = (plan, actions, _lowering.lower_actions(plan.name, actions))
+    last.key = key
+    last.run = run
+    return run

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Final
 
+from fhelium.residency._decided import StagedRuns
 from fhelium.residency._runtime.base import StagedEvent
 from fhelium.residency._use import Controller, grouped
 from fhelium.residency.lease import ResidencyHold, ResidencyReservation
@@ -79,7 +80,16 @@ class Shape:
     immutable): its reservation bytes per location, its handles per location, its CUDA
     locations, and its staging requests by headroom."""
 
-    __slots__ = ("_empty", "by_location", "cuda", "grouped", "needs", "request", "staging")
+    __slots__ = (
+        "_empty",
+        "by_location",
+        "cuda",
+        "grouped",
+        "needs",
+        "request",
+        "runs",
+        "staging",
+    )
 
     def __init__(self, request: ResidencyRequest) -> None:
         self.request = request
@@ -95,6 +105,8 @@ class Shape:
         # The request to stage with each headroom (its items), made once.
         self.staging: dict[tuple[tuple[ResidencyLocation, int], ...], ResidencyRequest] = {}
         self._empty: ResidencyPlan | None = None
+        # What its last staging ran (`_decided.staged_run`).
+        self.runs = StagedRuns()
 
     @property
     def empty_plan(self) -> ResidencyPlan:

@@ -21,6 +21,7 @@ from fhelium.errors import (
     ResidencyStaleStateError,
 )
 from fhelium.residency import _plans
+from fhelium.residency._decided import staged_run
 from fhelium.residency._decider import Decider
 from fhelium.residency._staging import Shape, Staged, release_all, shape_of
 from fhelium.residency._use import (
@@ -627,7 +628,10 @@ class _Pipeline:
                 if wait and (self._release_on_device(ended) or self._wait_oldest(ended)):
                     continue
                 return False
-            if decision.plan.reclaim and ended:
+            # The plan, its actions and their lowering, as the last staging of this
+            # request ran them when it decided the same.
+            plan, actions, lowered = staged_run(decision, shape.runs, engine.discard_count())
+            if plan.reclaim and ended:
                 # Before the body nothing is released: staging may block the host (a
                 # read from disk), which must not delay the body's kernels.
                 if not wait:
@@ -649,7 +653,6 @@ class _Pipeline:
                     staged.release()
                     raise
 
-            plan = decision.plan
             # Reads from disk (and loads by sources that load alone) are left to the
             # disk tier's I/O thread (docs/concepts/controller.md#staging).
             tier = engine.disk
@@ -658,7 +661,8 @@ class _Pipeline:
                 try:
                     _plans.execute_staged(
                         engine,
-                        (*plan.reclaim, *plan.enter),
+                        actions,
+                        lowered,
                         name=request.name,
                         transfer_streams=self._streams(shape)[1],
                         expected_state_version=decision.expected_state_version,
