@@ -603,7 +603,6 @@ class _Pipeline:
         engine = controller.engine
         shape = shape_of(controller, request)
         needs = shape.needs
-        manager = controller.manager
         by_location = shape.by_location
         runtime = engine.runtime
         deferred = getattr(runtime, "staged_events", False)
@@ -647,7 +646,7 @@ class _Pipeline:
                 # counted is still free.
                 try:
                     for location, handles in by_location.items():
-                        staged.holds.append(manager.hold(handles, at=location))
+                        staged.holds.append(engine.hold(handles, at=location))
                     self._keep_guard(needs)
                 except BaseException:
                     staged.release()
