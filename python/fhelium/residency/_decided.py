@@ -299,26 +299,24 @@ _Run = tuple[ResidencyPlan, tuple[ResidencyAction, ...], _lowering.LoweredPlan]
 
 class StagedRuns:
     """What a pipeline's staging last ran for one request (see `staged_run`): a cyclic
-    schedule stages the same decision again on every pass."""
+    schedule stages the same decision again on every pass. One attribute, replaced
+    whole: pipelines on other threads may stage the same request meanwhile."""
 
-    __slots__ = ("key", "run")
+    __slots__ = ("last",)
 
     def __init__(self) -> None:
-        # (decided request, discards, handle slots, reclaim rows, enter rows).
-        self.key: tuple[Any, ...] | None = None
-        # (plan, its actions as one list, their lowering).
-        self.run: (
-            tuple[ResidencyPlan, tuple[ResidencyAction, ...], _lowering.LoweredPlan] | None
-        ) = None
+        # (decided request, discards, handle slots, reclaim rows, enter rows), then what
+        # ran for them.
+        self.last: tuple[tuple[Any, ...], _Run] | None = None
 
 
-def staged_run(decision: ResidencyDecision, last: StagedRuns, discards: int) -> _Run:
+def staged_run(decision: ResidencyDecision, runs: StagedRuns, discards: int) -> _Run:
     """A decision's plan, its actions as one list (reclaim, then enter) and that list
     lowered, for a pipeline's staging to run as one plan. A decision for the same
-    request object as ``last``'s, with the same rows over the same handle slots while
-    the manager has discarded ``discards`` values (so the slots name the same handles),
-    takes ``last``'s plan, which is then its own: an equal record, already lowered, so
-    nothing is built or lowered again."""
+    request object as the last one ``runs`` kept, with the same rows over the same
+    handle slots while the manager has discarded ``discards`` values (so the slots name
+    the same handles), takes that decision's plan, which is then its own: an equal
+    record, already lowered, so nothing is built or lowered again."""
     lazy = decision if isinstance(decision, LazyDecision) else None
     source = None if lazy is None or lazy._built_plan is not None else lazy._source
     if source is None:
@@ -326,20 +324,14 @@ def staged_run(decision: ResidencyDecision, last: StagedRuns, discards: int) -> 
         actions = (*plan.reclaim, *plan.enter)
         return plan, actions, _lowering.lower_actions(plan.name, actions)
     key = (decision.request, discards, source[3], source[4], source[5])
-    run = last.run
-    kept = last.key
-    if (
-        run is not None
-        and kept is not None
-        and kept[0] is key[0]
-        and kept[1] == discards
-        and kept[2:] == key[2:]
-    ):
-        object.__setattr__(decision, "_built_plan", run[0])
-        return run
+    last = runs.last
+    if last is not None:
+        kept, run = last
+        if kept[0] is key[0] and kept[1] == discards and kept[2:] == key[2:]:
+            object.__setattr__(decision, "_built_plan", run[0])
+            return run
     plan = decision.plan
     actions = (*plan.reclaim, *plan.enter)
     run = (plan, actions, _lowering.lower_actions(plan.name, actions))
-    last.key = key
-    last.run = run
+    runs.last = (key, run)
     return run
