@@ -304,9 +304,7 @@ class ResidencyUse:
         return None if self._scope is None else self._scope.exit_error
 
     def __enter__(self) -> ResidencyUse:
-        if self._state != "new":
-            raise RuntimeError("a ResidencyUse can be entered only once")
-        self._state = "entering"
+        self._begin()
         controller = self._controller
         manager = controller.manager
         request = self.request
@@ -357,6 +355,12 @@ class ResidencyUse:
         self._values = _UseValues(borrowed)
         self._state = "active"
         return self
+
+    def _begin(self) -> None:
+        """Entry starts: once only."""
+        if self._state != "new":
+            raise RuntimeError("a ResidencyUse can be entered only once")
+        self._state = "entering"
 
     def _borrow(
         self,
@@ -484,9 +488,7 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
     stale); then access epochs are recorded. On failure everything taken is released
     and the error propagates, as from `__enter__` (docs/concepts/controller.md#staging).
     """
-    if use._state != "new":
-        raise RuntimeError("a ResidencyUse can be entered only once")
-    use._state = "entering"
+    use._begin()
     controller = use._controller
     engine = controller.engine
     manager = controller.manager
