@@ -486,7 +486,7 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
     and the leases are taken under one hold of the manager, so the decision is the one
     `decide` takes there (`_decided.satisfied`: nothing to evict, nothing to run, never
     stale); then access epochs are recorded. On failure everything taken is released
-    and the error propagates, as from `__enter__` (docs/concepts/controller.md#staging).
+    and the error propagates, as from `__enter__` (docs/concepts/controller.md#steps).
     """
     use._begin()
     controller = use._controller
