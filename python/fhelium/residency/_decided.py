@@ -18,6 +18,7 @@ from fhelium.residency.plan import (
     DropResident,
     EnsureResident,
     MoveResident,
+    ResidencyAction,
     ResidencyPlan,
     set_lowered,
 )
@@ -25,7 +26,7 @@ from fhelium.residency.policy import ResidencyPolicy
 from fhelium.residency.request import ResidencyRequest
 from fhelium.residency.snapshot import ResidencyPlanExplanation
 
-__all__ = ["LazyDecision", "decided"]
+__all__ = ["LazyDecision", "StagedRuns", "decided", "satisfied", "staged_run"]
 
 # Up to this many actions, a decided plan's records are built with the collector on.
 _FEW_ACTIONS: Final = 16
@@ -243,3 +244,94 @@ def decided(
     init(decision, "_built_explanation", None)
     init(decision, "_source", source)
     return decision
+
+
+class _Unchanged:
+    """The core's simulation of a plan with no action and no reservation, read off the
+    state it would run on (``view``): feasible, and each location's peak is its
+    ``used + reserved`` bytes, registered locations in registration order, as the
+    core's simulation reports them. It stands in for the `SimulationView` of a decision
+    that `satisfied` builds without a search."""
+
+    __slots__ = ("_view",)
+
+    feasible: Final = True
+    reason: Final = None
+
+    def __init__(self, view: Any) -> None:
+        self._view = view
+
+    def peaks(self) -> list[tuple[int, int]]:
+        return [(row[0], row[2] + row[3]) for row in self._view.location_rows()]
+
+    @staticmethod
+    def action_entries(actions: tuple[Any, ...], builder: Any, locations: Any) -> tuple[Any, ...]:
+        return ()
+
+
+def satisfied(
+    manager_id: str,
+    view: Any,
+    request: ResidencyRequest,
+    policy: ResidencyPolicy,
+    plan: ResidencyPlan,
+) -> LazyDecision:
+    """The decision `decide` takes for ``request`` at the state ``view`` (a published
+    core state) when every requirement is already resident there and the request has
+    no reservations: explored_states 1, ``plan`` its empty plan, no eviction, and a
+    feasible explanation with the state's charged bytes as the peaks
+    (docs/concepts/controller.md#decide). A pipeline's staged step enters with it: its
+    staging made its values resident and held them until its leases were taken."""
+    return decided(
+        manager_id,
+        view.version,
+        1,
+        request,
+        policy,
+        (None, None, _Unchanged(view), (), (), (), ()),
+        plan,
+    )
+
+
+# A staged run: a plan, its actions as one list, and their lowering.
+_Run = tuple[ResidencyPlan, tuple[ResidencyAction, ...], _lowering.LoweredPlan]
+
+
+class StagedRuns:
+    """What a pipeline's staging last ran for one request (see `staged_run`): a cyclic
+    schedule stages the same decision again on every pass. One attribute, replaced
+    whole: pipelines on other threads may stage the same request meanwhile."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        # (decided request, discards, handle slots, reclaim rows, enter rows), then what
+        # ran for them.
+        self.last: tuple[tuple[Any, ...], _Run] | None = None
+
+
+def staged_run(decision: ResidencyDecision, runs: StagedRuns, discards: int) -> _Run:
+    """A decision's plan, its actions as one list (reclaim, then enter) and that list
+    lowered, for a pipeline's staging to run as one plan. A decision for the same
+    request object as the last one ``runs`` kept, with the same rows over the same
+    handle slots while the manager has discarded ``discards`` values (so the slots name
+    the same handles), takes that decision's plan, which is then its own: an equal
+    record, already lowered, so nothing is built or lowered again."""
+    lazy = decision if isinstance(decision, LazyDecision) else None
+    source = None if lazy is None or lazy._built_plan is not None else lazy._source
+    if source is None:
+        plan = decision.plan
+        actions = (*plan.reclaim, *plan.enter)
+        return plan, actions, _lowering.lower_actions(plan.name, actions)
+    key = (decision.request, discards, source[3], source[4], source[5])
+    last = runs.last
+    if last is not None:
+        kept, run = last
+        if kept[0] is key[0] and kept[1] == discards and kept[2:] == key[2:]:
+            object.__setattr__(decision, "_built_plan", run[0])
+            return run
+    plan = decision.plan
+    actions = (*plan.reclaim, *plan.enter)
+    run = (plan, actions, _lowering.lower_actions(plan.name, actions))
+    runs.last = (key, run)
+    return run

@@ -405,6 +405,11 @@ class Engine:
 
     # ------------------------------------------------------------------ observations
 
+    def state_view(self) -> _core.StateView:
+        """The current published state, as `snapshot` captures it (reaping first where
+        something waits to be reaped), without building its records."""
+        return self.core.snapshot_state()[0]
+
     def snapshot(self) -> ResidencySnapshot[Any]:
         """One atomic, tensor-free observation. O(1) to capture; entries build lazily."""
         view, captured = self.core.snapshot_state()

@@ -133,6 +133,7 @@ def execute_actions(
 def execute_staged(
     engine: Engine,
     actions: tuple[ResidencyAction, ...],
+    lowered: _lowering.LoweredPlan,
     *,
     name: str,
     transfer_streams: object,
@@ -140,9 +141,11 @@ def execute_staged(
     then: Callable[[], object],
 ) -> None:
     """`execute_actions` for a pipeline's staging, asynchronously and without a report:
-    ``actions`` are a decided plan's own records (checked when they were built) and
-    ``name`` its request's."""
-    _run_actions(engine, actions, name, transfer_streams, expected_state_version, True, then)
+    ``actions`` are a decided plan's own records (checked when they were built),
+    ``lowered`` their lowering as one list, and ``name`` its request's."""
+    _run_actions(
+        engine, actions, name, transfer_streams, expected_state_version, True, then, lowered
+    )
 
 
 def _run_actions(
@@ -153,8 +156,10 @@ def _run_actions(
     expected_state_version: object,
     asynchronous: bool,
     then: Callable[[], object] | None,
+    lowered: _lowering.LoweredPlan | None = None,
 ) -> tuple[_core.PlanRun, int]:
-    lowered = _lowering.lower_actions(name, normalized)
+    if lowered is None:
+        lowered = _lowering.lower_actions(name, normalized)
     run = engine.plan_run()
     started = _time_ns()
     after = _Then(then)

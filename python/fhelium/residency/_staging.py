@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Final
 
+from fhelium.residency._decided import StagedRuns
 from fhelium.residency._runtime.base import StagedEvent
 from fhelium.residency._use import Controller, grouped
 from fhelium.residency.lease import ResidencyHold, ResidencyReservation
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
-from fhelium.residency.plan import MemoryReservation
+from fhelium.residency.plan import MemoryReservation, ResidencyPlan
 from fhelium.residency.request import ResidencyRequest
 
 __all__ = ["Shape", "Staged", "release_all", "shape_of"]
@@ -79,7 +80,16 @@ class Shape:
     immutable): its reservation bytes per location, its handles per location, its CUDA
     locations, and its staging requests by headroom."""
 
-    __slots__ = ("by_location", "cuda", "grouped", "needs", "request", "staging")
+    __slots__ = (
+        "_empty",
+        "by_location",
+        "cuda",
+        "grouped",
+        "needs",
+        "request",
+        "runs",
+        "staging",
+    )
 
     def __init__(self, request: ResidencyRequest) -> None:
         self.request = request
@@ -94,6 +104,18 @@ class Shape:
         self.cuda = tuple(location for location in self.by_location if location.kind == "cuda")
         # The request to stage with each headroom (its items), made once.
         self.staging: dict[tuple[tuple[ResidencyLocation, int], ...], ResidencyRequest] = {}
+        self._empty: ResidencyPlan | None = None
+        # What its last staging ran (`_decided.staged_run`).
+        self.runs = StagedRuns()
+
+    @property
+    def empty_plan(self) -> ResidencyPlan:
+        """The plan `decide` gives the request when it is already satisfied and has no
+        reservations: no action, made once."""
+        plan = self._empty
+        if plan is None:
+            plan = self._empty = ResidencyPlan(self.request.name)
+        return plan
 
     def staging_request(self, extra: dict[ResidencyLocation, int]) -> ResidencyRequest:
         """The request the staging decides: the step's values, with the headroom its

@@ -8,13 +8,16 @@ re-exports it, and it reads as defined there. See docs/concepts/controller.md#us
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final, Protocol
 
 from fhelium.errors import ResidencyStaleStateError
+from fhelium.residency._decided import satisfied
 from fhelium.residency._decider import ControllerBase, decider_of
 from fhelium.residency._decisions import ResidencyDecision
 from fhelium.residency._engine import Engine
+from fhelium.residency._records import trusted_builder
 from fhelium.residency._scope import (
     ResidencyScope,
     close_deferred,
@@ -33,7 +36,9 @@ from fhelium.residency.lease import (
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.manager import ResidencyManager
 from fhelium.residency.model import ResidencyHandle
+from fhelium.residency.plan import ResidencyPlan
 from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
+from fhelium.residency.schedule import ScheduleAwarePolicy, deciding_at
 from fhelium.residency.snapshot import ResidencyPlanReport
 from fhelium.values.tensor_resident import TensorResident
 
@@ -41,6 +46,7 @@ __all__ = [
     "STALE_RETRIES",
     "Controller",
     "ResidencyUse",
+    "enter_staged",
     "exit_deferred",
     "grouped",
     "normalize_streams",
@@ -53,6 +59,9 @@ __all__ = [
 # many times at most before `ResidencyStaleStateError` propagates
 # (docs/concepts/controller.md#use).
 STALE_RETRIES: Final = 64
+
+_new_report = trusted_builder(ResidencyPlanReport)
+_time_ns = time.time_ns
 
 
 class Controller(Protocol):
@@ -219,7 +228,9 @@ class ResidencyUse:
         self._consumer_streams = consumers
         self._transfer_streams = transfers
         self._decision: ResidencyDecision | None = None
-        self._scope: ResidencyScope | None = None
+        # The decision's scope; for a staged step's entry (`enter_staged`), which runs
+        # no plan, what stands in for it.
+        self._scope: ResidencyScope | _Unscoped | None = None
         self._exits: list[Callable[[Any, Any, Any], object]] | None = None
         # The requirements by location (made at entry, or given by the pipeline).
         self._grouped = grouped
@@ -293,9 +304,7 @@ class ResidencyUse:
         return None if self._scope is None else self._scope.exit_error
 
     def __enter__(self) -> ResidencyUse:
-        if self._state != "new":
-            raise RuntimeError("a ResidencyUse can be entered only once")
-        self._state = "entering"
+        self._begin()
         controller = self._controller
         manager = controller.manager
         request = self.request
@@ -346,6 +355,12 @@ class ResidencyUse:
         self._values = _UseValues(borrowed)
         self._state = "active"
         return self
+
+    def _begin(self) -> None:
+        """Entry starts: once only."""
+        if self._state != "new":
+            raise RuntimeError("a ResidencyUse can be entered only once")
+        self._state = "entering"
 
     def _borrow(
         self,
@@ -430,9 +445,88 @@ def exit_deferred(use: ResidencyUse) -> None:
     use._values = None
     for lease in use._leases:
         release_deferred(lease)
-    if use._scope is not None:
+    if isinstance(use._scope, ResidencyScope):
         close_deferred(use._scope)
     use._exited = True
+
+
+class _Unscoped:
+    """What a staged step's use keeps in place of a scope (`enter_staged`): its entry
+    ran no plan and admitted no reservation, so closing it only notes when the step
+    ended. `report` is then the report of its empty plan's scope, as a scope entered and
+    closed at those times gives it (no transition); closed as finalizers close, it has
+    none, as such a scope has none."""
+
+    __slots__ = ("_completed", "_name", "_report", "_started", "exit_error")
+
+    def __init__(self, name: str, started: int) -> None:
+        self._name = name
+        self._started = started
+        self._completed: int | None = None
+        self._report: ResidencyPlanReport | None = None
+        # An empty plan has no exit action to fail.
+        self.exit_error: None = None
+
+    def close(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> None:
+        if self._completed is None:
+            self._completed = max(self._started, _time_ns())
+
+    @property
+    def report(self) -> ResidencyPlanReport | None:
+        report = self._report
+        if report is None and self._completed is not None:
+            report = self._report = _new_report(self._name, (), self._started, self._completed)
+        return report
+
+
+def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
+    """Enters a pipeline's step whose staging made its values resident and holds them
+    until now, for a request without reservations (``plan`` is its empty plan): the use
+    `ResidencyUse.__enter__` would enter, with no search and no plan. The state is read
+    and the leases are taken under one hold of the manager, so the decision is the one
+    `decide` takes there (`_decided.satisfied`: nothing to evict, nothing to run, never
+    stale); then access epochs are recorded. On failure everything taken is released
+    and the error propagates, as from `__enter__` (docs/concepts/controller.md#steps).
+    """
+    use._begin()
+    controller = use._controller
+    engine = controller.engine
+    manager = controller.manager
+    policy = controller.policy
+    request = use.request
+    by_location = use._grouped
+    if by_location is None:
+        by_location = grouped(request)
+    exits: list[Callable[[Any, Any, Any], object]] = []
+    borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
+
+    def borrow(_completed: list[int]) -> Any:
+        # Under the manager's hold, after its completed events were reaped: the state
+        # the decision describes, then the leases, with nothing in between.
+        view = engine.state_view()
+        use._borrow(manager, by_location, exits, borrowed)
+        return view
+
+    try:
+        # What `decide` does first: a forked child is refused, and a one-pass schedule
+        # that ran out says so.
+        engine.check_process()
+        if isinstance(policy, ScheduleAwarePolicy):
+            deciding_at(policy, policy.position)
+        unscoped = _Unscoped(request.name, _time_ns())
+        exits.append(unscoped.close)
+        view = engine.decide(borrow)[1]
+        use._decision = satisfied(engine.manager_id, view, request, policy, plan)
+        use._scope = unscoped
+        controller.record_access(request)
+    except BaseException:
+        use._state = "closed"
+        _unwind(exits, None, None, None)
+        raise
+    use._exits = exits
+    use._values = _UseValues(borrowed)
+    use._state = "active"
+    return use
 
 
 def _unwind(

@@ -443,8 +443,17 @@ def new_hold(
     handles: tuple[ResidencyHandle[Any], ...],
     location: ResidencyLocation,
 ) -> ResidencyHold:
-    """The manager's constructor for holds it has just admitted."""
-    return ResidencyHold(manager=engine, token=token, handles=handles, location=location)
+    """The manager's constructor for holds it has just admitted (``handles`` the tuple
+    it normalized): the state ``ResidencyHold.__init__`` sets, without its keyword
+    call."""
+    hold: ResidencyHold = _new_object(ResidencyHold)
+    hold._engine = engine
+    hold._token = token
+    hold._handles = handles
+    hold._location = location
+    hold._entered = False
+    hold._track()
+    return hold
 
 
 def new_reservation(

@@ -21,11 +21,14 @@ from fhelium.errors import (
     ResidencyStaleStateError,
 )
 from fhelium.residency import _plans
+from fhelium.residency._decided import staged_run
+from fhelium.residency._decider import Decider
 from fhelium.residency._staging import Shape, Staged, release_all, shape_of
 from fhelium.residency._use import (
     STALE_RETRIES,
     Controller,
     ResidencyUse,
+    enter_staged,
     exit_deferred,
     normalize_streams,
     step_tokens,
@@ -381,13 +384,11 @@ class _Pipeline:
         step's leases and tries again."""
         staged = self.staged.pop(index, None)
         if staged is not None:
-            # Its values stay where the prefetch put them: the use requires them there,
-            # so its decision never evicts them.
-            staged.release()
             # A read from disk it deferred failed: the step that needs the value raises,
             # holding nothing, with the value's partial copies gone.
             failure = staged.failure()
             if failure is not None:
+                staged.release()
                 self._release_staged()
                 self._release_guard()
                 self._drop_unread(request)
@@ -395,6 +396,13 @@ class _Pipeline:
         # The headroom kept for the staged steps is free for this step's own scope; what
         # the steps still staged need beyond it is kept again once it is entered.
         self._release_guard()
+        if staged is not None:
+            entered = self._enter_staged(staged, request)
+            if entered is not None:
+                return entered
+            # Its values stay where the prefetch put them: the use requires them there,
+            # so its decision never evicts them.
+            staged.release()
         controller = self.controller
         engine = controller.engine
         # A staged step's values are in place and its reservations' headroom was kept:
@@ -451,6 +459,36 @@ class _Pipeline:
                     entered.__exit__(None, None, None)
                     raise
                 return entered
+
+    def _enter_staged(self, staged: Staged, request: ResidencyRequest) -> ResidencyUse | None:
+        """Enters a staged step without a plan, where its request has no reservations
+        and the controller is the plain one: its values are still held where its staging
+        put them, so the leases are taken before the holds go and the decision is the
+        satisfied one (`_use.enter_staged`). None where that does not apply; the holds
+        are then still held."""
+        controller = self.controller
+        if request.reservations or type(controller) is not Decider:
+            return None
+        try:
+            shape = shape_of(controller, request)
+            consumers, transfers = self._streams(shape)
+            use = use_for_step(controller, request, consumers, transfers, shape.cuda, shape.grouped)
+            entered = enter_staged(use, shape.empty_plan)
+        finally:
+            # Leased now (or failed): the holds have done their part.
+            staged.release()
+        self.active = shape.needs
+        try:
+            try:
+                self._keep_guard({})
+            except ResidencyBudgetError:
+                # As `_enter`: another thread took the headroom released for this entry.
+                self._release_staged()
+                self._release_guard()
+        except BaseException:
+            entered.__exit__(None, None, None)
+            raise
+        return entered
 
     def _release_staged(self) -> None:
         staged, self.staged = self.staged, {}
@@ -565,7 +603,6 @@ class _Pipeline:
         engine = controller.engine
         shape = shape_of(controller, request)
         needs = shape.needs
-        manager = controller.manager
         by_location = shape.by_location
         runtime = engine.runtime
         deferred = getattr(runtime, "staged_events", False)
@@ -590,7 +627,10 @@ class _Pipeline:
                 if wait and (self._release_on_device(ended) or self._wait_oldest(ended)):
                     continue
                 return False
-            if decision.plan.reclaim and ended:
+            # The plan, its actions and their lowering, as the last staging of this
+            # request ran them when it decided the same.
+            plan, actions, lowered = staged_run(decision, shape.runs, engine.discard_count())
+            if plan.reclaim and ended:
                 # Before the body nothing is released: staging may block the host (a
                 # read from disk), which must not delay the body's kernels.
                 if not wait:
@@ -606,13 +646,12 @@ class _Pipeline:
                 # counted is still free.
                 try:
                     for location, handles in by_location.items():
-                        staged.holds.append(manager.hold(handles, at=location))
+                        staged.holds.append(engine.hold(handles, at=location))
                     self._keep_guard(needs)
                 except BaseException:
                     staged.release()
                     raise
 
-            plan = decision.plan
             # Reads from disk (and loads by sources that load alone) are left to the
             # disk tier's I/O thread (docs/concepts/controller.md#staging).
             tier = engine.disk
@@ -621,7 +660,8 @@ class _Pipeline:
                 try:
                     _plans.execute_staged(
                         engine,
-                        (*plan.reclaim, *plan.enter),
+                        actions,
+                        lowered,
                         name=request.name,
                         transfer_streams=self._streams(shape)[1],
                         expected_state_version=decision.expected_state_version,
