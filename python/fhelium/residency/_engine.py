@@ -136,6 +136,7 @@ class Engine:
         "core",
         "cuda_count",
         "decide_request",
+        "locked",
         "discard_count",
         "disk",
         "drop",
@@ -233,6 +234,9 @@ class Engine:
         # read, search, plan IR, explanation); None when a value was discarded since
         # the request was lowered (docs/concepts/controller.md#decide).
         self.decide_request: Callable[..., Any] = core.decide_request
+        # `locked(operation)`: `operation()` under one hold of the gate, after reaping;
+        # returns what it returned (a staged step's entry: state read, then leases).
+        self.locked: Callable[[Callable[[], Any]], Any] = core.locked
         # `plan_run()`: a new record of one plan run (phase, position, tokens, reports).
         self.plan_run: Callable[[], _core.PlanRun] = partial(_core.PlanRun, _REPORT_RECORDS)
         # `execute_plan(run, ir, handles, actions, streams, version, asynchronous=,

@@ -500,7 +500,7 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
     exits: list[Callable[[Any, Any, Any], object]] = []
     borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
 
-    def borrow(_completed: list[int]) -> Any:
+    def borrow() -> Any:
         # Under the manager's hold, after its completed events were reaped: the state
         # the decision describes, then the leases, with nothing in between.
         view = engine.state_view()
@@ -515,7 +515,7 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
             deciding_at(policy, policy.position)
         unscoped = _Unscoped(request.name, _time_ns())
         exits.append(unscoped.close)
-        view = engine.decide(borrow)[1]
+        view = engine.locked(borrow)
         use._decision = satisfied(engine.manager_id, view, request, policy, plan)
         use._scope = unscoped
         controller.record_access(request)

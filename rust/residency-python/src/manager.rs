@@ -940,6 +940,18 @@ impl CoreManager {
         crate::search::decide_request(self, py, request, limit, cuda_count, policy)
     }
 
+    /// `operation()` under one hold of the gate, after queued releases and completed
+    /// CUDA leases are reaped: what must read the state and act on it with no other
+    /// thread's operation in between (a staged step's entry reads the state its
+    /// decision describes and takes its leases; docs/concepts/controller.md#steps).
+    /// Returns what `operation` returned.
+    fn locked(&self, py: Python<'_>, operation: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        self.with_gate(py, true, true, || {
+            crate::lifetimes::reap(self, py)?;
+            Ok(operation.call0()?.unbind())
+        })
+    }
+
     /// Scope exit in one call: the exit actions, then the scope's reservations.
     fn exit_scope(
         &self,
