@@ -93,7 +93,9 @@ class ReuseOrder(Generic[SimulatedStream]):
         _merge(knows, host)
         clock = dict(knows)
         clock[handle] = self._seq.get(handle, 0)
-        _merge(host, clock)
+        # `_merge(host, clock)`: ``clock`` is at or past ``host`` on every stream (it
+        # took ``host`` in, and no clock knows more of ``handle`` than its `_seq`).
+        host.update(clock)
         return clock
 
     def wait(self, stream: SimulatedStream, clock: Clock | None) -> None:
