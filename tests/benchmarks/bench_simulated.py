@@ -45,8 +45,13 @@ def rows(runtime: SimulatedRuntime, count: int, repeats: int) -> list[tuple[str,
     source = runtime.pin(ResidentTensor(torch.zeros(8)))
     alive: deque[ResidentTensor] = deque(maxlen=4)
 
+    log = runtime.copies
+
     def copy() -> None:
         alive.append(runtime.copy_to_cuda(source, cuda0, stream, non_blocking=True))
+        if len(log) > 64:
+            # The log keeps every copy; a long one only adds garbage-collector work.
+            log.clear()
 
     copy_us = per_call_us(copy, count, repeats)
     on_device = alive[-1]
