@@ -31,6 +31,8 @@ __all__ = ["SimulatedHazard", "StorageEntry", "StorageRegistry", "reserved_nbyte
 _BLOCK: Final = 512
 
 _new_ref: Final = weakref.ref.__new__
+# A named tuple built without its Python ``__new__`` frame (every measurement is one).
+_new_tuple: Final = tuple.__new__
 
 
 class SimulatedHazard(NamedTuple):
@@ -180,13 +182,16 @@ class StorageRegistry:
             if entry is not None:
                 # The entry knows its device's code: no `device.type` read (a slow one).
                 code = entry.code
-                return ValueFacts(
-                    entry.device,
-                    code,
-                    bool(size) and code == -1 and entry.pinned,
-                    tensor.nbytes,
-                    size,
-                    [(code, storage.data_ptr())] if size else [],
+                return _new_tuple(
+                    ValueFacts,
+                    (
+                        entry.device,
+                        code,
+                        bool(size) and code == -1 and entry.pinned,
+                        tensor.nbytes,
+                        size,
+                        [(code, storage.data_ptr())] if size else [],
+                    ),
                 )
             device = tensor.device
             pinned_here = device.type == "cpu" and tensor.is_pinned()
