@@ -549,16 +549,16 @@ class SimulatedRuntime(SimulatedStreams):
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("memory_sample")
-        if type(device) is torch.device and device in self._indices:
-            # A simulated device (or an equal one): the registry's counters know it.
-            return self._storage.sample(device)
-        index = self._device_index(device)
-        return None if index is None else self._storage.sample(self._devices[index])
+        # A simulated device by lookup first (`_device_index` does the rest).
+        index = self._indices.get(device) if type(device) is torch.device else None
+        if index is None:
+            index = self._device_index(device)
+        return None if index is None else self._storage.sample(index)
 
     def _reading(self, device: torch.device, which: int) -> int | None:
         """One allocator reading of a device: 0 allocated, 1 reserved."""
         index = self._device_index(device)
-        return None if index is None else self._storage.sample(self._devices[index])[which]
+        return None if index is None else self._storage.sample(index)[which]
 
     # --- test helpers (not counted, never fault-injected) ---------------------------
     def to_device(self, value: _V, device: torch.device | str | int) -> _V:

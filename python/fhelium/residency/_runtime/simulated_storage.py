@@ -165,8 +165,9 @@ class StorageRegistry:
         # A freed storage's entry lands in `freed` (its weak reference's callback, which
         # may run on any thread, only appends) and leaves the registry and the counters
         # at the next registration or reading.
-        self.allocated: dict[torch.device, int] = dict.fromkeys(devices, 0)
-        self.reserved: dict[torch.device, int] = dict.fromkeys(devices, 0)
+        # By device index: hashing a `torch.device` is slow, and a copy updates both twice.
+        self.allocated: list[int] = [0] * len(devices)
+        self.reserved: list[int] = [0] * len(devices)
         self.freed: collections.deque[StorageEntry] = collections.deque()
 
     # --- facts about values -----------------------------------------------------------
@@ -373,8 +374,8 @@ class StorageRegistry:
             if cuda:
                 if owner is not None:
                     self._order.allocated(owner, entry.key)
-                self.allocated[device] += entry.nbytes
-                self.reserved[device] += entry.reserved
+                self.allocated[code] += entry.nbytes
+                self.reserved[code] += entry.reserved
                 entry.counted = True
 
     def register_copy_locked(
@@ -406,15 +407,16 @@ class StorageRegistry:
             self.uncount_locked(previous)
         entries[key] = entry
         order.allocated(owner, key)
-        self.allocated[device] += entry.nbytes
-        self.reserved[device] += entry.reserved
+        self.allocated[index] += entry.nbytes
+        self.reserved[index] += entry.reserved
         entry.counted = True
 
     def uncount_locked(self, entry: StorageEntry) -> None:
         if entry.counted:
             entry.counted = False
-            self.allocated[entry.device] -= entry.nbytes
-            self.reserved[entry.device] -= entry.reserved
+            # Only a simulated device's entries are counted: `code` is its index.
+            self.allocated[entry.code] -= entry.nbytes
+            self.reserved[entry.code] -= entry.reserved
 
     def drain_freed_locked(self) -> None:
         """Takes the storages freed since the last call out of the registry and counters;
@@ -430,12 +432,13 @@ class StorageRegistry:
                 if entry.cuda:
                     self._order.freed(entry.key, entry.nbytes)
 
-    def sample(self, device: torch.device) -> tuple[int, int]:
-        """(allocated, reserved) bytes of a simulated device, after taking the freed out."""
+    def sample(self, index: int) -> tuple[int, int]:
+        """(allocated, reserved) bytes of the simulated device of index ``index``, after
+        taking the freed out."""
         with self._lock:
             if self.freed:
                 self.drain_freed_locked()
-            return self.allocated[device], self.reserved[device]
+            return self.allocated[index], self.reserved[index]
 
 
 def reserved_nbytes(nbytes: int) -> int:
