@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from fhelium.residency import PAGEABLE_HOST, cuda_location
 from fhelium.residency.simulation import SimulatedRuntime
 from fhelium.values import ResidentTensor, TensorBundle
 
@@ -88,4 +89,24 @@ def test_readings_follow_frees_views_and_other_threads() -> None:
     del on_one
     gc.collect()
     assert runtime.memory_sample(CUDA1) == (0, 0)
+    assert runtime._storage.entries == {}
+
+
+def test_a_freed_storage_s_identity_is_not_taken_while_its_entry_remains() -> None:
+    """A storage freed after a copy keeps its entry until the next registration or
+    reading; until then no new storage may get its identity, or a fresh host tensor
+    would read as living on the simulated device."""
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    stream = runtime.current_stream(CUDA0)
+    source = runtime.pin(ResidentTensor(torch.zeros(8)))
+    for _ in range(50):
+        copied = runtime.copy_to_cuda(source, CUDA0, stream, non_blocking=True)
+        assert runtime.placement(copied) == cuda_location("cuda:0")
+        del copied  # freed: its entry waits in the registry for the next drain
+        fresh = [ResidentTensor(torch.zeros(8)) for _ in range(8)]
+        assert [runtime.placement(value) for value in fresh] == [PAGEABLE_HOST] * 8
+    assert runtime.memory_sample(CUDA0) == (0, 0)
+    del source
+    gc.collect()
+    runtime.memory_sample(CUDA0)
     assert runtime._storage.entries == {}

@@ -78,7 +78,7 @@ class ReuseOrder(Generic[SimulatedStream]):
     def clock(self, stream: SimulatedStream) -> Clock:
         """An event recorded on ``stream`` now: everything enqueued there, and everything
         that is ordered before it."""
-        clock = dict(self._catch_up(stream))
+        clock = self._catch_up(stream).copy()
         clock[stream._handle] = self._seq.get(stream._handle, 0)
         return clock
 
@@ -91,9 +91,11 @@ class ReuseOrder(Generic[SimulatedStream]):
             knows = self._knows[handle] = {}
         host = self._host
         _merge(knows, host)
-        clock = dict(knows)
+        clock = knows.copy()
         clock[handle] = self._seq.get(handle, 0)
-        _merge(host, clock)
+        # `_merge(host, clock)`: ``clock`` is at or past ``host`` on every stream (it
+        # took ``host`` in, and no clock knows more of ``handle`` than its `_seq`).
+        host.update(clock)
         return clock
 
     def wait(self, stream: SimulatedStream, clock: Clock | None) -> None:

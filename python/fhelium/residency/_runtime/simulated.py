@@ -39,6 +39,9 @@ _V = TypeVar("_V", bound=TensorResident)
 
 _CPU: Final = torch.device("cpu")
 
+# A named tuple built without its Python ``__new__`` frame (a copy logs one each).
+_new_tuple: Final = tuple.__new__
+
 _PINNED_UNAVAILABLE: Final = (
     "pinned host storage is unavailable in this simulated runtime (built with pinned=False); "
     "use pageable CPU storage"
@@ -331,11 +334,14 @@ class SimulatedRuntime(SimulatedStreams):
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("copy_to_cuda")
-        index = self._cuda_index(device)
+        # A simulated device by lookup first (`_cuda_index` does the rest).
+        index = self._indices.get(device) if type(device) is torch.device else None
+        if index is None:
+            index = self._cuda_index(device)
         target = self._devices[index]
         if stream is None:
             stream = self._default_streams[index]
-        else:
+        elif type(stream) is not SimulatedStream:
             # A default-stream handle means the target device's default stream here,
             # as the copy runs with the target device current.
             stream = self._resolve_stream(stream, index)
@@ -374,7 +380,8 @@ class SimulatedRuntime(SimulatedStreams):
         """`copy_to_cuda` of a one-tensor value without a timeline (most values): the
         same steps (the source read on ``stream``, the copy, its registration and the
         log entry), with the bookkeeping under one hold of the lock."""
-        source = self._storage.entries.get(tensor.untyped_storage()._cdata)
+        registry = self._storage
+        source = registry.entries.get(tensor.untyped_storage()._cdata)
         # `to(copy=True)` always clones, so even a CPU source gets new, independent
         # storage, exactly like a real host-to-device copy.
         result = value.to(_CPU, copy=True, non_blocking=False)
@@ -382,15 +389,15 @@ class SimulatedRuntime(SimulatedStreams):
         if location is None:
             location = self._cuda_locations[index] = cuda_location(target)
         copies = result._resident_tensors
-        order = self._order
         with self._lock:
-            # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse).
-            order.read(
-                stream,
-                [source.key] if source is not None and source.cuda else [],
-            )
-            self._storage.register_copy_locked(copies, target, stream)
-            self.copies.append(SimulatedCopy(location, stream, non_blocking))
+            # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse);
+            # a host source is not tracked, so the copy is only enqueued there.
+            if source is not None and source.cuda:
+                self._order.read(stream, [source.key])
+            else:
+                self._order.enqueue(stream)
+            registry.register_copy_locked(copies, target, index, stream)
+            self.copies.append(_new_tuple(SimulatedCopy, (location, stream, non_blocking)))
         return result
 
     # --- byte buffers (the disk tier's staging) -------------------------------------
@@ -542,13 +549,16 @@ class SimulatedRuntime(SimulatedStreams):
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("memory_sample")
-        index = self._device_index(device)
-        return None if index is None else self._storage.sample(self._devices[index])
+        # A simulated device by lookup first (`_device_index` does the rest).
+        index = self._indices.get(device) if type(device) is torch.device else None
+        if index is None:
+            index = self._device_index(device)
+        return None if index is None else self._storage.sample(index)
 
     def _reading(self, device: torch.device, which: int) -> int | None:
         """One allocator reading of a device: 0 allocated, 1 reserved."""
         index = self._device_index(device)
-        return None if index is None else self._storage.sample(self._devices[index])[which]
+        return None if index is None else self._storage.sample(index)[which]
 
     # --- test helpers (not counted, never fault-injected) ---------------------------
     def to_device(self, value: _V, device: torch.device | str | int) -> _V:

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable
 from typing import Final, NamedTuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from fhelium.residency._runtime._reuse import ReuseOrder
 from fhelium.residency._runtime.base import ValueFacts
@@ -32,6 +31,8 @@ __all__ = ["SimulatedHazard", "StorageEntry", "StorageRegistry", "reserved_nbyte
 _BLOCK: Final = 512
 
 _new_ref: Final = weakref.ref.__new__
+# A named tuple built without its Python ``__new__`` frame (every measurement is one).
+_new_tuple: Final = tuple.__new__
 
 
 class SimulatedHazard(NamedTuple):
@@ -61,14 +62,27 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
     does a tensor's), so the reference dies, and the callback runs, exactly when the
     storage is freed. ``counted`` is whether the entry's bytes are still in its device's
     counters: a storage registered again replaces its entry and is counted once. The
-    storage's C++ weak reference (``address``) keeps the identity unique: while the entry
-    exists, no other storage can be allocated at its key.
+    storage's C++ weak reference (``address``, what torch's ``StorageWeakRef`` holds,
+    released when the entry goes) keeps the identity unique: while the entry exists, no
+    other storage can be allocated at its key.
     """
 
-    __slots__ = ("address", "counted", "cuda", "device", "key", "nbytes", "pinned", "reserved")
+    __slots__ = (
+        "address",
+        "code",
+        "counted",
+        "cuda",
+        "device",
+        "key",
+        "nbytes",
+        "pinned",
+        "reserved",
+    )
 
     # Plain attributes, set by `make` (see there).
-    address: StorageWeakRef
+    address: int
+    # -1 on the host, the CUDA index on a simulated device (`ValueFacts.device_code`).
+    code: int
     counted: bool
     cuda: bool
     device: torch.device
@@ -76,6 +90,10 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
     nbytes: int
     pinned: bool
     reserved: int
+
+    # Kept on the class, as torch's StorageWeakRef keeps it on each instance: the
+    # `torch` module may be cleared at interpreter exit before the last entry goes.
+    _free_weak_ref: Final[Callable[[int], None]] = torch.UntypedStorage._free_weak_ref
 
     @classmethod
     def make(
@@ -85,23 +103,30 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
         device: torch.device,
         pinned: bool,
         cuda: bool,
+        code: int,
     ) -> StorageEntry:
         """The entry of ``storage`` on simulated ``device`` (``cuda``: whether it is a CUDA
-        device, which the caller knows without reading ``device.type``, a slow property).
+        device, which the caller knows without reading ``device.type``, a slow property;
+        ``code``: -1 on the host, else the device's index).
 
         Built field by field, without Python ``__new__``/``__init__`` frames: every
         simulated copy registers one.
         """
         entry = _new_ref(cls, storage, callback)
-        entry.address = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        entry.address = storage._weak_ref()  # type: ignore[assignment]  # an int, untyped
         entry.key = storage._cdata
         entry.device = device
+        entry.code = code
         entry.pinned = pinned
         entry.cuda = cuda
         entry.nbytes = nbytes = storage.nbytes()
-        entry.reserved = reserved_nbytes(nbytes)
+        # `reserved_nbytes`, inline.
+        entry.reserved = -(-nbytes // _BLOCK) * _BLOCK
         entry.counted = False
         return entry
+
+    def __del__(self) -> None:
+        self._free_weak_ref(self.address)
 
     def alive(self) -> bool:
         return self() is not None
@@ -140,8 +165,9 @@ class StorageRegistry:
         # A freed storage's entry lands in `freed` (its weak reference's callback, which
         # may run on any thread, only appends) and leaves the registry and the counters
         # at the next registration or reading.
-        self.allocated: dict[torch.device, int] = dict.fromkeys(devices, 0)
-        self.reserved: dict[torch.device, int] = dict.fromkeys(devices, 0)
+        # By device index: hashing a `torch.device` is slow, and a copy updates both twice.
+        self.allocated: list[int] = [0] * len(devices)
+        self.reserved: list[int] = [0] * len(devices)
         self.freed: collections.deque[StorageEntry] = collections.deque()
 
     # --- facts about values -----------------------------------------------------------
@@ -153,12 +179,23 @@ class StorageRegistry:
             (tensor,) = tensors
             storage = tensor.untyped_storage()
             entry = self.entries.get(storage._cdata)
-            if entry is not None:
-                device, pinned_here = entry.device, entry.pinned
-            else:
-                device = tensor.device
-                pinned_here = device.type == "cpu" and tensor.is_pinned()
             size = storage.nbytes()
+            if entry is not None:
+                # The entry knows its device's code: no `device.type` read (a slow one).
+                code = entry.code
+                return _new_tuple(
+                    ValueFacts,
+                    (
+                        entry.device,
+                        code,
+                        bool(size) and code == -1 and entry.pinned,
+                        tensor.nbytes,
+                        size,
+                        [(code, storage.data_ptr())] if size else [],
+                    ),
+                )
+            device = tensor.device
+            pinned_here = device.type == "cpu" and tensor.is_pinned()
             code = -1 if device.type == "cpu" else (device.index or 0)
             return ValueFacts(
                 device,
@@ -313,7 +350,9 @@ class StorageRegistry:
         owner: SimulatedStream | None = None,
     ) -> None:
         freed = self.freed.append
-        cuda = device.type == "cuda"
+        kind = device.type
+        cuda = kind == "cuda"
+        code = -1 if kind == "cpu" else (device.index or 0)
         self.drain_freed_locked()
         if owner is not None:
             # An allocation on `owner` may reuse any block freed to its pool.
@@ -325,7 +364,7 @@ class StorageRegistry:
                 # As torch's pinned allocator: zero bytes get no pinned storage, so
                 # an empty tensor stays a plain (pageable) CPU tensor.
                 continue
-            entry = StorageEntry.make(storage, freed, device, pinned, cuda)
+            entry = StorageEntry.make(storage, freed, device, pinned, cuda, code)
             previous = self.entries.get(entry.key)
             if previous is not None and previous.alive():
                 # The same storage again (a view of one already registered): the new
@@ -335,40 +374,49 @@ class StorageRegistry:
             if cuda:
                 if owner is not None:
                     self._order.allocated(owner, entry.key)
-                self.allocated[device] += entry.nbytes
-                self.reserved[device] += entry.reserved
+                self.allocated[code] += entry.nbytes
+                self.reserved[code] += entry.reserved
                 entry.counted = True
 
     def register_copy_locked(
-        self, tensors: tuple[torch.Tensor, ...], device: torch.device, owner: SimulatedStream
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        device: torch.device,
+        index: int,
+        owner: SimulatedStream,
     ) -> None:
-        """`register_locked` of a new copy's tensors on simulated CUDA ``device``, allocated
-        on ``owner``: the same steps, with a shortcut for the common single tensor."""
+        """`register_locked` of a new copy's tensors on simulated CUDA ``device`` (of
+        index ``index``), allocated on ``owner``: the same steps, with a shortcut for the
+        common single tensor."""
         if len(tensors) != 1:
             self.register_locked(tensors, device, pinned=False, owner=owner)
             return
         if self.freed:
             self.drain_freed_locked()
+        order = self._order
         # An allocation on `owner` may reuse any block freed to its pool.
-        for reader, nbytes in self._order.check(owner):
+        for reader, nbytes in order.check(owner):
             self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
         entry = StorageEntry.make(
-            tensors[0].untyped_storage(), self.freed.append, device, False, True
+            tensors[0].untyped_storage(), self.freed.append, device, False, True, index
         )
-        previous = self.entries.get(entry.key)
-        if previous is not None and previous.alive():
+        key = entry.key
+        entries = self.entries
+        previous = entries.get(key)
+        if previous is not None and previous() is not None:
             self.uncount_locked(previous)
-        self.entries[entry.key] = entry
-        self._order.allocated(owner, entry.key)
-        self.allocated[device] += entry.nbytes
-        self.reserved[device] += entry.reserved
+        entries[key] = entry
+        order.allocated(owner, key)
+        self.allocated[index] += entry.nbytes
+        self.reserved[index] += entry.reserved
         entry.counted = True
 
     def uncount_locked(self, entry: StorageEntry) -> None:
         if entry.counted:
             entry.counted = False
-            self.allocated[entry.device] -= entry.nbytes
-            self.reserved[entry.device] -= entry.reserved
+            # Only a simulated device's entries are counted: `code` is its index.
+            self.allocated[entry.code] -= entry.nbytes
+            self.reserved[entry.code] -= entry.reserved
 
     def drain_freed_locked(self) -> None:
         """Takes the storages freed since the last call out of the registry and counters;
@@ -384,12 +432,13 @@ class StorageRegistry:
                 if entry.cuda:
                     self._order.freed(entry.key, entry.nbytes)
 
-    def sample(self, device: torch.device) -> tuple[int, int]:
-        """(allocated, reserved) bytes of a simulated device, after taking the freed out."""
+    def sample(self, index: int) -> tuple[int, int]:
+        """(allocated, reserved) bytes of the simulated device of index ``index``, after
+        taking the freed out."""
         with self._lock:
             if self.freed:
                 self.drain_freed_locked()
-            return self.allocated[device], self.reserved[device]
+            return self.allocated[index], self.reserved[index]
 
 
 def reserved_nbytes(nbytes: int) -> int:

@@ -185,6 +185,7 @@ class SimulatedStreams(SimulatedDevices):
         self._default_streams = tuple(SimulatedStream(self, device) for device in self._devices)
         for default in self._default_streams:
             default._default = True
+        self._default_by_device = dict(zip(self._devices, self._default_streams, strict=True))
         self.waits: list[tuple[SimulatedStream, SimulatedEvent]] = []
         self._order: ReuseOrder[SimulatedStream] = ReuseOrder()
         self._timeline: Timeline | None = None
@@ -268,7 +269,9 @@ class SimulatedStreams(SimulatedDevices):
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("current_stream")
-        return self._default_streams[self._cuda_index(device)]
+        # A simulated device by lookup first (`_cuda_index` does the rest).
+        found = self._default_by_device.get(device) if type(device) is torch.device else None
+        return self._default_streams[self._cuda_index(device)] if found is None else found
 
     def create_stream(self, device: torch.device) -> SimulatedStream:
         """Create a new stream on a simulated device.
@@ -438,6 +441,9 @@ class SimulatedStreams(SimulatedDevices):
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("event_query")
+        if type(event) is SimulatedEvent and self._timing is None:
+            # `_query`'s first case, without its frame: most queries are this one.
+            return event._completed
         if type(event) is StagedEvent:
             return event.query(self._query)
         return self._query(event)
