@@ -9,10 +9,15 @@ use std::sync::Arc;
 use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
 
-/// The phase of a plan an action belongs to, as its diagnostics name it.
+/// A phase of a plan run, as its diagnostics name it: a plan's actions belong to
+/// reclaim, enter or exit; `execute_actions` runs its actions as the one phase
+/// execute, and a scope admits its reservations in the reserve phase, between
+/// reclaim and enter (docs/concepts/plans.md#phase-order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PlanPhase {
+    Execute,
     Reclaim,
+    Reserve,
     Enter,
     Exit,
 }
@@ -20,7 +25,9 @@ pub enum PlanPhase {
 impl PlanPhase {
     pub fn as_str(self) -> &'static str {
         match self {
+            Self::Execute => "execute",
             Self::Reclaim => "reclaim",
+            Self::Reserve => "reserve",
             Self::Enter => "enter",
             Self::Exit => "exit",
         }
@@ -222,10 +229,16 @@ mod tests {
 
     #[test]
     fn phases_have_their_diagnostic_names() {
-        let names: Vec<&str> = [PlanPhase::Reclaim, PlanPhase::Enter, PlanPhase::Exit]
-            .into_iter()
-            .map(PlanPhase::as_str)
-            .collect();
-        assert_eq!(names, ["reclaim", "enter", "exit"]);
+        let names: Vec<&str> = [
+            PlanPhase::Execute,
+            PlanPhase::Reclaim,
+            PlanPhase::Reserve,
+            PlanPhase::Enter,
+            PlanPhase::Exit,
+        ]
+        .into_iter()
+        .map(PlanPhase::as_str)
+        .collect();
+        assert_eq!(names, ["execute", "reclaim", "reserve", "enter", "exit"]);
     }
 }
