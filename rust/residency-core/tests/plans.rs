@@ -22,6 +22,9 @@ use residency_core::{
 const HOST: Location = Location::PageableHost;
 const CUDA: Location = Location::Cuda(0);
 
+/// What completes while the device side reaps.
+type OnReap = Box<dyn FnMut(&Manager)>;
+
 /// A device side that performs actions over the core's tickets, records every call
 /// in order, and fails where it is told to.
 struct Fake<'m> {
@@ -35,7 +38,7 @@ struct Fake<'m> {
     /// The reservation position refused at admission.
     refuse: Option<usize>,
     /// Run at the reap: what completed in the meantime (changes the version).
-    on_reap: Option<Box<dyn FnMut(&Manager)>>,
+    on_reap: Option<OnReap>,
     calls: Vec<String>,
     released: Vec<u64>,
 }
@@ -165,7 +168,10 @@ impl Device for Fake<'_> {
 
     fn release(&mut self, token: u64) {
         self.calls.push(format!("release {token}"));
-        assert!(self.manager.release_reservation(token), "token {token} held");
+        assert!(
+            self.manager.release_reservation(token),
+            "token {token} held"
+        );
         self.released.push(token);
     }
 }
@@ -337,7 +343,9 @@ fn an_infeasible_preflight_raises_the_simulations_reason_and_runs_nothing() {
     let slots: Vec<SlotResolution> = vec![Ok(small), Ok(large)];
     let simulation = manager.simulate(&plan, &slots, CudaDevices::Count(1), &[], &[]);
     assert!(!simulation.feasible);
-    let reason = simulation.reason.expect("an infeasible simulation says why");
+    let reason = simulation
+        .reason
+        .expect("an infeasible simulation says why");
     let version = manager.version();
 
     let mut device = Fake::new(&manager, &[small, large]);
@@ -373,7 +381,10 @@ fn an_execute_failure_keeps_the_committed_prefix() {
     device.fail = Some((PlanPhase::Execute, 2));
     let mut run = PlanRun::new();
     let stopped = run.execute(&manager, &plan, &mut device);
-    assert!(matches!(stopped, Err(RunError::Device(CoreError::Unavailable { .. }))));
+    assert!(matches!(
+        stopped,
+        Err(RunError::Device(CoreError::Unavailable { .. }))
+    ));
     assert_eq!(run.phase(), Some(PlanPhase::Execute));
     assert_eq!(run.position(), 2);
     assert_eq!(
@@ -468,8 +479,16 @@ fn a_refused_reservation_gives_back_the_earlier_ones_newest_first() {
         admitted.sort_unstable();
         admitted.reverse();
         assert_eq!(device.released, admitted, "newest first");
-        assert_eq!(reserved(&manager, CUDA), before_cuda, "refused at {refused}");
-        assert_eq!(reserved(&manager, HOST), before_host, "refused at {refused}");
+        assert_eq!(
+            reserved(&manager, CUDA),
+            before_cuda,
+            "refused at {refused}"
+        );
+        assert_eq!(
+            reserved(&manager, HOST),
+            before_host,
+            "refused at {refused}"
+        );
         assert!(device.performed().is_empty(), "enter never ran");
         assert!(!resident(&manager, value, CUDA));
         assert!(manager.release_reservation(outside));
@@ -524,7 +543,10 @@ fn exit_gives_back_the_reservations_even_when_an_action_fails() {
     assert!(device.released.is_empty());
 
     let exited = run.exit(&mut device);
-    assert!(matches!(exited, Err(RunError::Device(CoreError::Unavailable { .. }))));
+    assert!(matches!(
+        exited,
+        Err(RunError::Device(CoreError::Unavailable { .. }))
+    ));
     assert_eq!(run.phase(), Some(PlanPhase::Exit));
     assert_eq!(run.position(), 0);
     assert_eq!(device.released.len(), 2);

@@ -15,7 +15,10 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
-use residency_core::{Begun, CoreError, Freed, HandleId, InFlight, Landed, Location, Ticket, Work};
+use residency_core::{
+    Action, ActionKind, Begun, CoreError, Freed, HandleId, HandleSlot, InFlight, Inputs, Landed,
+    Location, PlanPhase, PlanRun, Reservation, RunError, Ticket, Work,
+};
 
 use crate::errors::to_py_err;
 use crate::manager::CoreManager;
@@ -214,14 +217,6 @@ impl Context {
     /// The builder of transition report records.
     pub(crate) fn report_builder<'py>(&'py self, _py: Python<'py>) -> &'py RecordBuilder {
         self.report.get()
-    }
-
-    pub(crate) fn ensure_class<'py>(&'py self, py: Python<'py>) -> &'py Bound<'py, PyAny> {
-        self.ensure.bind(py)
-    }
-
-    pub(crate) fn move_class<'py>(&'py self, py: Python<'py>) -> &'py Bound<'py, PyAny> {
-        self.move_.bind(py)
     }
 
     pub(crate) fn type_key(&self, py: Python<'_>, value_type: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -436,14 +431,6 @@ impl Context {
     }
 }
 
-#[derive(Clone, Copy)]
-enum Kind {
-    Ensure,
-    Move,
-    Drop,
-    Discard,
-}
-
 pub(crate) fn now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -480,7 +467,8 @@ impl Sample<'_> {
     }
 }
 
-/// Runs `action` as one transition, taking the gate for it.
+/// Runs `action` as one transition, taking the gate for it: a one-action plan (see
+/// `one_action`).
 pub fn run(
     manager: &CoreManager,
     py: Python<'_>,
@@ -488,7 +476,16 @@ pub fn run(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     manager.enter_transition_gate(py)?;
-    let result = execute(manager, py, action, stream, None);
+    let result = (|| {
+        crate::lifetimes::reap(manager, py)?;
+        let started = now_ns();
+        let handle = action.getattr(intern!(py, "handle"))?;
+        let Some(index) = manager.resolve_live(py, &handle)? else {
+            return Err(manager.handle_error(py, &handle)?);
+        };
+        let step = read_step(manager, py, action, stream)?;
+        one_action(manager, py, action, index, &step, started)
+    })();
     manager.core().end_transition_and_exit();
     Ok(result?
         .report(py, manager.context().report_builder(py))?
@@ -497,19 +494,24 @@ pub fn run(
 
 /// `ensure(handle, at)`, `move(handle, to, from_location)` or `drop(handle, at)`
 /// called directly with a handle and location records of the exact classes: the
-/// action record is built here, then run as one transition.
+/// action record is built here, then run as a one-action plan.
 pub fn run_direct(
     manager: &CoreManager,
     py: Python<'_>,
-    kind: DirectKind,
+    kind: ActionKind,
     fields: &[&Bound<'_, PyAny>],
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let context = manager.context();
     let (builder, code, class) = match kind {
-        DirectKind::Ensure => (&context.new_ensure, 0, &context.ensure),
-        DirectKind::Move => (&context.new_move, 1, &context.move_),
-        DirectKind::Drop => (&context.new_drop, 2, &context.drop),
+        ActionKind::Ensure => (&context.new_ensure, 0, &context.ensure),
+        ActionKind::Move => (&context.new_move, 1, &context.move_),
+        ActionKind::Drop => (&context.new_drop, 2, &context.drop),
+        ActionKind::Discard => {
+            return Err(PyTypeError::new_err(
+                "internal error: discard is not a direct call",
+            ));
+        }
     };
     // Arguments of other classes (subclasses, or not records at all) go through the
     // action class's own constructor, which checks them.
@@ -542,10 +544,9 @@ pub fn run_direct(
             "internal error: a direct call without its arguments",
         ));
     };
-    let (kind, from) = match kind {
-        DirectKind::Ensure => (Kind::Ensure, None),
-        DirectKind::Move => (Kind::Move, fields.get(2)),
-        DirectKind::Drop => (Kind::Drop, None),
+    let from = match kind {
+        ActionKind::Move => fields.get(2),
+        _ => None,
     };
     manager.enter_transition_gate(py)?;
     // The same order of checks as `execute`: the handle, then the locations.
@@ -555,29 +556,112 @@ pub fn run_direct(
         let Some(index) = manager.resolve_live(py, handle)? else {
             return Err(manager.handle_error(py, handle)?);
         };
-        let (step, bound) = step(manager, py, kind, location, from, stream)?;
-        execute_step(manager, py, &action, index, step, bound.as_ref(), started)
+        let step = step(manager, py, kind, location, from, stream)?;
+        one_action(manager, py, &action, index, &step, started)
     })();
     manager.core().end_transition_and_exit();
     Ok(result?.report(py, context.report_builder(py))?.unbind())
 }
 
-/// The primitives `run_direct` builds actions for.
-#[derive(Debug, Clone, Copy)]
-pub enum DirectKind {
-    Ensure,
-    Move,
-    Drop,
+/// A checked action of value `index` as the core's plan runner performs it: a
+/// one-action plan, with no version check or preflight, on the path every plan's
+/// actions take (`residency_core::PlanRun::perform`).
+fn one_action<'py>(
+    manager: &CoreManager,
+    py: Python<'py>,
+    record: &Bound<'py, PyAny>,
+    index: HandleId,
+    step: &Step<'py>,
+    started: u64,
+) -> PyResult<Arc<Transition>> {
+    let mut run = PlanRun::new();
+    let mut device = OneAction {
+        manager,
+        py,
+        record,
+        location: &step.location,
+        stream: step.stream.as_ref(),
+        started,
+    };
+    match run.perform(&step.action, index, &mut device) {
+        Ok(()) => run.into_done().pop().ok_or_else(|| {
+            PyRuntimeError::new_err("internal error: a one-action plan without its transition")
+        }),
+        Err(RunError::Device(error)) => Err(error),
+        Err(RunError::Core(error)) => Err(to_py_err(py, error)),
+    }
+}
+
+/// The device side of a one-action plan: its action was checked before the run.
+struct OneAction<'a, 'py> {
+    manager: &'a CoreManager,
+    py: Python<'py>,
+    record: &'a Bound<'py, PyAny>,
+    location: &'a Bound<'py, PyAny>,
+    stream: Option<&'a Bound<'py, PyAny>>,
+    started: u64,
+}
+
+impl residency_core::Device for OneAction<'_, '_> {
+    type Done = Arc<Transition>;
+    type Error = PyErr;
+
+    fn reap(&mut self) -> PyResult<()> {
+        crate::lifetimes::reap(self.manager, self.py)
+    }
+
+    fn expected_version(&mut self) -> PyResult<Option<u64>> {
+        Ok(None)
+    }
+
+    fn inputs(&mut self) -> PyResult<Inputs> {
+        Err(PyRuntimeError::new_err(
+            "internal error: a one-action plan is not preflighted",
+        ))
+    }
+
+    fn perform(
+        &mut self,
+        _phase: PlanPhase,
+        _position: usize,
+        action: &Action,
+        index: Option<HandleId>,
+    ) -> PyResult<Arc<Transition>> {
+        let Some(index) = index else {
+            return Err(PyRuntimeError::new_err(
+                "internal error: a one-action plan without its value",
+            ));
+        };
+        let (manager, py) = (self.manager, self.py);
+        execute_step(
+            manager,
+            py,
+            self.record,
+            index,
+            action,
+            self.location,
+            self.stream,
+            self.started,
+        )
+    }
+
+    fn reserve(&mut self, _position: usize, _reservation: &Reservation) -> PyResult<u64> {
+        Err(PyRuntimeError::new_err(
+            "internal error: a one-action plan holds no reservation",
+        ))
+    }
+
+    fn release(&mut self, _token: u64) {}
 }
 
 /// The action's kind: by exact class first, then as a subclass of one of the four.
-fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<Kind> {
+fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<ActionKind> {
     let action_type = action.get_type();
     let classes = [
-        (&context.ensure, Kind::Ensure),
-        (&context.move_, Kind::Move),
-        (&context.drop, Kind::Drop),
-        (&context.discard, Kind::Discard),
+        (&context.ensure, ActionKind::Ensure),
+        (&context.move_, ActionKind::Move),
+        (&context.drop, ActionKind::Drop),
+        (&context.discard, ActionKind::Discard),
     ];
     for (class, kind) in classes {
         if action_type.is(class) {
@@ -595,36 +679,30 @@ fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<Kind> {
     )))
 }
 
-/// An action's locations, checked, with its transfer stream checked against them.
-enum Step<'py> {
-    Ensure {
-        at: Location,
-        location: Bound<'py, PyAny>,
-    },
-    Move {
-        to: Location,
-        location: Bound<'py, PyAny>,
-        from: Option<Location>,
-    },
-    Drop {
-        at: Location,
-        location: Bound<'py, PyAny>,
-    },
-    Discard,
+/// An action record read and checked: the core's action (its one value at slot 0)
+/// with its location codes, the location record it names (a move's destination; the
+/// record itself for a discard, which names none), and its transfer stream as the
+/// runtime binds it to that location's device, which is what the copies, events and
+/// synchronisations then use: a default-stream handle names the *current* device's
+/// default stream, so the raw object would follow whatever device is current when
+/// they run (docs/concepts/simulation.md#current-device-and-default-streams).
+struct Step<'py> {
+    action: Action,
+    location: Bound<'py, PyAny>,
+    stream: Option<Bound<'py, PyAny>>,
 }
 
-/// The checked step of `action`, with its transfer stream as bound to the step's
-/// location (see `step`).
+/// The checked step of `action`, with its transfer stream (see `step`).
 fn read_step<'py>(
     manager: &CoreManager,
     py: Python<'py>,
     action: &Bound<'py, PyAny>,
     stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<(Step<'py>, Option<Bound<'py, PyAny>>)> {
+) -> PyResult<Step<'py>> {
     let context = manager.context();
     let kind = action_kind(context, action)?;
     match kind {
-        Kind::Ensure | Kind::Drop => step(
+        ActionKind::Ensure | ActionKind::Drop => step(
             manager,
             py,
             kind,
@@ -632,7 +710,7 @@ fn read_step<'py>(
             None,
             stream,
         ),
-        Kind::Move => step(
+        ActionKind::Move => step(
             manager,
             py,
             kind,
@@ -640,38 +718,35 @@ fn read_step<'py>(
             Some(&&action.getattr(intern!(py, "from_location"))?),
             stream,
         ),
-        Kind::Discard => step(manager, py, kind, action, None, stream),
+        ActionKind::Discard => step(manager, py, kind, action, None, stream),
     }
 }
 
 /// The step of an action of `kind` with its location fields (`location` is the
-/// destination of a move and unused for a discard), checked with its stream; and the
-/// stream as the runtime binds it to the location's device, which is what the copies,
-/// events and synchronisations then use: a default-stream handle names the *current*
-/// device's default stream, so the raw object would follow whatever device is current
-/// when they run (docs/concepts/simulation.md#current-device-and-default-streams).
+/// destination of a move and unused for a discard), checked with its stream.
 fn step<'py>(
     manager: &CoreManager,
     py: Python<'py>,
-    kind: Kind,
+    kind: ActionKind,
     location: &Bound<'py, PyAny>,
     from: Option<&&Bound<'py, PyAny>>,
     stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<(Step<'py>, Option<Bound<'py, PyAny>>)> {
+) -> PyResult<Step<'py>> {
     let context = manager.context();
+    let handle = HandleSlot(0);
     let mut bound = None;
-    let checked = match kind {
-        Kind::Ensure => {
+    let action = match kind {
+        ActionKind::Ensure => {
             let at = context.location_code(py, location)?;
             if let Some(stream) = stream {
                 bound = Some(context.check_stream(py, stream, location, at)?);
             }
-            Step::Ensure {
-                at,
-                location: location.clone(),
+            Action::Ensure {
+                handle,
+                location: at,
             }
         }
-        Kind::Move => {
+        ActionKind::Move => {
             let to = context.location_code(py, location)?;
             let from = match from {
                 Some(from) if !from.is_none() => Some(context.location_code(py, from)?),
@@ -680,34 +755,34 @@ fn step<'py>(
             if let Some(stream) = stream {
                 bound = Some(context.check_stream(py, stream, location, to)?);
             }
-            Step::Move {
-                to,
-                location: location.clone(),
-                from,
-            }
+            Action::Move { handle, to, from }
         }
-        Kind::Drop => {
+        ActionKind::Drop => {
             let at = context.location_code(py, location)?;
             if stream.is_some() {
                 return Err(PyValueError::new_err(
                     "DropResident does not take a transfer stream",
                 ));
             }
-            Step::Drop {
-                at,
-                location: location.clone(),
+            Action::Drop {
+                handle,
+                location: at,
             }
         }
-        Kind::Discard => {
+        ActionKind::Discard => {
             if stream.is_some() {
                 return Err(PyValueError::new_err(
                     "DiscardValue does not take a transfer stream",
                 ));
             }
-            Step::Discard
+            Action::Discard { handle }
         }
     };
-    Ok((checked, bound))
+    Ok(Step {
+        action,
+        location: location.clone(),
+        stream: bound,
+    })
 }
 
 /// Runs `action` inside a transition; the caller holds the gate. `resolved` is the
@@ -730,39 +805,51 @@ pub fn execute(
         };
         index
     };
-    let (step, bound) = read_step(manager, py, action, stream)?;
-    execute_step(manager, py, action, index, step, bound.as_ref(), started)
+    let step = read_step(manager, py, action, stream)?;
+    execute_step(
+        manager,
+        py,
+        action,
+        index,
+        &step.action,
+        &step.location,
+        step.stream.as_ref(),
+        started,
+    )
 }
 
-/// Runs the checked `step` of `action` on value `index`; the caller holds the gate.
+/// Runs the checked `action` of record `record` on value `index`, with the location
+/// record it names; the caller holds the gate.
+#[allow(clippy::too_many_arguments)] // the checked step's parts
 fn execute_step<'py>(
     manager: &CoreManager,
     py: Python<'py>,
-    action: &Bound<'py, PyAny>,
+    record: &Bound<'py, PyAny>,
     index: HandleId,
-    step: Step<'py>,
+    action: &Action,
+    location: &Bound<'py, PyAny>,
     stream: Option<&Bound<'py, PyAny>>,
     started: u64,
 ) -> PyResult<Arc<Transition>> {
     let context = manager.context();
     let core = manager.core();
-    let device = match &step {
-        Step::Ensure { at, location } | Step::Drop { at, location } => {
+    let device = match *action {
+        Action::Ensure { location: at, .. } | Action::Drop { location: at, .. } => {
             if matches!(at, Location::Cuda(_)) {
                 Some(location.getattr(intern!(py, "device"))?)
             } else {
                 None
             }
         }
-        Step::Move { to, from, .. } => {
-            let mut touched = vec![*to];
+        Action::Move { to, from, .. } => {
+            let mut touched = vec![to];
             match from {
-                Some(from) => touched.push(*from),
+                Some(from) => touched.push(from),
                 None => touched.extend(lift(py, core.materialization_locations(index))?),
             }
             first_cuda(context, py, &touched)?
         }
-        Step::Discard => first_cuda(
+        Action::Discard { .. } => first_cuda(
             context,
             py,
             &lift(py, core.materialization_locations(index))?,
@@ -776,21 +863,19 @@ fn execute_step<'py>(
         Some(cuda) if sampled => sample(context, py, cuda)?,
         _ => None,
     };
-    let outcome = match step {
-        Step::Ensure { at, location } => ensure(manager, py, index, at, &location, stream)?,
-        Step::Move { to, location, from } => {
-            move_(manager, py, index, to, &location, from, stream)?
-        }
-        Step::Drop { at, location } => {
+    let outcome = match *action {
+        Action::Ensure { location: at, .. } => ensure(manager, py, index, at, location, stream)?,
+        Action::Move { to, from, .. } => move_(manager, py, index, to, location, from, stream)?,
+        Action::Drop { location: at, .. } => {
             let dropped = manager.drop_value(py, index, at)?;
             Outcome {
                 no_op: !dropped,
-                source: Some(location),
+                source: Some(location.clone()),
                 destination: None,
                 reason: (!dropped).then(|| context.drop_noop.bind(py).clone()),
             }
         }
-        Step::Discard => {
+        Action::Discard { .. } => {
             manager.discard_value(py, index)?;
             Outcome {
                 no_op: false,
@@ -813,7 +898,7 @@ fn execute_step<'py>(
         })
     });
     let transition = Arc::new(Transition {
-        action: action.clone().unbind(),
+        action: record.clone().unbind(),
         no_op: outcome.no_op,
         source: outcome.source.map(Bound::unbind),
         destination: outcome.destination.map(Bound::unbind),

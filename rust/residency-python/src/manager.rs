@@ -19,7 +19,7 @@ use residency_core::{
 };
 
 use crate::direct::AdoptedShapes;
-use crate::execute::{Context, DirectKind, Transition};
+use crate::execute::{Context, Transition};
 use crate::kinds::LifetimeKind;
 use crate::objects::Objects;
 use crate::plan::PlanIr;
@@ -555,7 +555,13 @@ impl CoreManager {
         at: &Bound<'_, PyAny>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        crate::execute::run_direct(self, py, DirectKind::Ensure, &[handle, at], stream)
+        crate::execute::run_direct(
+            self,
+            py,
+            residency_core::ActionKind::Ensure,
+            &[handle, at],
+            stream,
+        )
     }
 
     /// `move`, as `ensure` is above.
@@ -571,7 +577,7 @@ impl CoreManager {
         crate::execute::run_direct(
             self,
             py,
-            DirectKind::Move,
+            residency_core::ActionKind::Move,
             &[handle, to, from_location],
             stream,
         )
@@ -584,7 +590,13 @@ impl CoreManager {
         handle: &Bound<'_, PyAny>,
         at: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        crate::execute::run_direct(self, py, DirectKind::Drop, &[handle, at], None)
+        crate::execute::run_direct(
+            self,
+            py,
+            residency_core::ActionKind::Drop,
+            &[handle, at],
+            None,
+        )
     }
 
     /// Borrows normalised `handles` at `at`; CUDA needs the consumer stream.

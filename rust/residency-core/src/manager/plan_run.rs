@@ -74,8 +74,7 @@ pub trait Device {
     ) -> Result<Self::Done, Self::Error>;
 
     /// Admits `reservation`, at `position` of the plan's reservations; its token.
-    fn reserve(&mut self, position: usize, reservation: &Reservation)
-    -> Result<u64, Self::Error>;
+    fn reserve(&mut self, position: usize, reservation: &Reservation) -> Result<u64, Self::Error>;
 
     /// Releases an admitted reservation.
     fn release(&mut self, token: u64);
@@ -172,7 +171,7 @@ impl<T> PlanRun<T> {
         plan: &Plan,
         device: &mut D,
     ) -> Result<(), RunError<D::Error>> {
-        let slots = self.prepare(manager, plan, device)?;
+        let slots = prepare(manager, plan, device)?;
         self.run_phase(
             PlanPhase::Execute,
             plan.enter(),
@@ -189,7 +188,7 @@ impl<T> PlanRun<T> {
         plan: &Arc<Plan>,
         device: &mut D,
     ) -> Result<(), RunError<D::Error>> {
-        let slots = self.prepare(manager, plan, device)?;
+        let slots = prepare(manager, plan, device)?;
         self.plan = Some(Arc::clone(plan));
         let resolve = |action: &Action| resolved(&slots, action);
         let entered = self
@@ -229,35 +228,6 @@ impl<T> PlanRun<T> {
             |_| Some(index),
             device,
         )
-    }
-
-    /// The checks every plan entry makes first, in order (see the module
-    /// documentation); each handle slot's resolution.
-    fn prepare<D: Device<Done = T>>(
-        &mut self,
-        manager: &Manager,
-        plan: &Plan,
-        device: &mut D,
-    ) -> Result<Arc<[SlotResolution]>, RunError<D::Error>> {
-        device.reap().map_err(RunError::Device)?;
-        if let Some(expected) = device.expected_version().map_err(RunError::Device)? {
-            manager.check_version(expected).map_err(RunError::Core)?;
-        }
-        let Inputs {
-            slots,
-            cuda,
-            labels,
-        } = device.inputs().map_err(RunError::Device)?;
-        let simulation: Simulation =
-            device.detached(|| manager.simulate(plan, &slots, cuda, &[], &labels));
-        if !simulation.feasible {
-            return Err(RunError::Core(CoreError::Plan {
-                message: simulation
-                    .reason
-                    .unwrap_or_else(|| "the plan is infeasible".to_owned()),
-            }));
-        }
-        Ok(slots)
     }
 
     /// Performs `actions` in order as `phase`, keeping what each gives back.
@@ -301,6 +271,34 @@ impl<T> PlanRun<T> {
         self.phase_start = self.done.len();
         self.reservation = None;
     }
+}
+
+/// The checks every plan entry makes first, in order (see the module
+/// documentation); each handle slot's resolution.
+fn prepare<D: Device>(
+    manager: &Manager,
+    plan: &Plan,
+    device: &mut D,
+) -> Result<Arc<[SlotResolution]>, RunError<D::Error>> {
+    device.reap().map_err(RunError::Device)?;
+    if let Some(expected) = device.expected_version().map_err(RunError::Device)? {
+        manager.check_version(expected).map_err(RunError::Core)?;
+    }
+    let Inputs {
+        slots,
+        cuda,
+        labels,
+    } = device.inputs().map_err(RunError::Device)?;
+    let simulation: Simulation =
+        device.detached(|| manager.simulate(plan, &slots, cuda, &[], &labels));
+    if !simulation.feasible {
+        return Err(RunError::Core(CoreError::Plan {
+            message: simulation
+                .reason
+                .unwrap_or_else(|| "the plan is infeasible".to_owned()),
+        }));
+    }
+    Ok(slots)
 }
 
 /// The handle index of an action of a preflighted phase.
