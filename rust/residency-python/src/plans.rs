@@ -24,10 +24,11 @@ use residency_core::{
 };
 
 use crate::errors::{stale_state, to_py_err};
-use crate::execute::{self, Transition};
+use crate::execute;
 use crate::manager::CoreManager;
 use crate::plan::PlanIr;
 use crate::records::RecordBuilder;
+use crate::transition::{Transition, reports};
 
 /// The core's run of one plan, with what committed as transition records.
 type CoreRun = residency_core::PlanRun<Arc<Transition>>;
@@ -94,7 +95,7 @@ impl PlanRun {
     /// The committed transitions' report records, in order (built once each).
     fn reports<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let transitions = self.state().run.done().to_vec();
-        execute::reports(py, self.reports.get(), &transitions)
+        reports(py, self.reports.get(), &transitions)
     }
 
     /// Takes the reservation tokens the run still holds, newest first.
