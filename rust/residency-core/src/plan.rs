@@ -4,10 +4,11 @@
 //! per-plan table so the manager resolves each distinct handle once per execution.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
+use crate::simulate::SlotResolution;
 
 /// A phase of a plan run, as its diagnostics name it: a plan's actions belong to
 /// reclaim, enter or exit; `execute_actions` runs its actions as the one phase
@@ -92,6 +93,32 @@ pub enum Action {
 }
 
 impl Action {
+    /// An action as the bindings encode it: its kind, its handle slot, the location
+    /// code it names (a move's destination; ignored for a discard) and a move's source
+    /// code, negative where absent.
+    pub fn decode(kind: ActionKind, handle: HandleSlot, code: i64, from: i64) -> CoreResult<Self> {
+        Ok(match kind {
+            ActionKind::Ensure => Self::Ensure {
+                handle,
+                location: Location::from_signed_code(code)?,
+            },
+            ActionKind::Move => Self::Move {
+                handle,
+                to: Location::from_signed_code(code)?,
+                from: if from < 0 {
+                    None
+                } else {
+                    Some(Location::from_signed_code(from)?)
+                },
+            },
+            ActionKind::Drop => Self::Drop {
+                handle,
+                location: Location::from_signed_code(code)?,
+            },
+            ActionKind::Discard => Self::Discard { handle },
+        })
+    }
+
     pub fn handle(&self) -> HandleSlot {
         match *self {
             Self::Ensure { handle, .. }
@@ -99,6 +126,44 @@ impl Action {
             | Self::Drop { handle, .. }
             | Self::Discard { handle } => handle,
         }
+    }
+}
+
+/// A plan's handle slots as last resolved against one manager: they hold until that
+/// manager discards a value (the one change that ends a handle), so a plan preflighted
+/// or explained again resolves nothing again.
+#[derive(Debug, Default)]
+pub struct Resolutions {
+    last: Mutex<Option<Resolved>>,
+}
+
+/// The manager id and discard count a resolution holds for, and the resolution.
+type Resolved = (Arc<str>, u64, Arc<[SlotResolution]>);
+
+impl Resolutions {
+    /// The slots' resolution against the manager `manager_id` after `discards`
+    /// discards: the one kept, when it holds, else `resolve()`'s, kept.
+    pub fn get<E>(
+        &self,
+        manager_id: &Arc<str>,
+        discards: u64,
+        resolve: impl FnOnce() -> Result<Arc<[SlotResolution]>, E>,
+    ) -> Result<Arc<[SlotResolution]>, E> {
+        let kept = self
+            .last
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .filter(|(known, at, _)| *at == discards && known == manager_id)
+            .map(|(.., slots)| Arc::clone(slots));
+        if let Some(slots) = kept {
+            return Ok(slots);
+        }
+        // Resolved without the lock: resolving may run the glue's code.
+        let slots = resolve()?;
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((Arc::clone(manager_id), discards, Arc::clone(&slots)));
+        Ok(slots)
     }
 }
 

@@ -15,8 +15,8 @@ use common::spec;
 
 use residency_core::{
     Action, Begun, CoreError, CudaDevices, Device, HandleId, HandleRef, HandleSlot, Inputs,
-    Location, Manager, Plan, PlanPhase, PlanRun, Reservation, RunError, SlotResolution, Ticket,
-    Work,
+    Location, Manager, Plan, PlanDevice, PlanPhase, PlanRun, Reservation, RunError, SlotResolution,
+    Ticket, Work,
 };
 
 const HOST: Location = Location::PageableHost;
@@ -94,28 +94,6 @@ impl Device for Fake<'_> {
     type Done = (PlanPhase, usize);
     type Error = CoreError;
 
-    fn reap(&mut self) -> Result<(), CoreError> {
-        self.calls.push("reap".to_owned());
-        if let Some(on_reap) = self.on_reap.as_mut() {
-            on_reap(self.manager);
-        }
-        Ok(())
-    }
-
-    fn expected_version(&mut self) -> Result<Option<u64>, CoreError> {
-        self.calls.push("version".to_owned());
-        Ok(self.expected)
-    }
-
-    fn inputs(&mut self) -> Result<Inputs, CoreError> {
-        self.calls.push("inputs".to_owned());
-        Ok(Inputs {
-            slots: self.values.iter().map(|&index| Ok(index)).collect(),
-            cuda: CudaDevices::Count(1),
-            labels: Vec::new(),
-        })
-    }
-
     fn perform(
         &mut self,
         phase: PlanPhase,
@@ -151,6 +129,30 @@ impl Device for Fake<'_> {
             }
         }
         Ok((phase, position))
+    }
+}
+
+impl PlanDevice for Fake<'_> {
+    fn reap(&mut self) -> Result<(), CoreError> {
+        self.calls.push("reap".to_owned());
+        if let Some(on_reap) = self.on_reap.as_mut() {
+            on_reap(self.manager);
+        }
+        Ok(())
+    }
+
+    fn expected_version(&mut self) -> Result<Option<u64>, CoreError> {
+        self.calls.push("version".to_owned());
+        Ok(self.expected)
+    }
+
+    fn inputs(&mut self) -> Result<Inputs, CoreError> {
+        self.calls.push("inputs".to_owned());
+        Ok(Inputs {
+            slots: self.values.iter().map(|&index| Ok(index)).collect(),
+            cuda: CudaDevices::Count(1),
+            labels: Vec::new(),
+        })
     }
 
     fn reserve(&mut self, position: usize, reservation: &Reservation) -> Result<u64, CoreError> {

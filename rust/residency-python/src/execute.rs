@@ -14,8 +14,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 use residency_core::{
-    Action, ActionKind, Begun, CoreError, Freed, HandleId, HandleSlot, InFlight, Inputs, Landed,
-    Location, PlanPhase, PlanRun, Reservation, RunError, Ticket, Work,
+    Action, ActionKind, Begun, CoreError, Freed, HandleId, HandleSlot, InFlight, Landed, Location,
+    PlanPhase, PlanRun, RunError, Ticket, Work,
 };
 
 use crate::context::Context;
@@ -60,21 +60,13 @@ pub fn run(
     action: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
-    manager.enter_transition_gate(py)?;
-    let result = (|| {
-        crate::lifetimes::reap(manager, py)?;
-        let started = now_ns();
-        let handle = action.getattr(intern!(py, "handle"))?;
-        let Some(index) = manager.resolve_live(py, &handle)? else {
-            return Err(manager.handle_error(py, &handle)?);
-        };
-        let step = read_step(manager, py, action, stream)?;
-        one_action(manager, py, action, index, &step, started)
-    })();
-    manager.core().end_transition_and_exit();
-    Ok(result?
-        .report(py, manager.context().report_builder(py))?
-        .unbind())
+    one_action(
+        manager,
+        py,
+        action,
+        || action.getattr(intern!(py, "handle")),
+        || read_step(manager, py, action, stream),
+    )
 }
 
 /// `ensure(handle, at)`, `move(handle, to, from_location)` or `drop(handle, at)`
@@ -133,25 +125,45 @@ pub fn run_direct(
         ActionKind::Move => fields.get(2),
         _ => None,
     };
+    one_action(
+        manager,
+        py,
+        &action,
+        || Ok((*handle).clone()),
+        || step(manager, py, kind, location, from, stream),
+    )
+}
+
+/// One action record's transition under the gate, as the core's plan runner
+/// performs it: a one-action plan, with no version check or preflight, on the path
+/// every plan's actions take (`residency_core::PlanRun::perform`). The checks run in
+/// the order `execute` runs them: the reap, the handle, then the locations (`step`).
+fn one_action<'py>(
+    manager: &CoreManager,
+    py: Python<'py>,
+    record: &Bound<'py, PyAny>,
+    handle: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
+    step: impl FnOnce() -> PyResult<Step<'py>>,
+) -> PyResult<Py<PyAny>> {
     manager.enter_transition_gate(py)?;
-    // The same order of checks as `execute`: the handle, then the locations.
     let result = (|| {
         crate::lifetimes::reap(manager, py)?;
         let started = now_ns();
-        let Some(index) = manager.resolve_live(py, handle)? else {
-            return Err(manager.handle_error(py, handle)?);
+        let handle = handle()?;
+        let Some(index) = manager.resolve_live(py, &handle)? else {
+            return Err(manager.handle_error(py, &handle)?);
         };
-        let step = step(manager, py, kind, location, from, stream)?;
-        one_action(manager, py, &action, index, &step, started)
+        let step = step()?;
+        perform(manager, py, record, index, &step, started)
     })();
     manager.core().end_transition_and_exit();
-    Ok(result?.report(py, context.report_builder(py))?.unbind())
+    Ok(result?
+        .report(py, manager.context().report_builder(py))?
+        .unbind())
 }
 
-/// A checked action of value `index` as the core's plan runner performs it: a
-/// one-action plan, with no version check or preflight, on the path every plan's
-/// actions take (`residency_core::PlanRun::perform`).
-fn one_action<'py>(
+/// Runs the checked `step` of `record` on value `index` through the core's runner.
+fn perform<'py>(
     manager: &CoreManager,
     py: Python<'py>,
     record: &Bound<'py, PyAny>,
@@ -191,20 +203,6 @@ impl residency_core::Device for OneAction<'_, '_> {
     type Done = Arc<Transition>;
     type Error = PyErr;
 
-    fn reap(&mut self) -> PyResult<()> {
-        crate::lifetimes::reap(self.manager, self.py)
-    }
-
-    fn expected_version(&mut self) -> PyResult<Option<u64>> {
-        Ok(None)
-    }
-
-    fn inputs(&mut self) -> PyResult<Inputs> {
-        Err(PyRuntimeError::new_err(
-            "internal error: a one-action plan is not preflighted",
-        ))
-    }
-
     fn perform(
         &mut self,
         _phase: PlanPhase,
@@ -229,14 +227,6 @@ impl residency_core::Device for OneAction<'_, '_> {
             self.started,
         )
     }
-
-    fn reserve(&mut self, _position: usize, _reservation: &Reservation) -> PyResult<u64> {
-        Err(PyRuntimeError::new_err(
-            "internal error: a one-action plan holds no reservation",
-        ))
-    }
-
-    fn release(&mut self, _token: u64) {}
 }
 
 /// The action's kind: by exact class first, then as a subclass of one of the four.

@@ -270,6 +270,36 @@ impl residency_core::Device for PlanDevice<'_, '_> {
     type Done = Arc<Transition>;
     type Error = PyErr;
 
+    fn perform(
+        &mut self,
+        phase: PlanPhase,
+        position: usize,
+        action: &Action,
+        index: Option<HandleId>,
+    ) -> PyResult<Arc<Transition>> {
+        // A signal handler runs between actions, as between a loop's iterations.
+        self.py.check_signals()?;
+        let Some((_, records)) = self.records.iter().find(|(known, _)| *known == phase) else {
+            return Err(Self::internal("its action records"));
+        };
+        let record = records.get_item(position)?;
+        // The transfer stream of the action's destination; drops and discards take none.
+        let destination = match *action {
+            Action::Ensure { location, .. } => Some(location),
+            Action::Move { to, .. } => Some(to),
+            Action::Drop { .. } | Action::Discard { .. } => None,
+        };
+        let stream = destination.and_then(|code| {
+            self.streams
+                .iter()
+                .find(|(known, _)| *known == code)
+                .map(|(_, stream)| stream)
+        });
+        execute::execute(self.manager, self.py, &record, stream, index)
+    }
+}
+
+impl residency_core::PlanDevice for PlanDevice<'_, '_> {
     fn reap(&mut self) -> PyResult<()> {
         crate::lifetimes::reap(self.manager, self.py)
     }
@@ -300,34 +330,6 @@ impl residency_core::Device for PlanDevice<'_, '_> {
     fn detached<R: Send>(&mut self, work: impl FnOnce() -> R + Send) -> R {
         // Pure computation over the core's state: other threads may wait meanwhile.
         self.py.detach(work)
-    }
-
-    fn perform(
-        &mut self,
-        phase: PlanPhase,
-        position: usize,
-        action: &Action,
-        index: Option<HandleId>,
-    ) -> PyResult<Arc<Transition>> {
-        // A signal handler runs between actions, as between a loop's iterations.
-        self.py.check_signals()?;
-        let Some((_, records)) = self.records.iter().find(|(known, _)| *known == phase) else {
-            return Err(Self::internal("its action records"));
-        };
-        let record = records.get_item(position)?;
-        // The transfer stream of the action's destination; drops and discards take none.
-        let destination = match *action {
-            Action::Ensure { location, .. } => Some(location),
-            Action::Move { to, .. } => Some(to),
-            Action::Drop { .. } | Action::Discard { .. } => None,
-        };
-        let stream = destination.and_then(|code| {
-            self.streams
-                .iter()
-                .find(|(known, _)| *known == code)
-                .map(|(_, stream)| stream)
-        });
-        execute::execute(self.manager, self.py, &record, stream, index)
     }
 
     fn reserve(&mut self, position: usize, _reservation: &Reservation) -> PyResult<u64> {
@@ -529,8 +531,8 @@ pub fn explain(
     })
 }
 
-/// Each handle slot's index, or the error naming it, against the current state. A
-/// plan keeps its last resolution, which holds until the manager discards a value.
+/// Each handle slot's index, or the error naming it, against the current state; the
+/// plan's last resolution while it holds (see `residency_core::Resolutions`).
 fn resolve(
     manager: &CoreManager,
     py: Python<'_>,
@@ -538,25 +540,22 @@ fn resolve(
     handles: &Bound<'_, PyTuple>,
 ) -> PyResult<Arc<[SlotResolution]>> {
     let core = manager.core();
-    let discards = core.discards();
-    if let Some(slots) = ir.resolution(core.manager_id(), discards) {
-        return Ok(slots);
-    }
-    let handles: Vec<Bound<'_, PyAny>> = handles.iter().collect();
-    let slots = manager
-        .resolve_handles(py, &handles)?
-        .into_iter()
-        .zip(&handles)
-        .map(|(resolution, handle)| match resolution {
-            Some(index) => Ok(Ok(index)),
-            None => Ok(Err(manager
-                .handle_error(py, handle)?
-                .value(py)
-                .str()?
-                .to_string_lossy()
-                .into_owned())),
+    ir.resolutions()
+        .get(core.manager_id(), core.discards(), || {
+            let handles: Vec<Bound<'_, PyAny>> = handles.iter().collect();
+            manager
+                .resolve_handles(py, &handles)?
+                .into_iter()
+                .zip(&handles)
+                .map(|(resolution, handle)| match resolution {
+                    Some(index) => Ok(Ok(index)),
+                    None => Ok(Err(manager
+                        .handle_error(py, handle)?
+                        .value(py)
+                        .str()?
+                        .to_string_lossy()
+                        .into_owned())),
+                })
+                .collect()
         })
-        .collect::<PyResult<Arc<[SlotResolution]>>>()?;
-    ir.remember(core.manager_id(), discards, &slots);
-    Ok(slots)
 }

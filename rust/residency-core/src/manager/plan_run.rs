@@ -4,7 +4,8 @@
 //!
 //! A [`PlanRun`] owns how far a run got: the phase in progress, the position in it,
 //! what each performed action gave back, and the reservation tokens a scope holds.
-//! The run drives every action through a [`Device`], which the binding implements:
+//! The run drives every action through a [`Device`] (and a whole plan's checks and
+//! reservations through a [`PlanDevice`]), which the binding implements:
 //! it reads the caller's records, performs the action's transition (the core's
 //! tickets: begin, the device work, then commit or abort) and gives back its record.
 //! Everything else is decided here, in this order:
@@ -40,14 +41,27 @@ pub struct Inputs {
     pub labels: Vec<String>,
 }
 
-/// The side of a plan run that touches values and devices: the binding implements
-/// it (tests implement it over the core's own tickets).
+/// The side of a run that touches values and devices: it performs each action. The
+/// binding implements it (tests implement it over the core's own tickets).
 pub trait Device {
     /// What one performed action gives back (the binding: its transition record).
     type Done;
     /// The device side's own error.
     type Error;
 
+    /// Performs `action`, at `position` of `phase`, as one transition. `index` is the
+    /// action's value when the run resolved it already (a preflighted phase).
+    fn perform(
+        &mut self,
+        phase: PlanPhase,
+        position: usize,
+        action: &Action,
+        index: Option<HandleId>,
+    ) -> Result<Self::Done, Self::Error>;
+}
+
+/// The device side of a whole plan: what its checks read, and its reservations.
+pub trait PlanDevice: Device {
     /// Applies queued releases and reaps completed transfers; runs first.
     fn reap(&mut self) -> Result<(), Self::Error>;
 
@@ -62,16 +76,6 @@ pub trait Device {
     fn detached<R: Send>(&mut self, work: impl FnOnce() -> R + Send) -> R {
         work()
     }
-
-    /// Performs `action`, at `position` of `phase`, as one transition. `index` is the
-    /// action's value when the run resolved it already (a preflighted phase).
-    fn perform(
-        &mut self,
-        phase: PlanPhase,
-        position: usize,
-        action: &Action,
-        index: Option<HandleId>,
-    ) -> Result<Self::Done, Self::Error>;
 
     /// Admits `reservation`, at `position` of the plan's reservations; its token.
     fn reserve(&mut self, position: usize, reservation: &Reservation) -> Result<u64, Self::Error>;
@@ -157,7 +161,7 @@ impl<T> PlanRun<T> {
     }
 
     /// Releases the reservations the run holds, newest first.
-    pub fn release_tokens<D: Device<Done = T>>(&mut self, device: &mut D) {
+    pub fn release_tokens<D: PlanDevice<Done = T>>(&mut self, device: &mut D) {
         for token in self.take_tokens() {
             device.release(token);
         }
@@ -165,7 +169,7 @@ impl<T> PlanRun<T> {
 
     /// `execute_actions`: the checks and the preflight, then the plan's actions (its
     /// enter phase) as the one phase "execute".
-    pub fn execute<D: Device<Done = T>>(
+    pub fn execute<D: PlanDevice<Done = T>>(
         &mut self,
         manager: &Manager,
         plan: &Plan,
@@ -182,7 +186,7 @@ impl<T> PlanRun<T> {
 
     /// Scope entry: the checks and the preflight, then reclaim, reserve and enter.
     /// On a failure the reservations admitted so far are released, newest first.
-    pub fn enter<D: Device<Done = T>>(
+    pub fn enter<D: PlanDevice<Done = T>>(
         &mut self,
         manager: &Manager,
         plan: &Arc<Plan>,
@@ -203,7 +207,10 @@ impl<T> PlanRun<T> {
 
     /// Scope exit: the entered plan's exit actions, no preflight (each resolves its
     /// own handle), then its reservations, released whether or not an action failed.
-    pub fn exit<D: Device<Done = T>>(&mut self, device: &mut D) -> Result<(), RunError<D::Error>> {
+    pub fn exit<D: PlanDevice<Done = T>>(
+        &mut self,
+        device: &mut D,
+    ) -> Result<(), RunError<D::Error>> {
         let exited = match self.plan.clone() {
             Some(plan) => self.run_phase(PlanPhase::Exit, plan.exit(), |_| None, device),
             None => Err(RunError::Core(CoreError::Internal {
@@ -249,7 +256,7 @@ impl<T> PlanRun<T> {
     }
 
     /// Admits the plan's reservations in order, keeping each token as it is taken.
-    fn reserve<D: Device<Done = T>>(
+    fn reserve<D: PlanDevice<Done = T>>(
         &mut self,
         reservations: &[Reservation],
         device: &mut D,
@@ -275,7 +282,7 @@ impl<T> PlanRun<T> {
 
 /// The checks every plan entry makes first, in order (see the module
 /// documentation); each handle slot's resolution.
-fn prepare<D: Device>(
+fn prepare<D: PlanDevice>(
     manager: &Manager,
     plan: &Plan,
     device: &mut D,
