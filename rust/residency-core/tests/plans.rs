@@ -585,11 +585,13 @@ fn a_direct_action_is_a_one_action_plan_without_checks() {
     let mut device = Fake::new(&manager, &[value]);
     device.expected = Some(u64::MAX);
     let mut run = PlanRun::new();
-    run.perform(&ensure(0, CUDA), value, &mut device)
+    let done = run
+        .perform(&ensure(0, CUDA), value, &mut device)
         .expect("performs");
+    assert_eq!(done, (PlanPhase::Execute, 0));
     assert_eq!(device.calls, ["perform execute 0"]);
     assert_eq!(run.phase(), Some(PlanPhase::Execute));
-    assert_eq!(run.into_done(), [(PlanPhase::Execute, 0)]);
+    assert_eq!(run.position(), 0);
     assert!(resident(&manager, value, CUDA));
 
     // A failed one leaves the books as they were.

@@ -181,9 +181,7 @@ fn perform<'py>(
         started,
     };
     match run.perform(&step.action, index, &mut device) {
-        Ok(()) => run.into_done().pop().ok_or_else(|| {
-            PyRuntimeError::new_err("internal error: a one-action plan without its transition")
-        }),
+        Ok(transition) => Ok(transition),
         Err(RunError::Device(error)) => Err(error),
         Err(RunError::Core(error)) => Err(to_py_err(py, error)),
     }

@@ -143,10 +143,6 @@ impl<T> PlanRun<T> {
         &self.done
     }
 
-    pub fn into_done(self) -> Vec<T> {
-        self.done
-    }
-
     /// The reservation tokens the run holds, in admission order.
     pub fn tokens(&self) -> &[u64] {
         &self.tokens
@@ -222,19 +218,16 @@ impl<T> PlanRun<T> {
     }
 
     /// A direct ensure, move or drop: `action` on value `index`, which the caller
-    /// resolved and checked, as a one-action plan with no version or preflight.
+    /// resolved and checked, as a one-action plan with no version or preflight. What
+    /// it gave back is returned, not kept (nobody reads a one-action run's prefix).
     pub fn perform<D: Device<Done = T>>(
         &mut self,
         action: &Action,
         index: HandleId,
         device: &mut D,
-    ) -> Result<(), RunError<D::Error>> {
-        self.run_phase(
-            PlanPhase::Execute,
-            std::slice::from_ref(action),
-            |_| Some(index),
-            device,
-        )
+    ) -> Result<T, RunError<D::Error>> {
+        self.begin(PlanPhase::Execute);
+        perform(device, PlanPhase::Execute, 0, action, Some(index))
     }
 
     /// Performs `actions` in order as `phase`, keeping what each gives back.
@@ -247,9 +240,7 @@ impl<T> PlanRun<T> {
     ) -> Result<(), RunError<D::Error>> {
         self.begin(phase);
         for (position, action) in actions.iter().enumerate() {
-            let done = device
-                .perform(phase, position, action, resolve(action))
-                .map_err(RunError::Device)?;
+            let done = perform(device, phase, position, action, resolve(action))?;
             self.done.push(done);
         }
         Ok(())
@@ -306,6 +297,20 @@ fn prepare<D: PlanDevice>(
         }));
     }
     Ok(slots)
+}
+
+/// One action of `phase`, at `position`, performed by the device: the step every
+/// action of a run takes.
+fn perform<D: Device>(
+    device: &mut D,
+    phase: PlanPhase,
+    position: usize,
+    action: &Action,
+    index: Option<HandleId>,
+) -> Result<D::Done, RunError<D::Error>> {
+    device
+        .perform(phase, position, action, index)
+        .map_err(RunError::Device)
 }
 
 /// The handle index of an action of a preflighted phase.
