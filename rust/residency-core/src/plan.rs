@@ -119,6 +119,16 @@ impl Action {
         })
     }
 
+    /// Where the action copies to, which picks its transfer stream: an ensure's
+    /// location or a move's destination; a drop or a discard copies nothing.
+    pub fn destination(&self) -> Option<Location> {
+        match *self {
+            Self::Ensure { location, .. } => Some(location),
+            Self::Move { to, .. } => Some(to),
+            Self::Drop { .. } | Self::Discard { .. } => None,
+        }
+    }
+
     pub fn handle(&self) -> HandleSlot {
         match *self {
             Self::Ensure { handle, .. }

@@ -119,7 +119,7 @@ pub fn execute_plan(
     then: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let operation = || {
-        let mut device = PlanDevice::new(manager, py, vec![(PlanPhase::Execute, actions.clone())]);
+        let mut device = RunSide::new(manager, py, vec![(PlanPhase::Execute, actions.clone())]);
         device.inputs = Some((ir, handles, transfer_streams, Vec::new()));
         device.expected_version = expected_version;
         manager.set_asynchronous(asynchronous);
@@ -156,7 +156,7 @@ pub fn enter_scope(
             ),
             (PlanPhase::Enter, phase_records(plan, intern!(py, "enter"))?),
         ];
-        let mut device = PlanDevice::new(manager, py, records);
+        let mut device = RunSide::new(manager, py, records);
         device.inputs = Some((ir, handles, transfer_streams, reservations));
         device.expected_version = expected_version;
         let result = run.with_run(|core| core.enter(manager.core(), ir.plan(), &mut device));
@@ -182,7 +182,7 @@ pub fn exit_scope(
     actions: &Bound<'_, PyTuple>,
 ) -> PyResult<()> {
     within_gate(manager, py, || {
-        let mut device = PlanDevice::new(manager, py, vec![(PlanPhase::Exit, actions.clone())]);
+        let mut device = RunSide::new(manager, py, vec![(PlanPhase::Exit, actions.clone())]);
         device.streams = run
             .state()
             .streams
@@ -202,7 +202,7 @@ fn phase_records<'py>(
 }
 
 /// The plan runner's device side for one call (see the module documentation).
-struct PlanDevice<'a, 'py> {
+struct RunSide<'a, 'py> {
     manager: &'a CoreManager,
     py: Python<'py>,
     /// The action records of each phase the call runs, by position: the tuples the
@@ -224,7 +224,7 @@ struct PlanDevice<'a, 'py> {
     streams: Vec<(Location, Bound<'py, PyAny>)>,
 }
 
-impl<'a, 'py> PlanDevice<'a, 'py> {
+impl<'a, 'py> RunSide<'a, 'py> {
     fn new(
         manager: &'a CoreManager,
         py: Python<'py>,
@@ -266,7 +266,7 @@ impl<'a, 'py> PlanDevice<'a, 'py> {
     }
 }
 
-impl residency_core::Device for PlanDevice<'_, '_> {
+impl residency_core::Device for RunSide<'_, '_> {
     type Done = Arc<Transition>;
     type Error = PyErr;
 
@@ -283,13 +283,7 @@ impl residency_core::Device for PlanDevice<'_, '_> {
             return Err(Self::internal("its action records"));
         };
         let record = records.get_item(position)?;
-        // The transfer stream of the action's destination; drops and discards take none.
-        let destination = match *action {
-            Action::Ensure { location, .. } => Some(location),
-            Action::Move { to, .. } => Some(to),
-            Action::Drop { .. } | Action::Discard { .. } => None,
-        };
-        let stream = destination.and_then(|code| {
+        let stream = action.destination().and_then(|code| {
             self.streams
                 .iter()
                 .find(|(known, _)| *known == code)
@@ -299,7 +293,7 @@ impl residency_core::Device for PlanDevice<'_, '_> {
     }
 }
 
-impl residency_core::PlanDevice for PlanDevice<'_, '_> {
+impl residency_core::PlanDevice for RunSide<'_, '_> {
     fn reap(&mut self) -> PyResult<()> {
         crate::lifetimes::reap(self.manager, self.py)
     }
