@@ -25,12 +25,10 @@ pub use fasthash::{FastMap, FastSet};
 pub use location::{Location, MAX_CUDA_INDEX};
 pub use manager::{
     Begun, Committed, Device, HostCost, InFlight, Inputs, Landed, LeaseState, Manager,
-    OpenLifetimes, PlanDevice, PlanRun, RunError, SearchInputs, SettleWait, StateValues,
-    StorageKey, Ticket, Work,
+    OpenLifetimes, PlanDevice, PlanRun, Resolutions, RunError, SearchInputs, SettleWait,
+    StateValues, StorageKey, Ticket, Work,
 };
-pub use plan::{
-    Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation, Resolutions,
-};
+pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
 pub use tokens::{Freed, LifetimeKind, ObjectId, Release};

@@ -4,11 +4,10 @@
 //! per-plan table so the manager resolves each distinct handle once per execution.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
-use crate::simulate::SlotResolution;
 
 /// A phase of a plan run, as its diagnostics name it: a plan's actions belong to
 /// reclaim, enter or exit; `execute_actions` runs its actions as the one phase
@@ -136,44 +135,6 @@ impl Action {
             | Self::Drop { handle, .. }
             | Self::Discard { handle } => handle,
         }
-    }
-}
-
-/// A plan's handle slots as last resolved against one manager: they hold until that
-/// manager discards a value (the one change that ends a handle), so a plan preflighted
-/// or explained again resolves nothing again.
-#[derive(Debug, Default)]
-pub struct Resolutions {
-    last: Mutex<Option<Resolved>>,
-}
-
-/// The manager id and discard count a resolution holds for, and the resolution.
-type Resolved = (Arc<str>, u64, Arc<[SlotResolution]>);
-
-impl Resolutions {
-    /// The slots' resolution against the manager `manager_id` after `discards`
-    /// discards: the one kept, when it holds, else `resolve()`'s, kept.
-    pub fn get<E>(
-        &self,
-        manager_id: &Arc<str>,
-        discards: u64,
-        resolve: impl FnOnce() -> Result<Arc<[SlotResolution]>, E>,
-    ) -> Result<Arc<[SlotResolution]>, E> {
-        let kept = self
-            .last
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .filter(|(known, at, _)| *at == discards && known == manager_id)
-            .map(|(.., slots)| Arc::clone(slots));
-        if let Some(slots) = kept {
-            return Ok(slots);
-        }
-        // Resolved without the lock: resolving may run the glue's code.
-        let slots = resolve()?;
-        *self.last.lock().unwrap_or_else(PoisonError::into_inner) =
-            Some((Arc::clone(manager_id), discards, Arc::clone(&slots)));
-        Ok(slots)
     }
 }
 

@@ -21,7 +21,7 @@
 //! failed scope entry releases the reservations it admitted, newest first; a scope
 //! exit releases them whether or not an exit action failed.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::CoreError;
 use crate::plan::{Action, Plan, PlanPhase, Reservation};
@@ -29,6 +29,44 @@ use crate::simulate::{CudaDevices, Simulation, SlotResolution};
 use crate::state::HandleId;
 
 use super::Manager;
+
+/// A plan's handle slots as last resolved against one manager: they hold until that
+/// manager discards a value (the one change that ends a handle), so a plan preflighted
+/// or explained again resolves nothing again.
+#[derive(Debug, Default)]
+pub struct Resolutions {
+    last: Mutex<Option<Resolved>>,
+}
+
+/// The manager id and discard count a resolution holds for, and the resolution.
+type Resolved = (Arc<str>, u64, Arc<[SlotResolution]>);
+
+impl Resolutions {
+    /// The slots' resolution against the manager `manager_id` after `discards`
+    /// discards: the one kept, when it holds, else `resolve()`'s, kept.
+    pub fn get<E>(
+        &self,
+        manager_id: &Arc<str>,
+        discards: u64,
+        resolve: impl FnOnce() -> Result<Arc<[SlotResolution]>, E>,
+    ) -> Result<Arc<[SlotResolution]>, E> {
+        let kept = self
+            .last
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .filter(|(known, at, _)| *at == discards && known == manager_id)
+            .map(|(.., slots)| Arc::clone(slots));
+        if let Some(slots) = kept {
+            return Ok(slots);
+        }
+        // Resolved without the lock: resolving may run the glue's code.
+        let slots = resolve()?;
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((Arc::clone(manager_id), discards, Arc::clone(&slots)));
+        Ok(slots)
+    }
+}
 
 /// What a run needs from the device side before its preflight.
 #[derive(Debug, Clone)]
