@@ -106,13 +106,8 @@ impl Device for Fake<'_> {
         let index = index.unwrap_or(self.values[action.handle().index()]);
         let failing = self.fail == Some((phase, position));
         match *action {
-            Action::Ensure { location, .. } => {
-                if let Begun::Ticket(ticket) = self.manager.begin_ensure(index, location, false)? {
-                    self.transit(ticket, failing)?;
-                }
-            }
-            Action::Move { to, from, .. } => {
-                if let Begun::Ticket(ticket) = self.manager.begin_move(index, to, from)? {
+            Action::Ensure { .. } | Action::Move { .. } => {
+                if let Begun::Ticket(ticket) = self.manager.begin(index, action, false)? {
                     self.transit(ticket, failing)?;
                 }
             }

@@ -437,8 +437,9 @@ fn execute_step<'py>(
         _ => None,
     };
     let outcome = match *action {
-        Action::Ensure { location: at, .. } => ensure(manager, py, index, at, location, stream)?,
-        Action::Move { to, from, .. } => move_(manager, py, index, to, location, from, stream)?,
+        Action::Ensure { .. } | Action::Move { .. } => {
+            transfer(manager, py, index, action, location, stream)?
+        }
         Action::Drop { location: at, .. } => {
             let dropped = manager.drop_value(py, index, at)?;
             Outcome {
@@ -535,66 +536,37 @@ fn sample<'py>(
     }
 }
 
-fn ensure<'py>(
+/// An ensure's or a move's transition: the core's ticket, the device work it names,
+/// then its commit (see `transit`); a no-op begins no ticket.
+fn transfer<'py>(
     manager: &CoreManager,
     py: Python<'py>,
     index: HandleId,
-    at: Location,
+    action: &Action,
     location: &Bound<'py, PyAny>,
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Outcome<'py>> {
     let context = manager.context();
-    let begun = manager
-        .core()
-        .begin_ensure(index, at, manager.asynchronous());
-    let Begun::Ticket(ticket) = lift(py, begun)? else {
-        return Ok(Outcome {
-            no_op: true,
-            source: None,
-            destination: Some(location.clone()),
-            reason: Some(context.ensure_noop.bind(py).clone()),
-        });
-    };
-    let source = ticket.source();
-    transit(manager, py, ticket, stream)?;
-    installed(context, py, source, location)
-}
-
-fn move_<'py>(
-    manager: &CoreManager,
-    py: Python<'py>,
-    index: HandleId,
-    to: Location,
-    location: &Bound<'py, PyAny>,
-    from: Option<Location>,
-    stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Outcome<'py>> {
-    let context = manager.context();
-    let ticket = match lift(py, manager.core().begin_move(index, to, from))? {
+    let begun = manager.core().begin(index, action, manager.asynchronous());
+    let ticket = match lift(py, begun)? {
         Begun::NoOp { source } => {
+            let reason = match action {
+                Action::Move { .. } => &context.move_noop,
+                _ => &context.ensure_noop,
+            };
             return Ok(Outcome {
                 no_op: true,
                 source: source
                     .map(|source| context.location(py, source))
                     .transpose()?,
                 destination: Some(location.clone()),
-                reason: Some(context.move_noop.bind(py).clone()),
+                reason: Some(reason.bind(py).clone()),
             });
         }
         Begun::Ticket(ticket) => ticket,
     };
     let source = ticket.source();
     transit(manager, py, ticket, stream)?;
-    installed(context, py, source, location)
-}
-
-/// The outcome of an install at `location` from `source`.
-fn installed<'py>(
-    context: &Context,
-    py: Python<'py>,
-    source: Location,
-    location: &Bound<'py, PyAny>,
-) -> PyResult<Outcome<'py>> {
     Ok(Outcome {
         no_op: false,
         source: Some(context.location(py, source)?),

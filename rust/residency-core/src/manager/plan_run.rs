@@ -23,12 +23,12 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::error::CoreError;
+use crate::error::{CoreError, CoreResult};
 use crate::plan::{Action, Plan, PlanPhase, Reservation};
 use crate::simulate::{CudaDevices, Simulation, SlotResolution};
 use crate::state::HandleId;
 
-use super::Manager;
+use super::{Begun, Manager};
 
 /// A plan's handle slots as last resolved against one manager: they hold until that
 /// manager discards a value (the one change that ends a handle), so a plan preflighted
@@ -365,6 +365,19 @@ fn resolved(slots: &[SlotResolution], action: &Action) -> Option<HandleId> {
 }
 
 impl Manager {
+    /// Begins the ticket of an ensure or a move of value `index` (see `ticket.rs`);
+    /// `asynchronous` leaves an ensure's CUDA copy in flight. A drop or a discard
+    /// takes no ticket: an internal error.
+    pub fn begin(&self, index: HandleId, action: &Action, asynchronous: bool) -> CoreResult<Begun> {
+        match *action {
+            Action::Ensure { location, .. } => self.begin_ensure(index, location, asynchronous),
+            Action::Move { to, from, .. } => self.begin_move(index, to, from),
+            Action::Drop { .. } | Action::Discard { .. } => Err(CoreError::Internal {
+                message: "a drop or a discard takes no ticket".to_owned(),
+            }),
+        }
+    }
+
     /// `CoreError::StaleState` unless the state is at version `expected`.
     pub fn check_version(&self, expected: u64) -> Result<(), CoreError> {
         let actual = self.version();
