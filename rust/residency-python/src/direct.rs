@@ -41,10 +41,10 @@ fn in_transition<T>(
     py: Python<'_>,
     operation: impl FnOnce() -> PyResult<T>,
 ) -> PyResult<T> {
-    manager.enter_transition_gate(py)?;
-    let result = crate::lifetimes::reap(manager, py).and_then(|()| operation());
-    manager.core().end_transition_and_exit();
-    result
+    manager.in_transition(py, || {
+        crate::lifetimes::reap(manager, py)?;
+        operation()
+    })
 }
 
 /// Registers a reconstructible value (docs/concepts/values.md#register-a-source).

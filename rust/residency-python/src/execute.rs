@@ -145,8 +145,7 @@ fn one_action<'py>(
     handle: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
     step: impl FnOnce() -> PyResult<Step<'py>>,
 ) -> PyResult<Py<PyAny>> {
-    manager.enter_transition_gate(py)?;
-    let result = (|| {
+    let transition = manager.in_transition(py, || {
         crate::lifetimes::reap(manager, py)?;
         let started = now_ns();
         let handle = handle()?;
@@ -155,9 +154,8 @@ fn one_action<'py>(
         };
         let step = step()?;
         perform(manager, py, record, index, &step, started)
-    })();
-    manager.core().end_transition_and_exit();
-    Ok(result?
+    })?;
+    Ok(transition
         .report(py, manager.context().report_builder(py))?
         .unbind())
 }

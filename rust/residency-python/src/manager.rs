@@ -249,6 +249,19 @@ impl CoreManager {
         Ok(())
     }
 
+    /// Runs `operation` as a transition: the gate taken (see `enter_transition_gate`)
+    /// for it, and let go after.
+    pub(crate) fn in_transition<T>(
+        &self,
+        py: Python<'_>,
+        operation: impl FnOnce() -> PyResult<T>,
+    ) -> PyResult<T> {
+        self.enter_transition_gate(py)?;
+        let result = operation();
+        self.core.end_transition_and_exit();
+        result
+    }
+
     /// Applies the releases queued while a source callback ran, oldest first; the
     /// caller holds the gate.
     pub(crate) fn drain_deferred(&self) {

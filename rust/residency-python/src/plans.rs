@@ -181,7 +181,7 @@ pub fn exit_scope(
     run: &PlanRun,
     actions: &Bound<'_, PyTuple>,
 ) -> PyResult<()> {
-    within_gate(manager, py, || {
+    manager.in_transition(py, || {
         let mut device = RunSide::new(manager, py, vec![(PlanPhase::Exit, actions.clone())]);
         device.streams = run
             .state()
@@ -345,17 +345,6 @@ impl residency_core::PlanDevice for RunSide<'_, '_> {
     }
 }
 
-fn within_gate(
-    manager: &CoreManager,
-    py: Python<'_>,
-    operation: impl FnOnce() -> PyResult<()>,
-) -> PyResult<()> {
-    manager.enter_transition_gate(py)?;
-    let result = operation();
-    manager.core().end_transition_and_exit();
-    result
-}
-
 /// `operation` as a transition, then, when it succeeded and `then` is given, `then()`
 /// still under the same hold of the gate (the transition over, so it may call back
 /// into the manager): what must act on exactly the state the operation left, with no
@@ -371,7 +360,7 @@ fn within_gate_then(
     undo: impl FnOnce(),
 ) -> PyResult<Py<PyAny>> {
     let Some(then) = then.filter(|then| !then.is_none()) else {
-        within_gate(manager, py, operation)?;
+        manager.in_transition(py, operation)?;
         return Ok(py.None());
     };
     manager.enter_transition_gate(py)?;
