@@ -81,6 +81,19 @@ pub enum CoreError {
     #[error("{message}")]
     Policy { message: String },
 
+    /// A plan's preflight found it infeasible: the simulation's reason, as is
+    /// (docs/concepts/plans.md#preflight).
+    #[error("{message}")]
+    Plan { message: String },
+
+    /// A plan or decision was made against a state version that is no longer the
+    /// current one.
+    #[error("expected state version {expected_version}, but the state is at {actual_version}")]
+    StaleState {
+        expected_version: u64,
+        actual_version: u64,
+    },
+
     /// A public operation ran while a source callback owned the manager.
     #[error("{message}")]
     Reentrancy { message: String },

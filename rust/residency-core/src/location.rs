@@ -97,6 +97,15 @@ impl Location {
         }
     }
 
+    /// A location code as the bindings pass it, signed: a negative one, or one past
+    /// 2**32 - 1, is no code.
+    pub fn from_signed_code(code: i64) -> CoreResult<Self> {
+        let code = u32::try_from(code).map_err(|_| CoreError::InvalidArgument {
+            message: format!("invalid location code {code}"),
+        })?;
+        Self::from_code(code)
+    }
+
     pub fn is_disk(self) -> bool {
         matches!(self, Self::Disk(_))
     }

@@ -31,6 +31,9 @@ mod lifetimes;
 
 pub use lifetimes::SettleWait;
 
+mod plan_run;
+pub use plan_run::{Device, Inputs, PlanDevice, PlanRun, Resolutions, RunError};
+
 /// A backing storage identity: (device code, data pointer). Device code is -1 for
 /// host memory and the CUDA index otherwise.
 pub type StorageKey = (i64, u64);

@@ -9,10 +9,15 @@ use std::sync::Arc;
 use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
 
-/// The phase of a plan an action belongs to, as its diagnostics name it.
+/// A phase of a plan run, as its diagnostics name it: a plan's actions belong to
+/// reclaim, enter or exit; `execute_actions` runs its actions as the one phase
+/// execute, and a scope admits its reservations in the reserve phase, between
+/// reclaim and enter (docs/concepts/plans.md#phase-order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PlanPhase {
+    Execute,
     Reclaim,
+    Reserve,
     Enter,
     Exit,
 }
@@ -20,7 +25,9 @@ pub enum PlanPhase {
 impl PlanPhase {
     pub fn as_str(self) -> &'static str {
         match self {
+            Self::Execute => "execute",
             Self::Reclaim => "reclaim",
+            Self::Reserve => "reserve",
             Self::Enter => "enter",
             Self::Exit => "exit",
         }
@@ -85,6 +92,42 @@ pub enum Action {
 }
 
 impl Action {
+    /// An action as the bindings encode it: its kind, its handle slot, the location
+    /// code it names (a move's destination; ignored for a discard) and a move's source
+    /// code, negative where absent.
+    pub fn decode(kind: ActionKind, handle: HandleSlot, code: i64, from: i64) -> CoreResult<Self> {
+        Ok(match kind {
+            ActionKind::Ensure => Self::Ensure {
+                handle,
+                location: Location::from_signed_code(code)?,
+            },
+            ActionKind::Move => Self::Move {
+                handle,
+                to: Location::from_signed_code(code)?,
+                from: if from < 0 {
+                    None
+                } else {
+                    Some(Location::from_signed_code(from)?)
+                },
+            },
+            ActionKind::Drop => Self::Drop {
+                handle,
+                location: Location::from_signed_code(code)?,
+            },
+            ActionKind::Discard => Self::Discard { handle },
+        })
+    }
+
+    /// Where the action copies to, which picks its transfer stream: an ensure's
+    /// location or a move's destination; a drop or a discard copies nothing.
+    pub fn destination(&self) -> Option<Location> {
+        match *self {
+            Self::Ensure { location, .. } => Some(location),
+            Self::Move { to, .. } => Some(to),
+            Self::Drop { .. } | Self::Discard { .. } => None,
+        }
+    }
+
     pub fn handle(&self) -> HandleSlot {
         match *self {
             Self::Ensure { handle, .. }
@@ -222,10 +265,16 @@ mod tests {
 
     #[test]
     fn phases_have_their_diagnostic_names() {
-        let names: Vec<&str> = [PlanPhase::Reclaim, PlanPhase::Enter, PlanPhase::Exit]
-            .into_iter()
-            .map(PlanPhase::as_str)
-            .collect();
-        assert_eq!(names, ["reclaim", "enter", "exit"]);
+        let names: Vec<&str> = [
+            PlanPhase::Execute,
+            PlanPhase::Reclaim,
+            PlanPhase::Reserve,
+            PlanPhase::Enter,
+            PlanPhase::Exit,
+        ]
+        .into_iter()
+        .map(PlanPhase::as_str)
+        .collect();
+        assert_eq!(names, ["execute", "reclaim", "reserve", "enter", "exit"]);
     }
 }

@@ -2,149 +2,16 @@
 //! the measurement and placement checks, and the core's record, with the precise
 //! error for each refusal.
 
-use std::sync::{Mutex, PoisonError};
-
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyType};
-use residency_core::FastMap;
 use residency_core::{Location, Recoverability, ReplicaMode, ValueSpec};
 
 use crate::errors::to_py_err;
 use crate::manager::CoreManager;
 use crate::measure::Facts;
-
-/// Spec records and type keys of adopted values, by (type, logical, charge,
-/// exclusive). Values of one shape share one immutable spec record. The type object
-/// is kept alive by the entry, so its address stays a valid key.
-/// (type address, logical, charge, exclusive).
-type ShapeKey = (usize, u64, u64, bool);
-
-/// (type key, spec record, the type object that keeps the address valid).
-type ShapeEntry = (u64, Py<PyAny>, Py<PyAny>);
-
-#[derive(Debug, Default)]
-pub struct AdoptedShapes {
-    shapes: Mutex<FastMap<ShapeKey, ShapeEntry>>,
-    /// Type keys by type address, the type kept alive beside its key.
-    type_keys: Mutex<FastMap<usize, (u64, Py<PyAny>)>>,
-    /// The spec record registered last and what was read from it: callers register
-    /// many values with one immutable spec record.
-    last_spec: Mutex<Option<SpecReading>>,
-}
-
-#[derive(Debug)]
-struct SpecReading {
-    record: Py<PyAny>,
-    value_type: Py<PyAny>,
-    type_key: u64,
-    spec: ValueSpec,
-}
-
-impl AdoptedShapes {
-    fn get(&self, py: Python<'_>, key: ShapeKey) -> Option<(u64, Py<PyAny>)> {
-        let shapes = self.shapes.lock().unwrap_or_else(PoisonError::into_inner);
-        shapes
-            .get(&key)
-            .map(|(type_key, spec, _)| (*type_key, spec.clone_ref(py)))
-    }
-
-    fn insert(&self, key: ShapeKey, entry: ShapeEntry) {
-        let mut shapes = self.shapes.lock().unwrap_or_else(PoisonError::into_inner);
-        shapes.entry(key).or_insert(entry);
-    }
-
-    /// What registering with `spec_record` needs: its type key, core spec and value
-    /// type. `None` for a spec `register_source` refuses (`MUST_PRESERVE`, byte
-    /// counts past 2**64 - 1).
-    fn read_spec(
-        &self,
-        py: Python<'_>,
-        context: &crate::execute::Context,
-        spec_record: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<(u64, ValueSpec, Py<PyAny>)>> {
-        if let Some(last) = self
-            .last_spec
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .filter(|last| last.record.bind(py).is(spec_record))
-        {
-            return Ok(Some((
-                last.type_key,
-                last.spec,
-                last.value_type.clone_ref(py),
-            )));
-        }
-        let recoverability = spec_record.getattr(intern!(py, "recoverability"))?;
-        if context.is_must_preserve(&recoverability) {
-            return Ok(None);
-        }
-        let (Ok(logical), Ok(storage)) = (
-            spec_record
-                .getattr(intern!(py, "logical_nbytes"))?
-                .extract::<u64>(),
-            spec_record
-                .getattr(intern!(py, "storage_nbytes"))?
-                .extract::<u64>(),
-        ) else {
-            return Ok(None);
-        };
-        let exclusive = context.is_exclusive(&spec_record.getattr(intern!(py, "replica_mode"))?);
-        let value_type = spec_record.getattr(intern!(py, "value_type"))?;
-        let type_key = self.type_key(py, context, &value_type)?;
-        let spec = ValueSpec::new(
-            logical,
-            storage,
-            if exclusive {
-                ReplicaMode::Exclusive
-            } else {
-                ReplicaMode::Replicable
-            },
-            Recoverability::Reconstructible,
-        )
-        .map_err(|err| to_py_err(py, err))?;
-        let value_type = value_type.unbind();
-        let previous = self
-            .last_spec
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .replace(SpecReading {
-                record: spec_record.clone().unbind(),
-                value_type: value_type.clone_ref(py),
-                type_key,
-                spec,
-            });
-        drop(previous);
-        Ok(Some((type_key, spec, value_type)))
-    }
-
-    fn type_key(
-        &self,
-        py: Python<'_>,
-        context: &crate::execute::Context,
-        value_type: &Bound<'_, PyAny>,
-    ) -> PyResult<u64> {
-        let address = value_type.as_ptr() as usize;
-        if let Some((key, _)) = self
-            .type_keys
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&address)
-        {
-            return Ok(*key);
-        }
-        let key = context.type_key(py, value_type)?;
-        self.type_keys
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(address)
-            .or_insert((key, value_type.clone().unbind()));
-        Ok(key)
-    }
-}
 
 /// The classes `adopt` and `register_source` check for, looked up once per process.
 static VALUE_SPEC: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -174,10 +41,10 @@ fn in_transition<T>(
     py: Python<'_>,
     operation: impl FnOnce() -> PyResult<T>,
 ) -> PyResult<T> {
-    manager.enter_transition_gate(py)?;
-    let result = crate::lifetimes::reap(manager, py).and_then(|()| operation());
-    manager.core().end_transition_and_exit();
-    result
+    manager.in_transition(py, || {
+        crate::lifetimes::reap(manager, py)?;
+        operation()
+    })
 }
 
 /// Registers a reconstructible value (docs/concepts/values.md#register-a-source).
@@ -248,7 +115,7 @@ fn register_locked(
 /// what the core accounts.
 fn refused_spec(
     py: Python<'_>,
-    context: &crate::execute::Context,
+    context: &crate::context::Context,
     spec_record: &Bound<'_, PyAny>,
 ) -> PyResult<PyErr> {
     if context.is_must_preserve(&spec_record.getattr(intern!(py, "recoverability"))?) {

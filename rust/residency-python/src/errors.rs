@@ -76,6 +76,22 @@ fn forked_error(py: Python<'_>, message: String, owner_pid: u32, pid: u32) -> Py
     }
 }
 
+/// `ResidencyStaleStateError(expected_version=, actual_version=)`; `expected` as the
+/// caller gave it.
+pub fn stale_state(py: Python<'_>, expected: &Bound<'_, PyAny>, actual: u64) -> PyErr {
+    structured(
+        py,
+        &ResidencyStaleStateError::type_object(py),
+        vec![],
+        || {
+            Ok(vec![
+                ("expected_version", expected.clone()),
+                ("actual_version", actual.into_bound_py_any(py)?),
+            ])
+        },
+    )
+}
+
 /// Converts a core error into its documented Python exception.
 pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
     let message = err.to_string();
@@ -93,6 +109,14 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
             pid,
         } => forked_error(py, message, owner_pid, pid),
         CoreError::Internal { .. } | CoreError::Policy { .. } => PyRuntimeError::new_err(message),
+        CoreError::Plan { .. } => ResidencyPlanError::new_err(message),
+        CoreError::StaleState {
+            expected_version,
+            actual_version,
+        } => match expected_version.into_bound_py_any(py) {
+            Ok(expected) => stale_state(py, &expected, actual_version),
+            Err(err) => err,
+        },
         CoreError::Budget {
             location,
             budget_bytes,

@@ -6,451 +6,23 @@
 //! source's `load()`, the runtime's copies, event recording and synchronisation,
 //! stream checks and allocator samples (docs/concepts/transitions.md).
 
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
 
-use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
-use residency_core::{Begun, CoreError, Freed, HandleId, InFlight, Landed, Location, Ticket, Work};
+use pyo3::types::{PyDict, PyTuple};
+use residency_core::{
+    Action, ActionKind, Begun, CoreError, Freed, HandleId, HandleSlot, InFlight, Landed, Location,
+    PlanPhase, PlanRun, RunError, Ticket, Work,
+};
 
+use crate::context::Context;
 use crate::errors::to_py_err;
 use crate::manager::CoreManager;
 use crate::measure::{self, Facts};
-use crate::records::RecordBuilder;
-
-/// What the engine hands over once: the classes it recognises, the report builder,
-/// the runtime, and the shared records and strings reports carry.
-#[derive(Debug)]
-pub struct Context {
-    ensure: Py<PyAny>,
-    move_: Py<PyAny>,
-    drop: Py<PyAny>,
-    discard: Py<PyAny>,
-    /// Builds transition reports without running Python code.
-    report: Py<RecordBuilder>,
-    runtime: Py<PyAny>,
-    /// The runtime measures with torch directly, so this crate can too.
-    native_measure: bool,
-    pinning_possible: bool,
-    /// Shared location records by code; `location_of` builds the others.
-    pageable: Py<PyAny>,
-    pinned: Py<PyAny>,
-    location_of: Py<PyAny>,
-    /// The manager's disk tier (`fhelium.residency._disk.DiskTier`) and the glue's
-    /// numbering of disk directories (`_locations.disk_code`).
-    pub(crate) disk: Py<PyAny>,
-    disk_code: Py<PyAny>,
-    ensure_noop: Py<PyAny>,
-    move_noop: Py<PyAny>,
-    drop_noop: Py<PyAny>,
-    /// The process-wide integer key of a value type.
-    type_key: Py<PyAny>,
-    /// Builds an adopted value's spec record: `(type, logical, charge, mode, recoverability)`.
-    spec_builder: Py<PyAny>,
-    must_preserve: Py<PyAny>,
-    /// Builds a lease: `(engine, token, handles, location, consumer_streams)`.
-    new_lease: Py<PyAny>,
-    exclusive: Py<PyAny>,
-    /// CUDA devices the runtime reports (0 without CUDA).
-    cuda_count: u32,
-    /// Builds a hold: `(engine, token, handles, location)`.
-    new_hold: Py<PyAny>,
-    /// Builds a reservation: `(engine, token, location, nbytes, label)`.
-    new_reservation: Py<PyAny>,
-    /// Normalises a `handles` argument into a tuple of distinct handles.
-    normalize_handles: Py<PyAny>,
-    handle_class: Py<PyAny>,
-    /// Build the action records of `ensure`, `move` and `drop` called directly.
-    new_ensure: Py<RecordBuilder>,
-    new_move: Py<RecordBuilder>,
-    new_drop: Py<RecordBuilder>,
-    /// Streams already checked, with their location: a stream never changes device,
-    /// so one checked again is not asked about twice. Bounded; the newest last.
-    checked_streams: Mutex<Vec<CheckedStream>>,
-    /// CUDA location records already checked (records are immutable), and the shared
-    /// record of each CUDA code; both bounded.
-    checked_cuda: Mutex<Vec<(Py<PyAny>, Location)>>,
-    shared_cuda: Mutex<Vec<(Location, Py<PyAny>)>>,
-    /// Action records `run_direct` built, reused for the same call (see `Actions`).
-    direct_actions: Actions,
-}
-
-/// How many action records of direct calls a manager keeps for reuse.
-const KEPT_ACTIONS: usize = 16;
-
-/// The action records built for direct `ensure`, `move` and `drop` calls, kept in a
-/// small table keyed by the call's kind and argument objects: a value ensured and
-/// dropped again and again gets one record per call shape, not one per call. Records
-/// are immutable, so an equal record may be shared (docs/concepts/transitions.md#reports),
-/// and a kept record holds its arguments alive, so an address in a key stays its own.
-#[derive(Debug, Default)]
-struct Actions {
-    slots: Mutex<[Option<KeptAction>; KEPT_ACTIONS]>,
-}
-
-/// One kept record with its call's key.
-type KeptAction = (ActionKey, Py<PyAny>);
-
-/// A direct call's kind and the addresses of its handle and location arguments.
-type ActionKey = (u8, [usize; 3]);
-
-impl Actions {
-    fn slot(key: &ActionKey) -> usize {
-        let (kind, [handle, at, from]) = *key;
-        ((handle >> 4) ^ (at >> 4) ^ (from >> 4) ^ usize::from(kind)) % KEPT_ACTIONS
-    }
-
-    fn get<'py>(&self, py: Python<'py>, key: &ActionKey) -> Option<Bound<'py, PyAny>> {
-        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        match &slots[Self::slot(key)] {
-            Some((known, record)) if known == key => Some(record.bind(py).clone()),
-            _ => None,
-        }
-    }
-
-    fn keep(&self, key: ActionKey, record: Py<PyAny>) {
-        let replaced = {
-            let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-            slots[Self::slot(&key)].replace((key, record))
-        };
-        // Released outside the lock: freeing a record may run Python code.
-        drop(replaced);
-    }
-
-    /// Forgets every kept record (a value was discarded, or the manager closed), so
-    /// no handle is held alive for reuse any longer.
-    fn clear(&self) {
-        let forgotten =
-            std::mem::take(&mut *self.slots.lock().unwrap_or_else(PoisonError::into_inner));
-        drop(forgotten);
-    }
-}
-
-/// A stream checked for a location, and the stream the runtime binds it to there.
-type CheckedStream = (Py<PyAny>, Location, Py<PyAny>);
-
-/// How many checked streams, and CUDA location records, a manager remembers.
-const REMEMBERED: usize = 8;
-
-/// What `find` reads from the first remembered entry it accepts.
-fn remembered<T, R>(entries: &Mutex<Vec<T>>, find: impl Fn(&T) -> Option<R>) -> Option<R> {
-    entries
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .iter()
-        .find_map(find)
-}
-
-/// Remembers `entry`, forgetting the oldest beyond the bound.
-fn remember<T>(entries: &Mutex<Vec<T>>, entry: T) {
-    let forgotten = {
-        let mut entries = entries.lock().unwrap_or_else(PoisonError::into_inner);
-        entries.push(entry);
-        (entries.len() > REMEMBERED).then(|| entries.remove(0))
-    };
-    drop(forgotten);
-}
-
-impl Context {
-    /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
-    /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
-    /// (ensure_noop, move_noop, drop_noop), type_key, spec_builder, must_preserve,
-    /// new_lease, exclusive, cuda_count, new_hold, new_reservation,
-    /// normalize_handles, handle_class, (ensure, move, drop action builders))`.
-    pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
-        let item = |index: usize| items.get_item(index).map(Bound::unbind);
-        let builder = |index: usize, position: usize| -> PyResult<Py<RecordBuilder>> {
-            Ok(items
-                .get_item(index)?
-                .cast::<PyTuple>()?
-                .get_item(position)?
-                .cast::<RecordBuilder>()?
-                .clone()
-                .unbind())
-        };
-        let reasons = items.get_item(11)?;
-        let reasons = reasons.cast::<PyTuple>()?;
-        Ok(Self {
-            ensure: item(0)?,
-            move_: item(1)?,
-            drop: item(2)?,
-            discard: item(3)?,
-            report: items.get_item(4)?.cast::<RecordBuilder>()?.clone().unbind(),
-            runtime: item(5)?,
-            native_measure: items.get_item(6)?.extract()?,
-            pinning_possible: items.get_item(7)?.extract()?,
-            pageable: item(8)?,
-            pinned: item(9)?,
-            location_of: item(10)?,
-            ensure_noop: reasons.get_item(0)?.unbind(),
-            move_noop: reasons.get_item(1)?.unbind(),
-            drop_noop: reasons.get_item(2)?.unbind(),
-            type_key: item(12)?,
-            spec_builder: item(13)?,
-            must_preserve: item(14)?,
-            new_lease: item(15)?,
-            exclusive: item(16)?,
-            cuda_count: items.get_item(17)?.extract()?,
-            new_hold: item(18)?,
-            new_reservation: item(19)?,
-            normalize_handles: item(20)?,
-            handle_class: item(21)?,
-            new_ensure: builder(22, 0)?,
-            new_move: builder(22, 1)?,
-            new_drop: builder(22, 2)?,
-            disk: item(23)?,
-            disk_code: item(24)?,
-            direct_actions: Actions::default(),
-            checked_streams: Mutex::new(Vec::new()),
-            checked_cuda: Mutex::new(Vec::new()),
-            shared_cuda: Mutex::new(Vec::new()),
-        })
-    }
-
-    /// The builder of transition report records.
-    pub(crate) fn report_builder<'py>(&'py self, _py: Python<'py>) -> &'py RecordBuilder {
-        self.report.get()
-    }
-
-    pub(crate) fn ensure_class<'py>(&'py self, py: Python<'py>) -> &'py Bound<'py, PyAny> {
-        self.ensure.bind(py)
-    }
-
-    pub(crate) fn move_class<'py>(&'py self, py: Python<'py>) -> &'py Bound<'py, PyAny> {
-        self.move_.bind(py)
-    }
-
-    pub(crate) fn type_key(&self, py: Python<'_>, value_type: &Bound<'_, PyAny>) -> PyResult<u64> {
-        self.type_key.bind(py).call1((value_type,))?.extract()
-    }
-
-    pub(crate) fn adopted_spec(
-        &self,
-        py: Python<'_>,
-        value_type: &Bound<'_, PyAny>,
-        logical: u64,
-        charge: u64,
-        replica_mode: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        Ok(self
-            .spec_builder
-            .bind(py)
-            .call1((
-                value_type,
-                logical,
-                charge,
-                replica_mode,
-                self.must_preserve.bind(py),
-            ))?
-            .unbind())
-    }
-
-    pub(crate) fn is_exclusive(&self, replica_mode: &Bound<'_, PyAny>) -> bool {
-        replica_mode.is(&self.exclusive)
-    }
-
-    pub(crate) fn is_must_preserve(&self, recoverability: &Bound<'_, PyAny>) -> bool {
-        recoverability.is(&self.must_preserve)
-    }
-
-    pub(crate) fn new_lease<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.new_lease.bind(py)
-    }
-
-    pub(crate) fn new_hold<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.new_hold.bind(py)
-    }
-
-    pub(crate) fn new_reservation<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.new_reservation.bind(py)
-    }
-
-    /// A non-empty tuple of distinct handles, first occurrences kept; the common
-    /// single-handle tuple is taken as it is.
-    pub(crate) fn normalized_handles<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyTuple>> {
-        if let Ok(tuple) = handles.cast_exact::<PyTuple>()
-            && tuple.len() == 1
-            && tuple.get_item(0)?.get_type().is(&self.handle_class)
-        {
-            return Ok(tuple.clone());
-        }
-        Ok(self
-            .normalize_handles
-            .bind(py)
-            .call1((handles,))?
-            .cast_into::<PyTuple>()?)
-    }
-
-    pub(crate) fn runtime<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.runtime.bind(py)
-    }
-
-    pub(crate) fn cuda_count(&self) -> u32 {
-        self.cuda_count
-    }
-
-    /// The code of a location record: a `TypeError` for anything else, a
-    /// `ValueError` for a CUDA device this process cannot use
-    /// (docs/concepts/locations-and-budgets.md).
-    pub(crate) fn location_code(
-        &self,
-        py: Python<'_>,
-        location: &Bound<'_, PyAny>,
-    ) -> PyResult<Location> {
-        if location.is(&self.pageable) {
-            return Ok(Location::PageableHost);
-        }
-        if location.is(&self.pinned) {
-            return Ok(Location::PinnedHost);
-        }
-        if let Some(known) = remembered(&self.checked_cuda, |(record, known)| {
-            record.is(location).then_some(*known)
-        }) {
-            return Ok(known);
-        }
-        if !location.is_instance(&self.pageable.bind(py).get_type())? {
-            return Err(PyTypeError::new_err(format!(
-                "expected a ResidencyLocation, got {}",
-                location.get_type().name()?
-            )));
-        }
-        let kind = location.getattr(intern!(py, "kind"))?;
-        match kind.cast::<PyString>()?.to_str()? {
-            "pageable-host" => return Ok(Location::PageableHost),
-            "pinned-host" => return Ok(Location::PinnedHost),
-            "disk" => {
-                let code: u32 = self.disk_code.bind(py).call1((location,))?.extract()?;
-                let checked = Location::from_code(code).map_err(|err| to_py_err(py, err))?;
-                if let Location::Disk(index) = checked {
-                    // Messages name the directory, as the record does.
-                    residency_core::location::name_disk(index, &location.str()?.to_cow()?);
-                }
-                remember(&self.checked_cuda, (location.clone().unbind(), checked));
-                return Ok(checked);
-            }
-            _ => {}
-        }
-        let index: u32 = location
-            .getattr(intern!(py, "device"))?
-            .getattr(intern!(py, "index"))?
-            .extract()?;
-        if self.cuda_count == 0 {
-            return Err(PyValueError::new_err(
-                residency_core::location::cuda_unavailable(location.str()?),
-            ));
-        }
-        if index >= self.cuda_count {
-            return Err(PyValueError::new_err(format!(
-                "{} is not usable: only {} CUDA device(s) present",
-                location.str()?,
-                self.cuda_count
-            )));
-        }
-        let checked = Location::cuda(index).map_err(|err| to_py_err(py, err))?;
-        remember(&self.checked_cuda, (location.clone().unbind(), checked));
-        Ok(checked)
-    }
-
-    /// A transfer or consumer stream must be a CUDA stream on the location's device.
-    pub(crate) fn check_stream<'py>(
-        &self,
-        py: Python<'py>,
-        stream: &Bound<'py, PyAny>,
-        location: &Bound<'py, PyAny>,
-        at: Location,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some(bound) = remembered(&self.checked_streams, |(known, known_at, bound)| {
-            (known.is(stream) && *known_at == at).then(|| bound.clone_ref(py))
-        }) {
-            return Ok(bound.into_bound(py));
-        }
-        let runtime = self.runtime.bind(py);
-        if !runtime
-            .call_method1(intern!(py, "is_stream"), (stream,))?
-            .is_truthy()?
-        {
-            return Err(PyTypeError::new_err(format!(
-                "stream must be a CUDA stream, got {}",
-                stream.get_type().name()?
-            )));
-        }
-        if !matches!(at, Location::Cuda(_)) {
-            return Err(PyValueError::new_err(format!(
-                "a stream was given for host location {}",
-                location.str()?
-            )));
-        }
-        let location_device = location.getattr(intern!(py, "device"))?;
-        let device = runtime.call_method1(intern!(py, "stream_device"), (stream,))?;
-        if device.ne(&location_device)? {
-            return Err(PyValueError::new_err(format!(
-                "stream is on {}, but the location is {}",
-                device.str()?,
-                location.str()?
-            )));
-        }
-        // The stream as the manager keeps it: a default-stream handle, which names the
-        // current device's default stream, is fixed to this location's device here
-        // (docs/concepts/lifetimes.md#consumer-streams).
-        let bound = runtime.call_method1(intern!(py, "bind_stream"), (stream, &location_device))?;
-        remember(
-            &self.checked_streams,
-            (stream.clone().unbind(), at, bound.clone().unbind()),
-        );
-        Ok(bound)
-    }
-
-    /// Forgets the action records kept for direct calls (see `Actions`).
-    pub(crate) fn forget_direct_actions(&self) {
-        self.direct_actions.clear();
-    }
-
-    /// The location record of a code.
-    pub(crate) fn location<'py>(
-        &self,
-        py: Python<'py>,
-        location: Location,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        match location {
-            Location::PageableHost => Ok(self.pageable.bind(py).clone()),
-            Location::PinnedHost => Ok(self.pinned.bind(py).clone()),
-            Location::Cuda(_) | Location::Disk(_) => {
-                if let Some(record) = remembered(&self.shared_cuda, |(known, record)| {
-                    (*known == location).then(|| record.clone_ref(py))
-                }) {
-                    return Ok(record.into_bound(py));
-                }
-                let record = self.location_of.bind(py).call1((location.code(),))?;
-                remember(&self.shared_cuda, (location, record.clone().unbind()));
-                Ok(record)
-            }
-        }
-    }
-}
-
-#[derive(Clone, Copy)]
-enum Kind {
-    Ensure,
-    Move,
-    Drop,
-    Discard,
-}
-
-pub(crate) fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |elapsed| {
-            u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX)
-        })
-}
+use crate::transition::{Allocator, Transition, now_ns};
 
 fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
     result.map_err(|err| to_py_err(py, err))
@@ -480,36 +52,43 @@ impl Sample<'_> {
     }
 }
 
-/// Runs `action` as one transition, taking the gate for it.
+/// Runs `action` as one transition, taking the gate for it: a one-action plan (see
+/// `one_action`).
 pub fn run(
     manager: &CoreManager,
     py: Python<'_>,
     action: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
-    manager.enter_transition_gate(py)?;
-    let result = execute(manager, py, action, stream, None);
-    manager.core().end_transition_and_exit();
-    Ok(result?
-        .report(py, manager.context().report_builder(py))?
-        .unbind())
+    one_action(
+        manager,
+        py,
+        action,
+        || action.getattr(intern!(py, "handle")),
+        || read_step(manager, py, action, stream),
+    )
 }
 
 /// `ensure(handle, at)`, `move(handle, to, from_location)` or `drop(handle, at)`
 /// called directly with a handle and location records of the exact classes: the
-/// action record is built here, then run as one transition.
+/// action record is built here, then run as a one-action plan.
 pub fn run_direct(
     manager: &CoreManager,
     py: Python<'_>,
-    kind: DirectKind,
+    kind: ActionKind,
     fields: &[&Bound<'_, PyAny>],
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let context = manager.context();
     let (builder, code, class) = match kind {
-        DirectKind::Ensure => (&context.new_ensure, 0, &context.ensure),
-        DirectKind::Move => (&context.new_move, 1, &context.move_),
-        DirectKind::Drop => (&context.new_drop, 2, &context.drop),
+        ActionKind::Ensure => (&context.new_ensure, 0, &context.ensure),
+        ActionKind::Move => (&context.new_move, 1, &context.move_),
+        ActionKind::Drop => (&context.new_drop, 2, &context.drop),
+        ActionKind::Discard => {
+            return Err(PyTypeError::new_err(
+                "internal error: discard is not a direct call",
+            ));
+        }
     };
     // Arguments of other classes (subclasses, or not records at all) go through the
     // action class's own constructor, which checks them.
@@ -542,42 +121,118 @@ pub fn run_direct(
             "internal error: a direct call without its arguments",
         ));
     };
-    let (kind, from) = match kind {
-        DirectKind::Ensure => (Kind::Ensure, None),
-        DirectKind::Move => (Kind::Move, fields.get(2)),
-        DirectKind::Drop => (Kind::Drop, None),
+    let from = match kind {
+        ActionKind::Move => fields.get(2),
+        _ => None,
     };
-    manager.enter_transition_gate(py)?;
-    // The same order of checks as `execute`: the handle, then the locations.
-    let result = (|| {
-        crate::lifetimes::reap(manager, py)?;
-        let started = now_ns();
-        let Some(index) = manager.resolve_live(py, handle)? else {
-            return Err(manager.handle_error(py, handle)?);
-        };
-        let (step, bound) = step(manager, py, kind, location, from, stream)?;
-        execute_step(manager, py, &action, index, step, bound.as_ref(), started)
-    })();
-    manager.core().end_transition_and_exit();
-    Ok(result?.report(py, context.report_builder(py))?.unbind())
+    one_action(
+        manager,
+        py,
+        &action,
+        || Ok((*handle).clone()),
+        || step(manager, py, kind, location, from, stream),
+    )
 }
 
-/// The primitives `run_direct` builds actions for.
-#[derive(Debug, Clone, Copy)]
-pub enum DirectKind {
-    Ensure,
-    Move,
-    Drop,
+/// One action record's transition under the gate, as the core's plan runner
+/// performs it: a one-action plan, with no version check or preflight, on the path
+/// every plan's actions take (`residency_core::PlanRun::perform`). The checks run in
+/// the order `execute` runs them: the reap, the handle, then the locations (`step`).
+fn one_action<'py>(
+    manager: &CoreManager,
+    py: Python<'py>,
+    record: &Bound<'py, PyAny>,
+    handle: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
+    step: impl FnOnce() -> PyResult<Step<'py>>,
+) -> PyResult<Py<PyAny>> {
+    let transition = manager.in_transition(py, || {
+        crate::lifetimes::reap(manager, py)?;
+        let started = now_ns();
+        let handle = handle()?;
+        let Some(index) = manager.resolve_live(py, &handle)? else {
+            return Err(manager.handle_error(py, &handle)?);
+        };
+        let step = step()?;
+        perform(manager, py, record, index, &step, started)
+    })?;
+    Ok(transition
+        .report(py, manager.context().report_builder(py))?
+        .unbind())
+}
+
+/// Runs the checked `step` of `record` on value `index` through the core's runner.
+fn perform<'py>(
+    manager: &CoreManager,
+    py: Python<'py>,
+    record: &Bound<'py, PyAny>,
+    index: HandleId,
+    step: &Step<'py>,
+    started: u64,
+) -> PyResult<Arc<Transition>> {
+    let mut run = PlanRun::new();
+    let mut device = OneAction {
+        manager,
+        py,
+        record,
+        location: &step.location,
+        stream: step.stream.as_ref(),
+        started,
+    };
+    match run.perform(&step.action, index, &mut device) {
+        Ok(transition) => Ok(transition),
+        Err(RunError::Device(error)) => Err(error),
+        Err(RunError::Core(error)) => Err(to_py_err(py, error)),
+    }
+}
+
+/// The device side of a one-action plan: its action was checked before the run.
+struct OneAction<'a, 'py> {
+    manager: &'a CoreManager,
+    py: Python<'py>,
+    record: &'a Bound<'py, PyAny>,
+    location: &'a Bound<'py, PyAny>,
+    stream: Option<&'a Bound<'py, PyAny>>,
+    started: u64,
+}
+
+impl residency_core::Device for OneAction<'_, '_> {
+    type Done = Arc<Transition>;
+    type Error = PyErr;
+
+    fn perform(
+        &mut self,
+        _phase: PlanPhase,
+        _position: usize,
+        action: &Action,
+        index: Option<HandleId>,
+    ) -> PyResult<Arc<Transition>> {
+        let Some(index) = index else {
+            return Err(PyRuntimeError::new_err(
+                "internal error: a one-action plan without its value",
+            ));
+        };
+        let (manager, py) = (self.manager, self.py);
+        execute_step(
+            manager,
+            py,
+            self.record,
+            index,
+            action,
+            self.location,
+            self.stream,
+            self.started,
+        )
+    }
 }
 
 /// The action's kind: by exact class first, then as a subclass of one of the four.
-fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<Kind> {
+fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<ActionKind> {
     let action_type = action.get_type();
     let classes = [
-        (&context.ensure, Kind::Ensure),
-        (&context.move_, Kind::Move),
-        (&context.drop, Kind::Drop),
-        (&context.discard, Kind::Discard),
+        (&context.ensure, ActionKind::Ensure),
+        (&context.move_, ActionKind::Move),
+        (&context.drop, ActionKind::Drop),
+        (&context.discard, ActionKind::Discard),
     ];
     for (class, kind) in classes {
         if action_type.is(class) {
@@ -595,36 +250,30 @@ fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<Kind> {
     )))
 }
 
-/// An action's locations, checked, with its transfer stream checked against them.
-enum Step<'py> {
-    Ensure {
-        at: Location,
-        location: Bound<'py, PyAny>,
-    },
-    Move {
-        to: Location,
-        location: Bound<'py, PyAny>,
-        from: Option<Location>,
-    },
-    Drop {
-        at: Location,
-        location: Bound<'py, PyAny>,
-    },
-    Discard,
+/// An action record read and checked: the core's action (its one value at slot 0)
+/// with its location codes, the location record it names (a move's destination; the
+/// record itself for a discard, which names none), and its transfer stream as the
+/// runtime binds it to that location's device, which is what the copies, events and
+/// synchronisations then use: a default-stream handle names the *current* device's
+/// default stream, so the raw object would follow whatever device is current when
+/// they run (docs/concepts/simulation.md#current-device-and-default-streams).
+struct Step<'py> {
+    action: Action,
+    location: Bound<'py, PyAny>,
+    stream: Option<Bound<'py, PyAny>>,
 }
 
-/// The checked step of `action`, with its transfer stream as bound to the step's
-/// location (see `step`).
+/// The checked step of `action`, with its transfer stream (see `step`).
 fn read_step<'py>(
     manager: &CoreManager,
     py: Python<'py>,
     action: &Bound<'py, PyAny>,
     stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<(Step<'py>, Option<Bound<'py, PyAny>>)> {
+) -> PyResult<Step<'py>> {
     let context = manager.context();
     let kind = action_kind(context, action)?;
     match kind {
-        Kind::Ensure | Kind::Drop => step(
+        ActionKind::Ensure | ActionKind::Drop => step(
             manager,
             py,
             kind,
@@ -632,7 +281,7 @@ fn read_step<'py>(
             None,
             stream,
         ),
-        Kind::Move => step(
+        ActionKind::Move => step(
             manager,
             py,
             kind,
@@ -640,38 +289,35 @@ fn read_step<'py>(
             Some(&&action.getattr(intern!(py, "from_location"))?),
             stream,
         ),
-        Kind::Discard => step(manager, py, kind, action, None, stream),
+        ActionKind::Discard => step(manager, py, kind, action, None, stream),
     }
 }
 
 /// The step of an action of `kind` with its location fields (`location` is the
-/// destination of a move and unused for a discard), checked with its stream; and the
-/// stream as the runtime binds it to the location's device, which is what the copies,
-/// events and synchronisations then use: a default-stream handle names the *current*
-/// device's default stream, so the raw object would follow whatever device is current
-/// when they run (docs/concepts/simulation.md#current-device-and-default-streams).
+/// destination of a move and unused for a discard), checked with its stream.
 fn step<'py>(
     manager: &CoreManager,
     py: Python<'py>,
-    kind: Kind,
+    kind: ActionKind,
     location: &Bound<'py, PyAny>,
     from: Option<&&Bound<'py, PyAny>>,
     stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<(Step<'py>, Option<Bound<'py, PyAny>>)> {
+) -> PyResult<Step<'py>> {
     let context = manager.context();
+    let handle = HandleSlot(0);
     let mut bound = None;
-    let checked = match kind {
-        Kind::Ensure => {
+    let action = match kind {
+        ActionKind::Ensure => {
             let at = context.location_code(py, location)?;
             if let Some(stream) = stream {
                 bound = Some(context.check_stream(py, stream, location, at)?);
             }
-            Step::Ensure {
-                at,
-                location: location.clone(),
+            Action::Ensure {
+                handle,
+                location: at,
             }
         }
-        Kind::Move => {
+        ActionKind::Move => {
             let to = context.location_code(py, location)?;
             let from = match from {
                 Some(from) if !from.is_none() => Some(context.location_code(py, from)?),
@@ -680,34 +326,34 @@ fn step<'py>(
             if let Some(stream) = stream {
                 bound = Some(context.check_stream(py, stream, location, to)?);
             }
-            Step::Move {
-                to,
-                location: location.clone(),
-                from,
-            }
+            Action::Move { handle, to, from }
         }
-        Kind::Drop => {
+        ActionKind::Drop => {
             let at = context.location_code(py, location)?;
             if stream.is_some() {
                 return Err(PyValueError::new_err(
                     "DropResident does not take a transfer stream",
                 ));
             }
-            Step::Drop {
-                at,
-                location: location.clone(),
+            Action::Drop {
+                handle,
+                location: at,
             }
         }
-        Kind::Discard => {
+        ActionKind::Discard => {
             if stream.is_some() {
                 return Err(PyValueError::new_err(
                     "DiscardValue does not take a transfer stream",
                 ));
             }
-            Step::Discard
+            Action::Discard { handle }
         }
     };
-    Ok((checked, bound))
+    Ok(Step {
+        action,
+        location: location.clone(),
+        stream: bound,
+    })
 }
 
 /// Runs `action` inside a transition; the caller holds the gate. `resolved` is the
@@ -730,39 +376,51 @@ pub fn execute(
         };
         index
     };
-    let (step, bound) = read_step(manager, py, action, stream)?;
-    execute_step(manager, py, action, index, step, bound.as_ref(), started)
+    let step = read_step(manager, py, action, stream)?;
+    execute_step(
+        manager,
+        py,
+        action,
+        index,
+        &step.action,
+        &step.location,
+        step.stream.as_ref(),
+        started,
+    )
 }
 
-/// Runs the checked `step` of `action` on value `index`; the caller holds the gate.
+/// Runs the checked `action` of record `record` on value `index`, with the location
+/// record it names; the caller holds the gate.
+#[allow(clippy::too_many_arguments)] // the checked step's parts
 fn execute_step<'py>(
     manager: &CoreManager,
     py: Python<'py>,
-    action: &Bound<'py, PyAny>,
+    record: &Bound<'py, PyAny>,
     index: HandleId,
-    step: Step<'py>,
+    action: &Action,
+    location: &Bound<'py, PyAny>,
     stream: Option<&Bound<'py, PyAny>>,
     started: u64,
 ) -> PyResult<Arc<Transition>> {
     let context = manager.context();
     let core = manager.core();
-    let device = match &step {
-        Step::Ensure { at, location } | Step::Drop { at, location } => {
+    let device = match *action {
+        Action::Ensure { location: at, .. } | Action::Drop { location: at, .. } => {
             if matches!(at, Location::Cuda(_)) {
                 Some(location.getattr(intern!(py, "device"))?)
             } else {
                 None
             }
         }
-        Step::Move { to, from, .. } => {
-            let mut touched = vec![*to];
+        Action::Move { to, from, .. } => {
+            let mut touched = vec![to];
             match from {
-                Some(from) => touched.push(*from),
+                Some(from) => touched.push(from),
                 None => touched.extend(lift(py, core.materialization_locations(index))?),
             }
             first_cuda(context, py, &touched)?
         }
-        Step::Discard => first_cuda(
+        Action::Discard { .. } => first_cuda(
             context,
             py,
             &lift(py, core.materialization_locations(index))?,
@@ -776,21 +434,20 @@ fn execute_step<'py>(
         Some(cuda) if sampled => sample(context, py, cuda)?,
         _ => None,
     };
-    let outcome = match step {
-        Step::Ensure { at, location } => ensure(manager, py, index, at, &location, stream)?,
-        Step::Move { to, location, from } => {
-            move_(manager, py, index, to, &location, from, stream)?
+    let outcome = match *action {
+        Action::Ensure { .. } | Action::Move { .. } => {
+            transfer(manager, py, index, action, location, stream)?
         }
-        Step::Drop { at, location } => {
+        Action::Drop { location: at, .. } => {
             let dropped = manager.drop_value(py, index, at)?;
             Outcome {
                 no_op: !dropped,
-                source: Some(location),
+                source: Some(location.clone()),
                 destination: None,
                 reason: (!dropped).then(|| context.drop_noop.bind(py).clone()),
             }
         }
-        Step::Discard => {
+        Action::Discard { .. } => {
             manager.discard_value(py, index)?;
             Outcome {
                 no_op: false,
@@ -813,7 +470,7 @@ fn execute_step<'py>(
         })
     });
     let transition = Arc::new(Transition {
-        action: action.clone().unbind(),
+        action: record.clone().unbind(),
         no_op: outcome.no_op,
         source: outcome.source.map(Bound::unbind),
         destination: outcome.destination.map(Bound::unbind),
@@ -827,108 +484,6 @@ fn execute_step<'py>(
     });
     manager.record(&transition);
     Ok(transition)
-}
-
-/// The report records of `transitions`, in order, each built once.
-pub fn reports<'py>(
-    py: Python<'py>,
-    builder: &RecordBuilder,
-    transitions: &[Arc<Transition>],
-) -> PyResult<Bound<'py, PyTuple>> {
-    let reports = transitions
-        .iter()
-        .map(|transition| transition.report(py, builder))
-        .collect::<PyResult<Vec<_>>>()?;
-    PyTuple::new(py, reports)
-}
-
-/// One committed transition, kept as plain data until its report is read: a plan
-/// builds no report objects while it runs, and the trace and the plan's report share
-/// one record per transition, built once (docs/concepts/transitions.md#reports).
-pub struct Transition {
-    action: Py<PyAny>,
-    no_op: bool,
-    source: Option<Py<PyAny>>,
-    destination: Option<Py<PyAny>>,
-    logical: u64,
-    storage: u64,
-    started: u64,
-    completed: u64,
-    allocator: Option<Box<Allocator>>,
-    reason: Option<Py<PyAny>>,
-    report: PyOnceLock<Py<PyAny>>,
-}
-
-impl std::fmt::Debug for Transition {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Transition")
-            .field("action", &self.action)
-            .field("no_op", &self.no_op)
-            .field("started", &self.started)
-            .field("completed", &self.completed)
-            .finish_non_exhaustive()
-    }
-}
-
-/// The allocator's device and figures around a transition that touched CUDA.
-#[derive(Debug)]
-struct Allocator {
-    device: Py<PyAny>,
-    before: Option<(Py<PyAny>, Py<PyAny>)>,
-    after: Option<(Py<PyAny>, Py<PyAny>)>,
-}
-
-impl Transition {
-    /// The transition's report record, built on first use without running Python
-    /// code; later calls return the same object.
-    pub fn report<'py>(
-        &self,
-        py: Python<'py>,
-        builder: &RecordBuilder,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        self.report
-            .get_or_try_init(py, || self.build(py, builder))
-            .map(|report| report.bind(py).clone())
-    }
-
-    fn build(&self, py: Python<'_>, builder: &RecordBuilder) -> PyResult<Py<PyAny>> {
-        let none = py.None().into_bound(py);
-        let optional = |object: &Option<Py<PyAny>>| {
-            object
-                .as_ref()
-                .map_or_else(|| none.clone(), |object| object.bind(py).clone())
-        };
-        let figures = |sample: Option<&(Py<PyAny>, Py<PyAny>)>| match sample {
-            Some((allocated, reserved)) => (allocated.bind(py).clone(), reserved.bind(py).clone()),
-            None => (none.clone(), none.clone()),
-        };
-        let allocator = self.allocator.as_deref();
-        let (allocated_before, reserved_before) =
-            figures(allocator.and_then(|allocator| allocator.before.as_ref()));
-        let (allocated_after, reserved_after) =
-            figures(allocator.and_then(|allocator| allocator.after.as_ref()));
-        let fields = [
-            self.action.bind(py).clone(),
-            PyBool::new(py, self.no_op).to_owned().into_any(),
-            optional(&self.source),
-            optional(&self.destination),
-            self.logical.into_bound_py_any(py)?,
-            self.storage.into_bound_py_any(py)?,
-            self.started.into_bound_py_any(py)?,
-            self.completed.into_bound_py_any(py)?,
-            allocator.map_or_else(
-                || none.clone(),
-                |allocator| allocator.device.bind(py).clone(),
-            ),
-            allocated_before,
-            reserved_before,
-            allocated_after,
-            reserved_after,
-            optional(&self.reason),
-        ];
-        let fields: Vec<&Bound<'_, PyAny>> = fields.iter().collect();
-        Ok(builder.build(py, &fields)?.unbind())
-    }
 }
 
 /// The device of the first CUDA location among `locations`.
@@ -979,66 +534,37 @@ fn sample<'py>(
     }
 }
 
-fn ensure<'py>(
+/// An ensure's or a move's transition: the core's ticket, the device work it names,
+/// then its commit (see `transit`); a no-op begins no ticket.
+fn transfer<'py>(
     manager: &CoreManager,
     py: Python<'py>,
     index: HandleId,
-    at: Location,
+    action: &Action,
     location: &Bound<'py, PyAny>,
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Outcome<'py>> {
     let context = manager.context();
-    let begun = manager
-        .core()
-        .begin_ensure(index, at, manager.asynchronous());
-    let Begun::Ticket(ticket) = lift(py, begun)? else {
-        return Ok(Outcome {
-            no_op: true,
-            source: None,
-            destination: Some(location.clone()),
-            reason: Some(context.ensure_noop.bind(py).clone()),
-        });
-    };
-    let source = ticket.source();
-    transit(manager, py, ticket, stream)?;
-    installed(context, py, source, location)
-}
-
-fn move_<'py>(
-    manager: &CoreManager,
-    py: Python<'py>,
-    index: HandleId,
-    to: Location,
-    location: &Bound<'py, PyAny>,
-    from: Option<Location>,
-    stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Outcome<'py>> {
-    let context = manager.context();
-    let ticket = match lift(py, manager.core().begin_move(index, to, from))? {
+    let begun = manager.core().begin(index, action, manager.asynchronous());
+    let ticket = match lift(py, begun)? {
         Begun::NoOp { source } => {
+            let reason = match action {
+                Action::Move { .. } => &context.move_noop,
+                _ => &context.ensure_noop,
+            };
             return Ok(Outcome {
                 no_op: true,
                 source: source
                     .map(|source| context.location(py, source))
                     .transpose()?,
                 destination: Some(location.clone()),
-                reason: Some(context.move_noop.bind(py).clone()),
+                reason: Some(reason.bind(py).clone()),
             });
         }
         Begun::Ticket(ticket) => ticket,
     };
     let source = ticket.source();
     transit(manager, py, ticket, stream)?;
-    installed(context, py, source, location)
-}
-
-/// The outcome of an install at `location` from `source`.
-fn installed<'py>(
-    context: &Context,
-    py: Python<'py>,
-    source: Location,
-    location: &Bound<'py, PyAny>,
-) -> PyResult<Outcome<'py>> {
     Ok(Outcome {
         no_op: false,
         source: Some(context.location(py, source)?),

@@ -3,7 +3,9 @@
 //! Argument schema errors are raised by the Python glue before anything reaches this
 //! crate; what arrives here is already well-typed, so conversions stay mechanical.
 
+mod api;
 mod checksum;
+mod context;
 mod direct;
 mod errors;
 mod execute;
@@ -16,6 +18,8 @@ mod plan;
 mod plans;
 mod records;
 mod search;
+mod shapes;
+mod transition;
 
 use pyo3::prelude::*;
 

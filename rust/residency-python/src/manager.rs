@@ -18,13 +18,12 @@ use residency_core::{
     StorageKey, ValueSpec,
 };
 
-use crate::direct::AdoptedShapes;
-use crate::execute::{Context, DirectKind, Transition};
+use crate::context::Context;
 use crate::kinds::LifetimeKind;
 use crate::objects::Objects;
-use crate::plan::PlanIr;
-use crate::plans::PlanRun;
 use crate::records::RecordBuilder;
+use crate::shapes::AdoptedShapes;
+use crate::transition::Transition;
 use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
 
@@ -38,29 +37,29 @@ fn codes(locations: &[Location]) -> Vec<u32> {
 #[pyclass(frozen, module = "fhelium._core", name = "CoreManager")]
 #[derive(Debug)]
 pub struct CoreManager {
-    core: Arc<Manager>,
-    objects: Objects,
+    pub(crate) core: Arc<Manager>,
+    pub(crate) objects: Objects,
     /// Builds the handle records this manager issues, without running Python code.
-    handles: Py<RecordBuilder>,
+    pub(crate) handles: Py<RecordBuilder>,
     /// One string object for the id every handle of this manager carries.
-    manager_id: Py<PyString>,
-    /// The engine's classes, builders and runtime (see `execute::Context`).
-    context: Context,
-    trace: Mutex<Trace>,
-    adopted_shapes: AdoptedShapes,
+    pub(crate) manager_id: Py<PyString>,
+    /// The engine's classes, builders and runtime (see `context::Context`).
+    pub(crate) context: Context,
+    pub(crate) trace: Mutex<Trace>,
+    pub(crate) adopted_shapes: AdoptedShapes,
     /// Set while a prefetch runs its plan: CUDA copies of `ensure` actions are
     /// enqueued without waiting for them (docs/concepts/controller.md#prefetch).
-    asynchronous: std::sync::atomic::AtomicBool,
+    pub(crate) asynchronous: std::sync::atomic::AtomicBool,
 }
 
 /// The retained transition reports: the newest `capacity`, oldest first.
 #[derive(Debug, Default)]
-struct Trace {
-    capacity: usize,
-    reports: VecDeque<Arc<Transition>>,
+pub(crate) struct Trace {
+    pub(crate) capacity: usize,
+    pub(crate) reports: VecDeque<Arc<Transition>>,
 }
 
-fn unknown_index(index: HandleId) -> PyErr {
+pub(crate) fn unknown_index(index: HandleId) -> PyErr {
     pyo3::exceptions::PyRuntimeError::new_err(format!(
         "internal error: handle index {index} was not issued by this manager"
     ))
@@ -250,6 +249,19 @@ impl CoreManager {
         Ok(())
     }
 
+    /// Runs `operation` as a transition: the gate taken (see `enter_transition_gate`)
+    /// for it, and let go after.
+    pub(crate) fn in_transition<T>(
+        &self,
+        py: Python<'_>,
+        operation: impl FnOnce() -> PyResult<T>,
+    ) -> PyResult<T> {
+        self.enter_transition_gate(py)?;
+        let result = operation();
+        self.core.end_transition_and_exit();
+        result
+    }
+
     /// Applies the releases queued while a source callback ran, oldest first; the
     /// caller holds the gate.
     pub(crate) fn drain_deferred(&self) {
@@ -430,7 +442,7 @@ impl CoreManager {
         drop(evicted);
     }
 
-    fn issue_handle(
+    pub(crate) fn issue_handle(
         &self,
         py: Python<'_>,
         handle_id: HandleName,
@@ -449,7 +461,7 @@ impl CoreManager {
     }
 
     /// `(index, discarded)` when `handle` is (or equals) a handle this manager issued.
-    fn lookup(
+    pub(crate) fn lookup(
         &self,
         py: Python<'_>,
         handle: &Bound<'_, PyAny>,
@@ -474,635 +486,8 @@ impl CoreManager {
         }
     }
 
-    fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
+    pub(crate) fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
         result.map_err(|err| to_py_err(py, err))
-    }
-}
-
-#[pymethods]
-impl CoreManager {
-    #[new]
-    #[pyo3(signature = (budgets, budget_bytes, handle_records, context, trace_capacity=0))]
-    fn new(
-        py: Python<'_>,
-        budgets: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
-        budget_bytes: &Bound<'_, PyAny>,
-        handle_records: &Bound<'_, PyAny>,
-        context: &Bound<'_, PyTuple>,
-        trace_capacity: usize,
-    ) -> PyResult<Self> {
-        let context = Context::from_tuple(context)?;
-        // Per entry, the location first, then its byte count (`budget_bytes` checks it).
-        let budgets = budgets
-            .iter()
-            .map(|(location, budget)| {
-                let code = context.location_code(py, location)?;
-                Ok((code, budget_bytes.call1((budget, location))?.extract()?))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        let core = Arc::new(Manager::new(&budgets));
-        let manager_id = PyString::new(py, core.manager_id()).unbind();
-        Ok(Self {
-            core,
-            manager_id,
-            objects: Objects::default(),
-            handles: {
-                let builder = handle_records.cast::<RecordBuilder>()?;
-                builder.get().expect_fields(3)?;
-                builder.clone().unbind()
-            },
-            context,
-            trace: Mutex::new(Trace {
-                capacity: trace_capacity,
-                reports: VecDeque::new(),
-            }),
-            adopted_shapes: AdoptedShapes::default(),
-            asynchronous: std::sync::atomic::AtomicBool::new(false),
-        })
-    }
-
-    /// `adopt` in one call (see `direct`).
-    fn adopt(
-        &self,
-        py: Python<'_>,
-        value: &Bound<'_, PyAny>,
-        at: &Bound<'_, PyAny>,
-        replica_mode: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::direct::adopt(self, py, value, at, replica_mode)
-    }
-
-    // ----- one-call operations ------------------------------------------------------
-
-    /// Runs one action as a transition, taking the gate (docs/concepts/transitions.md).
-    #[pyo3(signature = (action, stream=None))]
-    fn run(
-        &self,
-        py: Python<'_>,
-        action: &Bound<'_, PyAny>,
-        stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::execute::run(self, py, action, stream)
-    }
-
-    /// `ensure` with a handle and location of the exact record classes, the action
-    /// record built here (see `execute::run_direct`).
-    #[pyo3(signature = (handle, at, stream=None))]
-    fn ensure(
-        &self,
-        py: Python<'_>,
-        handle: &Bound<'_, PyAny>,
-        at: &Bound<'_, PyAny>,
-        stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::execute::run_direct(self, py, DirectKind::Ensure, &[handle, at], stream)
-    }
-
-    /// `move`, as `ensure` is above.
-    #[pyo3(signature = (handle, to, from_location, stream=None))]
-    fn move_to(
-        &self,
-        py: Python<'_>,
-        handle: &Bound<'_, PyAny>,
-        to: &Bound<'_, PyAny>,
-        from_location: &Bound<'_, PyAny>,
-        stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::execute::run_direct(
-            self,
-            py,
-            DirectKind::Move,
-            &[handle, to, from_location],
-            stream,
-        )
-    }
-
-    /// `drop`, as `ensure` is above.
-    fn drop(
-        &self,
-        py: Python<'_>,
-        handle: &Bound<'_, PyAny>,
-        at: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::execute::run_direct(self, py, DirectKind::Drop, &[handle, at], None)
-    }
-
-    /// Borrows normalised `handles` at `at`; CUDA needs the consumer stream.
-    #[pyo3(signature = (engine, handles, at, consumer_stream=None))]
-    fn acquire(
-        &self,
-        py: Python<'_>,
-        engine: &Bound<'_, PyAny>,
-        handles: &Bound<'_, PyAny>,
-        at: &Bound<'_, PyAny>,
-        consumer_stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::lifetimes::acquire(self, py, engine, handles, at, consumer_stream)
-    }
-
-    /// Protects the ready materialisations of normalised `handles` at `at`.
-    fn hold(
-        &self,
-        py: Python<'_>,
-        engine: &Bound<'_, PyAny>,
-        handles: &Bound<'_, PyAny>,
-        at: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::lifetimes::hold(self, py, engine, handles, at)
-    }
-
-    /// Charges `nbytes` (a non-negative int) of headroom at `location`; `label` is a
-    /// checked non-empty string.
-    fn reserve(
-        &self,
-        py: Python<'_>,
-        engine: &Bound<'_, PyAny>,
-        location: &Bound<'_, PyAny>,
-        nbytes: &Bound<'_, PyAny>,
-        label: &Bound<'_, PyString>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::lifetimes::reserve(self, py, engine, location, nbytes, label)
-    }
-
-    /// Releases a hold, a reservation or a host lease, waiting for the gate or
-    /// queueing behind a running source callback as needed.
-    #[pyo3(signature = (kind, token, finalizing=false))]
-    fn release(
-        &self,
-        py: Python<'_>,
-        kind: LifetimeKind,
-        token: u64,
-        finalizing: bool,
-    ) -> PyResult<()> {
-        crate::lifetimes::release(self, py, kind, token, finalizing)
-    }
-
-    /// Releases a lease at `location`; a CUDA lease records events on `streams`.
-    /// `stacklevel` places the warnings a fallback raises.
-    #[pyo3(signature = (token, location, streams, *, wait, finalizing=false, stacklevel=2))]
-    #[allow(clippy::too_many_arguments)]
-    fn release_lease(
-        &self,
-        py: Python<'_>,
-        token: u64,
-        location: &Bound<'_, PyAny>,
-        streams: &Bound<'_, pyo3::types::PyList>,
-        wait: bool,
-        finalizing: bool,
-        stacklevel: i32,
-    ) -> PyResult<()> {
-        crate::lifetimes::release_lease(
-            self, py, token, location, streams, wait, finalizing, stacklevel,
-        )
-    }
-
-    /// Releases a host lease at once when the gate is free and nothing is queued;
-    /// `False` sends the caller down the waiting path (nothing has changed then).
-    fn release_host_lease_now(&self, token: u64) -> bool {
-        let released = self.release_now(LifetimeKind::Lease, token);
-        if released {
-            drop(self.objects.untrack_lease(token));
-        }
-        released
-    }
-
-    /// Tracks a lease object built by the glue itself, until it is released; its
-    /// finalizer releases `token` at `location` on `streams` through `engine`.
-    fn track_lease(
-        &self,
-        py: Python<'_>,
-        token: u64,
-        lease: &Bound<'_, PyAny>,
-        engine: &Bound<'_, PyAny>,
-        location: &Bound<'_, PyAny>,
-        streams: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        crate::lifetimes::track_lease(self, py, engine, token, location, streams, lease)
-    }
-
-    /// Stops tracking a lease (finalized by its own object, at exit).
-    fn untrack_lease(&self, token: u64) {
-        drop(self.objects.untrack_lease(token));
-    }
-
-    /// The lease objects not yet released that are still alive, oldest first.
-    fn live_leases(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
-        crate::lifetimes::live_leases(self, py)
-    }
-
-    /// The managed object a lease borrows, while the lease still covers it.
-    fn borrowed(
-        &self,
-        py: Python<'_>,
-        token: u64,
-        handle: &Bound<'_, PyAny>,
-        location: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::lifetimes::borrowed(self, py, token, handle, location)
-    }
-
-    /// Closes the manager (docs/concepts/lifetimes.md#close).
-    #[pyo3(signature = (*, wait, force))]
-    fn close(&self, py: Python<'_>, wait: bool, force: bool) -> PyResult<()> {
-        crate::lifetimes::close(self, py, wait, force)
-    }
-
-    /// Checks a location record, returning its code.
-    fn location_code(&self, py: Python<'_>, location: &Bound<'_, PyAny>) -> PyResult<u32> {
-        Ok(self.context.location_code(py, location)?.code())
-    }
-
-    /// Checks a stream for `location`, returning the stream the manager keeps for it
-    /// there (see `DeviceRuntime.bind_stream`).
-    fn check_stream<'py>(
-        &self,
-        py: Python<'py>,
-        stream: &Bound<'py, PyAny>,
-        location: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let at = self.context.location_code(py, location)?;
-        self.context.check_stream(py, stream, location, at)
-    }
-
-    /// A schedule's steps (lists of handles) as live handle indices of this manager,
-    /// one pass or, `cyclic`, repeating forever; handles that do not resolve are left
-    /// out (see `search::ScheduleIndex`).
-    #[pyo3(signature = (steps, cyclic=false))]
-    #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
-    fn schedule_index(
-        &self,
-        py: Python<'_>,
-        steps: Vec<Vec<Bound<'_, PyAny>>>,
-        cyclic: bool,
-    ) -> PyResult<crate::search::ScheduleIndex> {
-        let discards = self.core.discards();
-        let mut resolved = Vec::with_capacity(steps.len());
-        for step in &steps {
-            let mut indices = Vec::with_capacity(step.len());
-            for handle in step {
-                if let Some(index) = self.resolve_live(py, handle)? {
-                    indices.push(index as usize);
-                }
-            }
-            resolved.push(indices);
-        }
-        Ok(crate::search::ScheduleIndex::new(
-            &resolved, discards, cyclic,
-        ))
-    }
-
-    /// How many values this manager has discarded (a schedule index's validity).
-    fn discard_count(&self) -> u64 {
-        self.core.discards()
-    }
-
-    /// The precise error for a handle that does not resolve.
-    #[pyo3(name = "handle_error")]
-    fn handle_error_py(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<PyErr> {
-        self.handle_error(py, handle)
-    }
-
-    /// `execute_actions` in one call: gate, checks, preflight and the "execute"
-    /// phase (see `plans`).
-    /// With `asynchronous`, the CUDA copies of `ensure` actions are enqueued and left
-    /// in flight, each protected by its event (a prefetch).
-    /// `then`, when given, is called after the phase under the same hold of the gate
-    /// (see `plans`); its result is returned.
-    #[pyo3(signature = (run, ir, handles, actions, transfer_streams, expected_version, *, asynchronous=false, then=None))]
-    #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
-    fn execute_plan(
-        &self,
-        py: Python<'_>,
-        run: &PlanRun,
-        ir: &PlanIr,
-        handles: &Bound<'_, PyTuple>,
-        actions: &Bound<'_, PyTuple>,
-        transfer_streams: Option<&Bound<'_, PyAny>>,
-        expected_version: Option<&Bound<'_, PyAny>>,
-        asynchronous: bool,
-        then: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::plans::execute_plan(
-            self,
-            py,
-            run,
-            ir,
-            handles,
-            actions,
-            transfer_streams,
-            expected_version,
-            asynchronous,
-            then,
-        )
-    }
-
-    /// Makes `stream`, a consumer stream joining a lease of `handles` at `at`, wait
-    /// for the transfers still in flight into them.
-    fn wait_transfers(
-        &self,
-        py: Python<'_>,
-        handles: &Bound<'_, PyAny>,
-        at: &Bound<'_, PyAny>,
-        stream: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        crate::lifetimes::wait_transfers(self, py, handles, at, stream)
-    }
-
-    /// Host-waits for the pending leases `tokens` (and, with `transfers`, every
-    /// transfer in flight) and releases them.
-    #[pyo3(signature = (tokens, *, transfers=false))]
-    #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
-    fn settle(&self, py: Python<'_>, tokens: Vec<u64>, transfers: bool) -> PyResult<()> {
-        crate::lifetimes::settle(self, py, &tokens, transfers)
-    }
-
-    /// Releases the pending leases among `tokens` with device-side waits of their
-    /// values' owning streams; what needs a host wait is waited for with `host`, else
-    /// left pending and returned (docs/concepts/controller.md#evicting-around-reads-in-flight).
-    #[pyo3(signature = (tokens, *, host))]
-    #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
-    fn settle_on_device(&self, py: Python<'_>, tokens: Vec<u64>, host: bool) -> PyResult<Vec<u64>> {
-        crate::lifetimes::settle_on_device(self, py, &tokens, host)
-    }
-
-    /// Whether bringing `handles` to `at` would block the host on a copy (from disk or
-    /// pageable memory, or to the host). With `disk_deferred`, a read from disk to a
-    /// device does not: the disk tier reads it on its I/O thread.
-    #[pyo3(signature = (handles, at, *, disk_deferred = false))]
-    fn blocks_host(
-        &self,
-        py: Python<'_>,
-        handles: &Bound<'_, PyAny>,
-        at: &Bound<'_, PyAny>,
-        disk_deferred: bool,
-    ) -> PyResult<bool> {
-        crate::lifetimes::blocks_host(self, py, handles, at, disk_deferred)
-    }
-
-    /// The pending tokens of the transfers still in flight into `handles` at `at`.
-    fn transfers_into(
-        &self,
-        py: Python<'_>,
-        handles: &Bound<'_, PyAny>,
-        at: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<u64>> {
-        crate::lifetimes::transfers_into(self, py, handles, at)
-    }
-
-    /// The tokens among `tokens` of leases still pending on their events, after
-    /// reaping the leases whose events completed.
-    #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
-    fn pending_among(&self, py: Python<'_>, tokens: Vec<u64>) -> PyResult<Vec<u64>> {
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            Ok(tokens
-                .into_iter()
-                .filter(|&token| {
-                    self.core.lease_state(token) == residency_core::LeaseState::Pending
-                })
-                .collect())
-        })
-    }
-
-    /// True when this thread cannot pass the gate now: it is inside a transition of
-    /// this manager (a source callback runs only there). What a finaliser releases
-    /// then is queued (docs/concepts/lifetimes.md#deferred-releases).
-    fn blocked_here(&self) -> bool {
-        self.core.gate().check_reentrant().is_err()
-    }
-
-    /// How many asynchronous transfers are still in flight (not yet reaped).
-    fn transfer_count(&self) -> usize {
-        self.core.transfer_count()
-    }
-
-    /// Scope entry in one call: gate, checks, preflight, reclaim, reserve, enter; then
-    /// `then`, when given, under the same hold of the gate (a use borrows there), its
-    /// result returned. When `then` raises, the scope's reservations are released.
-    #[pyo3(signature = (run, ir, handles, plan, transfer_streams, expected_version, *, then=None))]
-    #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
-    fn enter_scope(
-        &self,
-        py: Python<'_>,
-        run: &PlanRun,
-        ir: &PlanIr,
-        handles: &Bound<'_, PyTuple>,
-        plan: &Bound<'_, PyAny>,
-        transfer_streams: Option<&Bound<'_, PyAny>>,
-        expected_version: Option<&Bound<'_, PyAny>>,
-        then: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::plans::enter_scope(
-            self,
-            py,
-            run,
-            ir,
-            handles,
-            plan,
-            transfer_streams,
-            expected_version,
-            then,
-        )
-    }
-
-    /// `explain` in one call: gate, version check, handle resolution, simulation.
-    #[pyo3(signature = (ir, handles, plan, expected_version))]
-    fn explain_plan(
-        &self,
-        py: Python<'_>,
-        ir: &PlanIr,
-        handles: &Bound<'_, PyTuple>,
-        plan: &Bound<'_, PyAny>,
-        expected_version: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<SimulationView> {
-        crate::plans::explain(self, py, ir, handles, plan, expected_version)
-            .map(SimulationView::new)
-    }
-
-    /// The controller's decide for one lowered request, in one call under one hold of
-    /// the gate: the built-in policy's configuration (`native`, with the schedule-aware
-    /// policy's index and position in `schedule`) or a Python policy's `(order,
-    /// fallbacks)` callables. `None` when a value was discarded since the request was
-    /// lowered (see `search::decide_request`).
-    #[pyo3(signature = (request, limit, cuda_count, *, native=None, python=None, schedule=None))]
-    #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
-    fn decide_request<'py>(
-        &self,
-        py: Python<'py>,
-        request: crate::search::LoweredRequest,
-        limit: u64,
-        cuda_count: i64,
-        native: Option<crate::search::NativeConfig>,
-        python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-        schedule: Option<(PyRef<'py, crate::search::ScheduleIndex>, usize)>,
-    ) -> PyResult<Option<crate::search::Decision>> {
-        let policy = crate::search::DecidePolicy::new(native, python, schedule)?;
-        crate::search::decide_request(self, py, request, limit, cuda_count, policy)
-    }
-
-    /// `operation()` under one hold of the gate, after queued releases and completed
-    /// CUDA leases are reaped: what must read the state and act on it with no other
-    /// thread's operation in between (a staged step's entry reads the state its
-    /// decision describes and takes its leases; docs/concepts/controller.md#steps).
-    /// Returns what `operation` returned.
-    fn locked(&self, py: Python<'_>, operation: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            Ok(operation.call0()?.unbind())
-        })
-    }
-
-    /// Scope exit in one call: the exit actions, then the scope's reservations.
-    fn exit_scope(
-        &self,
-        py: Python<'_>,
-        run: &PlanRun,
-        actions: &Bound<'_, PyTuple>,
-    ) -> PyResult<()> {
-        crate::plans::exit_scope(self, py, run, actions)
-    }
-
-    // ----- the trace and deferred releases ----------------------------------------------
-
-    /// The retained transition reports, oldest first.
-    fn trace_reports<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let transitions: Vec<Arc<Transition>> = self.with_gate(py, false, false, || {
-            let trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
-            Ok(trace.reports.iter().cloned().collect())
-        })?;
-        // Built outside the gate: building allocates, and a collection it triggers may
-        // run finalizers that release leases.
-        crate::execute::reports(py, self.context().report_builder(py), &transitions)
-    }
-
-    /// Empties the trace; state and version are unchanged.
-    fn clear_trace(&self, py: Python<'_>) -> PyResult<()> {
-        self.with_gate(py, false, false, || {
-            let released = {
-                let mut trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
-                std::mem::take(&mut trace.reports)
-            };
-            drop(released);
-            Ok(())
-        })
-    }
-
-    #[getter]
-    fn manager_id(&self, py: Python<'_>) -> Py<PyString> {
-        self.manager_id.clone_ref(py)
-    }
-
-    // ----- observations -------------------------------------------------------
-
-    /// Raises `ResidencyClosedError` on a closed manager, after any running
-    /// operation has finished.
-    fn check_open(&self, py: Python<'_>) -> PyResult<()> {
-        self.with_gate(py, true, false, || Ok(()))
-    }
-
-    /// Raises `ResidencyForkedError` in a process forked from the manager's owner,
-    /// touching no lock (for the Python paths that take a lock of their own first).
-    fn check_process(&self, py: Python<'_>) -> PyResult<()> {
-        Self::lift(py, self.core.check_process())
-    }
-
-    /// The id of the process that made the manager.
-    #[getter]
-    fn owner_pid(&self) -> u32 {
-        self.core.owner_pid()
-    }
-
-    #[getter]
-    fn version(&self) -> u64 {
-        self.core.version()
-    }
-
-    /// The state version after reaping completed CUDA leases, under the gate.
-    fn checked_version(&self, py: Python<'_>) -> PyResult<u64> {
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            Ok(self.core.version())
-        })
-    }
-
-    #[getter]
-    fn closed(&self) -> bool {
-        self.core.is_closed()
-    }
-
-    /// The registered location records: budgeted ones first, then in first-use order.
-    fn location_records(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
-        self.with_gate(py, false, false, || {
-            self.core
-                .locations()
-                .into_iter()
-                .map(|location| Ok(self.context.location(py, location)?.unbind()))
-                .collect()
-        })
-    }
-
-    /// A consistent published state for a snapshot and the time it was captured: the
-    /// lock-free one when nothing waits to be reaped, else one taken under the gate.
-    fn snapshot_state(&self, py: Python<'_>) -> PyResult<(StateView, u64)> {
-        Self::lift(py, self.core.check_process())?;
-        if !self.core.releases_queued()
-            && let Some(state) = Self::lift(py, self.core.try_published_snapshot())?
-        {
-            return Ok((StateView { state }, crate::execute::now_ns()));
-        }
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            let state = self.core.current();
-            Ok((StateView { state }, crate::execute::now_ns()))
-        })
-    }
-
-    // ----- registration ---------------------------------------------------------
-
-    /// `register_source` in one call (see `direct`).
-    fn register_source(
-        &self,
-        py: Python<'_>,
-        spec_record: &Bound<'_, PyAny>,
-        source: &Bound<'_, PyAny>,
-        source_location: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        crate::direct::register(self, py, spec_record, source, source_location)
-    }
-
-    // ----- handles and objects -----------------------------------------------------
-
-    /// The index of a live handle this manager issued (the very object, or one equal
-    /// to it); `None` for anything else, which the glue turns into a precise error.
-    fn resolve(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<Option<HandleId>> {
-        let Some((index, discarded)) = self.lookup(py, handle)? else {
-            return Ok(None);
-        };
-        Ok((!discarded).then_some(index))
-    }
-
-    /// Whether `handle` names a value of this manager that was discarded.
-    fn is_discarded(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self
-            .lookup(py, handle)?
-            .is_some_and(|(_, discarded)| discarded))
-    }
-
-    fn handle(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
-        self.objects
-            .handle(py, index)
-            .ok_or_else(|| unknown_index(index))
-    }
-
-    fn spec(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
-        self.objects
-            .spec(py, index)
-            .ok_or_else(|| unknown_index(index))
-    }
-
-    /// The label a reservation was made with, exactly as given.
-    fn label(&self, py: Python<'_>, token: u64) -> Option<Py<PyAny>> {
-        self.objects.label(py, token)
     }
 }
 
@@ -1110,7 +495,7 @@ impl CoreManager {
 #[pyclass(frozen, module = "fhelium._core", name = "StateView")]
 #[derive(Debug)]
 pub struct StateView {
-    state: Arc<State>,
+    pub(crate) state: Arc<State>,
 }
 
 #[pymethods]

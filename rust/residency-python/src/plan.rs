@@ -8,14 +8,14 @@
 
 use std::borrow::Cow;
 use std::collections::hash_map::Entry;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple, PyType};
 use residency_core::{
-    Action, ActionKind, FastMap, HandleRef, HandleSlot, Location, Plan, Reservation, SlotResolution,
+    Action, FastMap, HandleRef, HandleSlot, Location, Plan, Reservation, Resolutions,
 };
 
 use crate::errors::to_py_err;
@@ -24,38 +24,19 @@ use crate::kinds::PyActionKind;
 /// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent.
 type ActionTuple = (PyActionKind, u32, i64, i64);
 
+/// A location code, or the `ValueError` naming what is wrong with it.
 fn location(code: i64) -> PyResult<Location> {
-    let code = u32::try_from(code)
-        .map_err(|_| PyValueError::new_err(format!("invalid location code {code}")))?;
-    Location::from_code(code).map_err(|err| PyValueError::new_err(err.to_string()))
-}
-
-fn action((kind, slot, code, from_code): ActionTuple) -> PyResult<Action> {
-    let handle = HandleSlot(slot);
-    Ok(match ActionKind::from(kind) {
-        ActionKind::Ensure => Action::Ensure {
-            handle,
-            location: location(code)?,
-        },
-        ActionKind::Move => Action::Move {
-            handle,
-            to: location(code)?,
-            from: if from_code < 0 {
-                None
-            } else {
-                Some(location(from_code)?)
-            },
-        },
-        ActionKind::Drop => Action::Drop {
-            handle,
-            location: location(code)?,
-        },
-        ActionKind::Discard => Action::Discard { handle },
-    })
+    Location::from_signed_code(code).map_err(|err| PyValueError::new_err(err.to_string()))
 }
 
 fn actions(tuples: Vec<ActionTuple>) -> PyResult<Vec<Action>> {
-    tuples.into_iter().map(action).collect()
+    tuples
+        .into_iter()
+        .map(|(kind, slot, code, from)| {
+            Action::decode(kind.into(), HandleSlot(slot), code, from)
+                .map_err(|err| PyValueError::new_err(err.to_string()))
+        })
+        .collect()
 }
 
 /// A lowered, validated plan. Immutable and shareable across threads.
@@ -63,24 +44,15 @@ fn actions(tuples: Vec<ActionTuple>) -> PyResult<Vec<Action>> {
 #[derive(Debug)]
 pub struct PlanIr {
     plan: Arc<Plan>,
-    /// The handle slots' last resolution, with the manager and discard count it holds
-    /// for: a plan preflighted or explained again resolves nothing again.
-    resolved: Mutex<Option<Resolution>>,
-}
-
-/// A plan's handle slots resolved against one manager.
-#[derive(Debug)]
-struct Resolution {
-    manager_id: Arc<str>,
-    discards: u64,
-    slots: Arc<[SlotResolution]>,
+    /// The handle slots' last resolution (see `Resolutions`).
+    resolutions: Resolutions,
 }
 
 impl PlanIr {
     pub fn new(plan: Plan) -> Self {
         Self {
             plan: Arc::new(plan),
-            resolved: Mutex::new(None),
+            resolutions: Resolutions::default(),
         }
     }
 
@@ -88,22 +60,8 @@ impl PlanIr {
         &self.plan
     }
 
-    /// The slots' resolution remembered for `manager_id` at `discards`, if any.
-    pub fn resolution(&self, manager_id: &str, discards: u64) -> Option<Arc<[SlotResolution]>> {
-        let resolved = self.resolved.lock().unwrap_or_else(PoisonError::into_inner);
-        resolved
-            .as_ref()
-            .filter(|known| known.discards == discards && &*known.manager_id == manager_id)
-            .map(|known| Arc::clone(&known.slots))
-    }
-
-    /// Remembers the slots' resolution against `manager_id` at `discards`.
-    pub fn remember(&self, manager_id: &Arc<str>, discards: u64, slots: &Arc<[SlotResolution]>) {
-        *self.resolved.lock().unwrap_or_else(PoisonError::into_inner) = Some(Resolution {
-            manager_id: Arc::clone(manager_id),
-            discards,
-            slots: Arc::clone(slots),
-        });
+    pub fn resolutions(&self) -> &Resolutions {
+        &self.resolutions
     }
 }
 

@@ -1,7 +1,10 @@
 //! Plans end to end: `execute_actions`, scope entry and scope exit, each one call
-//! that takes the transition gate, checks the expected state version and the
-//! transfer streams, preflights the plan through the core's simulation and runs its
-//! phases in order (docs/concepts/plans.md).
+//! that takes the transition gate and hands the run to the core's plan runner
+//! (`residency_core::PlanRun`), which checks the expected state version, preflights
+//! the plan through the core's simulation and runs its phases in order, with the
+//! reservations' rollback (docs/concepts/plans.md). This module is the runner's
+//! device side: it reaps, reads the caller's records and transfer streams, performs
+//! each action as a transition (see `execute`) and admits each reservation.
 //!
 //! Execution is not transactional. A `PlanRun` records how far a run got: the
 //! transitions committed so far (kept as plain data; their report records are built
@@ -11,17 +14,24 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyMapping, PyString, PyTuple};
-use residency_core::{Action, CudaDevices, HandleId, Location, Simulation, SlotResolution};
+use pyo3::types::{PyBool, PyMapping, PyString, PyTuple};
+use residency_core::{
+    Action, CoreError, CudaDevices, HandleId, Inputs, Location, PlanPhase, Reservation, RunError,
+    Simulation, SlotResolution,
+};
 
-use crate::errors::{ResidencyPlanError, ResidencyStaleStateError};
-use crate::execute::{self, Transition};
+use crate::errors::{stale_state, to_py_err};
+use crate::execute;
 use crate::manager::CoreManager;
 use crate::plan::PlanIr;
 use crate::records::RecordBuilder;
+use crate::transition::{Transition, reports};
+
+/// The core's run of one plan, with what committed as transition records.
+type CoreRun = residency_core::PlanRun<Arc<Transition>>;
 
 /// How far one plan run got; see the module documentation.
 #[pyclass(frozen, module = "fhelium._core", name = "PlanRun")]
@@ -33,22 +43,23 @@ pub struct PlanRun {
 
 #[derive(Debug, Default)]
 struct RunState {
-    transitions: Vec<Arc<Transition>>,
-    /// The phase in progress, or the one that failed; `None` before the first.
-    phase: Option<&'static str>,
-    /// How many transitions were committed when the current phase began.
-    phase_start: usize,
-    /// The position of the reservation being admitted while `phase` is "reserve".
-    reservation: Option<usize>,
+    run: CoreRun,
     /// The validated transfer streams by destination, kept for a scope's exit.
     streams: Vec<(Location, Py<PyAny>)>,
-    /// Reservation tokens a scope holds, in admission order.
-    tokens: Vec<u64>,
 }
 
 impl PlanRun {
     fn state(&self) -> MutexGuard<'_, RunState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `operation` on the core's run, taken out of the lock meanwhile: the
+    /// lock is never held across Python code.
+    fn with_run<T>(&self, operation: impl FnOnce(&mut CoreRun) -> T) -> T {
+        let mut run = std::mem::take(&mut self.state().run);
+        let result = operation(&mut run);
+        self.state().run = run;
+        result
     }
 }
 
@@ -65,40 +76,35 @@ impl PlanRun {
 
     /// The number of committed transitions.
     fn __len__(&self) -> usize {
-        self.state().transitions.len()
+        self.state().run.done().len()
     }
 
     /// The phase in progress when the run stopped ("execute", "reclaim", "reserve",
     /// "enter" or "exit"), or `None` if it failed before its first phase.
     #[getter]
     fn phase(&self) -> Option<&'static str> {
-        self.state().phase
+        self.state().run.phase().map(PlanPhase::as_str)
     }
 
     /// The position, within its phase, of the action or reservation in progress.
     #[getter]
     fn position(&self) -> usize {
-        let state = self.state();
-        state
-            .reservation
-            .unwrap_or(state.transitions.len() - state.phase_start)
+        self.state().run.position()
     }
 
     /// The committed transitions' report records, in order (built once each).
     fn reports<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let transitions = self.state().transitions.clone();
-        execute::reports(py, self.reports.get(), &transitions)
+        let transitions = self.state().run.done().to_vec();
+        reports(py, self.reports.get(), &transitions)
     }
 
     /// Takes the reservation tokens the run still holds, newest first.
     fn take_tokens(&self) -> Vec<u64> {
-        let mut tokens = std::mem::take(&mut self.state().tokens);
-        tokens.reverse();
-        tokens
+        self.state().run.take_tokens()
     }
 }
 
-/// `execute_actions`: one phase, named "execute", after the checks and the preflight.
+/// `execute_actions`: the core's run of the plan as the one phase "execute".
 #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
 pub fn execute_plan(
     manager: &CoreManager,
@@ -113,27 +119,20 @@ pub fn execute_plan(
     then: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let operation = || {
-        let slots = prepare(
-            manager,
-            py,
-            run,
-            ir,
-            handles,
-            &[],
-            transfer_streams,
-            expected_version,
-        )?;
-        let resolved = Resolved::new(ir.plan().enter(), &slots);
+        let mut device = RunSide::new(manager, py, vec![(PlanPhase::Execute, actions.clone())]);
+        device.inputs = Some((ir, handles, transfer_streams, Vec::new()));
+        device.expected_version = expected_version;
         manager.set_asynchronous(asynchronous);
-        let result = run_phase(manager, py, run, "execute", actions, Some(&resolved));
+        let result = run.with_run(|core| core.execute(manager.core(), ir.plan(), &mut device));
         manager.set_asynchronous(false);
-        result
+        device.keep_streams(run);
+        result.map_err(|error| device.raised(error))
     };
     within_gate_then(manager, py, operation, then, || {})
 }
 
-/// Scope entry: the checks and the preflight, then reclaim, reserve and enter. On a
-/// failure the reservations already admitted are released before the error returns.
+/// Scope entry: the core's run of the plan's checks, preflight, reclaim, reserve and
+/// enter; on a failure it releases the reservations already admitted.
 #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
 pub fn enter_scope(
     manager: &CoreManager,
@@ -150,75 +149,200 @@ pub fn enter_scope(
         let reservations = plan.getattr(intern!(py, "reservations"))?;
         let reservations: Vec<Bound<'_, PyAny>> =
             reservations.try_iter()?.collect::<PyResult<_>>()?;
-        let slots = prepare(
-            manager,
-            py,
-            run,
-            ir,
-            handles,
-            &reservations,
-            transfer_streams,
-            expected_version,
-        )?;
-        let entered = (|| {
-            let reclaim = plan.getattr(intern!(py, "reclaim"))?;
-            let resolved = Resolved::new(ir.plan().reclaim(), &slots);
-            run_phase(
-                manager,
-                py,
-                run,
-                "reclaim",
-                reclaim.cast::<PyTuple>()?,
-                Some(&resolved),
-            )?;
-            reserve(manager, py, run, &reservations)?;
-            let enter = plan.getattr(intern!(py, "enter"))?;
-            let resolved = Resolved::new(ir.plan().enter(), &slots);
-            run_phase(
-                manager,
-                py,
-                run,
-                "enter",
-                enter.cast::<PyTuple>()?,
-                Some(&resolved),
-            )
-        })();
-        if entered.is_err() {
-            release_tokens(manager, run);
-        }
-        entered
+        let records = vec![
+            (
+                PlanPhase::Reclaim,
+                phase_records(plan, intern!(py, "reclaim"))?,
+            ),
+            (PlanPhase::Enter, phase_records(plan, intern!(py, "enter"))?),
+        ];
+        let mut device = RunSide::new(manager, py, records);
+        device.inputs = Some((ir, handles, transfer_streams, reservations));
+        device.expected_version = expected_version;
+        let result = run.with_run(|core| core.enter(manager.core(), ir.plan(), &mut device));
+        device.keep_streams(run);
+        result.map_err(|error| device.raised(error))
     };
     within_gate_then(manager, py, operation, then, || {
-        release_tokens(manager, run);
+        for token in run.take_tokens() {
+            manager.release_reservation_token(token);
+        }
     })
 }
 
-/// Scope exit: the exit actions with the streams given at entry (no preflight), then
-/// the reservations, which are released whether or not an action failed. When the
-/// gate cannot be entered the run's phase stays as it was and nothing is released:
-/// the glue then gives the reservations back on the deferred path.
+/// Scope exit: the core's run of the exit actions with the streams given at entry
+/// (no preflight), then the reservations, which it releases whether or not an action
+/// failed. When the gate cannot be entered the run's phase stays as it was and
+/// nothing is released: the glue then gives the reservations back on the deferred
+/// path.
 pub fn exit_scope(
     manager: &CoreManager,
     py: Python<'_>,
     run: &PlanRun,
     actions: &Bound<'_, PyTuple>,
 ) -> PyResult<()> {
-    within_gate(manager, py, || {
-        let exited = run_phase(manager, py, run, "exit", actions, None);
-        release_tokens(manager, run);
-        exited
+    manager.in_transition(py, || {
+        let mut device = RunSide::new(manager, py, vec![(PlanPhase::Exit, actions.clone())]);
+        device.streams = run
+            .state()
+            .streams
+            .iter()
+            .map(|(code, stream)| (*code, stream.bind(py).clone()))
+            .collect();
+        let result = run.with_run(|core| core.exit(&mut device));
+        result.map_err(|error| device.raised(error))
     })
 }
 
-fn within_gate(
-    manager: &CoreManager,
-    py: Python<'_>,
-    operation: impl FnOnce() -> PyResult<()>,
-) -> PyResult<()> {
-    manager.enter_transition_gate(py)?;
-    let result = operation();
-    manager.core().end_transition_and_exit();
-    result
+fn phase_records<'py>(
+    plan: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    Ok(plan.getattr(name)?.cast_into::<PyTuple>()?)
+}
+
+/// The plan runner's device side for one call (see the module documentation).
+struct RunSide<'a, 'py> {
+    manager: &'a CoreManager,
+    py: Python<'py>,
+    /// The action records of each phase the call runs, by position: the tuples the
+    /// plan's lowering was made from.
+    records: Vec<(PlanPhase, Bound<'py, PyTuple>)>,
+    /// What a preflight reads: the plan's lowering and handles, the transfer streams
+    /// given, and the reservation records.
+    #[allow(clippy::type_complexity)]
+    inputs: Option<(
+        &'a PlanIr,
+        &'a Bound<'py, PyTuple>,
+        Option<&'a Bound<'py, PyAny>>,
+        Vec<Bound<'py, PyAny>>,
+    )>,
+    expected_version: Option<&'a Bound<'py, PyAny>>,
+    /// The expected version as an index int, once checked for shape.
+    expected: Option<Bound<'py, PyAny>>,
+    /// The validated transfer streams by destination.
+    streams: Vec<(Location, Bound<'py, PyAny>)>,
+}
+
+impl<'a, 'py> RunSide<'a, 'py> {
+    fn new(
+        manager: &'a CoreManager,
+        py: Python<'py>,
+        records: Vec<(PlanPhase, Bound<'py, PyTuple>)>,
+    ) -> Self {
+        Self {
+            manager,
+            py,
+            records,
+            inputs: None,
+            expected_version: None,
+            expected: None,
+            streams: Vec::new(),
+        }
+    }
+
+    /// Keeps the validated streams on the run, for a scope's exit.
+    fn keep_streams(&self, run: &PlanRun) {
+        if !self.streams.is_empty() {
+            run.state().streams = self
+                .streams
+                .iter()
+                .map(|(code, stream)| (*code, stream.clone().unbind()))
+                .collect();
+        }
+    }
+
+    /// The error a stopped run raises: a stale version names the expected version
+    /// as the caller gave it.
+    fn raised(&self, error: RunError<PyErr>) -> PyErr {
+        match error {
+            RunError::Device(error) => error,
+            RunError::Core(error) => stale_or(self.py, self.expected.as_ref(), error),
+        }
+    }
+
+    fn internal(what: &str) -> PyErr {
+        PyRuntimeError::new_err(format!("internal error: a plan run without {what}"))
+    }
+}
+
+impl residency_core::Device for RunSide<'_, '_> {
+    type Done = Arc<Transition>;
+    type Error = PyErr;
+
+    fn perform(
+        &mut self,
+        phase: PlanPhase,
+        position: usize,
+        action: &Action,
+        index: Option<HandleId>,
+    ) -> PyResult<Arc<Transition>> {
+        // A signal handler runs between actions, as between a loop's iterations.
+        self.py.check_signals()?;
+        let Some((_, records)) = self.records.iter().find(|(known, _)| *known == phase) else {
+            return Err(Self::internal("its action records"));
+        };
+        let record = records.get_item(position)?;
+        let stream = action.destination().and_then(|code| {
+            self.streams
+                .iter()
+                .find(|(known, _)| *known == code)
+                .map(|(_, stream)| stream)
+        });
+        execute::execute(self.manager, self.py, &record, stream, index)
+    }
+}
+
+impl residency_core::PlanDevice for RunSide<'_, '_> {
+    fn reap(&mut self) -> PyResult<()> {
+        crate::lifetimes::reap(self.manager, self.py)
+    }
+
+    fn expected_version(&mut self) -> PyResult<Option<u64>> {
+        let Some((index, version)) = expected_index(self.py, self.expected_version)? else {
+            return Ok(None);
+        };
+        self.expected = Some(index);
+        Ok(Some(version))
+    }
+
+    fn inputs(&mut self) -> PyResult<Inputs> {
+        let (manager, py) = (self.manager, self.py);
+        let Some((ir, handles, transfer_streams, reservations)) = &self.inputs else {
+            return Err(Self::internal("its inputs"));
+        };
+        self.streams = read_streams(manager, py, *transfer_streams)?;
+        let labels = labels(py, reservations)?;
+        let slots = resolve(manager, py, ir, handles)?;
+        Ok(Inputs {
+            slots,
+            cuda: cuda_devices(manager),
+            labels,
+        })
+    }
+
+    fn detached<R: Send>(&mut self, work: impl FnOnce() -> R + Send) -> R {
+        // Pure computation over the core's state: other threads may wait meanwhile.
+        self.py.detach(work)
+    }
+
+    fn reserve(&mut self, position: usize, _reservation: &Reservation) -> PyResult<u64> {
+        let py = self.py;
+        let reservation = self
+            .inputs
+            .as_ref()
+            .and_then(|(.., reservations)| reservations.get(position))
+            .ok_or_else(|| Self::internal("its reservation records"))?;
+        let location = reservation.getattr(intern!(py, "location"))?;
+        let at = self.manager.context().location_code(py, &location)?;
+        let nbytes = reservation.getattr(intern!(py, "nbytes"))?;
+        let label = reservation.getattr(intern!(py, "label"))?;
+        crate::lifetimes::reserve_locked(self.manager, py, at, &nbytes, label.cast::<PyString>()?)
+    }
+
+    fn release(&mut self, token: u64) {
+        self.manager.release_reservation_token(token);
+    }
 }
 
 /// `operation` as a transition, then, when it succeeded and `then` is given, `then()`
@@ -236,7 +360,7 @@ fn within_gate_then(
     undo: impl FnOnce(),
 ) -> PyResult<Py<PyAny>> {
     let Some(then) = then.filter(|then| !then.is_none()) else {
-        within_gate(manager, py, operation)?;
+        manager.in_transition(py, operation)?;
         return Ok(py.None());
     };
     manager.enter_transition_gate(py)?;
@@ -254,51 +378,29 @@ fn within_gate_then(
     result.map(Bound::unbind)
 }
 
-/// What every plan entry does first, in this order: apply queued releases, check the
-/// expected version, validate the transfer streams, and preflight the whole plan.
-#[allow(clippy::too_many_arguments)] // the checks' inputs
-fn prepare(
-    manager: &CoreManager,
-    py: Python<'_>,
-    run: &PlanRun,
-    ir: &PlanIr,
-    handles: &Bound<'_, PyTuple>,
-    reservations: &[Bound<'_, PyAny>],
-    transfer_streams: Option<&Bound<'_, PyAny>>,
-    expected_version: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Arc<[SlotResolution]>> {
-    crate::lifetimes::reap(manager, py)?;
-    check_version(manager, py, expected_version)?;
-    let streams = read_streams(manager, py, transfer_streams)?;
-    let slots = preflight(manager, py, ir, handles, labels(py, reservations)?)?;
-    run.state().streams = streams;
-    Ok(slots)
+/// `expected_state_version` as an index int and as the version the core compares:
+/// `None` when not given. A version past 2**64 - 1 is never reached (one step per
+/// change), so such an expectation compares as stale.
+fn expected_index<'py>(
+    py: Python<'py>,
+    expected_version: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Option<(Bound<'py, PyAny>, u64)>> {
+    let Some(expected) = expected_version.filter(|expected| !expected.is_none()) else {
+        return Ok(None);
+    };
+    let index = version_index(py, expected)?;
+    let version = index.extract::<u64>().unwrap_or(u64::MAX);
+    Ok(Some((index, version)))
 }
 
-/// Raises `ResidencyStaleStateError` unless `expected_version` is `None` or the
-/// current version.
-fn check_version(
-    manager: &CoreManager,
-    py: Python<'_>,
-    expected_version: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    if let Some(expected) = expected_version
-        .filter(|expected| !expected.is_none())
-        .map(|expected| version_index(py, expected))
-        .transpose()?
-    {
-        let actual = manager.core().version();
-        if expected.extract::<u64>().ok() != Some(actual) {
-            let arguments = PyDict::new(py);
-            arguments.set_item(intern!(py, "expected_version"), expected)?;
-            arguments.set_item(intern!(py, "actual_version"), actual)?;
-            let error = py
-                .get_type::<ResidencyStaleStateError>()
-                .call((), Some(&arguments))?;
-            return Err(PyErr::from_value(error));
+/// `error` as Python sees it; a stale version names `expected` as the caller gave it.
+fn stale_or(py: Python<'_>, expected: Option<&Bound<'_, PyAny>>, error: CoreError) -> PyErr {
+    match (&error, expected) {
+        (CoreError::StaleState { actual_version, .. }, Some(expected)) => {
+            stale_state(py, expected, *actual_version)
         }
+        _ => to_py_err(py, error),
     }
-    Ok(())
 }
 
 /// The reservations' labels as the simulation's messages quote them.
@@ -346,11 +448,11 @@ fn version_index<'py>(py: Python<'py>, value: &Bound<'py, PyAny>) -> PyResult<Bo
 
 /// `transfer_streams` as (destination code, stream) pairs, each checked against its
 /// location (docs/concepts/plans.md#transfer-streams).
-fn read_streams(
+fn read_streams<'py>(
     manager: &CoreManager,
-    py: Python<'_>,
-    transfer_streams: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Vec<(Location, Py<PyAny>)>> {
+    py: Python<'py>,
+    transfer_streams: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Vec<(Location, Bound<'py, PyAny>)>> {
     let Some(transfer_streams) = transfer_streams.filter(|streams| !streams.is_none()) else {
         return Ok(Vec::new());
     };
@@ -363,41 +465,25 @@ fn read_streams(
     let context = manager.context();
     let mut streams = Vec::new();
     for item in mapping.items()?.iter() {
-        let (location, stream): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+        let (location, stream): (Bound<'py, PyAny>, Bound<'py, PyAny>) = item.extract()?;
         let code = context.location_code(py, &location)?;
         // Kept as bound to the location's device: a default-stream handle would
         // otherwise name whichever device is current when the plan's copies run.
         let bound = context.check_stream(py, &stream, &location, code)?;
-        streams.push((code, bound.unbind()));
+        streams.push((code, bound));
     }
     Ok(streams)
 }
 
-/// The core's simulation of the whole plan against the current state; an infeasible
-/// plan raises `ResidencyPlanError` with the simulation's reason. Returns each
-/// handle slot's resolution.
-fn preflight(
-    manager: &CoreManager,
-    py: Python<'_>,
-    ir: &PlanIr,
-    handles: &Bound<'_, PyTuple>,
-    labels: Vec<String>,
-) -> PyResult<Arc<[SlotResolution]>> {
-    let slots = resolve(manager, py, ir, handles)?;
-    let simulation = simulate(manager, py, ir, &slots, Vec::new(), labels);
-    if simulation.feasible {
-        Ok(slots)
-    } else {
-        Err(ResidencyPlanError::new_err(
-            simulation
-                .reason
-                .unwrap_or_else(|| "the plan is infeasible".to_owned()),
-        ))
+fn cuda_devices(manager: &CoreManager) -> CudaDevices {
+    match manager.context().cuda_count() {
+        0 => CudaDevices::Unavailable,
+        count => CudaDevices::Count(count),
     }
 }
 
-/// `explain`: the checks, then the simulation with completed pending leases no
-/// longer protecting (docs/concepts/plans.md#explain). Nothing is reaped: explain
+/// `explain`: the version check, then the simulation with completed pending leases
+/// no longer protecting (docs/concepts/plans.md#explain). Nothing is reaped: explain
 /// only observes.
 pub fn explain(
     manager: &CoreManager,
@@ -408,19 +494,28 @@ pub fn explain(
     expected_version: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Simulation> {
     manager.with_gate(py, true, true, || {
-        check_version(manager, py, expected_version)?;
+        if let Some((index, version)) = expected_index(py, expected_version)? {
+            manager
+                .core()
+                .check_version(version)
+                .map_err(|error| stale_or(py, Some(&index), error))?;
+        }
         let reservations = plan.getattr(intern!(py, "reservations"))?;
         let reservations: Vec<Bound<'_, PyAny>> =
             reservations.try_iter()?.collect::<PyResult<_>>()?;
         let labels = labels(py, &reservations)?;
         let completed = crate::lifetimes::completed_pending(manager, py);
         let slots = resolve(manager, py, ir, handles)?;
-        Ok(simulate(manager, py, ir, &slots, completed, labels))
+        let cuda = cuda_devices(manager);
+        let core = Arc::clone(manager.core());
+        let plan = Arc::clone(ir.plan());
+        // Pure computation over the core's state: other threads may wait meanwhile.
+        Ok(py.detach(move || core.simulate(&plan, &slots, cuda, &completed, &labels)))
     })
 }
 
-/// Each handle slot's index, or the error naming it, against the current state. A
-/// plan keeps its last resolution, which holds until the manager discards a value.
+/// Each handle slot's index, or the error naming it, against the current state; the
+/// plan's last resolution while it holds (see `residency_core::Resolutions`).
 fn resolve(
     manager: &CoreManager,
     py: Python<'_>,
@@ -428,163 +523,22 @@ fn resolve(
     handles: &Bound<'_, PyTuple>,
 ) -> PyResult<Arc<[SlotResolution]>> {
     let core = manager.core();
-    let discards = core.discards();
-    if let Some(slots) = ir.resolution(core.manager_id(), discards) {
-        return Ok(slots);
-    }
-    let handles: Vec<Bound<'_, PyAny>> = handles.iter().collect();
-    let slots = manager
-        .resolve_handles(py, &handles)?
-        .into_iter()
-        .zip(&handles)
-        .map(|(resolution, handle)| match resolution {
-            Some(index) => Ok(Ok(index)),
-            None => Ok(Err(manager
-                .handle_error(py, handle)?
-                .value(py)
-                .str()?
-                .to_string_lossy()
-                .into_owned())),
-        })
-        .collect::<PyResult<Arc<[SlotResolution]>>>()?;
-    ir.remember(core.manager_id(), discards, &slots);
-    Ok(slots)
-}
-
-fn simulate(
-    manager: &CoreManager,
-    py: Python<'_>,
-    ir: &PlanIr,
-    slots: &Arc<[SlotResolution]>,
-    completed: Vec<u64>,
-    labels: Vec<String>,
-) -> Simulation {
-    let cuda = match manager.context().cuda_count() {
-        0 => CudaDevices::Unavailable,
-        count => CudaDevices::Count(count),
-    };
-    let core = Arc::clone(manager.core());
-    let plan = Arc::clone(ir.plan());
-    let slots = Arc::clone(slots);
-    // Pure computation over the core's state: other threads may wait meanwhile.
-    py.detach(move || core.simulate(&plan, &slots, cuda, &completed, &labels))
-}
-
-/// The handle index of each action of a preflighted phase, by position.
-///
-/// The preflight resolved every handle of the plan while holding the gate, which the
-/// run keeps until its last phase: nothing but the plan's own actions changes the
-/// state meanwhile, and a plan whose actions would end a value before a later action
-/// names it is infeasible, so each index stays the action's value.
-struct Resolved(Vec<Option<HandleId>>);
-
-impl Resolved {
-    fn new(actions: &[Action], slots: &[SlotResolution]) -> Self {
-        Self(
-            actions
-                .iter()
-                .map(|action| match slots.get(action.handle().index()) {
-                    Some(Ok(index)) => Some(*index),
-                    _ => None,
+    ir.resolutions()
+        .get(core.manager_id(), core.discards(), || {
+            let handles: Vec<Bound<'_, PyAny>> = handles.iter().collect();
+            manager
+                .resolve_handles(py, &handles)?
+                .into_iter()
+                .zip(&handles)
+                .map(|(resolution, handle)| match resolution {
+                    Some(index) => Ok(Ok(index)),
+                    None => Ok(Err(manager
+                        .handle_error(py, handle)?
+                        .value(py)
+                        .str()?
+                        .to_string_lossy()
+                        .into_owned())),
                 })
-                .collect(),
-        )
-    }
-}
-
-/// Runs `actions` in order as transitions, each with the transfer stream of its
-/// destination, recording each as it commits. `resolved` gives the handle indices
-/// of a preflighted phase.
-fn run_phase(
-    manager: &CoreManager,
-    py: Python<'_>,
-    run: &PlanRun,
-    phase: &'static str,
-    actions: &Bound<'_, PyTuple>,
-    resolved: Option<&Resolved>,
-) -> PyResult<()> {
-    // The phase's records and its lowering come from one tuple; should they ever
-    // differ in length, every action resolves its own handle.
-    let resolved = resolved.filter(|resolved| resolved.0.len() == actions.len());
-    let streams = {
-        let mut state = run.state();
-        state.phase = Some(phase);
-        state.phase_start = state.transitions.len();
-        state.reservation = None;
-        state
-            .streams
-            .iter()
-            .map(|(code, stream)| (*code, stream.bind(py).clone()))
-            .collect::<Vec<_>>()
-    };
-    for (position, action) in actions.iter().enumerate() {
-        // A signal handler runs between actions, as between a loop's iterations.
-        py.check_signals()?;
-        let stream = if streams.is_empty() {
-            None
-        } else {
-            stream_for(manager, py, &action, &streams)?
-        };
-        let index = resolved.and_then(|resolved| resolved.0[position]);
-        let transition = execute::execute(manager, py, &action, stream, index)?;
-        run.state().transitions.push(transition);
-    }
-    Ok(())
-}
-
-/// The transfer stream for an action's destination: an ensure's location or a
-/// move's `to`; drops and discards take none.
-fn stream_for<'a, 'py>(
-    manager: &CoreManager,
-    py: Python<'py>,
-    action: &Bound<'py, PyAny>,
-    streams: &'a [(Location, Bound<'py, PyAny>)],
-) -> PyResult<Option<&'a Bound<'py, PyAny>>> {
-    let context = manager.context();
-    let destination = if action.is_instance(context.ensure_class(py))? {
-        action.getattr(intern!(py, "location"))?
-    } else if action.is_instance(context.move_class(py))? {
-        action.getattr(intern!(py, "to"))?
-    } else {
-        return Ok(None);
-    };
-    let code = context.location_code(py, &destination)?;
-    Ok(streams
-        .iter()
-        .find(|(known, _)| *known == code)
-        .map(|(_, stream)| stream))
-}
-
-/// Admits the plan's reservations in order, recording each token as it is taken.
-fn reserve(
-    manager: &CoreManager,
-    py: Python<'_>,
-    run: &PlanRun,
-    reservations: &[Bound<'_, PyAny>],
-) -> PyResult<()> {
-    {
-        let mut state = run.state();
-        state.phase = Some("reserve");
-        state.phase_start = state.transitions.len();
-    }
-    let context = manager.context();
-    for (position, reservation) in reservations.iter().enumerate() {
-        run.state().reservation = Some(position);
-        let location = reservation.getattr(intern!(py, "location"))?;
-        let at = context.location_code(py, &location)?;
-        let nbytes = reservation.getattr(intern!(py, "nbytes"))?;
-        let label = reservation.getattr(intern!(py, "label"))?;
-        let token =
-            crate::lifetimes::reserve_locked(manager, py, at, &nbytes, label.cast::<PyString>()?)?;
-        run.state().tokens.push(token);
-    }
-    run.state().reservation = None;
-    Ok(())
-}
-
-/// Releases the run's reservations, newest first; the caller holds the gate.
-fn release_tokens(manager: &CoreManager, run: &PlanRun) {
-    for token in run.take_tokens() {
-        manager.release_reservation_token(token);
-    }
+                .collect()
+        })
 }

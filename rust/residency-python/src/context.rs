@@ -1,0 +1,420 @@
+//! What the engine hands over once, when a manager is made: the classes the binding
+//! recognises, the record builders, the runtime, the shared location records, and
+//! the checks of locations and streams with what they remember.
+
+use std::sync::{Mutex, PoisonError};
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyString, PyTuple};
+use residency_core::Location;
+
+use crate::errors::to_py_err;
+use crate::records::RecordBuilder;
+
+/// What the engine hands over once: the classes it recognises, the report builder,
+/// the runtime, and the shared records and strings reports carry.
+#[derive(Debug)]
+pub struct Context {
+    pub(crate) ensure: Py<PyAny>,
+    pub(crate) move_: Py<PyAny>,
+    pub(crate) drop: Py<PyAny>,
+    pub(crate) discard: Py<PyAny>,
+    /// Builds transition reports without running Python code.
+    pub(crate) report: Py<RecordBuilder>,
+    pub(crate) runtime: Py<PyAny>,
+    /// The runtime measures with torch directly, so this crate can too.
+    pub(crate) native_measure: bool,
+    pub(crate) pinning_possible: bool,
+    /// Shared location records by code; `location_of` builds the others.
+    pub(crate) pageable: Py<PyAny>,
+    pub(crate) pinned: Py<PyAny>,
+    pub(crate) location_of: Py<PyAny>,
+    /// The manager's disk tier (`fhelium.residency._disk.DiskTier`) and the glue's
+    /// numbering of disk directories (`_locations.disk_code`).
+    pub(crate) disk: Py<PyAny>,
+    pub(crate) disk_code: Py<PyAny>,
+    pub(crate) ensure_noop: Py<PyAny>,
+    pub(crate) move_noop: Py<PyAny>,
+    pub(crate) drop_noop: Py<PyAny>,
+    /// The process-wide integer key of a value type.
+    pub(crate) type_key: Py<PyAny>,
+    /// Builds an adopted value's spec record: `(type, logical, charge, mode, recoverability)`.
+    pub(crate) spec_builder: Py<PyAny>,
+    pub(crate) must_preserve: Py<PyAny>,
+    /// Builds a lease: `(engine, token, handles, location, consumer_streams)`.
+    pub(crate) new_lease: Py<PyAny>,
+    pub(crate) exclusive: Py<PyAny>,
+    /// CUDA devices the runtime reports (0 without CUDA).
+    pub(crate) cuda_count: u32,
+    /// Builds a hold: `(engine, token, handles, location)`.
+    pub(crate) new_hold: Py<PyAny>,
+    /// Builds a reservation: `(engine, token, location, nbytes, label)`.
+    pub(crate) new_reservation: Py<PyAny>,
+    /// Normalises a `handles` argument into a tuple of distinct handles.
+    pub(crate) normalize_handles: Py<PyAny>,
+    pub(crate) handle_class: Py<PyAny>,
+    /// Build the action records of `ensure`, `move` and `drop` called directly.
+    pub(crate) new_ensure: Py<RecordBuilder>,
+    pub(crate) new_move: Py<RecordBuilder>,
+    pub(crate) new_drop: Py<RecordBuilder>,
+    /// Streams already checked, with their location: a stream never changes device,
+    /// so one checked again is not asked about twice. Bounded; the newest last.
+    pub(crate) checked_streams: Mutex<Vec<CheckedStream>>,
+    /// CUDA location records already checked (records are immutable), and the shared
+    /// record of each CUDA code; both bounded.
+    pub(crate) checked_cuda: Mutex<Vec<(Py<PyAny>, Location)>>,
+    pub(crate) shared_cuda: Mutex<Vec<(Location, Py<PyAny>)>>,
+    /// Action records `run_direct` built, reused for the same call (see `Actions`).
+    pub(crate) direct_actions: Actions,
+}
+
+/// How many action records of direct calls a manager keeps for reuse.
+const KEPT_ACTIONS: usize = 16;
+
+/// The action records built for direct `ensure`, `move` and `drop` calls, kept in a
+/// small table keyed by the call's kind and argument objects: a value ensured and
+/// dropped again and again gets one record per call shape, not one per call. Records
+/// are immutable, so an equal record may be shared (docs/concepts/transitions.md#reports),
+/// and a kept record holds its arguments alive, so an address in a key stays its own.
+#[derive(Debug, Default)]
+pub(crate) struct Actions {
+    slots: Mutex<[Option<KeptAction>; KEPT_ACTIONS]>,
+}
+
+/// One kept record with its call's key.
+type KeptAction = (ActionKey, Py<PyAny>);
+
+/// A direct call's kind and the addresses of its handle and location arguments.
+type ActionKey = (u8, [usize; 3]);
+
+impl Actions {
+    fn slot(key: &ActionKey) -> usize {
+        let (kind, [handle, at, from]) = *key;
+        ((handle >> 4) ^ (at >> 4) ^ (from >> 4) ^ usize::from(kind)) % KEPT_ACTIONS
+    }
+
+    pub(crate) fn get<'py>(&self, py: Python<'py>, key: &ActionKey) -> Option<Bound<'py, PyAny>> {
+        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        match &slots[Self::slot(key)] {
+            Some((known, record)) if known == key => Some(record.bind(py).clone()),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn keep(&self, key: ActionKey, record: Py<PyAny>) {
+        let replaced = {
+            let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+            slots[Self::slot(&key)].replace((key, record))
+        };
+        // Released outside the lock: freeing a record may run Python code.
+        drop(replaced);
+    }
+
+    /// Forgets every kept record (a value was discarded, or the manager closed), so
+    /// no handle is held alive for reuse any longer.
+    fn clear(&self) {
+        let forgotten =
+            std::mem::take(&mut *self.slots.lock().unwrap_or_else(PoisonError::into_inner));
+        drop(forgotten);
+    }
+}
+
+/// A stream checked for a location, and the stream the runtime binds it to there.
+type CheckedStream = (Py<PyAny>, Location, Py<PyAny>);
+
+/// How many checked streams, and CUDA location records, a manager remembers.
+const REMEMBERED: usize = 8;
+
+/// What `find` reads from the first remembered entry it accepts.
+fn remembered<T, R>(entries: &Mutex<Vec<T>>, find: impl Fn(&T) -> Option<R>) -> Option<R> {
+    entries
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .iter()
+        .find_map(find)
+}
+
+/// Remembers `entry`, forgetting the oldest beyond the bound.
+fn remember<T>(entries: &Mutex<Vec<T>>, entry: T) {
+    let forgotten = {
+        let mut entries = entries.lock().unwrap_or_else(PoisonError::into_inner);
+        entries.push(entry);
+        (entries.len() > REMEMBERED).then(|| entries.remove(0))
+    };
+    drop(forgotten);
+}
+
+impl Context {
+    /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
+    /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
+    /// (ensure_noop, move_noop, drop_noop), type_key, spec_builder, must_preserve,
+    /// new_lease, exclusive, cuda_count, new_hold, new_reservation,
+    /// normalize_handles, handle_class, (ensure, move, drop action builders))`.
+    pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let item = |index: usize| items.get_item(index).map(Bound::unbind);
+        let builder = |index: usize, position: usize| -> PyResult<Py<RecordBuilder>> {
+            Ok(items
+                .get_item(index)?
+                .cast::<PyTuple>()?
+                .get_item(position)?
+                .cast::<RecordBuilder>()?
+                .clone()
+                .unbind())
+        };
+        let reasons = items.get_item(11)?;
+        let reasons = reasons.cast::<PyTuple>()?;
+        Ok(Self {
+            ensure: item(0)?,
+            move_: item(1)?,
+            drop: item(2)?,
+            discard: item(3)?,
+            report: items.get_item(4)?.cast::<RecordBuilder>()?.clone().unbind(),
+            runtime: item(5)?,
+            native_measure: items.get_item(6)?.extract()?,
+            pinning_possible: items.get_item(7)?.extract()?,
+            pageable: item(8)?,
+            pinned: item(9)?,
+            location_of: item(10)?,
+            ensure_noop: reasons.get_item(0)?.unbind(),
+            move_noop: reasons.get_item(1)?.unbind(),
+            drop_noop: reasons.get_item(2)?.unbind(),
+            type_key: item(12)?,
+            spec_builder: item(13)?,
+            must_preserve: item(14)?,
+            new_lease: item(15)?,
+            exclusive: item(16)?,
+            cuda_count: items.get_item(17)?.extract()?,
+            new_hold: item(18)?,
+            new_reservation: item(19)?,
+            normalize_handles: item(20)?,
+            handle_class: item(21)?,
+            new_ensure: builder(22, 0)?,
+            new_move: builder(22, 1)?,
+            new_drop: builder(22, 2)?,
+            disk: item(23)?,
+            disk_code: item(24)?,
+            direct_actions: Actions::default(),
+            checked_streams: Mutex::new(Vec::new()),
+            checked_cuda: Mutex::new(Vec::new()),
+            shared_cuda: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The builder of transition report records.
+    pub(crate) fn report_builder<'py>(&'py self, _py: Python<'py>) -> &'py RecordBuilder {
+        self.report.get()
+    }
+
+    pub(crate) fn type_key(&self, py: Python<'_>, value_type: &Bound<'_, PyAny>) -> PyResult<u64> {
+        self.type_key.bind(py).call1((value_type,))?.extract()
+    }
+
+    pub(crate) fn adopted_spec(
+        &self,
+        py: Python<'_>,
+        value_type: &Bound<'_, PyAny>,
+        logical: u64,
+        charge: u64,
+        replica_mode: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        Ok(self
+            .spec_builder
+            .bind(py)
+            .call1((
+                value_type,
+                logical,
+                charge,
+                replica_mode,
+                self.must_preserve.bind(py),
+            ))?
+            .unbind())
+    }
+
+    pub(crate) fn is_exclusive(&self, replica_mode: &Bound<'_, PyAny>) -> bool {
+        replica_mode.is(&self.exclusive)
+    }
+
+    pub(crate) fn is_must_preserve(&self, recoverability: &Bound<'_, PyAny>) -> bool {
+        recoverability.is(&self.must_preserve)
+    }
+
+    pub(crate) fn new_lease<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.new_lease.bind(py)
+    }
+
+    pub(crate) fn new_hold<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.new_hold.bind(py)
+    }
+
+    pub(crate) fn new_reservation<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.new_reservation.bind(py)
+    }
+
+    /// A non-empty tuple of distinct handles, first occurrences kept; the common
+    /// single-handle tuple is taken as it is.
+    pub(crate) fn normalized_handles<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        if let Ok(tuple) = handles.cast_exact::<PyTuple>()
+            && tuple.len() == 1
+            && tuple.get_item(0)?.get_type().is(&self.handle_class)
+        {
+            return Ok(tuple.clone());
+        }
+        Ok(self
+            .normalize_handles
+            .bind(py)
+            .call1((handles,))?
+            .cast_into::<PyTuple>()?)
+    }
+
+    pub(crate) fn runtime<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.runtime.bind(py)
+    }
+
+    pub(crate) fn cuda_count(&self) -> u32 {
+        self.cuda_count
+    }
+
+    /// The code of a location record: a `TypeError` for anything else, a
+    /// `ValueError` for a CUDA device this process cannot use
+    /// (docs/concepts/locations-and-budgets.md).
+    pub(crate) fn location_code(
+        &self,
+        py: Python<'_>,
+        location: &Bound<'_, PyAny>,
+    ) -> PyResult<Location> {
+        if location.is(&self.pageable) {
+            return Ok(Location::PageableHost);
+        }
+        if location.is(&self.pinned) {
+            return Ok(Location::PinnedHost);
+        }
+        if let Some(known) = remembered(&self.checked_cuda, |(record, known)| {
+            record.is(location).then_some(*known)
+        }) {
+            return Ok(known);
+        }
+        if !location.is_instance(&self.pageable.bind(py).get_type())? {
+            return Err(PyTypeError::new_err(format!(
+                "expected a ResidencyLocation, got {}",
+                location.get_type().name()?
+            )));
+        }
+        let kind = location.getattr(intern!(py, "kind"))?;
+        match kind.cast::<PyString>()?.to_str()? {
+            "pageable-host" => return Ok(Location::PageableHost),
+            "pinned-host" => return Ok(Location::PinnedHost),
+            "disk" => {
+                let code: u32 = self.disk_code.bind(py).call1((location,))?.extract()?;
+                let checked = Location::from_code(code).map_err(|err| to_py_err(py, err))?;
+                if let Location::Disk(index) = checked {
+                    // Messages name the directory, as the record does.
+                    residency_core::location::name_disk(index, &location.str()?.to_cow()?);
+                }
+                remember(&self.checked_cuda, (location.clone().unbind(), checked));
+                return Ok(checked);
+            }
+            _ => {}
+        }
+        let index: u32 = location
+            .getattr(intern!(py, "device"))?
+            .getattr(intern!(py, "index"))?
+            .extract()?;
+        if self.cuda_count == 0 {
+            return Err(PyValueError::new_err(
+                residency_core::location::cuda_unavailable(location.str()?),
+            ));
+        }
+        if index >= self.cuda_count {
+            return Err(PyValueError::new_err(format!(
+                "{} is not usable: only {} CUDA device(s) present",
+                location.str()?,
+                self.cuda_count
+            )));
+        }
+        let checked = Location::cuda(index).map_err(|err| to_py_err(py, err))?;
+        remember(&self.checked_cuda, (location.clone().unbind(), checked));
+        Ok(checked)
+    }
+
+    /// A transfer or consumer stream must be a CUDA stream on the location's device.
+    pub(crate) fn check_stream<'py>(
+        &self,
+        py: Python<'py>,
+        stream: &Bound<'py, PyAny>,
+        location: &Bound<'py, PyAny>,
+        at: Location,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(bound) = remembered(&self.checked_streams, |(known, known_at, bound)| {
+            (known.is(stream) && *known_at == at).then(|| bound.clone_ref(py))
+        }) {
+            return Ok(bound.into_bound(py));
+        }
+        let runtime = self.runtime.bind(py);
+        if !runtime
+            .call_method1(intern!(py, "is_stream"), (stream,))?
+            .is_truthy()?
+        {
+            return Err(PyTypeError::new_err(format!(
+                "stream must be a CUDA stream, got {}",
+                stream.get_type().name()?
+            )));
+        }
+        if !matches!(at, Location::Cuda(_)) {
+            return Err(PyValueError::new_err(format!(
+                "a stream was given for host location {}",
+                location.str()?
+            )));
+        }
+        let location_device = location.getattr(intern!(py, "device"))?;
+        let device = runtime.call_method1(intern!(py, "stream_device"), (stream,))?;
+        if device.ne(&location_device)? {
+            return Err(PyValueError::new_err(format!(
+                "stream is on {}, but the location is {}",
+                device.str()?,
+                location.str()?
+            )));
+        }
+        // The stream as the manager keeps it: a default-stream handle, which names the
+        // current device's default stream, is fixed to this location's device here
+        // (docs/concepts/lifetimes.md#consumer-streams).
+        let bound = runtime.call_method1(intern!(py, "bind_stream"), (stream, &location_device))?;
+        remember(
+            &self.checked_streams,
+            (stream.clone().unbind(), at, bound.clone().unbind()),
+        );
+        Ok(bound)
+    }
+
+    /// Forgets the action records kept for direct calls (see `Actions`).
+    pub(crate) fn forget_direct_actions(&self) {
+        self.direct_actions.clear();
+    }
+
+    /// The location record of a code.
+    pub(crate) fn location<'py>(
+        &self,
+        py: Python<'py>,
+        location: Location,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match location {
+            Location::PageableHost => Ok(self.pageable.bind(py).clone()),
+            Location::PinnedHost => Ok(self.pinned.bind(py).clone()),
+            Location::Cuda(_) | Location::Disk(_) => {
+                if let Some(record) = remembered(&self.shared_cuda, |(known, record)| {
+                    (*known == location).then(|| record.clone_ref(py))
+                }) {
+                    return Ok(record.into_bound(py));
+                }
+                let record = self.location_of.bind(py).call1((location.code(),))?;
+                remember(&self.shared_cuda, (location, record.clone().unbind()));
+                Ok(record)
+            }
+        }
+    }
+}
