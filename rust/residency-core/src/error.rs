@@ -3,7 +3,7 @@
 //! Variants carry the structured fields a caller needs to act. The bindings crate
 //! maps each variant onto its class in `fhelium.errors` in exactly one table.
 
-use crate::location::Location;
+use crate::location::{InvalidLocation, Location};
 
 pub type CoreResult<T> = Result<T, CoreError>;
 
@@ -114,6 +114,12 @@ pub enum CoreError {
     /// A broken internal invariant, unreachable through the public API (`RuntimeError`).
     #[error("internal error: {message}")]
     Internal { message: String },
+}
+
+impl From<InvalidLocation> for CoreError {
+    fn from(InvalidLocation(message): InvalidLocation) -> Self {
+        Self::InvalidArgument { message }
+    }
 }
 
 impl CoreError {

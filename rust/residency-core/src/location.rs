@@ -8,7 +8,18 @@
 use std::fmt;
 use std::sync::{PoisonError, RwLock};
 
-use crate::error::{CoreError, CoreResult};
+/// A location index or code out of range; the manager's errors take it as an invalid
+/// argument (`CoreError::InvalidArgument`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidLocation(pub String);
+
+impl fmt::Display for InvalidLocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InvalidLocation {}
 
 /// The highest CUDA device index a location may name.
 pub const MAX_CUDA_INDEX: u8 = 127;
@@ -57,22 +68,22 @@ pub enum Location {
 
 impl Location {
     /// Builds a CUDA location, rejecting indices above [`MAX_CUDA_INDEX`].
-    pub fn cuda(index: u32) -> CoreResult<Self> {
+    pub fn cuda(index: u32) -> Result<Self, InvalidLocation> {
         match u8::try_from(index) {
             Ok(index) if index <= MAX_CUDA_INDEX => Ok(Self::Cuda(index)),
-            _ => Err(CoreError::InvalidArgument {
-                message: format!("CUDA device index {index} exceeds the maximum {MAX_CUDA_INDEX}"),
-            }),
+            _ => Err(InvalidLocation(format!(
+                "CUDA device index {index} exceeds the maximum {MAX_CUDA_INDEX}"
+            ))),
         }
     }
 
     /// Builds a disk location, rejecting indices above [`MAX_DISK_INDEX`].
-    pub fn disk(index: u32) -> CoreResult<Self> {
+    pub fn disk(index: u32) -> Result<Self, InvalidLocation> {
         match u8::try_from(index) {
             Ok(index) if index <= MAX_DISK_INDEX => Ok(Self::Disk(index)),
-            _ => Err(CoreError::InvalidArgument {
-                message: format!("disk index {index} exceeds the maximum {MAX_DISK_INDEX}"),
-            }),
+            _ => Err(InvalidLocation(format!(
+                "disk index {index} exceeds the maximum {MAX_DISK_INDEX}"
+            ))),
         }
     }
 
@@ -88,7 +99,7 @@ impl Location {
     }
 
     /// Inverse of [`Location::code`].
-    pub fn from_code(code: u32) -> CoreResult<Self> {
+    pub fn from_code(code: u32) -> Result<Self, InvalidLocation> {
         match code {
             0 => Ok(Self::PageableHost),
             1 => Ok(Self::PinnedHost),
@@ -99,10 +110,9 @@ impl Location {
 
     /// A location code as the bindings pass it, signed: a negative one, or one past
     /// 2**32 - 1, is no code.
-    pub fn from_signed_code(code: i64) -> CoreResult<Self> {
-        let code = u32::try_from(code).map_err(|_| CoreError::InvalidArgument {
-            message: format!("invalid location code {code}"),
-        })?;
+    pub fn from_signed_code(code: i64) -> Result<Self, InvalidLocation> {
+        let code = u32::try_from(code)
+            .map_err(|_| InvalidLocation(format!("invalid location code {code}")))?;
         Self::from_code(code)
     }
 
@@ -212,10 +222,7 @@ mod tests {
     #[test]
     fn cuda_index_above_maximum_is_rejected() {
         assert_eq!(Location::cuda(127), Ok(Location::Cuda(127)));
-        assert!(matches!(
-            Location::cuda(128),
-            Err(CoreError::InvalidArgument { .. })
-        ));
+        assert!(matches!(Location::cuda(128), Err(InvalidLocation(_))));
         // CUDA codes end where disk codes begin; past the last disk code nothing is.
         assert_eq!(Location::from_code(2 + 128), Ok(Location::Disk(0)));
         assert!(Location::disk(128).is_err());

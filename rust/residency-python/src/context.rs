@@ -311,7 +311,7 @@ impl Context {
             "pinned-host" => return Ok(Location::PinnedHost),
             "disk" => {
                 let code: u32 = self.disk_code.bind(py).call1((location,))?.extract()?;
-                let checked = Location::from_code(code).map_err(|err| to_py_err(py, err))?;
+                let checked = Location::from_code(code).map_err(|err| to_py_err(py, err.into()))?;
                 if let Location::Disk(index) = checked {
                     // Messages name the directory, as the record does.
                     residency_core::location::name_disk(index, &location.str()?.to_cow()?);
@@ -337,7 +337,7 @@ impl Context {
                 self.cuda_count
             )));
         }
-        let checked = Location::cuda(index).map_err(|err| to_py_err(py, err))?;
+        let checked = Location::cuda(index).map_err(|err| to_py_err(py, err.into()))?;
         remember(&self.checked_cuda, (location.clone().unbind(), checked));
         Ok(checked)
     }

@@ -250,7 +250,7 @@ fn placement_of(
 ) -> PyResult<Location> {
     let context = manager.context();
     if let Ok(index) = u32::try_from(facts.device_code) {
-        let cuda = Location::cuda(index).map_err(|err| to_py_err(py, err))?;
+        let cuda = Location::cuda(index).map_err(|err| to_py_err(py, err.into()))?;
         // The shared record, checked against the devices the runtime reports.
         return context.location_code(py, &context.location(py, cuda)?);
     }
