@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::{
-    CoreError, Freed, HandleId, LifetimeHost, Location, Manager, ObjectId, Unresolved,
+    CoreError, Freed, HandleId, LeaseRelease, LifetimeHost, Location, Manager, ObjectId, Unresolved,
 };
 
 use crate::errors::{ResidencyUnavailableError, to_py_err};
@@ -223,6 +223,9 @@ pub fn release_lease(
         .core()
         .release_lease_with(&host, token, at, &streams, wait, finalizing)?;
     drop(manager.objects().untrack_lease(token));
+    if released == LeaseRelease::Released {
+        return Ok(());
+    }
     match released.warning(&location.str()?.to_string_lossy()) {
         Some(message) => warn(py, &message, stacklevel),
         None => Ok(()),
@@ -308,6 +311,28 @@ pub fn settle_on_device(
     })
 }
 
+/// Runs `operation` under the gate on `handles` resolved in order at `at` (after
+/// reaping, with `reap`).
+fn with_resolved<'py, T>(
+    manager: &CoreManager,
+    py: Python<'py>,
+    handles: &Bound<'py, PyAny>,
+    at: &Bound<'py, PyAny>,
+    reap: bool,
+    operation: impl FnOnce(&Host<'_, 'py>, &Bound<'py, PyTuple>, &[HandleId], Location) -> PyResult<T>,
+) -> PyResult<T> {
+    let handles = &manager.context().normalized_handles(py, handles)?;
+    manager.with_gate(py, true, true, || {
+        let location = manager.context().location_code(py, at)?;
+        let host = Host::new(manager, py);
+        if reap {
+            manager.core().reap_with(&host)?;
+        }
+        let indices = host.resolve(handles, location)?;
+        operation(&host, handles, &indices, location)
+    })
+}
+
 /// `ResidencyLease.add_consumer_stream`'s wait: the joining stream waits for the
 /// transfers still in flight into the lease's values.
 pub fn wait_transfers(
@@ -320,16 +345,16 @@ pub fn wait_transfers(
     if manager.core().transfer_count() == 0 {
         return Ok(());
     }
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    manager.with_gate(py, true, true, || {
-        let location = manager.context().location_code(py, at)?;
-        let host = Host::new(manager, py);
-        manager.core().reap_with(&host)?;
-        let indices = host.resolve(handles, location)?;
-        manager
-            .core()
-            .wait_transfers_with(&host, &indices, location, stream)
-    })
+    with_resolved(
+        manager,
+        py,
+        handles,
+        at,
+        true,
+        |host, _, indices, location| {
+            (manager.core()).wait_transfers_with(host, indices, location, stream)
+        },
+    )
 }
 
 /// The pending tokens of the transfers still in flight into `handles` at `at`.
@@ -342,12 +367,14 @@ pub fn transfers_into(
     if manager.core().transfer_count() == 0 {
         return Ok(Vec::new());
     }
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    manager.with_gate(py, true, true, || {
-        let location = manager.context().location_code(py, at)?;
-        let indices = Host::new(manager, py).resolve(handles, location)?;
-        Ok(manager.core().transfer_tokens_into(&indices, location))
-    })
+    with_resolved(
+        manager,
+        py,
+        handles,
+        at,
+        false,
+        |_, _, indices, location| Ok(manager.core().transfer_tokens_into(indices, location)),
+    )
 }
 
 /// Whether bringing `handles` to `at` would block the host on a copy (the core's
@@ -359,15 +386,16 @@ pub fn blocks_host(
     at: &Bound<'_, PyAny>,
     disk_deferred: bool,
 ) -> PyResult<bool> {
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    manager.with_gate(py, true, true, || {
-        let location = manager.context().location_code(py, at)?;
-        let host = Host::new(manager, py);
-        let indices = host.resolve(handles, location)?;
-        manager
-            .core()
-            .blocks_host_with(&host, &indices, location, disk_deferred)
-    })
+    with_resolved(
+        manager,
+        py,
+        handles,
+        at,
+        false,
+        |host, _, indices, location| {
+            (manager.core()).blocks_host_with(host, indices, location, disk_deferred)
+        },
+    )
 }
 
 /// Tracks an unreleased lease by a weak reference whose callback finalizes it if it
@@ -462,24 +490,26 @@ pub fn hold(
     handles: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    manager.with_gate(py, true, true, || {
-        let context = manager.context();
-        let location = context.location_code(py, at)?;
-        let host = Host::new(manager, py);
-        manager.core().reap_with(&host)?;
-        let indices = host.resolve(handles, location)?;
-        let core = manager.core();
-        let token = core
-            .hold(&indices, location)
-            .map_err(|err| host.lift(err))?;
-        handed_out(
-            context.new_hold(py).call1((engine, token, handles, at)),
-            || {
-                core.release_hold(token);
-            },
-        )
-    })
+    with_resolved(
+        manager,
+        py,
+        handles,
+        at,
+        true,
+        |host, handles, indices, location| {
+            let core = manager.core();
+            let token = core.hold(indices, location).map_err(|err| host.lift(err))?;
+            handed_out(
+                manager
+                    .context()
+                    .new_hold(py)
+                    .call1((engine, token, handles, at)),
+                || {
+                    core.release_hold(token);
+                },
+            )
+        },
+    )
 }
 
 /// Charges `nbytes` of headroom at `location` until released. The label is checked by

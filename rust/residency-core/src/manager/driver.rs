@@ -169,7 +169,7 @@ impl Manager {
         self.release_with(host, Release::Token { kind, token }, finalizing)
     }
 
-    /// A lease's release (docs/concepts/lifetimes.md#cuda-leases). Off CUDA its use
+    /// A lease's release (docs/concepts/lifetimes.md#lease-release). Off CUDA its use
     /// tokens go at once. On CUDA an event is recorded on every consumer stream and
     /// the lease stays pending until they all complete (`wait` waits for them on the
     /// host first). Without consumer streams the device is synchronised; when
