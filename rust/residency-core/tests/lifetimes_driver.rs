@@ -557,3 +557,25 @@ fn close_without_wait_refuses_a_pending_lease_whose_events_are_incomplete() {
     assert_eq!(closed, Ok(true));
     assert_eq!(manager.lease_state(token), LeaseState::Unknown);
 }
+
+#[test]
+fn a_lease_borrows_a_value_only_while_it_covers_it() {
+    let manager = Manager::new(&[]);
+    let (leased, other) = (value(&manager, PINNED), value(&manager, PINNED));
+    let token = manager.acquire(&[leased], PINNED).expect("acquired");
+    assert_eq!(manager.borrowed(token, Some(leased)), Some(leased));
+    assert_eq!(manager.borrowed(token, Some(other)), None);
+    assert_eq!(manager.borrowed(token, None), None);
+    // A forced close ends what the lease borrows.
+    enter(&manager);
+    manager.close(true).expect("closed");
+    manager.exit();
+    assert_eq!(manager.borrowed(token, Some(leased)), None);
+    let error = Manager::no_longer_borrowed("'v1'", "pinned");
+    assert!(matches!(error, CoreError::Unavailable { .. }));
+    assert_eq!(
+        error.to_string(),
+        "value 'v1' is no longer borrowed at pinned (its lease ended with a forced close or \
+         the value was discarded)"
+    );
+}

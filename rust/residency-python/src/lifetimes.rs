@@ -17,7 +17,7 @@ use residency_core::{
     CoreError, Freed, HandleId, LeaseRelease, LifetimeHost, Location, Manager, ObjectId, Unresolved,
 };
 
-use crate::errors::{ResidencyUnavailableError, to_py_err};
+use crate::errors::to_py_err;
 use crate::kinds::LifetimeKind;
 use crate::manager::CoreManager;
 
@@ -235,8 +235,13 @@ pub fn release_lease(
 /// The lifetime object built for a new token, or, when building it failed, the
 /// error after `give_back` released the token: nothing may keep the tokens of a
 /// lifetime that was never handed out.
-fn handed_out(built: PyResult<Bound<'_, PyAny>>, give_back: impl FnOnce()) -> PyResult<Py<PyAny>> {
-    built.map(Bound::unbind).inspect_err(|_| give_back())
+fn handed_out(
+    built: PyResult<Bound<'_, PyAny>>,
+    give_back: impl FnOnce() -> bool,
+) -> PyResult<Py<PyAny>> {
+    built.map(Bound::unbind).inspect_err(|_| {
+        give_back();
+    })
 }
 
 /// Borrows the ready materialisations of `handles` at `at`, atomically.
@@ -275,9 +280,7 @@ pub fn acquire(
                 track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
                 Ok(lease)
             });
-        handed_out(lease, || {
-            core.release_lease(token);
-        })
+        handed_out(lease, || core.release_lease(token))
     })
 }
 
@@ -345,16 +348,10 @@ pub fn wait_transfers(
     if manager.core().transfer_count() == 0 {
         return Ok(());
     }
-    with_resolved(
-        manager,
-        py,
-        handles,
-        at,
-        true,
-        |host, _, indices, location| {
-            (manager.core()).wait_transfers_with(host, indices, location, stream)
-        },
-    )
+    let core = manager.core();
+    with_resolved(manager, py, handles, at, true, |host, _, ids, at| {
+        core.wait_transfers_with(host, ids, at, stream)
+    })
 }
 
 /// The pending tokens of the transfers still in flight into `handles` at `at`.
@@ -367,14 +364,10 @@ pub fn transfers_into(
     if manager.core().transfer_count() == 0 {
         return Ok(Vec::new());
     }
-    with_resolved(
-        manager,
-        py,
-        handles,
-        at,
-        false,
-        |_, _, indices, location| Ok(manager.core().transfer_tokens_into(indices, location)),
-    )
+    let core = manager.core();
+    with_resolved(manager, py, handles, at, false, |_, _, ids, at| {
+        Ok(core.transfer_tokens_into(ids, at))
+    })
 }
 
 /// Whether bringing `handles` to `at` would block the host on a copy (the core's
@@ -386,16 +379,10 @@ pub fn blocks_host(
     at: &Bound<'_, PyAny>,
     disk_deferred: bool,
 ) -> PyResult<bool> {
-    with_resolved(
-        manager,
-        py,
-        handles,
-        at,
-        false,
-        |host, _, indices, location| {
-            (manager.core()).blocks_host_with(host, indices, location, disk_deferred)
-        },
-    )
+    let core = manager.core();
+    with_resolved(manager, py, handles, at, false, |host, _, ids, at| {
+        core.blocks_host_with(host, ids, at, disk_deferred)
+    })
 }
 
 /// Tracks an unreleased lease by a weak reference whose callback finalizes it if it
@@ -490,26 +477,12 @@ pub fn hold(
     handles: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
-    with_resolved(
-        manager,
-        py,
-        handles,
-        at,
-        true,
-        |host, handles, indices, location| {
-            let core = manager.core();
-            let token = core.hold(indices, location).map_err(|err| host.lift(err))?;
-            handed_out(
-                manager
-                    .context()
-                    .new_hold(py)
-                    .call1((engine, token, handles, at)),
-                || {
-                    core.release_hold(token);
-                },
-            )
-        },
-    )
+    let (core, new_hold) = (manager.core(), manager.context().new_hold(py));
+    with_resolved(manager, py, handles, at, true, |host, tuple, ids, code| {
+        let token = core.hold(ids, code).map_err(|err| host.lift(err))?;
+        let hold = new_hold.call1((engine, token, tuple, at));
+        handed_out(hold, || core.release_hold(token))
+    })
 }
 
 /// Charges `nbytes` of headroom at `location` until released. The label is checked by
@@ -530,9 +503,7 @@ pub fn reserve(
             context
                 .new_reservation(py)
                 .call1((engine, token, location, nbytes, label)),
-            || {
-                manager.release_reservation_token(token);
-            },
+            || manager.release_reservation_token(token),
         )
     })
 }
@@ -568,11 +539,8 @@ pub fn borrowed(
     location: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
     manager.with_gate(py, false, true, || {
-        let core = manager.core();
-        let index = manager
-            .resolve_live(py, handle)?
-            .filter(|index| core.lease_covers(token, *index));
-        let value = match index {
+        let index = manager.resolve_live(py, handle)?;
+        let value = match manager.core().borrowed(token, index) {
             Some(index) => {
                 let at = manager.context().location_code(py, location)?;
                 manager.objects().value(py, index, at.code())
@@ -580,18 +548,11 @@ pub fn borrowed(
             None => None,
         };
         value.ok_or_else(|| {
-            let handle_id = handle
-                .getattr(intern!(py, "handle_id"))
-                .and_then(|id| id.repr().map(|text| text.to_string()))
-                .unwrap_or_default();
-            let location = location
-                .str()
-                .map(|text| text.to_string())
-                .unwrap_or_default();
-            ResidencyUnavailableError::new_err(format!(
-                "value {handle_id} is no longer borrowed at {location} (its lease ended \
-                 with a forced close or the value was discarded)"
-            ))
+            let handle_id = handle.getattr(intern!(py, "handle_id"));
+            let handle_id = handle_id.and_then(|id| Ok(id.repr()?.to_string()));
+            let at = location.str().map(|text| text.to_string());
+            let (handle_id, at) = (handle_id.unwrap_or_default(), at.unwrap_or_default());
+            to_py_err(py, Manager::no_longer_borrowed(&handle_id, &at))
         })
     })
 }

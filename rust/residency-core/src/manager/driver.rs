@@ -445,6 +445,22 @@ impl Unborrowable {
 }
 
 impl Manager {
+    /// `handle` while lease `token` still covers it: a forced close or a discard ends
+    /// what a lease borrows.
+    pub fn borrowed(&self, token: u64, handle: Option<HandleId>) -> Option<HandleId> {
+        handle.filter(|&handle| self.lease_covers(token, handle))
+    }
+
+    /// The error for a value (`handle_id`, its repr) a lease no longer borrows at `at`.
+    pub fn no_longer_borrowed(handle_id: &str, at: &str) -> CoreError {
+        CoreError::Unavailable {
+            message: format!(
+                "value {handle_id} is no longer borrowed at {at} (its lease ended with a \
+                 forced close or the value was discarded)"
+            ),
+        }
+    }
+
     /// Whether a lease may be taken at `at`, given a consumer stream or not.
     pub fn borrowable(at: Location, consumer_stream: bool) -> Result<(), Unborrowable> {
         match at {
