@@ -27,8 +27,10 @@ use crate::value::{HandleName, Recoverability, ValueSpec, charge_of};
 mod ticket;
 pub use ticket::{Begun, Committed, InFlight, Landed, Ticket, Work};
 
+mod driver;
 mod lifetimes;
 
+pub use driver::{LeaseRelease, LifetimeHost, Unborrowable, Unresolved};
 pub use lifetimes::SettleWait;
 
 mod plan_run;

@@ -1,10 +1,10 @@
 //! Leases, holds and reservations end to end, and what keeps CUDA memory protected
 //! after a lease's release: the events recorded on its consumer streams.
 //!
-//! Every operation here takes the manager's gate itself. Python code runs only
-//! where the runtime must act (stream checks, event recording and queries,
-//! synchronisation) and to build the lifetime objects handed back. The rules are
-//! written in docs/concepts/lifetimes.md.
+//! The rules are the core's (`residency_core::LifetimeHost` and the `*_with` methods
+//! of `Manager`, written in docs/concepts/lifetimes.md): this file reads the
+//! arguments, takes the gate, does the runtime's part (event recording, queries and
+//! waits, synchronisation) for the core, and builds the lifetime objects handed back.
 
 use std::ffi::CString;
 
@@ -14,16 +14,12 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::{
-    CoreError, Freed, HandleId, HostCost, LeaseState, Location, ObjectId, Release, SettleWait,
+    CoreError, Freed, HandleId, LeaseRelease, LifetimeHost, Location, Manager, ObjectId, Unresolved,
 };
 
-use crate::errors::{ResidencyUnavailableError, to_py_err};
+use crate::errors::to_py_err;
 use crate::kinds::LifetimeKind;
 use crate::manager::CoreManager;
-
-fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
-    result.map_err(|err| to_py_err(py, err))
-}
 
 fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
     let message = CString::new(message.replace('\0', " "))
@@ -31,62 +27,165 @@ fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
     PyErr::warn(py, &py.get_type::<PyRuntimeWarning>(), &message, stacklevel)
 }
 
-/// Asks the runtime whether the event at `id` completed. An id no longer kept
-/// belongs to a lease released meanwhile (by code the query ran): nothing waits on it.
-fn event_done(
-    manager: &CoreManager,
-    py: Python<'_>,
-    runtime: &Bound<'_, PyAny>,
-    id: ObjectId,
-) -> PyResult<bool> {
-    match manager.objects().object(py, id) {
-        Some(event) => runtime
-            .call_method1(intern!(py, "event_query"), (event,))?
-            .is_truthy(),
-        None => Ok(true),
+/// The runtime's side of the core's lifetime protocol ([`LifetimeHost`]): events
+/// kept at the core's ids in the object store, and the runtime's calls.
+struct Host<'a, 'py> {
+    manager: &'a CoreManager,
+    py: Python<'py>,
+    runtime: &'a Bound<'py, PyAny>,
+}
+
+impl<'a, 'py> Host<'a, 'py> {
+    fn new(manager: &'a CoreManager, py: Python<'py>) -> Self {
+        let runtime = manager.context().runtime(py);
+        Self {
+            manager,
+            py,
+            runtime,
+        }
+    }
+
+    fn event(&self, id: ObjectId) -> Option<Py<PyAny>> {
+        self.manager.objects().object(self.py, id)
+    }
+
+    /// Per handle in order, the lookup and then residency at `at`. The caller holds
+    /// the gate.
+    fn resolve(&self, handles: &Bound<'py, PyTuple>, at: Location) -> PyResult<Vec<HandleId>> {
+        let (manager, py) = (self.manager, self.py);
+        manager
+            .core()
+            .resolve_in_order(handles.iter(), at, |handle| {
+                manager.resolve_live(py, &handle)
+            })
+            .map_err(|unresolved| match unresolved {
+                Unresolved::Failed(err) => err,
+                Unresolved::Refused(err) => to_py_err(py, err),
+                Unresolved::Unknown(position) => match handles.get_item(position) {
+                    Ok(handle) => manager.handle_error(py, &handle).unwrap_or_else(|err| err),
+                    Err(err) => err,
+                },
+            })
     }
 }
 
-/// Waits on the host for the event at `id`.
-fn event_wait(
-    manager: &CoreManager,
-    py: Python<'_>,
-    runtime: &Bound<'_, PyAny>,
-    id: ObjectId,
-) -> PyResult<()> {
-    if let Some(event) = manager.objects().object(py, id) {
-        runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+impl<'py> LifetimeHost for Host<'_, 'py> {
+    type Stream = Bound<'py, PyAny>;
+    type Event = Py<PyAny>;
+    type Error = PyErr;
+
+    fn lift(&self, error: CoreError) -> PyErr {
+        to_py_err(self.py, error)
     }
-    Ok(())
+
+    fn enter(&self, check_reentrant: bool) -> Result<(), CoreError> {
+        self.manager.enter_core(self.py, false, check_reentrant)
+    }
+
+    fn free(&self, freed: &Freed) {
+        self.manager.free(freed);
+    }
+
+    fn keep(&self, id: ObjectId, event: Py<PyAny>) {
+        drop(self.manager.objects().put(id, event));
+    }
+
+    fn query(&self, id: ObjectId) -> PyResult<bool> {
+        match self.event(id) {
+            Some(event) => self
+                .runtime
+                .call_method1(intern!(self.py, "event_query"), (event,))?
+                .is_truthy(),
+            None => Ok(true),
+        }
+    }
+
+    fn wait(&self, id: ObjectId) -> PyResult<()> {
+        if let Some(event) = self.event(id) {
+            self.runtime
+                .call_method1(intern!(self.py, "synchronize_event"), (event,))?;
+        }
+        Ok(())
+    }
+
+    fn stream_wait(&self, stream: &Self::Stream, id: ObjectId) -> PyResult<()> {
+        if let Some(event) = self.event(id) {
+            self.runtime
+                .call_method1(intern!(self.py, "wait_event"), (stream, event))?;
+        }
+        Ok(())
+    }
+
+    fn record(&self, stream: &Self::Stream) -> PyResult<Option<Py<PyAny>>> {
+        match self
+            .runtime
+            .call_method1(intern!(self.py, "record_event"), (stream,))
+        {
+            Ok(event) => Ok(Some(event.unbind())),
+            Err(err) if err.is_instance_of::<PyException>(self.py) => Ok(None),
+            Err(err) => Err(err),
+        }
+    }
+
+    fn synchronize_stream(&self, stream: &Self::Stream) -> PyResult<()> {
+        self.runtime
+            .call_method1(intern!(self.py, "synchronize_stream"), (stream,))
+            .map(drop)
+    }
+
+    fn synchronize_device(&self, at: Location) -> PyResult<()> {
+        let py = self.py;
+        let device = self
+            .manager
+            .context()
+            .location(py, at)?
+            .getattr(intern!(py, "device"))?;
+        self.runtime
+            .call_method1(intern!(py, "synchronize_device"), (device,))
+            .map(drop)
+    }
+
+    fn owner(&self, handle: HandleId, at: Location) -> Option<Self::Stream> {
+        let stream = self.manager.objects().stream(self.py, handle, at.code())?;
+        Some(stream.into_bound(self.py))
+    }
+
+    fn same_stream(&self, first: &Self::Stream, second: &Self::Stream) -> bool {
+        first.is(second)
+    }
+
+    /// Whether the value's source says it never calls a manager (`loads_alone`): the
+    /// disk tier may then run its `load()` on its I/O thread.
+    fn loads_alone(&self, handle: HandleId) -> PyResult<bool> {
+        let py = self.py;
+        let Some(source) = self.manager.objects().source(py, handle) else {
+            return Ok(false);
+        };
+        match source.bind(py).getattr_opt(intern!(py, "loads_alone"))? {
+            Some(flag) => flag.is_truthy(),
+            None => Ok(false),
+        }
+    }
 }
 
 /// Applies the releases queued while a callback ran, then releases the pending CUDA
-/// leases whose events have all completed (the core's rule; the runtime answers).
-/// The caller holds the gate.
+/// leases whose events have all completed. The caller holds the gate.
 pub fn reap(manager: &CoreManager, py: Python<'_>) -> PyResult<()> {
-    let core = manager.core();
-    if !core.reap_needed() {
+    if !manager.core().reap_needed() {
         return Ok(());
     }
-    let runtime = manager.context().runtime(py);
-    let mut freed = Freed::default();
-    let reaped = core.reap(|id| event_done(manager, py, runtime, id), &mut freed);
-    manager.free(&freed);
-    reaped
+    manager.core().reap_with(&Host::new(manager, py))
 }
 
-/// Pending leases whose events all report complete, released or not: they no
-/// longer protect anything. A query that raises keeps its lease protecting.
+/// Pending leases whose events all report complete, released or not.
 pub fn completed_pending(manager: &CoreManager, py: Python<'_>) -> Vec<u64> {
-    let runtime = manager.context().runtime(py);
     manager
         .core()
-        .completed_pending(|id| event_done(manager, py, runtime, id).unwrap_or(false))
+        .completed_pending_with(&Host::new(manager, py))
 }
 
-/// Releases a lease, hold or reservation token, waiting for the gate if another
-/// thread holds it. While a source callback runs elsewhere (or a finaliser fires
-/// inside one) the release is queued instead and applied as soon as it ends.
+/// Releases a lease, hold or reservation token (queued behind a source callback
+/// running elsewhere). A released lease is no longer tracked.
 pub fn release(
     manager: &CoreManager,
     py: Python<'_>,
@@ -94,43 +193,17 @@ pub fn release(
     token: u64,
     finalizing: bool,
 ) -> PyResult<()> {
-    let released = if manager.release_now(kind, token) {
-        Ok(())
-    } else {
-        let release = Release::Token {
-            kind: kind.into(),
-            token,
-        };
-        release_waiting(manager, py, release, finalizing)
-    };
-    if kind == LifetimeKind::Lease && released.is_ok() {
-        // Released (or queued): the at-exit finalizer has nothing left to do for it.
+    let host = Host::new(manager, py);
+    manager
+        .core()
+        .release_token_with(&host, kind.into(), token, finalizing)?;
+    if kind == LifetimeKind::Lease {
         drop(manager.objects().untrack_lease(token));
     }
-    released
+    Ok(())
 }
 
-/// The core's release protocol, with the gate taken without the interpreter.
-fn release_waiting(
-    manager: &CoreManager,
-    py: Python<'_>,
-    release: Release,
-    finalizing: bool,
-) -> PyResult<()> {
-    let mut freed = Freed::default();
-    let released = manager.core().release(
-        release,
-        finalizing,
-        |check_reentrant| manager.enter_core(py, false, check_reentrant),
-        &mut freed,
-    );
-    manager.free(&freed);
-    lift(py, released)
-}
-
-/// A lease's release. On the host its use tokens go at once. On CUDA an event is
-/// recorded on every consumer stream and the memory stays protected until they have
-/// all completed (`wait=True` waits for that here).
+/// A lease's release (the core's rule), with its warning raised at `stacklevel`.
 /// A lease whose release fails stays tracked, so the at-exit finalizer tries again.
 #[allow(clippy::too_many_arguments)]
 pub fn release_lease(
@@ -143,120 +216,32 @@ pub fn release_lease(
     finalizing: bool,
     stacklevel: i32,
 ) -> PyResult<()> {
-    let released = release_lease_tokens(
-        manager, py, token, location, streams, wait, finalizing, stacklevel,
-    );
-    if released.is_ok() {
-        drop(manager.objects().untrack_lease(token));
-    }
-    released
-}
-
-#[allow(clippy::too_many_arguments)]
-fn release_lease_tokens(
-    manager: &CoreManager,
-    py: Python<'_>,
-    token: u64,
-    location: &Bound<'_, PyAny>,
-    streams: &Bound<'_, PyList>,
-    wait: bool,
-    finalizing: bool,
-    stacklevel: i32,
-) -> PyResult<()> {
-    let context = manager.context();
-    let core = manager.core();
-    if !matches!(context.location_code(py, location)?, Location::Cuda(_)) {
-        return release(manager, py, LifetimeKind::Lease, token, finalizing);
-    }
-    if core.lease_state(token) != LeaseState::Active {
-        return Ok(()); // unknown (a forced close) or already released
-    }
-    let runtime = context.runtime(py);
+    let at = manager.context().location_code(py, location)?;
     let streams: Vec<Bound<'_, PyAny>> = streams.iter().collect();
-    if streams.is_empty() {
-        let device = location.getattr(intern!(py, "device"))?;
-        runtime.call_method1(intern!(py, "synchronize_device"), (device,))?;
-        release(manager, py, LifetimeKind::Lease, token, finalizing)?;
-        return warn(
-            py,
-            &format!(
-                "a CUDA lease at {} had no consumer streams; a full-device synchronisation \
-                 was used to release it",
-                location.str()?
-            ),
-            stacklevel,
-        );
+    let host = Host::new(manager, py);
+    let released = manager
+        .core()
+        .release_lease_with(&host, token, at, &streams, wait, finalizing)?;
+    drop(manager.objects().untrack_lease(token));
+    if released == LeaseRelease::Released {
+        return Ok(());
     }
-    // Every stream was checked against this location when it joined the lease, and a
-    // stream never changes device.
-    let record = intern!(py, "record_event");
-    let recorded: PyResult<Vec<Py<PyAny>>> = streams
-        .iter()
-        .map(|stream| Ok(runtime.call_method1(record, (stream,))?.unbind()))
-        .collect();
-    let events = match recorded {
-        Ok(events) => events,
-        Err(err) if err.is_instance_of::<PyException>(py) => {
-            // Without events, the streams are waited for instead.
-            for stream in &streams {
-                runtime.call_method1(intern!(py, "synchronize_stream"), (stream,))?;
-            }
-            release(manager, py, LifetimeKind::Lease, token, finalizing)?;
-            return warn(
-                py,
-                &format!(
-                    "recording release events at {} failed; the consumer streams were \
-                     synchronised instead",
-                    location.str()?
-                ),
-                stacklevel,
-            );
-        }
-        Err(err) => return Err(err),
-    };
-    if wait {
-        for event in &events {
-            runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-        }
+    match released.warning(&location.str()?.to_string_lossy()) {
+        Some(message) => warn(py, &message, stacklevel),
+        None => Ok(()),
     }
-    let pending = Release::Pending {
-        token,
-        events: events
-            .into_iter()
-            .map(|event| manager.store_object(event))
-            .collect(),
-        completed: wait,
-    };
-    release_waiting(manager, py, pending, finalizing)
 }
 
 /// The lifetime object built for a new token, or, when building it failed, the
 /// error after `give_back` released the token: nothing may keep the tokens of a
 /// lifetime that was never handed out.
-fn handed_out(built: PyResult<Bound<'_, PyAny>>, give_back: impl FnOnce()) -> PyResult<Py<PyAny>> {
-    built.map(Bound::unbind).inspect_err(|_| give_back())
-}
-
-/// Per handle in order, the lookup and then residency: a non-resident handle before
-/// an unknown one reports unavailability. The caller holds the gate.
-fn resolve_in_order(
-    manager: &CoreManager,
-    py: Python<'_>,
-    handles: &Bound<'_, PyTuple>,
-    at: Location,
-) -> PyResult<Vec<HandleId>> {
-    let mut indices = Vec::with_capacity(handles.len());
-    for handle in handles.iter() {
-        if let Some(index) = manager.resolve_live(py, &handle)? {
-            indices.push(index);
-            continue;
-        }
-        if !indices.is_empty() {
-            lift(py, manager.core().check_resident(&indices, at))?;
-        }
-        return Err(manager.handle_error(py, &handle)?);
-    }
-    Ok(indices)
+fn handed_out(
+    built: PyResult<Bound<'_, PyAny>>,
+    give_back: impl FnOnce() -> bool,
+) -> PyResult<Py<PyAny>> {
+    built.map(Bound::unbind).inspect_err(|_| {
+        give_back();
+    })
 }
 
 /// Borrows the ready materialisations of `handles` at `at`, atomically.
@@ -273,34 +258,17 @@ pub fn acquire(
     manager.with_gate(py, true, true, || {
         let context = manager.context();
         let location = context.location_code(py, at)?;
-        if let Location::Disk(_) = location {
-            return Err(PyValueError::new_err(format!(
-                "{} cannot be borrowed: a value on disk is a file; ensure it on a host or \
-                 CUDA location and acquire it there",
-                at.str()?
-            )));
+        if let Err(refusal) = Manager::borrowable(location, consumer_stream.is_some()) {
+            return Err(to_py_err(py, refusal.error(&at.str()?.to_string_lossy())));
         }
-        if matches!(location, Location::Cuda(_)) && consumer_stream.is_none() {
-            return Err(PyValueError::new_err(format!(
-                "acquiring at {} needs the consumer_stream that will read the values",
-                at.str()?
-            )));
-        }
-        reap(manager, py)?;
+        let host = Host::new(manager, py);
+        manager.core().reap_with(&host)?;
         let consumer_stream = consumer_stream
             .map(|stream| context.check_stream(py, stream, at, location))
             .transpose()?;
-        let indices = resolve_in_order(manager, py, handles, location)?;
+        let indices = host.resolve(handles, location)?;
         let core = manager.core();
-        let token = lift(py, core.acquire(&indices, location))?;
-        if let Some(stream) = &consumer_stream {
-            // A value a prefetch is still copying in is read after its copy: the
-            // consumer stream waits for the transfer's event on the device.
-            if let Err(error) = wait_for_transfers(manager, py, &indices, location, stream) {
-                core.release_lease(token);
-                return Err(error);
-            }
-        }
+        let token = core.acquire_with(&host, &indices, location, consumer_stream.as_ref())?;
         let streams = match &consumer_stream {
             Some(stream) => PyList::new(py, [stream])?,
             None => PyList::empty(py),
@@ -312,32 +280,8 @@ pub fn acquire(
                 track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
                 Ok(lease)
             });
-        handed_out(lease, || {
-            core.release_lease(token);
-        })
+        handed_out(lease, || core.release_lease(token))
     })
-}
-
-/// Makes `stream` wait on the device for every transfer still in flight into
-/// `indices` at `location` (docs/concepts/controller.md#prefetch). The caller holds
-/// the gate and has reaped, so only incomplete transfers remain.
-fn wait_for_transfers(
-    manager: &CoreManager,
-    py: Python<'_>,
-    indices: &[HandleId],
-    location: Location,
-    stream: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    let ids = manager.core().transfer_events(indices, location);
-    if ids.is_empty() {
-        return Ok(());
-    }
-    let events = manager.objects().objects(py, &ids);
-    let runtime = manager.context().runtime(py);
-    for event in &events {
-        runtime.call_method1(intern!(py, "wait_event"), (stream, event))?;
-    }
-    Ok(())
 }
 
 /// Host-waits for the events of the pending leases among `tokens` and releases
@@ -349,28 +293,14 @@ pub fn settle(
     transfers: bool,
 ) -> PyResult<()> {
     manager.with_gate(py, true, true, || {
-        let runtime = manager.context().runtime(py);
-        let mut freed = Freed::default();
-        let settled = manager.core().settle(
-            |token| tokens.contains(&token),
-            transfers,
-            |id| event_wait(manager, py, runtime, id),
-            &mut freed,
-        );
-        manager.free(&freed);
-        settled?;
-        // A transfer's source shares its event: now complete, reaping releases it.
-        reap(manager, py)
+        manager
+            .core()
+            .settle_with(&Host::new(manager, py), tokens, transfers)
     })
 }
 
 /// Releases the pending leases among `tokens` without a host wait where the device's
-/// order makes that safe (docs/concepts/controller.md#evicting-around-reads-in-flight):
-/// the owning stream of each of the lease's values waits on the device for the
-/// lease's events, then the lease is released (a copy in flight keeps its record,
-/// its events and the buffer it reads until they complete). A lease with a value
-/// whose owning stream is unknown is waited for on the host with `host`, and
-/// otherwise left pending. Returns the tokens left pending.
+/// order makes that safe (the core's rule); returns the tokens left pending.
 pub fn settle_on_device(
     manager: &CoreManager,
     py: Python<'_>,
@@ -378,37 +308,31 @@ pub fn settle_on_device(
     host: bool,
 ) -> PyResult<Vec<u64>> {
     manager.with_gate(py, true, true, || {
-        reap(manager, py)?;
-        let objects = manager.objects();
-        let runtime = manager.context().runtime(py);
-        let mut freed = Freed::default();
-        let left = manager.core().settle_on_device(
-            tokens,
-            host,
-            |index, location| objects.stream(py, index, location.code()),
-            |wait| match wait {
-                SettleWait::Device { owners, events } => {
-                    let events = objects.objects(py, events);
-                    let mut waited: Vec<Py<PyAny>> = Vec::new();
-                    for owner in owners {
-                        if waited.iter().any(|seen| seen.is(&owner)) {
-                            continue;
-                        }
-                        for event in &events {
-                            runtime.call_method1(intern!(py, "wait_event"), (&owner, event))?;
-                        }
-                        waited.push(owner);
-                    }
-                    Ok(())
-                }
-                SettleWait::Host { events } => events
-                    .iter()
-                    .try_for_each(|&id| event_wait(manager, py, runtime, id)),
-            },
-            &mut freed,
-        );
-        manager.free(&freed);
-        left
+        manager
+            .core()
+            .settle_on_device_with(&Host::new(manager, py), tokens, host)
+    })
+}
+
+/// Runs `operation` under the gate on `handles` resolved in order at `at` (after
+/// reaping, with `reap`).
+fn with_resolved<'py, T>(
+    manager: &CoreManager,
+    py: Python<'py>,
+    handles: &Bound<'py, PyAny>,
+    at: &Bound<'py, PyAny>,
+    reap: bool,
+    operation: impl FnOnce(&Host<'_, 'py>, &Bound<'py, PyTuple>, &[HandleId], Location) -> PyResult<T>,
+) -> PyResult<T> {
+    let handles = &manager.context().normalized_handles(py, handles)?;
+    manager.with_gate(py, true, true, || {
+        let location = manager.context().location_code(py, at)?;
+        let host = Host::new(manager, py);
+        if reap {
+            manager.core().reap_with(&host)?;
+        }
+        let indices = host.resolve(handles, location)?;
+        operation(&host, handles, &indices, location)
     })
 }
 
@@ -424,12 +348,9 @@ pub fn wait_transfers(
     if manager.core().transfer_count() == 0 {
         return Ok(());
     }
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    manager.with_gate(py, true, true, || {
-        let location = manager.context().location_code(py, at)?;
-        reap(manager, py)?;
-        let indices = resolve_in_order(manager, py, handles, location)?;
-        wait_for_transfers(manager, py, &indices, location, stream)
+    let core = manager.core();
+    with_resolved(manager, py, handles, at, true, |host, _, ids, at| {
+        core.wait_transfers_with(host, ids, at, stream)
     })
 }
 
@@ -443,19 +364,14 @@ pub fn transfers_into(
     if manager.core().transfer_count() == 0 {
         return Ok(Vec::new());
     }
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    manager.with_gate(py, true, true, || {
-        let location = manager.context().location_code(py, at)?;
-        let indices = resolve_in_order(manager, py, handles, location)?;
-        Ok(manager.core().transfer_tokens_into(&indices, location))
+    let core = manager.core();
+    with_resolved(manager, py, handles, at, false, |_, _, ids, at| {
+        Ok(core.transfer_tokens_into(ids, at))
     })
 }
 
-/// Whether bringing `handles` to `at` would block the host on a copy: one from disk or
-/// from pageable memory (where a source loads it included), or any copy to the host
-/// (docs/concepts/controller.md#staging). With `disk_deferred`, a read from disk to a
-/// device does not, nor does a source that `loads_alone` (the disk tier runs them on
-/// its I/O thread). Changes nothing.
+/// Whether bringing `handles` to `at` would block the host on a copy (the core's
+/// rule, docs/concepts/controller.md#staging). Changes nothing.
 pub fn blocks_host(
     manager: &CoreManager,
     py: Python<'_>,
@@ -463,39 +379,10 @@ pub fn blocks_host(
     at: &Bound<'_, PyAny>,
     disk_deferred: bool,
 ) -> PyResult<bool> {
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    manager.with_gate(py, true, true, || {
-        let location = manager.context().location_code(py, at)?;
-        let indices = resolve_in_order(manager, py, handles, location)?;
-        let costs = lift(
-            py,
-            manager.core().host_costs(&indices, location, disk_deferred),
-        )?;
-        for (index, cost) in indices.into_iter().zip(costs) {
-            match cost {
-                HostCost::Free => {}
-                HostCost::Blocks => return Ok(true),
-                HostCost::BlocksUnlessLoadsAlone => {
-                    if !loads_alone(manager, py, index)? {
-                        return Ok(true);
-                    }
-                }
-            }
-        }
-        Ok(false)
+    let core = manager.core();
+    with_resolved(manager, py, handles, at, false, |host, _, ids, at| {
+        core.blocks_host_with(host, ids, at, disk_deferred)
     })
-}
-
-/// Whether the value's source says it never calls a manager (`loads_alone`): the
-/// disk tier may then run its `load()` on its I/O thread.
-fn loads_alone(manager: &CoreManager, py: Python<'_>, index: HandleId) -> PyResult<bool> {
-    let Some(source) = manager.objects().source(py, index) else {
-        return Ok(false);
-    };
-    match source.bind(py).getattr_opt(intern!(py, "loads_alone"))? {
-        Some(flag) => flag.is_truthy(),
-        None => Ok(false),
-    }
 }
 
 /// Tracks an unreleased lease by a weak reference whose callback finalizes it if it
@@ -590,20 +477,11 @@ pub fn hold(
     handles: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    manager.with_gate(py, true, true, || {
-        let context = manager.context();
-        let location = context.location_code(py, at)?;
-        reap(manager, py)?;
-        let indices = resolve_in_order(manager, py, handles, location)?;
-        let core = manager.core();
-        let token = lift(py, core.hold(&indices, location))?;
-        handed_out(
-            context.new_hold(py).call1((engine, token, handles, at)),
-            || {
-                core.release_hold(token);
-            },
-        )
+    let (core, new_hold) = (manager.core(), manager.context().new_hold(py));
+    with_resolved(manager, py, handles, at, true, |host, tuple, ids, code| {
+        let token = core.hold(ids, code).map_err(|err| host.lift(err))?;
+        let hold = new_hold.call1((engine, token, tuple, at));
+        handed_out(hold, || core.release_hold(token))
     })
 }
 
@@ -625,9 +503,7 @@ pub fn reserve(
             context
                 .new_reservation(py)
                 .call1((engine, token, location, nbytes, label)),
-            || {
-                manager.release_reservation_token(token);
-            },
+            || manager.release_reservation_token(token),
         )
     })
 }
@@ -646,7 +522,8 @@ pub fn reserve_locked(
         )));
     };
     let text = label.to_string_lossy();
-    let token = lift(py, manager.core().reserve(at, count, &text))?;
+    let reserved = manager.core().reserve(at, count, &text);
+    let token = reserved.map_err(|err| to_py_err(py, err))?;
     manager
         .objects()
         .set_label(token, label.clone().into_any().unbind());
@@ -662,11 +539,8 @@ pub fn borrowed(
     location: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
     manager.with_gate(py, false, true, || {
-        let core = manager.core();
-        let index = manager
-            .resolve_live(py, handle)?
-            .filter(|index| core.lease_covers(token, *index));
-        let value = match index {
+        let index = manager.resolve_live(py, handle)?;
+        let value = match manager.core().borrowed(token, index) {
             Some(index) => {
                 let at = manager.context().location_code(py, location)?;
                 manager.objects().value(py, index, at.code())
@@ -674,65 +548,29 @@ pub fn borrowed(
             None => None,
         };
         value.ok_or_else(|| {
-            let handle_id = handle
-                .getattr(intern!(py, "handle_id"))
-                .and_then(|id| id.repr().map(|text| text.to_string()))
-                .unwrap_or_default();
-            let location = location
-                .str()
-                .map(|text| text.to_string())
-                .unwrap_or_default();
-            ResidencyUnavailableError::new_err(format!(
-                "value {handle_id} is no longer borrowed at {location} (its lease ended \
-                 with a forced close or the value was discarded)"
-            ))
+            let handle_id = handle.getattr(intern!(py, "handle_id"));
+            let handle_id = handle_id.and_then(|id| Ok(id.repr()?.to_string()));
+            let at = location.str().map(|text| text.to_string());
+            let (handle_id, at) = (handle_id.unwrap_or_default(), at.unwrap_or_default());
+            to_py_err(py, Manager::no_longer_borrowed(&handle_id, &at))
         })
     })
 }
 
-/// Closes the manager (see docs/concepts/lifetimes.md#close). A closed manager
-/// returns at once.
+/// Closes the manager (see docs/concepts/lifetimes.md#close; the core's rule). A
+/// closed manager returns at once.
 pub fn close(manager: &CoreManager, py: Python<'_>, wait: bool, force: bool) -> PyResult<()> {
     manager.with_gate(py, false, false, || {
+        let host = Host::new(manager, py);
+        let context = manager.context();
         let core = manager.core();
-        if core.is_closed() {
+        if !core.close_with(&host, wait, force, || context.forget_direct_actions())? {
             return Ok(());
         }
-        lift(py, core.gate().check_reentrant())?;
-        manager.drain_deferred();
-        let context = manager.context();
-        context.forget_direct_actions();
-        let runtime = context.runtime(py);
-        if wait {
-            let mut freed = Freed::default();
-            let settled = core.settle(
-                |_| true,
-                false,
-                |id| event_wait(manager, py, runtime, id),
-                &mut freed,
-            );
-            manager.free(&freed);
-            settled?;
-        } else {
-            reap(manager, py)?;
-        }
-        if force && context.cuda_count() > 0 {
-            for location in core.locations() {
-                if matches!(location, Location::Cuda(_)) {
-                    let device = context
-                        .location(py, location)?
-                        .getattr(intern!(py, "device"))?;
-                    runtime.call_method1(intern!(py, "synchronize_device"), (device,))?;
-                }
-            }
-        }
-        lift(py, core.close(force))?;
         // Every file of the manager's disk locations goes with it.
         context.disk.bind(py).call_method0(intern!(py, "close"))?;
         drop(manager.objects().clear());
-        let mut freed = Freed::default();
-        core.clear_tokens(&mut freed);
-        manager.free(&freed);
+        core.clear_tokens_with(&host);
         Ok(())
     })
 }

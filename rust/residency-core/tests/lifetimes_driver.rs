@@ -1,0 +1,581 @@
+//! The lifetime protocol end to end in the core (`LifetimeHost` and the `*_with`
+//! methods of `Manager`), driven through a fake event device that logs what the
+//! runtime was asked to do (docs/concepts/lifetimes.md,
+//! docs/concepts/controller.md#evicting-around-reads-in-flight).
+
+#![allow(clippy::panic)] // Test assertions.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use residency_core::{
+    CoreError, CoreResult, Freed, HandleId, LeaseRelease, LeaseState, LifetimeHost, Location,
+    Manager, ObjectId, Recoverability, ReplicaMode, Unborrowable, Unresolved, ValueSpec,
+};
+
+const POLL: Duration = Duration::from_millis(1);
+const CUDA: Location = Location::Cuda(0);
+const CUDA1: Location = Location::Cuda(1);
+const PINNED: Location = Location::PinnedHost;
+
+/// What the fake runtime was asked to do, in order. Events are named by the order
+/// they were recorded in (from 1), streams by number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Call {
+    Record(u32),
+    HostWait(u32),
+    StreamWait(u32, u32),
+    SyncStream(u32),
+    SyncDevice(Location),
+}
+
+#[derive(Debug, Default)]
+struct Device {
+    /// The event kept at each core id.
+    kept: HashMap<ObjectId, u32>,
+    completed: HashSet<u32>,
+    calls: Vec<Call>,
+    recorded: u32,
+    /// Recording fails (an ordinary error) from this many recorded on.
+    record_fails_after: Option<u32>,
+    host_wait_fails: bool,
+    owners: HashMap<HandleId, u32>,
+}
+
+#[derive(Debug, PartialEq)]
+enum Failure {
+    Core(String),
+    Device(&'static str),
+}
+
+#[derive(Debug)]
+struct Fake<'a> {
+    manager: &'a Manager,
+    device: RefCell<Device>,
+}
+
+impl<'a> Fake<'a> {
+    fn new(manager: &'a Manager) -> Self {
+        Self {
+            manager,
+            device: RefCell::new(Device::default()),
+        }
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        std::mem::take(&mut self.device.borrow_mut().calls)
+    }
+
+    fn complete(&self, event: u32) {
+        self.device.borrow_mut().completed.insert(event);
+    }
+
+    fn kept(&self) -> usize {
+        self.device.borrow().kept.len()
+    }
+
+    fn event(&self, id: ObjectId) -> Option<u32> {
+        self.device.borrow().kept.get(&id).copied()
+    }
+
+    /// A new event kept at a new core id (what a copy in flight records).
+    fn new_event(&self) -> ObjectId {
+        let id = self.manager.new_object();
+        let mut device = self.device.borrow_mut();
+        device.recorded += 1;
+        let event = device.recorded;
+        device.kept.insert(id, event);
+        id
+    }
+}
+
+impl LifetimeHost for Fake<'_> {
+    type Stream = u32;
+    type Event = u32;
+    type Error = Failure;
+
+    fn lift(&self, error: CoreError) -> Failure {
+        Failure::Core(error.to_string())
+    }
+
+    fn enter(&self, check_reentrant: bool) -> CoreResult<()> {
+        self.manager.enter(POLL, false, check_reentrant)
+    }
+
+    fn free(&self, freed: &Freed) {
+        let mut device = self.device.borrow_mut();
+        for id in &freed.objects {
+            device.kept.remove(id);
+        }
+    }
+
+    fn keep(&self, id: ObjectId, event: u32) {
+        self.device.borrow_mut().kept.insert(id, event);
+    }
+
+    fn query(&self, id: ObjectId) -> Result<bool, Failure> {
+        Ok(self
+            .event(id)
+            .is_none_or(|event| self.device.borrow().completed.contains(&event)))
+    }
+
+    fn wait(&self, id: ObjectId) -> Result<(), Failure> {
+        let Some(event) = self.event(id) else {
+            return Ok(());
+        };
+        let mut device = self.device.borrow_mut();
+        if device.host_wait_fails {
+            return Err(Failure::Device("wait failed"));
+        }
+        device.calls.push(Call::HostWait(event));
+        device.completed.insert(event);
+        Ok(())
+    }
+
+    fn stream_wait(&self, stream: &u32, id: ObjectId) -> Result<(), Failure> {
+        if let Some(event) = self.event(id) {
+            let call = Call::StreamWait(*stream, event);
+            self.device.borrow_mut().calls.push(call);
+        }
+        Ok(())
+    }
+
+    fn record(&self, stream: &u32) -> Result<Option<u32>, Failure> {
+        let mut device = self.device.borrow_mut();
+        if device
+            .record_fails_after
+            .is_some_and(|after| device.recorded >= after)
+        {
+            return Ok(None);
+        }
+        device.recorded += 1;
+        device.calls.push(Call::Record(*stream));
+        Ok(Some(device.recorded))
+    }
+
+    fn synchronize_stream(&self, stream: &u32) -> Result<(), Failure> {
+        self.device
+            .borrow_mut()
+            .calls
+            .push(Call::SyncStream(*stream));
+        Ok(())
+    }
+
+    fn synchronize_device(&self, at: Location) -> Result<(), Failure> {
+        self.device.borrow_mut().calls.push(Call::SyncDevice(at));
+        Ok(())
+    }
+
+    fn owner(&self, handle: HandleId, _at: Location) -> Option<u32> {
+        self.device.borrow().owners.get(&handle).copied()
+    }
+
+    fn same_stream(&self, first: &u32, second: &u32) -> bool {
+        first == second
+    }
+
+    fn loads_alone(&self, _handle: HandleId) -> Result<bool, Failure> {
+        Ok(false)
+    }
+}
+
+fn spec() -> ValueSpec {
+    ValueSpec::new(8, 8, ReplicaMode::Replicable, Recoverability::MustPreserve)
+        .expect("a valid spec")
+}
+
+/// A value resident at `at`.
+fn value(manager: &Manager, at: Location) -> HandleId {
+    manager.adopt(1, spec(), at, 8, &[]).expect("adopted").0
+}
+
+fn enter(manager: &Manager) {
+    manager.enter(POLL, false, false).expect("the gate");
+}
+
+/// A CUDA lease read on `streams` and released without a wait (pending on one
+/// event per stream), outside the gate.
+fn pending(fake: &Fake<'_>, handles: &[HandleId], streams: &[u32]) -> u64 {
+    let manager = fake.manager;
+    let token = manager.acquire(handles, CUDA).expect("acquired");
+    let released = manager.release_lease_with(fake, token, CUDA, streams, false, false);
+    assert_eq!(released, Ok(LeaseRelease::Released));
+    assert_eq!(manager.lease_state(token), LeaseState::Pending);
+    token
+}
+
+// ----- a lease's release ------------------------------------------------------------
+
+#[test]
+fn a_cuda_lease_stays_pending_until_every_consumer_streams_event_completed() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let token = pending(&fake, &[handle], &[1, 2]);
+    assert_eq!(fake.calls(), vec![Call::Record(1), Call::Record(2)]);
+    assert_eq!(fake.kept(), 2);
+
+    enter(&manager);
+    manager.reap_with(&fake).expect("reaped");
+    assert_eq!(manager.lease_state(token), LeaseState::Pending);
+    fake.complete(1);
+    manager.reap_with(&fake).expect("reaped");
+    assert_eq!(manager.lease_state(token), LeaseState::Pending);
+    assert_eq!(manager.completed_pending_with(&fake), Vec::<u64>::new());
+    fake.complete(2);
+    assert_eq!(manager.completed_pending_with(&fake), vec![token]);
+    manager.reap_with(&fake).expect("reaped");
+    manager.exit();
+    // Released, with no host wait, and its events dropped.
+    assert_eq!(manager.lease_state(token), LeaseState::Unknown);
+    assert_eq!(fake.calls(), vec![]);
+    assert_eq!((fake.kept(), manager.live_objects()), (0, 0));
+}
+
+#[test]
+fn a_waiting_release_waits_on_the_host_and_ends_the_lease() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let token = manager.acquire(&[handle], CUDA).expect("acquired");
+    let released = manager.release_lease_with(&fake, token, CUDA, &[3, 4], true, false);
+    assert_eq!(released, Ok(LeaseRelease::Released));
+    assert_eq!(
+        fake.calls(),
+        vec![
+            Call::Record(3),
+            Call::Record(4),
+            Call::HostWait(1),
+            Call::HostWait(2)
+        ]
+    );
+    assert_eq!(manager.lease_state(token), LeaseState::Unknown);
+    assert_eq!(manager.pending_leases(), 0);
+    assert_eq!((fake.kept(), manager.live_objects()), (0, 0));
+}
+
+#[test]
+fn a_failed_host_wait_keeps_the_lease_active_and_gives_its_events_back() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let token = manager.acquire(&[handle], CUDA).expect("acquired");
+    fake.device.borrow_mut().host_wait_fails = true;
+    let released = manager.release_lease_with(&fake, token, CUDA, &[3], true, false);
+    assert_eq!(released, Err(Failure::Device("wait failed")));
+    assert_eq!(manager.lease_state(token), LeaseState::Active);
+    assert_eq!((fake.kept(), manager.live_objects()), (0, 0));
+}
+
+#[test]
+fn a_host_lease_releases_its_tokens_without_events() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, PINNED);
+    let token = manager.acquire(&[handle], PINNED).expect("acquired");
+    let released = manager.release_lease_with(&fake, token, PINNED, &[], false, false);
+    assert_eq!(released, Ok(LeaseRelease::Released));
+    assert_eq!(fake.calls(), vec![]);
+    assert_eq!(manager.lease_state(token), LeaseState::Unknown);
+}
+
+#[test]
+fn a_cuda_lease_without_consumer_streams_synchronises_its_device_and_warns() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA1);
+    let token = manager.acquire(&[handle], CUDA1).expect("acquired");
+    let released = manager.release_lease_with(&fake, token, CUDA1, &[], false, false);
+    assert_eq!(released, Ok(LeaseRelease::DeviceSynchronized));
+    assert_eq!(fake.calls(), vec![Call::SyncDevice(CUDA1)]);
+    assert_eq!(manager.lease_state(token), LeaseState::Unknown);
+    assert_eq!(
+        LeaseRelease::DeviceSynchronized
+            .warning("cuda:1")
+            .as_deref(),
+        Some(
+            "a CUDA lease at cuda:1 had no consumer streams; a full-device synchronisation \
+             was used to release it"
+        )
+    );
+    assert_eq!(LeaseRelease::Released.warning("cuda:1"), None);
+}
+
+#[test]
+fn failed_recording_synchronises_the_consumer_streams_and_warns() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let token = manager.acquire(&[handle], CUDA).expect("acquired");
+    // The first event records, the second fails: both streams are synchronised.
+    fake.device.borrow_mut().record_fails_after = Some(1);
+    let released = manager.release_lease_with(&fake, token, CUDA, &[5, 6], false, false);
+    assert_eq!(released, Ok(LeaseRelease::StreamsSynchronized));
+    assert_eq!(
+        fake.calls(),
+        vec![Call::Record(5), Call::SyncStream(5), Call::SyncStream(6)]
+    );
+    assert_eq!(manager.lease_state(token), LeaseState::Unknown);
+    assert_eq!((fake.kept(), manager.live_objects()), (0, 0));
+    assert_eq!(
+        LeaseRelease::StreamsSynchronized
+            .warning("cuda:0")
+            .as_deref(),
+        Some(
+            "recording release events at cuda:0 failed; the consumer streams were \
+             synchronised instead"
+        )
+    );
+}
+
+#[test]
+fn releasing_a_released_or_pending_lease_records_nothing() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let token = pending(&fake, &[handle], &[1]);
+    fake.calls();
+    // Again (a finaliser racing the explicit release): nothing recorded, still pending.
+    let again = manager.release_lease_with(&fake, token, CUDA, &[1], true, true);
+    assert_eq!(again, Ok(LeaseRelease::Released));
+    assert_eq!(fake.calls(), vec![]);
+    assert_eq!(manager.lease_state(token), LeaseState::Pending);
+}
+
+// ----- acquire ----------------------------------------------------------------------
+
+#[test]
+fn a_consumer_stream_waits_on_the_device_for_a_copy_in_flight() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, PINNED);
+    manager
+        .install(handle, CUDA, 8, 8, &[], false)
+        .expect("installed");
+    let event = fake.new_event();
+    let mut freed = Freed::default();
+    assert!(manager.protect_transfer(handle, CUDA, Some(PINNED), event, None, &mut freed));
+    enter(&manager);
+    let token = manager.acquire_with(&fake, &[handle], CUDA, Some(&9));
+    manager.exit();
+    let token = token.expect("acquired");
+    assert_eq!(fake.calls(), vec![Call::StreamWait(9, 1)]);
+    assert_eq!(manager.lease_state(token), LeaseState::Active);
+    // Without a consumer stream (the host reads), no device wait.
+    let other = manager.acquire_with(&fake, &[handle], CUDA, None);
+    assert!(other.is_ok());
+    assert_eq!(fake.calls(), vec![]);
+}
+
+#[test]
+fn handles_resolve_in_order_and_a_non_resident_one_first_reports_unavailability() {
+    let manager = Manager::new(&[]);
+    let (resident, elsewhere) = (value(&manager, CUDA), value(&manager, PINNED));
+    let lookup = |known: Option<HandleId>| Ok::<_, ()>(known);
+    let ok = manager.resolve_in_order([Some(resident), Some(elsewhere)], CUDA, lookup);
+    assert!(matches!(ok, Ok(indices) if indices == vec![resident, elsewhere]));
+    let unknown = manager.resolve_in_order([Some(resident), None], CUDA, lookup);
+    assert!(matches!(unknown, Err(Unresolved::Unknown(1))));
+    let refused = manager.resolve_in_order([Some(elsewhere), None], CUDA, lookup);
+    assert!(matches!(
+        refused,
+        Err(Unresolved::Refused(CoreError::Unavailable { .. }))
+    ));
+    let failed = manager.resolve_in_order([None], CUDA, |_: Option<HandleId>| Err("raised"));
+    assert!(matches!(failed, Err(Unresolved::Failed("raised"))));
+}
+
+#[test]
+fn disk_is_never_borrowed_and_cuda_needs_a_consumer_stream() {
+    assert_eq!(Manager::borrowable(PINNED, false), Ok(()));
+    assert_eq!(Manager::borrowable(CUDA, true), Ok(()));
+    assert_eq!(
+        Manager::borrowable(CUDA, false),
+        Err(Unborrowable::NeedsStream)
+    );
+    let disk = Location::disk(0).expect("a disk location");
+    assert_eq!(Manager::borrowable(disk, true), Err(Unborrowable::Disk));
+    let error = Unborrowable::NeedsStream.error("cuda:0");
+    assert!(matches!(error, CoreError::InvalidArgument { .. }));
+    assert_eq!(
+        error.to_string(),
+        "acquiring at cuda:0 needs the consumer_stream that will read the values"
+    );
+}
+
+// ----- settling ---------------------------------------------------------------------
+
+#[test]
+fn settling_waits_on_the_host_oldest_first_for_the_chosen_leases_only() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let older = pending(&fake, &[handle], &[1]);
+    let newer = pending(&fake, &[handle], &[2]);
+    let other = pending(&fake, &[handle], &[3]);
+    fake.calls();
+    enter(&manager);
+    let settled = manager.settle_with(&fake, &[newer, older], false);
+    manager.exit();
+    assert_eq!(settled, Ok(()));
+    assert_eq!(fake.calls(), vec![Call::HostWait(1), Call::HostWait(2)]);
+    assert_eq!(manager.lease_state(older), LeaseState::Unknown);
+    assert_eq!(manager.lease_state(newer), LeaseState::Unknown);
+    assert_eq!(manager.lease_state(other), LeaseState::Pending);
+}
+
+#[test]
+fn a_device_settle_releases_without_a_host_round_trip() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let (a, b, c) = (
+        value(&manager, CUDA),
+        value(&manager, CUDA),
+        value(&manager, CUDA),
+    );
+    // `a` and `b` share owning stream 7, `c` is owned by 8: each waits once per event.
+    fake.device.borrow_mut().owners = HashMap::from([(a, 7), (b, 7), (c, 8)]);
+    let token = pending(&fake, &[a, b, c], &[1, 2]);
+    fake.calls();
+    enter(&manager);
+    let left = manager.settle_on_device_with(&fake, &[token], false);
+    manager.exit();
+    assert_eq!(left, Ok(vec![]));
+    assert_eq!(
+        fake.calls(),
+        vec![
+            Call::StreamWait(7, 1),
+            Call::StreamWait(7, 2),
+            Call::StreamWait(8, 1),
+            Call::StreamWait(8, 2),
+        ]
+    );
+    assert_eq!(manager.lease_state(token), LeaseState::Unknown);
+    assert_eq!((fake.kept(), manager.live_objects()), (0, 0));
+}
+
+#[test]
+fn a_lease_with_an_unknown_owner_stays_pending_or_is_waited_for_on_the_host() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let (known, unknown) = (value(&manager, CUDA), value(&manager, CUDA));
+    fake.device.borrow_mut().owners = HashMap::from([(known, 7)]);
+    let token = pending(&fake, &[known, unknown], &[1]);
+    fake.calls();
+    enter(&manager);
+    let left = manager.settle_on_device_with(&fake, &[token], false);
+    assert_eq!(left, Ok(vec![token]));
+    assert_eq!(fake.calls(), vec![]);
+    assert_eq!(manager.lease_state(token), LeaseState::Pending);
+    let left = manager.settle_on_device_with(&fake, &[token], true);
+    manager.exit();
+    assert_eq!(left, Ok(vec![]));
+    assert_eq!(fake.calls(), vec![Call::HostWait(1)]);
+    assert_eq!(manager.lease_state(token), LeaseState::Unknown);
+}
+
+#[test]
+fn blocking_the_host_is_the_cores_rule() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let (on_device, pinned) = (value(&manager, CUDA), value(&manager, PINNED));
+    // A pinned copy to a device is asynchronous; any copy to the host blocks.
+    assert_eq!(
+        manager.blocks_host_with(&fake, &[on_device, pinned], CUDA, false),
+        Ok(false)
+    );
+    assert_eq!(
+        manager.blocks_host_with(&fake, &[pinned, on_device], PINNED, false),
+        Ok(true)
+    );
+}
+
+// ----- close ------------------------------------------------------------------------
+
+#[test]
+fn close_with_a_live_lease_is_refused_unless_forced() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let token = manager.acquire(&[handle], CUDA).expect("acquired");
+    let mut closings = 0;
+    enter(&manager);
+    let refused = manager.close_with(&fake, false, false, || closings += 1);
+    assert!(
+        matches!(&refused, Err(Failure::Core(text)) if text.contains("still has open lifetimes"))
+    );
+    assert!(!manager.is_closed());
+    assert_eq!(fake.calls(), vec![]);
+    // Forced: each CUDA device is synchronised first, then the tokens end.
+    let forced = manager.close_with(&fake, false, true, || closings += 1);
+    assert_eq!(forced, Ok(true));
+    assert!(manager.is_closed());
+    assert_eq!(fake.calls(), vec![Call::SyncDevice(CUDA)]);
+    // Closed already: nothing is done again.
+    assert_eq!(
+        manager.close_with(&fake, true, true, || closings += 1),
+        Ok(false)
+    );
+    manager.exit();
+    assert_eq!(closings, 2);
+    assert_eq!(manager.lease_state(token), LeaseState::Unknown);
+}
+
+#[test]
+fn close_with_wait_settles_every_pending_lease_first() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let first = pending(&fake, &[handle], &[1]);
+    let second = pending(&fake, &[handle], &[2]);
+    fake.calls();
+    enter(&manager);
+    let closed = manager.close_with(&fake, true, false, || {});
+    manager.clear_tokens_with(&fake);
+    manager.exit();
+    assert_eq!(closed, Ok(true));
+    assert_eq!(fake.calls(), vec![Call::HostWait(1), Call::HostWait(2)]);
+    assert_eq!(manager.lease_state(first), LeaseState::Unknown);
+    assert_eq!(manager.lease_state(second), LeaseState::Unknown);
+    assert_eq!((fake.kept(), manager.live_objects()), (0, 0));
+}
+
+#[test]
+fn close_without_wait_refuses_a_pending_lease_whose_events_are_incomplete() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let token = pending(&fake, &[handle], &[1]);
+    enter(&manager);
+    let refused = manager.close_with(&fake, false, false, || {});
+    assert!(matches!(refused, Err(Failure::Core(_))));
+    // Its event completes: the close reaps it and closes.
+    fake.complete(1);
+    let closed = manager.close_with(&fake, false, false, || {});
+    manager.exit();
+    assert_eq!(closed, Ok(true));
+    assert_eq!(manager.lease_state(token), LeaseState::Unknown);
+}
+
+#[test]
+fn a_lease_borrows_a_value_only_while_it_covers_it() {
+    let manager = Manager::new(&[]);
+    let (leased, other) = (value(&manager, PINNED), value(&manager, PINNED));
+    let token = manager.acquire(&[leased], PINNED).expect("acquired");
+    assert_eq!(manager.borrowed(token, Some(leased)), Some(leased));
+    assert_eq!(manager.borrowed(token, Some(other)), None);
+    assert_eq!(manager.borrowed(token, None), None);
+    // A forced close ends what the lease borrows.
+    enter(&manager);
+    manager.close(true).expect("closed");
+    manager.exit();
+    assert_eq!(manager.borrowed(token, Some(leased)), None);
+    let error = Manager::no_longer_borrowed("'v1'", "pinned");
+    assert!(matches!(error, CoreError::Unavailable { .. }));
+    assert_eq!(
+        error.to_string(),
+        "value 'v1' is no longer borrowed at pinned (its lease ended with a forced close or \
+         the value was discarded)"
+    );
+}
