@@ -150,20 +150,28 @@ class Decider:
         """Records a use of ``request``'s values (their access epochs), then tells a
         policy that follows a schedule what was used."""
         # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
-        engine = self.engine
-        engine.check_process()
+        self.engine.check_process()
+        self.record_checked(request)
+
+    def record_checked(self, request: ResidencyRequest) -> None:
+        """`record_access` where this process was just checked (a pipeline's staged
+        step, whose entry checks it first)."""
         with self.lock:
-            self._epoch += 1
-            epoch = self._epoch
-            resolve = engine.resolve
+            epoch = self._epoch = self._epoch + 1
+            epochs = self._epochs
+            resolve = self.engine.resolve
+            set_epoch = self._native_keys.set_epoch
             for requirement in request.requirements:
                 handle = requirement.handle
-                self._epochs[handle] = epoch
+                epochs[handle] = epoch
                 index = resolve(handle)
                 if index is not None:
-                    self._native_keys.set_epoch(index, epoch)
+                    set_epoch(index, epoch)
         # Outside the lock (docs/concepts/controller.md#schedule-aware-eviction).
-        observe = getattr(self.policy, "observe", None)
+        policy = self.policy
+        if type(policy) is DeterministicTieredLRU:
+            return  # it observes nothing
+        observe = getattr(policy, "observe", None)
         if callable(observe):
             observe(tuple([requirement.handle for requirement in request.requirements]))
 

@@ -142,10 +142,30 @@ def execute_staged(
 ) -> None:
     """`execute_actions` for a pipeline's staging, asynchronously and without a report:
     ``actions`` are a decided plan's own records (checked when they were built),
-    ``lowered`` their lowering as one list, and ``name`` its request's."""
-    _run_actions(
-        engine, actions, name, transfer_streams, expected_state_version, True, then, lowered
-    )
+    ``lowered`` their lowering as one list, and ``name`` its request's. `_run_actions`
+    with those, in one frame."""
+    run = engine.plan_run()
+    started = _time_ns()
+    after = _Then(then)
+    try:
+        engine.execute_plan(
+            run,
+            lowered.ir,
+            lowered.handles,
+            actions,
+            transfer_streams,
+            expected_state_version,
+            asynchronous=True,
+            then=after._run,
+        )
+    except Exception as error:
+        if after.started:
+            raise
+        raise _failure(name, run, started, error, actions, ()) from error
+    except BaseException as error:
+        if not after.started:
+            _note_committed(error, name, len(run))
+        raise
 
 
 def _run_actions(

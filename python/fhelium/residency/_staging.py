@@ -10,7 +10,7 @@ from typing import Any, Final
 
 from fhelium.residency._decided import StagedRuns
 from fhelium.residency._runtime.base import StagedEvent
-from fhelium.residency._use import Controller, grouped
+from fhelium.residency._use import Borrows, Controller
 from fhelium.residency.lease import ResidencyHold, ResidencyReservation
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
@@ -84,6 +84,7 @@ class Shape:
         "_empty",
         "by_location",
         "cuda",
+        "devices",
         "grouped",
         "needs",
         "request",
@@ -100,8 +101,11 @@ class Shape:
         # As tuples: what the manager takes without normalizing them again.
         self.by_location = {location: tuple(handles) for location, handles in by_location.items()}
         # Its requirements by location, as a use borrows them.
-        self.grouped = grouped(request)
+        self.grouped = Borrows(request)
         self.cuda = tuple(location for location in self.by_location if location.kind == "cuda")
+        # The same as device indices, which name CUDA locations one to one: a key
+        # hashed without calling the records' hash.
+        self.devices = tuple([location.device.index for location in self.cuda])
         # The request to stage with each headroom (its items), made once.
         self.staging: dict[tuple[tuple[ResidencyLocation, int], ...], ResidencyRequest] = {}
         self._empty: ResidencyPlan | None = None

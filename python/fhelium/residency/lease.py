@@ -25,7 +25,8 @@ from fhelium.values.tensor_resident import TensorResident
 __all__ = ["BorrowedValues", "ResidencyHold", "ResidencyLease", "ResidencyReservation"]
 
 # Internal: `new_hold`, `new_reservation` (the engine's constructors), `check_borrowed`,
-# `protecting_tokens` and `release_deferred` (what uses and pipelines ask of lifetimes).
+# `enter_new`, `borrowed_value`, `protecting_tokens` and `release_deferred` (what uses
+# and pipelines ask of lifetimes).
 
 # Managers (and their engines) whose abandoned leases could not be released safely. A
 # strong root: their storage must never be freed while a CUDA kernel may still read it.
@@ -463,6 +464,23 @@ def new_reservation(
     return ResidencyReservation(
         manager=engine, token=token, location=location, nbytes=nbytes, label=label
     )
+
+
+def enter_new(lease: ResidencyLease) -> BorrowedValues:
+    """``lease.__enter__()`` for a lease the manager has just admitted under the gate
+    this thread holds: active and never entered, so there is nothing to check."""
+    lease._entered = True
+    values: BorrowedValues = _new_object(BorrowedValues)
+    values._lease = lease
+    return values
+
+
+def borrowed_value(values: BorrowedValues, handle: ResidencyHandle[Any]) -> TensorResident:
+    """``values[handle]`` for a handle known to be one the lease borrows (a
+    requirement's, looked up by identity)."""
+    lease = values._lease
+    require_active(lease)
+    return lease._engine.borrowed(lease._token, handle, lease._location)
 
 
 def check_borrowed(values: BorrowedValues) -> None:
