@@ -79,6 +79,7 @@ class Decider:
         "_native_tiers",
         "_schedule_cache",
         "engine",
+        "identity",
         "limit",
         "lock",
         "manager",
@@ -90,6 +91,13 @@ class Decider:
         self.manager = manager
         self.engine: Engine = engine_of(manager)
         self.policy = policy
+        # A built-in policy's name and `config_identity`, which never change: read once
+        # for every decision (`_decided.decided`); None for any other policy.
+        self.identity = (
+            (policy.name, tuple(policy.config_identity))
+            if type(policy) in (DeterministicTieredLRU, ScheduleAwarePolicy)
+            else None
+        )
         # The most search states one decision explores.
         self.limit = limit
         self._metadata: dict[ResidencyHandle[Any], ResidencyPolicyMetadata] = {}
@@ -204,17 +212,22 @@ class Decider:
                 raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
             source = (engine.handle_at, ir, simulation, slots, reclaim, enter, evictions)
             manager_id = engine.manager_id
+            identity = self.identity
             if slots:
-                return decided(manager_id, state_version, explored, request, policy, source)
+                return decided(
+                    manager_id, state_version, explored, request, policy, source, None, identity
+                )
             # A satisfied request (a staged step at its entry): its empty plan is the
             # same record every time, a request being immutable, so it is built once
             # per request object.
             empty = self._empty_plans.get(id(request))
             if empty is not None and empty[0] is request:
                 return decided(
-                    manager_id, state_version, explored, request, policy, source, empty[1]
+                    manager_id, state_version, explored, request, policy, source, empty[1], identity
                 )
-            decision = decided(manager_id, state_version, explored, request, policy, source)
+            decision = decided(
+                manager_id, state_version, explored, request, policy, source, None, identity
+            )
             if len(self._empty_plans) >= _LOWERED_REQUESTS:
                 self._empty_plans.clear()
             self._empty_plans[id(request)] = (request, decision.plan)
@@ -281,7 +294,13 @@ class Decider:
         evictions, or None when a value was discarded since the request (or the
         schedule) was resolved. The core raises each search failure as its error."""
         engine = self.engine
-        arguments = (self._checked(request), self.limit, engine.cuda_count or -1)
+        # `_checked`, for a request lowered since the last discard: the cached lowering.
+        cached = self._lowered_requests.get(id(request))
+        if cached is not None and cached[0] is request and cached[1] == engine.discard_count():
+            lowered = cached[2]
+        else:
+            lowered = self._checked(request)
+        arguments = (lowered, self.limit, engine.cuda_count or -1)
         policy = self.policy
         tiered: DeterministicTieredLRU | None = None
         schedule: tuple[Any, int] | None = None

@@ -24,12 +24,15 @@ class Staged:
     """What keeps a prefetched step's values until its turn: a hold per location. Its
     request's reservations count toward the pipeline's headroom guard."""
 
-    __slots__ = ("holds", "needs", "reads", "request")
+    __slots__ = ("holds", "needs", "reads", "request", "shape", "streams")
 
-    def __init__(self, needs: dict[ResidencyLocation, int], request: ResidencyRequest) -> None:
+    def __init__(self, shape: Shape, streams: tuple[dict[Any, Any], dict[Any, Any]]) -> None:
         self.holds: list[ResidencyHold] = []
-        self.needs = needs
-        self.request = request
+        self.needs = shape.needs
+        self.request = shape.request
+        # Its request's shape, and its consumer and transfer streams in the pipeline.
+        self.shape = shape
+        self.streams = streams
         # The events of its reads from disk that the disk tier's I/O thread runs.
         self.reads: list[StagedEvent] = []
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Final, Protocol, cast
+from typing import Any, Final, Protocol
 
 from fhelium.errors import ResidencyStaleStateError
 from fhelium.residency._decided import satisfied
@@ -174,12 +174,9 @@ class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
         return borrowed
 
     def find(self, handle: object, at: object) -> BorrowedValues | None:
-        """The borrowed values of the pair ``(handle, at)``, or None (also for an
-        unhashable one)."""
-        position = self._borrows.positions.get((id(handle), id(at)))
-        if position is not None:
-            # The request's own objects (alive as long as it is): this very pair.
-            return self._values[position]
+        """The borrowed values of the pair ``(handle, at)`` by equality, or None (also
+        for an unhashable one). `ResidencyUse.value` looks up the request's own objects
+        by identity first (`Borrows.positions`)."""
         pairs = self._pairs
         if pairs is None:
             pairs = self._pairs = {
@@ -338,7 +335,9 @@ class ResidencyUse:
         """
         values = self._values
         if values is not None and self._state == "active":
-            borrowed = values.find(handle, at)
+            position = values._borrows.positions.get((id(handle), id(at)))
+            # The request's own objects (alive as long as it is): this very pair.
+            borrowed = values.find(handle, at) if position is None else values._values[position]
             if borrowed is not None:
                 # A handle and a location equal only their own kind: the pair is a
                 # requirement's, so the handle is one the lease borrows.
@@ -483,12 +482,7 @@ def step_tokens(use: ResidencyUse) -> list[int]:
     """What an entered use's CUDA leases leave protected once it ends: each lease's own
     token and those of the copies still in flight into its values (its consumers
     waited for them, so waiting for the step waits for them)."""
-    return [
-        token
-        for lease in use._leases
-        if lease.location.kind == "cuda"
-        for token in protecting_tokens(lease)
-    ]
+    return protecting_tokens(use._leases)
 
 
 def exit_deferred(use: ResidencyUse) -> None:
@@ -575,10 +569,11 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
         unscoped = _Unscoped(request.name, _time_ns())
         exits.append(unscoped.close)
         view = engine.locked(borrow)
-        use._decision = satisfied(engine.manager_id, view, request, policy, plan)
-        use._scope = unscoped
         # The plain decider (the pipeline's condition), whose process was checked above.
-        cast(Decider, controller).record_checked(request)
+        decider: Decider = controller  # type: ignore[assignment]
+        use._decision = satisfied(engine.manager_id, view, request, policy, plan, decider.identity)
+        use._scope = unscoped
+        decider.record_checked(request)
     except BaseException:
         use._state = "closed"
         _unwind(exits, None, None, None)

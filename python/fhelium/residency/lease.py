@@ -479,7 +479,8 @@ def borrowed_value(values: BorrowedValues, handle: ResidencyHandle[Any]) -> Tens
     """``values[handle]`` for a handle known to be one the lease borrows (a
     requirement's, looked up by identity)."""
     lease = values._lease
-    require_active(lease)
+    if not lease._active:
+        require_active(lease)  # raises
     return lease._engine.borrowed(lease._token, handle, lease._location)
 
 
@@ -488,10 +489,16 @@ def check_borrowed(values: BorrowedValues) -> None:
     require_active(values._lease)
 
 
-def protecting_tokens(lease: ResidencyLease) -> list[int]:
-    """The tokens that protect a lease's values until they complete: its own, and those
-    of the copies still in flight into them."""
-    return [lease._token, *lease._engine.transfers_into(lease._handles, lease._location)]
+def protecting_tokens(leases: list[ResidencyLease]) -> list[int]:
+    """The tokens that protect the values of the CUDA leases among ``leases`` until they
+    complete: each one's own, and those of the copies still in flight into them."""
+    tokens: list[int] = []
+    for lease in leases:
+        location = lease._location
+        if location.kind == "cuda":
+            tokens.append(lease._token)
+            tokens += lease._engine.transfers_into(lease._handles, location)
+    return tokens
 
 
 def release_deferred(lifetime: ResidencyLease | ResidencyHold | ResidencyReservation) -> None:

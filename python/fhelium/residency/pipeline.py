@@ -389,7 +389,7 @@ class _Pipeline:
         """Enters step ``index``'s use; when it does not fit, waits for the oldest ended
         step's leases and tries again."""
         staged = self.staged.pop(index, None)
-        if staged is not None:
+        if staged is not None and staged.reads:
             # A read from disk it deferred failed: the step that needs the value raises,
             # holding nothing, with the value's partial copies gone.
             failure = staged.failure()
@@ -477,8 +477,9 @@ class _Pipeline:
         if request.reservations or type(controller) is not Decider:
             return None
         try:
-            shape = shape_of(controller, request)
-            consumers, transfers = self._streams(shape)
+            # Its staging's request (this very one), whose shape and streams it kept.
+            shape = staged.shape
+            consumers, transfers = staged.streams
             use = use_for_step(controller, request, consumers, transfers, shape.cuda, shape.grouped)
             entered = enter_staged(use, shape.empty_plan)
         finally:
@@ -658,7 +659,8 @@ class _Pipeline:
                 if not self._release_on_device(ended):
                     self._wait_oldest(ended)
                 continue
-            staged = Staged(needs, request)
+            streams = self._streams(shape)
+            staged = Staged(shape, streams)
 
             def keep(staged: Staged = staged) -> None:
                 # Under the plan's hold of the manager: what it made resident is held
@@ -685,7 +687,7 @@ class _Pipeline:
                         actions,
                         lowered,
                         name=request.name,
-                        transfer_streams=self._streams(shape)[1],
+                        transfer_streams=streams[1],
                         expected_state_version=decision.expected_state_version,
                         then=keep,
                     )
