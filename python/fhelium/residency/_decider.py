@@ -119,7 +119,7 @@ class Decider:
         # What a pipeline derives from each request, by request object (see
         # `_staging.shape_of`).
         self.shapes: dict[int, Any] = {}
-        # The tiered policy's tiers as location codes (see `_search`).
+        # The tiered policy, and its tiers as location codes (see `_decide_request`).
         self._native_tiers: tuple[Any, list[tuple[int, list[int]]]] | None = None
         self.lock = threading.RLock()
 
@@ -316,12 +316,13 @@ class Decider:
                 policy.position if position is None else position,
             )
         if tiered is not None:
-            table = tier_table(tiered)
             tiers = self._native_tiers
-            if tiers is None or tiers[0] is not table:
-                # The policy's tiers as location codes (an immutable table, lowered once).
+            if tiers is None or tiers[0] is not tiered:
+                # The policy's tiers as location codes (an immutable table, the same
+                # object for the policy's life: lowered once per policy).
+                table = tier_table(tiered)
                 tiers = self._native_tiers = (
-                    table,
+                    tiered,
                     [
                         (
                             _lowering.location_code(source),
