@@ -539,7 +539,9 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
     stale); then access epochs are recorded. On failure everything taken is released
     and the error propagates, as from `__enter__` (docs/concepts/controller.md#steps).
     """
-    use._begin()
+    if use._state != "new":
+        use._begin()  # raises
+    use._state = "entering"
     controller = use._controller
     engine = controller.engine
     manager = controller.manager

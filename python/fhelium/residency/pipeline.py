@@ -296,7 +296,9 @@ class _Pipeline:
                 # waiting for ended steps where that frees memory or better victims.
                 stage_ahead(index, ahead, ended, False)
                 yield use
-                stage_ahead(index, ahead, ended, True)
+                # (Nothing to do when every later step is staged and no error is held.)
+                if self.held is not None or len(self.staged) + 1 < len(ahead):
+                    stage_ahead(index, ahead, ended, True)
                 self.current = None
                 use.__exit__(None, None, None)
                 if tokens:
