@@ -684,14 +684,16 @@ class _Pipeline:
             reads, previous = tier.defer(runtime)
             try:
                 try:
-                    _plans.execute_staged(
+                    # Asynchronously, without a report.
+                    _plans.run_actions(
                         engine,
                         actions,
+                        request.name,
+                        streams[1],
+                        decision.expected_state_version,
+                        True,
+                        keep,
                         lowered,
-                        name=request.name,
-                        transfer_streams=streams[1],
-                        expected_state_version=decision.expected_state_version,
-                        then=keep,
                     )
                 finally:
                     tier.undefer(previous)
