@@ -51,7 +51,6 @@ __all__ = [
     "ResidencyUse",
     "enter_staged",
     "exit_deferred",
-    "grouped",
     "normalize_streams",
     "step_tokens",
     "use_for_step",
@@ -142,11 +141,6 @@ class Borrows:
             for position, (location, _, requirements) in enumerate(self.groups)
             for requirement in requirements
         }
-
-
-def grouped(request: ResidencyRequest) -> Borrows:
-    """A request's requirements by location, in order, as a use borrows them."""
-    return Borrows(request)
 
 
 class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
