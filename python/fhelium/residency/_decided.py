@@ -225,19 +225,30 @@ def decided(
     policy: ResidencyPolicy,
     source: tuple[Any, ...],
     plan: ResidencyPlan | None = None,
+    identity: tuple[str, tuple[tuple[str, object], ...]] | None = None,
 ) -> LazyDecision:
     """A decision of ``policy`` for ``request`` at ``state_version``, over what the
     engine's search returned (``source``); ``plan`` is its plan when already built (a
-    satisfied request's empty plan, the same record every time)."""
+    satisfied request's empty plan, the same record every time), and ``identity`` the
+    policy's name and ``config_identity`` when known to be fixed (a built-in policy's,
+    read once by the decider)."""
     decision = object.__new__(LazyDecision)
-    decision._set(
-        manager_id,
-        state_version,
-        explored,
-        request,
-        policy.name,
-        tuple(policy.config_identity),
-    )
+    if identity is None:
+        identity = (policy.name, tuple(policy.config_identity))
+    (
+        set_manager_id,
+        set_version,
+        set_explored,
+        set_request,
+        set_policy_name,
+        set_policy_config,
+    ) = _DECISION_SETTERS
+    set_manager_id(decision, manager_id)
+    set_version(decision, state_version)
+    set_explored(decision, explored)
+    set_request(decision, request)
+    set_policy_name(decision, identity[0])
+    set_policy_config(decision, identity[1])
     init = object.__setattr__
     init(decision, "_built_plan", plan)
     init(decision, "_built_evictions", None)
@@ -275,6 +286,7 @@ def satisfied(
     request: ResidencyRequest,
     policy: ResidencyPolicy,
     plan: ResidencyPlan,
+    identity: tuple[str, tuple[tuple[str, object], ...]] | None = None,
 ) -> LazyDecision:
     """The decision `decide` takes for ``request`` at the state ``view`` (a published
     core state) when every requirement is already resident there and the request has
@@ -290,6 +302,7 @@ def satisfied(
         policy,
         (None, None, _Unchanged(view), (), (), (), ()),
         plan,
+        identity,
     )
 
 

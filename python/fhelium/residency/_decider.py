@@ -79,6 +79,7 @@ class Decider:
         "_native_tiers",
         "_schedule_cache",
         "engine",
+        "identity",
         "limit",
         "lock",
         "manager",
@@ -90,6 +91,13 @@ class Decider:
         self.manager = manager
         self.engine: Engine = engine_of(manager)
         self.policy = policy
+        # A built-in policy's name and `config_identity`, which never change: read once
+        # for every decision (`_decided.decided`); None for any other policy.
+        self.identity = (
+            (policy.name, tuple(policy.config_identity))
+            if type(policy) in (DeterministicTieredLRU, ScheduleAwarePolicy)
+            else None
+        )
         # The most search states one decision explores.
         self.limit = limit
         self._metadata: dict[ResidencyHandle[Any], ResidencyPolicyMetadata] = {}
@@ -111,7 +119,7 @@ class Decider:
         # What a pipeline derives from each request, by request object (see
         # `_staging.shape_of`).
         self.shapes: dict[int, Any] = {}
-        # The tiered policy's tiers as location codes (see `_search`).
+        # The tiered policy, and its tiers as location codes (see `_decide_request`).
         self._native_tiers: tuple[Any, list[tuple[int, list[int]]]] | None = None
         self.lock = threading.RLock()
 
@@ -150,20 +158,28 @@ class Decider:
         """Records a use of ``request``'s values (their access epochs), then tells a
         policy that follows a schedule what was used."""
         # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
-        engine = self.engine
-        engine.check_process()
+        self.engine.check_process()
+        self.record_checked(request)
+
+    def record_checked(self, request: ResidencyRequest) -> None:
+        """`record_access` where this process was just checked (a pipeline's staged
+        step, whose entry checks it first)."""
         with self.lock:
-            self._epoch += 1
-            epoch = self._epoch
-            resolve = engine.resolve
+            epoch = self._epoch = self._epoch + 1
+            epochs = self._epochs
+            resolve = self.engine.resolve
+            set_epoch = self._native_keys.set_epoch
             for requirement in request.requirements:
                 handle = requirement.handle
-                self._epochs[handle] = epoch
+                epochs[handle] = epoch
                 index = resolve(handle)
                 if index is not None:
-                    self._native_keys.set_epoch(index, epoch)
+                    set_epoch(index, epoch)
         # Outside the lock (docs/concepts/controller.md#schedule-aware-eviction).
-        observe = getattr(self.policy, "observe", None)
+        policy = self.policy
+        if type(policy) is DeterministicTieredLRU:
+            return  # it observes nothing
+        observe = getattr(policy, "observe", None)
         if callable(observe):
             observe(tuple([requirement.handle for requirement in request.requirements]))
 
@@ -196,17 +212,22 @@ class Decider:
                 raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
             source = (engine.handle_at, ir, simulation, slots, reclaim, enter, evictions)
             manager_id = engine.manager_id
+            identity = self.identity
             if slots:
-                return decided(manager_id, state_version, explored, request, policy, source)
+                return decided(
+                    manager_id, state_version, explored, request, policy, source, None, identity
+                )
             # A satisfied request (a staged step at its entry): its empty plan is the
             # same record every time, a request being immutable, so it is built once
             # per request object.
             empty = self._empty_plans.get(id(request))
             if empty is not None and empty[0] is request:
                 return decided(
-                    manager_id, state_version, explored, request, policy, source, empty[1]
+                    manager_id, state_version, explored, request, policy, source, empty[1], identity
                 )
-            decision = decided(manager_id, state_version, explored, request, policy, source)
+            decision = decided(
+                manager_id, state_version, explored, request, policy, source, None, identity
+            )
             if len(self._empty_plans) >= _LOWERED_REQUESTS:
                 self._empty_plans.clear()
             self._empty_plans[id(request)] = (request, decision.plan)
@@ -273,7 +294,13 @@ class Decider:
         evictions, or None when a value was discarded since the request (or the
         schedule) was resolved. The core raises each search failure as its error."""
         engine = self.engine
-        arguments = (self._checked(request), self.limit, engine.cuda_count or -1)
+        # `_checked`, for a request lowered since the last discard: the cached lowering.
+        cached = self._lowered_requests.get(id(request))
+        if cached is not None and cached[0] is request and cached[1] == engine.discard_count():
+            lowered = cached[2]
+        else:
+            lowered = self._checked(request)
+        arguments = (lowered, self.limit, engine.cuda_count or -1)
         policy = self.policy
         tiered: DeterministicTieredLRU | None = None
         schedule: tuple[Any, int] | None = None
@@ -289,12 +316,13 @@ class Decider:
                 policy.position if position is None else position,
             )
         if tiered is not None:
-            table = tier_table(tiered)
             tiers = self._native_tiers
-            if tiers is None or tiers[0] is not table:
-                # The policy's tiers as location codes (an immutable table, lowered once).
+            if tiers is None or tiers[0] is not tiered:
+                # The policy's tiers as location codes (an immutable table, the same
+                # object for the policy's life: lowered once per policy).
+                table = tier_table(tiered)
                 tiers = self._native_tiers = (
-                    table,
+                    tiered,
                     [
                         (
                             _lowering.location_code(source),

@@ -132,6 +132,7 @@ class Engine:
         "adopt",
         "blocked_here",
         "blocks_host",
+        "borrowed",
         "check_process",
         "core",
         "cuda_count",
@@ -266,6 +267,9 @@ class Engine:
         self.release_lease: Callable[..., None] = core.release_lease
         self.release_host_lease_now: Callable[[int], bool] = core.release_host_lease_now
         self.track_lease: Callable[..., None] = core.track_lease
+        # `borrowed(token, handle, location)`: a borrowed lookup, the managed object
+        # itself, while the lease still holds.
+        self.borrowed: Callable[..., TensorResident] = core.borrowed
         self.untrack_lease: Callable[[int], None] = core.untrack_lease
         # The public manager this engine serves, set by it; weak, so the engine never
         # keeps its owner alive.
@@ -384,13 +388,6 @@ class Engine:
         require_non_empty_str(label, "label")
         reservation: ResidencyReservation = self.core.reserve(self, location, nbytes, label)
         return reservation
-
-    def borrowed(
-        self, token: int, handle: ResidencyHandle[Any], location: ResidencyLocation
-    ) -> TensorResident:
-        """A borrowed lookup: the managed object itself, while the lease still holds."""
-        value: TensorResident = self.core.borrowed(token, handle, location)
-        return value
 
     def live_leases(self) -> list[ResidencyLease]:
         """The leases not yet released."""

@@ -47,11 +47,11 @@ __all__ = [
     "abandon_scope",
     "enter_scope",
     "execute_actions",
-    "execute_staged",
     "exit_scope",
     "explain",
     "explanation_of",
     "optional_version",
+    "run_actions",
 ]
 
 # The action classes themselves: a list of only these needs no per-action check.
@@ -124,31 +124,13 @@ def execute_actions(
                 raise TypeError(
                     f"actions[{position}] must be a residency action, got {type(action).__name__}"
                 )
-    run, started = _run_actions(
+    run, started = run_actions(
         engine, normalized, name, transfer_streams, expected_state_version, asynchronous, then
     )
     return _PlanReport._capture(name, run, started, max(started, _time_ns()))
 
 
-def execute_staged(
-    engine: Engine,
-    actions: tuple[ResidencyAction, ...],
-    lowered: _lowering.LoweredPlan,
-    *,
-    name: str,
-    transfer_streams: object,
-    expected_state_version: int,
-    then: Callable[[], object],
-) -> None:
-    """`execute_actions` for a pipeline's staging, asynchronously and without a report:
-    ``actions`` are a decided plan's own records (checked when they were built),
-    ``lowered`` their lowering as one list, and ``name`` its request's."""
-    _run_actions(
-        engine, actions, name, transfer_streams, expected_state_version, True, then, lowered
-    )
-
-
-def _run_actions(
+def run_actions(
     engine: Engine,
     normalized: tuple[ResidencyAction, ...],
     name: str,
@@ -158,6 +140,10 @@ def _run_actions(
     then: Callable[[], object] | None,
     lowered: _lowering.LoweredPlan | None = None,
 ) -> tuple[_core.PlanRun, int]:
+    """Runs checked ``normalized`` actions as one plan (`execute_actions` once its
+    arguments are checked); the run and its start. A pipeline's staging calls it
+    directly, asynchronously, with a decided plan's own records (checked when they
+    were built) and ``lowered``, their lowering as one list."""
     if lowered is None:
         lowered = _lowering.lower_actions(name, normalized)
     run = engine.plan_run()
@@ -172,7 +158,7 @@ def _run_actions(
             transfer_streams,
             expected_state_version,
             asynchronous=asynchronous,
-            then=after.hook,
+            then=None if then is None else after._run,
         )
     except Exception as error:
         if after.started:

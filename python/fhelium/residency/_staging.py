@@ -10,7 +10,7 @@ from typing import Any, Final
 
 from fhelium.residency._decided import StagedRuns
 from fhelium.residency._runtime.base import StagedEvent
-from fhelium.residency._use import Controller, grouped
+from fhelium.residency._use import Borrows, Controller
 from fhelium.residency.lease import ResidencyHold, ResidencyReservation
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
@@ -24,12 +24,15 @@ class Staged:
     """What keeps a prefetched step's values until its turn: a hold per location. Its
     request's reservations count toward the pipeline's headroom guard."""
 
-    __slots__ = ("holds", "needs", "reads", "request")
+    __slots__ = ("holds", "needs", "reads", "request", "shape", "streams")
 
-    def __init__(self, needs: dict[ResidencyLocation, int], request: ResidencyRequest) -> None:
+    def __init__(self, shape: Shape, streams: tuple[dict[Any, Any], dict[Any, Any]]) -> None:
         self.holds: list[ResidencyHold] = []
-        self.needs = needs
-        self.request = request
+        self.needs = shape.needs
+        self.request = shape.request
+        # Its request's shape, and its consumer and transfer streams in the pipeline.
+        self.shape = shape
+        self.streams = streams
         # The events of its reads from disk that the disk tier's I/O thread runs.
         self.reads: list[StagedEvent] = []
 
@@ -84,6 +87,7 @@ class Shape:
         "_empty",
         "by_location",
         "cuda",
+        "devices",
         "grouped",
         "needs",
         "request",
@@ -100,8 +104,11 @@ class Shape:
         # As tuples: what the manager takes without normalizing them again.
         self.by_location = {location: tuple(handles) for location, handles in by_location.items()}
         # Its requirements by location, as a use borrows them.
-        self.grouped = grouped(request)
+        self.grouped = Borrows(request)
         self.cuda = tuple(location for location in self.by_location if location.kind == "cuda")
+        # The same as device indices, which name CUDA locations one to one: a key
+        # hashed without calling the records' hash.
+        self.devices = tuple([location.device.index for location in self.cuda])
         # The request to stage with each headroom (its items), made once.
         self.staging: dict[tuple[tuple[ResidencyLocation, int], ...], ResidencyRequest] = {}
         self._empty: ResidencyPlan | None = None

@@ -14,7 +14,7 @@ from typing import Any, Final, Protocol
 
 from fhelium.errors import ResidencyStaleStateError
 from fhelium.residency._decided import satisfied
-from fhelium.residency._decider import ControllerBase, decider_of
+from fhelium.residency._decider import ControllerBase, Decider, decider_of
 from fhelium.residency._decisions import ResidencyDecision
 from fhelium.residency._engine import Engine
 from fhelium.residency._records import trusted_builder
@@ -29,7 +29,9 @@ from fhelium.residency._validation import require_instance
 from fhelium.residency.lease import (
     BorrowedValues,
     ResidencyLease,
+    borrowed_value,
     check_borrowed,
+    enter_new,
     protecting_tokens,
     release_deferred,
 )
@@ -44,11 +46,11 @@ from fhelium.values.tensor_resident import TensorResident
 
 __all__ = [
     "STALE_RETRIES",
+    "Borrows",
     "Controller",
     "ResidencyUse",
     "enter_staged",
     "exit_deferred",
-    "grouped",
     "normalize_streams",
     "step_tokens",
     "use_for_step",
@@ -114,39 +116,85 @@ def normalize_streams(manager: ResidencyManager, streams: object, name: str) -> 
     return normalized
 
 
-def grouped(request: ResidencyRequest) -> dict[ResidencyLocation, list[ResidencyRequirement]]:
-    """A request's requirements by location, in order."""
-    by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
-    for requirement in request.requirements:
-        by_location.setdefault(requirement.location, []).append(requirement)
-    return by_location
+class Borrows:
+    """A request's requirements grouped by location in order of first appearance, as a
+    use borrows them: per location, its handles (in requirement order) and its
+    requirements. Made once per request (a request is immutable)."""
+
+    __slots__ = ("groups", "positions")
+
+    def __init__(self, request: ResidencyRequest) -> None:
+        by_location: dict[ResidencyLocation, list[ResidencyRequirement]] = {}
+        for requirement in request.requirements:
+            by_location.setdefault(requirement.location, []).append(requirement)
+        self.groups = tuple(
+            [
+                (location, tuple([requirement.handle for requirement in group]), group)
+                for location, group in by_location.items()
+            ]
+        )
+        # Each requirement's group by the identities of its handle and location (the
+        # request keeps both alive): `ResidencyUse.value` finds the pair without
+        # hashing the records.
+        self.positions = {
+            (id(requirement.handle), id(location)): position
+            for position, (location, _, requirements) in enumerate(self.groups)
+            for requirement in requirements
+        }
 
 
 class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
-    """Borrowed values by requirement; valid while the use's leases are active."""
+    """Borrowed values by requirement; valid while the use's leases are active. The
+    maps by requirement and by (handle, location) pair are built when first read."""
 
-    __slots__ = ("_borrowed", "_pairs")
+    __slots__ = ("_borrowed", "_borrows", "_pairs", "_values")
 
-    def __init__(self, borrowed: dict[ResidencyRequirement, BorrowedValues]) -> None:
-        self._borrowed = borrowed
-        # The same, by (handle, location) pair (`ResidencyUse.value`).
-        self._pairs = {
-            (requirement.handle, requirement.location): values
-            for requirement, values in borrowed.items()
-        }
+    def __init__(self, borrows: Borrows, values: list[BorrowedValues]) -> None:
+        self._borrows = borrows
+        # Each group's borrowed values, in the order of ``borrows.groups``.
+        self._values = values
+        self._borrowed: dict[ResidencyRequirement, BorrowedValues] | None = None
+        self._pairs: dict[tuple[Any, Any], BorrowedValues] | None = None
+
+    def _by_requirement(self) -> dict[ResidencyRequirement, BorrowedValues]:
+        borrowed = self._borrowed
+        if borrowed is None:
+            borrowed = {}
+            groups = self._borrows.groups
+            for (_, _, requirements), values in zip(groups, self._values, strict=True):
+                for requirement in requirements:
+                    borrowed[requirement] = values
+            self._borrowed = borrowed
+        return borrowed
+
+    def find(self, handle: object, at: object) -> BorrowedValues | None:
+        """The borrowed values of the pair ``(handle, at)`` by equality, or None (also
+        for an unhashable one). `ResidencyUse.value` looks up the request's own objects
+        by identity first (`Borrows.positions`)."""
+        pairs = self._pairs
+        if pairs is None:
+            pairs = self._pairs = {
+                (requirement.handle, requirement.location): values
+                for requirement, values in self._by_requirement().items()
+            }
+        try:
+            return pairs.get((handle, at))
+        except TypeError:
+            return None  # unhashable: the requirement the caller builds says why
 
     def __getitem__(self, requirement: ResidencyRequirement) -> TensorResident:
-        return self._borrowed[requirement][requirement.handle]
+        return self._by_requirement()[requirement][requirement.handle]
 
     def __iter__(self) -> Iterator[ResidencyRequirement]:
-        for requirement, borrowed in self._borrowed.items():
+        for requirement, borrowed in self._by_requirement().items():
             check_borrowed(borrowed)
             yield requirement
 
     def __len__(self) -> int:
-        for borrowed in self._borrowed.values():
-            check_borrowed(borrowed)
-        return len(self._borrowed)
+        borrowed = self._by_requirement()
+        for values in borrowed.values():
+            check_borrowed(values)
+        return len(borrowed)
 
 
 class ResidencyUse:
@@ -220,7 +268,7 @@ class ResidencyUse:
         request: ResidencyRequest,
         consumers: dict[ResidencyLocation, Any],
         transfers: dict[ResidencyLocation, Any],
-        grouped: dict[ResidencyLocation, list[ResidencyRequirement]] | None,
+        borrows: Borrows | None,
     ) -> None:
         """Every field, once the arguments are checked and the streams normalized."""
         self._controller = controller
@@ -233,7 +281,7 @@ class ResidencyUse:
         self._scope: ResidencyScope | _Unscoped | None = None
         self._exits: list[Callable[[Any, Any, Any], object]] | None = None
         # The requirements by location (made at entry, or given by the pipeline).
-        self._grouped = grouped
+        self._grouped = borrows
         self._values: _UseValues | None = None
         self._leases: list[ResidencyLease] = []
         self._exited = False
@@ -281,14 +329,13 @@ class ResidencyUse:
         """
         values = self._values
         if values is not None and self._state == "active":
-            try:
-                borrowed = values._pairs.get((handle, at))
-            except TypeError:
-                borrowed = None  # unhashable: the requirement below says why
+            position = values._borrows.positions.get((id(handle), id(at)))
+            # The request's own objects (alive as long as it is): this very pair.
+            borrowed = values.find(handle, at) if position is None else values._values[position]
             if borrowed is not None:
                 # A handle and a location equal only their own kind: the pair is a
-                # requirement's.
-                return borrowed[handle]
+                # requirement's, so the handle is one the lease borrows.
+                return borrowed_value(borrowed, handle)
         return self.values[ResidencyRequirement(handle, at)]
 
     @property
@@ -310,13 +357,13 @@ class ResidencyUse:
         request = self.request
         # What closing the use runs, in reverse: the scope's exit, then each lease's.
         exits: list[Callable[[Any, Any, Any], object]] = []
-        by_location = self._grouped
-        if by_location is None:
-            by_location = grouped(request)
-        borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
+        borrows = self._grouped
+        if borrows is None:
+            borrows = self._grouped = Borrows(request)
+        borrowed: list[BorrowedValues] = []
 
         def borrow() -> None:
-            self._borrow(manager, by_location, exits, borrowed)
+            self._borrow(manager, borrows, exits, borrowed)
 
         try:
             stale = 0
@@ -352,7 +399,7 @@ class ResidencyUse:
             _unwind(exits, None, None, None)
             raise
         self._exits = exits
-        self._values = _UseValues(borrowed)
+        self._values = _UseValues(borrows, borrowed)
         self._state = "active"
         return self
 
@@ -365,24 +412,27 @@ class ResidencyUse:
     def _borrow(
         self,
         manager: ResidencyManager,
-        by_location: dict[ResidencyLocation, list[ResidencyRequirement]],
+        borrows: Borrows,
         exits: list[Callable[[Any, Any, Any], object]],
-        borrowed: dict[ResidencyRequirement, BorrowedValues],
+        borrowed: list[BorrowedValues],
     ) -> None:
-        """Acquires and enters each location's lease, its exit onto ``exits``, under the
-        scope entry's hold of the manager; unwinding ``exits`` releases them."""
+        """Acquires and enters each location's lease, its exit onto ``exits`` and its
+        values onto ``borrowed``, under the scope entry's hold of the manager; unwinding
+        ``exits`` releases them."""
         consumers = self._consumer_streams
-        for location, requirements in by_location.items():
-            lease: ResidencyLease = manager.acquire(
-                tuple([requirement.handle for requirement in requirements]),
+        acquire = manager.acquire
+        leases = self._leases
+        for location, handles, _ in borrows.groups:
+            lease: ResidencyLease = acquire(
+                handles,
                 at=location,
-                consumer_stream=consumers.get(location),
+                consumer_stream=consumers.get(location) if consumers else None,
             )
-            values = lease.__enter__()
+            # Just admitted, under the gate: active and never entered.
+            values = enter_new(lease)
             exits.append(lease.__exit__)
-            self._leases.append(lease)
-            for requirement in requirements:
-                borrowed[requirement] = values
+            leases.append(lease)
+            borrowed.append(values)
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> bool:
         if self._state != "active" or self._exits is None:
@@ -403,7 +453,7 @@ def use_for_step(
     consumers: dict[ResidencyLocation, Any],
     transfers: dict[ResidencyLocation, Any],
     cuda: tuple[ResidencyLocation, ...],
-    by_location: dict[ResidencyLocation, list[ResidencyRequirement]],
+    by_location: Borrows,
 ) -> ResidencyUse:
     """A use for a pipeline's step: ``request`` is a `ResidencyRequest`, the stream maps
     are normalized, ``cuda`` is its CUDA locations and ``by_location`` its requirements
@@ -426,12 +476,7 @@ def step_tokens(use: ResidencyUse) -> list[int]:
     """What an entered use's CUDA leases leave protected once it ends: each lease's own
     token and those of the copies still in flight into its values (its consumers
     waited for them, so waiting for the step waits for them)."""
-    return [
-        token
-        for lease in use._leases
-        if lease.location.kind == "cuda"
-        for token in protecting_tokens(lease)
-    ]
+    return protecting_tokens(use._leases)
 
 
 def exit_deferred(use: ResidencyUse) -> None:
@@ -488,23 +533,27 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
     stale); then access epochs are recorded. On failure everything taken is released
     and the error propagates, as from `__enter__` (docs/concepts/controller.md#steps).
     """
-    use._begin()
+    if use._state != "new":
+        use._begin()  # raises
+    use._state = "entering"
     controller = use._controller
     engine = controller.engine
     manager = controller.manager
     policy = controller.policy
     request = use.request
-    by_location = use._grouped
-    if by_location is None:
-        by_location = grouped(request)
+    borrows = use._grouped
+    if borrows is None:
+        borrows = use._grouped = Borrows(request)
     exits: list[Callable[[Any, Any, Any], object]] = []
-    borrowed: dict[ResidencyRequirement, BorrowedValues] = {}
+    borrowed: list[BorrowedValues] = []
+    snapshot_state = engine.core.snapshot_state
 
     def borrow() -> Any:
         # Under the manager's hold, after its completed events were reaped: the state
-        # the decision describes, then the leases, with nothing in between.
-        view = engine.state_view()
-        use._borrow(manager, by_location, exits, borrowed)
+        # the decision describes (`Engine.state_view`), then the leases, with nothing
+        # in between.
+        view = snapshot_state()[0]
+        use._borrow(manager, borrows, exits, borrowed)
         return view
 
     try:
@@ -516,15 +565,17 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
         unscoped = _Unscoped(request.name, _time_ns())
         exits.append(unscoped.close)
         view = engine.locked(borrow)
-        use._decision = satisfied(engine.manager_id, view, request, policy, plan)
+        # The plain decider (the pipeline's condition), whose process was checked above.
+        decider: Decider = controller  # type: ignore[assignment]
+        use._decision = satisfied(engine.manager_id, view, request, policy, plan, decider.identity)
         use._scope = unscoped
-        controller.record_access(request)
+        decider.record_checked(request)
     except BaseException:
         use._state = "closed"
         _unwind(exits, None, None, None)
         raise
     use._exits = exits
-    use._values = _UseValues(borrowed)
+    use._values = _UseValues(borrows, borrowed)
     use._state = "active"
     return use
 

@@ -25,7 +25,8 @@ from fhelium.values.tensor_resident import TensorResident
 __all__ = ["BorrowedValues", "ResidencyHold", "ResidencyLease", "ResidencyReservation"]
 
 # Internal: `new_hold`, `new_reservation` (the engine's constructors), `check_borrowed`,
-# `protecting_tokens` and `release_deferred` (what uses and pipelines ask of lifetimes).
+# `enter_new`, `borrowed_value`, `protecting_tokens` and `release_deferred` (what uses
+# and pipelines ask of lifetimes).
 
 # Managers (and their engines) whose abandoned leases could not be released safely. A
 # strong root: their storage must never be freed while a CUDA kernel may still read it.
@@ -465,15 +466,39 @@ def new_reservation(
     )
 
 
+def enter_new(lease: ResidencyLease) -> BorrowedValues:
+    """``lease.__enter__()`` for a lease the manager has just admitted under the gate
+    this thread holds: active and never entered, so there is nothing to check."""
+    lease._entered = True
+    values: BorrowedValues = _new_object(BorrowedValues)
+    values._lease = lease
+    return values
+
+
+def borrowed_value(values: BorrowedValues, handle: ResidencyHandle[Any]) -> TensorResident:
+    """``values[handle]`` for a handle known to be one the lease borrows (a
+    requirement's, looked up by identity)."""
+    lease = values._lease
+    if not lease._active:
+        require_active(lease)  # raises
+    return lease._engine.borrowed(lease._token, handle, lease._location)
+
+
 def check_borrowed(values: BorrowedValues) -> None:
     """ResidencyLifetimeClosedError once the lease behind ``values`` was released."""
     require_active(values._lease)
 
 
-def protecting_tokens(lease: ResidencyLease) -> list[int]:
-    """The tokens that protect a lease's values until they complete: its own, and those
-    of the copies still in flight into them."""
-    return [lease._token, *lease._engine.transfers_into(lease._handles, lease._location)]
+def protecting_tokens(leases: list[ResidencyLease]) -> list[int]:
+    """The tokens that protect the values of the CUDA leases among ``leases`` until they
+    complete: each one's own, and those of the copies still in flight into them."""
+    tokens: list[int] = []
+    for lease in leases:
+        location = lease._location
+        if location.kind == "cuda":
+            tokens.append(lease._token)
+            tokens += lease._engine.transfers_into(lease._handles, location)
+    return tokens
 
 
 def release_deferred(lifetime: ResidencyLease | ResidencyHold | ResidencyReservation) -> None:

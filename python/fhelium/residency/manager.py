@@ -548,9 +548,9 @@ class ResidencyManager(ManagerPlans):
                     assert float(values[handle].tensor.sum()) == 4.0
             ```
         """
-        lease: ResidencyLease = self._engine.acquire(
-            handles, at=at, consumer_stream=consumer_stream
-        )
+        engine = self._engine
+        # `Engine.acquire`, without its frame: acquiring is on every step's path.
+        lease: ResidencyLease = engine.core.acquire(engine, handles, at, consumer_stream)
         return lease
 
     def hold(

@@ -227,9 +227,10 @@ class _Pipeline:
         self.guard: dict[ResidencyLocation, list[ResidencyReservation]] = {}
         # The active step's reservation bytes per location.
         self.active: dict[ResidencyLocation, int] = {}
-        # The consumer and transfer streams by a request's CUDA locations (`_streams`).
+        # The consumer and transfer streams by a request's CUDA locations, as their
+        # device indices (`_streams`).
         self.streams: dict[
-            tuple[ResidencyLocation, ...],
+            tuple[int, ...],
             tuple[dict[ResidencyLocation, Any], dict[ResidencyLocation, Any]],
         ] = {}
         self.position = 0
@@ -242,10 +243,10 @@ class _Pipeline:
     ) -> tuple[dict[ResidencyLocation, Any], dict[ResidencyLocation, Any]]:
         """The consumer and transfer streams of a request with ``shape``, made once per
         set of CUDA locations."""
-        streams = self.streams.get(shape.cuda)
+        streams = self.streams.get(shape.devices)
         if streams is None:
             request = shape.request
-            streams = self.streams[shape.cuda] = (
+            streams = self.streams[shape.devices] = (
                 self._streams_for(request, self.consumers),
                 self._transfer_streams(request),
             )
@@ -261,11 +262,16 @@ class _Pipeline:
         ended: collections.deque[list[int]] = collections.deque()
         exhausted = False
         fetched = 0
+        # Bound once: the loop runs them every step.
+        requests = self.requests
+        prefetch = self.prefetch
+        enter = self._enter
+        stage_ahead = self._stage_ahead
         try:
             while True:
-                while not exhausted and len(ahead) <= self.prefetch:
+                while not exhausted and len(ahead) <= prefetch:
                     try:
-                        request = next(self.requests)
+                        request = next(requests)
                     except StopIteration:
                         exhausted = True
                         break
@@ -279,19 +285,21 @@ class _Pipeline:
                 if not ahead:
                     return
                 index, request = ahead[0]
-                self.current = self._enter(index, request, ended)
+                use = self.current = enter(index, request, ended)
                 self.position = index + 1
                 # Once this step has ended, the copies its values came in by are done
                 # too (its consumers waited for them): waiting for the step waits for
                 # them.
-                tokens = step_tokens(self.current)
+                tokens = step_tokens(use)
                 # Before the body: what fits without waiting for anything. After it
                 # (its work is queued, so a wait cannot starve the device): the rest,
                 # waiting for ended steps where that frees memory or better victims.
-                self._stage_ahead(index, ahead, ended, wait=False)
-                yield self.current
-                self._stage_ahead(index, ahead, ended, wait=True)
-                use, self.current = self.current, None
+                stage_ahead(index, ahead, ended, False)
+                yield use
+                # (Nothing to do when every later step is staged and no error is held.)
+                if self.held is not None or len(self.staged) + 1 < len(ahead):
+                    stage_ahead(index, ahead, ended, True)
+                self.current = None
                 use.__exit__(None, None, None)
                 if tokens:
                     ended.append(tokens)
@@ -383,7 +391,7 @@ class _Pipeline:
         """Enters step ``index``'s use; when it does not fit, waits for the oldest ended
         step's leases and tries again."""
         staged = self.staged.pop(index, None)
-        if staged is not None:
+        if staged is not None and staged.reads:
             # A read from disk it deferred failed: the step that needs the value raises,
             # holding nothing, with the value's partial copies gone.
             failure = staged.failure()
@@ -395,7 +403,8 @@ class _Pipeline:
                 raise failure
         # The headroom kept for the staged steps is free for this step's own scope; what
         # the steps still staged need beyond it is kept again once it is entered.
-        self._release_guard()
+        if self.guard:
+            self._release_guard()
         if staged is not None:
             entered = self._enter_staged(staged, request)
             if entered is not None:
@@ -470,14 +479,18 @@ class _Pipeline:
         if request.reservations or type(controller) is not Decider:
             return None
         try:
-            shape = shape_of(controller, request)
-            consumers, transfers = self._streams(shape)
+            # Its staging's request (this very one), whose shape and streams it kept.
+            shape = staged.shape
+            consumers, transfers = staged.streams
             use = use_for_step(controller, request, consumers, transfers, shape.cuda, shape.grouped)
             entered = enter_staged(use, shape.empty_plan)
         finally:
             # Leased now (or failed): the holds have done their part.
             staged.release()
         self.active = shape.needs
+        if not self.staged:
+            # No reservation here and no step staged: no headroom to keep (`_extra`).
+            return entered
         try:
             try:
                 self._keep_guard({})
@@ -557,17 +570,23 @@ class _Pipeline:
         index: int,
         ahead: collections.deque[tuple[int, ResidencyRequest]],
         ended: collections.deque[list[int]],
-        *,
         wait: bool,
     ) -> None:
         """Stages the steps after the active one ``index`` in order, up to the first
         that cannot be staged now. An error before the body (``wait`` false) is held
         and raised after it: the active step's body runs first, and the error comes
         from the iteration that ends it, as when that staging runs after the body."""
-        held, self.held = self.held, None
+        held = self.held
         if held is not None:
+            self.held = None
             raise held
-        for later, upcoming in list(ahead)[1:]:
+        count = len(ahead)
+        # The staged steps are among those after the active one: as many of them means
+        # every one is staged.
+        if len(self.staged) + 1 >= count:
+            return
+        for position in range(1, count):
+            later, upcoming = ahead[position]
             if later in self.staged:
                 continue
             try:
@@ -605,22 +624,26 @@ class _Pipeline:
         needs = shape.needs
         by_location = shape.by_location
         runtime = engine.runtime
-        deferred = getattr(runtime, "staged_events", False)
-        if not wait and any(
-            engine.blocks_host(handles, location, disk_deferred=deferred)
-            for location, handles in by_location.items()
-        ):
-            # A copy from pageable memory blocks the host: before the body it would
-            # delay the body's kernels. A read from disk to a device does not where the
-            # runtime takes deferred events: the disk tier's I/O thread runs it.
-            return False
+        if not wait:
+            deferred = getattr(runtime, "staged_events", False)
+            blocks_host = engine.blocks_host
+            for location, handles in by_location.items():
+                if blocks_host(handles, location, disk_deferred=deferred):
+                    # A copy from pageable memory blocks the host: before the body it
+                    # would delay the body's kernels. A read from disk to a device does
+                    # not where the runtime takes deferred events: the disk tier's I/O
+                    # thread runs it.
+                    return False
+        pending_among = engine.pending_among
+        hold = engine.core.hold
         stale = 0
         while True:
-            while ended and not engine.pending_among(ended[0]):
+            while ended and not pending_among(ended[0]):
                 ended.popleft()  # completed on their own: nothing to wait for
             # The step's values, with the headroom its reservations (and the staged
-            # steps') would find missing at its entry, decided together.
-            staging = shape.staging_request(self._extra(needs))
+            # steps') would find missing at its entry, decided together. Without
+            # reservations and with no step staged, there is none: the request itself.
+            staging = shape.staging_request(self._extra(needs)) if needs or self.staged else request
             try:
                 decision = controller.decide(staging, position)
             except (ResidencyPlanError, ResidencyBudgetError):
@@ -638,16 +661,19 @@ class _Pipeline:
                 if not self._release_on_device(ended):
                     self._wait_oldest(ended)
                 continue
-            staged = Staged(needs, request)
+            streams = self._streams(shape)
+            staged = Staged(shape, streams)
 
             def keep(staged: Staged = staged) -> None:
                 # Under the plan's hold of the manager: what it made resident is held
-                # before any other thread can evict it, and the headroom the decision
-                # counted is still free.
+                # before any other thread can evict it (`Engine.hold`), and the
+                # headroom the decision counted is still free.
                 try:
+                    holds = staged.holds
                     for location, handles in by_location.items():
-                        staged.holds.append(engine.hold(handles, at=location))
-                    self._keep_guard(needs)
+                        holds.append(hold(engine, handles, location))
+                    if needs or self.staged:
+                        self._keep_guard(needs)
                 except BaseException:
                     staged.release()
                     raise
@@ -658,14 +684,16 @@ class _Pipeline:
             reads, previous = tier.defer(runtime)
             try:
                 try:
-                    _plans.execute_staged(
+                    # Asynchronously, without a report.
+                    _plans.run_actions(
                         engine,
                         actions,
+                        request.name,
+                        streams[1],
+                        decision.expected_state_version,
+                        True,
+                        keep,
                         lowered,
-                        name=request.name,
-                        transfer_streams=self._streams(shape)[1],
-                        expected_state_version=decision.expected_state_version,
-                        then=keep,
                     )
                 finally:
                     tier.undefer(previous)
