@@ -24,9 +24,9 @@ pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
 pub use location::{Location, MAX_CUDA_INDEX};
 pub use manager::{
-    Begun, Committed, Device, HostCost, InFlight, Inputs, Landed, LeaseState, Manager,
-    OpenLifetimes, PlanDevice, PlanRun, Resolutions, RunError, SearchInputs, SettleWait,
-    StateValues, StorageKey, Ticket, Work,
+    Begun, Committed, Copied, Device, HostCost, InFlight, Inputs, Landed, LeaseState, Manager,
+    Measured, OpenLifetimes, PlanDevice, PlanRun, Resolutions, RunError, SearchInputs, SettleWait,
+    StateValues, StorageKey, Ticket, TransitionDevice, Transitioned, Work,
 };
 pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
