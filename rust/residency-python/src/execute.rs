@@ -1,8 +1,9 @@
 //! One transition end to end in one call: the path every action takes.
 //!
 //! An ensure, move, drop or discard runs here without returning to the Python glue:
-//! the core decides and charges, values are measured and validated here, and the
-//! transition report is built here. Python code runs only for the reconstruction
+//! the core's transition driver decides, orders and charges (`Manager::transition`),
+//! this module does the device work it asks for (`Runtime`: copies, loads, values
+//! validated and measured), and the transition report is built here. Python code runs only for the reconstruction
 //! source's `load()`, the runtime's copies, event recording and synchronisation,
 //! stream checks and allocator samples (docs/concepts/transitions.md).
 
