@@ -10,58 +10,17 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::spec;
+use common::{Accounts, accounts, books, spec};
 
 use residency_core::{
-    Action, Copied, CoreError, Freed, HandleId, HandleSlot, Location, LocationState, Manager,
-    Measured, ObjectId, RunError, TransitionDevice, Transitioned, ValueRecord,
+    Action, Copied, CoreError, Freed, HandleId, HandleSlot, Location, Manager, Measured, ObjectId,
+    RunError, TransitionDevice, Transitioned,
 };
 
 const HOST: Location = Location::PageableHost;
 const PINNED: Location = Location::PinnedHost;
 const CUDA: Location = Location::Cuda(0);
 const CUDA1: Location = Location::Cuda(1);
-
-/// Everything a failed transition must leave as it found it. Peaks are left out: a
-/// temporary charge raises `peak_charged_bytes` for good.
-#[derive(Debug, PartialEq, Eq)]
-struct Accounts {
-    version: u64,
-    books: Vec<LocationState>,
-    values: Vec<ValueRecord>,
-    pending_leases: u64,
-    pending_tokens: Vec<u64>,
-    live_objects: usize,
-}
-
-fn accounts(manager: &Manager) -> Accounts {
-    manager.check_books().expect("books balance");
-    let state = manager.current();
-    Accounts {
-        version: state.version,
-        books: state
-            .locations
-            .iter()
-            .map(|books| LocationState {
-                peak_used_bytes: 0,
-                peak_charged_bytes: 0,
-                ..books.clone()
-            })
-            .collect(),
-        values: state
-            .values
-            .iter()
-            .map(|record| (**record).clone())
-            .collect(),
-        pending_leases: state.pending_leases,
-        pending_tokens: manager.pending_lease_tokens(),
-        live_objects: manager.live_objects(),
-    }
-}
-
-fn books(manager: &Manager, location: Location) -> LocationState {
-    manager.current().books(location)
-}
 
 /// A device step, as the fake logs it and fails it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -482,17 +441,34 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-fn prepared(case: &Case) -> (Manager, HandleId, Accounts) {
+/// The accounts, and how many objects the core's book holds.
+type Before = (Accounts, usize);
+
+fn found(manager: &Manager) -> Before {
+    (accounts(manager), manager.live_objects())
+}
+
+fn prepared(case: &Case) -> (Manager, HandleId, Before) {
     let (manager, value) = (case.setup)();
-    let before = accounts(&manager);
+    let before = found(&manager);
     (manager, value, before)
+}
+
+/// A transition's outcome.
+fn did(no_op: bool, source: Option<Location>) -> Transitioned {
+    Transitioned { no_op, source }
 }
 
 /// After a failed transition: the books as before, nothing kept, installed or
 /// forgotten on the device, every event it made waited for, and the gate free of the
 /// callback mark.
-fn assert_aborted(manager: &Manager, fake: &Fake<'_>, before: &Accounts, context: &str) {
-    assert_eq!(&accounts(manager), before, "{context}");
+fn assert_aborted(manager: &Manager, fake: &Fake<'_>, before: &Before, context: &str) {
+    assert_eq!(accounts(manager), before.0, "{context}");
+    assert_eq!(
+        manager.live_objects(),
+        before.1,
+        "{context}: objects left in the book"
+    );
     assert!(fake.kept.is_empty(), "{context}: kept {:?}", fake.kept);
     assert!(fake.installed.is_empty(), "{context}");
     assert!(
@@ -649,13 +625,7 @@ fn a_copy_in_flight_is_protected_where_it_lands_and_where_it_reads() {
     let done = manager
         .transition(&ensure(CUDA), value, true, &mut fake)
         .expect("copies");
-    assert_eq!(
-        done,
-        Transitioned {
-            no_op: false,
-            source: Some(PINNED)
-        }
-    );
+    assert_eq!(done, did(false, Some(PINNED)));
     let tokens = manager.pending_lease_tokens();
     assert_eq!(tokens.len(), 2);
     let protected: BTreeSet<_> = tokens
@@ -684,7 +654,7 @@ fn refusals_of_the_core_abort_and_wait_for_a_copy_in_flight() {
     // The copy measured above its charge: the commit refuses it, the event it kept
     // goes back, and the copy is waited for before the error propagates.
     let (manager, value) = pinned_value();
-    let before = accounts(&manager);
+    let before = found(&manager);
     let oversized = Config {
         oversize: 1,
         ..PLAIN
@@ -701,7 +671,7 @@ fn refusals_of_the_core_abort_and_wait_for_a_copy_in_flight() {
     // A reconstruction loaded elsewhere, measured above its charge: `loaded`
     // refuses it before the copy, and the temporary charge goes back.
     let (manager, value) = source_only();
-    let before = accounts(&manager);
+    let before = found(&manager);
     let mut fake = Fake::new(&manager, oversized, None);
     let failed = manager.transition(&ensure(CUDA), value, false, &mut fake);
     assert!(matches!(
@@ -724,7 +694,7 @@ fn refusals_of_the_core_abort_and_wait_for_a_copy_in_flight() {
     // is handed to the tier.
     let (manager, value) = source_only();
     let reservation = manager.reserve(CUDA, 80, "meanwhile").expect("fits");
-    let before = accounts(&manager);
+    let before = found(&manager);
     let taking = Config {
         tier: Tier::Takes,
         ..PLAIN
@@ -776,13 +746,7 @@ fn no_ops_removals_drops_and_discards_need_no_device_work() {
         let done = manager
             .transition(&action, value, false, &mut fake)
             .expect("no-op");
-        assert_eq!(
-            done,
-            Transitioned {
-                no_op: true,
-                source
-            }
-        );
+        assert_eq!(done, did(true, source));
     }
     assert_eq!(accounts(&manager), before);
     assert!(fake.calls.is_empty());
@@ -791,13 +755,7 @@ fn no_ops_removals_drops_and_discards_need_no_device_work() {
     let done = manager
         .transition(&moving(CUDA1, None), value, false, &mut fake)
         .expect("removes");
-    assert_eq!(
-        done,
-        Transitioned {
-            no_op: false,
-            source: Some(HOST)
-        }
-    );
+    assert_eq!(done, did(false, Some(HOST)));
     assert_eq!(fake.calls, [Call::Forget(HOST)]);
     assert_eq!(manager.version(), before.version + 1);
 
@@ -808,13 +766,7 @@ fn no_ops_removals_drops_and_discards_need_no_device_work() {
     let done = manager
         .transition(&drop, value, false, &mut fake)
         .expect("absent");
-    assert_eq!(
-        done,
-        Transitioned {
-            no_op: true,
-            source: Some(HOST)
-        }
-    );
+    assert_eq!(done, did(true, Some(HOST)));
     // The last copy of a value with no source cannot be dropped: nothing forgotten.
     let drop_last = Action::Drop {
         handle: HandleSlot(0),
@@ -832,13 +784,7 @@ fn no_ops_removals_drops_and_discards_need_no_device_work() {
     let done = manager
         .transition(&discard, value, false, &mut fake)
         .expect("unprotected");
-    assert_eq!(
-        done,
-        Transitioned {
-            no_op: false,
-            source: None
-        }
-    );
+    assert_eq!(done, did(false, None));
     assert_eq!(fake.calls.last(), Some(&Call::Discarded(vec![CUDA1])));
     assert!(matches!(
         manager.transition(&discard, value, false, &mut fake),
