@@ -24,9 +24,10 @@ pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
 pub use location::{Location, MAX_CUDA_INDEX};
 pub use manager::{
-    Begun, Committed, Device, HostCost, InFlight, Inputs, Landed, LeaseRelease, LeaseState,
-    LifetimeHost, Manager, OpenLifetimes, PlanDevice, PlanRun, Resolutions, RunError, SearchInputs,
-    SettleWait, StateValues, StorageKey, Ticket, Unborrowable, Unresolved, Work,
+    Begun, Committed, Copied, Device, HostCost, InFlight, Inputs, Landed, LeaseRelease, LeaseState,
+    LifetimeHost, Manager, Measured, OpenLifetimes, PlanDevice, PlanRun, Resolutions, RunError,
+    SearchInputs, SettleWait, StateValues, StorageKey, Ticket, TransitionDevice, Transitioned,
+    Unborrowable, Unresolved, Work,
 };
 pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};

@@ -36,6 +36,9 @@ pub use lifetimes::SettleWait;
 mod plan_run;
 pub use plan_run::{Device, Inputs, PlanDevice, PlanRun, Resolutions, RunError};
 
+mod transition;
+pub use transition::{Copied, Measured, TransitionDevice, Transitioned};
+
 /// A backing storage identity: (device code, data pointer). Device code is -1 for
 /// host memory and the CUDA index otherwise.
 pub type StorageKey = (i64, u64);

@@ -7,55 +7,16 @@
 
 mod common;
 
-use common::spec;
+use common::{accounts, books, spec};
 
 use residency_core::{
-    Begun, Committed, CoreError, Freed, HandleId, InFlight, Landed, Location, LocationState,
-    Manager, Ticket, ValueRecord, Work, charge_of,
+    Begun, Committed, CoreError, Freed, HandleId, InFlight, Landed, Location, Manager, Ticket,
+    Work, charge_of,
 };
 
 const HOST: Location = Location::PageableHost;
 const PINNED: Location = Location::PinnedHost;
 const CUDA: Location = Location::Cuda(0);
-
-/// Everything a failed transition must leave as it found it. Peaks are left out: a
-/// temporary charge raises `peak_charged_bytes` for good (checked on its own).
-#[derive(Debug, PartialEq, Eq)]
-struct Accounts {
-    version: u64,
-    books: Vec<LocationState>,
-    values: Vec<ValueRecord>,
-    pending_leases: u64,
-    pending_tokens: Vec<u64>,
-}
-
-fn accounts(manager: &Manager) -> Accounts {
-    manager.check_books().expect("books balance");
-    let state = manager.current();
-    Accounts {
-        version: state.version,
-        books: state
-            .locations
-            .iter()
-            .map(|books| LocationState {
-                peak_used_bytes: 0,
-                peak_charged_bytes: 0,
-                ..books.clone()
-            })
-            .collect(),
-        values: state
-            .values
-            .iter()
-            .map(|record| (**record).clone())
-            .collect(),
-        pending_leases: state.pending_leases,
-        pending_tokens: manager.pending_lease_tokens(),
-    }
-}
-
-fn books(manager: &Manager, location: Location) -> LocationState {
-    manager.current().books(location)
-}
 
 fn issued(begun: Begun) -> Ticket {
     match begun {

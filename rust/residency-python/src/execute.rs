@@ -1,8 +1,9 @@
 //! One transition end to end in one call: the path every action takes.
 //!
 //! An ensure, move, drop or discard runs here without returning to the Python glue:
-//! the core decides and charges, values are measured and validated here, and the
-//! transition report is built here. Python code runs only for the reconstruction
+//! the core's transition driver decides, orders and charges (`Manager::transition`),
+//! this module does the device work it asks for (`Runtime`: copies, loads, values
+//! validated and measured), and the transition report is built here. Python code runs only for the reconstruction
 //! source's `load()`, the runtime's copies, event recording and synchronisation,
 //! stream checks and allocator samples (docs/concepts/transitions.md).
 
@@ -14,8 +15,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 use residency_core::{
-    Action, ActionKind, Begun, CoreError, Freed, HandleId, HandleSlot, InFlight, Landed, Location,
-    PlanPhase, PlanRun, RunError, Ticket, Work,
+    Action, ActionKind, Copied, CoreError, Freed, HandleId, HandleSlot, Location, Measured,
+    ObjectId, PlanPhase, PlanRun, RunError, TransitionDevice,
 };
 
 use crate::context::Context;
@@ -32,9 +33,8 @@ pub(crate) fn materialization_error(py: Python<'_>, message: String) -> PyErr {
     to_py_err(py, CoreError::Materialization { message })
 }
 
-/// A transition's outcome before it becomes a report.
+/// A transition's report fields beyond its no-op flag.
 struct Outcome<'py> {
-    no_op: bool,
     source: Option<Bound<'py, PyAny>>,
     destination: Option<Bound<'py, PyAny>>,
     reason: Option<Bound<'py, PyAny>>,
@@ -434,28 +434,38 @@ fn execute_step<'py>(
         Some(cuda) if sampled => sample(context, py, cuda)?,
         _ => None,
     };
+    let mut runtime = Runtime {
+        manager,
+        py,
+        stream,
+    };
+    let done = match core.transition(action, index, !sampled, &mut runtime) {
+        Ok(done) => done,
+        Err(RunError::Core(error)) => return Err(to_py_err(py, error)),
+        Err(RunError::Device(error)) => return Err(error),
+    };
+    let no_op = |reason: &Py<PyAny>| done.no_op.then(|| reason.bind(py).clone());
     let outcome = match *action {
-        Action::Ensure { .. } | Action::Move { .. } => {
-            transfer(manager, py, index, action, location, stream)?
-        }
-        Action::Drop { location: at, .. } => {
-            let dropped = manager.drop_value(py, index, at)?;
-            Outcome {
-                no_op: !dropped,
-                source: Some(location.clone()),
-                destination: None,
-                reason: (!dropped).then(|| context.drop_noop.bind(py).clone()),
-            }
-        }
-        Action::Discard { .. } => {
-            manager.discard_value(py, index)?;
-            Outcome {
-                no_op: false,
-                source: None,
-                destination: None,
-                reason: None,
-            }
-        }
+        Action::Ensure { .. } => Outcome {
+            source: location_of(context, py, done.source)?,
+            destination: Some(location.clone()),
+            reason: no_op(&context.ensure_noop),
+        },
+        Action::Move { .. } => Outcome {
+            source: location_of(context, py, done.source)?,
+            destination: Some(location.clone()),
+            reason: no_op(&context.move_noop),
+        },
+        Action::Drop { .. } => Outcome {
+            source: Some(location.clone()),
+            destination: None,
+            reason: no_op(&context.drop_noop),
+        },
+        Action::Discard { .. } => Outcome {
+            source: None,
+            destination: None,
+            reason: None,
+        },
     };
     let after = match &device {
         Some(cuda) if sampled => sample(context, py, cuda)?,
@@ -471,7 +481,7 @@ fn execute_step<'py>(
     });
     let transition = Arc::new(Transition {
         action: record.clone().unbind(),
-        no_op: outcome.no_op,
+        no_op: done.no_op,
         source: outcome.source.map(Bound::unbind),
         destination: outcome.destination.map(Bound::unbind),
         logical: spec.logical_nbytes(),
@@ -484,6 +494,17 @@ fn execute_step<'py>(
     });
     manager.record(&transition);
     Ok(transition)
+}
+
+/// The location record of `location`, if any.
+fn location_of<'py>(
+    context: &Context,
+    py: Python<'py>,
+    location: Option<Location>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    location
+        .map(|location| context.location(py, location))
+        .transpose()
 }
 
 /// The device of the first CUDA location among `locations`.
@@ -534,332 +555,187 @@ fn sample<'py>(
     }
 }
 
-/// An ensure's or a move's transition: the core's ticket, the device work it names,
-/// then its commit (see `transit`); a no-op begins no ticket.
-fn transfer<'py>(
-    manager: &CoreManager,
+/// The device work of one transition, which the core's driver sequences
+/// (`residency_core::Manager::transition`): the runtime's copies, events and
+/// synchronisations, the source's `load()`, the disk tier's deferred load, the
+/// validation of what they made, and the objects the manager keeps.
+struct Runtime<'a, 'py> {
+    manager: &'a CoreManager,
     py: Python<'py>,
-    index: HandleId,
-    action: &Action,
-    location: &Bound<'py, PyAny>,
-    stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Outcome<'py>> {
-    let context = manager.context();
-    let begun = manager.core().begin(index, action, manager.asynchronous());
-    let ticket = match lift(py, begun)? {
-        Begun::NoOp { source } => {
-            let reason = match action {
-                Action::Move { .. } => &context.move_noop,
-                _ => &context.ensure_noop,
-            };
-            return Ok(Outcome {
-                no_op: true,
-                source: source
-                    .map(|source| context.location(py, source))
-                    .transpose()?,
-                destination: Some(location.clone()),
-                reason: Some(reason.bind(py).clone()),
-            });
-        }
-        Begun::Ticket(ticket) => ticket,
-    };
-    let source = ticket.source();
-    transit(manager, py, ticket, stream)?;
-    Ok(Outcome {
-        no_op: false,
-        source: Some(context.location(py, source)?),
-        destination: Some(location.clone()),
-        reason: None,
-    })
+    /// The transfer stream, bound to the destination's device.
+    stream: Option<&'a Bound<'py, PyAny>>,
 }
 
-/// Performs the device work the core's ticket names (a copy, or the source's `load()`
-/// and then maybe a copy), then commits the ticket; a failure before the commit
-/// aborts it, which returns every temporary charge (docs/architecture.md#transitions).
-fn transit(
-    manager: &CoreManager,
-    py: Python<'_>,
-    mut ticket: Ticket,
-    stream: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    let index = ticket.handle();
-    match ticket.work() {
-        Work::Remove => {
-            let committed = lift(
-                py,
-                manager
-                    .core()
-                    .commit(ticket, None, None, &mut Freed::default()),
-            )?;
-            if let Some(removed) = committed.removed {
-                manager.forget_value(index, removed);
-            }
-            Ok(())
-        }
-        Work::Copy { from, in_flight } => {
-            // A source still being written by a transfer in flight is waited for first.
-            let copied = wait_in_flight(manager, py, index, from)
-                .and_then(|()| manager.value_object(py, index, from))
-                .and_then(|value| {
-                    copy_to(
-                        manager.context(),
-                        py,
-                        &value,
-                        from,
-                        ticket.destination(),
-                        stream,
-                        in_flight,
-                    )
-                });
-            match copied {
-                Ok((copied, event, owner)) => {
-                    land(manager, py, ticket, &copied, event, owner, None)
-                }
-                Err(error) => Err(aborted(manager, ticket, error)),
-            }
-        }
-        Work::Load { deferrable, .. } => {
-            if deferrable {
-                match defer_load(manager, py, &ticket, stream) {
-                    Ok(Some((value, event, owner))) => {
-                        if let Err(err) = manager.core().deferred(&mut ticket) {
-                            let error = aborted(manager, ticket, to_py_err(py, err));
-                            return Err(synchronized(manager, py, Some(&event), error));
-                        }
-                        return land(manager, py, ticket, &value, Some(event), Some(owner), None);
-                    }
-                    Ok(None) => {}
-                    Err(error) => return Err(aborted(manager, ticket, error)),
-                }
-            }
-            match manager.load_for(py, index) {
-                Ok(loaded) => {
-                    manager.drain_deferred();
-                    reconstruct(manager, py, ticket, &loaded, stream)
-                }
-                Err(error) => Err(aborted(manager, ticket, error)),
-            }
-        }
-        Work::Install => {
-            let error = PyRuntimeError::new_err("internal error: a ticket begun at its install");
-            Err(aborted(manager, ticket, error))
-        }
+/// A value the runtime holds or made, with the stream that allocated it (a CUDA copy's).
+struct Made<'py> {
+    value: Bound<'py, PyAny>,
+    owner: Option<Bound<'py, PyAny>>,
+}
+
+impl<'py> Made<'py> {
+    fn held(value: Bound<'py, PyAny>) -> Self {
+        Self { value, owner: None }
     }
 }
 
-/// Aborts `ticket` after its device work failed with `error`, which is returned: the
-/// abort returns the ticket's temporary charge, and can itself fail only for a value
-/// this manager never issued, which the original error outranks.
-fn aborted(manager: &CoreManager, ticket: Ticket, error: PyErr) -> PyErr {
-    drop(manager.core().abort(ticket));
-    error
+/// A load the disk tier may defer: the source, the destination's device and the
+/// stream its copies go on.
+struct Deferral<'py> {
+    source: Py<PyAny>,
+    device: Bound<'py, PyAny>,
+    stream: Bound<'py, PyAny>,
 }
 
-/// Host-waits for a copy still in flight (`event`) before `error` propagates: the
-/// copy may still be writing its destination. The original error outranks a failed
-/// wait.
-fn synchronized(
-    manager: &CoreManager,
-    py: Python<'_>,
-    event: Option<&Bound<'_, PyAny>>,
-    error: PyErr,
-) -> PyErr {
-    if let Some(event) = event {
-        let runtime = manager.context().runtime(py);
-        drop(runtime.call_method1(intern!(py, "synchronize_event"), (event,)));
+impl<'py> TransitionDevice for Runtime<'_, 'py> {
+    type Value = Made<'py>;
+    type Event = Bound<'py, PyAny>;
+    type Deferral = Deferral<'py>;
+    type Error = PyErr;
+
+    fn resident(&mut self, index: HandleId, at: Location) -> PyResult<Made<'py>> {
+        self.manager
+            .value_object(self.py, index, at)
+            .map(Made::held)
     }
-    error
-}
 
-/// Measures the value the device work produced at the ticket's destination and
-/// commits it there; `event` is its copy's, when the copy is left in flight, `owner`
-/// the stream that allocated it, `keepalive` what that copy reads.
-fn land(
-    manager: &CoreManager,
-    py: Python<'_>,
-    ticket: Ticket,
-    value: &Bound<'_, PyAny>,
-    event: Option<Bound<'_, PyAny>>,
-    owner: Option<Bound<'_, PyAny>>,
-    keepalive: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    match validate(manager, py, ticket.handle(), ticket.destination(), value) {
-        Ok(facts) => commit(manager, py, ticket, value, &facts, event, owner, keepalive),
-        Err(error) => {
-            let error = aborted(manager, ticket, error);
-            Err(synchronized(manager, py, event.as_ref(), error))
+    fn wait(&mut self, events: &[ObjectId]) -> PyResult<()> {
+        let py = self.py;
+        let runtime = self.manager.context().runtime(py);
+        for event in self.manager.objects().objects(py, events) {
+            runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
         }
+        Ok(())
     }
-}
 
-/// Commits `ticket` with the measured `value`, then keeps the Python objects the
-/// commit asks for: the value at its destination, the stream that allocated it, and
-/// the event of a copy left in flight on the pending leases the core made for it (the
-/// destination's, which consumers there wait for, with `keepalive`; and the read
-/// source's). A move's removed source is forgotten.
-#[allow(clippy::too_many_arguments)]
-fn commit(
-    manager: &CoreManager,
-    py: Python<'_>,
-    ticket: Ticket,
-    value: &Bound<'_, PyAny>,
-    facts: &Facts<'_>,
-    event: Option<Bound<'_, PyAny>>,
-    owner: Option<Bound<'_, PyAny>>,
-    keepalive: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    let (index, at) = (ticket.handle(), ticket.destination());
-    let landed = Landed {
-        logical_nbytes: facts.logical,
-        storage_nbytes: facts.storage,
-        keys: &facts.keys,
-    };
-    // A copy left in flight: its event (and what it reads) go to the core's book,
-    // which protects the copy with them if the ticket left it in flight.
-    let in_flight = event.as_ref().map(|event| InFlight {
-        event: manager.store_object(event.clone().unbind()),
-        keepalive: keepalive.map(|kept| manager.store_object(kept.clone().unbind())),
-    });
-    let mut freed = Freed::default();
-    let committed = manager
-        .core()
-        .commit(ticket, Some(landed), in_flight, &mut freed);
-    manager.free(&freed);
-    let committed = match committed {
-        Ok(committed) => committed,
-        Err(err) => {
-            return Err(synchronized(
-                manager,
-                py,
-                event.as_ref(),
-                to_py_err(py, err),
-            ));
+    fn load(&mut self, index: HandleId) -> PyResult<Made<'py>> {
+        self.manager.load_for(self.py, index).map(Made::held)
+    }
+
+    fn prepare_deferral(
+        &mut self,
+        index: HandleId,
+        at: Location,
+    ) -> PyResult<Option<Deferral<'py>>> {
+        let py = self.py;
+        let Some(source) = self.manager.objects().source(py, index) else {
+            return Ok(None);
+        };
+        let context = self.manager.context();
+        let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
+        let stream = match self.stream {
+            Some(stream) => stream.clone(),
+            None => context
+                .runtime(py)
+                .call_method1(intern!(py, "current_stream"), (&device,))?,
+        };
+        Ok(Some(Deferral {
+            source,
+            device,
+            stream,
+        }))
+    }
+
+    /// `DiskTier.load_to_cuda`, on the tier's I/O thread
+    /// (docs/concepts/values.md#reconstructions-a-pipeline-defers).
+    fn defer(
+        &mut self,
+        deferral: Deferral<'py>,
+    ) -> PyResult<Option<Copied<Made<'py>, Bound<'py, PyAny>>>> {
+        let py = self.py;
+        let context = self.manager.context();
+        let made = context.disk.bind(py).call_method1(
+            intern!(py, "load_to_cuda"),
+            (
+                deferral.source.bind(py),
+                &deferral.device,
+                &deferral.stream,
+                context.runtime(py),
+            ),
+        )?;
+        if made.is_none() {
+            return Ok(None);
         }
-    };
-    manager.keep_value(py, index, at, value);
-    if let Some(owner) = owner {
-        // The installed copy's owning stream
-        // (docs/concepts/controller.md#evicting-around-reads-in-flight).
-        drop(
-            manager
-                .objects()
-                .set_stream(index, at.code(), owner.unbind()),
-        );
+        let (value, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = made.extract()?;
+        let value = Made {
+            value,
+            owner: Some(deferral.stream),
+        };
+        Ok(Some(Copied {
+            value,
+            event: Some(event),
+        }))
     }
-    if let Some(removed) = committed.removed {
-        manager.forget_value(index, removed);
-    }
-    if let (None, Some(event)) = (committed.in_flight, event) {
-        // Not left in flight after all: waited for now.
-        let runtime = manager.context().runtime(py);
-        runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-    }
-    Ok(())
-}
 
-/// Host-waits for the transfers still in flight into `(index, at)` before a copy
-/// reads it on another stream.
-fn wait_in_flight(
-    manager: &CoreManager,
-    py: Python<'_>,
-    index: HandleId,
-    at: Location,
-) -> PyResult<()> {
-    let ids = manager.core().transfer_events(&[index], at);
-    if ids.is_empty() {
-        return Ok(());
+    fn copy(
+        &mut self,
+        value: &Made<'py>,
+        from: Location,
+        to: Location,
+        in_flight: bool,
+    ) -> PyResult<Copied<Made<'py>, Bound<'py, PyAny>>> {
+        let context = self.manager.context();
+        let (value, event, owner) = copy_to(
+            context,
+            self.py,
+            &value.value,
+            from,
+            to,
+            self.stream,
+            in_flight,
+        )?;
+        Ok(Copied {
+            value: Made { value, owner },
+            event,
+        })
     }
-    let events = manager.objects().objects(py, &ids);
-    let runtime = manager.context().runtime(py);
-    for event in &events {
-        runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-    }
-    Ok(())
-}
 
-/// After the source's `load()` returned: the loaded value is measured where it was
-/// loaded and reported to the ticket, which says whether it is installed there or
-/// copied on to the destination (docs/concepts/values.md#reconstruction).
-fn reconstruct(
-    manager: &CoreManager,
-    py: Python<'_>,
-    mut ticket: Ticket,
-    loaded: &Bound<'_, PyAny>,
-    stream: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    let Work::Load { into, .. } = ticket.work() else {
-        let error = PyRuntimeError::new_err("internal error: a reconstruction without a load");
-        return Err(aborted(manager, ticket, error));
-    };
-    let facts = match validate(manager, py, ticket.handle(), into, loaded) {
-        Ok(facts) => facts,
-        Err(error) => return Err(aborted(manager, ticket, error)),
-    };
-    let next = match manager
-        .core()
-        .loaded(&mut ticket, facts.logical, facts.storage)
-    {
-        Ok(next) => next,
-        Err(err) => return Err(aborted(manager, ticket, to_py_err(py, err))),
-    };
-    match next {
-        Work::Copy { from, in_flight } => {
-            let copied = copy_to(
-                manager.context(),
-                py,
-                loaded,
-                from,
-                ticket.destination(),
-                stream,
-                in_flight,
+    fn validate(&mut self, index: HandleId, at: Location, value: &Made<'py>) -> PyResult<Measured> {
+        let facts = validate(self.manager, self.py, index, at, &value.value)?;
+        Ok(Measured {
+            logical_nbytes: facts.logical,
+            storage_nbytes: facts.storage,
+            keys: facts.keys,
+        })
+    }
+
+    fn synchronize(&mut self, event: &Bound<'py, PyAny>) -> PyResult<()> {
+        let runtime = self.manager.context().runtime(self.py);
+        runtime.call_method1(intern!(self.py, "synchronize_event"), (event,))?;
+        Ok(())
+    }
+
+    fn keep_event(&mut self, id: ObjectId, event: &Bound<'py, PyAny>) {
+        drop(self.manager.objects().put(id, event.clone().unbind()));
+    }
+
+    fn keep_value(&mut self, id: ObjectId, value: &Made<'py>) {
+        drop(self.manager.objects().put(id, value.value.clone().unbind()));
+    }
+
+    fn free(&mut self, freed: &Freed) {
+        self.manager.free(freed);
+    }
+
+    fn install(&mut self, index: HandleId, at: Location, made: Made<'py>) {
+        self.manager.keep_value(self.py, index, at, &made.value);
+        if let Some(owner) = made.owner {
+            // The installed copy's owning stream
+            // (docs/concepts/controller.md#evicting-around-reads-in-flight).
+            drop(
+                self.manager
+                    .objects()
+                    .set_stream(index, at.code(), owner.unbind()),
             );
-            match copied {
-                Ok((copied, event, owner)) => {
-                    land(manager, py, ticket, &copied, event, owner, Some(loaded))
-                }
-                Err(error) => Err(aborted(manager, ticket, error)),
-            }
         }
-        // Loaded where it is installed (the install checks the bytes).
-        _ => commit(manager, py, ticket, loaded, &facts, None, None, None),
     }
-}
 
-/// A reconstruction the disk tier runs on its I/O thread (`DiskTier.load_to_cuda`):
-/// the destination, allocated from the source's layout, is admitted first and, once
-/// the tier took the load, installed at once and protected by the `StagedEvent` that
-/// covers its copies, as a copy in flight is. `None` (nothing done) where the tier
-/// does not defer it (docs/concepts/values.md#reconstructions-a-pipeline-defers).
-#[allow(clippy::type_complexity)] // the value, its event and its owning stream
-fn defer_load<'py>(
-    manager: &CoreManager,
-    py: Python<'py>,
-    ticket: &Ticket,
-    stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
-    let Some(source) = manager.objects().source(py, ticket.handle()) else {
-        return Ok(None);
-    };
-    let context = manager.context();
-    let runtime = context.runtime.bind(py);
-    let device = context
-        .location(py, ticket.destination())?
-        .getattr(intern!(py, "device"))?;
-    let copy_stream = match stream {
-        Some(stream) => stream.clone(),
-        None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
-    };
-    // The budget check (it charges nothing) before anything is allocated.
-    lift(py, manager.core().admit_deferred(ticket))?;
-    let made = context.disk.bind(py).call_method1(
-        intern!(py, "load_to_cuda"),
-        (source.bind(py), &device, &copy_stream, runtime),
-    )?;
-    if made.is_none() {
-        return Ok(None);
+    fn forget(&mut self, index: HandleId, at: Location) {
+        self.manager.forget_value(index, at);
     }
-    let (value, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = made.extract()?;
-    Ok(Some((value, event, copy_stream)))
+
+    fn discarded(&mut self, index: HandleId, removed: &[Location]) {
+        self.manager.forget_discarded(self.py, index, removed);
+    }
 }
 
 /// Host copies are synchronous. A CUDA copy is enqueued on the transfer stream (the

@@ -325,22 +325,10 @@ impl CoreManager {
             .collect()
     }
 
-    pub(crate) fn drop_value(
-        &self,
-        py: Python<'_>,
-        index: HandleId,
-        at: Location,
-    ) -> PyResult<bool> {
-        let dropped = Self::lift(py, self.core.drop_materialization(index, at))?;
-        if dropped {
-            self.forget_value(index, at);
-        }
-        Ok(dropped)
-    }
-
-    pub(crate) fn discard_value(&self, py: Python<'_>, index: HandleId) -> PyResult<()> {
-        let removed = Self::lift(py, self.core.discard(index))?;
-        let values = self.objects.discard(index, &codes(&removed));
+    /// Forgets the objects of the discarded value `index`: its materialisations at
+    /// `removed` (a file on disk is removed), its source and the direct calls' records.
+    pub(crate) fn forget_discarded(&self, py: Python<'_>, index: HandleId, removed: &[Location]) {
+        let values = self.objects.discard(index, &codes(removed));
         for (location, value) in removed.iter().zip(&values) {
             if location.is_disk() {
                 self.remove_file(py, value);
@@ -348,7 +336,6 @@ impl CoreManager {
         }
         drop(values);
         self.context.forget_direct_actions();
-        Ok(())
     }
 
     /// Removes the file of a materialisation on disk; a failure is reported as
@@ -411,7 +398,7 @@ impl CoreManager {
     }
 
     /// Runs the source's `load()` for a ticket that holds its temporary charge (the
-    /// caller aborts the ticket if this fails); no other gated call may run meanwhile.
+    /// core's driver marks it as a callback, and aborts the ticket if this fails).
     pub(crate) fn load_for<'py>(
         &self,
         py: Python<'py>,
@@ -420,10 +407,7 @@ impl CoreManager {
         let Some(source) = self.objects.source(py, index) else {
             return Err(unknown_index(index));
         };
-        self.core.set_callback_active(true);
-        let loaded = source.bind(py).call_method0(pyo3::intern!(py, "load"));
-        self.core.set_callback_active(false);
-        loaded
+        source.bind(py).call_method0(pyo3::intern!(py, "load"))
     }
 
     pub(crate) fn record(&self, transition: &Arc<Transition>) {
