@@ -14,8 +14,8 @@ use pyo3::types::{PyString, PyTuple};
 use residency_core::gate::DEFAULT_POLL;
 
 use residency_core::{
-    CoreError, Freed, HandleId, HandleName, Location, Manager, ObjectId, Simulation, State,
-    StorageKey, ValueSpec,
+    CoreError, Freed, HandleId, HandleName, Location, Manager, Simulation, State, StorageKey,
+    ValueSpec,
 };
 
 use crate::context::Context;
@@ -177,13 +177,6 @@ impl CoreManager {
         drop(self.objects.free(freed));
     }
 
-    /// Keeps `object` (an event, or what a copy in flight reads) at a new core id.
-    pub(crate) fn store_object(&self, object: Py<PyAny>) -> ObjectId {
-        let id = self.core.new_object();
-        drop(self.objects.put(id, object));
-        id
-    }
-
     pub(crate) fn adopted_shapes(&self) -> &AdoptedShapes {
         &self.adopted_shapes
     }
@@ -260,16 +253,6 @@ impl CoreManager {
         let result = operation();
         self.core.end_transition_and_exit();
         result
-    }
-
-    /// Applies the releases queued while a source callback ran, oldest first; the
-    /// caller holds the gate.
-    pub(crate) fn drain_deferred(&self) {
-        // Under the queue's lock, never the lock-free hint: after a callback this is
-        // what applies a release queued while it ran.
-        let mut freed = Freed::default();
-        self.core.drain_releases(&mut freed);
-        self.free(&freed);
     }
 
     /// The index of a live handle of this manager, else `None`.
