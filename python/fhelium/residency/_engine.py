@@ -129,6 +129,7 @@ class Engine:
 
     __slots__ = (
         "__weakref__",
+        "acquire_lease",
         "adopt",
         "blocked_here",
         "blocks_host",
@@ -145,6 +146,7 @@ class Engine:
         "execute_plan",
         "exit_scope",
         "handle_at",
+        "hold_values",
         "locked",
         "manager_id",
         "move_to",
@@ -156,6 +158,7 @@ class Engine:
         "release_lease",
         "resolve",
         "runtime",
+        "snapshot_state",
         "track_lease",
         "transfers_into",
         "untrack_lease",
@@ -270,6 +273,13 @@ class Engine:
         # `borrowed(token, handle, location)`: a borrowed lookup, the managed object
         # itself, while the lease still holds.
         self.borrowed: Callable[..., TensorResident] = core.borrowed
+        # `acquire`, `hold` and `snapshot_state` as the core takes them, without a frame
+        # of this engine's: on every pipeline step's path. `acquire_lease(engine,
+        # handles, at, consumer_stream)`, `hold_values(engine, handles, at)`,
+        # `snapshot_state()` -> (state view, captured ns).
+        self.acquire_lease: Callable[..., ResidencyLease] = core.acquire
+        self.hold_values: Callable[..., ResidencyHold] = core.hold
+        self.snapshot_state: Callable[[], tuple[_core.StateView, int]] = core.snapshot_state
         self.untrack_lease: Callable[[int], None] = core.untrack_lease
         # The public manager this engine serves, set by it; weak, so the engine never
         # keeps its owner alive.

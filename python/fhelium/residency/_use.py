@@ -546,7 +546,7 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
         borrows = use._grouped = Borrows(request)
     exits: list[Callable[[Any, Any, Any], object]] = []
     borrowed: list[BorrowedValues] = []
-    snapshot_state = engine.core.snapshot_state
+    snapshot_state = engine.snapshot_state
 
     def borrow() -> Any:
         # Under the manager's hold, after its completed events were reaped: the state

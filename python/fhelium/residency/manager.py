@@ -550,7 +550,7 @@ class ResidencyManager(ManagerPlans):
         """
         engine = self._engine
         # `Engine.acquire`, without its frame: acquiring is on every step's path.
-        lease: ResidencyLease = engine.core.acquire(engine, handles, at, consumer_stream)
+        lease: ResidencyLease = engine.acquire_lease(engine, handles, at, consumer_stream)
         return lease
 
     def hold(

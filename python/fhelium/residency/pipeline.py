@@ -635,7 +635,7 @@ class _Pipeline:
                     # thread runs it.
                     return False
         pending_among = engine.pending_among
-        hold = engine.core.hold
+        hold = engine.hold_values
         stale = 0
         while True:
             while ended and not pending_among(ended[0]):
