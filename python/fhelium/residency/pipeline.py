@@ -454,20 +454,7 @@ class _Pipeline:
                 settled = True
                 self._settle_transfers()
             else:
-                self.active = shape.needs
-                try:
-                    try:
-                        self._keep_guard({})
-                    except ResidencyBudgetError:
-                        # Another thread took the headroom released for this entry:
-                        # the steps staged are given up (they are decided afresh at
-                        # their turn), and with them the headroom they needed.
-                        self._release_staged()
-                        self._release_guard()
-                except BaseException:
-                    entered.__exit__(None, None, None)
-                    raise
-                return entered
+                return self._entered(entered, shape.needs)
 
     def _enter_staged(self, staged: Staged, request: ResidencyRequest) -> ResidencyUse | None:
         """Enters a staged step without a plan, where its request has no reservations
@@ -487,15 +474,23 @@ class _Pipeline:
         finally:
             # Leased now (or failed): the holds have done their part.
             staged.release()
-        self.active = shape.needs
+        return self._entered(entered, shape.needs)
+
+    def _entered(self, entered: ResidencyUse, needs: dict[ResidencyLocation, int]) -> ResidencyUse:
+        """The active step is ``entered``, its scope reserving ``needs``: the headroom
+        the steps still staged need beyond it is kept again. The use is exited if that
+        fails other than by the budget."""
+        self.active = needs
         if not self.staged:
-            # No reservation here and no step staged: no headroom to keep (`_extra`).
+            # Nothing staged: no headroom to keep (`_extra`).
             return entered
         try:
             try:
                 self._keep_guard({})
             except ResidencyBudgetError:
-                # As `_enter`: another thread took the headroom released for this entry.
+                # Another thread took the headroom released for this entry: the steps
+                # staged are given up (they are decided afresh at their turn), and with
+                # them the headroom they needed.
                 self._release_staged()
                 self._release_guard()
         except BaseException:
