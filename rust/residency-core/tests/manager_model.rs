@@ -206,6 +206,9 @@ enum Kept {
     Value(Value),
 }
 
+/// What a test checks while a source loads.
+type Probe = Box<dyn FnOnce(&Manager)>;
+
 /// A device over plain data. It lives as long as the manager: the materialisations
 /// and objects it keeps are checked against the core's after every operation.
 struct Device<'m> {
@@ -223,7 +226,7 @@ struct Device<'m> {
     kept: BTreeMap<ObjectId, Kept>,
     installed: BTreeSet<(HandleId, Location)>,
     /// Run once when a source's `load()` starts.
-    on_load: Option<Box<dyn FnOnce(&Manager)>>,
+    on_load: Option<Probe>,
 }
 
 impl<'m> Device<'m> {
@@ -931,7 +934,7 @@ fn transition(
         _ => unreachable!("only ensures and moves are predicted"),
     };
     let steps = predict.steps;
-    let before: Accounts = accounts(manager);
+    let before: (Accounts, usize) = (accounts(manager), manager.live_objects());
     let known: BTreeSet<u64> = manager.pending_lease_tokens().into_iter().collect();
     device.arm(fault, tier);
     let result = manager.transition(action, handle, asynchronous, device);
@@ -966,8 +969,8 @@ fn transition(
         (Err(error), Err(refusal)) => {
             assert_eq!(Refusal::of(&error), refusal, "{context}");
             // Whatever failed, and wherever: the accounts the transition found.
-            let mut after = accounts(manager);
-            after.version -= meanwhile;
+            let mut after = (accounts(manager), manager.live_objects());
+            after.0.version -= meanwhile;
             assert_eq!(after, before, "{context}");
         }
         (result, expected) => panic!("{context}: expected {expected:?}, got {result:?}"),

@@ -9,12 +9,13 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use common::{Accounts, accounts, books, spec};
 
 use residency_core::{
-    Action, Copied, CoreError, Freed, HandleId, HandleSlot, Location, Manager, Measured, ObjectId,
-    RunError, TransitionDevice, Transitioned,
+    Action, Copied, CoreError, Freed, HandleId, HandleSlot, LeaseState, Location, Manager,
+    Measured, ObjectId, Release, RunError, TransitionDevice, Transitioned,
 };
 
 const HOST: Location = Location::PageableHost;
@@ -73,12 +74,15 @@ struct Config {
     tier: Tier,
     /// The source is held once read, so it is protected while it is copied.
     hold_source: bool,
+    /// A copy to CUDA reports an event even when it is not left in flight.
+    eager_event: bool,
 }
 
 const PLAIN: Config = Config {
     oversize: 0,
     tier: Tier::NoSource,
     hold_source: false,
+    eager_event: false,
 };
 
 struct Fake<'m> {
@@ -86,6 +90,11 @@ struct Fake<'m> {
     config: Config,
     /// The fallible step (counted from 0) that fails.
     fail_at: Option<usize>,
+    /// Every step after `fail_at` fails too.
+    onward: bool,
+    /// Handed to `release` as a finaliser's while `load()` runs (queued, since a
+    /// callback is running).
+    finalize: Option<Release>,
     steps: usize,
     calls: Vec<Call>,
     next_event: u32,
@@ -106,6 +115,8 @@ impl<'m> Fake<'m> {
             manager,
             config,
             fail_at,
+            onward: false,
+            finalize: None,
             steps: 0,
             calls: Vec::new(),
             next_event: 0,
@@ -122,7 +133,7 @@ impl<'m> Fake<'m> {
         self.calls.push(Call::Step(step));
         let this = self.steps;
         self.steps += 1;
-        if self.fail_at == Some(this) {
+        if self.fail_at == Some(this) || (self.onward && self.fail_at.is_some_and(|at| this > at)) {
             Err(step)
         } else {
             Ok(())
@@ -188,6 +199,19 @@ impl TransitionDevice for Fake<'_> {
             Err(other) => panic!("unexpected {other:?}"),
         };
         self.callback = Some(refused);
+        if let Some(release) = self.finalize.take() {
+            let mut freed = Freed::default();
+            let manager = self.manager;
+            manager
+                .release(
+                    release,
+                    true,
+                    |check| manager.enter(Duration::ZERO, false, check),
+                    &mut freed,
+                )
+                .expect("queued");
+            assert!(freed.is_empty() && manager.releases_queued(), "queued");
+        }
         self.step(Step::Load)?;
         let state = self.manager.current();
         let source = state.values[usize::try_from(index).expect("small")]
@@ -226,7 +250,8 @@ impl TransitionDevice for Fake<'_> {
     ) -> Result<Copied<Value, u32>, Step> {
         assert_eq!(value.at, from, "a copy reads its source");
         self.step(Step::Copy(from, to, in_flight))?;
-        let event = (in_flight && matches!(to, Location::Cuda(_))).then(|| self.event());
+        let event = ((in_flight || self.config.eager_event) && matches!(to, Location::Cuda(_)))
+            .then(|| self.event());
         Ok(Copied {
             value: Value { at: to, ..*value },
             event,
@@ -790,4 +815,257 @@ fn no_ops_removals_drops_and_discards_need_no_device_work() {
         manager.transition(&discard, value, false, &mut fake),
         Err(RunError::Core(CoreError::Handle { .. }))
     ));
+}
+
+#[test]
+fn a_failed_wait_after_a_failure_keeps_the_first_error_and_the_books() {
+    // The copy in flight fails its validation, and then the wait for it fails too:
+    // the validation's error propagates, and the books are as before.
+    let (manager, value) = pinned_value();
+    let before = found(&manager);
+    let mut fake = Fake::new(&manager, PLAIN, Some(2));
+    fake.onward = true;
+    let failed = manager.transition(&ensure(CUDA), value, true, &mut fake);
+    assert_eq!(failed, Err(RunError::Device(Step::Validate(CUDA))));
+    assert_eq!(
+        fake.steps_taken(),
+        [
+            Step::Resident(PINNED),
+            Step::Copy(PINNED, CUDA, true),
+            Step::Validate(CUDA),
+            Step::Synchronize(1),
+        ]
+    );
+    assert_aborted(
+        &manager,
+        &fake,
+        &before,
+        "a failed validation, then a failed wait",
+    );
+
+    // The same after a refused commit (an oversized copy in flight).
+    let (manager, value) = pinned_value();
+    let before = found(&manager);
+    let oversized = Config {
+        oversize: 1,
+        ..PLAIN
+    };
+    let mut fake = Fake::new(&manager, oversized, Some(3));
+    let failed = manager.transition(&ensure(CUDA), value, true, &mut fake);
+    assert!(matches!(
+        failed,
+        Err(RunError::Core(CoreError::Materialization { .. }))
+    ));
+    assert_eq!(fake.steps_taken().last(), Some(&Step::Synchronize(1)));
+    assert_aborted(
+        &manager,
+        &fake,
+        &before,
+        "a refused commit, then a failed wait",
+    );
+}
+
+#[test]
+fn refused_commits_of_reconstructions_in_flight_free_what_they_kept() {
+    // The tier's load measured above its charge: the commit refuses it, its event
+    // goes back and is waited for, and the temporary charge goes back.
+    let (manager, value) = source_only();
+    let before = found(&manager);
+    let config = Config {
+        tier: Tier::Takes,
+        oversize: 1,
+        ..PLAIN
+    };
+    let mut fake = Fake::new(&manager, config, None);
+    let failed = manager.transition(&ensure(CUDA), value, true, &mut fake);
+    assert!(matches!(
+        failed,
+        Err(RunError::Core(CoreError::Materialization { .. }))
+    ));
+    assert_eq!(
+        fake.steps_taken(),
+        [
+            Step::Prepare,
+            Step::Defer,
+            Step::Validate(CUDA),
+            Step::Synchronize(1)
+        ]
+    );
+    assert!(fake.calls.contains(&Call::Free(1)));
+    assert_aborted(&manager, &fake, &before, "an oversized deferred load");
+    assert_eq!(
+        books(&manager, HOST).peak_charged_bytes,
+        40,
+        "the peak stays"
+    );
+
+    // A reconstruction copied on in flight, whose destination filled meanwhile:
+    // the commit refuses, and the event and the loaded value it kept both go back.
+    let (manager, value) = source_only();
+    let (mut accounts_before, objects) = found(&manager);
+    let mut fake = Fake::new(&manager, PLAIN, None);
+    let mut taken = None;
+    let failed = {
+        let mut crowding = Crowding {
+            fake: &mut fake,
+            taken: &mut taken,
+        };
+        manager.transition(&ensure(CUDA), value, true, &mut crowding)
+    };
+    assert!(matches!(
+        failed,
+        Err(RunError::Core(CoreError::Budget { location: CUDA, .. }))
+    ));
+    assert!(manager.release_reservation(taken.expect("crowded")));
+    assert!(fake.calls.contains(&Call::Free(2)), "{:?}", fake.calls);
+    // The reservation made and released meanwhile: two version steps.
+    accounts_before.version += 2;
+    let before = (accounts_before, objects);
+    assert_aborted(&manager, &fake, &before, "a crowded destination");
+}
+
+/// The fake, with the destination's free budget reserved elsewhere right after a
+/// copy (as a release of a reservation and a new one could while a copy runs).
+struct Crowding<'f, 'm> {
+    fake: &'f mut Fake<'m>,
+    taken: &'f mut Option<u64>,
+}
+
+impl TransitionDevice for Crowding<'_, '_> {
+    type Value = Value;
+    type Event = u32;
+    type Deferral = HandleId;
+    type Error = Step;
+
+    fn resident(&mut self, index: HandleId, at: Location) -> Result<Value, Step> {
+        self.fake.resident(index, at)
+    }
+    fn wait(&mut self, events: &[ObjectId]) -> Result<(), Step> {
+        self.fake.wait(events)
+    }
+    fn load(&mut self, index: HandleId) -> Result<Value, Step> {
+        self.fake.load(index)
+    }
+    fn prepare_deferral(
+        &mut self,
+        index: HandleId,
+        at: Location,
+    ) -> Result<Option<HandleId>, Step> {
+        self.fake.prepare_deferral(index, at)
+    }
+    fn defer(&mut self, index: HandleId) -> Result<Option<Copied<Value, u32>>, Step> {
+        self.fake.defer(index)
+    }
+    fn copy(
+        &mut self,
+        value: &Value,
+        from: Location,
+        to: Location,
+        in_flight: bool,
+    ) -> Result<Copied<Value, u32>, Step> {
+        let copied = self.fake.copy(value, from, to, in_flight)?;
+        let books = books(self.fake.manager, to);
+        let free = books.budget_bytes.expect("budgeted") - books.used_bytes - books.reserved_bytes;
+        *self.taken = Some(
+            self.fake
+                .manager
+                .reserve(to, free, "meanwhile")
+                .expect("fits"),
+        );
+        Ok(copied)
+    }
+    fn validate(&mut self, index: HandleId, at: Location, value: &Value) -> Result<Measured, Step> {
+        self.fake.validate(index, at, value)
+    }
+    fn synchronize(&mut self, event: &u32) -> Result<(), Step> {
+        self.fake.synchronize(event)
+    }
+    fn keep_event(&mut self, id: ObjectId, event: &u32) {
+        self.fake.keep_event(id, event);
+    }
+    fn keep_value(&mut self, id: ObjectId, value: &Value) {
+        self.fake.keep_value(id, value);
+    }
+    fn free(&mut self, freed: &Freed) {
+        self.fake.free(freed);
+    }
+    fn install(&mut self, index: HandleId, at: Location, value: Value) {
+        self.fake.install(index, at, value);
+    }
+    fn forget(&mut self, index: HandleId, at: Location) {
+        self.fake.forget(index, at);
+    }
+    fn discarded(&mut self, index: HandleId, removed: &[Location]) {
+        self.fake.discarded(index, removed);
+    }
+}
+
+#[test]
+fn a_copy_not_left_in_flight_is_waited_for_after_its_commit() {
+    // A device that reports an event for a copy the ticket did not leave in flight:
+    // the commit hands the event back, and the copy is waited for.
+    let (manager, value) = pinned_value();
+    let eager = Config {
+        eager_event: true,
+        ..PLAIN
+    };
+    let mut fake = Fake::new(&manager, eager, None);
+    manager
+        .transition(&ensure(CUDA), value, false, &mut fake)
+        .expect("copies");
+    assert_eq!(
+        fake.calls,
+        [
+            Call::Step(Step::Resident(PINNED)),
+            Call::Step(Step::Copy(PINNED, CUDA, false)),
+            Call::Step(Step::Validate(CUDA)),
+            Call::KeepEvent(1),
+            Call::Free(1),
+            Call::Install(CUDA),
+            Call::Step(Step::Synchronize(1)),
+        ]
+    );
+    assert!(fake.kept.is_empty() && manager.live_objects() == 0);
+    assert!(manager.pending_lease_tokens().is_empty());
+
+    // That wait failing is the transition's error; the commit stands, with nothing
+    // left in the object book or pending.
+    let (manager, value) = pinned_value();
+    let mut fake = Fake::new(&manager, eager, Some(3));
+    let failed = manager.transition(&ensure(CUDA), value, false, &mut fake);
+    assert_eq!(failed, Err(RunError::Device(Step::Synchronize(1))));
+    assert_eq!(
+        manager.materialization_locations(value).expect("issued"),
+        [PINNED, CUDA]
+    );
+    assert!(fake.installed.contains_key(&(value, CUDA)));
+    assert!(fake.kept.is_empty() && manager.live_objects() == 0);
+    assert!(manager.pending_lease_tokens().is_empty());
+    manager.check_books().expect("balanced");
+}
+
+#[test]
+fn releases_queued_while_a_source_loads_are_applied_after_it_even_when_it_fails() {
+    for failing in [None, Some(0)] {
+        let (manager, value) = source_only();
+        let other = adopted(&manager, 8, false, CUDA);
+        let lease = manager.acquire(&[other], CUDA).expect("resident");
+        // A finaliser releases the lease, its events known complete, while the
+        // source loads: queued behind the callback, applied after it.
+        let event = manager.new_object();
+        let mut fake = Fake::new(&manager, PLAIN, failing);
+        assert!(fake.kept.insert(event, Call::KeepEvent(0)).is_none());
+        fake.finalize = Some(Release::Pending {
+            token: lease,
+            events: vec![event],
+            completed: true,
+        });
+        let done = manager.transition(&moving(HOST, None), value, false, &mut fake);
+        assert_eq!(done.is_ok(), failing.is_none(), "{done:?}");
+        assert!(!manager.releases_queued(), "failing at {failing:?}");
+        assert_eq!(manager.lease_state(lease), LeaseState::Unknown);
+        assert!(fake.kept.is_empty(), "the event went back to the device");
+        assert_eq!(manager.live_objects(), 0);
+        manager.check_books().expect("balanced");
+    }
 }

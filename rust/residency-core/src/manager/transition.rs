@@ -253,17 +253,16 @@ impl<D: TransitionDevice> Driver<'_, D> {
                     }
                 }
                 // The source's `load()` is a callback: no other gated call may run
-                // meanwhile, and a release queued while it ran is applied after it.
+                // meanwhile, and a release queued while it ran is applied after it,
+                // whether or not it loaded.
                 self.manager.set_callback_active(true);
                 let loaded = self.device.load(index);
                 self.manager.set_callback_active(false);
+                let mut freed = Freed::default();
+                self.manager.drain_releases(&mut freed);
+                self.device.free(&freed);
                 match loaded {
-                    Ok(loaded) => {
-                        let mut freed = Freed::default();
-                        self.manager.drain_releases(&mut freed);
-                        self.device.free(&freed);
-                        self.reconstruct(ticket, into, loaded)
-                    }
+                    Ok(loaded) => self.reconstruct(ticket, into, loaded),
                     Err(error) => Err(self.aborted(ticket, RunError::Device(error))),
                 }
             }
