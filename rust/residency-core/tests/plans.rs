@@ -3,20 +3,22 @@
 //! or an infeasible preflight stops before anything runs; a failed action keeps the
 //! committed prefix; a failed scope entry gives back every reservation it admitted,
 //! newest first, to the byte; a scope exit gives them back even when an action
-//! fails. The device side here performs each action over the core's own tickets.
+//! fails. The device side here performs each action through the core's transition
+//! driver (`Manager::transition`), over a fake device whose copy fails where told.
 
 #![allow(clippy::panic)] // Test assertions.
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use common::spec;
 
 use residency_core::{
-    Action, Begun, CoreError, CudaDevices, Device, HandleId, HandleRef, HandleSlot, Inputs,
-    Location, Manager, Plan, PlanDevice, PlanPhase, PlanRun, Reservation, RunError, SlotResolution,
-    Ticket, Work,
+    Action, Copied, CoreError, CudaDevices, Device, Freed, HandleId, HandleRef, HandleSlot, Inputs,
+    Location, Manager, Measured, ObjectId, Plan, PlanDevice, PlanPhase, PlanRun, Reservation,
+    RunError, SlotResolution, TransitionDevice,
 };
 
 const HOST: Location = Location::PageableHost;
@@ -25,15 +27,15 @@ const CUDA: Location = Location::Cuda(0);
 /// What completes while the device side reaps.
 type OnReap = Box<dyn FnMut(&Manager)>;
 
-/// A device side that performs actions over the core's tickets, records every call
-/// in order, and fails where it is told to.
+/// A device side that performs actions through the transition driver, records every
+/// call in order, and fails where it is told to.
 struct Fake<'m> {
     manager: &'m Manager,
     /// The plan's handle slots' values.
     values: Vec<HandleId>,
     expected: Option<u64>,
-    /// The action whose device work fails (after its ticket began: the ticket is
-    /// aborted, as the binding aborts it).
+    /// The action whose device work fails (its copy, after the transition began: the
+    /// driver aborts it; a drop fails before it begins).
     fail: Option<(PlanPhase, usize)>,
     /// The reservation position refused at admission.
     refuse: Option<usize>,
@@ -41,10 +43,17 @@ struct Fake<'m> {
     on_reap: Option<OnReap>,
     calls: Vec<String>,
     released: Vec<u64>,
+    copier: Copier<'m>,
 }
 
 impl<'m> Fake<'m> {
     fn new(manager: &'m Manager, values: &[HandleId]) -> Self {
+        let copier = Copier {
+            manager,
+            failing: false,
+            installed: BTreeSet::new(),
+            forgotten: Vec::new(),
+        };
         Self {
             manager,
             values: values.to_vec(),
@@ -54,6 +63,7 @@ impl<'m> Fake<'m> {
             on_reap: None,
             calls: Vec::new(),
             released: Vec::new(),
+            copier,
         }
     }
 
@@ -64,28 +74,121 @@ impl<'m> Fake<'m> {
             .map(String::as_str)
             .collect()
     }
+}
 
-    /// The device work of a ticket: a copy, measured at its byte count, or the
-    /// removal of a move's source; aborted instead where the device fails.
-    fn transit(&self, ticket: Ticket, failing: bool) -> Result<(), CoreError> {
-        if failing {
-            self.manager.abort(ticket)?;
-            return Err(CoreError::Unavailable {
-                message: "the copy failed".to_owned(),
-            });
+/// The device work of a transition over plain data: copies (measured at the spec's
+/// bytes) that fail while `failing`, and the materialisations it holds.
+struct Copier<'m> {
+    manager: &'m Manager,
+    failing: bool,
+    /// What it copied and installed, and what the driver had it forget.
+    installed: BTreeSet<(HandleId, Location)>,
+    forgotten: Vec<(HandleId, Location)>,
+}
+
+/// The copy failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CopyFailed;
+
+impl TransitionDevice for Copier<'_> {
+    type Value = (HandleId, Location);
+    type Event = ();
+    type Deferral = ();
+    type Error = CopyFailed;
+
+    fn resident(&mut self, index: HandleId, at: Location) -> Result<Self::Value, CopyFailed> {
+        assert!(
+            self.manager
+                .materialization_locations(index)
+                .expect("issued")
+                .contains(&at),
+            "reads a materialisation"
+        );
+        Ok((index, at))
+    }
+
+    fn wait(&mut self, _events: &[ObjectId]) -> Result<(), CopyFailed> {
+        panic!("no copies in flight in these tests")
+    }
+
+    fn load(&mut self, _index: HandleId) -> Result<Self::Value, CopyFailed> {
+        panic!("no sources in these tests")
+    }
+
+    fn prepare_deferral(
+        &mut self,
+        _index: HandleId,
+        _at: Location,
+    ) -> Result<Option<()>, CopyFailed> {
+        panic!("no sources in these tests")
+    }
+
+    fn defer(&mut self, (): ()) -> Result<Option<Copied<Self::Value, ()>>, CopyFailed> {
+        panic!("no sources in these tests")
+    }
+
+    fn copy(
+        &mut self,
+        &(index, at): &Self::Value,
+        from: Location,
+        to: Location,
+        in_flight: bool,
+    ) -> Result<Copied<Self::Value, ()>, CopyFailed> {
+        assert_eq!(at, from, "a copy reads its source");
+        assert!(!in_flight, "no prefetches in these tests");
+        if self.failing {
+            return Err(CopyFailed);
         }
-        match ticket.work() {
-            Work::Remove => common::commit(self.manager, ticket, None).map(drop),
-            Work::Copy { .. } => {
-                let bytes = self.manager.value_spec(ticket.handle())?.logical_nbytes();
-                let landed = residency_core::Landed {
-                    logical_nbytes: bytes,
-                    storage_nbytes: bytes,
-                    keys: &[],
-                };
-                common::commit(self.manager, ticket, Some(landed)).map(drop)
-            }
-            other => panic!("no sources in these tests, got {other:?}"),
+        Ok(Copied {
+            value: (index, to),
+            event: None,
+        })
+    }
+
+    fn validate(
+        &mut self,
+        index: HandleId,
+        at: Location,
+        value: &Self::Value,
+    ) -> Result<Measured, CopyFailed> {
+        assert_eq!(*value, (index, at), "validated where it is");
+        let spec = self.manager.value_spec(index).expect("issued");
+        Ok(Measured {
+            logical_nbytes: spec.logical_nbytes(),
+            storage_nbytes: spec.storage_nbytes(),
+            keys: Vec::new(),
+        })
+    }
+
+    fn synchronize(&mut self, (): &()) -> Result<(), CopyFailed> {
+        panic!("no copies in flight in these tests")
+    }
+
+    fn keep_event(&mut self, _id: ObjectId, (): &()) {
+        panic!("no copies in flight in these tests")
+    }
+
+    fn keep_value(&mut self, _id: ObjectId, _value: &Self::Value) {
+        panic!("no copies in flight in these tests")
+    }
+
+    fn free(&mut self, freed: &Freed) {
+        assert!(freed.objects.is_empty(), "keeps no objects");
+    }
+
+    fn install(&mut self, index: HandleId, at: Location, value: Self::Value) {
+        assert_eq!(value, (index, at));
+        assert!(self.installed.insert(value), "installed twice");
+    }
+
+    fn forget(&mut self, index: HandleId, at: Location) {
+        self.installed.remove(&(index, at));
+        self.forgotten.push((index, at));
+    }
+
+    fn discarded(&mut self, index: HandleId, removed: &[Location]) {
+        for &at in removed {
+            self.forget(index, at);
         }
     }
 }
@@ -105,25 +208,22 @@ impl Device for Fake<'_> {
         // An exit resolves its own handle.
         let index = index.unwrap_or(self.values[action.handle().index()]);
         let failing = self.fail == Some((phase, position));
-        match *action {
-            Action::Ensure { .. } | Action::Move { .. } => {
-                if let Begun::Ticket(ticket) = self.manager.begin(index, action, false)? {
-                    self.transit(ticket, failing)?;
-                }
-            }
-            Action::Drop { location, .. } => {
-                if failing {
-                    return Err(CoreError::Unavailable {
-                        message: "the drop failed".to_owned(),
-                    });
-                }
-                self.manager.drop_materialization(index, location)?;
-            }
-            Action::Discard { .. } => {
-                self.manager.discard(index)?;
-            }
+        if failing && matches!(action, Action::Drop { .. }) {
+            return Err(CoreError::Unavailable {
+                message: "the drop failed".to_owned(),
+            });
         }
-        Ok((phase, position))
+        self.copier.failing = failing;
+        match self
+            .manager
+            .transition(action, index, false, &mut self.copier)
+        {
+            Ok(_) => Ok((phase, position)),
+            Err(RunError::Core(error)) => Err(error),
+            Err(RunError::Device(CopyFailed)) => Err(CoreError::Unavailable {
+                message: "the copy failed".to_owned(),
+            }),
+        }
     }
 }
 
@@ -283,6 +383,9 @@ fn the_checks_run_in_order_then_the_phases() {
     assert!(run.tokens().is_empty());
     assert_eq!(reserved(&manager, CUDA), 0);
     assert!(!resident(&manager, value, CUDA));
+    // The device forgot the copy the entry installed at the exit's drop.
+    assert!(device.copier.installed.is_empty());
+    assert_eq!(device.copier.forgotten, [(value, CUDA)]);
 }
 
 #[test]
@@ -394,6 +497,11 @@ fn an_execute_failure_keeps_the_committed_prefix() {
     assert!(!resident(&manager, values[2], CUDA));
     manager.check_books().expect("books balance");
     assert_eq!(manager.current().books(CUDA).used_bytes, 20);
+    // The device keeps the two copies it committed, not the failed one.
+    assert_eq!(
+        device.copier.installed,
+        BTreeSet::from([(values[0], CUDA), (values[1], CUDA)])
+    );
 }
 
 #[test]
@@ -518,6 +626,7 @@ fn a_failed_enter_action_gives_back_every_reservation() {
     assert!(resident(&manager, values[0], CUDA));
     assert!(!resident(&manager, values[1], CUDA));
     assert_eq!(manager.current().books(CUDA).used_bytes, 10);
+    assert_eq!(device.copier.installed, BTreeSet::from([(values[0], CUDA)]));
 }
 
 #[test]
@@ -599,4 +708,5 @@ fn a_direct_action_is_a_one_action_plan_without_checks() {
     assert!(run.done().is_empty());
     manager.check_books().expect("books balance");
     assert_eq!(manager.current().books(CUDA).used_bytes, used);
+    assert!(!device.copier.installed.contains(&(other, CUDA)));
 }
