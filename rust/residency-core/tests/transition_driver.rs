@@ -1069,3 +1069,31 @@ fn releases_queued_while_a_source_loads_are_applied_after_it_even_when_it_fails(
         manager.check_books().expect("balanced");
     }
 }
+
+#[test]
+fn a_reconstruction_loaded_elsewhere_is_admitted_at_its_destination_after_the_load() {
+    // Begin charges only where the source loads; the destination, full meanwhile,
+    // refuses once the load is validated: no copy, and the charge goes back.
+    let (manager, value) = source_only();
+    let reservation = manager.reserve(CUDA, 80, "meanwhile").expect("fits");
+    let before = found(&manager);
+    let mut fake = Fake::new(&manager, PLAIN, None);
+    let failed = manager.transition(&ensure(CUDA), value, false, &mut fake);
+    assert!(matches!(
+        failed,
+        Err(RunError::Core(CoreError::Budget { location: CUDA, .. }))
+    ));
+    assert_eq!(fake.steps_taken(), [Step::Load, Step::Validate(HOST)]);
+    assert_aborted(
+        &manager,
+        &fake,
+        &before,
+        "a destination full after the load",
+    );
+    assert_eq!(
+        books(&manager, HOST).peak_charged_bytes,
+        40,
+        "the peak stays"
+    );
+    assert!(manager.release_reservation(reservation));
+}
