@@ -901,21 +901,36 @@ fn moving(to: Location) -> Action {
     }
 }
 
-/// Runs one ensure or move of `value` through the driver and checks it against the
-/// model's prediction: the device steps in order, the outcome, and, on any failure,
-/// the accounts as they were.
-#[allow(clippy::too_many_arguments)]
+/// One ensure or move to drive: the value (its position in the model), the action,
+/// whether it runs in a prefetch, what the disk tier does and where the device fails.
+struct Attempt {
+    value: usize,
+    action: Action,
+    asynchronous: bool,
+    tier: Tier,
+    fault: Fault,
+}
+
+/// Runs `attempt` through the driver and checks it against the model's prediction:
+/// the device steps in order, the outcome, and, on any failure, the accounts and the
+/// object book as they were.
 fn transition(
     manager: &Manager,
     device: &mut Device<'_>,
     model: &mut Model,
     budgets: &BTreeMap<Location, u64>,
-    value: usize,
-    action: &Action,
-    asynchronous: bool,
-    (tier, fault): (Tier, Fault),
+    attempt: &Attempt,
 ) {
-    let entry = &model.values[value];
+    let &Attempt {
+        value,
+        ref action,
+        asynchronous,
+        tier,
+        fault,
+    } = attempt;
+    let Some(entry) = model.values.get(value) else {
+        return;
+    };
     let handle = entry.handle;
     let mut predict = Predict {
         model,
@@ -1037,20 +1052,14 @@ fn apply(
             tier,
             fault,
         } => {
-            if value < model.values.len() {
-                let action = ensure(LOCATIONS[at]);
-                let how = (tier, fault);
-                transition(
-                    manager,
-                    device,
-                    model,
-                    budgets,
-                    value,
-                    &action,
-                    asynchronous,
-                    how,
-                );
-            }
+            let attempt = Attempt {
+                value,
+                action: ensure(LOCATIONS[at]),
+                asynchronous,
+                tier,
+                fault,
+            };
+            transition(manager, device, model, budgets, &attempt);
         }
         Op::Move {
             value,
@@ -1058,20 +1067,14 @@ fn apply(
             asynchronous,
             fault,
         } => {
-            if value < model.values.len() {
-                let action = moving(LOCATIONS[to]);
-                let how = (Tier::NoSource, fault);
-                transition(
-                    manager,
-                    device,
-                    model,
-                    budgets,
-                    value,
-                    &action,
-                    asynchronous,
-                    how,
-                );
-            }
+            let attempt = Attempt {
+                value,
+                action: moving(LOCATIONS[to]),
+                asynchronous,
+                tier: Tier::NoSource,
+                fault,
+            };
+            transition(manager, device, model, budgets, &attempt);
         }
         Op::Drop { value, at } => {
             let Some(entry) = model.values.get_mut(value) else {
