@@ -275,7 +275,9 @@ class ResidencyUse:
         self.request = request
         self._consumer_streams = consumers
         self._transfer_streams = transfers
-        self._decision: ResidencyDecision | None = None
+        # The decision, or what a staged step's entry read to build it when first read
+        # (`enter_staged`).
+        self._decision: ResidencyDecision | _Satisfied | None = None
         # The decision's scope; for a staged step's entry (`enter_staged`), which runs
         # no plan, what stands in for it.
         self._scope: ResidencyScope | _Unscoped | None = None
@@ -294,9 +296,12 @@ class ResidencyUse:
         Raises:
             RuntimeError: Before a decision succeeded.
         """
-        if self._decision is None:
+        decision = self._decision
+        if decision is None:
             raise RuntimeError("no decision yet: enter the use first")
-        return self._decision
+        if type(decision) is _Satisfied:
+            decision = self._decision = decision.build()
+        return decision  # type: ignore[return-value]
 
     @property
     def values(self) -> Mapping[ResidencyRequirement, TensorResident]:
@@ -571,7 +576,12 @@ def enter_staged(
             borrowed.append(enter_new(lease))
         # The plain decider (the pipeline's condition), whose process was checked above.
         decider: Decider = controller  # type: ignore[assignment]
-        use._decision = satisfied(engine.manager_id, view, request, policy, plan, decider.identity)
+        identity = decider.identity
+        if identity is None:
+            # A policy whose identity may change: read now.
+            use._decision = satisfied(engine.manager_id, view, request, policy, plan, None)
+        else:
+            use._decision = _Satisfied(engine.manager_id, view, request, policy, plan, identity)
         use._scope = unscoped
         decider.record_checked(request)
     except BaseException:
@@ -582,6 +592,20 @@ def enter_staged(
     use._values = _UseValues(borrows, borrowed)
     use._state = "active"
     return use
+
+
+class _Satisfied:
+    """A staged step's decision as its entry read it (`_decided.satisfied`'s arguments:
+    the state view is immutable and the policy's identity fixed), built when first
+    read: a step whose decision nobody reads builds none."""
+
+    __slots__ = ("arguments",)
+
+    def __init__(self, *arguments: Any) -> None:
+        self.arguments = arguments
+
+    def build(self) -> ResidencyDecision:
+        return satisfied(*self.arguments)
 
 
 def _unwind(

@@ -22,7 +22,7 @@ from fhelium.errors import (
     ResidencyStaleStateError,
 )
 from fhelium.residency import _plans
-from fhelium.residency._decided import staged_run
+from fhelium.residency._decided import staged_found_run, staged_run
 from fhelium.residency._decider import Decider
 from fhelium.residency._staging import Shape, Staged, release_all, shape_of
 from fhelium.residency._use import (
@@ -637,6 +637,7 @@ class _Pipeline:
                     # thread runs it.
                     return False
         pending_among = engine.pending_among
+        plain = type(controller) is Decider
         stale = 0
         while True:
             while ended and not pending_among(ended[0]):
@@ -646,14 +647,32 @@ class _Pipeline:
             # reservations and with no step staged, there is none: the request itself.
             staging = shape.staging_request(self._extra(needs)) if needs or self.staged else request
             try:
-                decision = controller.decide(staging, position)
+                if plain:
+                    # The plain decider's search, without its decision record: the
+                    # staging only runs the plan.
+                    found = controller.decide_found(staging, position)  # type: ignore[attr-defined]
+                else:
+                    decision = controller.decide(staging, position)
             except (ResidencyPlanError, ResidencyBudgetError):
                 if wait and (self._release_on_device(ended) or self._wait_oldest(ended)):
                     continue
                 return False
             # The plan, its actions and their lowering, as the last staging of this
             # request ran them when it decided the same.
-            plan, actions, lowered = staged_run(decision, shape.runs, engine.discard_count())
+            if plain:
+                version = found[1]
+                plan, actions, lowered = staged_found_run(
+                    engine.manager_id,
+                    staging,
+                    policy,
+                    controller.identity,  # type: ignore[attr-defined]
+                    found,
+                    shape.runs,
+                    engine.discard_count(),
+                )
+            else:
+                version = decision.expected_state_version
+                plan, actions, lowered = staged_run(decision, shape.runs, engine.discard_count())
             if plan.reclaim and ended:
                 # Before the body nothing is released: staging may block the host (a
                 # read from disk), which must not delay the body's kernels.
@@ -682,7 +701,7 @@ class _Pipeline:
                         actions,
                         request.name,
                         streams[1],
-                        decision.expected_state_version,
+                        version,
                         True,
                         keep,
                         lowered,
