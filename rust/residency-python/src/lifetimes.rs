@@ -257,12 +257,13 @@ pub fn acquire(
     let handles = &manager.context().normalized_handles(py, handles)?;
     manager.with_gate(py, true, true, || {
         let host = Host::new(manager, py);
-        manager.core().reap_with(&host)?;
-        acquire_locked(manager, &host, engine, handles, at, consumer_stream).map(|(_, lease)| lease)
+        acquire_locked(manager, &host, engine, handles, at, consumer_stream, true)
+            .map(|(_, lease)| lease)
     })
 }
 
-/// `acquire` under the gate the caller holds, after reaping; `handles` normalised.
+/// `acquire` under the gate the caller holds (`handles` normalised): the location's
+/// checks, then the reap (with `reap`), then the stream's check and the lookups.
 /// The lease's token and the lease.
 fn acquire_locked(
     manager: &CoreManager,
@@ -271,12 +272,16 @@ fn acquire_locked(
     handles: &Bound<'_, PyTuple>,
     at: &Bound<'_, PyAny>,
     consumer_stream: Option<&Bound<'_, PyAny>>,
+    reap: bool,
 ) -> PyResult<(u64, Py<PyAny>)> {
     let py = host.py;
     let context = manager.context();
     let location = context.location_code(py, at)?;
     if let Err(refusal) = Manager::borrowable(location, consumer_stream.is_some()) {
         return Err(to_py_err(py, refusal.error(&at.str()?.to_string_lossy())));
+    }
+    if reap {
+        manager.core().reap_with(host)?;
     }
     let consumer_stream = consumer_stream
         .map(|stream| context.check_stream(py, stream, at, location))
@@ -336,6 +341,7 @@ pub fn enter_step(
                     &handles,
                     &at,
                     stream.as_ref(),
+                    false,
                 )?);
             }
             Ok(view)
@@ -368,14 +374,16 @@ pub fn enter_step(
 }
 
 /// Holds per group `(handles, location)` of `groups` (the handles normalised) under
-/// the gate the caller holds, after reaping: one token per group, in order. When one
-/// fails, those already taken are released and the error propagates.
+/// the gate the caller holds, right after a plan ran there: one token per group, in
+/// order. Nothing is reaped first: the plan's run reaped before each action, and what
+/// its copies left in flight is protected until a later operation finds it complete
+/// (docs/concepts/lifetimes.md#reaping). When one fails, those already taken are
+/// released and the error propagates.
 pub fn hold_locked(
     manager: &CoreManager,
     py: Python<'_>,
     groups: &Bound<'_, PyTuple>,
 ) -> PyResult<Vec<u64>> {
-    reap(manager, py)?;
     let host = Host::new(manager, py);
     let core = manager.core();
     let mut tokens = Vec::with_capacity(groups.len());
