@@ -147,13 +147,15 @@ def test_a_staged_step_is_entered_with_no_decide(
 ) -> None:
     cycle = _Cycle(policy_name, 24)
     decided: list[str] = []
-    decide = Decider.decide
+    # Every search goes through `decide_found` (`decide` builds its record from it; a
+    # staging runs its plan without one).
+    decide = Decider.decide_found
 
     def counted(self: Decider, request: ResidencyRequest, position: int | None = None) -> Any:
         decided.append(request.name)
         return decide(self, request, position)
 
-    monkeypatch.setattr(Decider, "decide", counted)
+    monkeypatch.setattr(Decider, "decide_found", counted)
     steps = cycle.steps(plain=True)
     assert all(step["staged"] for step in steps[1:])
     # The first step is decided at its entry, each later one at its staging; only those

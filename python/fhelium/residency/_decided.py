@@ -26,7 +26,7 @@ from fhelium.residency.policy import ResidencyPolicy
 from fhelium.residency.request import ResidencyRequest
 from fhelium.residency.snapshot import ResidencyPlanExplanation
 
-__all__ = ["LazyDecision", "StagedRuns", "decided", "satisfied", "staged_run"]
+__all__ = ["LazyDecision", "StagedRuns", "decided", "satisfied", "staged_found_run", "staged_run"]
 
 # Up to this many actions, a decided plan's records are built with the collector on.
 _FEW_ACTIONS: Final = 16
@@ -321,6 +321,34 @@ class StagedRuns:
         # (decided request, discards, handle slots, reclaim rows, enter rows), then what
         # ran for them.
         self.last: tuple[tuple[Any, ...], _Run] | None = None
+
+
+def staged_found_run(
+    manager_id: str,
+    request: ResidencyRequest,
+    policy: ResidencyPolicy,
+    identity: tuple[str, tuple[tuple[str, object], ...]] | None,
+    found: tuple[tuple[Any, ...], int, int],
+    runs: StagedRuns,
+    discards: int,
+) -> _Run:
+    """`staged_run` for the decision `Decider.decide_found` found (its source, state
+    version and explored states), without building the decision when ``runs`` kept
+    the run of the same one."""
+    source, state_version, explored = found
+    last = runs.last
+    if last is not None:
+        kept, run = last
+        if (
+            kept[0] is request
+            and kept[1] == discards
+            and kept[2] == source[3]
+            and kept[3] == source[4]
+            and kept[4] == source[5]
+        ):
+            return run
+    decision = decided(manager_id, state_version, explored, request, policy, source, None, identity)
+    return staged_run(decision, runs, discards)
 
 
 def staged_run(decision: ResidencyDecision, runs: StagedRuns, discards: int) -> _Run:

@@ -189,6 +189,38 @@ class Decider:
         """`ResidencyController.decide` for a checked request, with a schedule-aware
         policy standing at step ``position`` when one is given (a prefetch decides for
         a later step)."""
+        source, state_version, explored = self.decide_found(request, position)
+        engine = self.engine
+        manager_id = engine.manager_id
+        policy = self.policy
+        identity = self.identity
+        if source[3]:
+            return decided(
+                manager_id, state_version, explored, request, policy, source, None, identity
+            )
+        # A satisfied request (a staged step at its entry): its empty plan is the
+        # same record every time, a request being immutable, so it is built once
+        # per request object.
+        with self.lock:
+            empty = self._empty_plans.get(id(request))
+            if empty is not None and empty[0] is request:
+                return decided(
+                    manager_id, state_version, explored, request, policy, source, empty[1], identity
+                )
+            decision = decided(
+                manager_id, state_version, explored, request, policy, source, None, identity
+            )
+            if len(self._empty_plans) >= _LOWERED_REQUESTS:
+                self._empty_plans.clear()
+            self._empty_plans[id(request)] = (request, decision.plan)
+            return decision
+
+    def decide_found(
+        self, request: ResidencyRequest, position: int | None = None
+    ) -> tuple[tuple[Any, ...], int, int]:
+        """What `decide` builds its decision from: the search's result as a decision's
+        source (`_decided.decided`), the state version it was decided at and the states
+        it explored. A pipeline's staging runs the plan without the decision record."""
         engine = self.engine
         # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
         engine.check_process()
@@ -208,30 +240,13 @@ class Decider:
                 # it again.
                 found = self._decide_request(request, position)
             (ir, simulation, slots, reclaim, enter, evictions, explored, state_version) = found
-            if not simulation.feasible:
-                raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
-            source = (engine.handle_at, ir, simulation, slots, reclaim, enter, evictions)
-            manager_id = engine.manager_id
-            identity = self.identity
-            if slots:
-                return decided(
-                    manager_id, state_version, explored, request, policy, source, None, identity
-                )
-            # A satisfied request (a staged step at its entry): its empty plan is the
-            # same record every time, a request being immutable, so it is built once
-            # per request object.
-            empty = self._empty_plans.get(id(request))
-            if empty is not None and empty[0] is request:
-                return decided(
-                    manager_id, state_version, explored, request, policy, source, empty[1], identity
-                )
-            decision = decided(
-                manager_id, state_version, explored, request, policy, source, None, identity
-            )
-            if len(self._empty_plans) >= _LOWERED_REQUESTS:
-                self._empty_plans.clear()
-            self._empty_plans[id(request)] = (request, decision.plan)
-            return decision
+        if not simulation.feasible:
+            raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
+        return (
+            (engine.handle_at, ir, simulation, slots, reclaim, enter, evictions),
+            state_version,
+            explored,
+        )
 
     def _lowered(self, request: ResidencyRequest) -> _LoweredRequest:
         """The request validated and lowered for the core (`_requirement_rows`, then its

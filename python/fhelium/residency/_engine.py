@@ -143,11 +143,10 @@ class Engine:
         "drop",
         "ensure",
         "enter_scope",
+        "enter_step",
         "execute_plan",
         "exit_scope",
         "handle_at",
-        "hold_values",
-        "locked",
         "manager_id",
         "move_to",
         "owner",
@@ -238,9 +237,12 @@ class Engine:
         # read, search, plan IR, explanation); None when a value was discarded since
         # the request was lowered (docs/concepts/controller.md#decide).
         self.decide_request: Callable[..., Any] = core.decide_request
-        # `locked(operation)`: `operation()` under one hold of the gate, after reaping;
-        # returns what it returned (a staged step's entry: state read, then leases).
-        self.locked: Callable[[Callable[[], Any]], Any] = core.locked
+        # `enter_step(engine, groups, consumers, holds)`: a staged step's entry under one
+        # hold of the gate, after reaping: (state view, a lease per (location, handles)
+        # group), the staging's hold tokens released whatever happens.
+        self.enter_step: Callable[..., tuple[_core.StateView, list[ResidencyLease]]] = (
+            core.enter_step
+        )
         # `plan_run()`: a new record of one plan run (phase, position, tokens, reports).
         self.plan_run: Callable[[], _core.PlanRun] = partial(_core.PlanRun, _REPORT_RECORDS)
         # `execute_plan(run, ir, handles, actions, streams, version, asynchronous=,
@@ -273,12 +275,10 @@ class Engine:
         # `borrowed(token, handle, location)`: a borrowed lookup, the managed object
         # itself, while the lease still holds.
         self.borrowed: Callable[..., TensorResident] = core.borrowed
-        # `acquire`, `hold` and `snapshot_state` as the core takes them, without a frame
-        # of this engine's: on every pipeline step's path. `acquire_lease(engine,
-        # handles, at, consumer_stream)`, `hold_values(engine, handles, at)`,
-        # `snapshot_state()` -> (state view, captured ns).
+        # `acquire` and `snapshot_state` as the core takes them, without a frame of this
+        # engine's: on every pipeline step's path. `acquire_lease(engine, handles, at,
+        # consumer_stream)`, `snapshot_state()` -> (state view, captured ns).
         self.acquire_lease: Callable[..., ResidencyLease] = core.acquire
-        self.hold_values: Callable[..., ResidencyHold] = core.hold
         self.snapshot_state: Callable[[], tuple[_core.StateView, int]] = core.snapshot_state
         self.untrack_lease: Callable[[int], None] = core.untrack_lease
         # The public manager this engine serves, set by it; weak, so the engine never

@@ -41,6 +41,7 @@ from fhelium.residency.snapshot import (
 if TYPE_CHECKING:
     from fhelium import _core
     from fhelium.residency._engine import Engine
+    from fhelium.residency.model import ResidencyHandle
 
 __all__ = [
     "ScopeRun",
@@ -124,7 +125,7 @@ def execute_actions(
                 raise TypeError(
                     f"actions[{position}] must be a residency action, got {type(action).__name__}"
                 )
-    run, started = run_actions(
+    run, started, _ = run_actions(
         engine, normalized, name, transfer_streams, expected_state_version, asynchronous, then
     )
     return _PlanReport._capture(name, run, started, max(started, _time_ns()))
@@ -139,18 +140,21 @@ def run_actions(
     asynchronous: bool,
     then: Callable[[], object] | None,
     lowered: _lowering.LoweredPlan | None = None,
-) -> tuple[_core.PlanRun, int]:
+    hold: tuple[tuple[tuple[ResidencyHandle[Any], ...], ResidencyLocation], ...] | None = None,
+) -> tuple[_core.PlanRun, int, Any]:
     """Runs checked ``normalized`` actions as one plan (`execute_actions` once its
-    arguments are checked); the run and its start. A pipeline's staging calls it
-    directly, asynchronously, with a decided plan's own records (checked when they
-    were built) and ``lowered``, their lowering as one list."""
+    arguments are checked); the run, its start and what the manager's call returned
+    (`then`'s result; with ``hold``, the hold tokens of its `(handles, location)`
+    pairs, taken under the plan's hold of the manager before ``then``). A pipeline's
+    staging calls it directly, asynchronously, with a decided plan's own records
+    (checked when they were built) and ``lowered``, their lowering as one list."""
     if lowered is None:
         lowered = _lowering.lower_actions(name, normalized)
     run = engine.plan_run()
     started = _time_ns()
     after = _Then(then)
     try:
-        engine.execute_plan(
+        result = engine.execute_plan(
             run,
             lowered.ir,
             lowered.handles,
@@ -158,17 +162,19 @@ def run_actions(
             transfer_streams,
             expected_state_version,
             asynchronous=asynchronous,
+            hold=hold,
             then=None if then is None else after._run,
         )
     except Exception as error:
-        if after.started:
+        if after.started or (hold is not None and len(run) == len(normalized)):
+            # Raised after the plan ran whole (by ``then``, or by a hold): unchanged.
             raise
         raise _failure(name, run, started, error, normalized, ()) from error
     except BaseException as error:
         if not after.started:
             _note_committed(error, name, len(run))
         raise
-    return run, started
+    return run, started, result
 
 
 def _failure(

@@ -9,9 +9,10 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from fhelium.residency._decided import StagedRuns
+from fhelium.residency._engine import Engine
 from fhelium.residency._runtime.base import StagedEvent
 from fhelium.residency._use import Borrows, Controller
-from fhelium.residency.lease import ResidencyHold, ResidencyReservation
+from fhelium.residency.lease import ResidencyReservation
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.model import ResidencyHandle
 from fhelium.residency.plan import MemoryReservation, ResidencyPlan
@@ -21,13 +22,17 @@ __all__ = ["Shape", "Staged", "release_all", "shape_of"]
 
 
 class Staged:
-    """What keeps a prefetched step's values until its turn: a hold per location. Its
-    request's reservations count toward the pipeline's headroom guard."""
+    """What keeps a prefetched step's values until its turn: a hold per location (the
+    hold tokens the plan's run took, `Shape.holds`). Its request's reservations count
+    toward the pipeline's headroom guard."""
 
-    __slots__ = ("holds", "needs", "reads", "request", "shape", "streams")
+    __slots__ = ("engine", "holds", "needs", "reads", "request", "shape", "streams")
 
-    def __init__(self, shape: Shape, streams: tuple[dict[Any, Any], dict[Any, Any]]) -> None:
-        self.holds: list[ResidencyHold] = []
+    def __init__(
+        self, shape: Shape, streams: tuple[dict[Any, Any], dict[Any, Any]], engine: Engine
+    ) -> None:
+        self.engine = engine
+        self.holds: list[int] = []
         self.needs = shape.needs
         self.request = shape.request
         # Its request's shape, and its consumer and transfer streams in the pipeline.
@@ -39,7 +44,22 @@ class Staged:
     def release(self) -> None:
         """Releases every hold, all of them even when one raises."""
         holds, self.holds = self.holds, []
-        release_all(holds)
+        release = self.engine.release_hold
+        error: BaseException | None = None
+        for token in holds:
+            try:
+                release(token)
+            except BaseException as failure:
+                error = error or failure
+        if error is not None:
+            raise error
+
+    def release_deferred(self) -> None:
+        """`release` as finalizers release: queued while this thread cannot enter the
+        manager (docs/concepts/lifetimes.md#deferred-releases)."""
+        holds, self.holds = self.holds, []
+        for token in holds:
+            self.engine.release_hold(token, finalizing=True)
 
     def failure(self) -> BaseException | None:
         """Waits until its deferred reads have enqueued their copies (or failed); the
@@ -51,7 +71,7 @@ class Staged:
         return error
 
 
-def release_all(lifetimes: Iterable[ResidencyHold | ResidencyReservation]) -> None:
+def release_all(lifetimes: Iterable[ResidencyReservation]) -> None:
     error: BaseException | None = None
     for lifetime in lifetimes:
         try:
@@ -88,7 +108,9 @@ class Shape:
         "by_location",
         "cuda",
         "devices",
+        "entry",
         "grouped",
+        "holds",
         "needs",
         "request",
         "runs",
@@ -105,6 +127,10 @@ class Shape:
         self.by_location = {location: tuple(handles) for location, handles in by_location.items()}
         # Its requirements by location, as a use borrows them.
         self.grouped = Borrows(request)
+        # What its staging holds and its staged entry leases, as the manager's calls
+        # take them: (handles, location) and (location, handles) pairs.
+        self.holds = tuple([(handles, location) for location, handles in self.by_location.items()])
+        self.entry = tuple([(location, handles) for location, handles, _ in self.grouped.groups])
         self.cuda = tuple(location for location in self.by_location if location.kind == "cuda")
         # The same as device indices, which name CUDA locations one to one: a key
         # hashed without calling the records' hash.

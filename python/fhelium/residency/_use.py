@@ -275,7 +275,9 @@ class ResidencyUse:
         self.request = request
         self._consumer_streams = consumers
         self._transfer_streams = transfers
-        self._decision: ResidencyDecision | None = None
+        # The decision, or what a staged step's entry read to build it when first read
+        # (`enter_staged`).
+        self._decision: ResidencyDecision | _Satisfied | None = None
         # The decision's scope; for a staged step's entry (`enter_staged`), which runs
         # no plan, what stands in for it.
         self._scope: ResidencyScope | _Unscoped | None = None
@@ -294,9 +296,12 @@ class ResidencyUse:
         Raises:
             RuntimeError: Before a decision succeeded.
         """
-        if self._decision is None:
+        decision = self._decision
+        if decision is None:
             raise RuntimeError("no decision yet: enter the use first")
-        return self._decision
+        if type(decision) is _Satisfied:
+            decision = self._decision = decision.build()
+        return decision  # type: ignore[return-value]
 
     @property
     def values(self) -> Mapping[ResidencyRequirement, TensorResident]:
@@ -524,21 +529,28 @@ class _Unscoped:
         return report
 
 
-def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
+def enter_staged(
+    use: ResidencyUse,
+    plan: ResidencyPlan,
+    entry: tuple[tuple[ResidencyLocation, tuple[ResidencyHandle[Any], ...]], ...],
+    holds: list[int],
+) -> ResidencyUse:
     """Enters a pipeline's step whose staging made its values resident and holds them
-    until now, for a request without reservations (``plan`` is its empty plan): the use
-    `ResidencyUse.__enter__` would enter, with no search and no plan. The state is read
-    and the leases are taken under one hold of the manager, so the decision is the one
-    `decide` takes there (`_decided.satisfied`: nothing to evict, nothing to run, never
-    stale); then access epochs are recorded. On failure everything taken is released
-    and the error propagates, as from `__enter__` (docs/concepts/controller.md#steps).
+    until now (``holds``, its hold tokens), for a request without reservations
+    (``plan`` is its empty plan; ``entry`` its `(location, handles)` groups): the use
+    `ResidencyUse.__enter__` would enter, with no search and no plan. The state is read,
+    the leases are taken and then the holds released under one hold of the manager
+    (`Engine.enter_step`), so the decision is the one `decide` takes there
+    (`_decided.satisfied`: nothing to evict, nothing to run, never stale); then access
+    epochs are recorded. The holds are taken out of ``holds`` once the manager has
+    them. On failure everything taken is released and the error propagates, as from
+    `__enter__` (docs/concepts/controller.md#steps).
     """
     if use._state != "new":
         use._begin()  # raises
     use._state = "entering"
     controller = use._controller
     engine = controller.engine
-    manager = controller.manager
     policy = controller.policy
     request = use.request
     borrows = use._grouped
@@ -546,16 +558,6 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
         borrows = use._grouped = Borrows(request)
     exits: list[Callable[[Any, Any, Any], object]] = []
     borrowed: list[BorrowedValues] = []
-    snapshot_state = engine.snapshot_state
-
-    def borrow() -> Any:
-        # Under the manager's hold, after its completed events were reaped: the state
-        # the decision describes (`Engine.state_view`), then the leases, with nothing
-        # in between.
-        view = snapshot_state()[0]
-        use._borrow(manager, borrows, exits, borrowed)
-        return view
-
     try:
         # What `decide` does first: a forked child is refused, and a one-pass schedule
         # that ran out says so.
@@ -564,10 +566,22 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
             deciding_at(policy, policy.position)
         unscoped = _Unscoped(request.name, _time_ns())
         exits.append(unscoped.close)
-        view = engine.locked(borrow)
+        # The manager releases the holds, whatever happens.
+        taken = holds[:]
+        holds.clear()
+        view, leases = engine.enter_step(engine, entry, use._consumer_streams, taken)
+        use._leases = leases
+        for lease in leases:
+            exits.append(lease.__exit__)
+            borrowed.append(enter_new(lease))
         # The plain decider (the pipeline's condition), whose process was checked above.
         decider: Decider = controller  # type: ignore[assignment]
-        use._decision = satisfied(engine.manager_id, view, request, policy, plan, decider.identity)
+        identity = decider.identity
+        if identity is None:
+            # A policy whose identity may change: read now.
+            use._decision = satisfied(engine.manager_id, view, request, policy, plan, None)
+        else:
+            use._decision = _Satisfied(engine.manager_id, view, request, policy, plan, identity)
         use._scope = unscoped
         decider.record_checked(request)
     except BaseException:
@@ -578,6 +592,20 @@ def enter_staged(use: ResidencyUse, plan: ResidencyPlan) -> ResidencyUse:
     use._values = _UseValues(borrows, borrowed)
     use._state = "active"
     return use
+
+
+class _Satisfied:
+    """A staged step's decision as its entry read it (`_decided.satisfied`'s arguments:
+    the state view is immutable and the policy's identity fixed), built when first
+    read: a step whose decision nobody reads builds none."""
+
+    __slots__ = ("arguments",)
+
+    def __init__(self, *arguments: Any) -> None:
+        self.arguments = arguments
+
+    def build(self) -> ResidencyDecision:
+        return satisfied(*self.arguments)
 
 
 def _unwind(

@@ -10,6 +10,7 @@ import collections
 import contextlib
 import time
 from collections.abc import Generator, Iterable, Iterator, Mapping
+from functools import partial
 from typing import Any, Final
 
 from fhelium.errors import (
@@ -21,7 +22,7 @@ from fhelium.errors import (
     ResidencyStaleStateError,
 )
 from fhelium.residency import _plans
-from fhelium.residency._decided import staged_run
+from fhelium.residency._decided import staged_found_run, staged_run
 from fhelium.residency._decider import Decider
 from fhelium.residency._staging import Shape, Staged, release_all, shape_of
 from fhelium.residency._use import (
@@ -357,8 +358,7 @@ class _Pipeline:
         if use is not None:
             exit_deferred(use)
         for step in staged.values():
-            for hold in step.holds:
-                release_deferred(hold)
+            step.release_deferred()
         for kept in guard.values():
             for reservation in kept:
                 release_deferred(reservation)
@@ -470,7 +470,7 @@ class _Pipeline:
             shape = staged.shape
             consumers, transfers = staged.streams
             use = use_for_step(controller, request, consumers, transfers, shape.cuda, shape.grouped)
-            entered = enter_staged(use, shape.empty_plan)
+            entered = enter_staged(use, shape.empty_plan, shape.entry, staged.holds)
         finally:
             # Leased now (or failed): the holds have done their part.
             staged.release()
@@ -501,7 +501,14 @@ class _Pipeline:
     def _release_staged(self) -> None:
         staged, self.staged = self.staged, {}
         try:
-            release_all(hold for step in staged.values() for hold in step.holds)
+            error: BaseException | None = None
+            for step in staged.values():
+                try:
+                    step.release()
+                except BaseException as failure:
+                    error = error or failure
+            if error is not None:
+                raise error
         finally:
             self._forget_reads(staged)
 
@@ -630,7 +637,7 @@ class _Pipeline:
                     # thread runs it.
                     return False
         pending_among = engine.pending_among
-        hold = engine.hold_values
+        plain = type(controller) is Decider
         stale = 0
         while True:
             while ended and not pending_among(ended[0]):
@@ -640,14 +647,32 @@ class _Pipeline:
             # reservations and with no step staged, there is none: the request itself.
             staging = shape.staging_request(self._extra(needs)) if needs or self.staged else request
             try:
-                decision = controller.decide(staging, position)
+                if plain:
+                    # The plain decider's search, without its decision record: the
+                    # staging only runs the plan.
+                    found = controller.decide_found(staging, position)  # type: ignore[attr-defined]
+                else:
+                    decision = controller.decide(staging, position)
             except (ResidencyPlanError, ResidencyBudgetError):
                 if wait and (self._release_on_device(ended) or self._wait_oldest(ended)):
                     continue
                 return False
             # The plan, its actions and their lowering, as the last staging of this
             # request ran them when it decided the same.
-            plan, actions, lowered = staged_run(decision, shape.runs, engine.discard_count())
+            if plain:
+                version = found[1]
+                plan, actions, lowered = staged_found_run(
+                    engine.manager_id,
+                    staging,
+                    policy,
+                    controller.identity,  # type: ignore[attr-defined]
+                    found,
+                    shape.runs,
+                    engine.discard_count(),
+                )
+            else:
+                version = decision.expected_state_version
+                plan, actions, lowered = staged_run(decision, shape.runs, engine.discard_count())
             if plan.reclaim and ended:
                 # Before the body nothing is released: staging may block the host (a
                 # read from disk), which must not delay the body's kernels.
@@ -657,21 +682,12 @@ class _Pipeline:
                     self._wait_oldest(ended)
                 continue
             streams = self._streams(shape)
-            staged = Staged(shape, streams)
-
-            def keep(staged: Staged = staged) -> None:
-                # Under the plan's hold of the manager: what it made resident is held
-                # before any other thread can evict it (`Engine.hold`), and the
-                # headroom the decision counted is still free.
-                try:
-                    holds = staged.holds
-                    for location, handles in by_location.items():
-                        holds.append(hold(engine, handles, location))
-                    if needs or self.staged:
-                        self._keep_guard(needs)
-                except BaseException:
-                    staged.release()
-                    raise
+            staged = Staged(shape, streams, engine)
+            # Under the plan's hold of the manager, what it made resident is held (a
+            # hold per location, `Shape.holds`) before any other thread can evict it,
+            # and then the headroom the decision counted, still free, is kept. A
+            # failure there releases those holds.
+            keep = partial(self._keep_guard, needs) if needs or self.staged else None
 
             # Reads from disk (and loads by sources that load alone) are left to the
             # disk tier's I/O thread (docs/concepts/controller.md#staging).
@@ -680,16 +696,17 @@ class _Pipeline:
             try:
                 try:
                     # Asynchronously, without a report.
-                    _plans.run_actions(
+                    staged.holds = _plans.run_actions(
                         engine,
                         actions,
                         request.name,
                         streams[1],
-                        decision.expected_state_version,
+                        version,
                         True,
                         keep,
                         lowered,
-                    )
+                        shape.holds,
+                    )[2]
                 finally:
                     tier.undefer(previous)
                     staged.reads = reads

@@ -322,8 +322,10 @@ impl CoreManager {
     /// With `asynchronous`, the CUDA copies of `ensure` actions are enqueued and left
     /// in flight, each protected by its event (a prefetch).
     /// `then`, when given, is called after the phase under the same hold of the gate
-    /// (see `plans`); its result is returned.
-    #[pyo3(signature = (run, ir, handles, actions, transfer_streams, expected_version, *, asynchronous=false, then=None))]
+    /// (see `plans`); its result is returned. `hold`, when given, is a tuple of
+    /// `(handles, location)` pairs held first under that same hold; their hold tokens
+    /// are returned instead.
+    #[pyo3(signature = (run, ir, handles, actions, transfer_streams, expected_version, *, asynchronous=false, hold=None, then=None))]
     #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
     fn execute_plan(
         &self,
@@ -335,6 +337,7 @@ impl CoreManager {
         transfer_streams: Option<&Bound<'_, PyAny>>,
         expected_version: Option<&Bound<'_, PyAny>>,
         asynchronous: bool,
+        hold: Option<&Bound<'_, PyTuple>>,
         then: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         crate::plans::execute_plan(
@@ -347,6 +350,7 @@ impl CoreManager {
             transfer_streams,
             expected_version,
             asynchronous,
+            hold,
             then,
         )
     }
@@ -495,16 +499,18 @@ impl CoreManager {
         crate::search::decide_request(self, py, request, limit, cuda_count, policy)
     }
 
-    /// `operation()` under one hold of the gate, after queued releases and completed
-    /// CUDA leases are reaped: what must read the state and act on it with no other
-    /// thread's operation in between (a staged step's entry reads the state its
-    /// decision describes and takes its leases; docs/concepts/controller.md#steps).
-    /// Returns what `operation` returned.
-    fn locked(&self, py: Python<'_>, operation: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            Ok(operation.call0()?.unbind())
-        })
+    /// A staged pipeline step's entry in one hold of the gate: the state view, a lease
+    /// per `(location, handles)` group (CUDA ones on `consumers[location]`), then the
+    /// staging's `holds` released (see `lifetimes::enter_step`).
+    fn enter_step(
+        &self,
+        py: Python<'_>,
+        engine: &Bound<'_, PyAny>,
+        groups: &Bound<'_, PyTuple>,
+        consumers: &Bound<'_, pyo3::types::PyDict>,
+        holds: Vec<u64>,
+    ) -> PyResult<(StateView, Vec<Py<PyAny>>)> {
+        crate::lifetimes::enter_step(self, py, engine, groups, consumers, &holds)
     }
 
     /// Scope exit in one call: the exit actions, then the scope's reservations.

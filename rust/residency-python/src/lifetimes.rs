@@ -12,14 +12,14 @@ use pyo3::exceptions::{PyException, PyRuntimeWarning, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::{
     CoreError, Freed, HandleId, LeaseRelease, LifetimeHost, Location, Manager, ObjectId, Unresolved,
 };
 
 use crate::errors::to_py_err;
 use crate::kinds::LifetimeKind;
-use crate::manager::CoreManager;
+use crate::manager::{CoreManager, StateView};
 
 fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
     let message = CString::new(message.replace('\0', " "))
@@ -256,32 +256,158 @@ pub fn acquire(
 ) -> PyResult<Py<PyAny>> {
     let handles = &manager.context().normalized_handles(py, handles)?;
     manager.with_gate(py, true, true, || {
-        let context = manager.context();
-        let location = context.location_code(py, at)?;
-        if let Err(refusal) = Manager::borrowable(location, consumer_stream.is_some()) {
-            return Err(to_py_err(py, refusal.error(&at.str()?.to_string_lossy())));
-        }
         let host = Host::new(manager, py);
-        manager.core().reap_with(&host)?;
-        let consumer_stream = consumer_stream
-            .map(|stream| context.check_stream(py, stream, at, location))
-            .transpose()?;
-        let indices = host.resolve(handles, location)?;
-        let core = manager.core();
-        let token = core.acquire_with(&host, &indices, location, consumer_stream.as_ref())?;
-        let streams = match &consumer_stream {
-            Some(stream) => PyList::new(py, [stream])?,
-            None => PyList::empty(py),
-        };
-        let lease = context
-            .new_lease(py)
-            .call1((engine, token, handles, at, &streams))
-            .and_then(|lease| {
-                track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
-                Ok(lease)
-            });
-        handed_out(lease, || core.release_lease(token))
+        acquire_locked(manager, &host, engine, handles, at, consumer_stream, true)
+            .map(|(_, lease)| lease)
     })
+}
+
+/// `acquire` under the gate the caller holds (`handles` normalised): the location's
+/// checks, then the reap (with `reap`), then the stream's check and the lookups.
+/// The lease's token and the lease.
+fn acquire_locked(
+    manager: &CoreManager,
+    host: &Host<'_, '_>,
+    engine: &Bound<'_, PyAny>,
+    handles: &Bound<'_, PyTuple>,
+    at: &Bound<'_, PyAny>,
+    consumer_stream: Option<&Bound<'_, PyAny>>,
+    reap: bool,
+) -> PyResult<(u64, Py<PyAny>)> {
+    let py = host.py;
+    let context = manager.context();
+    let location = context.location_code(py, at)?;
+    if let Err(refusal) = Manager::borrowable(location, consumer_stream.is_some()) {
+        return Err(to_py_err(py, refusal.error(&at.str()?.to_string_lossy())));
+    }
+    if reap {
+        manager.core().reap_with(host)?;
+    }
+    let consumer_stream = consumer_stream
+        .map(|stream| context.check_stream(py, stream, at, location))
+        .transpose()?;
+    let indices = host.resolve(handles, location)?;
+    let core = manager.core();
+    let token = core.acquire_with(host, &indices, location, consumer_stream.as_ref())?;
+    let streams = match &consumer_stream {
+        Some(stream) => PyList::new(py, [stream])?,
+        None => PyList::empty(py),
+    };
+    let lease = context
+        .new_lease(py)
+        .call1((engine, token, handles, at, &streams))
+        .and_then(|lease| {
+            track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
+            Ok(lease)
+        });
+    handed_out(lease, || core.release_lease(token)).map(|lease| (token, lease))
+}
+
+/// A staged pipeline step's entry, under one hold of the gate after reaping
+/// (docs/concepts/controller.md#steps): the state its decision describes, then a lease
+/// per group `(location, handles)` of `groups` (the handles normalised; a CUDA one read
+/// on `consumers[location]`), with nothing in between. Then the staging's `holds` go,
+/// whether or not the leases were taken: on a failure the leases already taken are
+/// released first, and the error propagates.
+pub fn enter_step(
+    manager: &CoreManager,
+    py: Python<'_>,
+    engine: &Bound<'_, PyAny>,
+    groups: &Bound<'_, PyTuple>,
+    consumers: &Bound<'_, PyDict>,
+    holds: &[u64],
+) -> PyResult<(StateView, Vec<Py<PyAny>>)> {
+    let mut released = false;
+    let entered = manager.with_gate(py, true, true, || {
+        let host = Host::new(manager, py);
+        let core = manager.core();
+        let mut leases: Vec<(u64, Py<PyAny>)> = Vec::with_capacity(groups.len());
+        let taken = (|| {
+            core.reap_with(&host)?;
+            let view = StateView {
+                state: core.current(),
+            };
+            for group in groups.iter() {
+                let group = group.cast_into::<PyTuple>()?;
+                let at = group.get_item(0)?;
+                let handles = manager
+                    .context()
+                    .normalized_handles(py, &group.get_item(1)?)?;
+                let stream = consumers.get_item(&at)?;
+                leases.push(acquire_locked(
+                    manager,
+                    &host,
+                    engine,
+                    &handles,
+                    &at,
+                    stream.as_ref(),
+                    false,
+                )?);
+            }
+            Ok(view)
+        })();
+        let taken = match taken {
+            Ok(view) => Ok((view, leases.into_iter().map(|(_, lease)| lease).collect())),
+            Err(error) => {
+                // Nothing of the entry stays: its leases go as they came (no consumer
+                // has read them, so no event is needed).
+                for (token, _) in leases {
+                    core.release_lease(token);
+                    drop(manager.objects().untrack_lease(token));
+                }
+                Err(error)
+            }
+        };
+        for &token in holds {
+            core.release_hold(token);
+        }
+        released = true;
+        taken
+    });
+    if !released {
+        // The gate refused (closed, or a callback runs): the holds go the usual way.
+        for &token in holds {
+            release(manager, py, LifetimeKind::Hold, token, false)?;
+        }
+    }
+    entered
+}
+
+/// Holds per group `(handles, location)` of `groups` (the handles normalised) under
+/// the gate the caller holds, right after a plan ran there: one token per group, in
+/// order. Nothing is reaped first: the plan's run reaped before each action, and what
+/// its copies left in flight is protected until a later operation finds it complete
+/// (docs/concepts/lifetimes.md#reaping). When one fails, those already taken are
+/// released and the error propagates.
+pub fn hold_locked(
+    manager: &CoreManager,
+    py: Python<'_>,
+    groups: &Bound<'_, PyTuple>,
+) -> PyResult<Vec<u64>> {
+    let host = Host::new(manager, py);
+    let core = manager.core();
+    let mut tokens = Vec::with_capacity(groups.len());
+    for group in groups.iter() {
+        let held = (|| {
+            let group = group.cast_into::<PyTuple>()?;
+            let handles = manager
+                .context()
+                .normalized_handles(py, &group.get_item(0)?)?;
+            let at = manager.context().location_code(py, &group.get_item(1)?)?;
+            let ids = host.resolve(&handles, at)?;
+            core.hold(&ids, at).map_err(|err| host.lift(err))
+        })();
+        match held {
+            Ok(token) => tokens.push(token),
+            Err(error) => {
+                for token in tokens {
+                    core.release_hold(token);
+                }
+                return Err(error);
+            }
+        }
+    }
+    Ok(tokens)
 }
 
 /// Host-waits for the events of the pending leases among `tokens` and releases

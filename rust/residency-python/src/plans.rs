@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyMapping, PyString, PyTuple};
+use pyo3::types::{PyBool, PyList, PyMapping, PyString, PyTuple};
 use residency_core::{
     Action, CoreError, CudaDevices, HandleId, Inputs, Location, PlanPhase, Reservation, RunError,
     Simulation, SlotResolution,
@@ -116,6 +116,7 @@ pub fn execute_plan(
     transfer_streams: Option<&Bound<'_, PyAny>>,
     expected_version: Option<&Bound<'_, PyAny>>,
     asynchronous: bool,
+    hold: Option<&Bound<'_, PyTuple>>,
     then: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let operation = || {
@@ -128,7 +129,24 @@ pub fn execute_plan(
         device.keep_streams(run);
         result.map_err(|error| device.raised(error))
     };
-    within_gate_then(manager, py, operation, then, || {})
+    let Some(groups) = hold else {
+        return within_gate_then(manager, py, operation, then, || {});
+    };
+    // What the plan made resident is held before any other thread can evict it, and
+    // `then` still finds the state the plan left; the tokens are returned.
+    let then = then.filter(|then| !then.is_none());
+    within_gate_after(manager, py, operation, || {
+        let tokens = crate::lifetimes::hold_locked(manager, py, groups)?;
+        if let Some(then) = then
+            && let Err(error) = then.call0()
+        {
+            for &token in &tokens {
+                manager.core().release_hold(token);
+            }
+            return Err(error);
+        }
+        Ok(PyList::new(py, tokens)?.into_any().unbind())
+    })
 }
 
 /// Scope entry: the core's run of the plan's checks, preflight, reclaim, reserve and
@@ -363,6 +381,23 @@ fn within_gate_then(
         manager.in_transition(py, operation)?;
         return Ok(py.None());
     };
+    within_gate_after(manager, py, operation, || {
+        let result = then.call0();
+        if result.is_err() {
+            undo();
+        }
+        result.map(Bound::unbind)
+    })
+}
+
+/// `operation` as a transition, then, when it succeeded, `after()` still under the
+/// same hold of the gate (see `within_gate_then`); returns what `after` returned.
+fn within_gate_after(
+    manager: &CoreManager,
+    py: Python<'_>,
+    operation: impl FnOnce() -> PyResult<()>,
+    after: impl FnOnce() -> PyResult<Py<PyAny>>,
+) -> PyResult<Py<PyAny>> {
     manager.enter_transition_gate(py)?;
     let core = manager.core();
     if let Err(error) = operation() {
@@ -370,12 +405,9 @@ fn within_gate_then(
         return Err(error);
     }
     core.end_transition();
-    let result = then.call0();
-    if result.is_err() {
-        undo();
-    }
+    let result = after();
     core.exit();
-    result.map(Bound::unbind)
+    result
 }
 
 /// `expected_state_version` as an index int and as the version the core compares:
