@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Self
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 __all__ = ["TensorResident", "ResidentTensor", "TensorBundle", "TensorSequence", "as_resident"]
 
 _CPU = torch.device("cpu")
+_new_object = object.__new__
 _STRIDED = torch.strided
 # The tensor types `to` copies whole with one `to(copy=True)` (see `_whole_storage`).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -161,15 +163,19 @@ class TensorResident(abc.ABC):
         if len(tensors) == 1 and _whole_storage(tensors[0]):
             # One field that is its whole storage: one copy of it keeps the layout.
             (tensor,) = tensors
-            # Detached: copied without autograd, a leaf with its source's requires_grad.
+            # Copied without autograd, a leaf with its source's requires_grad: detached
+            # first where autograd could see the copy (a source that requires grad, or
+            # a forward-mode dual level open, under which a tensor may carry a tangent
+            # that the copy would inherit); otherwise the copy is already such a leaf.
+            requires_grad = tensor.requires_grad
+            source = tensor.detach() if requires_grad or _dual_level_open() else tensor
             # On its own device, `clone` is the same copy with less dispatch.
-            source = tensor.detach()
             field = (
                 source.clone()
                 if tensor.device == target
                 else source.to(target, non_blocking=non_blocking, copy=True)
             )
-            if tensor.requires_grad:
+            if requires_grad:
                 field.requires_grad_(True)
             return self._with_resident_tensors((field,))
 
@@ -232,6 +238,13 @@ def _indexed(device: torch.device) -> torch.device:
     if device.index is not None or device == _CPU or device.type == "meta":
         return device
     return torch.empty(0, device=device).device
+
+
+def _dual_level_open() -> bool:
+    """Whether a forward-mode AD dual level is open (`torch.autograd.forward_ad`): only
+    then can a tensor carry a tangent. Torch keeps the innermost open level in
+    ``forward_ad._current_level`` (-1: none); a torch without it reads as open."""
+    return getattr(_forward_ad, "_current_level", 0) >= 0
 
 
 def _whole_storage(tensor: torch.Tensor) -> bool:
@@ -407,9 +420,10 @@ class ResidentTensor(TensorResident):
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         (tensor,) = tensors
         if type(self) is ResidentTensor:
-            # Its one slot is the tensor: nothing else to copy.
-            plain = object.__new__(ResidentTensor)
-            object.__setattr__(plain, "_tensor", tensor)
+            # Its one slot is the tensor: nothing else to copy (and no `__setattr__` of
+            # a subclass to go around).
+            plain = _new_object(ResidentTensor)
+            plain._tensor = tensor
             return plain  # type: ignore[return-value]
         # A shallow copy rather than a constructor call: subclasses keep their own
         # metadata and constructor signature, and nothing is re-validated.

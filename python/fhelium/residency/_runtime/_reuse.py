@@ -68,11 +68,14 @@ class ReuseOrder(Generic[SimulatedStream]):
         return knows
 
     def enqueue(self, stream: SimulatedStream) -> int:
-        """One operation enqueued on ``stream``; its position there."""
-        self._catch_up(stream)
+        """One operation enqueued on ``stream``; its position there.
+
+        What the stream is ordered after is not brought up to date here: it only grows,
+        and is read only by `clock` and `check`, which first take in everything the
+        host has seen complete (`_catch_up`), so taking it in earlier changes nothing."""
         handle = stream._handle
-        position = self._seq.get(handle, 0) + 1
-        self._seq[handle] = position
+        seq = self._seq
+        position = seq[handle] = seq.get(handle, 0) + 1
         return position
 
     def clock(self, stream: SimulatedStream) -> Clock:
@@ -118,6 +121,26 @@ class ReuseOrder(Generic[SimulatedStream]):
         self._streams[handle] = stream
         for key in keys:
             self._readers.setdefault(key, {})[handle] = position
+
+    def copied(
+        self, stream: SimulatedStream, source: int | None, key: int
+    ) -> list[tuple[SimulatedStream, int]]:
+        """A copy enqueued on ``stream`` now: it reads the device storage ``source``
+        (``None``: host memory, not tracked, so the copy is only enqueued) and allocates
+        the storage ``key`` on ``stream``. `read` (or `enqueue`), `check` and `allocated`
+        in one step; returns `check`'s hazards."""
+        handle = stream._handle
+        seq = self._seq
+        position = seq[handle] = seq.get(handle, 0) + 1
+        if source is not None:
+            self._streams[handle] = stream
+            readers = self._readers.get(source)
+            if readers is None:
+                readers = self._readers[source] = {}
+            readers[handle] = position
+        hazards = self.check(stream) if self._pools else []
+        self._owners[key] = handle
+        return hazards
 
     def allocated(self, stream: SimulatedStream, key: int) -> None:
         self._owners[key] = stream._handle

@@ -334,27 +334,96 @@ class SimulatedRuntime(SimulatedStreams):
             Exception: The failure queued by `fail_next` for this method, if any.
         """
         self._enter("copy_to_cuda")
+        return self._to_cuda(value, device, stream, non_blocking, False)[0]
+
+    def copy_to_cuda_measured(
+        self, value: TensorResident, device: torch.device, stream: Any, *, non_blocking: bool
+    ) -> tuple[TensorResident, ValueFacts]:
+        """`copy_to_cuda`, with the copy's facts: exactly what `measure` of the copy returns.
+
+        The optional capability of the seam that spares the manager a second call to
+        measure what the runtime has just made (docs/architecture.md#the-device-seam).
+        It is the same seam call as `copy_to_cuda`: counted in `calls` as
+        ``"copy_to_cuda"``, and ``fail_next("copy_to_cuda")`` makes it raise.
+
+        Args:
+            value: The value.
+            device: The destination device.
+            stream: The stream to copy on; ``None`` for the device's default stream.
+            non_blocking: Whether the copy is submitted without blocking (logged).
+
+        Returns:
+            ``(copy, facts)``: the copy, placed on ``device``, and its `ValueFacts`.
+
+        Raises:
+            ValueError: A stream of another device, or a device the runtime does not simulate.
+            Exception: The failure queued by `fail_next` for ``copy_to_cuda``, if any.
+        """
+        self._enter("copy_to_cuda")
+        return self._to_cuda(value, device, stream, non_blocking, True)  # type: ignore[return-value]
+
+    def _to_cuda(
+        self,
+        value: _V,
+        device: torch.device,
+        stream: Any,
+        non_blocking: bool,
+        measured: bool,
+    ) -> tuple[_V, ValueFacts | None]:
+        """The copy of `copy_to_cuda`, with its facts when ``measured`` (else ``None``).
+
+        A one-tensor value without a timeline (most values) takes the first branch:
+        the same steps as the general one (the source read on the stream, the copy, its
+        registration and the log entry), with the bookkeeping under one hold of the
+        lock, and the copy's facts from what the registration found
+        (`StorageRegistry.measure`'s one-tensor case)."""
         # A simulated device by lookup first (`_cuda_index` does the rest).
         index = self._indices.get(device) if type(device) is torch.device else None
         if index is None:
             index = self._cuda_index(device)
-        target = self._devices[index]
-        if stream is None:
-            stream = self._default_streams[index]
-        elif type(stream) is not SimulatedStream:
-            # A default-stream handle means the target device's default stream here,
-            # as the copy runs with the target device current.
-            stream = self._resolve_stream(stream, index)
-        if stream.device != target:
-            raise ValueError(f"stream {stream!r} is on {stream.device}, not on {target}")
-        timeline = self._timing
+        stream = self._copy_stream(stream, index)
         tensors = value._resident_tensors
-        if timeline is None and len(tensors) == 1:
-            return self._copy_one_to_cuda(value, tensors[0], index, target, stream, non_blocking)
+        if len(tensors) == 1 and self._timing is None:
+            registry = self._storage
+            source = registry.entries.get(tensors[0].untyped_storage()._cdata)
+            # `to(copy=True)` always clones, so even a CPU source gets new, independent
+            # storage, exactly like a real host-to-device copy.
+            result = value.to(_CPU, copy=True, non_blocking=False)
+            location = self._cuda_locations.get(index)
+            if location is None:
+                location = self._cuda_locations[index] = cuda_location(self._devices[index])
+            (copied,) = result._resident_tensors
+            storage = copied.untyped_storage()
+            with self._lock:
+                # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse);
+                # a host source is not tracked, so the copy is only enqueued there.
+                entry = registry.register_one_locked(
+                    storage,
+                    index,
+                    stream,
+                    source.key if source is not None and source.cuda else None,
+                )
+                self.copies.append(_new_tuple(SimulatedCopy, (location, stream, non_blocking)))
+            if not measured:
+                return result, None
+            size = entry.nbytes
+            return result, _new_tuple(
+                ValueFacts,
+                (
+                    entry.device,
+                    index,
+                    False,
+                    copied.nbytes,
+                    size,
+                    [(index, storage.data_ptr())] if size else [],
+                ),
+            )
+        target = self._devices[index]
         with self._lock:
             # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse).
             self._order.read(stream, self._storage.device_storage_keys(tensors))
         result = self._cuda_copy(value, target, stream)
+        timeline = self._timing
         if timeline is not None:
             by_device = self._storage.bytes_by_device(value)
             engine = "d2d" if any(d.type == "cuda" for d in by_device) else "h2d"
@@ -366,39 +435,7 @@ class SimulatedRuntime(SimulatedStreams):
         if location is None:
             location = self._cuda_locations[index] = cuda_location(target)
         self._log(location, stream, non_blocking=non_blocking)
-        return result
-
-    def _copy_one_to_cuda(
-        self,
-        value: _V,
-        tensor: torch.Tensor,
-        index: int,
-        target: torch.device,
-        stream: SimulatedStream,
-        non_blocking: bool,
-    ) -> _V:
-        """`copy_to_cuda` of a one-tensor value without a timeline (most values): the
-        same steps (the source read on ``stream``, the copy, its registration and the
-        log entry), with the bookkeeping under one hold of the lock."""
-        registry = self._storage
-        source = registry.entries.get(tensor.untyped_storage()._cdata)
-        # `to(copy=True)` always clones, so even a CPU source gets new, independent
-        # storage, exactly like a real host-to-device copy.
-        result = value.to(_CPU, copy=True, non_blocking=False)
-        location = self._cuda_locations.get(index)
-        if location is None:
-            location = self._cuda_locations[index] = cuda_location(target)
-        copies = result._resident_tensors
-        with self._lock:
-            # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse);
-            # a host source is not tracked, so the copy is only enqueued there.
-            if source is not None and source.cuda:
-                self._order.read(stream, [source.key])
-            else:
-                self._order.enqueue(stream)
-            registry.register_copy_locked(copies, target, index, stream)
-            self.copies.append(_new_tuple(SimulatedCopy, (location, stream, non_blocking)))
-        return result
+        return result, (self._storage.measure(result) if measured else None)
 
     # --- byte buffers (the disk tier's staging) -------------------------------------
     def empty_pinned(self, nbytes: int) -> torch.Tensor:

@@ -555,6 +555,24 @@ class SimulatedStreams(SimulatedDevices):
             raise ValueError(f"{handle:#x} is not a stream of this simulated runtime")
         return found
 
+    def _copy_stream(self, stream: object, index: int) -> SimulatedStream:
+        """The stream a copy to the simulated device of index ``index`` runs on: the
+        device's default stream for ``None``, else the stream ``stream`` names (a
+        default-stream handle: the target device's, as the copy runs with the target
+        device current), which must be on that device (else ``ValueError``: a
+        misplaced real copy would be unordered with the caller's work)."""
+        if stream is None:
+            return self._default_streams[index]
+        resolved = (
+            stream if type(stream) is SimulatedStream else self._resolve_stream(stream, index)
+        )
+        # This runtime's streams are on its `_devices` (`_register_stream`): identity first.
+        target = self._devices[index]
+        device = resolved._device
+        if device is not target and device != target:
+            raise ValueError(f"stream {resolved!r} is on {device}, not on {target}")
+        return resolved
+
     def _stream_for_handle(self, handle: int) -> SimulatedStream | None:
         """The stream a raw handle names, as the CUDA runtime reads it: a default-stream
         handle names the calling thread's current device's default stream."""
