@@ -85,22 +85,6 @@ class ReuseOrder(Generic[SimulatedStream]):
         clock[stream._handle] = self._seq.get(stream._handle, 0)
         return clock
 
-    def clock_completed(self, stream: SimulatedStream) -> Clock:
-        """`clock` of an event recorded on ``stream`` now, which the host sees complete
-        at once (`completed`): one pass instead of two."""
-        handle = stream._handle
-        knows = self._knows.get(handle)
-        if knows is None:
-            knows = self._knows[handle] = {}
-        host = self._host
-        _merge(knows, host)
-        clock = knows.copy()
-        clock[handle] = self._seq.get(handle, 0)
-        # `_merge(host, clock)`: ``clock`` is at or past ``host`` on every stream (it
-        # took ``host`` in, and no clock knows more of ``handle`` than its `_seq`).
-        host.update(clock)
-        return clock
-
     def wait(self, stream: SimulatedStream, clock: Clock | None) -> None:
         if clock is not None:
             _merge(self._catch_up(stream), clock)
@@ -111,8 +95,19 @@ class ReuseOrder(Generic[SimulatedStream]):
             _merge(self._host, clock)
 
     def drained(self, stream: SimulatedStream) -> None:
-        """The host waited for everything enqueued on ``stream``."""
-        _merge(self._host, self.clock(stream))
+        """The host waited for everything enqueued on ``stream`` (or saw an event
+        recorded there now complete): `completed` of `clock`, without building the clock.
+        """
+        handle = stream._handle
+        host = self._host
+        knows = self._knows.get(handle)
+        if knows:
+            for other, position in knows.items():
+                if host.get(other, 0) < position:
+                    host[other] = position
+        position = self._seq.get(handle, 0)
+        if host.get(handle, 0) < position:
+            host[handle] = position
 
     def read(self, stream: SimulatedStream, keys: list[int]) -> None:
         """Work enqueued on ``stream`` now reads the storages ``keys``."""

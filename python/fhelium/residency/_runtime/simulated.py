@@ -19,6 +19,7 @@ runtime). This module adds the seam's copies, buffers, value facts and memory re
 from __future__ import annotations
 
 import mmap
+from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
@@ -41,6 +42,10 @@ _CPU: Final = torch.device("cpu")
 
 # A named tuple built without its Python ``__new__`` frame (a copy logs one each).
 _new_tuple: Final = tuple.__new__
+
+# `calls`' key of the seam methods that count themselves (see `copy_to_cuda`).
+_COPY_TO_CUDA: Final = ("copy_to_cuda",)
+_MEMORY_SAMPLE: Final = ("memory_sample",)
 
 _PINNED_UNAVAILABLE: Final = (
     "pinned host storage is unavailable in this simulated runtime (built with pinned=False); "
@@ -333,7 +338,11 @@ class SimulatedRuntime(SimulatedStreams):
                 the caller's work), or a device the runtime does not simulate.
             Exception: The failure queued by `fail_next` for this method, if any.
         """
-        self._enter("copy_to_cuda")
+        # `_enter`, inline for the common case (no failure queued).
+        if self._faults:
+            self._enter("copy_to_cuda")
+        else:
+            _count_elements(self.calls, _COPY_TO_CUDA)
         return self._to_cuda(value, device, stream, non_blocking, False)[0]
 
     def copy_to_cuda_measured(
@@ -344,7 +353,9 @@ class SimulatedRuntime(SimulatedStreams):
         The optional capability of the seam that spares the manager a second call to
         measure what the runtime has just made (docs/architecture.md#the-device-seam).
         It is the same seam call as `copy_to_cuda`: counted in `calls` as
-        ``"copy_to_cuda"``, and ``fail_next("copy_to_cuda")`` makes it raise.
+        ``"copy_to_cuda"``, and ``fail_next("copy_to_cuda")`` makes it raise. In a
+        subclass that overrides `copy_to_cuda` or `measure`, it calls those two, so the
+        subclass's copy is the one made and its measurement the one returned.
 
         Args:
             value: The value.
@@ -359,7 +370,18 @@ class SimulatedRuntime(SimulatedStreams):
             ValueError: A stream of another device, or a device the runtime does not simulate.
             Exception: The failure queued by `fail_next` for ``copy_to_cuda``, if any.
         """
-        self._enter("copy_to_cuda")
+        cls = type(self)
+        if cls is not SimulatedRuntime and (
+            cls.copy_to_cuda is not SimulatedRuntime.copy_to_cuda
+            or cls.measure is not SimulatedRuntime.measure
+        ):
+            copied = self.copy_to_cuda(value, device, stream, non_blocking=non_blocking)
+            return copied, self.measure(copied)
+        # `_enter`, inline for the common case (no failure queued).
+        if self._faults:
+            self._enter("copy_to_cuda")
+        else:
+            _count_elements(self.calls, _COPY_TO_CUDA)
         return self._to_cuda(value, device, stream, non_blocking, True)  # type: ignore[return-value]
 
     def _to_cuda(
@@ -585,7 +607,11 @@ class SimulatedRuntime(SimulatedStreams):
         Raises:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
-        self._enter("memory_sample")
+        # `_enter`, inline for the common case (no failure queued).
+        if self._faults:
+            self._enter("memory_sample")
+        else:
+            _count_elements(self.calls, _MEMORY_SAMPLE)
         # A simulated device by lookup first (`_device_index` does the rest).
         index = self._indices.get(device) if type(device) is torch.device else None
         if index is None:

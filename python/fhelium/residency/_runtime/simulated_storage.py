@@ -136,7 +136,6 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
             self._free_weak_ref(address)
 
 
-
 class StorageRegistry:
     """The storages a `SimulatedRuntime` created, by storage identity, and the live
     simulated bytes of each device.
