@@ -864,7 +864,14 @@ fn copy_to<'py>(
                         (value, &device, &copy_stream),
                         Some(&options),
                     )?;
-                    (made.get_item(0)?, Some(facts_of(&made.get_item(1)?)?))
+                    // `None` for facts: the runtime could not say; measured as usual.
+                    let facts = made.get_item(1)?;
+                    let facts = if facts.is_none() {
+                        None
+                    } else {
+                        Some(facts_of(&facts)?)
+                    };
+                    (made.get_item(0)?, facts)
                 } else {
                     let copied = runtime.call_method(
                         intern!(py, "copy_to_cuda"),

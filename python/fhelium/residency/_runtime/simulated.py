@@ -18,7 +18,6 @@ runtime). This module adds the seam's copies, buffers, value facts and memory re
 
 from __future__ import annotations
 
-import mmap
 from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
@@ -27,7 +26,13 @@ import torch
 
 from fhelium.residency._runtime.base import DeviceRuntime, ValueFacts
 from fhelium.residency._runtime.simulated_cudart import SimulatedCudart
-from fhelium.residency._runtime.simulated_storage import SimulatedHazard, StorageRegistry
+from fhelium.residency._runtime.simulated_storage import (
+    SimulatedHazard,
+    StorageRegistry,
+    empty_host,
+    page_aligned,
+    strided_clone,
+)
 from fhelium.residency._runtime.simulated_streams import SimulatedStream, SimulatedStreams
 from fhelium.residency._runtime.timeline import Timeline, TimelineSpan, non_negative
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
@@ -347,15 +352,15 @@ class SimulatedRuntime(SimulatedStreams):
 
     def copy_to_cuda_measured(
         self, value: TensorResident, device: torch.device, stream: Any, *, non_blocking: bool
-    ) -> tuple[TensorResident, ValueFacts]:
+    ) -> tuple[TensorResident, ValueFacts | None]:
         """`copy_to_cuda`, with the copy's facts: exactly what `measure` of the copy returns.
 
         The optional capability of the seam that spares the manager a second call to
         measure what the runtime has just made (docs/architecture.md#the-device-seam).
         It is the same seam call as `copy_to_cuda`: counted in `calls` as
         ``"copy_to_cuda"``, and ``fail_next("copy_to_cuda")`` makes it raise. In a
-        subclass that overrides `copy_to_cuda` or `measure`, it calls those two, so the
-        subclass's copy is the one made and its measurement the one returned.
+        subclass (or on an instance) that replaces `copy_to_cuda` or `measure`, it
+        returns that `copy_to_cuda`'s copy without facts, for that `measure` to measure.
 
         Args:
             value: The value.
@@ -364,25 +369,34 @@ class SimulatedRuntime(SimulatedStreams):
             non_blocking: Whether the copy is submitted without blocking (logged).
 
         Returns:
-            ``(copy, facts)``: the copy, placed on ``device``, and its `ValueFacts`.
+            ``(copy, facts)``: the copy, placed on ``device``, and its `ValueFacts`, or
+            ``None`` where `copy_to_cuda` or `measure` is replaced.
 
         Raises:
             ValueError: A stream of another device, or a device the runtime does not simulate.
             Exception: The failure queued by `fail_next` for ``copy_to_cuda``, if any.
         """
+        # Overridden by a subclass, or on the instance (a test's spy): theirs, then.
         cls = type(self)
-        if cls is not SimulatedRuntime and (
-            cls.copy_to_cuda is not SimulatedRuntime.copy_to_cuda
-            or cls.measure is not SimulatedRuntime.measure
+        replaced = self.__dict__
+        if (
+            "copy_to_cuda" in replaced
+            or "measure" in replaced
+            or (
+                cls is not SimulatedRuntime
+                and (
+                    cls.copy_to_cuda is not SimulatedRuntime.copy_to_cuda
+                    or cls.measure is not SimulatedRuntime.measure
+                )
+            )
         ):
-            copied = self.copy_to_cuda(value, device, stream, non_blocking=non_blocking)
-            return copied, self.measure(copied)
+            return self.copy_to_cuda(value, device, stream, non_blocking=non_blocking), None
         # `_enter`, inline for the common case (no failure queued).
         if self._faults:
             self._enter("copy_to_cuda")
         else:
             _count_elements(self.calls, _COPY_TO_CUDA)
-        return self._to_cuda(value, device, stream, non_blocking, True)  # type: ignore[return-value]
+        return self._to_cuda(value, device, stream, non_blocking, True)
 
     def _to_cuda(
         self,
@@ -479,7 +493,7 @@ class SimulatedRuntime(SimulatedStreams):
         if not self._pinned:
             raise RuntimeError(_PINNED_UNAVAILABLE)
         # Page-aligned, as real pinned memory is (the disk tier relies on it for direct I/O).
-        buffer = _page_aligned(nbytes)
+        buffer = page_aligned(nbytes)
         self._storage.register((buffer,), _CPU, pinned=True)
         return buffer
 
@@ -753,7 +767,7 @@ class SimulatedRuntime(SimulatedStreams):
         # Mirrors TensorResident.pin_memory: the storage layout kept (each unique storage
         # copied once, every field rebuilt over it), a synchronous copy, the source's
         # requires_grad, no autograd tracking.
-        clones = layout_copy(value._resident_tensors, _CPU, _empty_host, _strided_clone)
+        clones = layout_copy(value._resident_tensors, _CPU, empty_host, strided_clone)
         self._storage.register(clones, _CPU, pinned=True)
         return value._with_resident_tensors(clones)
 
@@ -775,24 +789,6 @@ class SimulatedRuntime(SimulatedStreams):
     ) -> None:
         with self._lock:
             self.copies.append(SimulatedCopy(destination, stream, non_blocking))
-
-
-def _strided_clone(tensor: torch.Tensor) -> torch.Tensor:
-    clone = tensor.to("cpu", copy=True)
-    clone.requires_grad_(tensor.requires_grad)
-    return clone
-
-
-def _empty_host(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def _page_aligned(nbytes: int) -> torch.Tensor:
-    """A flat ``uint8`` buffer at a page-aligned address, as pinned allocators hand out
-    (``cudaHostAlloc`` maps whole pages); zero bytes get an empty tensor."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 if TYPE_CHECKING:

@@ -11,6 +11,7 @@ its real torch placement. A device allocation checks the memory-reuse order
 from __future__ import annotations
 
 import collections
+import mmap
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -24,7 +25,15 @@ from fhelium.residency._runtime.simulated_streams import SimulatedStream
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["SimulatedHazard", "StorageEntry", "StorageRegistry", "reserved_nbytes"]
+__all__ = [
+    "SimulatedHazard",
+    "StorageEntry",
+    "StorageRegistry",
+    "empty_host",
+    "page_aligned",
+    "reserved_nbytes",
+    "strided_clone",
+]
 
 # The CUDA caching allocator rounds every block up to 512 bytes; reserved bytes do the same
 # so that reserved >= allocated holds the way it does on a real device.
@@ -481,3 +490,25 @@ class StorageRegistry:
 def reserved_nbytes(nbytes: int) -> int:
     """A storage's bytes as the simulated allocator reserves them: whole blocks."""
     return -(-nbytes // _BLOCK) * _BLOCK
+
+
+def strided_clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A pageable host copy of one field that is not a plain strided tensor, with its
+    ``requires_grad`` (`layout_copy`'s fallback for the simulated pinned copies)."""
+    clone = tensor.to("cpu", copy=True)
+    clone.requires_grad_(tensor.requires_grad)
+    return clone
+
+
+def empty_host(nbytes: int) -> torch.Tensor:
+    """A new flat ``uint8`` host buffer (`layout_copy`'s allocation for simulated pinned
+    copies: the registry, not the memory, makes them pinned)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """A flat ``uint8`` buffer at a page-aligned address, as pinned allocators hand out
+    (``cudaHostAlloc`` maps whole pages); zero bytes get an empty tensor."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
