@@ -376,20 +376,17 @@ class SimulatedRuntime(SimulatedStreams):
             ValueError: A stream of another device, or a device the runtime does not simulate.
             Exception: The failure queued by `fail_next` for ``copy_to_cuda``, if any.
         """
-        # Overridden by a subclass, or on the instance (a test's spy): theirs, then.
-        cls = type(self)
-        replaced = self.__dict__
-        if (
-            "copy_to_cuda" in replaced
-            or "measure" in replaced
-            or (
-                cls is not SimulatedRuntime
-                and (
-                    cls.copy_to_cuda is not SimulatedRuntime.copy_to_cuda
-                    or cls.measure is not SimulatedRuntime.measure
-                )
+        # Replaced by a subclass, or on the instance (a test's spy): theirs, then. (By
+        # the bound methods: reading the instance's `__dict__` would make CPython
+        # build it, and every attribute read of the runtime slower from then on.)
+        try:
+            own = (
+                self.copy_to_cuda.__func__ is SimulatedRuntime.copy_to_cuda  # type: ignore[attr-defined]
+                and self.measure.__func__ is SimulatedRuntime.measure  # type: ignore[attr-defined]
             )
-        ):
+        except AttributeError:  # not a method: a function set on the instance
+            own = False
+        if not own:
             return self.copy_to_cuda(value, device, stream, non_blocking=non_blocking), None
         # `_enter`, inline for the common case (no failure queued).
         if self._faults:
