@@ -846,47 +846,15 @@ fn copy_to<'py>(
                 Some(stream) => stream.clone(),
                 None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
             };
-            #[allow(clippy::type_complexity)] // the copy, its facts and its event
-            let copied = (|| -> PyResult<(
-                Bound<'py, PyAny>,
-                Option<Facts<'py>>,
-                Option<Bound<'py, PyAny>>,
-            )> {
-                let options = PyDict::new(py);
-                options.set_item(
-                    intern!(py, "non_blocking"),
-                    source != Location::PageableHost,
-                )?;
-                let (copied, facts) = if context.measured_copies {
-                    // The copy and what `measure` would say of it, from one call.
-                    let made = runtime.call_method(
-                        intern!(py, "copy_to_cuda_measured"),
-                        (value, &device, &copy_stream),
-                        Some(&options),
-                    )?;
-                    // `None` for facts: the runtime could not say; measured as usual.
-                    let facts = made.get_item(1)?;
-                    let facts = if facts.is_none() {
-                        None
-                    } else {
-                        Some(facts_of(&facts)?)
-                    };
-                    (made.get_item(0)?, facts)
-                } else {
-                    let copied = runtime.call_method(
-                        intern!(py, "copy_to_cuda"),
-                        (value, &device, &copy_stream),
-                        Some(&options),
-                    )?;
-                    (copied, None)
-                };
-                let event = runtime.call_method1(intern!(py, "record_event"), (&copy_stream,))?;
-                if asynchronous {
-                    return Ok((copied, facts, Some(event)));
-                }
-                runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-                Ok((copied, facts, None))
-            })();
+            let copied = enqueue_cuda_copy(
+                context,
+                py,
+                value,
+                &device,
+                &copy_stream,
+                source != Location::PageableHost,
+                asynchronous,
+            );
             let error = match copied {
                 Ok((copied, facts, event)) => {
                     return Ok(CopyMade {
@@ -923,6 +891,57 @@ fn copy_to<'py>(
             Err(error)
         }
     }
+}
+
+/// The copy `copy_to` enqueues on `copy_stream` for a CUDA destination, with its facts
+/// where the runtime gives them (`copy_to_cuda_measured`), and the event recorded after
+/// it, which is waited for here unless `asynchronous` (it then comes back).
+#[allow(clippy::type_complexity)] // the copy, its facts and its event
+fn enqueue_cuda_copy<'py>(
+    context: &Context,
+    py: Python<'py>,
+    value: &Bound<'py, PyAny>,
+    device: &Bound<'py, PyAny>,
+    copy_stream: &Bound<'py, PyAny>,
+    non_blocking: bool,
+    asynchronous: bool,
+) -> PyResult<(
+    Bound<'py, PyAny>,
+    Option<Facts<'py>>,
+    Option<Bound<'py, PyAny>>,
+)> {
+    let runtime = context.runtime.bind(py);
+    let options = PyDict::new(py);
+    options.set_item(intern!(py, "non_blocking"), non_blocking)?;
+    let (copied, facts) = if context.measured_copies {
+        // The copy and what `measure` would say of it, from one call; `None` for
+        // facts: the runtime could not say, and the copy is measured as usual.
+        let made = runtime.call_method(
+            intern!(py, "copy_to_cuda_measured"),
+            (value, device, copy_stream),
+            Some(&options),
+        )?;
+        let facts = made.get_item(1)?;
+        let facts = if facts.is_none() {
+            None
+        } else {
+            Some(facts_of(&facts)?)
+        };
+        (made.get_item(0)?, facts)
+    } else {
+        let copied = runtime.call_method(
+            intern!(py, "copy_to_cuda"),
+            (value, device, copy_stream),
+            Some(&options),
+        )?;
+        (copied, None)
+    };
+    let event = runtime.call_method1(intern!(py, "record_event"), (copy_stream,))?;
+    if asynchronous {
+        return Ok((copied, facts, Some(event)));
+    }
+    runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+    Ok((copied, facts, None))
 }
 
 /// Type and placement of a candidate value, and its measured facts: the core's ticket

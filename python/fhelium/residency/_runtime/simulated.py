@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 import torch
 
-from fhelium.residency._runtime.base import DeviceRuntime, ValueFacts
+from fhelium.residency._runtime.base import DeviceRuntime, MeasuredCopies, ValueFacts
 from fhelium.residency._runtime.simulated_cudart import SimulatedCudart
 from fhelium.residency._runtime.simulated_storage import (
     SimulatedHazard,
@@ -789,5 +789,7 @@ class SimulatedRuntime(SimulatedStreams):
 
 
 if TYPE_CHECKING:
-    # Static proof that the simulation satisfies the seam it stands in for.
+    # Static proof that the simulation satisfies the seam it stands in for, and has the
+    # optional measured copies.
     _conforms: DeviceRuntime = SimulatedRuntime()
+    _measures: MeasuredCopies = SimulatedRuntime()

@@ -428,7 +428,7 @@ class StorageRegistry:
         for reader, nbytes in self._order.copied(owner, source, key):
             self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
         entry = _new_ref(StorageEntry, storage, self.freed.append)
-        entry.address = storage._weak_ref()
+        entry.address = storage._weak_ref()  # type: ignore[assignment]  # an int, untyped
         entry.key = key
         entry.device = device
         entry.code = index
