@@ -19,6 +19,10 @@ __all__ = ["TensorResident", "ResidentTensor", "TensorBundle", "TensorSequence",
 
 _CPU = torch.device("cpu")
 _new_object = object.__new__
+# Whether torch says if a forward-mode AD dual level is open: only then can a tensor
+# carry a tangent. It keeps the innermost open level in `forward_ad._current_level`
+# (-1: none); without it, every copy is detached (`TensorResident.to`).
+_DUAL_LEVELS_KNOWN = hasattr(_forward_ad, "_current_level")
 _STRIDED = torch.strided
 # The tensor types `to` copies whole with one `to(copy=True)` (see `_whole_storage`).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -156,7 +160,10 @@ class TensorResident(abc.ABC):
                 two fields at one storage address reporting different storage sizes.
             TypeError: A ``device`` that ``torch.device`` cannot convert.
         """
-        target = _indexed(device if type(device) is torch.device else torch.device(device))
+        target = device if type(device) is torch.device else torch.device(device)
+        # `_indexed`'s first case inline: an indexed device, or the CPU (most copies).
+        if target.index is None and target != _CPU:
+            target = _indexed(target)
         tensors = self._resident_tensors
         if not copy and all(tensor.device == target for tensor in tensors):
             return self
@@ -168,7 +175,11 @@ class TensorResident(abc.ABC):
             # a forward-mode dual level open, under which a tensor may carry a tangent
             # that the copy would inherit); otherwise the copy is already such a leaf.
             requires_grad = tensor.requires_grad
-            source = tensor.detach() if requires_grad or _dual_level_open() else tensor
+            source = (
+                tensor.detach()
+                if requires_grad or not _DUAL_LEVELS_KNOWN or _forward_ad._current_level >= 0
+                else tensor
+            )
             # On its own device, `clone` is the same copy with less dispatch.
             field = (
                 source.clone()
@@ -177,6 +188,11 @@ class TensorResident(abc.ABC):
             )
             if requires_grad:
                 field.requires_grad_(True)
+            if type(self) is ResidentTensor:
+                # `ResidentTensor._with_resident_tensors`, inline: one slot to fill.
+                plain = _new_object(ResidentTensor)
+                plain._tensor = field
+                return plain  # type: ignore[return-value]
             return self._with_resident_tensors((field,))
 
         def allocate(nbytes: int) -> torch.Tensor:
@@ -238,13 +254,6 @@ def _indexed(device: torch.device) -> torch.device:
     if device.index is not None or device == _CPU or device.type == "meta":
         return device
     return torch.empty(0, device=device).device
-
-
-def _dual_level_open() -> bool:
-    """Whether a forward-mode AD dual level is open (`torch.autograd.forward_ad`): only
-    then can a tensor carry a tangent. Torch keeps the innermost open level in
-    ``forward_ad._current_level`` (-1: none); a torch without it reads as open."""
-    return getattr(_forward_ad, "_current_level", 0) >= 0
 
 
 def _whole_storage(tensor: torch.Tensor) -> bool:

@@ -40,6 +40,7 @@ __all__ = [
 _BLOCK: Final = 512
 
 _new_ref: Final = weakref.ref.__new__
+_free_weak_ref: Final = torch.UntypedStorage._free_weak_ref
 # A named tuple built without its Python ``__new__`` frame (every measurement is one).
 _new_tuple: Final = tuple.__new__
 
@@ -475,8 +476,11 @@ class StorageRegistry:
                 del entries[key]
                 if entry.cuda:
                     self._order.freed(key, entry.nbytes)
-            # Out of reach now: its key may be taken again.
-            entry.release()
+            # Out of reach now: its key may be taken again (`release`, inline).
+            address = entry.address
+            if address:
+                entry.address = 0
+                _free_weak_ref(address)
 
     def sample(self, index: int) -> tuple[int, int]:
         """(allocated, reserved) bytes of the simulated device of index ``index``, after
