@@ -40,7 +40,7 @@ __all__ = [
 _BLOCK: Final = 512
 
 _new_ref: Final = weakref.ref.__new__
-_free_weak_ref: Final = torch.UntypedStorage._free_weak_ref
+_free_weak_ref: Final[Callable[[int], None]] = torch.UntypedStorage._free_weak_ref
 # A named tuple built without its Python ``__new__`` frame (every measurement is one).
 _new_tuple: Final = tuple.__new__
 
