@@ -150,3 +150,28 @@ def test_read_checks_its_arguments() -> None:
         runtime.read(stream, object())  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         runtime.read(object(), torch.zeros(1))
+
+
+def test_with_auto_complete_an_event_recorded_after_the_read_orders_the_reuse() -> None:
+    # The event completes when recorded: the host has seen it, so every later
+    # allocation is ordered after the read; a wait for it adds nothing but the log.
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    transfer, consumer, copied = _setup(runtime)
+    runtime.read(consumer, copied)
+    event = runtime.record_event(consumer)
+    assert runtime.event_query(event)
+    runtime.wait_event(transfer, event)
+    assert runtime.waits == [(transfer, event)]
+    del copied
+    _reallocate(runtime, transfer)
+    assert runtime.hazards == []
+
+
+def test_with_auto_complete_a_read_after_the_last_event_is_a_hazard() -> None:
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    transfer, consumer, copied = _setup(runtime)
+    runtime.wait_event(transfer, runtime.record_event(consumer))
+    runtime.read(consumer, copied)
+    del copied
+    _reallocate(runtime, transfer)
+    assert runtime.hazards == [SimulatedHazard(DEVICE, transfer, consumer, 4096)]

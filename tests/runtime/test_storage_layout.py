@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 from fhelium.residency import PAGEABLE_HOST, PINNED_HOST, ResidencyManager, cuda_location
 from fhelium.residency._runtime import SimulatedRuntime, TorchCudaRuntime, use_runtime
@@ -166,6 +167,26 @@ def test_single_whole_storage_tensor_copies_as_a_new_leaf(source: torch.Tensor) 
     assert torch.equal(tensor.detach(), source.detach())
     source.data.fill_(7)  # independent of the source
     assert not torch.equal(tensor.detach(), source.detach())
+
+
+# torch's `make_dual` scripts a helper on first use, which warns on this torch.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+def test_a_copy_carries_no_tangent_and_no_history() -> None:
+    # Under a forward-mode dual level a tensor may carry a tangent, which a plain copy
+    # would inherit; and a tensor computed with autograd has a history the copy must
+    # not share. Each copy is a leaf of its own.
+    computed = torch.ones(4, requires_grad=True) * 2
+    copy = ResidentTensor(computed).to("cpu", copy=True).tensor
+    assert (copy.is_leaf, copy.requires_grad, copy.grad_fn) == (True, True, None)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(torch.zeros(4), torch.ones(4))
+        assert forward_ad.unpack_dual(dual).tangent is not None
+        copy = ResidentTensor(dual).to("cpu", copy=True).tensor
+        assert forward_ad.unpack_dual(copy).tangent is None
+        assert (copy.is_leaf, copy.requires_grad) == (True, False)
+    # Outside any dual level, a tensor without grad is copied as it is: a plain leaf.
+    copy = ResidentTensor(torch.zeros(4)).to("cpu", copy=True).tensor
+    assert (copy.is_leaf, copy.requires_grad, copy.grad_fn) == (True, False, None)
 
 
 def test_fields_disagreeing_on_one_storage_size_are_refused() -> None:

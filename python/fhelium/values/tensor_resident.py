@@ -13,10 +13,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Self
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 __all__ = ["TensorResident", "ResidentTensor", "TensorBundle", "TensorSequence", "as_resident"]
 
 _CPU = torch.device("cpu")
+_new_object = object.__new__
+# Whether torch says if a forward-mode AD dual level is open: only then can a tensor
+# carry a tangent. It keeps the innermost open level in `forward_ad._current_level`
+# (-1: none); without it, every copy is detached (`TensorResident.to`).
+_DUAL_LEVELS_KNOWN = hasattr(_forward_ad, "_current_level")
 _STRIDED = torch.strided
 # The tensor types `to` copies whole with one `to(copy=True)` (see `_whole_storage`).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -154,23 +160,39 @@ class TensorResident(abc.ABC):
                 two fields at one storage address reporting different storage sizes.
             TypeError: A ``device`` that ``torch.device`` cannot convert.
         """
-        target = _indexed(device if type(device) is torch.device else torch.device(device))
+        target = device if type(device) is torch.device else torch.device(device)
+        # `_indexed`'s first case inline: an indexed device, or the CPU (most copies).
+        if target.index is None and target != _CPU:
+            target = _indexed(target)
         tensors = self._resident_tensors
         if not copy and all(tensor.device == target for tensor in tensors):
             return self
         if len(tensors) == 1 and _whole_storage(tensors[0]):
             # One field that is its whole storage: one copy of it keeps the layout.
             (tensor,) = tensors
-            # Detached: copied without autograd, a leaf with its source's requires_grad.
+            # Copied without autograd, a leaf with its source's requires_grad: detached
+            # first where autograd could see the copy (a source that requires grad, or
+            # a forward-mode dual level open, under which a tensor may carry a tangent
+            # that the copy would inherit); otherwise the copy is already such a leaf.
+            requires_grad = tensor.requires_grad
+            source = (
+                tensor.detach()
+                if requires_grad or not _DUAL_LEVELS_KNOWN or _forward_ad._current_level >= 0
+                else tensor
+            )
             # On its own device, `clone` is the same copy with less dispatch.
-            source = tensor.detach()
             field = (
                 source.clone()
                 if tensor.device == target
                 else source.to(target, non_blocking=non_blocking, copy=True)
             )
-            if tensor.requires_grad:
+            if requires_grad:
                 field.requires_grad_(True)
+            if type(self) is ResidentTensor:
+                # `ResidentTensor._with_resident_tensors`, inline: one slot to fill.
+                plain = _new_object(ResidentTensor)
+                plain._tensor = field
+                return plain  # type: ignore[return-value]
             return self._with_resident_tensors((field,))
 
         def allocate(nbytes: int) -> torch.Tensor:
@@ -407,9 +429,10 @@ class ResidentTensor(TensorResident):
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         (tensor,) = tensors
         if type(self) is ResidentTensor:
-            # Its one slot is the tensor: nothing else to copy.
-            plain = object.__new__(ResidentTensor)
-            object.__setattr__(plain, "_tensor", tensor)
+            # Its one slot is the tensor: nothing else to copy (and no `__setattr__` of
+            # a subclass to go around).
+            plain = _new_object(ResidentTensor)
+            plain._tensor = tensor
             return plain  # type: ignore[return-value]
         # A shallow copy rather than a constructor call: subclasses keep their own
         # metadata and constructor signature, and nothing is re-validated.

@@ -26,6 +26,9 @@ pub struct Context {
     pub(crate) runtime: Py<PyAny>,
     /// The runtime measures with torch directly, so this crate can too.
     pub(crate) native_measure: bool,
+    /// The runtime gives a CUDA copy's facts with the copy (`copy_to_cuda_measured`,
+    /// an optional capability of the seam, docs/architecture.md#the-device-seam).
+    pub(crate) measured_copies: bool,
     pub(crate) pinning_possible: bool,
     /// Shared location records by code; `location_of` builds the others.
     pub(crate) pageable: Py<PyAny>,
@@ -173,6 +176,9 @@ impl Context {
             report: items.get_item(4)?.cast::<RecordBuilder>()?.clone().unbind(),
             runtime: item(5)?,
             native_measure: items.get_item(6)?.extract()?,
+            measured_copies: items
+                .get_item(5)?
+                .hasattr(intern!(items.py(), "copy_to_cuda_measured"))?,
             pinning_possible: items.get_item(7)?.extract()?,
             pageable: item(8)?,
             pinned: item(9)?,

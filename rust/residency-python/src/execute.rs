@@ -566,15 +566,21 @@ struct Runtime<'a, 'py> {
     stream: Option<&'a Bound<'py, PyAny>>,
 }
 
-/// A value the runtime holds or made, with the stream that allocated it (a CUDA copy's).
+/// A value the runtime holds or made, with the stream that allocated it (a CUDA copy's)
+/// and its facts where the runtime gave them with the copy (`copy_to_cuda_measured`).
 struct Made<'py> {
     value: Bound<'py, PyAny>,
     owner: Option<Bound<'py, PyAny>>,
+    facts: Option<Facts<'py>>,
 }
 
 impl<'py> Made<'py> {
     fn held(value: Bound<'py, PyAny>) -> Self {
-        Self { value, owner: None }
+        Self {
+            value,
+            owner: None,
+            facts: None,
+        }
     }
 }
 
@@ -659,6 +665,7 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
         let value = Made {
             value,
             owner: Some(deferral.stream),
+            facts: None,
         };
         Ok(Some(Copied {
             value,
@@ -674,7 +681,7 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
         in_flight: bool,
     ) -> PyResult<Copied<Made<'py>, Bound<'py, PyAny>>> {
         let context = self.manager.context();
-        let (value, event, owner) = copy_to(
+        let copied = copy_to(
             context,
             self.py,
             &value.value,
@@ -684,13 +691,24 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
             in_flight,
         )?;
         Ok(Copied {
-            value: Made { value, owner },
-            event,
+            value: Made {
+                value: copied.value,
+                owner: copied.owner,
+                facts: copied.facts,
+            },
+            event: copied.event,
         })
     }
 
     fn validate(&mut self, index: HandleId, at: Location, value: &Made<'py>) -> PyResult<Measured> {
-        let facts = validate(self.manager, self.py, index, at, &value.value)?;
+        let facts = validate(
+            self.manager,
+            self.py,
+            index,
+            at,
+            &value.value,
+            value.facts.as_ref(),
+        )?;
         Ok(Measured {
             logical_nbytes: facts.logical,
             storage_nbytes: facts.storage,
@@ -738,13 +756,34 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
     }
 }
 
+/// What `copy_to` made: the copy, its event when it was not waited for, the stream
+/// that allocated it (a CUDA copy's), and its facts where the runtime gave them.
+struct CopyMade<'py> {
+    value: Bound<'py, PyAny>,
+    event: Option<Bound<'py, PyAny>>,
+    owner: Option<Bound<'py, PyAny>>,
+    facts: Option<Facts<'py>>,
+}
+
+impl<'py> CopyMade<'py> {
+    /// A synchronous copy that no stream allocated.
+    fn host(value: Bound<'py, PyAny>) -> Self {
+        Self {
+            value,
+            event: None,
+            owner: None,
+            facts: None,
+        }
+    }
+}
+
 /// Host copies are synchronous. A CUDA copy is enqueued on the transfer stream (the
 /// device's current stream without one) and waited for through an event; if it
 /// fails, the stream is synchronised before the error propagates, because the copy
 /// may still be reading its source (docs/concepts/transitions.md).
 /// With `asynchronous`, a CUDA copy is not waited for: its event comes back with it.
-/// A CUDA copy also gives back the stream that allocated it.
-#[allow(clippy::type_complexity)] // the copy, its event and its owning stream
+/// A CUDA copy also gives back the stream that allocated it, and, from a runtime with
+/// `copy_to_cuda_measured`, the copy's facts (docs/architecture.md#the-device-seam).
 fn copy_to<'py>(
     context: &Context,
     py: Python<'py>,
@@ -753,11 +792,7 @@ fn copy_to<'py>(
     at: Location,
     stream: Option<&Bound<'py, PyAny>>,
     asynchronous: bool,
-) -> PyResult<(
-    Bound<'py, PyAny>,
-    Option<Bound<'py, PyAny>>,
-    Option<Bound<'py, PyAny>>,
-)> {
+) -> PyResult<CopyMade<'py>> {
     let runtime = context.runtime.bind(py);
     let disk = context.disk.bind(py);
     if let Location::Disk(_) = source {
@@ -767,7 +802,7 @@ fn copy_to<'py>(
         if !matches!(at, Location::Cuda(_)) {
             let pinned = at == Location::PinnedHost;
             let read = disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?;
-            return Ok((read, None, None));
+            return Ok(CopyMade::host(read));
         }
         let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
         let copy_stream = match stream {
@@ -781,30 +816,29 @@ fn copy_to<'py>(
                 (value, &device, &copy_stream, runtime),
             )?
             .extract()?;
-        if asynchronous {
-            return Ok((read, Some(event), Some(copy_stream)));
-        }
-        runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-        return Ok((read, None, Some(copy_stream)));
+        let event = if asynchronous {
+            Some(event)
+        } else {
+            runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+            None
+        };
+        return Ok(CopyMade {
+            value: read,
+            event,
+            owner: Some(copy_stream),
+            facts: None,
+        });
     }
     match at {
-        Location::Disk(_) => Ok((
-            disk.call_method1(
-                intern!(py, "write"),
-                (context.location(py, at)?, value, runtime),
-            )?,
-            None,
-            None,
-        )),
-        Location::PinnedHost => Ok((
+        Location::Disk(_) => Ok(CopyMade::host(disk.call_method1(
+            intern!(py, "write"),
+            (context.location(py, at)?, value, runtime),
+        )?)),
+        Location::PinnedHost => Ok(CopyMade::host(
             runtime.call_method1(intern!(py, "copy_to_pinned"), (value,))?,
-            None,
-            None,
         )),
-        Location::PageableHost => Ok((
+        Location::PageableHost => Ok(CopyMade::host(
             runtime.call_method1(intern!(py, "copy_to_pageable"), (value,))?,
-            None,
-            None,
         )),
         Location::Cuda(_) => {
             let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
@@ -812,26 +846,24 @@ fn copy_to<'py>(
                 Some(stream) => stream.clone(),
                 None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
             };
-            let copied = (|| -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
-                let options = PyDict::new(py);
-                options.set_item(
-                    intern!(py, "non_blocking"),
-                    source != Location::PageableHost,
-                )?;
-                let copied = runtime.call_method(
-                    intern!(py, "copy_to_cuda"),
-                    (value, &device, &copy_stream),
-                    Some(&options),
-                )?;
-                let event = runtime.call_method1(intern!(py, "record_event"), (&copy_stream,))?;
-                if asynchronous {
-                    return Ok((copied, Some(event)));
-                }
-                runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-                Ok((copied, None))
-            })();
+            let copied = enqueue_cuda_copy(
+                context,
+                py,
+                value,
+                &device,
+                &copy_stream,
+                source != Location::PageableHost,
+                asynchronous,
+            );
             let error = match copied {
-                Ok((copied, event)) => return Ok((copied, event, Some(copy_stream))),
+                Ok((copied, facts, event)) => {
+                    return Ok(CopyMade {
+                        value: copied,
+                        event,
+                        owner: Some(copy_stream),
+                        facts,
+                    });
+                }
                 Err(error) => error,
             };
             // Interrupts too: the copy may still be reading the source on the stream.
@@ -861,14 +893,68 @@ fn copy_to<'py>(
     }
 }
 
+/// The copy `copy_to` enqueues on `copy_stream` for a CUDA destination, with its facts
+/// where the runtime gives them (`copy_to_cuda_measured`), and the event recorded after
+/// it, which is waited for here unless `asynchronous` (it then comes back).
+#[allow(clippy::type_complexity)] // the copy, its facts and its event
+fn enqueue_cuda_copy<'py>(
+    context: &Context,
+    py: Python<'py>,
+    value: &Bound<'py, PyAny>,
+    device: &Bound<'py, PyAny>,
+    copy_stream: &Bound<'py, PyAny>,
+    non_blocking: bool,
+    asynchronous: bool,
+) -> PyResult<(
+    Bound<'py, PyAny>,
+    Option<Facts<'py>>,
+    Option<Bound<'py, PyAny>>,
+)> {
+    let runtime = context.runtime.bind(py);
+    let options = PyDict::new(py);
+    options.set_item(intern!(py, "non_blocking"), non_blocking)?;
+    let (copied, facts) = if context.measured_copies {
+        // The copy and what `measure` would say of it, from one call; `None` for
+        // facts: the runtime could not say, and the copy is measured as usual.
+        let made = runtime.call_method(
+            intern!(py, "copy_to_cuda_measured"),
+            (value, device, copy_stream),
+            Some(&options),
+        )?;
+        let facts = made.get_item(1)?;
+        let facts = if facts.is_none() {
+            None
+        } else {
+            Some(facts_of(&facts)?)
+        };
+        (made.get_item(0)?, facts)
+    } else {
+        let copied = runtime.call_method(
+            intern!(py, "copy_to_cuda"),
+            (value, device, copy_stream),
+            Some(&options),
+        )?;
+        (copied, None)
+    };
+    let event = runtime.call_method1(intern!(py, "record_event"), (copy_stream,))?;
+    if asynchronous {
+        return Ok((copied, facts, Some(event)));
+    }
+    runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+    Ok((copied, facts, None))
+}
+
 /// Type and placement of a candidate value, and its measured facts: the core's ticket
-/// checks the bytes (on `loaded` or at the install).
+/// checks the bytes (on `loaded` or at the install). `known` are the facts the runtime
+/// gave with a copy it made (`copy_to_cuda_measured`): exactly what `measure` would
+/// return, so the value is not measured again.
 fn validate<'py>(
     manager: &CoreManager,
     py: Python<'py>,
     index: HandleId,
     at: Location,
     value: &Bound<'py, PyAny>,
+    known: Option<&Facts<'py>>,
 ) -> PyResult<Facts<'py>> {
     let context = manager.context();
     if let Location::Disk(_) = at {
@@ -908,7 +994,10 @@ fn validate<'py>(
             ),
         ));
     }
-    let facts = measure(context, py, value)?;
+    let facts = match known {
+        Some(facts) => facts.clone(),
+        None => measure(context, py, value)?,
+    };
     check_measured(context, py, &facts, at, value)?;
     Ok(facts)
 }
@@ -929,7 +1018,11 @@ pub(crate) fn measure<'py>(
     }
     // The runtime's own measurement: it raises the documented error for a value
     // whose tensors disagree.
-    let facts = runtime.call_method1(intern!(py, "measure"), (value,))?;
+    facts_of(&runtime.call_method1(intern!(py, "measure"), (value,))?)
+}
+
+/// The runtime's `ValueFacts` (what its `measure` returns) read into `Facts`.
+fn facts_of<'py>(facts: &Bound<'py, PyAny>) -> PyResult<Facts<'py>> {
     Ok(Facts {
         device: Some(facts.get_item(0)?),
         first: None,

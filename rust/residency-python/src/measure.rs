@@ -10,7 +10,7 @@ use pyo3::types::{PyList, PyTuple};
 use pyo3::{IntoPyObjectExt, intern};
 
 /// What one pass over a value's tensors found.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Facts<'py> {
     /// The value's `torch.device` where already known; else `first`'s is asked for
     /// when needed (only messages name it).

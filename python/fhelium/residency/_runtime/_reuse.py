@@ -68,11 +68,14 @@ class ReuseOrder(Generic[SimulatedStream]):
         return knows
 
     def enqueue(self, stream: SimulatedStream) -> int:
-        """One operation enqueued on ``stream``; its position there."""
-        self._catch_up(stream)
+        """One operation enqueued on ``stream``; its position there.
+
+        What the stream is ordered after is not brought up to date here: it only grows,
+        and is read only by `clock` and `check`, which first take in everything the
+        host has seen complete (`_catch_up`), so taking it in earlier changes nothing."""
         handle = stream._handle
-        position = self._seq.get(handle, 0) + 1
-        self._seq[handle] = position
+        seq = self._seq
+        position = seq[handle] = seq.get(handle, 0) + 1
         return position
 
     def clock(self, stream: SimulatedStream) -> Clock:
@@ -80,22 +83,6 @@ class ReuseOrder(Generic[SimulatedStream]):
         that is ordered before it."""
         clock = self._catch_up(stream).copy()
         clock[stream._handle] = self._seq.get(stream._handle, 0)
-        return clock
-
-    def clock_completed(self, stream: SimulatedStream) -> Clock:
-        """`clock` of an event recorded on ``stream`` now, which the host sees complete
-        at once (`completed`): one pass instead of two."""
-        handle = stream._handle
-        knows = self._knows.get(handle)
-        if knows is None:
-            knows = self._knows[handle] = {}
-        host = self._host
-        _merge(knows, host)
-        clock = knows.copy()
-        clock[handle] = self._seq.get(handle, 0)
-        # `_merge(host, clock)`: ``clock`` is at or past ``host`` on every stream (it
-        # took ``host`` in, and no clock knows more of ``handle`` than its `_seq`).
-        host.update(clock)
         return clock
 
     def wait(self, stream: SimulatedStream, clock: Clock | None) -> None:
@@ -108,8 +95,19 @@ class ReuseOrder(Generic[SimulatedStream]):
             _merge(self._host, clock)
 
     def drained(self, stream: SimulatedStream) -> None:
-        """The host waited for everything enqueued on ``stream``."""
-        _merge(self._host, self.clock(stream))
+        """The host waited for everything enqueued on ``stream`` (or saw an event
+        recorded there now complete): `completed` of `clock`, without building the clock.
+        """
+        handle = stream._handle
+        host = self._host
+        knows = self._knows.get(handle)
+        if knows:
+            for other, position in knows.items():
+                if host.get(other, 0) < position:
+                    host[other] = position
+        position = self._seq.get(handle, 0)
+        if host.get(handle, 0) < position:
+            host[handle] = position
 
     def read(self, stream: SimulatedStream, keys: list[int]) -> None:
         """Work enqueued on ``stream`` now reads the storages ``keys``."""
@@ -118,6 +116,26 @@ class ReuseOrder(Generic[SimulatedStream]):
         self._streams[handle] = stream
         for key in keys:
             self._readers.setdefault(key, {})[handle] = position
+
+    def copied(
+        self, stream: SimulatedStream, source: int | None, key: int
+    ) -> list[tuple[SimulatedStream, int]]:
+        """A copy enqueued on ``stream`` now: it reads the device storage ``source``
+        (``None``: host memory, not tracked, so the copy is only enqueued) and allocates
+        the storage ``key`` on ``stream``. `read` (or `enqueue`), `check` and `allocated`
+        in one step; returns `check`'s hazards."""
+        handle = stream._handle
+        seq = self._seq
+        position = seq[handle] = seq.get(handle, 0) + 1
+        if source is not None:
+            self._streams[handle] = stream
+            readers = self._readers.get(source)
+            if readers is None:
+                readers = self._readers[source] = {}
+            readers[handle] = position
+        hazards = self.check(stream) if self._pools else []
+        self._owners[key] = handle
+        return hazards
 
     def allocated(self, stream: SimulatedStream, key: int) -> None:
         self._owners[key] = stream._handle

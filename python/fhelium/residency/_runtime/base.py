@@ -15,7 +15,7 @@ import torch
 
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["DeviceRuntime", "StagedEvent", "StorageKey", "ValueFacts"]
+__all__ = ["DeviceRuntime", "MeasuredCopies", "StagedEvent", "StorageKey", "ValueFacts"]
 
 # (device, untyped_storage().data_ptr()) of one non-empty backing storage.
 StorageKey = tuple[torch.device, int]
@@ -224,4 +224,23 @@ class DeviceRuntime(Protocol):
         """``(memory_allocated, memory_reserved)`` read together in one call, or None
         when unavailable. Transitions and snapshots sample through this one method, so
         a reading costs one allocator query, not two."""
+        ...
+
+
+class MeasuredCopies(Protocol):
+    """An optional capability of a `DeviceRuntime`: a CUDA copy with its facts.
+
+    The manager measures every copy it installs; a runtime that knows a copy's facts as
+    it makes it (the simulated one does) gives them with the copy, and the manager
+    skips the second call. A runtime without the method is measured as usual
+    (docs/architecture.md#the-device-seam).
+    """
+
+    def copy_to_cuda_measured(
+        self, value: TensorResident, device: torch.device, stream: Any, *, non_blocking: bool
+    ) -> tuple[TensorResident, ValueFacts | None]:
+        """`copy_to_cuda`, and the copy's facts: exactly what ``measure`` of the copy
+        returns (the manager charges them), or ``None`` when the runtime cannot say (the
+        manager then measures the copy once it is waited for). It is the same seam call
+        as `copy_to_cuda` and fails as it does."""
         ...

@@ -18,15 +18,21 @@ runtime). This module adds the seam's copies, buffers, value facts and memory re
 
 from __future__ import annotations
 
-import mmap
+from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 import torch
 
-from fhelium.residency._runtime.base import DeviceRuntime, ValueFacts
+from fhelium.residency._runtime.base import DeviceRuntime, MeasuredCopies, ValueFacts
 from fhelium.residency._runtime.simulated_cudart import SimulatedCudart
-from fhelium.residency._runtime.simulated_storage import SimulatedHazard, StorageRegistry
+from fhelium.residency._runtime.simulated_storage import (
+    SimulatedHazard,
+    StorageRegistry,
+    empty_host,
+    page_aligned,
+    strided_clone,
+)
 from fhelium.residency._runtime.simulated_streams import SimulatedStream, SimulatedStreams
 from fhelium.residency._runtime.timeline import Timeline, TimelineSpan, non_negative
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
@@ -41,6 +47,10 @@ _CPU: Final = torch.device("cpu")
 
 # A named tuple built without its Python ``__new__`` frame (a copy logs one each).
 _new_tuple: Final = tuple.__new__
+
+# `calls`' key of the seam methods that count themselves (see `copy_to_cuda`).
+_COPY_TO_CUDA: Final = ("copy_to_cuda",)
+_MEMORY_SAMPLE: Final = ("memory_sample",)
 
 _PINNED_UNAVAILABLE: Final = (
     "pinned host storage is unavailable in this simulated runtime (built with pinned=False); "
@@ -333,28 +343,120 @@ class SimulatedRuntime(SimulatedStreams):
                 the caller's work), or a device the runtime does not simulate.
             Exception: The failure queued by `fail_next` for this method, if any.
         """
-        self._enter("copy_to_cuda")
+        # `_enter`, inline for the common case (no failure queued).
+        if self._faults:
+            self._enter("copy_to_cuda")
+        else:
+            _count_elements(self.calls, _COPY_TO_CUDA)
+        return self._to_cuda(value, device, stream, non_blocking, False)[0]
+
+    def copy_to_cuda_measured(
+        self, value: TensorResident, device: torch.device, stream: Any, *, non_blocking: bool
+    ) -> tuple[TensorResident, ValueFacts | None]:
+        """`copy_to_cuda`, with the copy's facts: exactly what `measure` of the copy returns.
+
+        The optional capability of the seam that spares the manager a second call to
+        measure what the runtime has just made (docs/architecture.md#the-device-seam).
+        It is the same seam call as `copy_to_cuda`: counted in `calls` as
+        ``"copy_to_cuda"``, and ``fail_next("copy_to_cuda")`` makes it raise. In a
+        subclass (or on an instance) that replaces `copy_to_cuda` or `measure`, it
+        returns that `copy_to_cuda`'s copy without facts, for that `measure` to measure.
+
+        Args:
+            value: The value.
+            device: The destination device.
+            stream: The stream to copy on; ``None`` for the device's default stream.
+            non_blocking: Whether the copy is submitted without blocking (logged).
+
+        Returns:
+            ``(copy, facts)``: the copy, placed on ``device``, and its `ValueFacts`, or
+            ``None`` where `copy_to_cuda` or `measure` is replaced.
+
+        Raises:
+            ValueError: A stream of another device, or a device the runtime does not simulate.
+            Exception: The failure queued by `fail_next` for ``copy_to_cuda``, if any.
+        """
+        # Replaced by a subclass, or on the instance (a test's spy): theirs, then. (By
+        # the bound methods: reading the instance's `__dict__` would make CPython
+        # build it, and every attribute read of the runtime slower from then on.)
+        try:
+            own = (
+                self.copy_to_cuda.__func__ is SimulatedRuntime.copy_to_cuda  # type: ignore[attr-defined]
+                and self.measure.__func__ is SimulatedRuntime.measure  # type: ignore[attr-defined]
+            )
+        except AttributeError:  # not a method: a function set on the instance
+            own = False
+        if not own:
+            return self.copy_to_cuda(value, device, stream, non_blocking=non_blocking), None
+        # `_enter`, inline for the common case (no failure queued).
+        if self._faults:
+            self._enter("copy_to_cuda")
+        else:
+            _count_elements(self.calls, _COPY_TO_CUDA)
+        return self._to_cuda(value, device, stream, non_blocking, True)
+
+    def _to_cuda(
+        self,
+        value: _V,
+        device: torch.device,
+        stream: Any,
+        non_blocking: bool,
+        measured: bool,
+    ) -> tuple[_V, ValueFacts | None]:
+        """The copy of `copy_to_cuda`, with its facts when ``measured`` (else ``None``).
+
+        A one-tensor value without a timeline (most values) takes the first branch:
+        the same steps as the general one (the source read on the stream, the copy, its
+        registration and the log entry), with the bookkeeping under one hold of the
+        lock, and the copy's facts from what the registration found
+        (`StorageRegistry.measure`'s one-tensor case)."""
         # A simulated device by lookup first (`_cuda_index` does the rest).
         index = self._indices.get(device) if type(device) is torch.device else None
         if index is None:
             index = self._cuda_index(device)
-        target = self._devices[index]
-        if stream is None:
-            stream = self._default_streams[index]
-        elif type(stream) is not SimulatedStream:
-            # A default-stream handle means the target device's default stream here,
-            # as the copy runs with the target device current.
-            stream = self._resolve_stream(stream, index)
-        if stream.device != target:
-            raise ValueError(f"stream {stream!r} is on {stream.device}, not on {target}")
-        timeline = self._timing
+        stream = self._copy_stream(stream, index)
         tensors = value._resident_tensors
-        if timeline is None and len(tensors) == 1:
-            return self._copy_one_to_cuda(value, tensors[0], index, target, stream, non_blocking)
+        if len(tensors) == 1 and self._timing is None:
+            registry = self._storage
+            source = registry.entries.get(tensors[0].untyped_storage()._cdata)
+            # `to(copy=True)` always clones, so even a CPU source gets new, independent
+            # storage, exactly like a real host-to-device copy.
+            result = value.to(_CPU, copy=True, non_blocking=False)
+            location = self._cuda_locations.get(index)
+            if location is None:
+                location = self._cuda_locations[index] = cuda_location(self._devices[index])
+            (copied,) = result._resident_tensors
+            storage = copied.untyped_storage()
+            with self._lock:
+                # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse);
+                # a host source is not tracked, so the copy is only enqueued there.
+                entry = registry.register_one_locked(
+                    storage,
+                    index,
+                    stream,
+                    source.key if source is not None and source.cuda else None,
+                )
+                self.copies.append(_new_tuple(SimulatedCopy, (location, stream, non_blocking)))
+            if not measured:
+                return result, None
+            size = entry.nbytes
+            return result, _new_tuple(
+                ValueFacts,
+                (
+                    entry.device,
+                    index,
+                    False,
+                    copied.nbytes,
+                    size,
+                    [(index, storage.data_ptr())] if size else [],
+                ),
+            )
+        target = self._devices[index]
         with self._lock:
             # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse).
             self._order.read(stream, self._storage.device_storage_keys(tensors))
         result = self._cuda_copy(value, target, stream)
+        timeline = self._timing
         if timeline is not None:
             by_device = self._storage.bytes_by_device(value)
             engine = "d2d" if any(d.type == "cuda" for d in by_device) else "h2d"
@@ -366,39 +468,7 @@ class SimulatedRuntime(SimulatedStreams):
         if location is None:
             location = self._cuda_locations[index] = cuda_location(target)
         self._log(location, stream, non_blocking=non_blocking)
-        return result
-
-    def _copy_one_to_cuda(
-        self,
-        value: _V,
-        tensor: torch.Tensor,
-        index: int,
-        target: torch.device,
-        stream: SimulatedStream,
-        non_blocking: bool,
-    ) -> _V:
-        """`copy_to_cuda` of a one-tensor value without a timeline (most values): the
-        same steps (the source read on ``stream``, the copy, its registration and the
-        log entry), with the bookkeeping under one hold of the lock."""
-        registry = self._storage
-        source = registry.entries.get(tensor.untyped_storage()._cdata)
-        # `to(copy=True)` always clones, so even a CPU source gets new, independent
-        # storage, exactly like a real host-to-device copy.
-        result = value.to(_CPU, copy=True, non_blocking=False)
-        location = self._cuda_locations.get(index)
-        if location is None:
-            location = self._cuda_locations[index] = cuda_location(target)
-        copies = result._resident_tensors
-        with self._lock:
-            # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse);
-            # a host source is not tracked, so the copy is only enqueued there.
-            if source is not None and source.cuda:
-                self._order.read(stream, [source.key])
-            else:
-                self._order.enqueue(stream)
-            registry.register_copy_locked(copies, target, index, stream)
-            self.copies.append(_new_tuple(SimulatedCopy, (location, stream, non_blocking)))
-        return result
+        return result, (self._storage.measure(result) if measured else None)
 
     # --- byte buffers (the disk tier's staging) -------------------------------------
     def empty_pinned(self, nbytes: int) -> torch.Tensor:
@@ -420,7 +490,7 @@ class SimulatedRuntime(SimulatedStreams):
         if not self._pinned:
             raise RuntimeError(_PINNED_UNAVAILABLE)
         # Page-aligned, as real pinned memory is (the disk tier relies on it for direct I/O).
-        buffer = _page_aligned(nbytes)
+        buffer = page_aligned(nbytes)
         self._storage.register((buffer,), _CPU, pinned=True)
         return buffer
 
@@ -548,7 +618,11 @@ class SimulatedRuntime(SimulatedStreams):
         Raises:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
-        self._enter("memory_sample")
+        # `_enter`, inline for the common case (no failure queued).
+        if self._faults:
+            self._enter("memory_sample")
+        else:
+            _count_elements(self.calls, _MEMORY_SAMPLE)
         # A simulated device by lookup first (`_device_index` does the rest).
         index = self._indices.get(device) if type(device) is torch.device else None
         if index is None:
@@ -690,7 +764,7 @@ class SimulatedRuntime(SimulatedStreams):
         # Mirrors TensorResident.pin_memory: the storage layout kept (each unique storage
         # copied once, every field rebuilt over it), a synchronous copy, the source's
         # requires_grad, no autograd tracking.
-        clones = layout_copy(value._resident_tensors, _CPU, _empty_host, _strided_clone)
+        clones = layout_copy(value._resident_tensors, _CPU, empty_host, strided_clone)
         self._storage.register(clones, _CPU, pinned=True)
         return value._with_resident_tensors(clones)
 
@@ -714,24 +788,8 @@ class SimulatedRuntime(SimulatedStreams):
             self.copies.append(SimulatedCopy(destination, stream, non_blocking))
 
 
-def _strided_clone(tensor: torch.Tensor) -> torch.Tensor:
-    clone = tensor.to("cpu", copy=True)
-    clone.requires_grad_(tensor.requires_grad)
-    return clone
-
-
-def _empty_host(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def _page_aligned(nbytes: int) -> torch.Tensor:
-    """A flat ``uint8`` buffer at a page-aligned address, as pinned allocators hand out
-    (``cudaHostAlloc`` maps whole pages); zero bytes get an empty tensor."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
-
-
 if TYPE_CHECKING:
-    # Static proof that the simulation satisfies the seam it stands in for.
+    # Static proof that the simulation satisfies the seam it stands in for, and has the
+    # optional measured copies.
     _conforms: DeviceRuntime = SimulatedRuntime()
+    _measures: MeasuredCopies = SimulatedRuntime()

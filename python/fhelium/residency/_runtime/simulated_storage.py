@@ -11,6 +11,7 @@ its real torch placement. A device allocation checks the memory-reuse order
 from __future__ import annotations
 
 import collections
+import mmap
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -24,13 +25,22 @@ from fhelium.residency._runtime.simulated_streams import SimulatedStream
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
 from fhelium.values.tensor_resident import TensorResident
 
-__all__ = ["SimulatedHazard", "StorageEntry", "StorageRegistry", "reserved_nbytes"]
+__all__ = [
+    "SimulatedHazard",
+    "StorageEntry",
+    "StorageRegistry",
+    "empty_host",
+    "page_aligned",
+    "reserved_nbytes",
+    "strided_clone",
+]
 
 # The CUDA caching allocator rounds every block up to 512 bytes; reserved bytes do the same
 # so that reserved >= allocated holds the way it does on a real device.
 _BLOCK: Final = 512
 
 _new_ref: Final = weakref.ref.__new__
+_free_weak_ref: Final[Callable[[int], None]] = torch.UntypedStorage._free_weak_ref
 # A named tuple built without its Python ``__new__`` frame (every measurement is one).
 _new_tuple: Final = tuple.__new__
 
@@ -62,9 +72,12 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
     does a tensor's), so the reference dies, and the callback runs, exactly when the
     storage is freed. ``counted`` is whether the entry's bytes are still in its device's
     counters: a storage registered again replaces its entry and is counted once. The
-    storage's C++ weak reference (``address``, what torch's ``StorageWeakRef`` holds,
-    released when the entry goes) keeps the identity unique: while the entry exists, no
-    other storage can be allocated at its key.
+    storage's C++ weak reference (``address``, what torch's ``StorageWeakRef`` holds)
+    keeps the identity unique: while the entry can be found in the registry, no other
+    storage can be allocated at its key. The registry releases it (`release`) when the
+    entry leaves its reach: taken out after its storage's death, replaced by a newer
+    entry of the same storage, or with the registry itself; one release per entry, not a
+    finalizer per entry (every simulated copy makes one).
     """
 
     __slots__ = (
@@ -125,11 +138,12 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
         entry.counted = False
         return entry
 
-    def __del__(self) -> None:
-        self._free_weak_ref(self.address)
-
-    def alive(self) -> bool:
-        return self() is not None
+    def release(self) -> None:
+        """Releases the C++ weak reference, once (``address`` 0 after)."""
+        address = self.address
+        if address:
+            self.address = 0
+            self._free_weak_ref(address)
 
 
 class StorageRegistry:
@@ -147,7 +161,16 @@ class StorageRegistry:
         hazards: The runtime's ``hazards`` list, which allocations append to.
     """
 
-    __slots__ = ("_hazards", "_lock", "_order", "allocated", "entries", "freed", "reserved")
+    __slots__ = (
+        "_hazards",
+        "_lock",
+        "_order",
+        "allocated",
+        "devices",
+        "entries",
+        "freed",
+        "reserved",
+    )
 
     def __init__(
         self,
@@ -159,6 +182,7 @@ class StorageRegistry:
         self._lock = lock
         self._order = order
         self._hazards = hazards
+        self.devices = devices
         self.entries: dict[int, StorageEntry] = {}
         # Live simulated CUDA bytes per device, allocated and rounded up to the allocator's
         # block, kept as storages are registered and freed: an allocator reading is O(1).
@@ -169,6 +193,11 @@ class StorageRegistry:
         self.allocated: list[int] = [0] * len(devices)
         self.reserved: list[int] = [0] * len(devices)
         self.freed: collections.deque[StorageEntry] = collections.deque()
+
+    def __del__(self) -> None:
+        # The entries still within reach go with the registry (`StorageEntry.release`).
+        for entry in (*self.entries.values(), *self.freed):
+            entry.release()
 
     # --- facts about values -----------------------------------------------------------
     def measure(self, value: TensorResident) -> ValueFacts:
@@ -366,11 +395,12 @@ class StorageRegistry:
                 continue
             entry = StorageEntry.make(storage, freed, device, pinned, cuda, code)
             previous = self.entries.get(entry.key)
-            if previous is not None and previous.alive():
+            self.entries[entry.key] = entry
+            if previous is not None:
                 # The same storage again (a view of one already registered): the new
                 # entry replaces it, and its bytes are counted once.
                 self.uncount_locked(previous)
-            self.entries[entry.key] = entry
+                previous.release()
             if cuda:
                 if owner is not None:
                     self._order.allocated(owner, entry.key)
@@ -378,38 +408,47 @@ class StorageRegistry:
                 self.reserved[code] += entry.reserved
                 entry.counted = True
 
-    def register_copy_locked(
+    def register_one_locked(
         self,
-        tensors: tuple[torch.Tensor, ...],
-        device: torch.device,
+        storage: torch.UntypedStorage,
         index: int,
         owner: SimulatedStream,
-    ) -> None:
-        """`register_locked` of a new copy's tensors on simulated CUDA ``device`` (of
-        index ``index``), allocated on ``owner``: the same steps, with a shortcut for the
-        common single tensor."""
-        if len(tensors) != 1:
-            self.register_locked(tensors, device, pinned=False, owner=owner)
-            return
+        source: int | None,
+    ) -> StorageEntry:
+        """`register_locked` of the one storage of a new copy on the simulated CUDA device
+        of index ``index``, allocated on ``owner``, with the copy's read of the simulated
+        device storage ``source`` (its key; ``None`` for host memory, which is not
+        tracked) on ``owner`` (`ReuseOrder.copied`): the same steps, without the loop
+        and with `StorageEntry.make` inline (most copies are of one tensor). Returns the
+        storage's entry."""
         if self.freed:
             self.drain_freed_locked()
-        order = self._order
+        device = self.devices[index]
         # An allocation on `owner` may reuse any block freed to its pool.
-        for reader, nbytes in order.check(owner):
+        key = storage._cdata
+        for reader, nbytes in self._order.copied(owner, source, key):
             self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
-        entry = StorageEntry.make(
-            tensors[0].untyped_storage(), self.freed.append, device, False, True, index
-        )
-        key = entry.key
+        entry = _new_ref(StorageEntry, storage, self.freed.append)
+        entry.address = storage._weak_ref()  # type: ignore[assignment]  # an int, untyped
+        entry.key = key
+        entry.device = device
+        entry.code = index
+        entry.pinned = False
+        entry.cuda = True
+        entry.nbytes = nbytes = storage.nbytes()
+        entry.reserved = reserved = -(-nbytes // _BLOCK) * _BLOCK
+        entry.counted = True
         entries = self.entries
         previous = entries.get(key)
-        if previous is not None and previous() is not None:
-            self.uncount_locked(previous)
         entries[key] = entry
-        order.allocated(owner, key)
-        self.allocated[index] += entry.nbytes
-        self.reserved[index] += entry.reserved
-        entry.counted = True
+        if previous is not None:
+            # A new storage's key can be an entry's only while that entry's storage
+            # lives (its `address` holds the key): the same storage, registered again.
+            self.uncount_locked(previous)
+            previous.release()
+        self.allocated[index] += nbytes
+        self.reserved[index] += reserved
+        return entry
 
     def uncount_locked(self, entry: StorageEntry) -> None:
         if entry.counted:
@@ -422,15 +461,26 @@ class StorageRegistry:
         """Takes the storages freed since the last call out of the registry and counters;
         the work is one step per storage freed, however many are alive."""
         freed = self.freed
+        entries = self.entries
         while freed:
             entry = freed.popleft()
-            self.uncount_locked(entry)
+            if entry.counted:
+                # `uncount_locked`, inline.
+                entry.counted = False
+                self.allocated[entry.code] -= entry.nbytes
+                self.reserved[entry.code] -= entry.reserved
             # A storage registered again has a newer entry there; no other storage can
-            # have the key while this entry exists (its `address` holds it).
-            if self.entries.get(entry.key) is entry:
-                del self.entries[entry.key]
+            # have the key while this entry is there (its `address` holds it).
+            key = entry.key
+            if entries.get(key) is entry:
+                del entries[key]
                 if entry.cuda:
-                    self._order.freed(entry.key, entry.nbytes)
+                    self._order.freed(key, entry.nbytes)
+            # Out of reach now: its key may be taken again (`release`, inline).
+            address = entry.address
+            if address:
+                entry.address = 0
+                _free_weak_ref(address)
 
     def sample(self, index: int) -> tuple[int, int]:
         """(allocated, reserved) bytes of the simulated device of index ``index``, after
@@ -444,3 +494,25 @@ class StorageRegistry:
 def reserved_nbytes(nbytes: int) -> int:
     """A storage's bytes as the simulated allocator reserves them: whole blocks."""
     return -(-nbytes // _BLOCK) * _BLOCK
+
+
+def strided_clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A pageable host copy of one field that is not a plain strided tensor, with its
+    ``requires_grad`` (`layout_copy`'s fallback for the simulated pinned copies)."""
+    clone = tensor.to("cpu", copy=True)
+    clone.requires_grad_(tensor.requires_grad)
+    return clone
+
+
+def empty_host(nbytes: int) -> torch.Tensor:
+    """A new flat ``uint8`` host buffer (`layout_copy`'s allocation for simulated pinned
+    copies: the registry, not the memory, makes them pinned)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """A flat ``uint8`` buffer at a page-aligned address, as pinned allocators hand out
+    (``cudaHostAlloc`` maps whole pages); zero bytes get an empty tensor."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)

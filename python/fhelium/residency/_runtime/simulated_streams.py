@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -28,6 +29,11 @@ __all__ = ["DEFAULT_STREAM_HANDLES", "SimulatedEvent", "SimulatedStream", "Simul
 # streams get handles above them.
 DEFAULT_STREAM_HANDLES: Final = frozenset({0, 1, 2})
 _FIRST_STREAM_HANDLE: Final = 0x1000
+
+_new_object: Final = object.__new__
+# `calls`' key of the seam methods that count themselves (see `record_event`).
+_RECORD_EVENT: Final = ("record_event",)
+_EVENT_QUERY: Final = ("event_query",)
 
 
 class SimulatedStream:
@@ -115,7 +121,9 @@ class SimulatedEvent:
         self._completed = completed
         self._time: float | None = None
         # What the event orders after it (docs/concepts/simulation.md#memory-reuse);
-        # None for an event built by hand, which orders nothing.
+        # None for an event built by hand, which orders nothing, and for an event
+        # complete when recorded, whose order the host took in then (a wait for it adds
+        # nothing: what a stream is ordered after always includes the host's).
         self._clock: Clock | None = None
 
     @property
@@ -394,14 +402,34 @@ class SimulatedStreams(SimulatedDevices):
             TypeError: ``stream`` is not a stream of this runtime.
             Exception: The failure queued by `fail_next` for this method, if any.
         """
-        self._enter("record_event")
-        return self._record(
-            stream if type(stream) is SimulatedStream else self._resolve_stream(stream, None)
-        )
+        # `_enter`, inline for the common case (no failure queued): every copy records one.
+        if self._faults:
+            self._enter("record_event")
+        else:
+            _count_elements(self.calls, _RECORD_EVENT)
+        if type(stream) is not SimulatedStream:
+            stream = self._resolve_stream(stream, None)
+        if self._timing is not None:
+            return self._record(stream)
+        # `_record` without a timeline, inline.
+        event = _new_object(SimulatedEvent)
+        event._stream = stream
+        event._time = None
+        event._completed = auto = self._auto_complete
+        with self._lock:
+            if auto:
+                # Complete at once: the host takes in its order now, so a wait for it
+                # adds nothing and it keeps no clock.
+                event._clock = None
+                self._order.drained(stream)
+            else:
+                event._clock = self._order.clock(stream)
+                self._pending.add(event)
+        return event
 
     def _record(self, stream: SimulatedStream) -> SimulatedEvent:
         # Built field by field: every CUDA lease release records one.
-        event = object.__new__(SimulatedEvent)
+        event = _new_object(SimulatedEvent)
         event._stream = stream
         timing = self._timing
         if timing is not None:
@@ -416,10 +444,12 @@ class SimulatedStreams(SimulatedDevices):
                     self._pending.add(event)
             return event
         event._time = None
-        event._completed = self._auto_complete
+        event._completed = auto = self._auto_complete
         with self._lock:
-            if self._auto_complete:
-                event._clock = self._order.clock_completed(stream)
+            if auto:
+                # As in `record_event`: the host takes in its order now.
+                event._clock = None
+                self._order.drained(stream)
             else:
                 event._clock = self._order.clock(stream)
                 self._pending.add(event)
@@ -440,7 +470,11 @@ class SimulatedStreams(SimulatedDevices):
             TypeError: ``event`` is not a `SimulatedEvent`.
             Exception: The failure queued by `fail_next` for this method, if any.
         """
-        self._enter("event_query")
+        # `_enter`, inline for the common case (no failure queued).
+        if self._faults:
+            self._enter("event_query")
+        else:
+            _count_elements(self.calls, _EVENT_QUERY)
         if type(event) is SimulatedEvent and self._timing is None:
             # `_query`'s first case, without its frame: most queries are this one.
             return event._completed
@@ -554,6 +588,24 @@ class SimulatedStreams(SimulatedDevices):
         if found is None:
             raise ValueError(f"{handle:#x} is not a stream of this simulated runtime")
         return found
+
+    def _copy_stream(self, stream: object, index: int) -> SimulatedStream:
+        """The stream a copy to the simulated device of index ``index`` runs on: the
+        device's default stream for ``None``, else the stream ``stream`` names (a
+        default-stream handle: the target device's, as the copy runs with the target
+        device current), which must be on that device (else ``ValueError``: a
+        misplaced real copy would be unordered with the caller's work)."""
+        if stream is None:
+            return self._default_streams[index]
+        resolved = (
+            stream if type(stream) is SimulatedStream else self._resolve_stream(stream, index)
+        )
+        # This runtime's streams are on its `_devices` (`_register_stream`): identity first.
+        target = self._devices[index]
+        device = resolved._device
+        if device is not target and device != target:
+            raise ValueError(f"stream {resolved!r} is on {device}, not on {target}")
+        return resolved
 
     def _stream_for_handle(self, handle: int) -> SimulatedStream | None:
         """The stream a raw handle names, as the CUDA runtime reads it: a default-stream
