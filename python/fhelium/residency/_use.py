@@ -559,10 +559,11 @@ def enter_staged(
     exits: list[Callable[[Any, Any, Any], object]] = []
     borrowed: list[BorrowedValues] = []
     try:
-        # What `decide` does first: a forked child is refused, and a one-pass schedule
+        # What `decide` does first: a forked child is refused (by the manager's gate,
+        # the first thing `enter_step` passes, or here first), and a one-pass schedule
         # that ran out says so.
-        engine.check_process()
         if isinstance(policy, ScheduleAwarePolicy):
+            engine.check_process()
             deciding_at(policy, policy.position)
         unscoped = _Unscoped(request.name, _time_ns())
         exits.append(unscoped.close)
@@ -574,7 +575,7 @@ def enter_staged(
         for lease in leases:
             exits.append(lease.__exit__)
             borrowed.append(enter_new(lease))
-        # The plain decider (the pipeline's condition), whose process was checked above.
+        # The plain decider (the pipeline's condition), whose process the gate checked.
         decider: Decider = controller  # type: ignore[assignment]
         identity = decider.identity
         if identity is None:

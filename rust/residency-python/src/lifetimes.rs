@@ -365,9 +365,20 @@ pub fn enter_step(
         taken
     });
     if !released {
-        // The gate refused (closed, or a callback runs): the holds go the usual way.
+        // The gate refused the entry (a closed manager, a forked child, a callback
+        // running): the holds go the usual way, queued or refused as that path says.
+        // The entry's refusal is the error raised; one of a release refused for the
+        // same reason is its consequence, noted on it.
         for &token in holds {
-            release(manager, py, LifetimeKind::Hold, token, false)?;
+            if let (Err(refused), Err(entry)) = (
+                release(manager, py, LifetimeKind::Hold, token, false),
+                &entered,
+            ) {
+                entry.add_note(
+                    py,
+                    format!("the staging's hold was not released: {refused}"),
+                )?;
+            }
         }
     }
     entered
