@@ -225,6 +225,7 @@ class ResidencyUse:
         "_leases",
         "_scope",
         "_state",
+        "_step_tokens",
         "_transfer_streams",
         "_values",
         "request",
@@ -286,6 +287,8 @@ class ResidencyUse:
         self._grouped = borrows
         self._values: _UseValues | None = None
         self._leases: list[ResidencyLease] = []
+        # What its CUDA leases leave protected, when its entry read it (`step_tokens`).
+        self._step_tokens: list[int] | None = None
         self._exited = False
         self._state = "new"
 
@@ -480,8 +483,10 @@ def use_for_step(
 def step_tokens(use: ResidencyUse) -> list[int]:
     """What an entered use's CUDA leases leave protected once it ends: each lease's own
     token and those of the copies still in flight into its values (its consumers
-    waited for them, so waiting for the step waits for them)."""
-    return protecting_tokens(use._leases)
+    waited for them, so waiting for the step waits for them): as a staged step's entry
+    read them, else read now."""
+    tokens = use._step_tokens
+    return protecting_tokens(use._leases) if tokens is None else tokens
 
 
 def exit_deferred(use: ResidencyUse) -> None:
@@ -570,7 +575,9 @@ def enter_staged(
         # The manager releases the holds, whatever happens.
         taken = holds[:]
         holds.clear()
-        view, leases = engine.enter_step(engine, entry, use._consumer_streams, taken)
+        view, leases, use._step_tokens = engine.enter_step(
+            engine, entry, use._consumer_streams, taken
+        )
         use._leases = leases
         for lease in leases:
             exits.append(lease.__exit__)
