@@ -239,8 +239,9 @@ class Engine:
         self.decide_request: Callable[..., Any] = core.decide_request
         # `enter_step(engine, groups, consumers, holds)`: a staged step's entry under one
         # hold of the gate, after reaping: (state view, a lease per (location, handles)
-        # group), the staging's hold tokens released whatever happens.
-        self.enter_step: Callable[..., tuple[_core.StateView, list[ResidencyLease]]] = (
+        # group, what its CUDA leases leave protected), the staging's hold tokens
+        # released whatever happens.
+        self.enter_step: Callable[..., tuple[_core.StateView, list[ResidencyLease], list[int]]] = (
             core.enter_step
         )
         # `plan_run()`: a new record of one plan run (phase, position, tokens, reports).

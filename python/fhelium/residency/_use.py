@@ -225,6 +225,7 @@ class ResidencyUse:
         "_leases",
         "_scope",
         "_state",
+        "_step_tokens",
         "_transfer_streams",
         "_values",
         "request",
@@ -286,6 +287,8 @@ class ResidencyUse:
         self._grouped = borrows
         self._values: _UseValues | None = None
         self._leases: list[ResidencyLease] = []
+        # What its CUDA leases leave protected, when its entry read it (`step_tokens`).
+        self._step_tokens: list[int] | None = None
         self._exited = False
         self._state = "new"
 
@@ -480,8 +483,10 @@ def use_for_step(
 def step_tokens(use: ResidencyUse) -> list[int]:
     """What an entered use's CUDA leases leave protected once it ends: each lease's own
     token and those of the copies still in flight into its values (its consumers
-    waited for them, so waiting for the step waits for them)."""
-    return protecting_tokens(use._leases)
+    waited for them, so waiting for the step waits for them): as a staged step's entry
+    read them, else read now."""
+    tokens = use._step_tokens
+    return protecting_tokens(use._leases) if tokens is None else tokens
 
 
 def exit_deferred(use: ResidencyUse) -> None:
@@ -559,22 +564,25 @@ def enter_staged(
     exits: list[Callable[[Any, Any, Any], object]] = []
     borrowed: list[BorrowedValues] = []
     try:
-        # What `decide` does first: a forked child is refused, and a one-pass schedule
+        # What `decide` does first: a forked child is refused (by the manager's gate,
+        # the first thing `enter_step` passes, or here first), and a one-pass schedule
         # that ran out says so.
-        engine.check_process()
         if isinstance(policy, ScheduleAwarePolicy):
+            engine.check_process()
             deciding_at(policy, policy.position)
         unscoped = _Unscoped(request.name, _time_ns())
         exits.append(unscoped.close)
         # The manager releases the holds, whatever happens.
         taken = holds[:]
         holds.clear()
-        view, leases = engine.enter_step(engine, entry, use._consumer_streams, taken)
+        view, leases, use._step_tokens = engine.enter_step(
+            engine, entry, use._consumer_streams, taken
+        )
         use._leases = leases
         for lease in leases:
             exits.append(lease.__exit__)
             borrowed.append(enter_new(lease))
-        # The plain decider (the pipeline's condition), whose process was checked above.
+        # The plain decider (the pipeline's condition), whose process the gate checked.
         decider: Decider = controller  # type: ignore[assignment]
         identity = decider.identity
         if identity is None:

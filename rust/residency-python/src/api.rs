@@ -509,7 +509,7 @@ impl CoreManager {
         groups: &Bound<'_, PyTuple>,
         consumers: &Bound<'_, pyo3::types::PyDict>,
         holds: Vec<u64>,
-    ) -> PyResult<(StateView, Vec<Py<PyAny>>)> {
+    ) -> PyResult<(StateView, Vec<Py<PyAny>>, Vec<u64>)> {
         crate::lifetimes::enter_step(self, py, engine, groups, consumers, &holds)
     }
 

@@ -258,13 +258,14 @@ pub fn acquire(
     manager.with_gate(py, true, true, || {
         let host = Host::new(manager, py);
         acquire_locked(manager, &host, engine, handles, at, consumer_stream, true)
-            .map(|(_, lease)| lease)
+            .map(|(_, lease, _)| lease)
     })
 }
 
 /// `acquire` under the gate the caller holds (`handles` normalised): the location's
 /// checks, then the reap (with `reap`), then the stream's check and the lookups.
-/// The lease's token and the lease.
+/// The lease's token, the lease, and the tokens of the transfers still in flight into
+/// its values.
 fn acquire_locked(
     manager: &CoreManager,
     host: &Host<'_, '_>,
@@ -273,7 +274,7 @@ fn acquire_locked(
     at: &Bound<'_, PyAny>,
     consumer_stream: Option<&Bound<'_, PyAny>>,
     reap: bool,
-) -> PyResult<(u64, Py<PyAny>)> {
+) -> PyResult<(u64, Py<PyAny>, Vec<u64>)> {
     let py = host.py;
     let context = manager.context();
     let location = context.location_code(py, at)?;
@@ -300,7 +301,12 @@ fn acquire_locked(
             track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
             Ok(lease)
         });
-    handed_out(lease, || core.release_lease(token)).map(|lease| (token, lease))
+    let transfers = if location.is_cuda() && core.transfer_count() > 0 {
+        core.transfer_tokens_into(&indices, location)
+    } else {
+        Vec::new()
+    };
+    handed_out(lease, || core.release_lease(token)).map(|lease| (token, lease, transfers))
 }
 
 /// A staged pipeline step's entry, under one hold of the gate after reaping
@@ -308,7 +314,9 @@ fn acquire_locked(
 /// per group `(location, handles)` of `groups` (the handles normalised; a CUDA one read
 /// on `consumers[location]`), with nothing in between. Then the staging's `holds` go,
 /// whether or not the leases were taken: on a failure the leases already taken are
-/// released first, and the error propagates.
+/// released first, and the error propagates. Returns the view, the leases and what
+/// their CUDA leases leave protected once released: each one's token and those of the
+/// transfers still in flight into its values.
 pub fn enter_step(
     manager: &CoreManager,
     py: Python<'_>,
@@ -316,12 +324,13 @@ pub fn enter_step(
     groups: &Bound<'_, PyTuple>,
     consumers: &Bound<'_, PyDict>,
     holds: &[u64],
-) -> PyResult<(StateView, Vec<Py<PyAny>>)> {
+) -> PyResult<(StateView, Vec<Py<PyAny>>, Vec<u64>)> {
     let mut released = false;
     let entered = manager.with_gate(py, true, true, || {
         let host = Host::new(manager, py);
         let core = manager.core();
         let mut leases: Vec<(u64, Py<PyAny>)> = Vec::with_capacity(groups.len());
+        let mut protecting: Vec<u64> = Vec::new();
         let taken = (|| {
             core.reap_with(&host)?;
             let view = StateView {
@@ -334,7 +343,8 @@ pub fn enter_step(
                     .context()
                     .normalized_handles(py, &group.get_item(1)?)?;
                 let stream = consumers.get_item(&at)?;
-                leases.push(acquire_locked(
+                let cuda = stream.is_some();
+                let (token, lease, transfers) = acquire_locked(
                     manager,
                     &host,
                     engine,
@@ -342,12 +352,21 @@ pub fn enter_step(
                     &at,
                     stream.as_ref(),
                     false,
-                )?);
+                )?;
+                leases.push((token, lease));
+                if cuda {
+                    protecting.push(token);
+                    protecting.extend(transfers);
+                }
             }
             Ok(view)
         })();
         let taken = match taken {
-            Ok(view) => Ok((view, leases.into_iter().map(|(_, lease)| lease).collect())),
+            Ok(view) => Ok((
+                view,
+                leases.into_iter().map(|(_, lease)| lease).collect(),
+                protecting,
+            )),
             Err(error) => {
                 // Nothing of the entry stays: its leases go as they came (no consumer
                 // has read them, so no event is needed).
@@ -365,9 +384,20 @@ pub fn enter_step(
         taken
     });
     if !released {
-        // The gate refused (closed, or a callback runs): the holds go the usual way.
+        // The gate refused the entry (a closed manager, a forked child, a callback
+        // running): the holds go the usual way, queued or refused as that path says.
+        // The entry's refusal is the error raised; one of a release refused for the
+        // same reason is its consequence, noted on it.
         for &token in holds {
-            release(manager, py, LifetimeKind::Hold, token, false)?;
+            if let (Err(refused), Err(entry)) = (
+                release(manager, py, LifetimeKind::Hold, token, false),
+                &entered,
+            ) {
+                entry.add_note(
+                    py,
+                    format!("the staging's hold was not released: {refused}"),
+                )?;
+            }
         }
     }
     entered
