@@ -180,7 +180,7 @@ class CoreManager:
         expected_version: object,
         *,
         asynchronous: bool = False,
-        hold: tuple[tuple[tuple[Any, ...], Any], ...] | None = None,
+        hold: tuple[tuple[tuple[tuple[Any, ...], Any], ...], list[int]] | None = None,
         then: Callable[[], Any] | None = None,
     ) -> Any: ...
     def wait_transfers(self, handles: Any, at: Any, stream: Any) -> None: ...

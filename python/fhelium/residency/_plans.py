@@ -125,7 +125,7 @@ def execute_actions(
                 raise TypeError(
                     f"actions[{position}] must be a residency action, got {type(action).__name__}"
                 )
-    run, started, _ = run_actions(
+    run, started = run_actions(
         engine, normalized, name, transfer_streams, expected_state_version, asynchronous, then
     )
     return _PlanReport._capture(name, run, started, max(started, _time_ns()))
@@ -140,21 +140,24 @@ def run_actions(
     asynchronous: bool,
     then: Callable[[], object] | None,
     lowered: _lowering.LoweredPlan | None = None,
-    hold: tuple[tuple[tuple[ResidencyHandle[Any], ...], ResidencyLocation], ...] | None = None,
-) -> tuple[_core.PlanRun, int, Any]:
+    hold: tuple[tuple[tuple[tuple[ResidencyHandle[Any], ...], ResidencyLocation], ...], list[int]]
+    | None = None,
+) -> tuple[_core.PlanRun, int]:
     """Runs checked ``normalized`` actions as one plan (`execute_actions` once its
-    arguments are checked); the run, its start and what the manager's call returned
-    (`then`'s result; with ``hold``, the hold tokens of its `(handles, location)`
-    pairs, taken under the plan's hold of the manager before ``then``). A pipeline's
-    staging calls it directly, asynchronously, with a decided plan's own records
-    (checked when they were built) and ``lowered``, their lowering as one list."""
+    arguments are checked); the run and its start. With ``hold``, `(groups, held)`,
+    each `(handles, location)` pair of ``groups`` is held under the plan's hold of the
+    manager, before ``then``, its token appended to ``held`` as it is taken (so no
+    interrupt can lose it; taken out again if a later hold or ``then`` fails). A
+    pipeline's staging calls it directly, asynchronously, with a decided plan's own
+    records (checked when they were built) and ``lowered``, their lowering as one
+    list."""
     if lowered is None:
         lowered = _lowering.lower_actions(name, normalized)
     run = engine.plan_run()
     started = _time_ns()
     after = _Then(then)
     try:
-        result = engine.execute_plan(
+        engine.execute_plan(
             run,
             lowered.ir,
             lowered.handles,
@@ -174,7 +177,7 @@ def run_actions(
         if not after.started:
             _note_committed(error, name, len(run))
         raise
-    return run, started, result
+    return run, started
 
 
 def _failure(

@@ -541,7 +541,7 @@ def enter_staged(
     holds: list[int],
 ) -> ResidencyUse:
     """Enters a pipeline's step whose staging made its values resident and holds them
-    until now (``holds``, its hold tokens), for a request without reservations
+    until now (``holds``, the list of its hold tokens), for a request without reservations
     (``plan`` is its empty plan; ``entry`` its `(location, handles)` groups): the use
     `ResidencyUse.__enter__` would enter, with no search and no plan. The state is read,
     the leases are taken and then the holds released under one hold of the manager
@@ -572,11 +572,10 @@ def enter_staged(
             deciding_at(policy, policy.position)
         unscoped = _Unscoped(request.name, _time_ns())
         exits.append(unscoped.close)
-        # The manager releases the holds, whatever happens.
-        taken = holds[:]
-        holds.clear()
+        # The manager takes the holds out of ``holds`` and releases them, whatever
+        # happens.
         view, leases, use._step_tokens = engine.enter_step(
-            engine, entry, use._consumer_streams, taken
+            engine, entry, use._consumer_streams, holds
         )
         use._leases = leases
         for lease in leases:

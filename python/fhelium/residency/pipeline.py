@@ -696,7 +696,7 @@ class _Pipeline:
             try:
                 try:
                     # Asynchronously, without a report.
-                    staged.holds = _plans.run_actions(
+                    _plans.run_actions(
                         engine,
                         actions,
                         request.name,
@@ -705,8 +705,8 @@ class _Pipeline:
                         True,
                         keep,
                         lowered,
-                        shape.holds,
-                    )[2]
+                        (shape.holds, staged.holds),
+                    )
                 finally:
                     tier.undefer(previous)
                     staged.reads = reads
@@ -719,8 +719,12 @@ class _Pipeline:
                     return False
                 continue
             except BaseException:
-                # What the plan committed stays; a failed read's copy goes.
-                self._forget_reads({index: staged})
+                # What the plan committed stays (an interrupt after the holds were
+                # taken releases them); a failed read's copy goes.
+                try:
+                    staged.release()
+                finally:
+                    self._forget_reads({index: staged})
                 raise
             self.staged[index] = staged
             return True

@@ -322,9 +322,10 @@ impl CoreManager {
     /// With `asynchronous`, the CUDA copies of `ensure` actions are enqueued and left
     /// in flight, each protected by its event (a prefetch).
     /// `then`, when given, is called after the phase under the same hold of the gate
-    /// (see `plans`); its result is returned. `hold`, when given, is a tuple of
-    /// `(handles, location)` pairs held first under that same hold; their hold tokens
-    /// are returned instead.
+    /// (see `plans`); its result is returned. `hold`, when given, is `(groups, held)`:
+    /// each `(handles, location)` pair of `groups` is held first under that same hold,
+    /// its token appended to the list `held` (released and taken out again when a
+    /// later hold or `then` fails).
     #[pyo3(signature = (run, ir, handles, actions, transfer_streams, expected_version, *, asynchronous=false, hold=None, then=None))]
     #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
     fn execute_plan(
@@ -337,7 +338,7 @@ impl CoreManager {
         transfer_streams: Option<&Bound<'_, PyAny>>,
         expected_version: Option<&Bound<'_, PyAny>>,
         asynchronous: bool,
-        hold: Option<&Bound<'_, PyTuple>>,
+        hold: Option<(Bound<'_, PyTuple>, Bound<'_, pyo3::types::PyList>)>,
         then: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         crate::plans::execute_plan(
@@ -350,7 +351,7 @@ impl CoreManager {
             transfer_streams,
             expected_version,
             asynchronous,
-            hold,
+            hold.as_ref().map(|(groups, held)| (groups, held)),
             then,
         )
     }
@@ -501,16 +502,17 @@ impl CoreManager {
 
     /// A staged pipeline step's entry in one hold of the gate: the state view, a lease
     /// per `(location, handles)` group (CUDA ones on `consumers[location]`), then the
-    /// staging's `holds` released (see `lifetimes::enter_step`).
+    /// staging's hold tokens, taken out of the list `holds`, released (see
+    /// `lifetimes::enter_step`).
     fn enter_step(
         &self,
         py: Python<'_>,
         engine: &Bound<'_, PyAny>,
         groups: &Bound<'_, PyTuple>,
         consumers: &Bound<'_, pyo3::types::PyDict>,
-        holds: Vec<u64>,
+        holds: &Bound<'_, pyo3::types::PyList>,
     ) -> PyResult<(StateView, Vec<Py<PyAny>>, Vec<u64>)> {
-        crate::lifetimes::enter_step(self, py, engine, groups, consumers, &holds)
+        crate::lifetimes::enter_step(self, py, engine, groups, consumers, holds)
     }
 
     /// Scope exit in one call: the exit actions, then the scope's reservations.

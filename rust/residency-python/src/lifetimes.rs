@@ -323,8 +323,12 @@ pub fn enter_step(
     engine: &Bound<'_, PyAny>,
     groups: &Bound<'_, PyTuple>,
     consumers: &Bound<'_, PyDict>,
-    holds: &[u64],
+    holds_list: &Bound<'_, PyList>,
 ) -> PyResult<(StateView, Vec<Py<PyAny>>, Vec<u64>)> {
+    // The holds are this call's from here on, taken out of the caller's list before
+    // anything can be interrupted: it releases them, whatever happens.
+    let holds: Vec<u64> = holds_list.extract()?;
+    holds_list.del_slice(0, holds_list.len())?;
     let mut released = false;
     let entered = manager.with_gate(py, true, true, || {
         let host = Host::new(manager, py);
@@ -377,7 +381,7 @@ pub fn enter_step(
                 Err(error)
             }
         };
-        for &token in holds {
+        for &token in &holds {
             core.release_hold(token);
         }
         released = true;
@@ -388,7 +392,7 @@ pub fn enter_step(
         // running): the holds go the usual way, queued or refused as that path says.
         // The entry's refusal is the error raised; one of a release refused for the
         // same reason is its consequence, noted on it.
-        for &token in holds {
+        for &token in &holds {
             if let (Err(refused), Err(entry)) = (
                 release(manager, py, LifetimeKind::Hold, token, false),
                 &entered,
@@ -405,20 +409,20 @@ pub fn enter_step(
 
 /// Holds per group `(handles, location)` of `groups` (the handles normalised) under
 /// the gate the caller holds, right after a plan ran there: one token per group, in
-/// order. Nothing is reaped first: the plan's run reaped before each action, and what
-/// its copies left in flight is protected until a later operation finds it complete
-/// (docs/concepts/lifetimes.md#reaping). When one fails, those already taken are
-/// released and the error propagates.
+/// order, each appended to `held` as it is taken. Nothing is reaped first: the plan's
+/// run reaped before each action, and what its copies left in flight is protected
+/// until a later operation finds it complete (docs/concepts/lifetimes.md#reaping).
+/// When one fails, the error propagates, the tokens taken still in `held`.
 pub fn hold_locked(
     manager: &CoreManager,
     py: Python<'_>,
     groups: &Bound<'_, PyTuple>,
-) -> PyResult<Vec<u64>> {
+    held: &Bound<'_, PyList>,
+) -> PyResult<()> {
     let host = Host::new(manager, py);
     let core = manager.core();
-    let mut tokens = Vec::with_capacity(groups.len());
     for group in groups.iter() {
-        let held = (|| {
+        let taken = (|| {
             let group = group.cast_into::<PyTuple>()?;
             let handles = manager
                 .context()
@@ -427,17 +431,13 @@ pub fn hold_locked(
             let ids = host.resolve(&handles, at)?;
             core.hold(&ids, at).map_err(|err| host.lift(err))
         })();
-        match held {
-            Ok(token) => tokens.push(token),
-            Err(error) => {
-                for token in tokens {
-                    core.release_hold(token);
-                }
-                return Err(error);
-            }
+        let token = taken?;
+        if let Err(error) = held.append(token) {
+            core.release_hold(token);
+            return Err(error);
         }
     }
-    Ok(tokens)
+    Ok(())
 }
 
 /// Host-waits for the events of the pending leases among `tokens` and releases

@@ -116,7 +116,7 @@ pub fn execute_plan(
     transfer_streams: Option<&Bound<'_, PyAny>>,
     expected_version: Option<&Bound<'_, PyAny>>,
     asynchronous: bool,
-    hold: Option<&Bound<'_, PyTuple>>,
+    hold: Option<(&Bound<'_, PyTuple>, &Bound<'_, PyList>)>,
     then: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let operation = || {
@@ -129,24 +129,33 @@ pub fn execute_plan(
         device.keep_streams(run);
         result.map_err(|error| device.raised(error))
     };
-    let Some(groups) = hold else {
+    let Some((groups, held)) = hold else {
         return within_gate_then(manager, py, operation, then, || {});
     };
     // What the plan made resident is held before any other thread can evict it, and
-    // `then` still finds the state the plan left; the tokens are returned.
+    // `then` still finds the state the plan left. The tokens are appended to `held`
+    // as they are taken, so the caller has them even if an interrupt arrives as the
+    // call returns; on a failure they are released and taken out again.
     let then = then.filter(|then| !then.is_none());
     within_gate_after(manager, py, operation, || {
-        let tokens = crate::lifetimes::hold_locked(manager, py, groups)?;
-        if let Some(then) = then
-            && let Err(error) = then.call0()
-        {
-            for &token in &tokens {
-                manager.core().release_hold(token);
-            }
+        let kept = held.len();
+        let result = crate::lifetimes::hold_locked(manager, py, groups, held)
+            .and_then(|()| then.map_or(Ok(()), |then| then.call0().map(drop)));
+        if let Err(error) = result {
+            release_held(manager, held, kept)?;
             return Err(error);
         }
-        Ok(PyList::new(py, tokens)?.into_any().unbind())
+        Ok(py.None())
     })
+}
+
+/// Releases the hold tokens `held` gained past its first `kept` items, and takes them
+/// out of it. The caller holds the gate.
+fn release_held(manager: &CoreManager, held: &Bound<'_, PyList>, kept: usize) -> PyResult<()> {
+    for token in held.iter().skip(kept) {
+        manager.core().release_hold(token.extract()?);
+    }
+    held.del_slice(kept, held.len())
 }
 
 /// Scope entry: the core's run of the plan's checks, preflight, reclaim, reserve and
