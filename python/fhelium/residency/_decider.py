@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
+
+from fhelium._core import LoweredRequest, TierTable
 
 from fhelium.errors import ResidencyHandleError, ResidencyOwnershipError, ResidencyPlanError
 from fhelium.residency import _lowering
@@ -49,17 +51,6 @@ _I64 = (1 << 63) - 1
 _LOWERED_REQUESTS: Final = 4096
 
 _new_candidate = trusted_builder(ResidencyEvictionCandidate)
-
-
-class _LoweredRequest(NamedTuple):
-    """A request as the engine's decide reads it, resolved while the manager had
-    discarded ``discards`` values."""
-
-    discards: int
-    rows: list[tuple[int, int]]
-    name: str
-    reservations: list[tuple[int, int, str]]
-    labels: list[str]
 
 
 class Decider:
@@ -112,15 +103,16 @@ class Decider:
         # The schedule-aware policy's steps as handle indices (see `_schedule_index`).
         self._schedule_cache: tuple[ScheduleAwarePolicy, Any] | None = None
         # Requests as the core reads them, by request object (see `_lowered`).
-        self._lowered_requests: dict[int, tuple[ResidencyRequest, int, _LoweredRequest]] = {}
+        self._lowered_requests: dict[int, tuple[ResidencyRequest, int, LoweredRequest]] = {}
         # The empty plan of each request decided satisfied, by request object (see
         # `decide`).
         self._empty_plans: dict[int, tuple[ResidencyRequest, ResidencyPlan]] = {}
         # What a pipeline derives from each request, by request object (see
         # `_staging.shape_of`).
         self.shapes: dict[int, Any] = {}
-        # The tiered policy, and its tiers as location codes (see `_decide_request`).
-        self._native_tiers: tuple[Any, list[tuple[int, list[int]]]] | None = None
+        # The tiered policy, and the native configuration the core's decide takes for
+        # it: the keys and its tiers, converted once (see `_decide_request`).
+        self._native_tiers: tuple[Any, tuple[Any, TierTable]] | None = None
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ metadata
@@ -207,13 +199,15 @@ class Decider:
                 # None: a value was discarded after the request was resolved; resolve
                 # it again.
                 found = self._decide_request(request, position)
-            (ir, simulation, slots, reclaim, enter, evictions, explored, state_version) = found
-            if not simulation.feasible:
-                raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
-            source = (engine.handle_at, ir, simulation, slots, reclaim, enter, evictions)
+            if not found.feasible:
+                raise ResidencyPlanError(found.reason or "the decided plan is infeasible")
+            explored = found.explored
+            state_version = found.state_version
+            # The core's decision, read when a record built from it is first read.
+            source = (engine.handle_at, found)
             manager_id = engine.manager_id
             identity = self.identity
-            if slots:
+            if not found.empty:
                 return decided(
                     manager_id, state_version, explored, request, policy, source, None, identity
                 )
@@ -233,7 +227,7 @@ class Decider:
             self._empty_plans[id(request)] = (request, decision.plan)
             return decision
 
-    def _lowered(self, request: ResidencyRequest) -> _LoweredRequest:
+    def _lowered(self, request: ResidencyRequest) -> LoweredRequest:
         """The request validated and lowered for the core (`_requirement_rows`, then its
         name and reservations), kept per request object while no value is discarded: a
         request is immutable, and a handle's index changes only when a value is
@@ -243,7 +237,8 @@ class Decider:
         if cached is not None and cached[0] is request and cached[1] == discards:
             return cached[2]
         rows = self._requirement_rows(request)
-        lowered = _LoweredRequest(
+        # Converted once into the core's form, kept with the request.
+        lowered = LoweredRequest(
             discards,
             rows,
             # The name appears in the search's errors and as the plan IR's name; the
@@ -318,21 +313,25 @@ class Decider:
         if tiered is not None:
             tiers = self._native_tiers
             if tiers is None or tiers[0] is not tiered:
-                # The policy's tiers as location codes (an immutable table, the same
-                # object for the policy's life: lowered once per policy).
+                # The policy's tiers (an immutable table, the same object for the
+                # policy's life: converted once per policy), with the keys.
                 table = tier_table(tiered)
                 tiers = self._native_tiers = (
                     tiered,
-                    [
-                        (
-                            _lowering.location_code(source),
-                            [_lowering.location_code(target) for target in targets],
-                        )
-                        for source, targets in table
-                    ],
+                    (
+                        self._native_keys,
+                        TierTable(
+                            [
+                                (
+                                    _lowering.location_code(source),
+                                    [_lowering.location_code(target) for target in targets],
+                                )
+                                for source, targets in table
+                            ]
+                        ),
+                    ),
                 )
-            native = (self._native_keys, tiers[1])
-            return engine.decide_request(*arguments, native=native, schedule=schedule)
+            return engine.decide_request(*arguments, native=tiers[1], schedule=schedule)
         # Any other policy is consulted as the search reaches it: one ordering per list
         # of candidates, one list of tiers per location
         # (docs/concepts/controller.md#candidates).
@@ -344,7 +343,7 @@ class Decider:
         with standing:
             return engine.decide_request(*arguments, python=(self._order, self._fallbacks))
 
-    def _checked(self, request: ResidencyRequest) -> _LoweredRequest:
+    def _checked(self, request: ResidencyRequest) -> LoweredRequest:
         """`_lowered`, whose refusals come after the core's own: a closed manager, a call
         from inside a transition, a failed reap (docs/concepts/controller.md#decide)."""
         try:
