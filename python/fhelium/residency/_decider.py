@@ -14,7 +14,6 @@ import threading
 from typing import Any, Final
 
 from fhelium._core import LoweredRequest, TierTable
-
 from fhelium.errors import ResidencyHandleError, ResidencyOwnershipError, ResidencyPlanError
 from fhelium.residency import _lowering
 from fhelium.residency._decided import LazyDecision, decided
@@ -194,11 +193,13 @@ class Decider:
             # other thread can change what was planned on in between. A completed event
             # reaped afterwards makes the decision stale at scope entry, never here (see
             # docs/concepts/controller.md#decide).
-            found = None
+            # The request (and the schedule) as resolved before, unchecked: the core
+            # refuses a resolution older than its last discard.
+            found = self._decide_request(request, position, False)
             while found is None:
                 # None: a value was discarded after the request was resolved; resolve
                 # it again.
-                found = self._decide_request(request, position)
+                found = self._decide_request(request, position, True)
             if not found.feasible:
                 raise ResidencyPlanError(found.reason or "the decided plan is infeasible")
             explored = found.explored
@@ -284,14 +285,23 @@ class Decider:
                 )
         return rows
 
-    def _decide_request(self, request: ResidencyRequest, position: int | None) -> Any:
-        """The core's decision for ``request`` in one call: its plan IR, simulation and
-        evictions, or None when a value was discarded since the request (or the
-        schedule) was resolved. The core raises each search failure as its error."""
+    def _decide_request(
+        self, request: ResidencyRequest, position: int | None, current: bool
+    ) -> Any:
+        """The core's decision for ``request`` in one call (`_core.Decided`: its plan IR,
+        simulation and evictions), or None when a value was discarded since the request
+        (or the schedule) was resolved. The core raises each search failure as its
+        error. With ``current``, a resolution is reused only if no value was discarded
+        since; without, the core's own refusal of a stale one (None) says so."""
         engine = self.engine
-        # `_checked`, for a request lowered since the last discard: the cached lowering.
+        # `_checked`, for a request lowered before (since the last discard, if
+        # ``current``): the cached lowering.
         cached = self._lowered_requests.get(id(request))
-        if cached is not None and cached[0] is request and cached[1] == engine.discard_count():
+        if (
+            cached is not None
+            and cached[0] is request
+            and (not current or cached[1] == engine.discard_count())
+        ):
             lowered = cached[2]
         else:
             lowered = self._checked(request)
@@ -307,7 +317,7 @@ class Decider:
             # repeating), resolved once per policy until a value is discarded, and the
             # policy's position (docs/concepts/controller.md#schedule-aware-eviction).
             schedule = (
-                self._schedule_index(policy),
+                self._schedule_index(policy, current),
                 policy.position if position is None else position,
             )
         if tiered is not None:
@@ -355,13 +365,15 @@ class Decider:
         _ = self.engine.state_version
         raise failure
 
-    def _schedule_index(self, policy: ScheduleAwarePolicy) -> Any:
+    def _schedule_index(self, policy: ScheduleAwarePolicy, current: bool) -> Any:
+        """The policy's schedule as handle indices, resolved once and kept (with
+        ``current``, only while no value was discarded since)."""
         engine = self.engine
         cached = self._schedule_cache
         if (
             cached is not None
             and cached[0] is policy
-            and cached[1].discards == engine.discard_count()
+            and (not current or cached[1].discards == engine.discard_count())
         ):
             return cached[1]
         index = engine.schedule_index(
