@@ -492,7 +492,7 @@ impl CoreManager {
         schedule: Option<(PyRef<'py, crate::search::ScheduleIndex>, usize)>,
     ) -> PyResult<Option<crate::search::Decided>> {
         let policy = crate::search::DecidePolicy::new(native, python, schedule)?;
-        crate::search::decide_request(self, py, request, limit, cuda_count, policy)
+        crate::search::decide_request(self, py, &request, limit, cuda_count, policy)
     }
 
     /// `operation()` under one hold of the gate, after queued releases and completed

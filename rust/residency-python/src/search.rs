@@ -470,7 +470,7 @@ impl<'py> DecidePolicy<'py> {
 pub fn decide_request(
     manager: &CoreManager,
     py: Python<'_>,
-    request: PyRef<'_, LoweredRequest>,
+    request: &LoweredRequest,
     limit: u64,
     cuda_count: i64,
     policy: DecidePolicy<'_>,
@@ -488,7 +488,7 @@ pub fn decide_request(
         let version = manager.core().version();
         let completed = crate::lifetimes::completed_pending(manager, py);
         decide_locked(
-            py, manager, version, &request, limit, cuda_count, &completed, policy,
+            py, manager, version, request, limit, cuda_count, &completed, policy,
         )
         .map(Some)
     })
