@@ -30,6 +30,7 @@ use crate::error::CoreError;
 use crate::location::Location;
 use crate::plan::ActionKind;
 use crate::state::HandleId;
+use crate::victims::VictimOrder;
 
 /// One materialisation snapshot in the planning state (docs/concepts/controller.md#decide,
 /// step 4).
@@ -170,6 +171,12 @@ pub trait ValueTable {
     fn mat_count(&self, position: usize) -> usize;
     /// The positions of the values materialised at `location`, ascending.
     fn residents(&self, location: Location) -> Vec<usize>;
+    /// The manager's persistent set of the values resident at `location` (`Some(None)`
+    /// for none), if the table is a manager's state: a policy that keeps its order of
+    /// them incrementally syncs with it ([`SearchPolicy::sync_residents`]).
+    fn resident_set(&self, _location: Location) -> Option<Option<&crate::victims::ResidentSet>> {
+        None
+    }
     /// How messages name the value at `position` (its handle id, quoted), if the table
     /// knows it; messages fall back to `#<handle index>`.
     fn handle_name(&self, _position: usize) -> Option<String> {
@@ -301,6 +308,28 @@ pub trait SearchPolicy {
     /// reported as they are (the bindings carry Python exceptions through).
     fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError>;
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError>;
+    /// Whether this policy keeps its order of the values resident at `location`
+    /// incrementally, brought up to `residents` (the initial state's, `None` for none)
+    /// here; the search then walks it ([`Self::next_resident`]) instead of asking
+    /// [`Self::order`] over every resident. Such a policy's order is total and its
+    /// [`Self::compare`] agrees with it.
+    fn sync_residents(
+        &mut self,
+        _location: Location,
+        _residents: Option<&crate::victims::ResidentSet>,
+    ) -> bool {
+        false
+    }
+    /// The initial resident of `location` after `after` (`None`: the first) in the
+    /// policy's order, once [`Self::sync_residents`] said it keeps one.
+    fn next_resident(&self, _location: Location, _after: Option<usize>) -> Option<usize> {
+        None
+    }
+    /// The policy's order between two value positions, once
+    /// [`Self::sync_residents`] said it keeps one.
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        left.cmp(&right)
+    }
     /// Called periodically so a long search can be interrupted.
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
         Ok(())
@@ -526,6 +555,43 @@ impl SearchPolicy for TieredLru {
 
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
         Ok(self.tiers.get(&location).cloned().unwrap_or_default())
+    }
+}
+
+/// The built-in tiered LRU with its order of each location's residents kept
+/// incrementally by the controller ([`VictimOrder`], with the same keys): the search
+/// walks it from the first victim, so a decide reads the candidates it tries, not every
+/// value resident where it makes room (docs/concepts/controller.md#candidates).
+#[allow(missing_debug_implementations)]
+pub struct IndexedLru<'a> {
+    pub lru: TieredLru,
+    pub order: &'a mut VictimOrder,
+}
+
+impl SearchPolicy for IndexedLru<'_> {
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
+        self.lru.order(candidates)
+    }
+
+    fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
+        self.lru.fallback_locations(location)
+    }
+
+    fn sync_residents(
+        &mut self,
+        location: Location,
+        residents: Option<&crate::victims::ResidentSet>,
+    ) -> bool {
+        self.order.sync(&self.lru.keys, location, residents);
+        true
+    }
+
+    fn next_resident(&self, location: Location, after: Option<usize>) -> Option<usize> {
+        self.order.next(&self.lru.keys, location, after)
+    }
+
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        self.lru.compare(left, right)
     }
 }
 
@@ -886,10 +952,30 @@ enum SimError {
     Unavailable(usize),
 }
 
-/// Candidates at one location in the policy's order, listed when the search first
-/// reclaims there.
+/// Candidates at one location in the policy's order: listed when the search first
+/// reclaims there, or walked in the policy's own order of the residents there.
 #[derive(Debug)]
-struct Candidates(std::vec::IntoIter<Candidate>);
+enum Candidates {
+    Listed(std::vec::IntoIter<Candidate>),
+    Walked(Box<Walk>),
+}
+
+/// A walk of the candidates at `location` in a policy's incremental order
+/// ([`SearchPolicy::next_resident`]): the initial residents the state did not change,
+/// merged with those it changed (`changed`, in the policy's order), then the
+/// required endpoints (`required`), as [`Search::ordered_candidates`] would list them.
+#[derive(Debug)]
+struct Walk {
+    location: Location,
+    blocked: Link,
+    /// The last initial resident walked past; the walk of them ended once `done`.
+    cursor: Option<usize>,
+    done: bool,
+    /// The next initial resident that is a candidate, found and not yet yielded.
+    peeked: Option<Candidate>,
+    changed: std::iter::Peekable<std::vec::IntoIter<Candidate>>,
+    required: std::vec::IntoIter<Candidate>,
+}
 
 /// A found plan: the state whose request simulation succeeded, and the actions it
 /// projected.
@@ -1558,14 +1644,112 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         location: Location,
         blocked: Link,
     ) -> Result<Candidates, SearchError> {
-        Ok(Candidates(
-            self.ordered_candidates(links, state, location, blocked)?
-                .into_iter(),
-        ))
+        let walked = match self.values.resident_set(location) {
+            Some(residents) => self.policy.sync_residents(location, residents),
+            None => false,
+        };
+        if !walked {
+            return Ok(Candidates::Listed(
+                self.ordered_candidates(links, state, location, blocked)?
+                    .into_iter(),
+            ));
+        }
+        // What the state changed, and the required endpoints, are few: listed and
+        // ordered here; the initial residents are walked as the search asks.
+        let candidate = |value: usize, mat: Option<MatInfo>| {
+            mat.filter(MatInfo::unprotected).map(|mat| Candidate {
+                value,
+                location,
+                charged: mat.charged,
+            })
+        };
+        let changed: Vec<Candidate> = state
+            .changed
+            .iter()
+            .filter(|&(value, _)| {
+                !links.is_blocked(blocked, value) && !self.required.contains(&(value, location))
+            })
+            .filter_map(|(value, mats)| {
+                candidate(
+                    value,
+                    mats.iter().find(|mat| mat.location == location).copied(),
+                )
+            })
+            .collect();
+        let mut required: Vec<usize> = self
+            .requirements
+            .iter()
+            .filter(|requirement| requirement.location == location)
+            .map(|requirement| requirement.value)
+            .filter(|&value| !links.is_blocked(blocked, value))
+            .collect();
+        required.sort_unstable();
+        required.dedup();
+        let required: Vec<Candidate> = required
+            .into_iter()
+            .filter_map(|value| candidate(value, self.mat_at(state, value, location)))
+            .collect();
+        let changed = self.order(&changed)?;
+        let required = self.order(&required)?;
+        Ok(Candidates::Walked(Box::new(Walk {
+            location,
+            blocked,
+            cursor: None,
+            done: false,
+            peeked: None,
+            changed: changed.into_iter().peekable(),
+            required: required.into_iter(),
+        })))
     }
 
-    fn next_candidate(stream: &mut Candidates) -> Option<Candidate> {
-        stream.0.next()
+    /// The next candidate of `stream`, a frame's, whose state is `state`.
+    fn next_candidate(
+        &self,
+        links: &Links,
+        state: &State,
+        stream: &mut Candidates,
+    ) -> Option<Candidate> {
+        let walk = match stream {
+            Candidates::Listed(listed) => return listed.next(),
+            Candidates::Walked(walk) => walk,
+        };
+        let location = walk.location;
+        while walk.peeked.is_none() && !walk.done {
+            let Some(value) = self.policy.next_resident(location, walk.cursor) else {
+                walk.done = true;
+                break;
+            };
+            walk.cursor = Some(value);
+            // A value the state changed is among `changed` if it is a candidate.
+            if state.changed.get(value).is_some()
+                || links.is_blocked(walk.blocked, value)
+                || self.required.contains(&(value, location))
+            {
+                continue;
+            }
+            walk.peeked = self
+                .values
+                .mat_at(value, location)
+                .filter(MatInfo::unprotected)
+                .map(|mat| Candidate {
+                    value,
+                    location,
+                    charged: mat.charged,
+                });
+        }
+        let first_walked = match (walk.peeked, walk.changed.peek()) {
+            (Some(walked), Some(changed)) => {
+                self.policy.compare(walked.value, changed.value) == std::cmp::Ordering::Less
+            }
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => return walk.required.next(),
+        };
+        if first_walked {
+            walk.peeked.take()
+        } else {
+            walk.changed.next()
+        }
     }
 
     /// The unprotected materialisations at `location`, ordinary ones then required
@@ -1726,11 +1910,11 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         path: &mut Path,
         top: usize,
     ) -> Result<Option<Found>, SearchError> {
-        let frames = &mut path.frames;
+        let Path { frames, links } = path;
         let Some(Frame::Request(frame)) = frames.get_mut(top) else {
             return Ok(None);
         };
-        if let Some(candidate) = Self::next_candidate(&mut frame.candidates) {
+        if let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates) {
             let rank = frame.next_rank;
             frame.next_rank += 1;
             frames.push(Frame::Reclaim(ReclaimFrame {
@@ -2281,7 +2465,8 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         let Some(Frame::Capacity(frame)) = frames.get_mut(top) else {
             return Ok(None);
         };
-        while let Some(candidate) = Self::next_candidate(&mut frame.candidates) {
+        while let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates)
+        {
             let rank = frame.next_rank;
             frame.next_rank += 1;
             if links.is_active(frame.active, (candidate.value, candidate.location)) {

@@ -11,9 +11,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use residency_core::search::{
-    Candidate, Eviction, NextUses, PolicyKeyMap, Requirement, ScheduleAware, Search, SearchError,
-    SearchOutcome, SearchPolicy, TieredLru,
+    Candidate, Eviction, IndexedLru, NextUses, PolicyKeyMap, Requirement, ScheduleAware, Search,
+    SearchError, SearchOutcome, SearchPolicy, TieredLru,
 };
+use residency_core::victims::VictimOrder;
 use residency_core::{
     Action, ActionKind, CudaDevices, HandleId, Location, Plan, Reservation, SearchInputs,
     Simulation, SlotResolution,
@@ -108,6 +109,22 @@ impl<P: SearchPolicy> SearchPolicy for NativePolicy<'_, P> {
         self.policy.fallback_locations(at)
     }
 
+    fn sync_residents(
+        &mut self,
+        location: Location,
+        residents: Option<&residency_core::victims::ResidentSet>,
+    ) -> bool {
+        self.policy.sync_residents(location, residents)
+    }
+
+    fn next_resident(&self, location: Location, after: Option<usize>) -> Option<usize> {
+        self.policy.next_resident(location, after)
+    }
+
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        self.policy.compare(left, right)
+    }
+
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
         self.py.check_signals().map_err(|err| {
             self.error.get_or_insert(err);
@@ -166,24 +183,66 @@ impl ScheduleIndex {
 /// The built-in policy's keys by handle index, kept by the controller as they change
 /// (one entry per metadata change or recorded access), so a decide reads them without
 /// converting or copying them: `(priority, last access epoch or -1, stable key)`.
+/// With them, the tiered LRU's order of each location's residents ([`VictimOrder`]),
+/// moved as the keys change, so a decide walks it instead of sorting the residents.
 #[pyclass(frozen, module = "fhelium._core", name = "PolicyKeys")]
 #[derive(Debug, Default)]
 pub struct PolicyKeys {
-    keys: Mutex<Arc<PolicyKeyMap>>,
+    keys: Mutex<Keys>,
+}
+
+#[derive(Debug, Default)]
+struct Keys {
+    map: Arc<PolicyKeyMap>,
+    /// `None` while a decide walks it (see [`PolicyKeys::take_order`]).
+    order: Option<VictimOrder>,
+    /// A key changed while the order was out: it is rebuilt when it comes back.
+    stale: bool,
 }
 
 impl PolicyKeys {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Keys> {
+        self.keys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// The keys now; a later change copies them only while a decide still reads these.
     fn snapshot(&self) -> Arc<PolicyKeyMap> {
-        Arc::clone(&self.keys.lock().unwrap_or_else(PoisonError::into_inner))
+        Arc::clone(&self.lock().map)
+    }
+
+    /// The keys now and the order kept with them, for one decide to walk (and sync) and
+    /// then hand back ([`Self::put_order`]). Another decide meanwhile (a signal
+    /// handler's) gets an empty order, synced from nothing.
+    fn take_order(&self) -> (Arc<PolicyKeyMap>, VictimOrder) {
+        let mut keys = self.lock();
+        let order = keys.order.take().unwrap_or_default();
+        (Arc::clone(&keys.map), order)
+    }
+
+    /// Hands back an order [`Self::take_order`] gave out: kept unless a key changed
+    /// meanwhile (then forgotten, to be synced again from nothing).
+    fn put_order(&self, mut order: VictimOrder) {
+        let mut keys = self.lock();
+        if std::mem::take(&mut keys.stale) {
+            order.clear();
+        }
+        if keys.order.is_none() {
+            keys.order = Some(order);
+        }
     }
 
     fn update(&self, index: u32, change: impl FnOnce(&mut (i64, i64, Option<Arc<str>>))) {
-        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = Arc::make_mut(&mut keys)
+        let mut guard = self.lock();
+        let keys = &mut *guard;
+        let entry = Arc::make_mut(&mut keys.map)
             .entry(index as usize)
             .or_insert((0, -1, None));
+        let old = entry.clone();
         change(entry);
+        match &mut keys.order {
+            Some(order) => order.rekey(index as usize, &old, entry),
+            None => keys.stale = true,
+        }
     }
 }
 
@@ -210,7 +269,7 @@ impl PolicyKeys {
 
     /// The values with keys.
     fn __len__(&self) -> usize {
-        self.snapshot().len()
+        self.lock().map.len()
     }
 }
 
@@ -576,16 +635,28 @@ fn native_search(
     searched: &[(Location, u64)],
     limit: u64,
 ) -> (Result<SearchOutcome, SearchError>, Option<PyErr>) {
-    let lru = tiered_lru(config);
     let Some((index, position)) = schedule else {
+        // The tiered LRU walks the order of the residents the controller keeps with its
+        // keys, and hands it back synced.
+        let keys = config.0.get();
+        let (map, mut order) = keys.take_order();
         let mut native = NativePolicy {
             py,
-            policy: lru,
+            policy: IndexedLru {
+                lru: TieredLru {
+                    keys: map,
+                    tiers: config.1.get().tiers.clone(),
+                },
+                order: &mut order,
+            },
             error: None,
         };
         let result = search_with(inputs, required, searched, limit, &mut native);
-        return (result, native.error);
+        let error = native.error;
+        keys.put_order(order);
+        return (result, error);
     };
+    let lru = tiered_lru(config);
     // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction).
     let mut native = NativePolicy {
         py,
