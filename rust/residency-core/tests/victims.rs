@@ -158,14 +158,16 @@ impl ValueTable for Walkable {
 /// is there and how protected (0: not there, 1: there, 2: there and in use).
 type ValueSpec = (u64, bool, [u8; 3]);
 
-fn state() -> impl Strategy<
-    Value = (
-        Vec<ValueSpec>,
-        Vec<(i64, i64)>,
-        Vec<(usize, usize)>,
-        [u64; 3],
-    ),
-> {
+/// A random state: its values, their `(priority, epoch)` keys, the requirements as
+/// `(value, location index)` and the budgets per location.
+type RandomState = (
+    Vec<ValueSpec>,
+    Vec<(i64, i64)>,
+    Vec<(usize, usize)>,
+    [u64; 3],
+);
+
+fn state() -> impl Strategy<Value = RandomState> {
     (
         proptest::collection::vec((1..4u64, any::<bool>(), [0..3u8, 0..3u8, 0..3u8]), 1..14),
         proptest::collection::vec((-1..2i64, -1..8i64), 14),
