@@ -30,7 +30,7 @@ use crate::error::CoreError;
 use crate::location::Location;
 use crate::plan::ActionKind;
 use crate::state::HandleId;
-use crate::victims::VictimOrder;
+use crate::victims::{PLAIN_KEYS, VictimOrder};
 
 /// One materialisation snapshot in the planning state (docs/concepts/controller.md#decide,
 /// step 4).
@@ -497,11 +497,7 @@ pub struct SearchOutcome {
     pub explored: u64,
 }
 
-/// The tiered LRU's `(priority, epoch, stable key)` by value position.
-pub type PolicyKeyMap = FastMap<usize, (i64, i64, Option<Arc<str>>)>;
-
-/// Policy keys of a value without metadata and never accessed.
-const PLAIN_KEYS: (i64, i64, Option<Arc<str>>) = (0, -1, None);
+pub use crate::victims::PolicyKeyMap;
 
 /// The built-in `DeterministicTieredLRU`, natively: a stable sort by
 /// `(priority, epoch or -1, keyed first, key text, registration index)`.

@@ -3,7 +3,7 @@
 //! first victim on, so finding the next candidate costs `O(log n)` in the values
 //! resident there, not a sort of all of them.
 //!
-//! The order is kept by the controller with its keys ([`crate::search::PolicyKeyMap`]):
+//! The order is kept by the controller with its keys ([`PolicyKeyMap`]):
 //! a key change (a recorded access, new metadata) moves the value within each
 //! location it is resident at ([`VictimOrder::rekey`]), and a decide first brings a
 //! location's residents up to the manager's state ([`VictimOrder::sync`]): the
@@ -17,8 +17,8 @@ use std::sync::Arc;
 use imbl::OrdSet;
 use imbl::ordset::DiffItem;
 
+use crate::fasthash::FastMap;
 use crate::location::Location;
-use crate::search::PolicyKeyMap;
 use crate::state::HandleId;
 
 /// The values resident at one location, as the manager's state keeps them.
@@ -29,6 +29,10 @@ pub type LruKeys = (i64, i64, Option<Arc<str>>);
 
 /// Keys of a value without metadata and never accessed.
 pub const PLAIN_KEYS: LruKeys = (0, -1, None);
+
+/// The tiered LRU's keys by value position, for values with metadata or an access
+/// epoch; every other value has [`PLAIN_KEYS`].
+pub type PolicyKeyMap = FastMap<usize, LruKeys>;
 
 /// One resident in the order: the tiered LRU's sort key, field for field (priority,
 /// epoch, keyed first, key text, then registration order, which positions follow).
