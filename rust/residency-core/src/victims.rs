@@ -34,10 +34,15 @@ pub const PLAIN_KEYS: LruKeys = (0, -1, None);
 /// epoch; every other value has [`PLAIN_KEYS`].
 pub type PolicyKeyMap = FastMap<usize, LruKeys>;
 
-/// One resident in the order: the tiered LRU's sort key, field for field (priority,
+/// A key of one resident in an order: it knows its value's position.
+pub trait Positioned: Ord + Clone {
+    fn position(&self) -> usize;
+}
+
+/// One resident in the tiered LRU's order: its sort key, field for field (priority,
 /// epoch, keyed first, key text, then registration order, which positions follow).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct Entry {
+pub struct LruEntry {
     priority: i64,
     epoch: i64,
     unkeyed: bool,
@@ -45,8 +50,8 @@ struct Entry {
     position: usize,
 }
 
-impl Entry {
-    fn new(keys: &LruKeys, position: usize) -> Self {
+impl LruEntry {
+    pub fn new(keys: &LruKeys, position: usize) -> Self {
         let (priority, epoch, key) = keys;
         Self {
             priority: *priority,
@@ -58,49 +63,72 @@ impl Entry {
     }
 }
 
+impl Positioned for LruEntry {
+    fn position(&self) -> usize {
+        self.position
+    }
+}
+
 /// The values resident at one location as of the last sync, and their order.
-#[derive(Debug, Default, Clone)]
-struct Residents {
-    synced: OrdSet<HandleId>,
-    order: BTreeSet<Entry>,
+#[derive(Debug, Clone)]
+struct Residents<K> {
+    synced: ResidentSet,
+    order: BTreeSet<K>,
 }
 
-/// The tiered LRU's order of the residents of each location a decide has asked about.
-#[derive(Debug, Default, Clone)]
-pub struct VictimOrder {
-    locations: BTreeMap<Location, Residents>,
+impl<K> Default for Residents<K> {
+    fn default() -> Self {
+        Self {
+            synced: ResidentSet::new(),
+            order: BTreeSet::new(),
+        }
+    }
 }
 
-fn keys_of(keys: &PolicyKeyMap, position: usize) -> &LruKeys {
-    keys.get(&position).unwrap_or(&PLAIN_KEYS)
+/// A policy's order of the residents of each location a decide has asked about, by
+/// keys `K` that sort as the policy does.
+#[derive(Debug, Clone)]
+pub struct Ordered<K> {
+    locations: BTreeMap<Location, Residents<K>>,
 }
 
-impl VictimOrder {
-    /// The value at `position` changed its keys from `old` to `new`: it moves wherever
+impl<K> Default for Ordered<K> {
+    fn default() -> Self {
+        Self {
+            locations: BTreeMap::new(),
+        }
+    }
+}
+
+impl<K: Positioned> Ordered<K> {
+    /// The value at `position` changed its key from `old` to `new`: it moves wherever
     /// it is resident.
-    pub fn rekey(&mut self, position: usize, old: &LruKeys, new: &LruKeys) {
+    pub fn rekey(&mut self, position: usize, old: &K, new: &K) {
         let Ok(handle) = HandleId::try_from(position) else {
             return;
         };
+        if old == new {
+            return;
+        }
         for residents in self.locations.values_mut() {
             if residents.synced.contains(&handle) {
-                residents.order.remove(&Entry::new(old, position));
-                residents.order.insert(Entry::new(new, position));
+                residents.order.remove(old);
+                residents.order.insert(new.clone());
             }
         }
     }
 
     /// Brings `location`'s residents up to `now` (the manager's residents there, `None`
-    /// for none), each keyed by `keys`: only the values added or removed since the last
+    /// for none), each keyed by `key`: only the values added or removed since the last
     /// sync are visited.
     pub fn sync(
         &mut self,
-        keys: &PolicyKeyMap,
         location: Location,
-        now: Option<&OrdSet<HandleId>>,
+        now: Option<&ResidentSet>,
+        key: impl Fn(usize) -> K,
     ) {
         let residents = self.locations.entry(location).or_default();
-        let empty = OrdSet::new();
+        let empty = ResidentSet::new();
         let now = now.unwrap_or(&empty);
         if residents.synced.ptr_eq(now) {
             return;
@@ -108,20 +136,69 @@ impl VictimOrder {
         for change in residents.synced.diff(now) {
             match change {
                 DiffItem::Add(&handle) => {
-                    let position = handle as usize;
-                    residents
-                        .order
-                        .insert(Entry::new(keys_of(keys, position), position));
+                    residents.order.insert(key(handle as usize));
                 }
                 DiffItem::Remove(&handle) => {
-                    let position = handle as usize;
-                    residents
-                        .order
-                        .remove(&Entry::new(keys_of(keys, position), position));
+                    residents.order.remove(&key(handle as usize));
                 }
             }
         }
         residents.synced = now.clone();
+    }
+
+    /// The resident of `location` next after the one keyed `after` (`None`: the
+    /// first).
+    pub fn next(&self, location: Location, after: Option<&K>) -> Option<usize> {
+        let residents = self.locations.get(&location)?;
+        let next = match after {
+            None => residents.order.first(),
+            Some(from) => residents
+                .order
+                .range((Bound::Excluded(from), Bound::Unbounded))
+                .next(),
+        };
+        next.map(Positioned::position)
+    }
+
+    /// The residents of `location` in order.
+    pub fn ordered(&self, location: Location) -> Vec<usize> {
+        self.locations
+            .get(&location)
+            .map(|residents| residents.order.iter().map(Positioned::position).collect())
+            .unwrap_or_default()
+    }
+
+    /// Forgets every location: the next sync of each starts from nothing.
+    pub fn clear(&mut self) {
+        self.locations.clear();
+    }
+}
+
+fn keys_of(keys: &PolicyKeyMap, position: usize) -> &LruKeys {
+    keys.get(&position).unwrap_or(&PLAIN_KEYS)
+}
+
+/// The tiered LRU's order of the residents of each location a decide has asked about.
+#[derive(Debug, Default, Clone)]
+pub struct VictimOrder(Ordered<LruEntry>);
+
+impl VictimOrder {
+    /// The value at `position` changed its keys from `old` to `new`: it moves wherever
+    /// it is resident.
+    pub fn rekey(&mut self, position: usize, old: &LruKeys, new: &LruKeys) {
+        self.0.rekey(
+            position,
+            &LruEntry::new(old, position),
+            &LruEntry::new(new, position),
+        );
+    }
+
+    /// Brings `location`'s residents up to `now` (the manager's residents there, `None`
+    /// for none), each keyed by `keys`.
+    pub fn sync(&mut self, keys: &PolicyKeyMap, location: Location, now: Option<&ResidentSet>) {
+        self.0.sync(location, now, |position| {
+            LruEntry::new(keys_of(keys, position), position)
+        });
     }
 
     /// The resident of `location` next after `after` in the order (`None`: the first),
@@ -132,30 +209,17 @@ impl VictimOrder {
         location: Location,
         after: Option<usize>,
     ) -> Option<usize> {
-        let residents = self.locations.get(&location)?;
-        let next = match after {
-            None => residents.order.first(),
-            Some(position) => {
-                let from = Entry::new(keys_of(keys, position), position);
-                residents
-                    .order
-                    .range((Bound::Excluded(from), Bound::Unbounded))
-                    .next()
-            }
-        };
-        next.map(|entry| entry.position)
+        let after = after.map(|position| LruEntry::new(keys_of(keys, position), position));
+        self.0.next(location, after.as_ref())
     }
 
     /// The residents of `location` in order (tests compare it with a sort).
     pub fn ordered(&self, location: Location) -> Vec<usize> {
-        self.locations
-            .get(&location)
-            .map(|residents| residents.order.iter().map(|entry| entry.position).collect())
-            .unwrap_or_default()
+        self.0.ordered(location)
     }
 
     /// Forgets every location: the next sync of each starts from nothing.
     pub fn clear(&mut self) {
-        self.locations.clear();
+        self.0.clear();
     }
 }
