@@ -30,7 +30,7 @@ use crate::error::CoreError;
 use crate::location::Location;
 use crate::plan::ActionKind;
 use crate::state::HandleId;
-use crate::victims::{PLAIN_KEYS, VictimOrder};
+use crate::victims::{LruKeys, Ordered, PLAIN_KEYS, Positioned, ResidentSet, VictimOrder};
 
 /// One materialisation snapshot in the planning state (docs/concepts/controller.md#decide,
 /// step 4).
@@ -174,7 +174,7 @@ pub trait ValueTable {
     /// The manager's persistent set of the values resident at `location` (`Some(None)`
     /// for none), if the table is a manager's state: a policy that keeps its order of
     /// them incrementally syncs with it ([`SearchPolicy::sync_residents`]).
-    fn resident_set(&self, _location: Location) -> Option<Option<&crate::victims::ResidentSet>> {
+    fn resident_set(&self, _location: Location) -> Option<Option<&ResidentSet>> {
         None
     }
     /// How messages name the value at `position` (its handle id, quoted), if the table
@@ -313,11 +313,7 @@ pub trait SearchPolicy {
     /// here; the search then walks it ([`Self::next_resident`]) instead of asking
     /// [`Self::order`] over every resident. Such a policy's order is total and its
     /// [`Self::compare`] agrees with it.
-    fn sync_residents(
-        &mut self,
-        _location: Location,
-        _residents: Option<&crate::victims::ResidentSet>,
-    ) -> bool {
+    fn sync_residents(&mut self, _location: Location, _residents: Option<&ResidentSet>) -> bool {
         false
     }
     /// The initial resident of `location` after `after` (`None`: the first) in the
@@ -573,11 +569,7 @@ impl SearchPolicy for IndexedLru<'_> {
         self.lru.fallback_locations(location)
     }
 
-    fn sync_residents(
-        &mut self,
-        location: Location,
-        residents: Option<&crate::victims::ResidentSet>,
-    ) -> bool {
+    fn sync_residents(&mut self, location: Location, residents: Option<&ResidentSet>) -> bool {
         self.order.sync(&self.lru.keys, location, residents);
         true
     }
@@ -621,6 +613,10 @@ pub struct ScheduleAware {
 #[derive(Debug, Clone, Default)]
 pub struct NextUses {
     steps: Arc<FastMap<usize, Vec<u64>>>,
+    /// The same schedule by step: the positions each step requests.
+    by_step: Arc<Vec<Vec<usize>>>,
+    /// Which schedule this is: another schedule, or this one changed, has another.
+    id: Arc<()>,
     cursor: u64,
     /// The schedule's length when it repeats; `None` for one pass.
     period: Option<u64>,
@@ -642,6 +638,8 @@ impl NextUses {
         }
         Self {
             steps: Arc::new(steps),
+            by_step: Arc::new(schedule.to_vec()),
+            id: Arc::new(()),
             cursor: 0,
             period: None,
         }
@@ -667,6 +665,8 @@ impl NextUses {
         let cursor = u64::try_from(cursor).unwrap_or(u64::MAX);
         Self {
             steps: Arc::clone(&self.steps),
+            by_step: Arc::clone(&self.by_step),
+            id: Arc::clone(&self.id),
             cursor: self
                 .period
                 .and_then(|period| cursor.checked_rem(period))
@@ -694,6 +694,31 @@ impl NextUses {
         if let Err(at) = uses.binary_search(&step) {
             uses.insert(at, step);
         }
+        if let Ok(at) = usize::try_from(step) {
+            let by_step = Arc::make_mut(&mut self.by_step);
+            if by_step.len() <= at {
+                by_step.resize_with(at + 1, Vec::new);
+            }
+            by_step[at].push(position);
+        }
+        self.id = Arc::new(());
+    }
+
+    /// Whether `other` is the same schedule (standing anywhere).
+    pub fn same_schedule(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.id, &other.id) && self.period == other.period
+    }
+
+    /// The positions whose next use may differ between standing here and where
+    /// `other` (the same schedule) stands: those requested at a step between the two.
+    pub fn moved<'a>(&'a self, other: &Self) -> impl Iterator<Item = usize> + 'a {
+        let low = usize::try_from(self.cursor.min(other.cursor)).unwrap_or(usize::MAX);
+        let high = usize::try_from(self.cursor.max(other.cursor)).unwrap_or(usize::MAX);
+        let steps = self
+            .by_step
+            .get(low.min(self.by_step.len())..high.min(self.by_step.len()))
+            .unwrap_or_default();
+        steps.iter().flatten().copied()
     }
 
     /// The positions requested at or after the current step (in a cyclic schedule,
@@ -742,6 +767,140 @@ impl SearchPolicy for ScheduleAware {
 
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
         self.lru.fallback_locations(location)
+    }
+}
+
+/// One resident in the schedule-aware order: [`ScheduleAware::key`], field for field.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ScheduleEntry {
+    priority: i64,
+    next: std::cmp::Reverse<u64>,
+    epoch: i64,
+    unkeyed: bool,
+    key: Option<Arc<str>>,
+    position: usize,
+}
+
+impl ScheduleEntry {
+    fn new(keys: &LruKeys, next: Option<u64>, position: usize) -> Self {
+        let (priority, epoch, key) = keys;
+        Self {
+            priority: *priority,
+            next: std::cmp::Reverse(next.unwrap_or(u64::MAX)),
+            epoch: *epoch,
+            unkeyed: key.is_none(),
+            key: key.clone(),
+            position,
+        }
+    }
+
+    fn of(keys: &PolicyKeyMap, uses: &NextUses, position: usize) -> Self {
+        Self::new(
+            keys.get(&position).unwrap_or(&PLAIN_KEYS),
+            uses.get(position),
+            position,
+        )
+    }
+}
+
+impl Positioned for ScheduleEntry {
+    fn position(&self) -> usize {
+        self.position
+    }
+}
+
+/// The schedule-aware policy's order of each location's residents, kept incrementally
+/// by the controller with its keys: standing at another step moves only the values
+/// requested between the two steps ([`ScheduleOrder::stand_at`]), a key change moves
+/// the value ([`ScheduleOrder::rekey`]), and residents are synced as the tiered LRU's
+/// are ([`VictimOrder`]).
+#[derive(Debug, Clone, Default)]
+pub struct ScheduleOrder {
+    /// The schedule and step the order stands at.
+    uses: Option<NextUses>,
+    order: Ordered<ScheduleEntry>,
+}
+
+impl ScheduleOrder {
+    /// Stands at `uses`' schedule and step, with `keys`: from the same schedule, the
+    /// values requested between the two steps move; from another, the order starts
+    /// again from nothing.
+    pub fn stand_at(&mut self, keys: &PolicyKeyMap, uses: &NextUses) {
+        match self.uses.take() {
+            Some(current) if current.same_schedule(uses) => {
+                for position in current.moved(uses) {
+                    self.order.rekey(
+                        position,
+                        &ScheduleEntry::of(keys, &current, position),
+                        &ScheduleEntry::of(keys, uses, position),
+                    );
+                }
+            }
+            _ => self.order.clear(),
+        }
+        self.uses = Some(uses.clone());
+    }
+
+    /// The value at `position` changed its keys from `old` to `new`.
+    pub fn rekey(&mut self, position: usize, old: &LruKeys, new: &LruKeys) {
+        if let Some(uses) = &self.uses {
+            let next = uses.get(position);
+            self.order.rekey(
+                position,
+                &ScheduleEntry::new(old, next, position),
+                &ScheduleEntry::new(new, next, position),
+            );
+        }
+    }
+
+    /// Forgets everything: the next decide starts from nothing.
+    pub fn clear(&mut self) {
+        self.uses = None;
+        self.order.clear();
+    }
+
+    /// The residents of `location` in order (tests compare it with a sort).
+    pub fn ordered(&self, location: Location) -> Vec<usize> {
+        self.order.ordered(location)
+    }
+}
+
+/// The schedule-aware policy walking the order the controller keeps
+/// ([`ScheduleOrder`], standing at this policy's step, with the same keys).
+#[allow(missing_debug_implementations)]
+pub struct IndexedSchedule<'a> {
+    pub policy: ScheduleAware,
+    pub order: &'a mut ScheduleOrder,
+}
+
+impl SearchPolicy for IndexedSchedule<'_> {
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
+        self.policy.order(candidates)
+    }
+
+    fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
+        self.policy.fallback_locations(location)
+    }
+
+    fn sync_residents(&mut self, location: Location, residents: Option<&ResidentSet>) -> bool {
+        let keys = &self.policy.lru.keys;
+        let uses = &self.policy.next_use;
+        self.order.stand_at(keys, uses);
+        self.order.order.sync(location, residents, |position| {
+            ScheduleEntry::of(keys, uses, position)
+        });
+        true
+    }
+
+    fn next_resident(&self, location: Location, after: Option<usize>) -> Option<usize> {
+        let after = after.map(|position| {
+            ScheduleEntry::of(&self.policy.lru.keys, &self.policy.next_use, position)
+        });
+        self.order.order.next(location, after.as_ref())
+    }
+
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        self.policy.key(left).cmp(&self.policy.key(right))
     }
 }
 

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use residency_core::search::{
-    Candidate, Eviction, IndexedLru, NextUses, PolicyKeyMap, Requirement, ScheduleAware, Search,
-    SearchError, SearchOutcome, SearchPolicy, TieredLru,
+    Candidate, Eviction, IndexedLru, IndexedSchedule, NextUses, PolicyKeyMap, Requirement,
+    ScheduleAware, ScheduleOrder, Search, SearchError, SearchOutcome, SearchPolicy, TieredLru,
 };
 use residency_core::victims::VictimOrder;
 use residency_core::{
@@ -194,10 +194,45 @@ pub struct PolicyKeys {
 #[derive(Debug, Default)]
 struct Keys {
     map: Arc<PolicyKeyMap>,
-    /// `None` while a decide walks it (see [`PolicyKeys::take_order`]).
-    order: Option<VictimOrder>,
-    /// A key changed while the order was out: it is rebuilt when it comes back.
+    /// The tiered LRU's order, and the schedule-aware policy's.
+    lru: Kept<VictimOrder>,
+    schedule: Kept<ScheduleOrder>,
+}
+
+/// An order kept with the keys: out while a decide walks it (see
+/// [`PolicyKeys::take_order`]), and stale if a key changed meanwhile.
+#[derive(Debug, Default)]
+struct Kept<T> {
+    order: Option<T>,
     stale: bool,
+}
+
+impl<T: Default> Kept<T> {
+    /// The order for one decide; another decide meanwhile (a signal handler's) gets an
+    /// empty one, synced from nothing.
+    fn take(&mut self) -> T {
+        self.order.take().unwrap_or_default()
+    }
+
+    /// Hands back what [`Self::take`] gave out: kept unless a key changed meanwhile
+    /// (then forgotten, to be synced again from nothing).
+    fn put(&mut self, order: T) {
+        if std::mem::take(&mut self.stale) {
+            self.order.get_or_insert_with(T::default);
+            return;
+        }
+        if self.order.is_none() {
+            self.order = Some(order);
+        }
+    }
+
+    /// A key changed: the order moves the value (`rekey`), or is stale while out.
+    fn changed(&mut self, rekey: impl FnOnce(&mut T)) {
+        match &mut self.order {
+            Some(order) => rekey(order),
+            None => self.stale = true,
+        }
+    }
 }
 
 impl PolicyKeys {
@@ -205,30 +240,27 @@ impl PolicyKeys {
         self.keys.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The keys now; a later change copies them only while a decide still reads these.
-    fn snapshot(&self) -> Arc<PolicyKeyMap> {
-        Arc::clone(&self.lock().map)
-    }
-
-    /// The keys now and the order kept with them, for one decide to walk (and sync) and
-    /// then hand back ([`Self::put_order`]). Another decide meanwhile (a signal
-    /// handler's) gets an empty order, synced from nothing.
+    /// The keys now and the tiered LRU's order kept with them, for one decide to walk
+    /// (and sync) and then hand back ([`Self::put_order`]).
     fn take_order(&self) -> (Arc<PolicyKeyMap>, VictimOrder) {
         let mut keys = self.lock();
-        let order = keys.order.take().unwrap_or_default();
+        let order = keys.lru.take();
         (Arc::clone(&keys.map), order)
     }
 
-    /// Hands back an order [`Self::take_order`] gave out: kept unless a key changed
-    /// meanwhile (then forgotten, to be synced again from nothing).
-    fn put_order(&self, mut order: VictimOrder) {
+    fn put_order(&self, order: VictimOrder) {
+        self.lock().lru.put(order);
+    }
+
+    /// The keys now and the schedule-aware policy's order, as [`Self::take_order`].
+    fn take_schedule_order(&self) -> (Arc<PolicyKeyMap>, ScheduleOrder) {
         let mut keys = self.lock();
-        if std::mem::take(&mut keys.stale) {
-            order.clear();
-        }
-        if keys.order.is_none() {
-            keys.order = Some(order);
-        }
+        let order = keys.schedule.take();
+        (Arc::clone(&keys.map), order)
+    }
+
+    fn put_schedule_order(&self, order: ScheduleOrder) {
+        self.lock().schedule.put(order);
     }
 
     fn update(&self, index: u32, change: impl FnOnce(&mut (i64, i64, Option<Arc<str>>))) {
@@ -239,10 +271,10 @@ impl PolicyKeys {
             .or_insert((0, -1, None));
         let old = entry.clone();
         change(entry);
-        match &mut keys.order {
-            Some(order) => order.rekey(index as usize, &old, entry),
-            None => keys.stale = true,
-        }
+        let position = index as usize;
+        keys.lru.changed(|order| order.rekey(position, &old, entry));
+        keys.schedule
+            .changed(|order| order.rekey(position, &old, entry));
     }
 }
 
@@ -643,10 +675,7 @@ fn native_search(
         let mut native = NativePolicy {
             py,
             policy: IndexedLru {
-                lru: TieredLru {
-                    keys: map,
-                    tiers: config.1.get().tiers.clone(),
-                },
+                lru: tiered_lru(map, config),
                 order: &mut order,
             },
             error: None,
@@ -656,25 +685,32 @@ fn native_search(
         keys.put_order(order);
         return (result, error);
     };
-    let lru = tiered_lru(config);
-    // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction).
+    // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction),
+    // walking its order of the residents, kept with the keys and standing at this step.
+    let keys = config.0.get();
+    let (map, mut order) = keys.take_schedule_order();
     let mut native = NativePolicy {
         py,
-        policy: ScheduleAware {
-            lru,
-            next_use: index.uses.at(position),
+        policy: IndexedSchedule {
+            policy: ScheduleAware {
+                lru: tiered_lru(map, config),
+                next_use: index.uses.at(position),
+            },
+            order: &mut order,
         },
         error: None,
     };
     let result = search_with(inputs, required, searched, limit, &mut native);
-    (result, native.error)
+    let error = native.error;
+    keys.put_schedule_order(order);
+    (result, error)
 }
 
-/// The built-in policy from its configuration: the controller's keys as they stand,
-/// shared, and the fallback tiers.
-fn tiered_lru(config: &NativeConfig) -> TieredLru {
+/// The built-in policy from the controller's keys as they stand (shared) and the
+/// configuration's fallback tiers.
+fn tiered_lru(keys: Arc<PolicyKeyMap>, config: &NativeConfig) -> TieredLru {
     TieredLru {
-        keys: config.0.get().snapshot(),
+        keys,
         tiers: config.1.get().tiers.clone(),
     }
 }
