@@ -10,8 +10,9 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use residency_core::search::{
-    Candidate, IndexedLru, MatInfo, PolicyKeyMap, Requirement, Search, SearchPolicy, SearchValue,
-    SearchValues, TieredLru, ValueTable,
+    Candidate, IndexedLru, IndexedSchedule, MatInfo, NextUses, PolicyKeyMap, Requirement,
+    ScheduleAware, ScheduleOrder, Search, SearchPolicy, SearchValue, SearchValues, TieredLru,
+    ValueTable,
 };
 use residency_core::victims::{LruKeys, PLAIN_KEYS, ResidentSet, VictimOrder};
 use residency_core::{HandleId, Location};
@@ -176,6 +177,87 @@ fn state() -> impl Strategy<Value = RandomState> {
     )
 }
 
+/// The tiers of the random searches: the device spills to pinned then pageable memory,
+/// pinned memory to pageable memory.
+fn tiers() -> BTreeMap<Location, Vec<Location>> {
+    [
+        (
+            Location::Cuda(0),
+            vec![Location::PinnedHost, Location::PageableHost],
+        ),
+        (Location::PinnedHost, vec![Location::PageableHost]),
+    ]
+    .into_iter()
+    .collect()
+}
+
+/// A random search's inputs: its values (with their resident sets), keys,
+/// requirements, budgets and books.
+type RandomSearch = (
+    SearchValues,
+    BTreeMap<Location, ResidentSet>,
+    PolicyKeyMap,
+    Vec<Requirement>,
+    BTreeMap<Location, u64>,
+    Vec<(Location, u64, u64)>,
+);
+
+fn random_search(
+    specs: &[ValueSpec],
+    keyed: &[(i64, i64)],
+    wanted: &[(usize, usize)],
+    budgets: [u64; 3],
+) -> RandomSearch {
+    let mut values = SearchValues::default();
+    let mut sets: BTreeMap<Location, ResidentSet> = BTreeMap::new();
+    let mut keys = PolicyKeyMap::default();
+    for (position, &(charge, source, places)) in specs.iter().enumerate() {
+        let handle = HandleId::try_from(position).expect("small");
+        let mats: Vec<MatInfo> = LOCATIONS
+            .iter()
+            .zip(places)
+            .filter(|&(_, place)| place > 0)
+            .map(|(&location, place)| MatInfo {
+                location,
+                charged: charge,
+                use_count: u32::from(place == 2),
+                hold_count: 0,
+                pending_count: 0,
+            })
+            .collect();
+        for mat in &mats {
+            sets.entry(mat.location).or_default().insert(handle);
+        }
+        let source = source.then_some(Location::PageableHost);
+        values.push(
+            SearchValue::new(handle, handle, charge, false, source),
+            mats,
+        );
+        let (priority, epoch) = keyed[position];
+        keys.insert(position, (priority, epoch, None));
+    }
+    let requirements: Vec<Requirement> = wanted
+        .iter()
+        .filter(|&&(value, _)| value < specs.len())
+        .map(|&(value, location)| Requirement {
+            value,
+            location: LOCATIONS[location],
+        })
+        .collect();
+    let budgets: BTreeMap<Location, u64> = LOCATIONS.iter().copied().zip(budgets).collect();
+    let mut used: BTreeMap<Location, u64> = BTreeMap::new();
+    for position in 0..values.len() {
+        for mat in values.mats(position) {
+            *used.entry(mat.location).or_default() += mat.charged;
+        }
+    }
+    let books: Vec<(Location, u64, u64)> = LOCATIONS
+        .iter()
+        .map(|&location| (location, used.get(&location).copied().unwrap_or(0), 0))
+        .collect();
+    (values, sets, keys, requirements, budgets, books)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
@@ -184,52 +266,9 @@ proptest! {
     /// same failure.
     #[test]
     fn walking_the_order_decides_as_sorting((specs, keyed, wanted, budgets) in state()) {
-        let mut values = SearchValues::default();
-        let mut sets: BTreeMap<Location, ResidentSet> = BTreeMap::new();
-        let mut keys = PolicyKeyMap::default();
-        for (position, &(charge, source, places)) in specs.iter().enumerate() {
-            let handle = HandleId::try_from(position).expect("small");
-            let mats: Vec<MatInfo> = LOCATIONS
-                .iter()
-                .zip(places)
-                .filter(|&(_, place)| place > 0)
-                .map(|(&location, place)| MatInfo {
-                    location,
-                    charged: charge,
-                    use_count: u32::from(place == 2),
-                    hold_count: 0,
-                    pending_count: 0,
-                })
-                .collect();
-            for mat in &mats {
-                sets.entry(mat.location).or_default().insert(handle);
-            }
-            let source = source.then_some(Location::PageableHost);
-            values.push(SearchValue::new(handle, handle, charge, false, source), mats);
-            let (priority, epoch) = keyed[position];
-            keys.insert(position, (priority, epoch, None));
-        }
-        let requirements: Vec<Requirement> = wanted
-            .iter()
-            .filter(|&&(value, _)| value < specs.len())
-            .map(|&(value, location)| Requirement { value, location: LOCATIONS[location] })
-            .collect();
-        let budgets: BTreeMap<Location, u64> =
-            LOCATIONS.iter().copied().zip(budgets).collect();
-        let mut used: BTreeMap<Location, u64> = BTreeMap::new();
-        for position in 0..values.len() {
-            for mat in values.mats(position) {
-                *used.entry(mat.location).or_default() += mat.charged;
-            }
-        }
-        let books: Vec<(Location, u64, u64)> =
-            LOCATIONS.iter().map(|&location| (location, used.get(&location).copied().unwrap_or(0), 0)).collect();
-        let tiers: BTreeMap<Location, Vec<Location>> = [
-            (Location::Cuda(0), vec![Location::PinnedHost, Location::PageableHost]),
-            (Location::PinnedHost, vec![Location::PageableHost]),
-        ]
-        .into_iter()
-        .collect();
+        let (values, sets, keys, requirements, budgets, books) =
+            random_search(&specs, &keyed, &wanted, budgets);
+        let tiers = tiers();
         let keys = Arc::new(keys);
         let mut sorting = TieredLru { keys: Arc::clone(&keys), tiers: tiers.clone() };
         let sorted = Search::new(&values, &budgets, &requirements, &[], &mut sorting, 2_000)
@@ -357,5 +396,128 @@ fn a_decide_reads_the_victims_it_tries_not_every_resident() {
             "decide {decide} ordered {}",
             policy.ordered
         );
+    }
+}
+
+/// The residents of `set` sorted as the schedule-aware policy sorts candidates, with
+/// the schedule standing at `uses`.
+fn schedule_sorted(keys: &PolicyKeyMap, uses: &NextUses, set: &ResidentSet) -> Vec<usize> {
+    let positions: Vec<usize> = set.iter().map(|&handle| handle as usize).collect();
+    let mut policy = ScheduleAware {
+        lru: TieredLru {
+            keys: Arc::new(keys.clone()),
+            tiers: BTreeMap::new(),
+        },
+        next_use: uses.clone(),
+    };
+    let candidates: Vec<Candidate> = positions
+        .iter()
+        .map(|&value| Candidate {
+            value,
+            location: Location::PageableHost,
+            charged: 1,
+        })
+        .collect();
+    let order = policy.order(&candidates).expect("a native order");
+    order.into_iter().map(|index| positions[index]).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The schedule-aware order, kept as keys change, residents come and go and the
+    /// schedule stands at other steps (forward, back, across a cyclic schedule's end),
+    /// is the sort of the residents at each moment.
+    #[test]
+    fn the_schedule_order_is_the_sorted_order(
+        schedule in proptest::collection::vec(proptest::collection::vec(0..24usize, 0..4), 1..12),
+        cyclic in any::<bool>(),
+        ops in proptest::collection::vec((op(), 0..16usize), 1..100),
+    ) {
+        let steps = if cyclic { NextUses::cyclic(&schedule) } else { NextUses::new(&schedule) };
+        let mut keys = PolicyKeyMap::default();
+        let mut order = ScheduleOrder::default();
+        let mut residents: [Option<ResidentSet>; 3] = [None, None, None];
+        for (op, cursor) in ops {
+            let uses = steps.at(cursor);
+            match op {
+                Op::Keys(position, priority, epoch, key) => {
+                    let old: LruKeys = keys.get(&position).cloned().unwrap_or(PLAIN_KEYS);
+                    let new: LruKeys = (priority, epoch, key_text(key));
+                    keys.insert(position, new.clone());
+                    order.rekey(position, &old, &new);
+                }
+                Op::Arrive(location, position) => {
+                    let handle = HandleId::try_from(position).expect("small");
+                    residents[location].get_or_insert_with(ResidentSet::new).insert(handle);
+                }
+                Op::Leave(location, position) => {
+                    let handle = HandleId::try_from(position).expect("small");
+                    if let Some(set) = &mut residents[location] {
+                        set.remove(&handle);
+                        if set.is_empty() {
+                            residents[location] = None;
+                        }
+                    }
+                }
+                Op::Sync(_) => {}
+            }
+            // A decide standing at `cursor` syncs each location it reclaims at.
+            let keys_now = Arc::new(keys.clone());
+            for (index, &location) in LOCATIONS.iter().enumerate() {
+                let mut walking = IndexedSchedule {
+                    policy: ScheduleAware {
+                        lru: TieredLru { keys: Arc::clone(&keys_now), tiers: BTreeMap::new() },
+                        next_use: uses.clone(),
+                    },
+                    order: &mut order,
+                };
+                prop_assert!(walking.sync_residents(location, residents[index].as_ref()));
+                let mut walked = Vec::new();
+                let mut after = None;
+                while let Some(next) = walking.next_resident(location, after) {
+                    walked.push(next);
+                    after = Some(next);
+                }
+                let set = residents[index].clone().unwrap_or_default();
+                let sorted = schedule_sorted(&keys, &uses, &set);
+                prop_assert_eq!(&walked, &sorted);
+                prop_assert_eq!(order.ordered(location), sorted);
+            }
+        }
+    }
+
+    /// A search walking the schedule-aware order decides exactly what one sorting every
+    /// resident decides.
+    #[test]
+    fn walking_the_schedule_order_decides_as_sorting(
+        (specs, keyed, wanted, budgets) in state(),
+        schedule in proptest::collection::vec(proptest::collection::vec(0..14usize, 0..3), 1..8),
+        cursor in 0..10usize,
+    ) {
+        let uses = NextUses::cyclic(&schedule).at(cursor);
+        let (values, sets, keys, requirements, budgets, books) =
+            random_search(&specs, &keyed, &wanted, budgets);
+        let lru = TieredLru { keys: Arc::new(keys), tiers: tiers() };
+        let mut sorting = ScheduleAware { lru: lru.clone(), next_use: uses.clone() };
+        let sorted = Search::new(&values, &budgets, &requirements, &[], &mut sorting, 2_000)
+            .run(&books);
+        let walkable = Walkable { values, sets };
+        let mut order = ScheduleOrder::default();
+        let mut walking = IndexedSchedule {
+            policy: ScheduleAware { lru, next_use: uses },
+            order: &mut order,
+        };
+        let walked = Search::new(&walkable, &budgets, &requirements, &[], &mut walking, 2_000)
+            .run(&books);
+        match (sorted, walked) {
+            (Ok(sorted), Ok(walked)) => {
+                prop_assert_eq!(&sorted.reclaim, &walked.reclaim);
+                prop_assert_eq!(&sorted.enter, &walked.enter);
+                prop_assert_eq!(&sorted.evictions, &walked.evictions);
+                prop_assert_eq!(sorted.explored, walked.explored);
+            }
+            (sorted, walked) => prop_assert_eq!(sorted.err(), walked.err()),
+        }
     }
 }
