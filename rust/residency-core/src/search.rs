@@ -310,11 +310,16 @@ pub trait SearchPolicy {
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError>;
     /// Whether this policy keeps its order of the values resident at `location`
     /// incrementally, brought up to `residents` (the initial state's, `None` for none)
-    /// here; the search then walks it ([`Self::next_resident`]) instead of asking
+    /// here: then how many residents it orders, and the search walks it
+    /// ([`Self::next_resident`], at most that many steps) instead of asking
     /// [`Self::order`] over every resident. Such a policy's order is total and its
     /// [`Self::compare`] agrees with it.
-    fn sync_residents(&mut self, _location: Location, _residents: Option<&ResidentSet>) -> bool {
-        false
+    fn sync_residents(
+        &mut self,
+        _location: Location,
+        _residents: Option<&ResidentSet>,
+    ) -> Option<usize> {
+        None
     }
     /// The initial resident of `location` after `after` (`None`: the first) in the
     /// policy's order, once [`Self::sync_residents`] said it keeps one.
@@ -569,9 +574,13 @@ impl SearchPolicy for IndexedLru<'_> {
         self.lru.fallback_locations(location)
     }
 
-    fn sync_residents(&mut self, location: Location, residents: Option<&ResidentSet>) -> bool {
+    fn sync_residents(
+        &mut self,
+        location: Location,
+        residents: Option<&ResidentSet>,
+    ) -> Option<usize> {
         self.order.sync(&self.lru.keys, location, residents);
-        true
+        Some(self.order.count(location))
     }
 
     fn next_resident(&self, location: Location, after: Option<usize>) -> Option<usize> {
@@ -882,14 +891,18 @@ impl SearchPolicy for IndexedSchedule<'_> {
         self.policy.fallback_locations(location)
     }
 
-    fn sync_residents(&mut self, location: Location, residents: Option<&ResidentSet>) -> bool {
+    fn sync_residents(
+        &mut self,
+        location: Location,
+        residents: Option<&ResidentSet>,
+    ) -> Option<usize> {
         let keys = &self.policy.lru.keys;
         let uses = &self.policy.next_use;
         self.order.stand_at(keys, uses);
         self.order.order.sync(location, residents, |position| {
             ScheduleEntry::of(keys, uses, position)
         });
-        true
+        Some(self.order.order.count(location))
     }
 
     fn next_resident(&self, location: Location, after: Option<usize>) -> Option<usize> {
@@ -1123,9 +1136,10 @@ enum Candidates {
 struct Walk {
     location: Location,
     blocked: Link,
-    /// The last initial resident walked past; the walk of them ended once `done`.
+    /// The last initial resident walked past, and how many are left to walk (the walk
+    /// of them ends there, whatever the policy's order says).
     cursor: Option<usize>,
-    done: bool,
+    left: usize,
     /// The next initial resident that is a candidate, found and not yet yielded.
     peeked: Option<Candidate>,
     changed: std::iter::Peekable<std::vec::IntoIter<Candidate>>,
@@ -1801,14 +1815,14 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
     ) -> Result<Candidates, SearchError> {
         let walked = match self.values.resident_set(location) {
             Some(residents) => self.policy.sync_residents(location, residents),
-            None => false,
+            None => None,
         };
-        if !walked {
+        let Some(count) = walked else {
             return Ok(Candidates::Listed(
                 self.ordered_candidates(links, state, location, blocked)?
                     .into_iter(),
             ));
-        }
+        };
         // What the state changed, and the required endpoints, are few: listed and
         // ordered here; the initial residents are walked as the search asks.
         let candidate = |value: usize, mat: Option<MatInfo>| {
@@ -1850,7 +1864,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             location,
             blocked,
             cursor: None,
-            done: false,
+            left: count,
             peeked: None,
             changed: changed.into_iter().peekable(),
             required: required.into_iter(),
@@ -1869,9 +1883,10 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             Candidates::Walked(walk) => walk,
         };
         let location = walk.location;
-        while walk.peeked.is_none() && !walk.done {
+        while walk.peeked.is_none() && walk.left > 0 {
+            walk.left -= 1;
             let Some(value) = self.policy.next_resident(location, walk.cursor) else {
-                walk.done = true;
+                walk.left = 0;
                 break;
             };
             walk.cursor = Some(value);

@@ -160,6 +160,13 @@ impl<K: Positioned> Ordered<K> {
         next.map(Positioned::position)
     }
 
+    /// How many residents of `location` the order holds.
+    pub fn count(&self, location: Location) -> usize {
+        self.locations
+            .get(&location)
+            .map_or(0, |residents| residents.order.len())
+    }
+
     /// The residents of `location` in order.
     pub fn ordered(&self, location: Location) -> Vec<usize> {
         self.locations
@@ -216,6 +223,11 @@ impl VictimOrder {
     /// The residents of `location` in order (tests compare it with a sort).
     pub fn ordered(&self, location: Location) -> Vec<usize> {
         self.0.ordered(location)
+    }
+
+    /// How many residents of `location` the order holds.
+    pub fn count(&self, location: Location) -> usize {
+        self.0.count(location)
     }
 
     /// Forgets every location: the next sync of each starts from nothing.

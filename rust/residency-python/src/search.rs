@@ -113,7 +113,7 @@ impl<P: SearchPolicy> SearchPolicy for NativePolicy<'_, P> {
         &mut self,
         location: Location,
         residents: Option<&residency_core::victims::ResidentSet>,
-    ) -> bool {
+    ) -> Option<usize> {
         self.policy.sync_residents(location, residents)
     }
 
