@@ -11,8 +11,10 @@ __all__ = [
     "ActionKind",
     "Checksum",
     "CoreManager",
+    "Decided",
     "LeaseFinalizer",
     "LifetimeKind",
+    "LoweredRequest",
     "PlanIR",
     "PlanRun",
     "PolicyKeys",
@@ -20,6 +22,7 @@ __all__ = [
     "ScheduleIndex",
     "SimulationView",
     "StateView",
+    "TierTable",
     "checksum",
     "lower_plan",
     "lower_records",
@@ -62,6 +65,51 @@ class PolicyKeys:
     def __len__(self) -> int: ...
 
 @final
+class TierTable:
+    """The fallback tiers by location code, converted once per policy."""
+
+    def __init__(self, rows: list[tuple[int, list[int]]]) -> None: ...
+
+@final
+class LoweredRequest:
+    """A request as a decide reads it, converted once: requirements by handle index."""
+
+    def __init__(
+        self,
+        discards: int,
+        rows: list[tuple[int, int]],
+        name: str,
+        reservations: list[tuple[int, int, str]],
+        labels: list[str],
+    ) -> None: ...
+    @property
+    def discards(self) -> int: ...
+
+@final
+class Decided:
+    """What a decide returns: the decided plan, its simulation and evictions, read on
+    demand. Rows are `(kind code: 0 ensure, 1 move, 2 drop, 3 discard, slot, location
+    code, from code or -1)`."""
+
+    @property
+    def feasible(self) -> bool: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def explored(self) -> int: ...
+    @property
+    def state_version(self) -> int: ...
+    @property
+    def empty(self) -> bool: ...
+    def ir(self) -> PlanIR: ...
+    def simulation(self) -> SimulationView: ...
+    def slots(self) -> list[int]: ...
+    def reclaim_rows(self) -> list[tuple[int, int, int, int]]: ...
+    def enter_rows(self) -> list[tuple[int, int, int, int]]: ...
+    def eviction_rows(self) -> list[tuple[int, int, int, int, str]]: ...
+    def same_actions(self, other: object) -> bool: ...
+
+@final
 class ScheduleIndex:
     """A schedule's steps as handle indices of one manager."""
 
@@ -91,20 +139,7 @@ def lower_records(
     /,
 ) -> tuple[PlanIR, tuple[Any, ...]]: ...
 
-_NativeConfig = tuple[PolicyKeys, list[tuple[int, list[int]]]]
-_Decision = tuple[
-    PlanIR,
-    SimulationView,
-    list[int],
-    list[tuple[ActionKind, int, int, int]],
-    list[tuple[ActionKind, int, int, int]],
-    list[tuple[int, int, int, int, str]],
-    int,
-    int,
-]
-# `(discards, (handle index, code) rows, name, (code, nbytes, label) reservations,
-# labels)`: a request as the controller lowers it.
-_LoweredRequest = tuple[int, list[tuple[int, int]], str, list[tuple[int, int, str]], list[str]]
+_NativeConfig = tuple[PolicyKeys, TierTable]
 
 @final
 class Checksum:
@@ -208,14 +243,14 @@ class CoreManager:
     ) -> SimulationView: ...
     def decide_request(
         self,
-        request: _LoweredRequest,
+        request: LoweredRequest,
         limit: int,
         cuda_count: int,
         *,
         native: _NativeConfig | None = None,
         python: tuple[Any, Any] | None = None,
         schedule: tuple[ScheduleIndex, int] | None = None,
-    ) -> _Decision | None: ...
+    ) -> Decided | None: ...
     def enter_step(
         self,
         engine: Any,

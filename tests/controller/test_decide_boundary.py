@@ -14,9 +14,11 @@ refuses the discarded value as if the discard had come first.
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 import threading
+import tracemalloc
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
@@ -175,3 +177,51 @@ def test_a_discard_between_the_checks_and_the_core_call_is_refused_as_before(sim
                 thread.join()
     finally:
         sys.setswitchinterval(previous)
+
+
+def retained_blocks(action: Callable[[], Any]) -> tuple[Any, int]:
+    """Runs `action` with the collector off; returns its result and how many Python
+    memory blocks allocated during it are still held (by the result) afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        result = action()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+        if enabled:
+            gc.enable()
+    grown = sum(stat.count_diff for stat in after.compare_to(before, "filename"))
+    return result, grown
+
+
+@pytest.mark.parametrize("policy", ["lru", "schedule"])
+def test_a_decision_holds_the_cores_answer_without_a_python_object_per_action(
+    sim: Any, policy: str
+) -> None:
+    """What a decide keeps for its records to be built from is the core's answer as one
+    object: an unread decision holds as many Python objects with one eviction as with
+    eight (its plan, evictions and explanation are built when first read, as before)."""
+    held: dict[int, int] = {}
+    for count in (1, 8):
+        manager = ResidencyManager({CUDA0: 16 * count})
+        small = [replicated_at(manager, sim, PAGEABLE_HOST, CUDA0) for _ in range(count)]
+        big = replicated_at(manager, sim, PAGEABLE_HOST, n=4 * count)
+        wanted = request("big", (big, CUDA0))
+        chosen: Any = (
+            DeterministicTieredLRU(TIERS)
+            if policy == "lru"
+            else ScheduleAwarePolicy([[big], *([value] for value in small)], fallback_tiers=TIERS)
+        )
+        controller = ResidencyController(manager, policy=chosen)
+        with manager:
+            decide = functools.partial(controller.decide, wanted)
+            decide()  # the request's lowering is kept from here on
+            decision, held[count] = retained_blocks(decide)
+            assert set(decision.plan.reclaim) == {DropResident(value, CUDA0) for value in small}
+            assert decision.plan.enter == (EnsureResident(big, CUDA0),)
+            assert len(decision.evictions) == count
+            assert decision.explanation.feasible
+    assert held[8] == held[1], held

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 from typing import Any, Final, cast
 
-from fhelium._core import ActionKind
 from fhelium.residency import _lowering
 from fhelium.residency._decisions import ResidencyDecision, ResidencyEviction
 from fhelium.residency._locations import location_of
@@ -30,6 +29,10 @@ __all__ = ["LazyDecision", "StagedRuns", "decided", "satisfied", "staged_found_r
 
 # Up to this many actions, a decided plan's records are built with the collector on.
 _FEW_ACTIONS: Final = 16
+
+# The action kinds as the core's decided rows name them (`_core.Decided`).
+_ENSURE: Final = 0
+_MOVE: Final = 1
 
 _new_ensure = trusted_builder(EnsureResident)
 _new_move = trusted_builder(MoveResident)
@@ -65,9 +68,10 @@ class LazyDecision(ResidencyDecision):
     _built_evictions: tuple[ResidencyEviction, ...] | None
     _built_explanation: ResidencyPlanExplanation | None
     _built_plan: ResidencyPlan | None
-    # (the engine's `handle_at`, plan IR, simulation, handle index per slot, reclaim
-    # rows, enter rows, eviction rows), as the engine's search returned them.
-    _source: tuple[Any, ...] | None
+    # (the engine's `handle_at`, the core's decision: its plan IR, simulation, handle
+    # index per slot, reclaim, enter and eviction rows, read on demand), as the
+    # engine's search returned them.
+    _source: tuple[Any, Any] | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Called as the record's own constructor (`dataclasses.replace`): validate like
@@ -124,10 +128,10 @@ class LazyDecision(ResidencyDecision):
         evictions = self._built_evictions
         if evictions is None:
             reclaim = self.plan.reclaim
-            source = cast("tuple[Any, ...]", self._source)
+            source = cast("tuple[Any, Any]", self._source)
             evictions = tuple(
                 _new_eviction(reclaim[position], rank, location_of(code), nbytes, reason)
-                for position, rank, code, nbytes, reason in source[6]
+                for position, rank, code, nbytes, reason in source[1].eviction_rows()
             )
             object.__setattr__(self, "_built_evictions", evictions)
         return evictions
@@ -136,30 +140,30 @@ class LazyDecision(ResidencyDecision):
     def explanation(self) -> ResidencyPlanExplanation:
         explanation = self._built_explanation
         if explanation is None:
-            source = cast("tuple[Any, ...]", self._source)
-            explanation = explanation_of(self.plan, source[2])
+            source = cast("tuple[Any, Any]", self._source)
+            explanation = explanation_of(self.plan, source[1].simulation())
             object.__setattr__(self, "_built_explanation", explanation)
         return explanation
 
     def _build_plan(self) -> ResidencyPlan:
         # A string type: nothing is built at run time (`tuple[Any, ...]` would be).
-        handle_of, ir, _simulation, slots, reclaim_rows, enter_rows, _evictions = cast(
-            "tuple[Any, ...]", self._source
-        )
+        handle_of, found = cast("tuple[Any, Any]", self._source)
         request = self.request
-        if not slots:
+        if found.empty:
             # Nothing to do (a request already satisfied): no action to build.
             plan = _new_plan(request.name, (), (), request.reservations, ())
-            set_lowered(plan, _lowering.LoweredPlan(ir, ()))
+            set_lowered(plan, _lowering.LoweredPlan(found.ir(), ()))
             return plan
-        handles = tuple([handle_of(index) for index in slots])
+        handles = tuple([handle_of(index) for index in found.slots()])
+        reclaim_rows = found.reclaim_rows()
+        enter_rows = found.enter_rows()
 
-        def action(row: tuple[ActionKind, int, int, int]) -> Any:
+        def action(row: tuple[int, int, int, int]) -> Any:
             kind, slot, code, from_code = row
             handle = handles[slot]
-            if kind == ActionKind.ENSURE:
+            if kind == _ENSURE:
                 return _new_ensure(handle, location_of(code))
-            if kind == ActionKind.MOVE:
+            if kind == _MOVE:
                 return _new_move(
                     handle, location_of(code), None if from_code < 0 else location_of(from_code)
                 )
@@ -182,7 +186,7 @@ class LazyDecision(ResidencyDecision):
             if collecting:
                 gc.enable()
         # Already the core's IR of exactly these records: never lowered again.
-        set_lowered(plan, _lowering.LoweredPlan(ir, handles))
+        set_lowered(plan, _lowering.LoweredPlan(found.ir(), handles))
         return plan
 
     def __eq__(self, other: object) -> bool:
@@ -261,16 +265,33 @@ class _Unchanged:
     """The core's simulation of a plan with no action and no reservation, read off the
     state it would run on (``view``): feasible, and each location's peak is its
     ``used + reserved`` bytes, registered locations in registration order, as the
-    core's simulation reports them. It stands in for the `SimulationView` of a decision
-    that `satisfied` builds without a search."""
+    core's simulation reports them. It stands in for the core's decision
+    (`_core.Decided`), and its `SimulationView`, of a decision that `satisfied` builds
+    without a search: no plan IR, no slot, no row."""
 
     __slots__ = ("_view",)
 
     feasible: Final = True
     reason: Final = None
+    empty: Final = True
 
     def __init__(self, view: Any) -> None:
         self._view = view
+
+    def simulation(self) -> _Unchanged:
+        return self
+
+    @staticmethod
+    def ir() -> None:
+        return None
+
+    @staticmethod
+    def eviction_rows() -> list[Any]:
+        return []
+
+    @staticmethod
+    def same_actions(other: object) -> bool:
+        return False
 
     def peaks(self) -> list[tuple[int, int]]:
         return [(row[0], row[2] + row[3]) for row in self._view.location_rows()]
@@ -300,7 +321,7 @@ def satisfied(
         1,
         request,
         policy,
-        (None, None, _Unchanged(view), (), (), (), ()),
+        (None, _Unchanged(view)),
         plan,
         identity,
     )
@@ -318,8 +339,7 @@ class StagedRuns:
     __slots__ = ("last",)
 
     def __init__(self) -> None:
-        # (decided request, discards, handle slots, reclaim rows, enter rows), then what
-        # ran for them.
+        # (decided request, discards, the core's decision), then what ran for it.
         self.last: tuple[tuple[Any, ...], _Run] | None = None
 
 
@@ -328,7 +348,7 @@ def staged_found_run(
     request: ResidencyRequest,
     policy: ResidencyPolicy,
     identity: tuple[str, tuple[tuple[str, object], ...]] | None,
-    found: tuple[tuple[Any, ...], int, int],
+    found: tuple[tuple[Any, Any], int, int],
     runs: StagedRuns,
     discards: int,
 ) -> _Run:
@@ -339,13 +359,7 @@ def staged_found_run(
     last = runs.last
     if last is not None:
         kept, run = last
-        if (
-            kept[0] is request
-            and kept[1] == discards
-            and kept[2] == source[3]
-            and kept[3] == source[4]
-            and kept[4] == source[5]
-        ):
+        if kept[0] is request and kept[1] == discards and kept[2].same_actions(source[1]):
             return run
     decision = decided(manager_id, state_version, explored, request, policy, source, None, identity)
     return staged_run(decision, runs, discards)
@@ -364,11 +378,11 @@ def staged_run(decision: ResidencyDecision, runs: StagedRuns, discards: int) -> 
         plan = decision.plan
         actions = (*plan.reclaim, *plan.enter)
         return plan, actions, _lowering.lower_actions(plan.name, actions)
-    key = (decision.request, discards, source[3], source[4], source[5])
+    key = (decision.request, discards, source[1])
     last = runs.last
     if last is not None:
         kept, run = last
-        if kept[0] is key[0] and kept[1] == discards and kept[2:] == key[2:]:
+        if kept[0] is key[0] and kept[1] == discards and kept[2].same_actions(key[2]):
             object.__setattr__(decision, "_built_plan", run[0])
             return run
     plan = decision.plan

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
+from fhelium._core import LoweredRequest, TierTable
 from fhelium.errors import ResidencyHandleError, ResidencyOwnershipError, ResidencyPlanError
 from fhelium.residency import _lowering
 from fhelium.residency._decided import LazyDecision, decided
@@ -49,17 +50,6 @@ _I64 = (1 << 63) - 1
 _LOWERED_REQUESTS: Final = 4096
 
 _new_candidate = trusted_builder(ResidencyEvictionCandidate)
-
-
-class _LoweredRequest(NamedTuple):
-    """A request as the engine's decide reads it, resolved while the manager had
-    discarded ``discards`` values."""
-
-    discards: int
-    rows: list[tuple[int, int]]
-    name: str
-    reservations: list[tuple[int, int, str]]
-    labels: list[str]
 
 
 class Decider:
@@ -112,15 +102,16 @@ class Decider:
         # The schedule-aware policy's steps as handle indices (see `_schedule_index`).
         self._schedule_cache: tuple[ScheduleAwarePolicy, Any] | None = None
         # Requests as the core reads them, by request object (see `_lowered`).
-        self._lowered_requests: dict[int, tuple[ResidencyRequest, int, _LoweredRequest]] = {}
+        self._lowered_requests: dict[int, tuple[ResidencyRequest, int, LoweredRequest]] = {}
         # The empty plan of each request decided satisfied, by request object (see
         # `decide`).
         self._empty_plans: dict[int, tuple[ResidencyRequest, ResidencyPlan]] = {}
         # What a pipeline derives from each request, by request object (see
         # `_staging.shape_of`).
         self.shapes: dict[int, Any] = {}
-        # The tiered policy, and its tiers as location codes (see `_decide_request`).
-        self._native_tiers: tuple[Any, list[tuple[int, list[int]]]] | None = None
+        # The tiered policy, and the native configuration the core's decide takes for
+        # it: the keys and its tiers, converted once (see `_decide_request`).
+        self._native_tiers: tuple[Any, tuple[Any, TierTable]] | None = None
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ metadata
@@ -194,7 +185,7 @@ class Decider:
         manager_id = engine.manager_id
         policy = self.policy
         identity = self.identity
-        if source[3]:
+        if not source[1].empty:
             return decided(
                 manager_id, state_version, explored, request, policy, source, None, identity
             )
@@ -217,7 +208,7 @@ class Decider:
 
     def decide_found(
         self, request: ResidencyRequest, position: int | None = None
-    ) -> tuple[tuple[Any, ...], int, int]:
+    ) -> tuple[tuple[Any, Any], int, int]:
         """What `decide` builds its decision from: the search's result as a decision's
         source (`_decided.decided`), the state version it was decided at and the states
         it explored. A pipeline's staging runs the plan without the decision record."""
@@ -234,21 +225,19 @@ class Decider:
             # other thread can change what was planned on in between. A completed event
             # reaped afterwards makes the decision stale at scope entry, never here (see
             # docs/concepts/controller.md#decide).
-            found = None
+            # The request (and the schedule) as resolved before, unchecked: the core
+            # refuses a resolution older than its last discard.
+            found = self._decide_request(request, position, False)
             while found is None:
                 # None: a value was discarded after the request was resolved; resolve
                 # it again.
-                found = self._decide_request(request, position)
-            (ir, simulation, slots, reclaim, enter, evictions, explored, state_version) = found
-        if not simulation.feasible:
-            raise ResidencyPlanError(simulation.reason or "the decided plan is infeasible")
-        return (
-            (engine.handle_at, ir, simulation, slots, reclaim, enter, evictions),
-            state_version,
-            explored,
-        )
+                found = self._decide_request(request, position, True)
+        if not found.feasible:
+            raise ResidencyPlanError(found.reason or "the decided plan is infeasible")
+        # The core's decision, read when a record built from it is first read.
+        return (engine.handle_at, found), found.state_version, found.explored
 
-    def _lowered(self, request: ResidencyRequest) -> _LoweredRequest:
+    def _lowered(self, request: ResidencyRequest) -> LoweredRequest:
         """The request validated and lowered for the core (`_requirement_rows`, then its
         name and reservations), kept per request object while no value is discarded: a
         request is immutable, and a handle's index changes only when a value is
@@ -258,7 +247,8 @@ class Decider:
         if cached is not None and cached[0] is request and cached[1] == discards:
             return cached[2]
         rows = self._requirement_rows(request)
-        lowered = _LoweredRequest(
+        # Converted once into the core's form, kept with the request.
+        lowered = LoweredRequest(
             discards,
             rows,
             # The name appears in the search's errors and as the plan IR's name; the
@@ -304,14 +294,23 @@ class Decider:
                 )
         return rows
 
-    def _decide_request(self, request: ResidencyRequest, position: int | None) -> Any:
-        """The core's decision for ``request`` in one call: its plan IR, simulation and
-        evictions, or None when a value was discarded since the request (or the
-        schedule) was resolved. The core raises each search failure as its error."""
+    def _decide_request(
+        self, request: ResidencyRequest, position: int | None, current: bool
+    ) -> Any:
+        """The core's decision for ``request`` in one call (`_core.Decided`: its plan IR,
+        simulation and evictions), or None when a value was discarded since the request
+        (or the schedule) was resolved. The core raises each search failure as its
+        error. With ``current``, a resolution is reused only if no value was discarded
+        since; without, the core's own refusal of a stale one (None) says so."""
         engine = self.engine
-        # `_checked`, for a request lowered since the last discard: the cached lowering.
+        # `_checked`, for a request lowered before (since the last discard, if
+        # ``current``): the cached lowering.
         cached = self._lowered_requests.get(id(request))
-        if cached is not None and cached[0] is request and cached[1] == engine.discard_count():
+        if (
+            cached is not None
+            and cached[0] is request
+            and (not current or cached[1] == engine.discard_count())
+        ):
             lowered = cached[2]
         else:
             lowered = self._checked(request)
@@ -327,27 +326,31 @@ class Decider:
             # repeating), resolved once per policy until a value is discarded, and the
             # policy's position (docs/concepts/controller.md#schedule-aware-eviction).
             schedule = (
-                self._schedule_index(policy),
+                self._schedule_index(policy, current),
                 policy.position if position is None else position,
             )
         if tiered is not None:
             tiers = self._native_tiers
             if tiers is None or tiers[0] is not tiered:
-                # The policy's tiers as location codes (an immutable table, the same
-                # object for the policy's life: lowered once per policy).
+                # The policy's tiers (an immutable table, the same object for the
+                # policy's life: converted once per policy), with the keys.
                 table = tier_table(tiered)
                 tiers = self._native_tiers = (
                     tiered,
-                    [
-                        (
-                            _lowering.location_code(source),
-                            [_lowering.location_code(target) for target in targets],
-                        )
-                        for source, targets in table
-                    ],
+                    (
+                        self._native_keys,
+                        TierTable(
+                            [
+                                (
+                                    _lowering.location_code(source),
+                                    [_lowering.location_code(target) for target in targets],
+                                )
+                                for source, targets in table
+                            ]
+                        ),
+                    ),
                 )
-            native = (self._native_keys, tiers[1])
-            return engine.decide_request(*arguments, native=native, schedule=schedule)
+            return engine.decide_request(*arguments, native=tiers[1], schedule=schedule)
         # Any other policy is consulted as the search reaches it: one ordering per list
         # of candidates, one list of tiers per location
         # (docs/concepts/controller.md#candidates).
@@ -359,7 +362,7 @@ class Decider:
         with standing:
             return engine.decide_request(*arguments, python=(self._order, self._fallbacks))
 
-    def _checked(self, request: ResidencyRequest) -> _LoweredRequest:
+    def _checked(self, request: ResidencyRequest) -> LoweredRequest:
         """`_lowered`, whose refusals come after the core's own: a closed manager, a call
         from inside a transition, a failed reap (docs/concepts/controller.md#decide)."""
         try:
@@ -371,13 +374,15 @@ class Decider:
         _ = self.engine.state_version
         raise failure
 
-    def _schedule_index(self, policy: ScheduleAwarePolicy) -> Any:
+    def _schedule_index(self, policy: ScheduleAwarePolicy, current: bool) -> Any:
+        """The policy's schedule as handle indices, resolved once and kept (with
+        ``current``, only while no value was discarded since)."""
         engine = self.engine
         cached = self._schedule_cache
         if (
             cached is not None
             and cached[0] is policy
-            and cached[1].discards == engine.discard_count()
+            and (not current or cached[1].discards == engine.discard_count())
         ):
             return cached[1]
         index = engine.schedule_index(

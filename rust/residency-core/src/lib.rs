@@ -19,6 +19,7 @@ pub mod simulate;
 pub mod state;
 pub mod tokens;
 pub mod value;
+pub mod victims;
 
 pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};

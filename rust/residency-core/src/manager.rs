@@ -1205,6 +1205,10 @@ impl StateValues {
 }
 
 impl ValueTable for StateValues {
+    fn resident_set(&self, location: Location) -> Option<Option<&crate::victims::ResidentSet>> {
+        Some(self.state.residents(location))
+    }
+
     fn handle_name(&self, position: usize) -> Option<String> {
         Some(format!("{:?}", self.record(position)?.handle_id))
     }

@@ -30,6 +30,7 @@ use crate::error::CoreError;
 use crate::location::Location;
 use crate::plan::ActionKind;
 use crate::state::HandleId;
+use crate::victims::{LruKeys, Ordered, PLAIN_KEYS, Positioned, ResidentSet, VictimOrder};
 
 /// One materialisation snapshot in the planning state (docs/concepts/controller.md#decide,
 /// step 4).
@@ -170,6 +171,12 @@ pub trait ValueTable {
     fn mat_count(&self, position: usize) -> usize;
     /// The positions of the values materialised at `location`, ascending.
     fn residents(&self, location: Location) -> Vec<usize>;
+    /// The manager's persistent set of the values resident at `location` (`Some(None)`
+    /// for none), if the table is a manager's state: a policy that keeps its order of
+    /// them incrementally syncs with it ([`SearchPolicy::sync_residents`]).
+    fn resident_set(&self, _location: Location) -> Option<Option<&ResidentSet>> {
+        None
+    }
     /// How messages name the value at `position` (its handle id, quoted), if the table
     /// knows it; messages fall back to `#<handle index>`.
     fn handle_name(&self, _position: usize) -> Option<String> {
@@ -301,6 +308,29 @@ pub trait SearchPolicy {
     /// reported as they are (the bindings carry Python exceptions through).
     fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError>;
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError>;
+    /// Whether this policy keeps its order of the values resident at `location`
+    /// incrementally, brought up to `residents` (the initial state's, `None` for none)
+    /// here: then how many residents it orders, and the search walks it
+    /// ([`Self::next_resident`], at most that many steps) instead of asking
+    /// [`Self::order`] over every resident. Such a policy's order is total and its
+    /// [`Self::compare`] agrees with it.
+    fn sync_residents(
+        &mut self,
+        _location: Location,
+        _residents: Option<&ResidentSet>,
+    ) -> Option<usize> {
+        None
+    }
+    /// The initial resident of `location` after `after` (`None`: the first) in the
+    /// policy's order, once [`Self::sync_residents`] said it keeps one.
+    fn next_resident(&self, _location: Location, _after: Option<usize>) -> Option<usize> {
+        None
+    }
+    /// The policy's order between two value positions, once
+    /// [`Self::sync_residents`] said it keeps one.
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        left.cmp(&right)
+    }
     /// Called periodically so a long search can be interrupted.
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
         Ok(())
@@ -468,11 +498,7 @@ pub struct SearchOutcome {
     pub explored: u64,
 }
 
-/// The tiered LRU's `(priority, epoch, stable key)` by value position.
-pub type PolicyKeyMap = FastMap<usize, (i64, i64, Option<Arc<str>>)>;
-
-/// Policy keys of a value without metadata and never accessed.
-const PLAIN_KEYS: (i64, i64, Option<Arc<str>>) = (0, -1, None);
+pub use crate::victims::PolicyKeyMap;
 
 /// The built-in `DeterministicTieredLRU`, natively: a stable sort by
 /// `(priority, epoch or -1, keyed first, key text, registration index)`.
@@ -529,6 +555,43 @@ impl SearchPolicy for TieredLru {
     }
 }
 
+/// The built-in tiered LRU with its order of each location's residents kept
+/// incrementally by the controller ([`VictimOrder`], with the same keys): the search
+/// walks it from the first victim, so a decide reads the candidates it tries, not every
+/// value resident where it makes room (docs/concepts/controller.md#candidates).
+#[allow(missing_debug_implementations)]
+pub struct IndexedLru<'a> {
+    pub lru: TieredLru,
+    pub order: &'a mut VictimOrder,
+}
+
+impl SearchPolicy for IndexedLru<'_> {
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
+        self.lru.order(candidates)
+    }
+
+    fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
+        self.lru.fallback_locations(location)
+    }
+
+    fn sync_residents(
+        &mut self,
+        location: Location,
+        residents: Option<&ResidentSet>,
+    ) -> Option<usize> {
+        self.order.sync(&self.lru.keys, location, residents);
+        Some(self.order.count(location))
+    }
+
+    fn next_resident(&self, location: Location, after: Option<usize>) -> Option<usize> {
+        self.order.next(&self.lru.keys, location, after)
+    }
+
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        self.lru.compare(left, right)
+    }
+}
+
 /// Schedule-aware eviction: for a known future sequence of requests, the candidate
 /// whose value is used farthest ahead goes first, and a value never used again before
 /// all others (Belady's MIN rule, which moves the fewest values for equal sizes).
@@ -559,6 +622,10 @@ pub struct ScheduleAware {
 #[derive(Debug, Clone, Default)]
 pub struct NextUses {
     steps: Arc<FastMap<usize, Vec<u64>>>,
+    /// The same schedule by step: the positions each step requests.
+    by_step: Arc<Vec<Vec<usize>>>,
+    /// Which schedule this is: another schedule, or this one changed, has another.
+    id: Arc<()>,
     cursor: u64,
     /// The schedule's length when it repeats; `None` for one pass.
     period: Option<u64>,
@@ -580,6 +647,8 @@ impl NextUses {
         }
         Self {
             steps: Arc::new(steps),
+            by_step: Arc::new(schedule.to_vec()),
+            id: Arc::new(()),
             cursor: 0,
             period: None,
         }
@@ -605,6 +674,8 @@ impl NextUses {
         let cursor = u64::try_from(cursor).unwrap_or(u64::MAX);
         Self {
             steps: Arc::clone(&self.steps),
+            by_step: Arc::clone(&self.by_step),
+            id: Arc::clone(&self.id),
             cursor: self
                 .period
                 .and_then(|period| cursor.checked_rem(period))
@@ -632,6 +703,31 @@ impl NextUses {
         if let Err(at) = uses.binary_search(&step) {
             uses.insert(at, step);
         }
+        if let Ok(at) = usize::try_from(step) {
+            let by_step = Arc::make_mut(&mut self.by_step);
+            if by_step.len() <= at {
+                by_step.resize_with(at + 1, Vec::new);
+            }
+            by_step[at].push(position);
+        }
+        self.id = Arc::new(());
+    }
+
+    /// Whether `other` is the same schedule (standing anywhere).
+    pub fn same_schedule(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.id, &other.id) && self.period == other.period
+    }
+
+    /// The positions whose next use may differ between standing here and where
+    /// `other` (the same schedule) stands: those requested at a step between the two.
+    pub fn moved<'a>(&'a self, other: &Self) -> impl Iterator<Item = usize> + 'a {
+        let low = usize::try_from(self.cursor.min(other.cursor)).unwrap_or(usize::MAX);
+        let high = usize::try_from(self.cursor.max(other.cursor)).unwrap_or(usize::MAX);
+        let steps = self
+            .by_step
+            .get(low.min(self.by_step.len())..high.min(self.by_step.len()))
+            .unwrap_or_default();
+        steps.iter().flatten().copied()
     }
 
     /// The positions requested at or after the current step (in a cyclic schedule,
@@ -680,6 +776,144 @@ impl SearchPolicy for ScheduleAware {
 
     fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
         self.lru.fallback_locations(location)
+    }
+}
+
+/// One resident in the schedule-aware order: [`ScheduleAware::key`], field for field.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ScheduleEntry {
+    priority: i64,
+    next: std::cmp::Reverse<u64>,
+    epoch: i64,
+    unkeyed: bool,
+    key: Option<Arc<str>>,
+    position: usize,
+}
+
+impl ScheduleEntry {
+    fn new(keys: &LruKeys, next: Option<u64>, position: usize) -> Self {
+        let (priority, epoch, key) = keys;
+        Self {
+            priority: *priority,
+            next: std::cmp::Reverse(next.unwrap_or(u64::MAX)),
+            epoch: *epoch,
+            unkeyed: key.is_none(),
+            key: key.clone(),
+            position,
+        }
+    }
+
+    fn of(keys: &PolicyKeyMap, uses: &NextUses, position: usize) -> Self {
+        Self::new(
+            keys.get(&position).unwrap_or(&PLAIN_KEYS),
+            uses.get(position),
+            position,
+        )
+    }
+}
+
+impl Positioned for ScheduleEntry {
+    fn position(&self) -> usize {
+        self.position
+    }
+}
+
+/// The schedule-aware policy's order of each location's residents, kept incrementally
+/// by the controller with its keys: standing at another step moves only the values
+/// requested between the two steps ([`ScheduleOrder::stand_at`]), a key change moves
+/// the value ([`ScheduleOrder::rekey`]), and residents are synced as the tiered LRU's
+/// are ([`VictimOrder`]).
+#[derive(Debug, Clone, Default)]
+pub struct ScheduleOrder {
+    /// The schedule and step the order stands at.
+    uses: Option<NextUses>,
+    order: Ordered<ScheduleEntry>,
+}
+
+impl ScheduleOrder {
+    /// Stands at `uses`' schedule and step, with `keys`: from the same schedule, the
+    /// values requested between the two steps move; from another, the order starts
+    /// again from nothing.
+    pub fn stand_at(&mut self, keys: &PolicyKeyMap, uses: &NextUses) {
+        match self.uses.take() {
+            Some(current) if current.same_schedule(uses) => {
+                for position in current.moved(uses) {
+                    self.order.rekey(
+                        position,
+                        &ScheduleEntry::of(keys, &current, position),
+                        &ScheduleEntry::of(keys, uses, position),
+                    );
+                }
+            }
+            _ => self.order.clear(),
+        }
+        self.uses = Some(uses.clone());
+    }
+
+    /// The value at `position` changed its keys from `old` to `new`.
+    pub fn rekey(&mut self, position: usize, old: &LruKeys, new: &LruKeys) {
+        if let Some(uses) = &self.uses {
+            let next = uses.get(position);
+            self.order.rekey(
+                position,
+                &ScheduleEntry::new(old, next, position),
+                &ScheduleEntry::new(new, next, position),
+            );
+        }
+    }
+
+    /// Forgets everything: the next decide starts from nothing.
+    pub fn clear(&mut self) {
+        self.uses = None;
+        self.order.clear();
+    }
+
+    /// The residents of `location` in order (tests compare it with a sort).
+    pub fn ordered(&self, location: Location) -> Vec<usize> {
+        self.order.ordered(location)
+    }
+}
+
+/// The schedule-aware policy walking the order the controller keeps
+/// ([`ScheduleOrder`], standing at this policy's step, with the same keys).
+#[allow(missing_debug_implementations)]
+pub struct IndexedSchedule<'a> {
+    pub policy: ScheduleAware,
+    pub order: &'a mut ScheduleOrder,
+}
+
+impl SearchPolicy for IndexedSchedule<'_> {
+    fn order(&mut self, candidates: &[Candidate]) -> Result<Vec<usize>, SearchError> {
+        self.policy.order(candidates)
+    }
+
+    fn fallback_locations(&mut self, location: Location) -> Result<Vec<Location>, SearchError> {
+        self.policy.fallback_locations(location)
+    }
+
+    fn sync_residents(
+        &mut self,
+        location: Location,
+        residents: Option<&ResidentSet>,
+    ) -> Option<usize> {
+        let keys = &self.policy.lru.keys;
+        let uses = &self.policy.next_use;
+        self.order.stand_at(keys, uses);
+        self.order.order.sync(location, residents, |position| {
+            ScheduleEntry::of(keys, uses, position)
+        });
+        Some(self.order.order.count(location))
+    }
+
+    fn next_resident(&self, location: Location, after: Option<usize>) -> Option<usize> {
+        let after = after.map(|position| {
+            ScheduleEntry::of(&self.policy.lru.keys, &self.policy.next_use, position)
+        });
+        self.order.order.next(location, after.as_ref())
+    }
+
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        self.policy.key(left).cmp(&self.policy.key(right))
     }
 }
 
@@ -886,10 +1120,31 @@ enum SimError {
     Unavailable(usize),
 }
 
-/// Candidates at one location in the policy's order, listed when the search first
-/// reclaims there.
+/// Candidates at one location in the policy's order: listed when the search first
+/// reclaims there, or walked in the policy's own order of the residents there.
 #[derive(Debug)]
-struct Candidates(std::vec::IntoIter<Candidate>);
+enum Candidates {
+    Listed(std::vec::IntoIter<Candidate>),
+    Walked(Box<Walk>),
+}
+
+/// A walk of the candidates at `location` in a policy's incremental order
+/// ([`SearchPolicy::next_resident`]): the initial residents the state did not change,
+/// merged with those it changed (`changed`, in the policy's order), then the
+/// required endpoints (`required`), as [`Search::ordered_candidates`] would list them.
+#[derive(Debug)]
+struct Walk {
+    location: Location,
+    blocked: Link,
+    /// The last initial resident walked past, and how many are left to walk (the walk
+    /// of them ends there, whatever the policy's order says).
+    cursor: Option<usize>,
+    left: usize,
+    /// The next initial resident that is a candidate, found and not yet yielded.
+    peeked: Option<Candidate>,
+    changed: std::iter::Peekable<std::vec::IntoIter<Candidate>>,
+    required: std::vec::IntoIter<Candidate>,
+}
 
 /// A found plan: the state whose request simulation succeeded, and the actions it
 /// projected.
@@ -1558,14 +1813,113 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         location: Location,
         blocked: Link,
     ) -> Result<Candidates, SearchError> {
-        Ok(Candidates(
-            self.ordered_candidates(links, state, location, blocked)?
-                .into_iter(),
-        ))
+        let walked = match self.values.resident_set(location) {
+            Some(residents) => self.policy.sync_residents(location, residents),
+            None => None,
+        };
+        let Some(count) = walked else {
+            return Ok(Candidates::Listed(
+                self.ordered_candidates(links, state, location, blocked)?
+                    .into_iter(),
+            ));
+        };
+        // What the state changed, and the required endpoints, are few: listed and
+        // ordered here; the initial residents are walked as the search asks.
+        let candidate = |value: usize, mat: Option<MatInfo>| {
+            mat.filter(MatInfo::unprotected).map(|mat| Candidate {
+                value,
+                location,
+                charged: mat.charged,
+            })
+        };
+        let changed: Vec<Candidate> = state
+            .changed
+            .iter()
+            .filter(|&(value, _)| {
+                !links.is_blocked(blocked, value) && !self.required.contains(&(value, location))
+            })
+            .filter_map(|(value, mats)| {
+                candidate(
+                    value,
+                    mats.iter().find(|mat| mat.location == location).copied(),
+                )
+            })
+            .collect();
+        let mut required: Vec<usize> = self
+            .requirements
+            .iter()
+            .filter(|requirement| requirement.location == location)
+            .map(|requirement| requirement.value)
+            .filter(|&value| !links.is_blocked(blocked, value))
+            .collect();
+        required.sort_unstable();
+        required.dedup();
+        let required: Vec<Candidate> = required
+            .into_iter()
+            .filter_map(|value| candidate(value, self.mat_at(state, value, location)))
+            .collect();
+        let changed = self.order(&changed)?;
+        let required = self.order(&required)?;
+        Ok(Candidates::Walked(Box::new(Walk {
+            location,
+            blocked,
+            cursor: None,
+            left: count,
+            peeked: None,
+            changed: changed.into_iter().peekable(),
+            required: required.into_iter(),
+        })))
     }
 
-    fn next_candidate(stream: &mut Candidates) -> Option<Candidate> {
-        stream.0.next()
+    /// The next candidate of `stream`, a frame's, whose state is `state`.
+    fn next_candidate(
+        &self,
+        links: &Links,
+        state: &State,
+        stream: &mut Candidates,
+    ) -> Option<Candidate> {
+        let walk = match stream {
+            Candidates::Listed(listed) => return listed.next(),
+            Candidates::Walked(walk) => walk,
+        };
+        let location = walk.location;
+        while walk.peeked.is_none() && walk.left > 0 {
+            walk.left -= 1;
+            let Some(value) = self.policy.next_resident(location, walk.cursor) else {
+                walk.left = 0;
+                break;
+            };
+            walk.cursor = Some(value);
+            // A value the state changed is among `changed` if it is a candidate.
+            if state.changed.get(value).is_some()
+                || links.is_blocked(walk.blocked, value)
+                || self.required.contains(&(value, location))
+            {
+                continue;
+            }
+            walk.peeked = self
+                .values
+                .mat_at(value, location)
+                .filter(MatInfo::unprotected)
+                .map(|mat| Candidate {
+                    value,
+                    location,
+                    charged: mat.charged,
+                });
+        }
+        let first_walked = match (walk.peeked, walk.changed.peek()) {
+            (Some(walked), Some(changed)) => {
+                self.policy.compare(walked.value, changed.value) == std::cmp::Ordering::Less
+            }
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => return walk.required.next(),
+        };
+        if first_walked {
+            walk.peeked.take()
+        } else {
+            walk.changed.next()
+        }
     }
 
     /// The unprotected materialisations at `location`, ordinary ones then required
@@ -1726,11 +2080,11 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         path: &mut Path,
         top: usize,
     ) -> Result<Option<Found>, SearchError> {
-        let frames = &mut path.frames;
+        let Path { frames, links } = path;
         let Some(Frame::Request(frame)) = frames.get_mut(top) else {
             return Ok(None);
         };
-        if let Some(candidate) = Self::next_candidate(&mut frame.candidates) {
+        if let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates) {
             let rank = frame.next_rank;
             frame.next_rank += 1;
             frames.push(Frame::Reclaim(ReclaimFrame {
@@ -2281,7 +2635,8 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         let Some(Frame::Capacity(frame)) = frames.get_mut(top) else {
             return Ok(None);
         };
-        while let Some(candidate) = Self::next_candidate(&mut frame.candidates) {
+        while let Some(candidate) = self.next_candidate(links, &frame.state, &mut frame.candidates)
+        {
             let rank = frame.next_rank;
             frame.next_rank += 1;
             if links.is_active(frame.active, (candidate.value, candidate.location)) {

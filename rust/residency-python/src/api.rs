@@ -489,15 +489,15 @@ impl CoreManager {
     fn decide_request<'py>(
         &self,
         py: Python<'py>,
-        request: crate::search::LoweredRequest,
+        request: PyRef<'py, crate::search::LoweredRequest>,
         limit: u64,
         cuda_count: i64,
         native: Option<crate::search::NativeConfig>,
         python: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
         schedule: Option<(PyRef<'py, crate::search::ScheduleIndex>, usize)>,
-    ) -> PyResult<Option<crate::search::Decision>> {
+    ) -> PyResult<Option<crate::search::Decided>> {
         let policy = crate::search::DecidePolicy::new(native, python, schedule)?;
-        crate::search::decide_request(self, py, request, limit, cuda_count, policy)
+        crate::search::decide_request(self, py, &request, limit, cuda_count, policy)
     }
 
     /// A staged pipeline step's entry in one hold of the gate: the state view, a lease

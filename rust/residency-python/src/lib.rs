@@ -30,6 +30,9 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<kinds::PyActionKind>()?;
     module.add_class::<search::ScheduleIndex>()?;
     module.add_class::<search::PolicyKeys>()?;
+    module.add_class::<search::Decided>()?;
+    module.add_class::<search::LoweredRequest>()?;
+    module.add_class::<search::TierTable>()?;
     module.add_class::<kinds::LifetimeKind>()?;
     module.add_class::<plan::PlanIr>()?;
     module.add_class::<manager::CoreManager>()?;

@@ -56,6 +56,14 @@ impl PlanIr {
         }
     }
 
+    /// A view of a plan another object keeps too.
+    pub fn shared(plan: Arc<Plan>) -> Self {
+        Self {
+            plan,
+            resolutions: Resolutions::default(),
+        }
+    }
+
     pub fn plan(&self) -> &Arc<Plan> {
         &self.plan
     }

@@ -11,15 +11,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use residency_core::search::{
-    Candidate, NextUses, PolicyKeyMap, Requirement, ScheduleAware, Search, SearchError,
-    SearchOutcome, SearchPolicy, TieredLru,
+    Candidate, Eviction, IndexedLru, IndexedSchedule, NextUses, PolicyKeyMap, Requirement,
+    ScheduleAware, ScheduleOrder, Search, SearchError, SearchOutcome, SearchPolicy, TieredLru,
 };
+use residency_core::victims::VictimOrder;
 use residency_core::{
-    Action, ActionKind, CudaDevices, HandleId, Location, Reservation, SearchInputs, SlotResolution,
+    Action, ActionKind, CudaDevices, HandleId, Location, Plan, Reservation, SearchInputs,
+    Simulation, SlotResolution,
 };
 
 use crate::errors::to_py_err;
-use crate::kinds::PyActionKind;
 use crate::manager::{CoreManager, SimulationView};
 use crate::plan::PlanIr;
 
@@ -108,6 +109,22 @@ impl<P: SearchPolicy> SearchPolicy for NativePolicy<'_, P> {
         self.policy.fallback_locations(at)
     }
 
+    fn sync_residents(
+        &mut self,
+        location: Location,
+        residents: Option<&residency_core::victims::ResidentSet>,
+    ) -> Option<usize> {
+        self.policy.sync_residents(location, residents)
+    }
+
+    fn next_resident(&self, location: Location, after: Option<usize>) -> Option<usize> {
+        self.policy.next_resident(location, after)
+    }
+
+    fn compare(&self, left: usize, right: usize) -> std::cmp::Ordering {
+        self.policy.compare(left, right)
+    }
+
     fn check_interrupt(&mut self) -> Result<(), SearchError> {
         self.py.check_signals().map_err(|err| {
             self.error.get_or_insert(err);
@@ -166,24 +183,98 @@ impl ScheduleIndex {
 /// The built-in policy's keys by handle index, kept by the controller as they change
 /// (one entry per metadata change or recorded access), so a decide reads them without
 /// converting or copying them: `(priority, last access epoch or -1, stable key)`.
+/// With them, the tiered LRU's order of each location's residents ([`VictimOrder`]),
+/// moved as the keys change, so a decide walks it instead of sorting the residents.
 #[pyclass(frozen, module = "fhelium._core", name = "PolicyKeys")]
 #[derive(Debug, Default)]
 pub struct PolicyKeys {
-    keys: Mutex<Arc<PolicyKeyMap>>,
+    keys: Mutex<Keys>,
+}
+
+#[derive(Debug, Default)]
+struct Keys {
+    map: Arc<PolicyKeyMap>,
+    /// The tiered LRU's order, and the schedule-aware policy's.
+    lru: Kept<VictimOrder>,
+    schedule: Kept<ScheduleOrder>,
+}
+
+/// An order kept with the keys: out while a decide walks it (see
+/// [`PolicyKeys::take_order`]), and stale if a key changed meanwhile.
+#[derive(Debug, Default)]
+struct Kept<T> {
+    order: Option<T>,
+    stale: bool,
+}
+
+impl<T: Default> Kept<T> {
+    /// The order for one decide; another decide meanwhile (a signal handler's) gets an
+    /// empty one, synced from nothing.
+    fn take(&mut self) -> T {
+        self.order.take().unwrap_or_default()
+    }
+
+    /// Hands back what [`Self::take`] gave out: kept unless a key changed meanwhile
+    /// (then forgotten, to be synced again from nothing).
+    fn put(&mut self, order: T) {
+        if std::mem::take(&mut self.stale) {
+            self.order.get_or_insert_with(T::default);
+            return;
+        }
+        if self.order.is_none() {
+            self.order = Some(order);
+        }
+    }
+
+    /// A key changed: the order moves the value (`rekey`), or is stale while out.
+    fn changed(&mut self, rekey: impl FnOnce(&mut T)) {
+        match &mut self.order {
+            Some(order) => rekey(order),
+            None => self.stale = true,
+        }
+    }
 }
 
 impl PolicyKeys {
-    /// The keys now; a later change copies them only while a decide still reads these.
-    fn snapshot(&self) -> Arc<PolicyKeyMap> {
-        Arc::clone(&self.keys.lock().unwrap_or_else(PoisonError::into_inner))
+    fn lock(&self) -> std::sync::MutexGuard<'_, Keys> {
+        self.keys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The keys now and the tiered LRU's order kept with them, for one decide to walk
+    /// (and sync) and then hand back ([`Self::put_order`]).
+    fn take_order(&self) -> (Arc<PolicyKeyMap>, VictimOrder) {
+        let mut keys = self.lock();
+        let order = keys.lru.take();
+        (Arc::clone(&keys.map), order)
+    }
+
+    fn put_order(&self, order: VictimOrder) {
+        self.lock().lru.put(order);
+    }
+
+    /// The keys now and the schedule-aware policy's order, as [`Self::take_order`].
+    fn take_schedule_order(&self) -> (Arc<PolicyKeyMap>, ScheduleOrder) {
+        let mut keys = self.lock();
+        let order = keys.schedule.take();
+        (Arc::clone(&keys.map), order)
+    }
+
+    fn put_schedule_order(&self, order: ScheduleOrder) {
+        self.lock().schedule.put(order);
     }
 
     fn update(&self, index: u32, change: impl FnOnce(&mut (i64, i64, Option<Arc<str>>))) {
-        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = Arc::make_mut(&mut keys)
+        let mut guard = self.lock();
+        let keys = &mut *guard;
+        let entry = Arc::make_mut(&mut keys.map)
             .entry(index as usize)
             .or_insert((0, -1, None));
+        let old = entry.clone();
         change(entry);
+        let position = index as usize;
+        keys.lru.changed(|order| order.rekey(position, &old, entry));
+        keys.schedule
+            .changed(|order| order.rekey(position, &old, entry));
     }
 }
 
@@ -210,7 +301,7 @@ impl PolicyKeys {
 
     /// The values with keys.
     fn __len__(&self) -> usize {
-        self.snapshot().len()
+        self.lock().map.len()
     }
 }
 
@@ -233,34 +324,208 @@ impl ScheduleIndex {
     }
 }
 
-/// `(kind, plan handle slot, location code, from code or -1)`.
-pub type Row = (PyActionKind, u32, u32, i64);
+/// `(kind code, plan handle slot, location code, from code or -1)`; the kind codes are
+/// [`kind_code`]'s.
+pub type Row = (u8, u32, u32, i64);
 pub type EvictionRow = (usize, usize, u32, u64, String);
-/// `(plan IR, its simulation, handle index per slot, reclaim rows, enter rows,
-/// evictions, explored_states, state_version)`.
-pub type Decision = (
-    PlanIr,
-    SimulationView,
-    Vec<HandleId>,
-    Vec<Row>,
-    Vec<Row>,
-    Vec<EvictionRow>,
-    u64,
-    u64,
-);
 
-/// A request as the glue lowers it (`_decider._LoweredRequest`): the manager's discard
-/// count when its handles were resolved, its `(handle index, location code)` rows, its
-/// name, its reservations as `(code, nbytes, label)` and their labels as `simulate`
-/// takes them.
-#[derive(Debug, FromPyObject)]
-pub struct LoweredRequest(
-    u64,
-    Vec<(u32, u32)>,
-    String,
-    Vec<(u32, u64, String)>,
-    Vec<String>,
-);
+/// An action kind as a decided plan's rows name it: 0 ensure, 1 move, 2 drop, 3 discard
+/// (small integers, so reading a row builds no object).
+fn kind_code(kind: ActionKind) -> u8 {
+    match kind {
+        ActionKind::Ensure => 0,
+        ActionKind::Move => 1,
+        ActionKind::Drop => 2,
+        ActionKind::Discard => 3,
+    }
+}
+
+/// What a decide returns (`CoreManager.decide_request`): the decided plan, its
+/// simulation, each plan slot's handle index and the search's evictions, kept as the
+/// core's data. A decide builds this one object; the glue reads what it needs (the
+/// plan's IR, its rows, the simulation) when a record built from them is first read
+/// (docs/concepts/controller.md#decisions-and-evictions).
+#[pyclass(frozen, module = "fhelium._core", name = "Decided")]
+#[derive(Debug)]
+pub struct Decided {
+    plan: Arc<Plan>,
+    simulation: Simulation,
+    slots: Vec<HandleId>,
+    evictions: Vec<Eviction>,
+    explored: u64,
+    version: u64,
+}
+
+#[pymethods]
+impl Decided {
+    /// Whether the decided plan's simulation is feasible.
+    #[getter]
+    fn feasible(&self) -> bool {
+        self.simulation.feasible
+    }
+
+    /// Why it is not, if it is not.
+    #[getter]
+    fn reason(&self) -> Option<&str> {
+        self.simulation.reason.as_deref()
+    }
+
+    /// The search states explored.
+    #[getter]
+    fn explored(&self) -> u64 {
+        self.explored
+    }
+
+    /// The state version decided on.
+    #[getter]
+    fn state_version(&self) -> u64 {
+        self.version
+    }
+
+    /// Whether the plan has no action (the request is satisfied as the state stands).
+    #[getter]
+    fn empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The plan's core IR (a new view of the same plan on each call).
+    fn ir(&self) -> PlanIr {
+        PlanIr::shared(Arc::clone(&self.plan))
+    }
+
+    /// The plan's simulation.
+    fn simulation(&self) -> SimulationView {
+        SimulationView::new(self.simulation.clone())
+    }
+
+    /// The handle index of each plan slot.
+    fn slots(&self) -> Vec<HandleId> {
+        self.slots.clone()
+    }
+
+    /// The reclaim actions as rows ([`Row`]).
+    fn reclaim_rows(&self) -> Vec<Row> {
+        rows(self.plan.reclaim())
+    }
+
+    /// The enter actions as rows ([`Row`]).
+    fn enter_rows(&self) -> Vec<Row> {
+        rows(self.plan.enter())
+    }
+
+    /// The evictions as `(reclaim position, rank, released location code, released
+    /// bytes, reason)`.
+    fn eviction_rows(&self) -> Vec<EvictionRow> {
+        eviction_rows(&self.evictions)
+    }
+
+    /// Whether `other` decided the same actions on the same handle indices (so records
+    /// built for one serve the other).
+    fn same_actions(&self, other: &Bound<'_, PyAny>) -> bool {
+        let Ok(other) = other.cast::<Self>() else {
+            return false;
+        };
+        let other = other.get();
+        self.slots == other.slots
+            && self.plan.reclaim() == other.plan.reclaim()
+            && self.plan.enter() == other.plan.enter()
+    }
+}
+
+/// A request as the glue lowers it (`_decider._lowered`), converted once and kept per
+/// request object: the manager's discard count when its handles were resolved, its
+/// requirements by handle index, its name, its reservations and their labels as
+/// `simulate` takes them. A decide reads it without converting anything again.
+#[pyclass(frozen, module = "fhelium._core", name = "LoweredRequest")]
+#[derive(Debug)]
+pub struct LoweredRequest {
+    discards: u64,
+    requirements: Vec<Requirement>,
+    name: String,
+    reservations: Vec<Reservation>,
+    /// The reservations as the search takes them.
+    searched: Vec<(Location, u64)>,
+    labels: Vec<String>,
+}
+
+#[pymethods]
+impl LoweredRequest {
+    /// From the `(handle index, location code)` rows, the name, the `(code, nbytes,
+    /// label)` reservations and the labels `simulate` reports.
+    #[new]
+    fn py_new(
+        discards: u64,
+        rows: Vec<(u32, u32)>,
+        name: String,
+        reservations: Vec<(u32, u64, String)>,
+        labels: Vec<String>,
+    ) -> PyResult<Self> {
+        let requirements = rows
+            .into_iter()
+            .map(|(handle, code)| {
+                Ok(Requirement {
+                    value: handle as usize,
+                    location: location(code)?,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let reservations = reservations
+            .into_iter()
+            .map(|(code, nbytes, label)| {
+                Ok(Reservation {
+                    location: location(code)?,
+                    nbytes,
+                    label: Arc::from(label),
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let searched = reservations
+            .iter()
+            .map(|reservation| (reservation.location, reservation.nbytes))
+            .collect();
+        Ok(Self {
+            discards,
+            requirements,
+            name,
+            reservations,
+            searched,
+            labels,
+        })
+    }
+
+    /// The manager's discard count when the handles were resolved.
+    #[getter]
+    fn discards(&self) -> u64 {
+        self.discards
+    }
+}
+
+/// The fallback tiers by location, converted once per policy (`_decider`): a decide
+/// shares them.
+#[pyclass(frozen, module = "fhelium._core", name = "TierTable")]
+#[derive(Debug)]
+pub struct TierTable {
+    tiers: BTreeMap<Location, Vec<Location>>,
+}
+
+#[pymethods]
+impl TierTable {
+    /// From `(source code, [destination codes])` rows.
+    #[new]
+    fn py_new(rows: Vec<(u32, Vec<u32>)>) -> PyResult<Self> {
+        let mut tiers = BTreeMap::new();
+        for (source, destinations) in rows {
+            tiers.insert(
+                location(source)?,
+                destinations
+                    .into_iter()
+                    .map(location)
+                    .collect::<PyResult<Vec<_>>>()?,
+            );
+        }
+        Ok(Self { tiers })
+    }
+}
 
 /// The policy a decide consults: the built-in tiered LRU's configuration, with the
 /// schedule-aware policy's index and position; or a Python policy's two callables.
@@ -296,11 +561,11 @@ impl<'py> DecidePolicy<'py> {
 pub fn decide_request(
     manager: &CoreManager,
     py: Python<'_>,
-    request: LoweredRequest,
+    request: &LoweredRequest,
     limit: u64,
     cuda_count: i64,
     policy: DecidePolicy<'_>,
-) -> PyResult<Option<Decision>> {
+) -> PyResult<Option<Decided>> {
     manager.with_gate(py, true, true, || {
         crate::lifetimes::reap(manager, py)?;
         let current = manager.core().discards();
@@ -308,7 +573,7 @@ pub fn decide_request(
             &policy,
             DecidePolicy::Native(_, Some((index, _))) if index.discards != current
         );
-        if request.0 != current || stale_schedule {
+        if request.discards != current || stale_schedule {
             return Ok(None);
         }
         let version = manager.core().version();
@@ -326,45 +591,28 @@ fn decide_locked(
     py: Python<'_>,
     manager: &CoreManager,
     version: u64,
-    request: LoweredRequest,
+    request: &LoweredRequest,
     limit: u64,
     cuda_count: i64,
     completed_leases: &[u64],
     policy: DecidePolicy<'_>,
-) -> PyResult<Decision> {
-    let LoweredRequest(_, requirements, request_name, reservations, labels) = request;
-    let request_name = request_name.as_str();
+) -> PyResult<Decided> {
+    let request_name = request.name.as_str();
     let core = manager.core();
     let inputs = core.search_inputs();
-    let mut required = Vec::with_capacity(requirements.len());
-    for (handle, code) in requirements {
-        if !inputs.values.is_live(handle as usize) {
+    for requirement in &request.requirements {
+        if !inputs.values.is_live(requirement.value) {
             return Err(PyValueError::new_err(format!(
-                "handle index {handle} is not live"
+                "handle index {} is not live",
+                requirement.value
             )));
         }
-        required.push(Requirement {
-            value: handle as usize,
-            location: location(code)?,
-        });
     }
-    let reservations = reservations
-        .into_iter()
-        .map(|(code, nbytes, label)| {
-            Ok(Reservation {
-                location: location(code)?,
-                nbytes,
-                label: Arc::from(label),
-            })
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    let searched: Vec<(Location, u64)> = reservations
-        .iter()
-        .map(|reservation| (reservation.location, reservation.nbytes))
-        .collect();
+    let required = request.requirements.as_slice();
+    let searched = request.searched.as_slice();
     let (result, error) = match policy {
         DecidePolicy::Native(config, schedule) => {
-            native_search(py, config, schedule, &inputs, &required, &searched, limit)?
+            native_search(py, &config, schedule, &inputs, required, searched, limit)
         }
         DecidePolicy::Python(order, fallbacks) => {
             let mut policy = PythonPolicy {
@@ -373,7 +621,7 @@ fn decide_locked(
                 fallbacks,
                 error: None,
             };
-            let result = search_with(&inputs, &required, &searched, limit, &mut policy);
+            let result = search_with(&inputs, required, searched, limit, &mut policy);
             (result, policy.error)
         }
     };
@@ -392,24 +640,19 @@ fn decide_locked(
         }
     };
     let (plan, slots) = core
-        .decided_plan(request_name, &outcome, reservations)
+        .decided_plan(request_name, &outcome, request.reservations.clone())
         .map_err(|err| to_py_err(py, err))?;
     let resolutions: Vec<SlotResolution> = slots.iter().copied().map(Ok).collect();
     let cuda = u32::try_from(cuda_count).map_or(CudaDevices::Unavailable, CudaDevices::Count);
-    let simulation = core.simulate(&plan, &resolutions, cuda, completed_leases, &labels);
-    let evictions = eviction_rows(&outcome);
-    let reclaim = rows(plan.reclaim());
-    let enter = rows(plan.enter());
-    Ok((
-        PlanIr::new(plan),
-        SimulationView::new(simulation),
+    let simulation = core.simulate(&plan, &resolutions, cuda, completed_leases, &request.labels);
+    Ok(Decided {
+        plan: Arc::new(plan),
+        simulation,
         slots,
-        reclaim,
-        enter,
-        evictions,
-        outcome.explored,
+        evictions: outcome.evictions,
+        explored: outcome.explored,
         version,
-    ))
+    })
 }
 
 /// The search with a native policy: the tiered LRU, or the schedule-aware policy when
@@ -417,60 +660,65 @@ fn decide_locked(
 /// the first Python error comes back too.
 fn native_search(
     py: Python<'_>,
-    config: NativeConfig,
+    config: &NativeConfig,
     schedule: Option<(PyRef<'_, ScheduleIndex>, usize)>,
     inputs: &SearchInputs,
     required: &[Requirement],
     searched: &[(Location, u64)],
     limit: u64,
-) -> PyResult<(Result<SearchOutcome, SearchError>, Option<PyErr>)> {
-    let lru = tiered_lru(config)?;
+) -> (Result<SearchOutcome, SearchError>, Option<PyErr>) {
     let Some((index, position)) = schedule else {
+        // The tiered LRU walks the order of the residents the controller keeps with its
+        // keys, and hands it back synced.
+        let keys = config.0.get();
+        let (map, mut order) = keys.take_order();
         let mut native = NativePolicy {
             py,
-            policy: lru,
+            policy: IndexedLru {
+                lru: tiered_lru(map, config),
+                order: &mut order,
+            },
             error: None,
         };
         let result = search_with(inputs, required, searched, limit, &mut native);
-        return Ok((result, native.error));
+        let error = native.error;
+        keys.put_order(order);
+        return (result, error);
     };
-    // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction).
+    // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction),
+    // walking its order of the residents, kept with the keys and standing at this step.
+    let keys = config.0.get();
+    let (map, mut order) = keys.take_schedule_order();
     let mut native = NativePolicy {
         py,
-        policy: ScheduleAware {
-            lru,
-            next_use: index.uses.at(position),
+        policy: IndexedSchedule {
+            policy: ScheduleAware {
+                lru: tiered_lru(map, config),
+                next_use: index.uses.at(position),
+            },
+            order: &mut order,
         },
         error: None,
     };
     let result = search_with(inputs, required, searched, limit, &mut native);
-    Ok((result, native.error))
+    let error = native.error;
+    keys.put_schedule_order(order);
+    (result, error)
 }
 
-/// The built-in policy from its configuration: the controller's keys as they stand,
-/// shared, and the fallback tiers.
-fn tiered_lru(config: NativeConfig) -> PyResult<TieredLru> {
-    let mut tiers = BTreeMap::new();
-    for (source, destinations) in config.1 {
-        tiers.insert(
-            location(source)?,
-            destinations
-                .into_iter()
-                .map(location)
-                .collect::<PyResult<Vec<_>>>()?,
-        );
+/// The built-in policy from the controller's keys as they stand (shared) and the
+/// configuration's fallback tiers.
+fn tiered_lru(keys: Arc<PolicyKeyMap>, config: &NativeConfig) -> TieredLru {
+    TieredLru {
+        keys,
+        tiers: config.1.get().tiers.clone(),
     }
-    Ok(TieredLru {
-        keys: config.0.get().snapshot(),
-        tiers,
-    })
 }
 
 /// Evictions as `(reclaim position, rank, released location code, released bytes,
 /// reason)`.
-fn eviction_rows(outcome: &SearchOutcome) -> Vec<EvictionRow> {
-    outcome
-        .evictions
+fn eviction_rows(evictions: &[Eviction]) -> Vec<EvictionRow> {
+    evictions
         .iter()
         .enumerate()
         .map(|(index, eviction)| {
@@ -499,12 +747,11 @@ fn rows(actions: &[Action]) -> Vec<Row> {
                 Action::Discard { .. } => (ActionKind::Discard, 0, None),
             };
             let from = from.map_or(-1, |from| i64::from(from.code()));
-            (kind.into(), slot, code, from)
+            (kind_code(kind), slot, code, from)
         })
         .collect()
 }
 
-/// The built-in policy's configuration: the controller's keys and the fallback tiers
-/// by location code.
+/// The built-in policy's configuration: the controller's keys and the fallback tiers.
 #[derive(Debug, FromPyObject)]
-pub struct NativeConfig(pub Py<PolicyKeys>, pub Vec<(u32, Vec<u32>)>);
+pub struct NativeConfig(pub Py<PolicyKeys>, pub Py<TierTable>);
