@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from fhelium._core import LoweredRequest, TierTable
 from fhelium.errors import ResidencyHandleError, ResidencyOwnershipError, ResidencyPlanError
 from fhelium.residency import _lowering
 from fhelium.residency._decided import LazyDecision, decided
@@ -40,6 +39,9 @@ from fhelium.residency.schedule import (
     standing_at,
     tiered_of,
 )
+
+if TYPE_CHECKING:
+    from fhelium._core import LoweredRequest, TierTable
 
 __all__ = ["ControllerBase", "Decider", "decider_of"]
 
@@ -248,7 +250,7 @@ class Decider:
             return cached[2]
         rows = self._requirement_rows(request)
         # Converted once into the core's form, kept with the request.
-        lowered = LoweredRequest(
+        lowered = _lowering.LoweredRequest(
             discards,
             rows,
             # The name appears in the search's errors and as the plan IR's name; the
@@ -339,7 +341,7 @@ class Decider:
                     tiered,
                     (
                         self._native_keys,
-                        TierTable(
+                        _lowering.TierTable(
                             [
                                 (
                                     _lowering.location_code(source),

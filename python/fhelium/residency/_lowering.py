@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from fhelium import _core
-from fhelium._core import ActionKind
+from fhelium._core import ActionKind, LoweredRequest, TierTable
 from fhelium.residency._locations import disk_code
 from fhelium.residency.location import DiskLocation
 
@@ -26,6 +26,10 @@ __all__ = [
     "ACTION_KINDS",
     "U64_MAX",
     "LoweredPlan",
+    # The core's forms of a controller's request and of a policy's tiers, which the
+    # decider lowers once and keeps.
+    "LoweredRequest",
+    "TierTable",
     "action_kind",
     "diagnostic_text",
     "location_code",
