@@ -422,16 +422,13 @@ pub fn hold_locked(
     let host = Host::new(manager, py);
     let core = manager.core();
     for group in groups.iter() {
-        let taken = (|| {
-            let group = group.cast_into::<PyTuple>()?;
-            let handles = manager
-                .context()
-                .normalized_handles(py, &group.get_item(0)?)?;
-            let at = manager.context().location_code(py, &group.get_item(1)?)?;
-            let ids = host.resolve(&handles, at)?;
-            core.hold(&ids, at).map_err(|err| host.lift(err))
-        })();
-        let token = taken?;
+        let group = group.cast_into::<PyTuple>()?;
+        let handles = manager
+            .context()
+            .normalized_handles(py, &group.get_item(0)?)?;
+        let at = manager.context().location_code(py, &group.get_item(1)?)?;
+        let ids = host.resolve(&handles, at)?;
+        let token = core.hold(&ids, at).map_err(|err| host.lift(err))?;
         if let Err(error) = held.append(token) {
             core.release_hold(token);
             return Err(error);

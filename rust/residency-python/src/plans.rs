@@ -129,7 +129,7 @@ pub fn execute_plan(
         device.keep_streams(run);
         result.map_err(|error| device.raised(error))
     };
-    let Some((groups, held)) = hold else {
+    let Some((groups, tokens)) = hold else {
         return within_gate_then(manager, py, operation, then, || {});
     };
     // What the plan made resident is held before any other thread can evict it, and
@@ -138,11 +138,11 @@ pub fn execute_plan(
     // call returns; on a failure they are released and taken out again.
     let then = then.filter(|then| !then.is_none());
     within_gate_after(manager, py, operation, || {
-        let kept = held.len();
-        let result = crate::lifetimes::hold_locked(manager, py, groups, held)
+        let kept = tokens.len();
+        let result = crate::lifetimes::hold_locked(manager, py, groups, tokens)
             .and_then(|()| then.map_or(Ok(()), |then| then.call0().map(drop)));
         if let Err(error) = result {
-            release_held(manager, held, kept)?;
+            release_held(manager, tokens, kept)?;
             return Err(error);
         }
         Ok(py.None())
