@@ -68,20 +68,20 @@ class PolicyKeys:
 class TierTable:
     """The fallback tiers by location code, converted once per policy."""
 
-    def __init__(self, rows: list[tuple[int, list[int]]]) -> None: ...
+    def __new__(cls, rows: list[tuple[int, list[int]]]) -> TierTable: ...
 
 @final
 class LoweredRequest:
     """A request as a decide reads it, converted once: requirements by handle index."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         discards: int,
         rows: list[tuple[int, int]],
         name: str,
         reservations: list[tuple[int, int, str]],
         labels: list[str],
-    ) -> None: ...
+    ) -> LoweredRequest: ...
     @property
     def discards(self) -> int: ...
 
