@@ -68,6 +68,56 @@ fn key_text(key: Option<u8>) -> Option<Arc<str>> {
     key.map(|key| Arc::from(format!("k{key}")))
 }
 
+/// Applies `op` to the model: new keys, or a resident arriving at or leaving a
+/// location (`None` once a location has none, as the state forgets an empty set).
+/// For new keys, the position and its old and new keys, for the order's `rekey`.
+fn apply(
+    op: &Op,
+    keys: &mut PolicyKeyMap,
+    residents: &mut [Option<ResidentSet>; 3],
+) -> Option<(usize, LruKeys, LruKeys)> {
+    match *op {
+        Op::Keys(position, priority, epoch, key) => {
+            let old: LruKeys = keys.get(&position).cloned().unwrap_or(PLAIN_KEYS);
+            let new: LruKeys = (priority, epoch, key_text(key));
+            keys.insert(position, new.clone());
+            return Some((position, old, new));
+        }
+        Op::Arrive(location, position) => {
+            let handle = HandleId::try_from(position).expect("small");
+            residents[location]
+                .get_or_insert_with(ResidentSet::new)
+                .insert(handle);
+        }
+        Op::Leave(location, position) => {
+            let handle = HandleId::try_from(position).expect("small");
+            if let Some(set) = &mut residents[location] {
+                set.remove(&handle);
+                if set.is_empty() {
+                    residents[location] = None;
+                }
+            }
+        }
+        Op::Sync(_) => {}
+    }
+    None
+}
+
+/// The positions `next` walks, each after the one before, at most one step more than
+/// `count`: a wrong order that cycles fails its comparison instead of walking forever.
+fn walk(count: usize, mut next: impl FnMut(Option<usize>) -> Option<usize>) -> Vec<usize> {
+    let mut walked = Vec::new();
+    let mut after = None;
+    for _ in 0..=count {
+        let Some(position) = next(after) else {
+            break;
+        };
+        walked.push(position);
+        after = Some(position);
+    }
+    walked
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
@@ -82,30 +132,12 @@ proptest! {
         let mut residents: [Option<ResidentSet>; 3] = [None, None, None];
         let mut synced = [false; 3];
         for op in ops {
-            match op {
-                Op::Keys(position, priority, epoch, key) => {
-                    let old: LruKeys = keys.get(&position).cloned().unwrap_or(PLAIN_KEYS);
-                    let new: LruKeys = (priority, epoch, key_text(key));
-                    keys.insert(position, new.clone());
-                    order.rekey(position, &old, &new);
-                }
-                Op::Arrive(location, position) => {
-                    let handle = HandleId::try_from(position).expect("small");
-                    residents[location].get_or_insert_with(ResidentSet::new).insert(handle);
-                }
-                Op::Leave(location, position) => {
-                    let handle = HandleId::try_from(position).expect("small");
-                    if let Some(set) = &mut residents[location] {
-                        set.remove(&handle);
-                        if set.is_empty() {
-                            residents[location] = None;
-                        }
-                    }
-                }
-                Op::Sync(location) => {
-                    order.sync(&keys, LOCATIONS[location], residents[location].as_ref());
-                    synced[location] = true;
-                }
+            if let Some((position, old, new)) = apply(&op, &mut keys, &mut residents) {
+                order.rekey(position, &old, &new);
+            }
+            if let Op::Sync(location) = op {
+                order.sync(&keys, LOCATIONS[location], residents[location].as_ref());
+                synced[location] = true;
             }
             for (index, &location) in LOCATIONS.iter().enumerate() {
                 if !synced[index] {
@@ -115,17 +147,7 @@ proptest! {
                 order.sync(&keys, location, residents[index].as_ref());
                 let set = residents[index].clone().unwrap_or_default();
                 prop_assert_eq!(order.ordered(location), sorted(&keys, &set));
-                // At most one step more than there are residents: a wrong order that
-                // cycles fails here instead of walking forever.
-                let mut walked = Vec::new();
-                let mut after = None;
-                for _ in 0..=order.count(location) {
-                    let Some(next) = order.next(&keys, location, after) else {
-                        break;
-                    };
-                    walked.push(next);
-                    after = Some(next);
-                }
+                let walked = walk(order.count(location), |after| order.next(&keys, location, after));
                 prop_assert_eq!(walked, sorted(&keys, &set));
             }
         }
@@ -449,27 +471,8 @@ proptest! {
         let mut residents: [Option<ResidentSet>; 3] = [None, None, None];
         for (op, cursor) in ops {
             let uses = steps.at(cursor);
-            match op {
-                Op::Keys(position, priority, epoch, key) => {
-                    let old: LruKeys = keys.get(&position).cloned().unwrap_or(PLAIN_KEYS);
-                    let new: LruKeys = (priority, epoch, key_text(key));
-                    keys.insert(position, new.clone());
-                    order.rekey(position, &old, &new);
-                }
-                Op::Arrive(location, position) => {
-                    let handle = HandleId::try_from(position).expect("small");
-                    residents[location].get_or_insert_with(ResidentSet::new).insert(handle);
-                }
-                Op::Leave(location, position) => {
-                    let handle = HandleId::try_from(position).expect("small");
-                    if let Some(set) = &mut residents[location] {
-                        set.remove(&handle);
-                        if set.is_empty() {
-                            residents[location] = None;
-                        }
-                    }
-                }
-                Op::Sync(_) => {}
+            if let Some((position, old, new)) = apply(&op, &mut keys, &mut residents) {
+                order.rekey(position, &old, &new);
             }
             // A decide standing at `cursor` syncs each location it reclaims at.
             let keys_now = Arc::new(keys.clone());
@@ -482,15 +485,7 @@ proptest! {
                     order: &mut order,
                 };
                 let count = walking.sync_residents(location, residents[index].as_ref());
-                let mut walked = Vec::new();
-                let mut after = None;
-                for _ in 0..=count.unwrap_or(0) {
-                    let Some(next) = walking.next_resident(location, after) else {
-                        break;
-                    };
-                    walked.push(next);
-                    after = Some(next);
-                }
+                let walked = walk(count.unwrap_or(0), |after| walking.next_resident(location, after));
                 let set = residents[index].clone().unwrap_or_default();
                 let sorted = schedule_sorted(&keys, &uses, &set);
                 prop_assert_eq!(count, Some(set.len()));
