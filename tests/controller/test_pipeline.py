@@ -382,8 +382,9 @@ def test_a_joining_consumer_stream_waits_for_an_in_flight_copy(
         next(steps)
         step = next(steps)  # step 1's copy is still in flight: nothing completed it
         assert len(runtime.waits) == 1
-        (lease,) = step._leases
-        lease.add_consumer_stream(other)
+        # A staged step's leases are one native object: its one lease joins the stream
+        # as `ResidencyLease.add_consumer_stream` does.
+        step._entry.add_consumer_stream(0, other)
         assert [stream for stream, _ in runtime.waits] == [env.stream, other]
 
 

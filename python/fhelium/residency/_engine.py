@@ -241,7 +241,7 @@ class Engine:
         # hold of the gate, after reaping: (state view, a lease per (location, handles)
         # group, what its CUDA leases leave protected), the staging's hold tokens
         # released whatever happens.
-        self.enter_step: Callable[..., tuple[_core.StateView, list[ResidencyLease], list[int]]] = (
+        self.enter_step: Callable[..., tuple[_core.StateView, _core.StepEntry, list[int]]] = (
             core.enter_step
         )
         # `plan_run()`: a new record of one plan run (phase, position, tokens, reports).

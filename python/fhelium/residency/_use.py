@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from fhelium.errors import ResidencyStaleStateError
 from fhelium.residency._decided import satisfied
@@ -43,6 +43,9 @@ from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
 from fhelium.residency.schedule import ScheduleAwarePolicy, deciding_at
 from fhelium.residency.snapshot import ResidencyPlanReport
 from fhelium.values.tensor_resident import TensorResident
+
+if TYPE_CHECKING:
+    from fhelium import _core
 
 __all__ = [
     "STALE_RETRIES",
@@ -144,57 +147,80 @@ class Borrows:
 
 
 class _UseValues(Mapping[ResidencyRequirement, TensorResident]):
-    """Borrowed values by requirement; valid while the use's leases are active. The
-    maps by requirement and by (handle, location) pair are built when first read."""
+    """Borrowed values by requirement; valid while the use's leases are active. Each
+    group's lease is a `ResidencyLease` (its `BorrowedValues` in ``values``) or, for a
+    staged step, one of the leases of its `_core.StepEntry` (``entry``, at the group's
+    position). The maps by requirement and by (handle, location) pair are built when
+    first read."""
 
-    __slots__ = ("_borrowed", "_borrows", "_pairs", "_values")
+    __slots__ = ("_borrows", "_entry", "_pairs", "_positions", "_values")
 
-    def __init__(self, borrows: Borrows, values: list[BorrowedValues]) -> None:
+    def __init__(
+        self,
+        borrows: Borrows,
+        values: list[BorrowedValues] | None,
+        entry: _core.StepEntry | None = None,
+    ) -> None:
         self._borrows = borrows
         # Each group's borrowed values, in the order of ``borrows.groups``.
         self._values = values
-        self._borrowed: dict[ResidencyRequirement, BorrowedValues] | None = None
-        self._pairs: dict[tuple[Any, Any], BorrowedValues] | None = None
+        self._entry = entry
+        self._positions: dict[ResidencyRequirement, int] | None = None
+        self._pairs: dict[tuple[Any, Any], int] | None = None
 
-    def _by_requirement(self) -> dict[ResidencyRequirement, BorrowedValues]:
-        borrowed = self._borrowed
-        if borrowed is None:
-            borrowed = {}
-            groups = self._borrows.groups
-            for (_, _, requirements), values in zip(groups, self._values, strict=True):
+    def _by_requirement(self) -> dict[ResidencyRequirement, int]:
+        positions = self._positions
+        if positions is None:
+            positions = {}
+            for position, (_, _, requirements) in enumerate(self._borrows.groups):
                 for requirement in requirements:
-                    borrowed[requirement] = values
-            self._borrowed = borrowed
-        return borrowed
+                    positions[requirement] = position
+            self._positions = positions
+        return positions
 
-    def find(self, handle: object, at: object) -> BorrowedValues | None:
-        """The borrowed values of the pair ``(handle, at)`` by equality, or None (also
-        for an unhashable one). `ResidencyUse.value` looks up the request's own objects
-        by identity first (`Borrows.positions`)."""
+    def find(self, handle: object, at: object) -> int | None:
+        """The group of the pair ``(handle, at)`` by equality, or None (also for an
+        unhashable one). `ResidencyUse.value` looks up the request's own objects by
+        identity first (`Borrows.positions`)."""
         pairs = self._pairs
         if pairs is None:
             pairs = self._pairs = {
-                (requirement.handle, requirement.location): values
-                for requirement, values in self._by_requirement().items()
+                (requirement.handle, requirement.location): position
+                for requirement, position in self._by_requirement().items()
             }
         try:
             return pairs.get((handle, at))
         except TypeError:
             return None  # unhashable: the requirement the caller builds says why
 
+    def at_group(self, position: int, handle: ResidencyHandle[Any]) -> TensorResident:
+        """The value of ``handle``, one of group ``position``'s handles."""
+        entry = self._entry
+        if entry is not None:
+            value: TensorResident = entry.value(position, handle)
+            return value
+        return borrowed_value(self._values[position], handle)  # type: ignore[index]
+
+    def _check(self, position: int) -> None:
+        entry = self._entry
+        if entry is not None:
+            entry.check(position)
+        else:
+            check_borrowed(self._values[position])  # type: ignore[index]
+
     def __getitem__(self, requirement: ResidencyRequirement) -> TensorResident:
-        return self._by_requirement()[requirement][requirement.handle]
+        return self.at_group(self._by_requirement()[requirement], requirement.handle)
 
     def __iter__(self) -> Iterator[ResidencyRequirement]:
-        for requirement, borrowed in self._by_requirement().items():
-            check_borrowed(borrowed)
+        for requirement, position in self._by_requirement().items():
+            self._check(position)
             yield requirement
 
     def __len__(self) -> int:
-        borrowed = self._by_requirement()
-        for values in borrowed.values():
-            check_borrowed(values)
-        return len(borrowed)
+        positions = self._by_requirement()
+        for position in positions.values():
+            self._check(position)
+        return len(positions)
 
 
 class ResidencyUse:
@@ -219,6 +245,7 @@ class ResidencyUse:
         "_consumer_streams",
         "_controller",
         "_decision",
+        "_entry",
         "_exited",
         "_exits",
         "_grouped",
@@ -287,6 +314,8 @@ class ResidencyUse:
         self._grouped = borrows
         self._values: _UseValues | None = None
         self._leases: list[ResidencyLease] = []
+        # A staged step's leases, in place of ``_leases`` (`enter_staged`).
+        self._entry: _core.StepEntry | None = None
         # What its CUDA leases leave protected, when its entry read it (`step_tokens`).
         self._step_tokens: list[int] | None = None
         self._exited = False
@@ -337,13 +366,20 @@ class ResidencyUse:
         """
         values = self._values
         if values is not None and self._state == "active":
-            position = values._borrows.positions.get((id(handle), id(at)))
+            entry = self._entry
+            if entry is not None:
+                # A staged step's: the request's own objects, by identity, natively.
+                value: TensorResident | None = entry.lookup(handle, at)
+                if value is not None:
+                    return value
             # The request's own objects (alive as long as it is): this very pair.
-            borrowed = values.find(handle, at) if position is None else values._values[position]
-            if borrowed is not None:
+            position = values._borrows.positions.get((id(handle), id(at)))
+            if position is None:
+                position = values.find(handle, at)
+            if position is not None:
                 # A handle and a location equal only their own kind: the pair is a
                 # requirement's, so the handle is one the lease borrows.
-                return borrowed_value(borrowed, handle)
+                return values.at_group(position, handle)
         return self.values[ResidencyRequirement(handle, at)]
 
     @property
@@ -447,6 +483,21 @@ class ResidencyUse:
             return False
         self._state = "closed"
         exits, self._exits = self._exits, None
+        entry = self._entry
+        if entry is not None and exc_type is None:
+            # A staged step ended by its pipeline: `_unwind` of its two exits, the
+            # leases' then the stand-in scope's (which never raises).
+            frame_exc = sys.exc_info()[1]
+            try:
+                entry.release()
+            except BaseException as error:
+                _fix_context(error, None, frame_exc)
+                raise
+            finally:
+                self._values = None
+                exits[0](None, None, None)
+            self._exited = True
+            return False
         try:
             suppressed = _unwind(exits, exc_type, exc, traceback)
         finally:
@@ -498,6 +549,9 @@ def exit_deferred(use: ResidencyUse) -> None:
     use._state = "closed"
     use._exits = None
     use._values = None
+    entry = use._entry
+    if entry is not None:
+        entry.release_deferred()
     for lease in use._leases:
         release_deferred(lease)
     if isinstance(use._scope, ResidencyScope):
@@ -562,7 +616,6 @@ def enter_staged(
     if borrows is None:
         borrows = use._grouped = Borrows(request)
     exits: list[Callable[[Any, Any, Any], object]] = []
-    borrowed: list[BorrowedValues] = []
     try:
         # What `decide` does first: a forked child is refused (by the manager's gate,
         # the first thing `enter_step` passes, or here first), and a one-pass schedule
@@ -573,14 +626,12 @@ def enter_staged(
         unscoped = _Unscoped(request.name, _time_ns())
         exits.append(unscoped.close)
         # The manager takes the holds out of ``holds`` and releases them, whatever
-        # happens.
-        view, leases, use._step_tokens = engine.enter_step(
+        # happens. Its leases are one object, released by the use's exit.
+        view, step, use._step_tokens = engine.enter_step(
             engine, entry, use._consumer_streams, holds
         )
-        use._leases = leases
-        for lease in leases:
-            exits.append(lease.__exit__)
-            borrowed.append(enter_new(lease))
+        use._entry = step
+        exits.append(step.exit)
         # The plain decider (the pipeline's condition), whose process the gate checked.
         decider: Decider = controller  # type: ignore[assignment]
         identity = decider.identity
@@ -596,7 +647,7 @@ def enter_staged(
         _unwind(exits, None, None, None)
         raise
     use._exits = exits
-    use._values = _UseValues(borrows, borrowed)
+    use._values = _UseValues(borrows, None, step)
     use._state = "active"
     return use
 

@@ -505,14 +505,14 @@ impl CoreManager {
     /// staging's hold tokens, taken out of the list `holds`, released (see
     /// `lifetimes::enter_step`).
     fn enter_step(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         engine: &Bound<'_, PyAny>,
         groups: &Bound<'_, PyTuple>,
         consumers: &Bound<'_, pyo3::types::PyDict>,
         holds: &Bound<'_, pyo3::types::PyList>,
-    ) -> PyResult<(StateView, Vec<Py<PyAny>>, Vec<u64>)> {
-        crate::lifetimes::enter_step(self, py, engine, groups, consumers, holds)
+    ) -> PyResult<(StateView, Py<crate::step::StepEntry>, Vec<u64>)> {
+        crate::lifetimes::enter_step(slf, py, engine, groups, consumers, holds)
     }
 
     /// Scope exit in one call: the exit actions, then the scope's reservations.

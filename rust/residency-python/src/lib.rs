@@ -19,6 +19,7 @@ mod plans;
 mod records;
 mod search;
 mod shapes;
+mod step;
 mod transition;
 
 use pyo3::prelude::*;
@@ -41,6 +42,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<records::RecordBuilder>()?;
     module.add_class::<plans::PlanRun>()?;
     module.add_class::<lifetimes::LeaseFinalizer>()?;
+    module.add_class::<step::StepEntry>()?;
     module.add_class::<checksum::Checksum>()?;
     module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(plan::lower_records, module)?)?;

@@ -20,6 +20,7 @@ use residency_core::{
 use crate::errors::to_py_err;
 use crate::kinds::LifetimeKind;
 use crate::manager::{CoreManager, StateView};
+use crate::step::{Borrow, StepEntry};
 
 fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
     let message = CString::new(message.replace('\0', " "))
@@ -276,6 +277,47 @@ fn acquire_locked(
     reap: bool,
 ) -> PyResult<(u64, Py<PyAny>, Vec<u64>)> {
     let py = host.py;
+    let admitted = admit_locked(manager, host, handles, at, consumer_stream, reap)?;
+    let token = admitted.token;
+    let streams = admitted.streams;
+    let lease = manager
+        .context()
+        .new_lease(py)
+        .call1((engine, token, handles, at, &streams))
+        .and_then(|lease| {
+            track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
+            Ok(lease)
+        });
+    let core = manager.core();
+    handed_out(lease, || core.release_lease(token)).map(|lease| (token, lease, admitted.transfers))
+}
+
+/// What `acquire` admits under the gate, before any lifetime object is built for it.
+pub(crate) struct Admitted<'py> {
+    /// The lease's token.
+    pub token: u64,
+    /// The location.
+    pub at: Location,
+    /// The handles' indices, in the order of the handles.
+    pub indices: Vec<HandleId>,
+    /// The consumer stream (bound to its device) in a list, or an empty list.
+    pub streams: Bound<'py, PyList>,
+    /// The tokens of the transfers still in flight into the values (CUDA only).
+    pub transfers: Vec<u64>,
+}
+
+/// `acquire`'s admission under the gate the caller holds (`handles` normalised): the
+/// location's checks, then the reap (with `reap`), then the stream's check, the
+/// lookups and the core's lease.
+fn admit_locked<'py>(
+    manager: &CoreManager,
+    host: &Host<'_, 'py>,
+    handles: &Bound<'py, PyTuple>,
+    at: &Bound<'py, PyAny>,
+    consumer_stream: Option<&Bound<'py, PyAny>>,
+    reap: bool,
+) -> PyResult<Admitted<'py>> {
+    let py = host.py;
     let context = manager.context();
     let location = context.location_code(py, at)?;
     if let Err(refusal) = Manager::borrowable(location, consumer_stream.is_some()) {
@@ -291,22 +333,24 @@ fn acquire_locked(
     let core = manager.core();
     let token = core.acquire_with(host, &indices, location, consumer_stream.as_ref())?;
     let streams = match &consumer_stream {
-        Some(stream) => PyList::new(py, [stream])?,
-        None => PyList::empty(py),
+        Some(stream) => PyList::new(py, [stream]),
+        None => Ok(PyList::empty(py)),
     };
-    let lease = context
-        .new_lease(py)
-        .call1((engine, token, handles, at, &streams))
-        .and_then(|lease| {
-            track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
-            Ok(lease)
-        });
+    let streams = streams.inspect_err(|_| {
+        core.release_lease(token);
+    })?;
     let transfers = if location.is_cuda() && core.transfer_count() > 0 {
         core.transfer_tokens_into(&indices, location)
     } else {
         Vec::new()
     };
-    handed_out(lease, || core.release_lease(token)).map(|lease| (token, lease, transfers))
+    Ok(Admitted {
+        token,
+        at: location,
+        indices,
+        streams,
+        transfers,
+    })
 }
 
 /// A staged pipeline step's entry, under one hold of the gate after reaping
@@ -314,17 +358,19 @@ fn acquire_locked(
 /// per group `(location, handles)` of `groups` (the handles normalised; a CUDA one read
 /// on `consumers[location]`), with nothing in between. Then the staging's `holds` go,
 /// whether or not the leases were taken: on a failure the leases already taken are
-/// released first, and the error propagates. Returns the view, the leases and what
-/// their CUDA leases leave protected once released: each one's token and those of the
-/// transfers still in flight into its values.
+/// released first, and the error propagates. Returns the view, the leases as one
+/// [`StepEntry`] and what their CUDA leases leave protected once released: each one's
+/// token and those of the transfers still in flight into its values.
 pub fn enter_step(
-    manager: &CoreManager,
+    manager: &Bound<'_, CoreManager>,
     py: Python<'_>,
     engine: &Bound<'_, PyAny>,
     groups: &Bound<'_, PyTuple>,
     consumers: &Bound<'_, PyDict>,
     holds_list: &Bound<'_, PyList>,
-) -> PyResult<(StateView, Vec<Py<PyAny>>, Vec<u64>)> {
+) -> PyResult<(StateView, Py<StepEntry>, Vec<u64>)> {
+    let owner = manager;
+    let manager = owner.get();
     // The holds are this call's from here on, taken out of the caller's list before
     // anything can be interrupted: it releases them, whatever happens.
     let holds: Vec<u64> = holds_list.extract()?;
@@ -333,7 +379,7 @@ pub fn enter_step(
     let entered = manager.with_gate(py, true, true, || {
         let host = Host::new(manager, py);
         let core = manager.core();
-        let mut leases: Vec<(u64, Py<PyAny>)> = Vec::with_capacity(groups.len());
+        let mut borrows: Vec<Borrow> = Vec::with_capacity(groups.len());
         let mut protecting: Vec<u64> = Vec::new();
         let taken = (|| {
             core.reap_with(&host)?;
@@ -347,40 +393,34 @@ pub fn enter_step(
                     .context()
                     .normalized_handles(py, &group.get_item(1)?)?;
                 let stream = consumers.get_item(&at)?;
-                let cuda = stream.is_some();
-                let (token, lease, transfers) = acquire_locked(
-                    manager,
-                    &host,
-                    engine,
-                    &handles,
-                    &at,
-                    stream.as_ref(),
-                    false,
-                )?;
-                leases.push((token, lease));
-                if cuda {
-                    protecting.push(token);
-                    protecting.extend(transfers);
+                let admitted = admit_locked(manager, &host, &handles, &at, stream.as_ref(), false)?;
+                if stream.is_some() {
+                    protecting.push(admitted.token);
+                    protecting.extend(admitted.transfers);
                 }
+                borrows.push(Borrow {
+                    token: admitted.token,
+                    at: admitted.at,
+                    location: at.unbind(),
+                    handles: handles.unbind(),
+                    indices: admitted.indices,
+                    streams: admitted.streams.unbind(),
+                    active: true,
+                });
             }
             Ok(view)
         })();
         let taken = match taken {
-            Ok(view) => Ok((
-                view,
-                leases.into_iter().map(|(_, lease)| lease).collect(),
-                protecting,
-            )),
-            Err(error) => {
-                // Nothing of the entry stays: its leases go as they came (no consumer
-                // has read them, so no event is needed).
-                for (token, _) in leases {
-                    core.release_lease(token);
-                    drop(manager.objects().untrack_lease(token));
-                }
-                Err(error)
+            Ok(view) => {
+                StepEntry::track(owner, engine, &mut borrows).map(|entry| (view, entry, protecting))
             }
+            Err(error) => Err(error),
         };
+        // Nothing of a failed entry stays: its leases go as they came (no consumer
+        // has read them, so no event is needed).
+        for borrow in borrows {
+            core.release_lease(borrow.token);
+        }
         for &token in &holds {
             core.release_hold(token);
         }
@@ -610,6 +650,19 @@ impl LeaseFinalizer {
     }
 }
 
+/// `fhelium.residency.lease.finalize_lease(engine, token, location, streams)`: an
+/// abandoned lease released safely, with its `ResourceWarning`.
+pub(crate) fn finalize_lease(
+    py: Python<'_>,
+    engine: &Bound<'_, PyAny>,
+    token: u64,
+    location: &Bound<'_, PyAny>,
+    streams: &Bound<'_, PyList>,
+) -> PyResult<()> {
+    let finalize = FINALIZE_LEASE.import(py, "fhelium.residency.lease", "finalize_lease")?;
+    finalize.call1((engine, token, location, streams)).map(drop)
+}
+
 /// The lease objects not yet released that are still alive, oldest first.
 pub fn live_leases(manager: &CoreManager, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
     let mut live = Vec::new();
@@ -691,11 +744,30 @@ pub fn borrowed(
     handle: &Bound<'_, PyAny>,
     location: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
+    borrowed_known(manager, py, token, handle, location, None)
+}
+
+/// `borrowed`, given the handle's index and the location when the caller knows them
+/// (a step's lease, by the handle's identity).
+pub(crate) fn borrowed_known(
+    manager: &CoreManager,
+    py: Python<'_>,
+    token: u64,
+    handle: &Bound<'_, PyAny>,
+    location: &Bound<'_, PyAny>,
+    known: Option<(HandleId, Location)>,
+) -> PyResult<Py<PyAny>> {
     manager.with_gate(py, false, true, || {
-        let index = manager.resolve_live(py, handle)?;
+        let (index, at) = match known {
+            Some((index, at)) => (Some(index), Some(at)),
+            None => (manager.resolve_live(py, handle)?, None),
+        };
         let value = match manager.core().borrowed(token, index) {
             Some(index) => {
-                let at = manager.context().location_code(py, location)?;
+                let at = match at {
+                    Some(at) => at,
+                    None => manager.context().location_code(py, location)?,
+                };
                 manager.objects().value(py, index, at.code())
             }
             None => None,

@@ -1,0 +1,388 @@
+//! A staged pipeline step's leases as one object (docs/concepts/controller.md#steps):
+//! what `enter_step` admits, a lease per location, without a lease object each. The
+//! step's use reads its values here and releases them here; the rules are the
+//! leases' own (docs/concepts/lifetimes.md#leases): a CUDA lease's release records an
+//! event on its consumer stream, a host lease's ends at once, and a step never
+//! released is finalized as a lease is (released safely, with a `ResourceWarning`),
+//! when it is collected or at exit, never in a forked child.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple, PyWeakrefReference};
+use residency_core::{HandleId, Location};
+
+use crate::kinds::LifetimeKind;
+use crate::lifetimes;
+use crate::manager::CoreManager;
+
+pyo3::import_exception!(fhelium.errors, ResidencyLifetimeClosedError);
+
+/// One location's lease of a step.
+#[derive(Debug)]
+pub(crate) struct Borrow {
+    /// The lease's token.
+    pub token: u64,
+    /// The location's code.
+    pub at: Location,
+    /// The location object.
+    pub location: Py<PyAny>,
+    /// The borrowed handles, normalised (in order, duplicates collapsed).
+    pub handles: Py<PyTuple>,
+    /// Their indices, in the same order.
+    pub indices: Vec<HandleId>,
+    /// The consumer streams a CUDA lease's release records events on (empty for a
+    /// host lease); the finalizer reads this very list.
+    pub streams: Py<PyList>,
+    /// Not yet released.
+    pub active: bool,
+}
+
+/// A staged step's leases, one per location of its request in order of first
+/// appearance (the use's groups); built by `CoreManager.enter_step`.
+#[pyclass(frozen, weakref, module = "fhelium._core", name = "StepEntry")]
+#[derive(Debug)]
+pub struct StepEntry {
+    manager: Py<CoreManager>,
+    engine: Py<PyAny>,
+    borrows: Mutex<Vec<Borrow>>,
+}
+
+/// What one borrow's release or lookup needs, read under the entry's lock.
+struct Taken {
+    token: u64,
+    at: Location,
+    location: Py<PyAny>,
+    streams: Py<PyList>,
+}
+
+impl StepEntry {
+    fn borrows(&self) -> MutexGuard<'_, Vec<Borrow>> {
+        self.borrows.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The entry for `borrows` (taken out of the vector once it is built), tracked by
+    /// its manager under each lease's token until released, so that at exit it is
+    /// finalized as live leases are. On an error `borrows` is left as it was.
+    pub(crate) fn track(
+        owner: &Bound<'_, CoreManager>,
+        engine: &Bound<'_, PyAny>,
+        borrows: &mut Vec<Borrow>,
+    ) -> PyResult<Py<StepEntry>> {
+        let py = owner.py();
+        let entry = Bound::new(
+            py,
+            StepEntry {
+                manager: owner.clone().unbind(),
+                engine: engine.clone().unbind(),
+                borrows: Mutex::new(Vec::new()),
+            },
+        )?;
+        let reference = PyWeakrefReference::new(&entry)?.into_any().unbind();
+        let objects = owner.get().objects();
+        for borrow in borrows.iter() {
+            objects.track_lease(borrow.token, reference.clone_ref(py));
+        }
+        *entry.get().borrows() = std::mem::take(borrows);
+        Ok(entry.unbind())
+    }
+
+    /// The borrow at `position` if still active, else the closed lease's error.
+    fn active(&self, py: Python<'_>, position: usize) -> PyResult<Taken> {
+        let borrows = self.borrows();
+        let Some(borrow) = borrows.get(position) else {
+            return Err(PyIndexError::new_err(format!(
+                "no lease at position {position} of this step"
+            )));
+        };
+        if !borrow.active {
+            let count = borrow.handles.bind(py).len();
+            let location = borrow.location.clone_ref(py);
+            drop(borrows);
+            let location = location.bind(py).str()?;
+            return Err(ResidencyLifetimeClosedError::new_err(format!(
+                "this lease of {count} value(s) at {location} was released"
+            )));
+        }
+        Ok(Taken {
+            token: borrow.token,
+            at: borrow.at,
+            location: borrow.location.clone_ref(py),
+            streams: borrow.streams.clone_ref(py),
+        })
+    }
+
+    /// The active borrows, last first (a use unwinds its leases in that order).
+    fn active_last_first(&self, py: Python<'_>) -> Vec<(usize, Taken)> {
+        let borrows = self.borrows();
+        borrows
+            .iter()
+            .enumerate()
+            .rev()
+            .filter(|(_, borrow)| borrow.active)
+            .map(|(position, borrow)| {
+                (
+                    position,
+                    Taken {
+                        token: borrow.token,
+                        at: borrow.at,
+                        location: borrow.location.clone_ref(py),
+                        streams: borrow.streams.clone_ref(py),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    fn mark_released(&self, position: usize) {
+        if let Some(borrow) = self.borrows().get_mut(position) {
+            borrow.active = false;
+        }
+    }
+
+    /// A lease's release (`ResidencyLease.release`, or as finalizers release with
+    /// `finalizing`): a CUDA one records its events, a host one ends at once when the
+    /// gate is free, else waits or is queued.
+    fn release_one(
+        &self,
+        py: Python<'_>,
+        taken: &Taken,
+        finalizing: bool,
+        stacklevel: i32,
+    ) -> PyResult<()> {
+        let manager = self.manager.get();
+        if taken.at.is_cuda() {
+            return lifetimes::release_lease(
+                manager,
+                py,
+                taken.token,
+                taken.location.bind(py),
+                taken.streams.bind(py),
+                false,
+                finalizing,
+                stacklevel,
+            );
+        }
+        if !finalizing && manager.release_now(LifetimeKind::Lease, taken.token) {
+            drop(manager.objects().untrack_lease(taken.token));
+            return Ok(());
+        }
+        lifetimes::release(manager, py, LifetimeKind::Lease, taken.token, finalizing)
+    }
+
+    /// Finalizes what is still active, as a collected lease is: nothing in a forked
+    /// child (the leases are the parent's), else each released safely, with a
+    /// `ResourceWarning` (`fhelium.residency.lease.finalize_lease`).
+    fn finalize(&self, py: Python<'_>) -> PyResult<()> {
+        let manager = self.manager.get();
+        if manager.core().check_process().is_err() {
+            return Ok(());
+        }
+        let mut error: Option<PyErr> = None;
+        for (position, taken) in self.active_last_first(py) {
+            self.mark_released(position);
+            drop(manager.objects().untrack_lease(taken.token));
+            let finalized = lifetimes::finalize_lease(
+                py,
+                self.engine.bind(py),
+                taken.token,
+                taken.location.bind(py),
+                taken.streams.bind(py),
+            );
+            if let Err(failure) = finalized {
+                error.get_or_insert(failure);
+            }
+        }
+        error.map_or(Ok(()), Err)
+    }
+}
+
+#[pymethods]
+impl StepEntry {
+    /// The value of `handle`, one of the handles of the lease at `position`.
+    ///
+    /// Raises `ResidencyLifetimeClosedError` once that lease was released, and the
+    /// lookup's error when it no longer borrows the value (after a forced close).
+    fn value(
+        &self,
+        py: Python<'_>,
+        position: usize,
+        handle: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let taken = self.active(py, position)?;
+        // The request's own handle object, as a requirement holds it: its index is
+        // known. Any other (an equal handle) is resolved.
+        let known = {
+            let borrows = self.borrows();
+            borrows.get(position).and_then(|borrow| {
+                let handles = borrow.handles.bind(py);
+                handles
+                    .iter()
+                    .position(|candidate| candidate.is(handle))
+                    .and_then(|found| borrow.indices.get(found).copied())
+            })
+        };
+        let location = taken.location.bind(py);
+        lifetimes::borrowed_known(
+            self.manager.get(),
+            py,
+            taken.token,
+            handle,
+            location,
+            known.map(|index| (index, taken.at)),
+        )
+    }
+
+    /// The value of `handle` at `at` when both are the very objects of one of its
+    /// leases (a requirement's, as the use's request holds them), else `None`. Raises
+    /// as `value` does.
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+        at: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let found = {
+            let borrows = self.borrows();
+            borrows.iter().enumerate().find_map(|(position, borrow)| {
+                if !borrow.location.bind(py).is(at) {
+                    return None;
+                }
+                let handles = borrow.handles.bind(py);
+                let found = handles.iter().position(|candidate| candidate.is(handle))?;
+                Some((position, borrow.indices.get(found).copied()?))
+            })
+        };
+        let Some((position, index)) = found else {
+            return Ok(None);
+        };
+        let taken = self.active(py, position)?;
+        lifetimes::borrowed_known(
+            self.manager.get(),
+            py,
+            taken.token,
+            handle,
+            at,
+            Some((index, taken.at)),
+        )
+        .map(Some)
+    }
+
+    /// Raises `ResidencyLifetimeClosedError` once the lease at `position` was released.
+    fn check(&self, py: Python<'_>, position: usize) -> PyResult<()> {
+        self.active(py, position).map(drop)
+    }
+
+    /// Whether any lease is still active.
+    #[getter]
+    fn active_count(&self) -> usize {
+        self.borrows().iter().filter(|borrow| borrow.active).count()
+    }
+
+    /// Registers another stream reading the values of the CUDA lease at `position`,
+    /// as `ResidencyLease.add_consumer_stream` does: the release records an event on
+    /// it too, and a value still being copied in is ordered before it.
+    fn add_consumer_stream(
+        &self,
+        py: Python<'_>,
+        position: usize,
+        stream: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let taken = self.active(py, position)?;
+        let location = taken.location.bind(py);
+        if !taken.at.is_cuda() {
+            return Err(PyValueError::new_err(format!(
+                "consumer streams apply to CUDA leases, not {}",
+                location.str()?
+            )));
+        }
+        let manager = self.manager.get();
+        let bound = manager
+            .context()
+            .check_stream(py, stream, location, taken.at)?;
+        let streams = taken.streams.bind(py);
+        if streams.iter().any(|known| known.is(&bound)) {
+            return Ok(());
+        }
+        let handles = {
+            let borrows = self.borrows();
+            borrows
+                .get(position)
+                .map(|borrow| borrow.handles.clone_ref(py))
+        };
+        if let Some(handles) = handles {
+            lifetimes::wait_transfers(manager, py, handles.bind(py).as_any(), location, &bound)?;
+        }
+        streams.append(bound)
+    }
+
+    /// Releases every lease still active, last first, as a use's exit releases its
+    /// leases (`wait=False`); a lease whose release raises stays active, the others
+    /// are released all the same, and the error is raised at the end (the last one,
+    /// with the earlier ones as its context, as a use's exit chains them).
+    #[pyo3(signature = (stacklevel=2))]
+    fn release(&self, py: Python<'_>, stacklevel: i32) -> PyResult<()> {
+        let mut error: Option<PyErr> = None;
+        for (position, taken) in self.active_last_first(py) {
+            match self.release_one(py, &taken, false, stacklevel) {
+                Ok(()) => self.mark_released(position),
+                Err(failure) => {
+                    if let Some(previous) = error.take() {
+                        failure
+                            .value(py)
+                            .setattr(intern!(py, "__context__"), previous.value(py))?;
+                    }
+                    error = Some(failure);
+                }
+            }
+        }
+        error.map_or(Ok(()), Err)
+    }
+
+    /// `release` as a use's exit callback: `(exc_type, exc, traceback)`, never
+    /// suppressing.
+    fn exit(
+        &self,
+        py: Python<'_>,
+        _exc_type: &Bound<'_, PyAny>,
+        _exc: &Bound<'_, PyAny>,
+        _traceback: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        self.release(py, 3).map(|()| false)
+    }
+
+    /// Releases as finalizers do, without their warning: queued while this thread
+    /// cannot enter the manager (docs/concepts/lifetimes.md#deferred-releases). The
+    /// first error propagates.
+    fn release_deferred(&self, py: Python<'_>) -> PyResult<()> {
+        for (position, taken) in self.active_last_first(py) {
+            self.release_one(py, &taken, true, 2)?;
+            self.mark_released(position);
+        }
+        Ok(())
+    }
+
+    /// At exit: what is still active is finalized as a live lease is.
+    fn _abandon(&self, py: Python<'_>) -> PyResult<()> {
+        self.finalize(py)
+    }
+}
+
+impl Drop for StepEntry {
+    fn drop(&mut self) {
+        let borrows = self
+            .borrows
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !borrows.iter().any(|borrow| borrow.active) {
+            return;
+        }
+        Python::attach(|py| {
+            if let Err(error) = self.finalize(py) {
+                error.write_unraisable(py, None);
+            }
+        });
+    }
+}
