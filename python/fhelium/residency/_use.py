@@ -38,7 +38,6 @@ from fhelium.residency.lease import (
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.manager import ResidencyManager
 from fhelium.residency.model import ResidencyHandle
-from fhelium.residency.plan import ResidencyPlan
 from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
 from fhelium.residency.schedule import ScheduleAwarePolicy, deciding_at
 from fhelium.residency.snapshot import ResidencyPlanReport
@@ -342,9 +341,13 @@ class ResidencyUse:
         Raises:
             RuntimeError: Outside the active context.
         """
-        if self._state != "active" or self._values is None:
+        values = self._values
+        if values is None and self._state == "active" and self._entry is not None:
+            # A staged step's, made when first read.
+            values = self._values = _UseValues(self._grouped, None, self._entry)  # type: ignore[arg-type]
+        if self._state != "active" or values is None:
             raise RuntimeError("values are available only inside the active use")
-        return self._values
+        return values
 
     def value(self, handle: ResidencyHandle[Any], *, at: ResidencyLocation) -> TensorResident:
         """Return the borrowed value of ``handle`` at ``at``.
@@ -364,14 +367,15 @@ class ResidencyUse:
             TypeError: ``handle`` is not a handle or ``at`` not a location.
             ResidencyLifetimeClosedError: The lease was released.
         """
+        entry = self._entry
+        if entry is not None and self._state == "active":
+            # A staged step's: the request's own objects, by identity, natively.
+            value: TensorResident | None = entry.lookup(handle, at)
+            if value is not None:
+                return value
+            return self.values[ResidencyRequirement(handle, at)]
         values = self._values
         if values is not None and self._state == "active":
-            entry = self._entry
-            if entry is not None:
-                # A staged step's: the request's own objects, by identity, natively.
-                value: TensorResident | None = entry.lookup(handle, at)
-                if value is not None:
-                    return value
             # The request's own objects (alive as long as it is): this very pair.
             position = values._borrows.positions.get((id(handle), id(at)))
             if position is None:
@@ -484,20 +488,23 @@ class ResidencyUse:
         self._state = "closed"
         exits, self._exits = self._exits, None
         entry = self._entry
-        if entry is not None and exc_type is None:
-            # A staged step ended by its pipeline: `_unwind` of its two exits, the
-            # leases' then the stand-in scope's (which never raises).
-            frame_exc = sys.exc_info()[1]
-            try:
-                entry.release()
-            except BaseException as error:
-                _fix_context(error, None, frame_exc)
-                raise
-            finally:
-                self._values = None
-                exits[0](None, None, None)
-            self._exited = True
-            return False
+        if entry is not None:
+            scope: _Unscoped = self._scope  # type: ignore[assignment]
+            if exc_type is None:
+                # A staged step ended by its pipeline: `_unwind` of its two exits, the
+                # leases' then the stand-in scope's (which never raises).
+                frame_exc = sys.exc_info()[1]
+                try:
+                    entry.release()
+                except BaseException as error:
+                    _fix_context(error, None, frame_exc)
+                    raise
+                finally:
+                    self._values = None
+                    scope.close(None, None, None)
+                self._exited = True
+                return False
+            exits = [scope.close, entry.exit]
         try:
             suppressed = _unwind(exits, exc_type, exc, traceback)
         finally:
@@ -589,14 +596,17 @@ class _Unscoped:
 
 
 def enter_staged(
-    use: ResidencyUse,
-    plan: ResidencyPlan,
-    entry: tuple[tuple[ResidencyLocation, tuple[ResidencyHandle[Any], ...]], ...],
+    controller: Controller,
+    request: ResidencyRequest,
+    streams: tuple[dict[ResidencyLocation, Any], dict[ResidencyLocation, Any]],
+    shape: Any,
     holds: list[int],
 ) -> ResidencyUse:
     """Enters a pipeline's step whose staging made its values resident and holds them
     until now (``holds``, the list of its hold tokens), for a request without reservations
-    (``plan`` is its empty plan; ``entry`` its `(location, handles)` groups): the use
+    and the plain decider (``shape`` is its request's `_staging.Shape`: its empty plan,
+    its `(location, handles)` groups, its CUDA locations and its requirements by
+    location; ``streams`` its consumer and transfer streams): the use
     `ResidencyUse.__enter__` would enter, with no search and no plan. The state is read,
     the leases are taken and then the holds released under one hold of the manager
     (`Engine.enter_step`), so the decision is the one `decide` takes there
@@ -605,17 +615,28 @@ def enter_staged(
     them. On failure everything taken is released and the error propagates, as from
     `__enter__` (docs/concepts/controller.md#steps).
     """
-    if use._state != "new":
-        use._begin()  # raises
+    consumers, transfers = streams
+    if len(consumers) != len(shape.cuda):
+        # Refused as the constructor refuses it.
+        use_for_step(controller, request, consumers, transfers, shape.cuda, shape.grouped)
+    use: ResidencyUse = _new_object(ResidencyUse)
+    use._controller = controller
+    use.request = request
+    use._consumer_streams = consumers
+    use._transfer_streams = transfers
+    use._grouped = shape.grouped
+    use._decision = None
+    use._scope = None
+    use._exits = None
+    use._values = None
+    use._leases = []
+    use._step_tokens = None
+    use._entry = None
+    use._exited = False
     use._state = "entering"
-    controller = use._controller
     engine = controller.engine
     policy = controller.policy
-    request = use.request
-    borrows = use._grouped
-    if borrows is None:
-        borrows = use._grouped = Borrows(request)
-    exits: list[Callable[[Any, Any, Any], object]] = []
+    unscoped: _Unscoped | None = None
     try:
         # What `decide` does first: a forked child is refused (by the manager's gate,
         # the first thing `enter_step` passes, or here first), and a one-pass schedule
@@ -624,32 +645,45 @@ def enter_staged(
             engine.check_process()
             deciding_at(policy, policy.position)
         unscoped = _Unscoped(request.name, _time_ns())
-        exits.append(unscoped.close)
         # The manager takes the holds out of ``holds`` and releases them, whatever
         # happens. Its leases are one object, released by the use's exit.
-        view, step, use._step_tokens = engine.enter_step(
-            engine, entry, use._consumer_streams, holds
-        )
+        view, step, use._step_tokens = engine.enter_step(engine, shape.entry, consumers, holds)
         use._entry = step
-        exits.append(step.exit)
         # The plain decider (the pipeline's condition), whose process the gate checked.
         decider: Decider = controller  # type: ignore[assignment]
         identity = decider.identity
         if identity is None:
             # A policy whose identity may change: read now.
-            use._decision = satisfied(engine.manager_id, view, request, policy, plan, None)
+            use._decision = satisfied(
+                engine.manager_id, view, request, policy, shape.empty_plan, None
+            )
         else:
-            use._decision = _Satisfied(engine.manager_id, view, request, policy, plan, identity)
+            use._decision = _Satisfied(
+                engine.manager_id, view, request, policy, shape.empty_plan, identity
+            )
         use._scope = unscoped
         decider.record_checked(request)
     except BaseException:
         use._state = "closed"
+        # What `__enter__` unwinds: the leases, then the stand-in scope.
+        exits: list[Callable[[Any, Any, Any], object]] = []
+        if unscoped is not None:
+            exits.append(unscoped.close)
+        if use._entry is not None:
+            exits.append(use._entry.exit)
         _unwind(exits, None, None, None)
         raise
-    use._exits = exits
-    use._values = _UseValues(borrows, None, step)
+    # Its exits are the leases' and the stand-in scope's (`__exit__`); the values map
+    # is made when first read (`values`).
+    use._exits = _STAGED_EXITS
     use._state = "active"
     return use
+
+
+# A staged step's `_exits` while it is active: its exits are its `_entry`'s and its
+# `_scope`'s, run by `__exit__` (and never through this list, which stays empty).
+_STAGED_EXITS: Final[list[Callable[[Any, Any, Any], object]]] = []
+_new_object = object.__new__
 
 
 class _Satisfied:

@@ -465,15 +465,20 @@ class _Pipeline:
         controller = self.controller
         if request.reservations or type(controller) is not Decider:
             return None
+        # Its staging's request (this very one), whose shape and streams it kept.
+        shape = staged.shape
+        holds = staged.holds
         try:
-            # Its staging's request (this very one), whose shape and streams it kept.
-            shape = staged.shape
-            consumers, transfers = staged.streams
-            use = use_for_step(controller, request, consumers, transfers, shape.cuda, shape.grouped)
-            entered = enter_staged(use, shape.empty_plan, shape.entry, staged.holds)
+            entered = enter_staged(controller, request, staged.streams, shape, holds)
         finally:
-            # Leased now (or failed): the holds have done their part.
-            staged.release()
+            # Leased now (or failed): the holds have done their part. The entry took
+            # them out of the list; any left (it was refused first) go here.
+            if holds:
+                staged.release()
+        if not self.staged:
+            # Nothing staged: no headroom to keep (`_entered`).
+            self.active = shape.needs
+            return entered
         return self._entered(entered, shape.needs)
 
     def _entered(self, entered: ResidencyUse, needs: dict[ResidencyLocation, int]) -> ResidencyUse:
