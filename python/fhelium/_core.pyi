@@ -251,6 +251,24 @@ class CoreManager:
         python: tuple[Any, Any] | None = None,
         schedule: tuple[ScheduleIndex, int] | None = None,
     ) -> Decided | None: ...
+    def stage_request(
+        self,
+        request: LoweredRequest,
+        limit: int,
+        cuda_count: int,
+        previous: Decided,
+        run: PlanRun,
+        ir: PlanIR,
+        handles: tuple[Any, ...],
+        actions: tuple[Any, ...],
+        transfer_streams: Any,
+        hold: tuple[tuple[Any, ...], list[int]],
+        *,
+        native: _NativeConfig,
+        schedule: tuple[ScheduleIndex, int] | None = None,
+        then: Any = None,
+        reclaim: bool = False,
+    ) -> tuple[Decided | None, bool]: ...
     def enter_step(
         self,
         engine: Any,

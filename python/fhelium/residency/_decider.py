@@ -239,6 +239,35 @@ class Decider:
         # The core's decision, read when a record built from it is first read.
         return (engine.handle_at, found), found.state_version, found.explored
 
+    def restage(
+        self, request: ResidencyRequest, position: int | None, rerun: tuple[Any, ...]
+    ) -> tuple[tuple[tuple[Any, Any], int, int], bool]:
+        """`decide_found` for a pipeline's staging of ``request`` whose last staging of it
+        ran ``rerun``: `(that decision, a new plan run, the plan's IR, handles and
+        actions, transfer streams, (hold groups, held tokens), whether the plan may
+        evict)`. With a built-in policy, when the search decides what that decision
+        decided, its plan runs again in the same hold of the manager, its values held
+        (`_core.CoreManager.stage_request`: at the very state it was decided on, so
+        never stale). The search's result, and whether the plan ran."""
+        engine = self.engine
+        # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
+        engine.check_process()
+        policy = self.policy
+        if isinstance(policy, ScheduleAwarePolicy):
+            # A one-pass schedule that has run out says so (`decide_found`).
+            deciding_at(policy, policy.position if position is None else position)
+        with self.lock:
+            found, ran = self._decide_request(request, position, False, rerun)
+            if found is None:
+                # A value was discarded since: decided afresh, nothing ran.
+                ran = False
+                found = self._decide_request(request, position, True)
+                while found is None:
+                    found = self._decide_request(request, position, True)
+        if not found.feasible:
+            raise ResidencyPlanError(found.reason or "the decided plan is infeasible")
+        return ((engine.handle_at, found), found.state_version, found.explored), ran
+
     def _lowered(self, request: ResidencyRequest) -> LoweredRequest:
         """The request validated and lowered for the core (`_requirement_rows`, then its
         name and reservations), kept per request object while no value is discarded: a
@@ -297,13 +326,18 @@ class Decider:
         return rows
 
     def _decide_request(
-        self, request: ResidencyRequest, position: int | None, current: bool
+        self,
+        request: ResidencyRequest,
+        position: int | None,
+        current: bool,
+        rerun: tuple[Any, ...] | None = None,
     ) -> Any:
         """The core's decision for ``request`` in one call (`_core.Decided`: its plan IR,
         simulation and evictions), or None when a value was discarded since the request
         (or the schedule) was resolved. The core raises each search failure as its
         error. With ``current``, a resolution is reused only if no value was discarded
-        since; without, the core's own refusal of a stale one (None) says so."""
+        since; without, the core's own refusal of a stale one (None) says so. With
+        ``rerun`` (see `restage`): the decision (or None) and whether the plan ran."""
         engine = self.engine
         # `_checked`, for a request lowered before (since the last discard, if
         # ``current``): the cached lowering.
@@ -352,7 +386,12 @@ class Decider:
                         ),
                     ),
                 )
-            return engine.decide_request(*arguments, native=tiers[1], schedule=schedule)
+            if rerun is None:
+                return engine.decide_request(*arguments, native=tiers[1], schedule=schedule)
+            *again, reclaim = rerun
+            return engine.stage_request(
+                *arguments, *again, native=tiers[1], schedule=schedule, reclaim=reclaim
+            )
         # Any other policy is consulted as the search reaches it: one ordering per list
         # of candidates, one list of tiers per location
         # (docs/concepts/controller.md#candidates).
@@ -362,7 +401,8 @@ class Decider:
             # step decided for, and back where it was afterwards.
             standing = standing_at(policy, position)
         with standing:
-            return engine.decide_request(*arguments, python=(self._order, self._fallbacks))
+            decided = engine.decide_request(*arguments, python=(self._order, self._fallbacks))
+        return decided if rerun is None else (decided, False)
 
     def _checked(self, request: ResidencyRequest) -> LoweredRequest:
         """`_lowered`, whose refusals come after the core's own: a closed manager, a call

@@ -158,6 +158,7 @@ class Engine:
         "resolve",
         "runtime",
         "snapshot_state",
+        "stage_request",
         "track_lease",
         "transfers_into",
         "untrack_lease",
@@ -237,6 +238,12 @@ class Engine:
         # read, search, plan IR, explanation); None when a value was discarded since
         # the request was lowered (docs/concepts/controller.md#decide).
         self.decide_request: Callable[..., Any] = core.decide_request
+        # `stage_request(lowered request, limit, cuda, previous, run, ir, handles,
+        # actions, transfer streams, (groups, held), native=, schedule=, reclaim=)`: a
+        # pipeline staging's decide and, when it decides what `previous` decided, that
+        # plan run again at once with its holds (docs/concepts/controller.md#staging):
+        # (decision or None, whether the plan ran).
+        self.stage_request: Callable[..., tuple[Any, bool]] = core.stage_request
         # `enter_step(engine, groups, consumers, holds)`: a staged step's entry under one
         # hold of the gate, after reaping: (state view, a lease per (location, handles)
         # group, what its CUDA leases leave protected), the staging's hold tokens

@@ -53,6 +53,7 @@ __all__ = [
     "explanation_of",
     "optional_version",
     "run_actions",
+    "staging_failure",
 ]
 
 # The action classes themselves: a list of only these needs no per-action check.
@@ -178,6 +179,26 @@ def run_actions(
             _note_committed(error, name, len(run))
         raise
     return run, started
+
+
+def staging_failure(
+    plan_name: str,
+    run: _core.PlanRun,
+    started: int,
+    error: BaseException,
+    actions: tuple[ResidencyAction, ...],
+) -> BaseException:
+    """What `run_actions` raises for ``error`` from a pipeline staging's plan run with
+    holds (and nothing after them) that the decide ran in the same call
+    (`Decider.restage`): an `Exception` raised by the plan as its execution error (by a
+    hold, after the whole plan, unchanged); any other error unchanged, noting the
+    transitions that stay committed."""
+    if isinstance(error, Exception):
+        if len(run) == len(actions):
+            return error
+        return _failure(plan_name, run, started, error, actions, ())
+    _note_committed(error, plan_name, len(run))
+    return error
 
 
 def _failure(

@@ -5,7 +5,8 @@ docs/concepts/controller.md#prefetch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import collections
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from fhelium.residency._decided import StagedRuns
@@ -18,7 +19,17 @@ from fhelium.residency.model import ResidencyHandle
 from fhelium.residency.plan import MemoryReservation, ResidencyPlan
 from fhelium.residency.request import ResidencyRequest
 
-__all__ = ["Shape", "Staged", "release_all", "shape_of"]
+__all__ = [
+    "Shape",
+    "Staged",
+    "extra_headroom",
+    "release_all",
+    "release_on_device",
+    "shape_of",
+    "streams_for",
+    "transfer_streams",
+    "wait_oldest",
+]
 
 
 class Staged:
@@ -181,3 +192,88 @@ def shape_of(controller: Controller, request: ResidencyRequest) -> Shape:
             shapes.clear()
         shape = shapes[id(request)] = Shape(request)
     return shape
+
+
+def extra_headroom(
+    needs: dict[ResidencyLocation, int],
+    staged: Iterable[Staged],
+    active: dict[ResidencyLocation, int],
+    guard: dict[ResidencyLocation, list[ResidencyReservation]],
+) -> dict[ResidencyLocation, int]:
+    """Per location, the headroom the ``staged`` steps (and a step needing ``needs``)
+    would find missing at their entry, beyond the active step's reservation
+    (``active``) and the ``guard``: each staged step must find the largest of their
+    reservations free (docs/concepts/controller.md#staging)."""
+    wanted: dict[ResidencyLocation, int] = dict(needs)
+    for step in staged:
+        for location, nbytes in step.needs.items():
+            wanted[location] = max(wanted.get(location, 0), nbytes)
+    extra: dict[ResidencyLocation, int] = {}
+    for location, nbytes in wanted.items():
+        kept = sum(reservation.nbytes for reservation in guard.get(location, ()))
+        missing = nbytes - active.get(location, 0) - kept
+        if missing > 0:
+            extra[location] = missing
+    return extra
+
+
+def streams_for(
+    request: ResidencyRequest, streams: Mapping[ResidencyLocation, Any]
+) -> dict[ResidencyLocation, Any]:
+    """The streams of ``streams`` at the request's CUDA locations."""
+    wanted = {
+        requirement.location
+        for requirement in request.requirements
+        if requirement.location.kind == "cuda"
+    }
+    return {location: stream for location, stream in streams.items() if location in wanted}
+
+
+def transfer_streams(
+    request: ResidencyRequest,
+    transfers: Mapping[ResidencyLocation, Any],
+    prefetch: int,
+    created: dict[ResidencyLocation, Any],
+    engine: Engine,
+) -> dict[ResidencyLocation, Any]:
+    """A pipeline's transfer streams for ``request``: the caller's (``transfers``),
+    else, when prefetching, one the pipeline created per CUDA location, kept in
+    ``created`` (copies then leave the consumer's stream free)."""
+    streams = streams_for(request, transfers)
+    if prefetch == 0:
+        return streams
+    runtime = engine.runtime
+    for requirement in request.requirements:
+        location = requirement.location
+        if location.kind != "cuda" or location in streams:
+            continue
+        stream = created.get(location)
+        if stream is None:
+            stream = created[location] = runtime.create_stream(location.device)
+        streams[location] = stream
+    return streams
+
+
+def release_on_device(engine: Engine, ended: collections.deque[list[int]]) -> bool:
+    """Releases a pipeline's ended steps' pending leases (``ended``, their tokens,
+    oldest first) behind device waits of their values' owning streams, keeping in
+    ``ended`` what needs a host wait; False when nothing was released."""
+    if not ended:
+        return False
+    tokens = [token for step in ended for token in step]
+    left = set(engine.settle_on_device(tokens))
+    if len(left) == len(tokens):
+        return False
+    kept = [[token for token in step if token in left] for step in ended]
+    ended.clear()
+    ended.extend(step for step in kept if step)
+    return True
+
+
+def wait_oldest(engine: Engine, ended: collections.deque[list[int]]) -> bool:
+    """Waits for the oldest ended step's leases and releases them; False when no
+    ended step is left to wait for."""
+    if not ended:
+        return False
+    engine.settle(ended.popleft())
+    return True

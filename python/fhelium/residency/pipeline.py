@@ -24,7 +24,17 @@ from fhelium.errors import (
 from fhelium.residency import _plans
 from fhelium.residency._decided import staged_found_run, staged_run
 from fhelium.residency._decider import Decider
-from fhelium.residency._staging import Shape, Staged, release_all, shape_of
+from fhelium.residency._staging import (
+    Shape,
+    Staged,
+    extra_headroom,
+    release_all,
+    release_on_device,
+    shape_of,
+    streams_for,
+    transfer_streams,
+    wait_oldest,
+)
 from fhelium.residency._use import (
     STALE_RETRIES,
     Controller,
@@ -45,6 +55,7 @@ __all__ = ["ResidencyPipeline"]
 
 # The state and steps of each pipeline not yet ended, by `id` of the pipeline (see
 # `ResidencyPipeline`).
+_time_ns = time.time_ns
 _RUNNING: dict[int, tuple[_Pipeline, Generator[ResidencyUse, None, None]]] = {}
 
 # Closing waits for copies in flight; another thread's source callback refuses the gate
@@ -248,8 +259,10 @@ class _Pipeline:
         if streams is None:
             request = shape.request
             streams = self.streams[shape.devices] = (
-                self._streams_for(request, self.consumers),
-                self._transfer_streams(request),
+                streams_for(request, self.consumers),
+                transfer_streams(
+                    request, self.transfers, self.prefetch, self.created, self.controller.engine
+                ),
             )
         return streams
 
@@ -433,9 +446,9 @@ class _Pipeline:
                 pass  # releasing below may make it fit
             if not released:
                 released = True
-                self._release_on_device(ended)
+                release_on_device(engine, ended)
                 continue
-            self._wait_oldest(ended)
+            wait_oldest(engine, ended)
         settled = False
         shape = shape_of(controller, request)
         consumers, transfers = self._streams(shape)
@@ -444,7 +457,7 @@ class _Pipeline:
             try:
                 entered = use.__enter__()
             except (ResidencyPlanError, ResidencyBudgetError):
-                if self._wait_oldest(ended):
+                if wait_oldest(engine, ended):
                     continue
                 if settled:
                     raise
@@ -535,25 +548,12 @@ class _Pipeline:
                 with contextlib.suppress(ResidencyError):
                     manager.drop(requirement.handle, requirement.location)
 
-    def _guard_bytes(self, location: ResidencyLocation) -> int:
-        return sum(reservation.nbytes for reservation in self.guard.get(location, ()))
-
     def _extra(self, needs: dict[ResidencyLocation, int]) -> dict[ResidencyLocation, int]:
-        """Per location, the headroom the staged steps (and a step needing ``needs``)
-        would find missing at their entry, beyond the active step's reservation and the
-        guard: each staged step must find the largest of their reservations free."""
+        """The headroom the staged steps (and a step needing ``needs``) would find
+        missing at their entry (`_staging.extra_headroom`)."""
         if not needs and not self.staged:
             return {}
-        wanted: dict[ResidencyLocation, int] = dict(needs)
-        for staged in self.staged.values():
-            for location, nbytes in staged.needs.items():
-                wanted[location] = max(wanted.get(location, 0), nbytes)
-        extra: dict[ResidencyLocation, int] = {}
-        for location, nbytes in wanted.items():
-            missing = nbytes - self.active.get(location, 0) - self._guard_bytes(location)
-            if missing > 0:
-                extra[location] = missing
-        return extra
+        return extra_headroom(needs, self.staged.values(), self.active, self.guard)
 
     def _keep_guard(self, needs: dict[ResidencyLocation, int]) -> None:
         """Reserves the headroom `_extra` finds missing."""
@@ -653,13 +653,25 @@ class _Pipeline:
             staging = shape.staging_request(self._extra(needs)) if needs or self.staged else request
             try:
                 if plain:
-                    # The plain decider's search, without its decision record: the
-                    # staging only runs the plan.
-                    found = controller.decide_found(staging, position)  # type: ignore[attr-defined]
+                    last = shape.runs.last
+                    if (
+                        last is not None
+                        and staging is request
+                        and last[0][0] is request
+                        and last[0][1] == engine.discard_count()
+                    ):
+                        # Its last staging's plan, run again when decided again.
+                        found, ran = self._restage(index, request, position, shape, last, ended)
+                        if ran:
+                            return True
+                    else:
+                        # The plain decider's search, without its decision record: the
+                        # staging only runs the plan.
+                        found = controller.decide_found(staging, position)  # type: ignore[attr-defined]
                 else:
                     decision = controller.decide(staging, position)
             except (ResidencyPlanError, ResidencyBudgetError):
-                if wait and (self._release_on_device(ended) or self._wait_oldest(ended)):
+                if wait and (release_on_device(engine, ended) or wait_oldest(engine, ended)):
                     continue
                 return False
             # The plan, its actions and their lowering, as the last staging of this
@@ -683,8 +695,8 @@ class _Pipeline:
                 # read from disk), which must not delay the body's kernels.
                 if not wait:
                     return False
-                if not self._release_on_device(ended):
-                    self._wait_oldest(ended)
+                if not release_on_device(engine, ended):
+                    wait_oldest(engine, ended)
                 continue
             streams = self._streams(shape)
             staged = Staged(shape, streams, engine)
@@ -734,56 +746,49 @@ class _Pipeline:
             self.staged[index] = staged
             return True
 
-    def _release_on_device(self, ended: collections.deque[list[int]]) -> bool:
-        """Releases the ended steps' pending leases behind device waits of their values'
-        owning streams, keeping in ``ended`` what needs a host wait; False when nothing
-        was released."""
-        if not ended:
-            return False
-        tokens = [token for step in ended for token in step]
-        left = set(self.controller.engine.settle_on_device(tokens))
-        if len(left) == len(tokens):
-            return False
-        kept = [[token for token in step if token in left] for step in ended]
-        ended.clear()
-        ended.extend(step for step in kept if step)
-        return True
-
-    def _wait_oldest(self, ended: collections.deque[list[int]]) -> bool:
-        """Waits for the oldest ended step's leases and releases them; False when no
-        ended step is left to wait for."""
-        if not ended:
-            return False
-        self.controller.engine.settle(ended.popleft())
-        return True
-
-    # ------------------------------------------------------------------ streams
-
-    @staticmethod
-    def _streams_for(
-        request: ResidencyRequest, streams: Mapping[ResidencyLocation, Any]
-    ) -> dict[ResidencyLocation, Any]:
-        wanted = {
-            requirement.location
-            for requirement in request.requirements
-            if requirement.location.kind == "cuda"
-        }
-        return {location: stream for location, stream in streams.items() if location in wanted}
-
-    def _transfer_streams(self, request: ResidencyRequest) -> dict[ResidencyLocation, Any]:
-        """The request's transfer streams: the caller's, else, when prefetching, one the
-        pipeline created per CUDA location (copies then leave the consumer's stream
-        free)."""
-        streams = self._streams_for(request, self.transfers)
-        if self.prefetch == 0:
-            return streams
-        runtime = self.controller.engine.runtime
-        for requirement in request.requirements:
-            location = requirement.location
-            if location.kind != "cuda" or location in streams:
-                continue
-            created = self.created.get(location)
-            if created is None:
-                created = self.created[location] = runtime.create_stream(location.device)
-            streams[location] = created
-        return streams
+    def _restage(
+        self,
+        index: int,
+        request: ResidencyRequest,
+        position: int | None,
+        shape: Shape,
+        last: tuple[tuple[Any, ...], Any],
+        ended: collections.deque[list[int]],
+    ) -> tuple[tuple[tuple[Any, Any], int, int], bool]:
+        """Step ``index``'s staging where its last staging of ``request`` ran ``last``:
+        when the search decides the same (evicting nothing while ``ended`` steps are
+        pending), that plan runs again in the same hold of the manager, its values held
+        (`Decider.restage`). The search's result, and whether the step is staged; errors
+        as `decide_found` and `_stage`'s run raise them, its holds released."""
+        controller: Decider = self.controller  # type: ignore[assignment]
+        engine = controller.engine
+        (_, _, previous), (_, actions, lowered) = last
+        streams = self._streams(shape)
+        staged = Staged(shape, streams, engine)
+        tier = engine.disk  # reads from disk go to its I/O thread, as in `_stage`
+        reads, deferred = tier.defer(engine.runtime)
+        run = engine.plan_run()
+        started = _time_ns()
+        hold = (shape.holds, staged.holds)
+        rerun = (previous, run, lowered.ir, lowered.handles, actions, streams[1], hold, not ended)
+        try:
+            try:
+                found, ran = controller.restage(request, position, rerun)
+            finally:
+                tier.undefer(deferred)
+                staged.reads = reads
+        except BaseException as error:
+            if run.phase is None and not len(run) and not staged.holds:
+                raise  # the search's (nothing ran)
+            # What the plan committed stays; a failed read's copy goes.
+            try:
+                staged.release()
+            finally:
+                self._forget_reads({index: staged})
+            failure = _plans.staging_failure(request.name, run, started, error, actions)
+            if failure is error:
+                raise
+            raise failure from error
+        if ran:
+            self.staged[index] = staged
+        return found, ran

@@ -500,6 +500,53 @@ impl CoreManager {
         crate::search::decide_request(self, py, &request, limit, cuda_count, policy)
     }
 
+    /// A pipeline staging's decide of `request` (as `decide_request`, with a built-in
+    /// policy) and, when it decided what `previous` decided, the plan that decision
+    /// ran (`ir`, `handles`, `actions`) run again at once, in one hold of the gate, as
+    /// `execute_plan` runs it asynchronously with `hold` and `then`; a plan that evicts
+    /// runs only with `reclaim`. Returns the decision (`None` when a value was
+    /// discarded since the request was lowered) and whether the plan ran (see
+    /// `plans::stage_request`).
+    #[pyo3(signature = (request, limit, cuda_count, previous, run, ir, handles, actions, transfer_streams, hold, *, native, schedule=None, then=None, reclaim=false))]
+    #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
+    fn stage_request<'py>(
+        &self,
+        py: Python<'py>,
+        request: PyRef<'py, crate::search::LoweredRequest>,
+        limit: u64,
+        cuda_count: i64,
+        previous: PyRef<'py, crate::search::Decided>,
+        run: &PlanRun,
+        ir: &PlanIr,
+        handles: &Bound<'py, PyTuple>,
+        actions: &Bound<'py, PyTuple>,
+        transfer_streams: Option<&Bound<'py, PyAny>>,
+        hold: (Bound<'py, PyTuple>, Bound<'py, pyo3::types::PyList>),
+        native: crate::search::NativeConfig,
+        schedule: Option<(PyRef<'py, crate::search::ScheduleIndex>, usize)>,
+        then: Option<&Bound<'py, PyAny>>,
+        reclaim: bool,
+    ) -> PyResult<(Option<crate::search::Decided>, bool)> {
+        let policy = crate::search::DecidePolicy::new(Some(native), None, schedule)?;
+        let rerun = crate::plans::Rerun {
+            previous: &previous,
+            ir,
+            handles,
+            actions,
+        };
+        crate::plans::stage_request(
+            self,
+            py,
+            (&request, limit, cuda_count, policy),
+            &rerun,
+            run,
+            transfer_streams,
+            (&hold.0, &hold.1),
+            then,
+            reclaim,
+        )
+    }
+
     /// A staged pipeline step's entry in one hold of the gate: the state view, a lease
     /// per `(location, handles)` group (CUDA ones on `consumers[location]`), then the
     /// staging's hold tokens, taken out of the list `holds`, released (see

@@ -28,6 +28,7 @@ use crate::execute;
 use crate::manager::CoreManager;
 use crate::plan::PlanIr;
 use crate::records::RecordBuilder;
+use crate::search::{DecidePolicy, Decided, LoweredRequest, decide_held};
 use crate::transition::{Transition, reports};
 
 /// The core's run of one plan, with what committed as transition records.
@@ -129,24 +130,99 @@ pub fn execute_plan(
         device.keep_streams(run);
         result.map_err(|error| device.raised(error))
     };
-    let Some((groups, tokens)) = hold else {
+    let Some(hold) = hold else {
         return within_gate_then(manager, py, operation, then, || {});
     };
-    // What the plan made resident is held before any other thread can evict it, and
-    // `then` still finds the state the plan left. The tokens are appended to `held`
-    // as they are taken, so the caller has them even if an interrupt arrives as the
-    // call returns; on a failure they are released and taken out again.
-    let then = then.filter(|then| !then.is_none());
     within_gate_after(manager, py, operation, || {
-        let kept = tokens.len();
-        let result = crate::lifetimes::hold_locked(manager, py, groups, tokens)
-            .and_then(|()| then.map_or(Ok(()), |then| then.call0().map(drop)));
-        if let Err(error) = result {
-            release_held(manager, tokens, kept)?;
-            return Err(error);
-        }
-        Ok(py.None())
+        hold_then(manager, py, hold, then).map(|()| py.None())
     })
+}
+
+/// What follows a staging's plan under its hold of the gate: what the plan made
+/// resident is held (each `(handles, location)` pair of `groups`) before any other
+/// thread can evict it, then `then` runs, still finding the state the plan left. The
+/// tokens are appended to `held` as they are taken, so the caller has them even if an
+/// interrupt arrives as the call returns; on a failure they are released and taken
+/// out again.
+fn hold_then(
+    manager: &CoreManager,
+    py: Python<'_>,
+    (groups, held): (&Bound<'_, PyTuple>, &Bound<'_, PyList>),
+    then: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let kept = held.len();
+    let result = crate::lifetimes::hold_locked(manager, py, groups, held).and_then(|()| match then
+        .filter(|then| !then.is_none())
+    {
+        Some(then) => then.call0().map(drop),
+        None => Ok(()),
+    });
+    if let Err(error) = result {
+        release_held(manager, held, kept)?;
+        return Err(error);
+    }
+    Ok(())
+}
+
+/// What a pipeline's staging runs again when it decides what its last staging of the
+/// same request ran (docs/concepts/controller.md#staging): that decision, and the plan
+/// it ran: its lowering, handles and action records.
+pub struct Rerun<'a, 'py> {
+    pub previous: &'a Decided,
+    pub ir: &'a PlanIr,
+    pub handles: &'a Bound<'py, PyTuple>,
+    pub actions: &'a Bound<'py, PyTuple>,
+}
+
+/// A pipeline staging's decide and plan in one hold of the gate
+/// (docs/concepts/controller.md#staging): `request` decided as `decide_request`
+/// decides it, then, when the decision runs as `rerun.previous` ran (the same actions,
+/// evicting nothing unless `reclaim`), that plan at once, asynchronously, at the very
+/// state it was decided on (nothing is reaped in between, so no version can have
+/// moved), followed by `hold` and `then` as `execute_plan` takes them. Returns the
+/// decision (`None` when a value was discarded since the request was lowered) and
+/// whether its plan ran.
+#[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
+pub fn stage_request(
+    manager: &CoreManager,
+    py: Python<'_>,
+    (request, limit, cuda_count, policy): (&LoweredRequest, u64, i64, DecidePolicy<'_>),
+    rerun: &Rerun<'_, '_>,
+    run: &PlanRun,
+    transfer_streams: Option<&Bound<'_, PyAny>>,
+    hold: (&Bound<'_, PyTuple>, &Bound<'_, PyList>),
+    then: Option<&Bound<'_, PyAny>>,
+    reclaim: bool,
+) -> PyResult<(Option<Decided>, bool)> {
+    manager.enter_transition_gate(py)?;
+    let core = manager.core();
+    let decided = match decide_held(manager, py, request, limit, cuda_count, policy) {
+        Ok(Some(decided)) if decided.runs_as(rerun.previous, reclaim) => decided,
+        other => {
+            core.end_transition_and_exit();
+            return other.map(|decided| (decided, false));
+        }
+    };
+    let mut device = RunSide::new(
+        manager,
+        py,
+        vec![(PlanPhase::Execute, rerun.actions.clone())],
+    );
+    device.inputs = Some((rerun.ir, rerun.handles, transfer_streams, Vec::new()));
+    // The decide reaped under this hold of the gate: nothing to reap, no version to
+    // compare.
+    device.reaped = true;
+    manager.set_asynchronous(true);
+    let result = run.with_run(|state| state.execute(core, rerun.ir.plan(), &mut device));
+    manager.set_asynchronous(false);
+    if let Err(error) = result {
+        core.end_transition_and_exit();
+        return Err(device.raised(error));
+    }
+    core.end_transition();
+    let outcome = hold_then(manager, py, hold, then);
+    core.exit();
+    outcome.map(|()| (Some(decided), true))
 }
 
 /// Releases the hold tokens `held` gained past its first `kept` items, and takes them
@@ -249,6 +325,9 @@ struct RunSide<'a, 'py> {
     expected: Option<Bound<'py, PyAny>>,
     /// The validated transfer streams by destination.
     streams: Vec<(Location, Bound<'py, PyAny>)>,
+    /// Whether the caller reaped under this hold of the gate already (a staging that
+    /// decided there): the run does not reap again.
+    reaped: bool,
 }
 
 impl<'a, 'py> RunSide<'a, 'py> {
@@ -265,6 +344,7 @@ impl<'a, 'py> RunSide<'a, 'py> {
             expected_version: None,
             expected: None,
             streams: Vec::new(),
+            reaped: false,
         }
     }
 
@@ -322,6 +402,9 @@ impl residency_core::Device for RunSide<'_, '_> {
 
 impl residency_core::PlanDevice for RunSide<'_, '_> {
     fn reap(&mut self) -> PyResult<()> {
+        if self.reaped {
+            return Ok(());
+        }
         crate::lifetimes::reap(self.manager, self.py)
     }
 

@@ -356,6 +356,23 @@ pub struct Decided {
     version: u64,
 }
 
+impl Decided {
+    /// Whether this decision runs as `previous` ran: feasible, the same actions on the
+    /// same slots, and evicting nothing unless `reclaim` allows it.
+    pub(crate) fn runs_as(&self, previous: &Self, reclaim: bool) -> bool {
+        self.simulation.feasible
+            && self.same_as(previous)
+            && (reclaim || self.plan.reclaim().is_empty())
+    }
+
+    /// The same actions as `other`'s, on the same slots.
+    fn same_as(&self, other: &Self) -> bool {
+        self.slots == other.slots
+            && self.plan.reclaim() == other.plan.reclaim()
+            && self.plan.enter() == other.plan.enter()
+    }
+}
+
 #[pymethods]
 impl Decided {
     /// Whether the decided plan's simulation is feasible.
@@ -422,13 +439,9 @@ impl Decided {
     /// Whether `other` decided the same actions on the same handle indices (so records
     /// built for one serve the other).
     fn same_actions(&self, other: &Bound<'_, PyAny>) -> bool {
-        let Ok(other) = other.cast::<Self>() else {
-            return false;
-        };
-        let other = other.get();
-        self.slots == other.slots
-            && self.plan.reclaim() == other.plan.reclaim()
-            && self.plan.enter() == other.plan.enter()
+        other
+            .cast::<Self>()
+            .is_ok_and(|other| self.same_as(other.get()))
     }
 }
 
@@ -567,22 +580,35 @@ pub fn decide_request(
     policy: DecidePolicy<'_>,
 ) -> PyResult<Option<Decided>> {
     manager.with_gate(py, true, true, || {
-        crate::lifetimes::reap(manager, py)?;
-        let current = manager.core().discards();
-        let stale_schedule = matches!(
-            &policy,
-            DecidePolicy::Native(_, Some((index, _))) if index.discards != current
-        );
-        if request.discards != current || stale_schedule {
-            return Ok(None);
-        }
-        let version = manager.core().version();
-        let completed = crate::lifetimes::completed_pending(manager, py);
-        decide_locked(
-            py, manager, version, request, limit, cuda_count, &completed, policy,
-        )
-        .map(Some)
+        decide_held(manager, py, request, limit, cuda_count, policy)
     })
+}
+
+/// [`decide_request`] once the gate is held: the reap, the request's and schedule's
+/// currency, then the decide.
+pub(crate) fn decide_held(
+    manager: &CoreManager,
+    py: Python<'_>,
+    request: &LoweredRequest,
+    limit: u64,
+    cuda_count: i64,
+    policy: DecidePolicy<'_>,
+) -> PyResult<Option<Decided>> {
+    crate::lifetimes::reap(manager, py)?;
+    let current = manager.core().discards();
+    let stale_schedule = matches!(
+        &policy,
+        DecidePolicy::Native(_, Some((index, _))) if index.discards != current
+    );
+    if request.discards != current || stale_schedule {
+        return Ok(None);
+    }
+    let version = manager.core().version();
+    let completed = crate::lifetimes::completed_pending(manager, py);
+    decide_locked(
+        py, manager, version, request, limit, cuda_count, &completed, policy,
+    )
+    .map(Some)
 }
 
 /// [`decide_request`]'s work once the gate is held and the request is current.
