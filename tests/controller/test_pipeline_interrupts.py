@@ -37,7 +37,9 @@ HELD = 3
 STEPS = 18
 
 
-def _setup() -> tuple[ResidencyManager, list[Any], list[ResidencyRequest], Any, Any]:
+def _setup(
+    cyclic: bool = False,
+) -> tuple[ResidencyManager, list[Any], list[ResidencyRequest], Any, Any]:
     runtime = SimulatedRuntime(1, auto_complete=True)
     stream = runtime.current_stream(torch.device("cuda", 0))
     with use_runtime(runtime):
@@ -54,6 +56,10 @@ def _setup() -> tuple[ResidencyManager, list[Any], list[ResidencyRequest], Any, 
         ResidencyRequest(f"step-{step}", [ResidencyRequirement(layers[step % LAYERS], CUDA)])
         for step in range(STEPS)
     ]
+    if cyclic:
+        # The same request objects pass after pass: from the second pass on, a staging
+        # that decides what the last one decided runs its plan in the same manager call.
+        requests = requests[:LAYERS] * (STEPS // LAYERS)
     return manager, layers, requests, ResidencyController(manager), stream
 
 
@@ -106,6 +112,18 @@ def test_an_interrupt_as_a_staging_plan_returns_leaves_no_hold(at_call: int) -> 
     with pytest.raises(KeyboardInterrupt):
         _run(controller, requests, stream)
     assert calls[0] >= at_call
+    _assert_nothing_held(manager, layers)
+    manager.close()
+
+
+@pytest.mark.parametrize("at_call", [1, 2, 5])
+def test_an_interrupt_as_a_repeated_staging_returns_leaves_no_hold(at_call: int) -> None:
+    manager, layers, requests, controller, stream = _setup(cyclic=True)
+    engine = engine_of(manager)
+    engine.stage_request, calls = _interrupting(engine.stage_request, at_call, before=False)
+    with pytest.raises(KeyboardInterrupt):
+        _run(controller, requests, stream)
+    assert calls[0] == at_call
     _assert_nothing_held(manager, layers)
     manager.close()
 
