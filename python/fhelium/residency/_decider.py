@@ -176,6 +176,24 @@ class Decider:
         if callable(observe):
             observe(tuple([requirement.handle for requirement in request.requirements]))
 
+    def record_staged(self, request: ResidencyRequest, entry: Any) -> None:
+        """`record_checked` for a pipeline's staged step, whose leases (``entry``, a
+        `_core.StepEntry`) know its values' indices: a built-in policy reads the epochs
+        only natively, so they are set there in one call."""
+        if self.identity is None:
+            # A Python policy reads the epochs by handle (`_order`).
+            self.record_checked(request)
+            return
+        with self.lock:
+            epoch = self._epoch = self._epoch + 1
+            entry.record_epochs(self._native_keys, epoch)
+        policy = self.policy
+        if type(policy) is not DeterministicTieredLRU:
+            # The schedule-aware policy (`record_checked`).
+            policy.observe(  # type: ignore[attr-defined]
+                tuple([requirement.handle for requirement in request.requirements])
+            )
+
     # ------------------------------------------------------------------ decide
 
     def decide(self, request: ResidencyRequest, position: int | None = None) -> LazyDecision:
@@ -240,15 +258,22 @@ class Decider:
         return (engine.handle_at, found), found.state_version, found.explored
 
     def restage(
-        self, request: ResidencyRequest, position: int | None, rerun: tuple[Any, ...]
-    ) -> tuple[tuple[tuple[Any, Any], int, int], bool]:
+        self,
+        request: ResidencyRequest,
+        position: int | None,
+        rerun: tuple[Any, ...],
+        reclaim: bool,
+        blocking: bool | None,
+    ) -> tuple[tuple[tuple[Any, Any], int, int], bool] | None:
         """`decide_found` for a pipeline's staging of ``request`` whose last staging of it
         ran ``rerun``: `(that decision, a new plan run, the plan's IR, handles and
-        actions, transfer streams, (hold groups, held tokens), whether the plan may
-        evict)`. With a built-in policy, when the search decides what that decision
-        decided, its plan runs again in the same hold of the manager, its values held
-        (`_core.CoreManager.stage_request`: at the very state it was decided on, so
-        never stale). The search's result, and whether the plan ran."""
+        actions, transfer streams, (hold groups, held tokens))`. With a built-in
+        policy, when the search decides what that decision decided (evicting nothing
+        unless ``reclaim``), its plan runs again in the same hold of the manager, its
+        values held (`_core.CoreManager.stage_request`: at the very state it was
+        decided on, so never stale). The search's result, and whether the plan ran;
+        None when ``blocking`` is given (whether reads from disk are deferred) and
+        the step's copies would block the host, checked first."""
         engine = self.engine
         # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
         engine.check_process()
@@ -257,7 +282,10 @@ class Decider:
             # A one-pass schedule that has run out says so (`decide_found`).
             deciding_at(policy, policy.position if position is None else position)
         with self.lock:
-            found, ran = self._decide_request(request, position, False, rerun)
+            again = self._decide_request(request, position, False, (*rerun, reclaim, blocking))
+            if again is None:
+                return None
+            found, ran = again
             if found is None:
                 # A value was discarded since: decided afresh, nothing ran.
                 ran = False
@@ -388,9 +416,14 @@ class Decider:
                 )
             if rerun is None:
                 return engine.decide_request(*arguments, native=tiers[1], schedule=schedule)
-            *again, reclaim = rerun
+            *again, reclaim, blocking = rerun
             return engine.stage_request(
-                *arguments, *again, native=tiers[1], schedule=schedule, reclaim=reclaim
+                *arguments,
+                *again,
+                native=tiers[1],
+                schedule=schedule,
+                reclaim=reclaim,
+                blocking=blocking,
             )
         # Any other policy is consulted as the search reaches it: one ordering per list
         # of candidates, one list of tiers per location

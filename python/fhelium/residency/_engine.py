@@ -242,8 +242,9 @@ class Engine:
         # actions, transfer streams, (groups, held), native=, schedule=, reclaim=)`: a
         # pipeline staging's decide and, when it decides what `previous` decided, that
         # plan run again at once with its holds (docs/concepts/controller.md#staging):
-        # (decision or None, whether the plan ran).
-        self.stage_request: Callable[..., tuple[Any, bool]] = core.stage_request
+        # (decision or None, whether the plan ran), or None where, with `blocking=`, its
+        # copies would block the host.
+        self.stage_request: Callable[..., tuple[Any, bool] | None] = core.stage_request
         # `enter_step(engine, groups, consumers, holds)`: a staged step's entry under one
         # hold of the gate, after reaping: (state view, a lease per (location, handles)
         # group, what its CUDA leases leave protected), the staging's hold tokens

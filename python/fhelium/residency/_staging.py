@@ -22,6 +22,7 @@ from fhelium.residency.request import ResidencyRequest
 __all__ = [
     "Shape",
     "Staged",
+    "blocks_host",
     "extra_headroom",
     "release_all",
     "release_on_device",
@@ -277,3 +278,19 @@ def wait_oldest(engine: Engine, ended: collections.deque[list[int]]) -> bool:
         return False
     engine.settle(ended.popleft())
     return True
+
+
+def blocks_host(
+    engine: Engine,
+    by_location: dict[ResidencyLocation, tuple[ResidencyHandle[Any], ...]],
+    deferred: bool,
+) -> bool:
+    """Whether staging the values ``by_location`` would block the host on a copy: a
+    copy from pageable memory would, and, before a step's body, delay its kernels. A
+    read from disk to a device does not where the runtime takes deferred events
+    (``deferred``): the disk tier's I/O thread runs it."""
+    check = engine.blocks_host
+    return any(
+        check(handles, location, disk_deferred=deferred)
+        for location, handles in by_location.items()
+    )

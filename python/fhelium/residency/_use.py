@@ -662,7 +662,7 @@ def enter_staged(
                 engine.manager_id, view, request, policy, shape.empty_plan, identity
             )
         use._scope = unscoped
-        decider.record_checked(request)
+        decider.record_staged(request, step)
     except BaseException:
         use._state = "closed"
         # What `__enter__` unwinds: the leases, then the stand-in scope.

@@ -27,6 +27,7 @@ from fhelium.residency._decider import Decider
 from fhelium.residency._staging import (
     Shape,
     Staged,
+    blocks_host,
     extra_headroom,
     release_all,
     release_on_device,
@@ -631,18 +632,12 @@ class _Pipeline:
         needs = shape.needs
         by_location = shape.by_location
         runtime = engine.runtime
-        if not wait:
-            deferred = getattr(runtime, "staged_events", False)
-            blocks_host = engine.blocks_host
-            for location, handles in by_location.items():
-                if blocks_host(handles, location, disk_deferred=deferred):
-                    # A copy from pageable memory blocks the host: before the body it
-                    # would delay the body's kernels. A read from disk to a device does
-                    # not where the runtime takes deferred events: the disk tier's I/O
-                    # thread runs it.
-                    return False
+        # Before the body, a step whose copies would block the host is not staged now
+        # (`_staging.blocks_host`), checked once: natively by a staging run again.
+        blocking = None if wait else getattr(runtime, "staged_events", False)
         pending_among = engine.pending_among
         plain = type(controller) is Decider
+        native = plain and controller.identity is not None  # type: ignore[attr-defined]
         stale = 0
         while True:
             while ended and not pending_among(ended[0]):
@@ -651,23 +646,29 @@ class _Pipeline:
             # steps') would find missing at its entry, decided together. Without
             # reservations and with no step staged, there is none: the request itself.
             staging = shape.staging_request(self._extra(needs)) if needs or self.staged else request
+            last = shape.runs.last if native and staging is request else None
+            if last is not None and (
+                last[0][0] is not request or last[0][1] != engine.discard_count()
+            ):
+                last = None
+            if last is None and blocking is not None:
+                if blocks_host(engine, by_location, blocking):
+                    return False
+                blocking = None
             try:
-                if plain:
-                    last = shape.runs.last
-                    if (
-                        last is not None
-                        and staging is request
-                        and last[0][0] is request
-                        and last[0][1] == engine.discard_count()
-                    ):
-                        # Its last staging's plan, run again when decided again.
-                        found, ran = self._restage(index, request, position, shape, last, ended)
-                        if ran:
-                            return True
-                    else:
-                        # The plain decider's search, without its decision record: the
-                        # staging only runs the plan.
-                        found = controller.decide_found(staging, position)  # type: ignore[attr-defined]
+                if last is not None:
+                    # Its last staging's plan, run again when decided again.
+                    again = self._restage(index, request, position, shape, last, ended, blocking)
+                    blocking = None
+                    if again is None:
+                        return False  # its copies would block the host
+                    found, ran = again
+                    if ran:
+                        return True
+                elif plain:
+                    # The plain decider's search, without its decision record: the
+                    # staging only runs the plan.
+                    found = controller.decide_found(staging, position)  # type: ignore[attr-defined]
                 else:
                     decision = controller.decide(staging, position)
             except (ResidencyPlanError, ResidencyBudgetError):
@@ -754,12 +755,14 @@ class _Pipeline:
         shape: Shape,
         last: tuple[tuple[Any, ...], Any],
         ended: collections.deque[list[int]],
-    ) -> tuple[tuple[tuple[Any, Any], int, int], bool]:
+        blocking: bool | None,
+    ) -> tuple[tuple[tuple[Any, Any], int, int], bool] | None:
         """Step ``index``'s staging where its last staging of ``request`` ran ``last``:
         when the search decides the same (evicting nothing while ``ended`` steps are
         pending), that plan runs again in the same hold of the manager, its values held
-        (`Decider.restage`). The search's result, and whether the step is staged; errors
-        as `decide_found` and `_stage`'s run raise them, its holds released."""
+        (`Decider.restage`). The search's result, and whether the step is staged; None,
+        with ``blocking``, when its copies would block the host; errors as `decide_found`
+        and `_stage`'s run raise them, its holds released."""
         controller: Decider = self.controller  # type: ignore[assignment]
         engine = controller.engine
         (_, _, previous), (_, actions, lowered) = last
@@ -770,10 +773,10 @@ class _Pipeline:
         run = engine.plan_run()
         started = _time_ns()
         hold = (shape.holds, staged.holds)
-        rerun = (previous, run, lowered.ir, lowered.handles, actions, streams[1], hold, not ended)
+        rerun = (previous, run, lowered.ir, lowered.handles, actions, streams[1], hold)
         try:
             try:
-                found, ran = controller.restage(request, position, rerun)
+                again = controller.restage(request, position, rerun, not ended, blocking)
             finally:
                 tier.undefer(deferred)
                 staged.reads = reads
@@ -789,6 +792,6 @@ class _Pipeline:
             if failure is error:
                 raise
             raise failure from error
-        if ran:
+        if again is not None and again[1]:
             self.staged[index] = staged
-        return found, ran
+        return again

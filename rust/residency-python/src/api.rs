@@ -505,9 +505,10 @@ impl CoreManager {
     /// ran (`ir`, `handles`, `actions`) run again at once, in one hold of the gate, as
     /// `execute_plan` runs it asynchronously with `hold` and `then`; a plan that evicts
     /// runs only with `reclaim`. Returns the decision (`None` when a value was
-    /// discarded since the request was lowered) and whether the plan ran (see
-    /// `plans::stage_request`).
-    #[pyo3(signature = (request, limit, cuda_count, previous, run, ir, handles, actions, transfer_streams, hold, *, native, schedule=None, then=None, reclaim=false))]
+    /// discarded since the request was lowered) and whether the plan ran; with
+    /// `blocking` (whether reads from disk are deferred), `None` when the held groups'
+    /// copies would block the host, checked first (see `plans::stage_request`).
+    #[pyo3(signature = (request, limit, cuda_count, previous, run, ir, handles, actions, transfer_streams, hold, *, native, schedule=None, then=None, reclaim=false, blocking=None))]
     #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
     fn stage_request<'py>(
         &self,
@@ -526,7 +527,8 @@ impl CoreManager {
         schedule: Option<(PyRef<'py, crate::search::ScheduleIndex>, usize)>,
         then: Option<&Bound<'py, PyAny>>,
         reclaim: bool,
-    ) -> PyResult<(Option<crate::search::Decided>, bool)> {
+        blocking: Option<bool>,
+    ) -> PyResult<Option<(Option<crate::search::Decided>, bool)>> {
         let policy = crate::search::DecidePolicy::new(Some(native), None, schedule)?;
         let rerun = crate::plans::Rerun {
             previous: &previous,
@@ -544,6 +546,7 @@ impl CoreManager {
             (&hold.0, &hold.1),
             then,
             reclaim,
+            blocking,
         )
     }
 

@@ -477,6 +477,31 @@ pub fn hold_locked(
     Ok(())
 }
 
+/// Whether bringing the values of any `(handles, location)` group of `groups` (the
+/// handles normalised) there would block the host on a copy (`blocks_host`'s rule),
+/// under the gate the caller holds. Changes nothing.
+pub fn blocks_host_locked(
+    manager: &CoreManager,
+    py: Python<'_>,
+    groups: &Bound<'_, PyTuple>,
+    disk_deferred: bool,
+) -> PyResult<bool> {
+    let host = Host::new(manager, py);
+    let core = manager.core();
+    for group in groups.iter() {
+        let group = group.cast_into::<PyTuple>()?;
+        let handles = manager
+            .context()
+            .normalized_handles(py, &group.get_item(0)?)?;
+        let at = manager.context().location_code(py, &group.get_item(1)?)?;
+        let ids = host.resolve(&handles, at)?;
+        if core.blocks_host_with(&host, &ids, at, disk_deferred)? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// Host-waits for the events of the pending leases among `tokens` and releases
 /// them; with `transfers`, also for every asynchronous transfer in flight.
 pub fn settle(

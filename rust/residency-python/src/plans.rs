@@ -193,14 +193,25 @@ pub fn stage_request(
     hold: (&Bound<'_, PyTuple>, &Bound<'_, PyList>),
     then: Option<&Bound<'_, PyAny>>,
     reclaim: bool,
-) -> PyResult<(Option<Decided>, bool)> {
+    blocking: Option<bool>,
+) -> PyResult<Option<(Option<Decided>, bool)>> {
     manager.enter_transition_gate(py)?;
     let core = manager.core();
+    if let Some(disk_deferred) = blocking {
+        // Before anything is decided: whether its copies would block the host.
+        match crate::lifetimes::blocks_host_locked(manager, py, hold.0, disk_deferred) {
+            Ok(false) => {}
+            other => {
+                core.end_transition_and_exit();
+                return other.map(|_| None);
+            }
+        }
+    }
     let decided = match decide_held(manager, py, request, limit, cuda_count, policy) {
         Ok(Some(decided)) if decided.runs_as(rerun.previous, reclaim) => decided,
         other => {
             core.end_transition_and_exit();
-            return other.map(|decided| (decided, false));
+            return other.map(|decided| Some((decided, false)));
         }
     };
     let mut device = RunSide::new(
@@ -222,7 +233,7 @@ pub fn stage_request(
     core.end_transition();
     let outcome = hold_then(manager, py, hold, then);
     core.exit();
-    outcome.map(|()| (Some(decided), true))
+    outcome.map(|()| Some((Some(decided), true)))
 }
 
 /// Releases the hold tokens `held` gained past its first `kept` items, and takes them

@@ -263,6 +263,23 @@ impl PolicyKeys {
         self.lock().schedule.put(order);
     }
 
+    /// Sets the last access epoch of each value at `indices` (one lock).
+    pub(crate) fn set_epochs(&self, indices: impl Iterator<Item = u32>, epoch: i64) {
+        let mut guard = self.lock();
+        let keys = &mut *guard;
+        for index in indices {
+            let entry = Arc::make_mut(&mut keys.map)
+                .entry(index as usize)
+                .or_insert((0, -1, None));
+            let old = entry.clone();
+            entry.1 = epoch;
+            let position = index as usize;
+            keys.lru.changed(|order| order.rekey(position, &old, entry));
+            keys.schedule
+                .changed(|order| order.rekey(position, &old, entry));
+        }
+    }
+
     fn update(&self, index: u32, change: impl FnOnce(&mut (i64, i64, Option<Arc<str>>))) {
         let mut guard = self.lock();
         let keys = &mut *guard;

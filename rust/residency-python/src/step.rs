@@ -17,6 +17,7 @@ use residency_core::{HandleId, Location};
 use crate::kinds::LifetimeKind;
 use crate::lifetimes;
 use crate::manager::CoreManager;
+use crate::search::PolicyKeys;
 
 pyo3::import_exception!(fhelium.errors, ResidencyLifetimeClosedError);
 
@@ -268,6 +269,18 @@ impl StepEntry {
             Some((index, taken.at)),
         )
         .map(Some)
+    }
+
+    /// Sets the last access epoch of every value it leases to `epoch` in `keys` (a
+    /// use's access record, for the built-in policies).
+    fn record_epochs(&self, keys: &PolicyKeys, epoch: i64) {
+        let borrows = self.borrows();
+        keys.set_epochs(
+            borrows
+                .iter()
+                .flat_map(|borrow| borrow.indices.iter().copied()),
+            epoch,
+        );
     }
 
     /// Raises `ResidencyLifetimeClosedError` once the lease at `position` was released.
