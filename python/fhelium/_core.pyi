@@ -263,7 +263,6 @@ class CoreManager:
         actions: tuple[Any, ...],
         transfer_streams: Any,
         hold: tuple[tuple[Any, ...], list[int]],
-        *,
         native: _NativeConfig,
         schedule: tuple[ScheduleIndex, int] | None = None,
         then: Any = None,

@@ -282,7 +282,7 @@ class Decider:
             # A one-pass schedule that has run out says so (`decide_found`).
             deciding_at(policy, policy.position if position is None else position)
         with self.lock:
-            again = self._decide_request(request, position, False, (*rerun, reclaim, blocking))
+            again = self._decide_request(request, position, False, (rerun, reclaim, blocking))
             if again is None:
                 return None
             found, ran = again
@@ -416,14 +416,9 @@ class Decider:
                 )
             if rerun is None:
                 return engine.decide_request(*arguments, native=tiers[1], schedule=schedule)
-            *again, reclaim, blocking = rerun
+            again, reclaim, blocking = rerun
             return engine.stage_request(
-                *arguments,
-                *again,
-                native=tiers[1],
-                schedule=schedule,
-                reclaim=reclaim,
-                blocking=blocking,
+                *arguments, *again, tiers[1], schedule, None, reclaim, blocking
             )
         # Any other policy is consulted as the search reaches it: one ordering per list
         # of candidates, one list of tiers per location

@@ -239,11 +239,11 @@ class Engine:
         # the request was lowered (docs/concepts/controller.md#decide).
         self.decide_request: Callable[..., Any] = core.decide_request
         # `stage_request(lowered request, limit, cuda, previous, run, ir, handles,
-        # actions, transfer streams, (groups, held), native=, schedule=, reclaim=)`: a
-        # pipeline staging's decide and, when it decides what `previous` decided, that
-        # plan run again at once with its holds (docs/concepts/controller.md#staging):
-        # (decision or None, whether the plan ran), or None where, with `blocking=`, its
-        # copies would block the host.
+        # actions, transfer streams, (groups, held), native, schedule, then, reclaim,
+        # blocking)`: a pipeline staging's decide and, when it decides what `previous`
+        # decided, that plan run again at once with its holds
+        # (docs/concepts/controller.md#staging): (decision or None, whether the plan
+        # ran), or None where, with `blocking`, its copies would block the host.
         self.stage_request: Callable[..., tuple[Any, bool] | None] = core.stage_request
         # `enter_step(engine, groups, consumers, holds)`: a staged step's entry under one
         # hold of the gate, after reaping: (state view, a lease per (location, handles)

@@ -508,7 +508,7 @@ impl CoreManager {
     /// discarded since the request was lowered) and whether the plan ran; with
     /// `blocking` (whether reads from disk are deferred), `None` when the held groups'
     /// copies would block the host, checked first (see `plans::stage_request`).
-    #[pyo3(signature = (request, limit, cuda_count, previous, run, ir, handles, actions, transfer_streams, hold, *, native, schedule=None, then=None, reclaim=false, blocking=None))]
+    #[pyo3(signature = (request, limit, cuda_count, previous, run, ir, handles, actions, transfer_streams, hold, native, schedule=None, then=None, reclaim=false, blocking=None))]
     #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
     fn stage_request<'py>(
         &self,
