@@ -10,6 +10,7 @@ pub mod checksum;
 pub mod error;
 pub mod fasthash;
 pub mod gate;
+pub mod keys;
 pub mod location;
 pub mod manager;
 mod overlay;

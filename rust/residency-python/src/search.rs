@@ -10,11 +10,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use residency_core::keys::KeyStore;
 use residency_core::search::{
     Candidate, Eviction, IndexedLru, IndexedSchedule, NextUses, PolicyKeyMap, Requirement,
-    ScheduleAware, ScheduleOrder, Search, SearchError, SearchOutcome, SearchPolicy, TieredLru,
+    ScheduleAware, Search, SearchError, SearchOutcome, SearchPolicy, TieredLru,
 };
-use residency_core::victims::VictimOrder;
 use residency_core::{
     Action, ActionKind, CudaDevices, HandleId, Location, Plan, Reservation, SearchInputs,
     Simulation, SlotResolution,
@@ -180,118 +180,25 @@ impl ScheduleIndex {
     }
 }
 
-/// The built-in policy's keys by handle index, kept by the controller as they change
-/// (one entry per metadata change or recorded access), so a decide reads them without
-/// converting or copying them: `(priority, last access epoch or -1, stable key)`.
-/// With them, the tiered LRU's order of each location's residents ([`VictimOrder`]),
-/// moved as the keys change, so a decide walks it instead of sorting the residents.
+/// The built-in policies' keys by handle index and their orders, kept by the
+/// controller as they change (`residency_core::keys::KeyStore`).
 #[pyclass(frozen, module = "fhelium._core", name = "PolicyKeys")]
 #[derive(Debug, Default)]
 pub struct PolicyKeys {
-    keys: Mutex<Keys>,
-}
-
-#[derive(Debug, Default)]
-struct Keys {
-    map: Arc<PolicyKeyMap>,
-    /// The tiered LRU's order, and the schedule-aware policy's.
-    lru: Kept<VictimOrder>,
-    schedule: Kept<ScheduleOrder>,
-}
-
-/// An order kept with the keys: out while a decide walks it (see
-/// [`PolicyKeys::take_order`]), and stale if a key changed meanwhile.
-#[derive(Debug, Default)]
-struct Kept<T> {
-    order: Option<T>,
-    stale: bool,
-}
-
-impl<T: Default> Kept<T> {
-    /// The order for one decide; another decide meanwhile (a signal handler's) gets an
-    /// empty one, synced from nothing.
-    fn take(&mut self) -> T {
-        self.order.take().unwrap_or_default()
-    }
-
-    /// Hands back what [`Self::take`] gave out: kept unless a key changed meanwhile
-    /// (then forgotten, to be synced again from nothing).
-    fn put(&mut self, order: T) {
-        if std::mem::take(&mut self.stale) {
-            self.order.get_or_insert_with(T::default);
-            return;
-        }
-        if self.order.is_none() {
-            self.order = Some(order);
-        }
-    }
-
-    /// A key changed: the order moves the value (`rekey`), or is stale while out.
-    fn changed(&mut self, rekey: impl FnOnce(&mut T)) {
-        match &mut self.order {
-            Some(order) => rekey(order),
-            None => self.stale = true,
-        }
-    }
+    keys: Mutex<KeyStore>,
 }
 
 impl PolicyKeys {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Keys> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, KeyStore> {
         self.keys.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The keys now and the tiered LRU's order kept with them, for one decide to walk
-    /// (and sync) and then hand back ([`Self::put_order`]).
-    fn take_order(&self) -> (Arc<PolicyKeyMap>, VictimOrder) {
-        let mut keys = self.lock();
-        let order = keys.lru.take();
-        (Arc::clone(&keys.map), order)
-    }
-
-    fn put_order(&self, order: VictimOrder) {
-        self.lock().lru.put(order);
-    }
-
-    /// The keys now and the schedule-aware policy's order, as [`Self::take_order`].
-    fn take_schedule_order(&self) -> (Arc<PolicyKeyMap>, ScheduleOrder) {
-        let mut keys = self.lock();
-        let order = keys.schedule.take();
-        (Arc::clone(&keys.map), order)
-    }
-
-    fn put_schedule_order(&self, order: ScheduleOrder) {
-        self.lock().schedule.put(order);
     }
 
     /// Sets the last access epoch of each value at `indices` (one lock).
     pub(crate) fn set_epochs(&self, indices: impl Iterator<Item = u32>, epoch: i64) {
-        let mut guard = self.lock();
-        let keys = &mut *guard;
+        let mut keys = self.lock();
         for index in indices {
-            let entry = Arc::make_mut(&mut keys.map)
-                .entry(index as usize)
-                .or_insert((0, -1, None));
-            let old = entry.clone();
-            entry.1 = epoch;
-            let position = index as usize;
-            keys.lru.changed(|order| order.rekey(position, &old, entry));
-            keys.schedule
-                .changed(|order| order.rekey(position, &old, entry));
+            keys.set_epoch(index, epoch);
         }
-    }
-
-    fn update(&self, index: u32, change: impl FnOnce(&mut (i64, i64, Option<Arc<str>>))) {
-        let mut guard = self.lock();
-        let keys = &mut *guard;
-        let entry = Arc::make_mut(&mut keys.map)
-            .entry(index as usize)
-            .or_insert((0, -1, None));
-        let old = entry.clone();
-        change(entry);
-        let position = index as usize;
-        keys.lru.changed(|order| order.rekey(position, &old, entry));
-        keys.schedule
-            .changed(|order| order.rekey(position, &old, entry));
     }
 }
 
@@ -304,21 +211,18 @@ impl PolicyKeys {
 
     /// Sets the last access epoch of the value at handle index `index`.
     fn set_epoch(&self, index: u32, epoch: i64) {
-        self.update(index, |entry| entry.1 = epoch);
+        self.lock().set_epoch(index, epoch);
     }
 
     /// Sets the priority and stable key of the value at handle index `index`.
     #[pyo3(signature = (index, priority, key=None))]
     fn set_metadata(&self, index: u32, priority: i64, key: Option<&str>) {
-        self.update(index, |entry| {
-            entry.0 = priority;
-            entry.2 = key.map(Arc::from);
-        });
+        self.lock().set_metadata(index, priority, key);
     }
 
     /// The values with keys.
     fn __len__(&self) -> usize {
-        self.lock().map.len()
+        self.lock().len()
     }
 }
 
@@ -714,7 +618,7 @@ fn native_search(
         // The tiered LRU walks the order of the residents the controller keeps with its
         // keys, and hands it back synced.
         let keys = config.0.get();
-        let (map, mut order) = keys.take_order();
+        let (map, mut order) = keys.lock().take_order();
         let mut native = NativePolicy {
             py,
             policy: IndexedLru {
@@ -725,13 +629,13 @@ fn native_search(
         };
         let result = search_with(inputs, required, searched, limit, &mut native);
         let error = native.error;
-        keys.put_order(order);
+        keys.lock().put_order(order);
         return (result, error);
     };
     // The schedule-aware policy (docs/concepts/controller.md#schedule-aware-eviction),
     // walking its order of the residents, kept with the keys and standing at this step.
     let keys = config.0.get();
-    let (map, mut order) = keys.take_schedule_order();
+    let (map, mut order) = keys.lock().take_schedule_order();
     let mut native = NativePolicy {
         py,
         policy: IndexedSchedule {
@@ -745,7 +649,7 @@ fn native_search(
     };
     let result = search_with(inputs, required, searched, limit, &mut native);
     let error = native.error;
-    keys.put_schedule_order(order);
+    keys.lock().put_schedule_order(order);
     (result, error)
 }
 
