@@ -24,7 +24,7 @@ _new_object = object.__new__
 # (-1: none); without it, every copy is detached (`TensorResident.to`).
 _DUAL_LEVELS_KNOWN = hasattr(_forward_ad, "_current_level")
 _STRIDED = torch.strided
-# The tensor types `to` copies whole with one `to(copy=True)` (see `_whole_storage`).
+# The tensor types `to` copies whole with one `to(copy=True)`.
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 _PINNED_UNAVAILABLE = (
@@ -162,14 +162,32 @@ class TensorResident(abc.ABC):
         """
         target = device if type(device) is torch.device else torch.device(device)
         # `_indexed`'s first case inline: an indexed device, or the CPU (most copies).
-        if target.index is None and target != _CPU:
-            target = _indexed(target)
-        tensors = self._resident_tensors
+        on_host = False
+        if target.index is None:
+            on_host = target == _CPU
+            if not on_host:
+                target = _indexed(target)
+        # `ResidentTensor._resident_tensors` inline (no property frame): most values are one.
+        tensors = (
+            (self._tensor,)  # type: ignore[attr-defined]
+            if type(self) is ResidentTensor
+            else self._resident_tensors
+        )
         if not copy and all(tensor.device == target for tensor in tensors):
             return self
-        if len(tensors) == 1 and _whole_storage(tensors[0]):
-            # One field that is its whole storage: one copy of it keeps the layout.
-            (tensor,) = tensors
+        if len(tensors) == 1 and (
+            # One plain contiguous tensor (or parameter) spanning its whole, non-empty
+            # storage from offset 0, without lazy conjugate or negative bits: one copy
+            # of it with ``to(copy=True)`` keeps the layout `layout_copy` would rebuild.
+            type(tensor := tensors[0]) in _PLAIN_TENSORS
+            and tensor.layout == _STRIDED
+            and not tensor.is_quantized
+            and tensor.storage_offset() == 0
+            and tensor.is_contiguous()
+            and 0 < tensor.nbytes == tensor.untyped_storage().nbytes()
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+        ):
             # Copied without autograd, a leaf with its source's requires_grad: detached
             # first where autograd could see the copy (a source that requires grad, or
             # a forward-mode dual level open, under which a tensor may carry a tangent
@@ -180,10 +198,11 @@ class TensorResident(abc.ABC):
                 if requires_grad or not _DUAL_LEVELS_KNOWN or _forward_ad._current_level >= 0
                 else tensor
             )
-            # On its own device, `clone` is the same copy with less dispatch.
+            # On its own device, `clone` is the same copy with less dispatch (a tensor
+            # is on the host device when `is_cpu`, which is quicker to read).
             field = (
                 source.clone()
-                if tensor.device == target
+                if (tensor.is_cpu if on_host else tensor.device == target)
                 else source.to(target, non_blocking=non_blocking, copy=True)
             )
             if requires_grad:
@@ -254,22 +273,6 @@ def _indexed(device: torch.device) -> torch.device:
     if device.index is not None or device == _CPU or device.type == "meta":
         return device
     return torch.empty(0, device=device).device
-
-
-def _whole_storage(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a plain contiguous tensor (or parameter) spanning its whole,
-    non-empty storage from offset 0, without lazy conjugate or negative bits: copying it
-    with ``to(copy=True)`` then keeps the storage layout `layout_copy` would rebuild."""
-    return bool(
-        type(tensor) in _PLAIN_TENSORS
-        and tensor.layout == _STRIDED
-        and not tensor.is_quantized
-        and tensor.storage_offset() == 0
-        and tensor.is_contiguous()
-        and 0 < tensor.nbytes == tensor.untyped_storage().nbytes()
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    )
 
 
 def _empty_pinned(nbytes: int) -> torch.Tensor:
