@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import copy
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Self
 
@@ -167,12 +168,7 @@ class TensorResident(abc.ABC):
             on_host = target == _CPU
             if not on_host:
                 target = _indexed(target)
-        # `ResidentTensor._resident_tensors` inline (no property frame): most values are one.
-        tensors = (
-            (self._tensor,)  # type: ignore[attr-defined]
-            if type(self) is ResidentTensor
-            else self._resident_tensors
-        )
+        tensors = self._resident_tensors
         if not copy and all(tensor.device == target for tensor in tensors):
             return self
         if len(tensors) == 1 and (
@@ -210,7 +206,7 @@ class TensorResident(abc.ABC):
             if type(self) is ResidentTensor:
                 # `ResidentTensor._with_resident_tensors`, inline: one slot to fill.
                 plain = _new_object(ResidentTensor)
-                plain._tensor = field
+                plain._tensors = (field,)
                 return plain  # type: ignore[return-value]
             return self._with_resident_tensors((field,))
 
@@ -411,23 +407,34 @@ class ResidentTensor(TensorResident):
         ```
     """
 
-    __slots__ = ("_tensor",)
+    # The tensor, as the one-field tuple `_resident_tensors` returns: kept whole, it
+    # is read without running Python code (every copy and measurement reads it).
+    __slots__ = ("_tensors",)
 
-    _tensor: torch.Tensor
+    _tensors: tuple[torch.Tensor]
 
     def __init__(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        self._tensor = tensor
+        self._tensors = (tensor,)
 
     @property
     def tensor(self) -> torch.Tensor:
         """The wrapped tensor."""
-        return self._tensor
+        return self._tensors[0]
 
     @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self._tensor,)
+    def _tensor(self) -> torch.Tensor:
+        """The wrapped tensor, as subclasses read (and replace) it."""
+        return self._tensors[0]
+
+    @_tensor.setter
+    def _tensor(self, tensor: torch.Tensor) -> None:
+        # Around a subclass's `__setattr__`, as replacing the field always went.
+        object.__setattr__(self, "_tensors", (tensor,))
+
+    # A property over a C getter: no Python frame (`_tensors`).
+    _resident_tensors = property(operator.attrgetter("_tensors"))
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         (tensor,) = tensors
@@ -435,16 +442,16 @@ class ResidentTensor(TensorResident):
             # Its one slot is the tensor: nothing else to copy (and no `__setattr__` of
             # a subclass to go around).
             plain = _new_object(ResidentTensor)
-            plain._tensor = tensor
+            plain._tensors = (tensor,)
             return plain  # type: ignore[return-value]
         # A shallow copy rather than a constructor call: subclasses keep their own
         # metadata and constructor signature, and nothing is re-validated.
         clone = copy.copy(self)
-        object.__setattr__(clone, "_tensor", tensor)
+        object.__setattr__(clone, "_tensors", (tensor,))
         return clone
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({_describe(self._tensor)})"
+        return f"{type(self).__name__}({_describe(self._tensors[0])})"
 
 
 class TensorBundle(TensorResident):
@@ -532,9 +539,8 @@ class TensorBundle(TensorResident):
     def __len__(self) -> int:
         return len(self._tensors)
 
-    @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self._tensors
+    # A property over a C getter: no Python frame.
+    _resident_tensors = property(operator.attrgetter("_tensors"))
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         if len(tensors) != len(self._tensors):
@@ -610,9 +616,8 @@ class TensorSequence(TensorResident):
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._tensors)
 
-    @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self._tensors
+    # A property over a C getter: no Python frame.
+    _resident_tensors = property(operator.attrgetter("_tensors"))
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         if len(tensors) != len(self._tensors):
