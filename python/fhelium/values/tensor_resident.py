@@ -168,7 +168,12 @@ class TensorResident(abc.ABC):
             on_host = target == _CPU
             if not on_host:
                 target = _indexed(target)
-        tensors = self._resident_tensors
+        # A `ResidentTensor`'s fields by slot (most values are one).
+        tensors = (
+            self._tensors  # type: ignore[attr-defined]
+            if type(self) is ResidentTensor
+            else self._resident_tensors
+        )
         if not copy and all(tensor.device == target for tensor in tensors):
             return self
         if len(tensors) == 1 and (
