@@ -529,10 +529,15 @@ class StorageRegistry:
     def sample(self, index: int) -> tuple[int, int]:
         """(allocated, reserved) bytes of the simulated device of index ``index``, after
         taking the freed out."""
-        with self._lock:
+        # `with self._lock`, spelled out (as in `register_copy`): every transition reads.
+        lock = self._lock
+        lock.acquire()
+        try:
             if self.freed:
                 self.drain_freed_locked()
             return self.allocated[index], self.reserved[index]
+        finally:
+            lock.release()
 
 
 def reserved_nbytes(nbytes: int) -> int:

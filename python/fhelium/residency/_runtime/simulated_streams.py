@@ -328,11 +328,16 @@ class SimulatedStreams(SimulatedDevices):
 
     def _wait(self, resolved: SimulatedStream, checked: SimulatedEvent) -> None:
         timing = self._timing
-        with self._lock:
+        # `with self._lock`, spelled out (as in `record_event`): every wait takes it.
+        lock = self._lock
+        lock.acquire()
+        try:
             self.waits.append((resolved, checked))
             self._order.wait(resolved, checked._clock)
             if timing is not None and checked._time is not None:
                 timing.wait(resolved, checked._time)
+        finally:
+            lock.release()
 
     def synchronize_stream(self, stream: Any) -> None:
         """Wait on the host for everything enqueued on a stream; its events complete.
@@ -431,9 +436,13 @@ class SimulatedStreams(SimulatedDevices):
                     lock.release()
             return event
         event._completed = False
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             event._clock = self._order.clock(stream)
             self._pending.add(event)
+        finally:
+            lock.release()
         return event
 
     def _record(self, stream: SimulatedStream) -> SimulatedEvent:
