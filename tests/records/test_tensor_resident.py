@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import abc
+import copy
+import pickle
 
 import pytest
 import torch
@@ -324,3 +326,60 @@ def test_cuda_values() -> None:
     cpu_copy = value.cpu()
     assert cpu_copy.is_cpu is True
     assert cpu_copy.is_pinned is False
+
+
+# --- ResidentTensor's field ----------------------------------------------------------------------
+
+
+class _Counted(ResidentTensor):
+    """Overrides the fields with a property that counts its reads, as a probe would."""
+
+    __slots__ = ("reads", "tag")
+
+    reads: int
+    tag: str
+
+    def __init__(self, tensor: torch.Tensor, tag: str) -> None:
+        super().__init__(tensor)
+        self.reads = 0
+        self.tag = tag
+
+    @property
+    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
+        self.reads += 1
+        return (self._tensor,)
+
+
+def test_a_resident_tensor_s_field_is_one_however_it_is_read_or_replaced() -> None:
+    first, second = torch.arange(4.0), torch.zeros(3)
+    value = ResidentTensor(first)
+    assert value.tensor is first
+    assert value._tensor is first
+    assert value._resident_tensors == (first,)
+    assert value._resident_tensors[0] is first
+    # Replacing it the way a subclass's `_with_resident_tensors` may.
+    object.__setattr__(value, "_tensor", second)
+    assert value.tensor is second
+    assert value._resident_tensors[0] is second
+    assert "tensor=" not in repr(value)
+    assert "shape=(3,)" in repr(value)
+    with pytest.raises(AttributeError):
+        value.tensor = first  # type: ignore[misc]
+
+
+def test_a_subclass_keeps_its_metadata_and_overrides_through_copies() -> None:
+    value = _Counted(torch.arange(4.0), "w")
+    clone = copy.copy(value)
+    assert value.reads == 0  # copying does not read the fields
+    assert clone.tag == "w"
+    assert clone.tensor is value.tensor
+    moved = value.to("cpu", copy=True)
+    assert type(moved) is _Counted
+    assert moved.tag == "w"
+    assert torch.equal(moved.tensor, value.tensor)
+    assert moved.tensor is not value.tensor
+    assert moved._resident_tensors == (moved.tensor,)
+    restored = pickle.loads(pickle.dumps(ResidentTensor(torch.arange(3))))
+    assert type(restored) is ResidentTensor
+    assert torch.equal(restored.tensor, torch.arange(3))
+    assert restored._resident_tensors[0] is restored.tensor

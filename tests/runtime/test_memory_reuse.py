@@ -175,3 +175,33 @@ def test_with_auto_complete_a_read_after_the_last_event_is_a_hazard() -> None:
     del copied
     _reallocate(runtime, transfer)
     assert runtime.hazards == [SimulatedHazard(DEVICE, transfer, consumer, 4096)]
+
+
+def test_with_auto_complete_work_after_an_event_is_taken_in_by_the_next_one() -> None:
+    # The first event takes the consumer's work in; the read after it is new work, which
+    # the next event (not the first) orders before the reuse.
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    transfer, consumer, copied = _setup(runtime)
+    runtime.record_event(consumer)
+    runtime.read(consumer, copied)
+    runtime.record_event(consumer)
+    del copied
+    _reallocate(runtime, transfer)
+    assert runtime.hazards == []
+
+
+def test_a_wait_after_a_host_synchronisation_is_taken_in_by_the_next_one() -> None:
+    # The consumer, synchronised once, then waits for the reader's event: synchronising
+    # it again orders the read (before that event) before every later allocation.
+    runtime = SimulatedRuntime(1)
+    transfer, consumer, copied = _setup(runtime)
+    reader = runtime.create_stream(DEVICE)
+    runtime.read(reader, copied)
+    event = runtime.record_event(reader)
+    runtime.synchronize_stream(consumer)
+    runtime.wait_event(consumer, event)
+    runtime.synchronize_stream(consumer)
+    del copied
+    _reallocate(runtime, transfer)
+    assert runtime.hazards == []
+    assert runtime.pending_event_count() == 1  # the reader's own event was not waited for

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import copy
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Self
 
@@ -24,7 +25,7 @@ _new_object = object.__new__
 # (-1: none); without it, every copy is detached (`TensorResident.to`).
 _DUAL_LEVELS_KNOWN = hasattr(_forward_ad, "_current_level")
 _STRIDED = torch.strided
-# The tensor types `to` copies whole with one `to(copy=True)` (see `_whole_storage`).
+# The tensor types `to` copies whole with one `to(copy=True)`.
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 _PINNED_UNAVAILABLE = (
@@ -162,14 +163,32 @@ class TensorResident(abc.ABC):
         """
         target = device if type(device) is torch.device else torch.device(device)
         # `_indexed`'s first case inline: an indexed device, or the CPU (most copies).
-        if target.index is None and target != _CPU:
-            target = _indexed(target)
-        tensors = self._resident_tensors
+        on_host = False
+        if target.index is None:
+            on_host = target == _CPU
+            if not on_host:
+                target = _indexed(target)
+        # A `ResidentTensor`'s fields by slot (most values are one).
+        tensors = (
+            self._tensors  # type: ignore[attr-defined]
+            if type(self) is ResidentTensor
+            else self._resident_tensors
+        )
         if not copy and all(tensor.device == target for tensor in tensors):
             return self
-        if len(tensors) == 1 and _whole_storage(tensors[0]):
-            # One field that is its whole storage: one copy of it keeps the layout.
-            (tensor,) = tensors
+        if len(tensors) == 1 and (
+            # One plain contiguous tensor (or parameter) spanning its whole, non-empty
+            # storage from offset 0, without lazy conjugate or negative bits: one copy
+            # of it with ``to(copy=True)`` keeps the layout `layout_copy` would rebuild.
+            type(tensor := tensors[0]) in _PLAIN_TENSORS
+            and tensor.layout == _STRIDED
+            and not tensor.is_quantized
+            and tensor.storage_offset() == 0
+            and tensor.is_contiguous()
+            and 0 < tensor.nbytes == tensor.untyped_storage().nbytes()
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+        ):
             # Copied without autograd, a leaf with its source's requires_grad: detached
             # first where autograd could see the copy (a source that requires grad, or
             # a forward-mode dual level open, under which a tensor may carry a tangent
@@ -180,10 +199,11 @@ class TensorResident(abc.ABC):
                 if requires_grad or not _DUAL_LEVELS_KNOWN or _forward_ad._current_level >= 0
                 else tensor
             )
-            # On its own device, `clone` is the same copy with less dispatch.
+            # On its own device, `clone` is the same copy with less dispatch (a tensor
+            # is on the host device when `is_cpu`, which is quicker to read).
             field = (
                 source.clone()
-                if tensor.device == target
+                if (tensor.is_cpu if on_host else tensor.device == target)
                 else source.to(target, non_blocking=non_blocking, copy=True)
             )
             if requires_grad:
@@ -191,7 +211,7 @@ class TensorResident(abc.ABC):
             if type(self) is ResidentTensor:
                 # `ResidentTensor._with_resident_tensors`, inline: one slot to fill.
                 plain = _new_object(ResidentTensor)
-                plain._tensor = field
+                plain._tensors = (field,)
                 return plain  # type: ignore[return-value]
             return self._with_resident_tensors((field,))
 
@@ -254,22 +274,6 @@ def _indexed(device: torch.device) -> torch.device:
     if device.index is not None or device == _CPU or device.type == "meta":
         return device
     return torch.empty(0, device=device).device
-
-
-def _whole_storage(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a plain contiguous tensor (or parameter) spanning its whole,
-    non-empty storage from offset 0, without lazy conjugate or negative bits: copying it
-    with ``to(copy=True)`` then keeps the storage layout `layout_copy` would rebuild."""
-    return bool(
-        type(tensor) in _PLAIN_TENSORS
-        and tensor.layout == _STRIDED
-        and not tensor.is_quantized
-        and tensor.storage_offset() == 0
-        and tensor.is_contiguous()
-        and 0 < tensor.nbytes == tensor.untyped_storage().nbytes()
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    )
 
 
 def _empty_pinned(nbytes: int) -> torch.Tensor:
@@ -408,23 +412,34 @@ class ResidentTensor(TensorResident):
         ```
     """
 
-    __slots__ = ("_tensor",)
+    # The tensor, as the one-field tuple `_resident_tensors` returns: kept whole, it
+    # is read without running Python code (every copy and measurement reads it).
+    __slots__ = ("_tensors",)
 
-    _tensor: torch.Tensor
+    _tensors: tuple[torch.Tensor]
 
     def __init__(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        self._tensor = tensor
+        self._tensors = (tensor,)
 
     @property
     def tensor(self) -> torch.Tensor:
         """The wrapped tensor."""
-        return self._tensor
+        return self._tensors[0]
 
     @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self._tensor,)
+    def _tensor(self) -> torch.Tensor:
+        """The wrapped tensor, as subclasses read (and replace) it."""
+        return self._tensors[0]
+
+    @_tensor.setter
+    def _tensor(self, tensor: torch.Tensor) -> None:
+        # Around a subclass's `__setattr__`, as replacing the field always went.
+        object.__setattr__(self, "_tensors", (tensor,))
+
+    # A property over a C getter: no Python frame (`_tensors`).
+    _resident_tensors = property(operator.attrgetter("_tensors"))
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         (tensor,) = tensors
@@ -432,16 +447,16 @@ class ResidentTensor(TensorResident):
             # Its one slot is the tensor: nothing else to copy (and no `__setattr__` of
             # a subclass to go around).
             plain = _new_object(ResidentTensor)
-            plain._tensor = tensor
+            plain._tensors = (tensor,)
             return plain  # type: ignore[return-value]
         # A shallow copy rather than a constructor call: subclasses keep their own
         # metadata and constructor signature, and nothing is re-validated.
         clone = copy.copy(self)
-        object.__setattr__(clone, "_tensor", tensor)
+        object.__setattr__(clone, "_tensors", (tensor,))
         return clone
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({_describe(self._tensor)})"
+        return f"{type(self).__name__}({_describe(self._tensors[0])})"
 
 
 class TensorBundle(TensorResident):
@@ -529,9 +544,8 @@ class TensorBundle(TensorResident):
     def __len__(self) -> int:
         return len(self._tensors)
 
-    @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self._tensors
+    # A property over a C getter: no Python frame.
+    _resident_tensors = property(operator.attrgetter("_tensors"))
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         if len(tensors) != len(self._tensors):
@@ -607,9 +621,8 @@ class TensorSequence(TensorResident):
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._tensors)
 
-    @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self._tensors
+    # A property over a C getter: no Python frame.
+    _resident_tensors = property(operator.attrgetter("_tensors"))
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         if len(tensors) != len(self._tensors):

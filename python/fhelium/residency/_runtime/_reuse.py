@@ -42,20 +42,27 @@ def _merge(into: Clock, other: Clock) -> None:
 
 class ReuseOrder(Generic[SimulatedStream]):
     """Happens-before between simulated streams and the host, the readers of each live
-    device storage, the owning stream of each, and each stream's pool of freed blocks."""
+    device storage, and each stream's pool of freed blocks. The owning stream of a
+    storage is the caller's to keep (the registry keeps it on the storage's entry) and
+    to give back with `freed`."""
 
-    __slots__ = ("_host", "_knows", "_owners", "_pools", "_readers", "_seq", "_streams")
+    __slots__ = ("_host", "_knows", "_pools", "_seq", "_streams", "clean", "readers")
 
     def __init__(self) -> None:
         self._seq: Clock = {}
         self._knows: dict[int, Clock] = {}
         self._host: Clock = {}
         self._streams: dict[int, SimulatedStream] = {}
-        # By storage key: the readers' last positions, and the owning stream.
-        self._readers: dict[int, Clock] = {}
-        self._owners: dict[int, int] = {}
+        # By storage key: the readers' last positions (empty while nothing was read:
+        # `freed` has nothing to do then).
+        self.readers: dict[int, Clock] = {}
         # By owning stream: freed blocks whose readers were not yet seen ordered.
         self._pools: dict[int, list[_Freed]] = {}
+        # The streams whose work, and what it is ordered after, the host has taken in
+        # (`drained`) since anything was last enqueued on them or they last waited:
+        # `drained` of one of them changes nothing. Read without the lock by the
+        # runtime, to skip it (a membership test is atomic).
+        self.clean: set[int] = set()
 
     def _catch_up(self, stream: SimulatedStream) -> Clock:
         """What ``stream`` is ordered after now: work enqueued from here on also follows
@@ -76,6 +83,7 @@ class ReuseOrder(Generic[SimulatedStream]):
         handle = stream._handle
         seq = self._seq
         position = seq[handle] = seq.get(handle, 0) + 1
+        self.clean.discard(handle)
         return position
 
     def clock(self, stream: SimulatedStream) -> Clock:
@@ -88,6 +96,7 @@ class ReuseOrder(Generic[SimulatedStream]):
     def wait(self, stream: SimulatedStream, clock: Clock | None) -> None:
         if clock is not None:
             _merge(self._catch_up(stream), clock)
+            self.clean.discard(stream._handle)
 
     def completed(self, clock: Clock | None) -> None:
         """The host saw an event complete."""
@@ -97,8 +106,13 @@ class ReuseOrder(Generic[SimulatedStream]):
     def drained(self, stream: SimulatedStream) -> None:
         """The host waited for everything enqueued on ``stream`` (or saw an event
         recorded there now complete): `completed` of `clock`, without building the clock.
+        Nothing to do for a stream in `clean`, which it then is.
         """
         handle = stream._handle
+        clean = self.clean
+        if handle in clean:
+            return
+        clean.add(handle)
         host = self._host
         knows = self._knows.get(handle)
         if knows:
@@ -115,34 +129,38 @@ class ReuseOrder(Generic[SimulatedStream]):
         handle = stream._handle
         self._streams[handle] = stream
         for key in keys:
-            self._readers.setdefault(key, {})[handle] = position
+            self.readers.setdefault(key, {})[handle] = position
+
+    @staticmethod
+    def owner(stream: SimulatedStream) -> int:
+        """What `freed` takes for a storage allocated on ``stream``: its handle."""
+        return stream._handle
 
     def copied(
-        self, stream: SimulatedStream, source: int | None, key: int
-    ) -> list[tuple[SimulatedStream, int]]:
+        self, stream: SimulatedStream, source: int | None
+    ) -> tuple[int, list[tuple[SimulatedStream, int]] | None]:
         """A copy enqueued on ``stream`` now: it reads the device storage ``source``
         (``None``: host memory, not tracked, so the copy is only enqueued) and allocates
-        the storage ``key`` on ``stream``. `read` (or `enqueue`), `check` and `allocated`
-        in one step; returns `check`'s hazards."""
+        on ``stream``. `read` (or `enqueue`) and `check` in one step; returns the
+        allocation's `owner` and `check`'s hazards (``None`` when no stream has a pool
+        to check)."""
         handle = stream._handle
         seq = self._seq
         position = seq[handle] = seq.get(handle, 0) + 1
+        self.clean.discard(handle)
         if source is not None:
             self._streams[handle] = stream
-            readers = self._readers.get(source)
+            readers = self.readers.get(source)
             if readers is None:
-                readers = self._readers[source] = {}
+                readers = self.readers[source] = {}
             readers[handle] = position
-        hazards = self.check(stream) if self._pools else []
-        self._owners[key] = handle
-        return hazards
+        return handle, (self.check(stream) if self._pools else None)
 
-    def allocated(self, stream: SimulatedStream, key: int) -> None:
-        self._owners[key] = stream._handle
-
-    def freed(self, key: int, nbytes: int) -> None:
-        readers = self._readers.pop(key, None)
-        owner = self._owners.pop(key, None)
+    def freed(self, key: int, nbytes: int, owner: int | None) -> None:
+        """The device storage ``key`` of ``nbytes``, allocated on the stream whose
+        `owner` is ``owner`` (``None``: none), was freed: its readers go to that
+        stream's pool."""
+        readers = self.readers.pop(key, None)
         if readers and owner is not None:
             self._pools.setdefault(owner, []).append(_Freed(readers, nbytes))
 

@@ -51,6 +51,8 @@ _new_tuple: Final = tuple.__new__
 # `calls`' key of the seam methods that count themselves (see `copy_to_cuda`).
 _COPY_TO_CUDA: Final = ("copy_to_cuda",)
 _MEMORY_SAMPLE: Final = ("memory_sample",)
+# No device was given yet (`SimulatedRuntime._last_target`).
+_NO_DEVICE: Final = object()
 
 _PINNED_UNAVAILABLE: Final = (
     "pinned host storage is unavailable in this simulated runtime (built with pinned=False); "
@@ -152,8 +154,10 @@ class SimulatedRuntime(SimulatedStreams):
                 )
         super().__init__(device_count, auto_complete=auto_complete, timeline=timeline)
         self._pinned = pinned
-        # Each device's location, made on its first copy (for the copy log).
-        self._cuda_locations: dict[int, ResidencyLocation] = {}
+        # Each device's location, made on its first copy (for the copy log), by index.
+        self._cuda_locations: list[ResidencyLocation | None] = [None] * device_count
+        # The device object `_to_cuda` was last given, and its index.
+        self._last_target: tuple[object, int] = (_NO_DEVICE, 0)
         self.copies: list[SimulatedCopy] = []
         self.hazards: list[SimulatedHazard] = []
         self._storage = StorageRegistry(self._lock, self._devices, self._order, self.hazards)
@@ -409,11 +413,16 @@ class SimulatedRuntime(SimulatedStreams):
         the same steps as the general one (the source read on the stream, the copy, its
         registration and the log entry), with the bookkeeping under one hold of the
         lock, and the copy's facts from what the registration found
-        (`StorageRegistry.measure`'s one-tensor case)."""
-        # A simulated device by lookup first (`_cuda_index` does the rest).
-        index = self._indices.get(device) if type(device) is torch.device else None
-        if index is None:
-            index = self._cuda_index(device)
+        (`StorageRegistry.register_copy`)."""
+        # The device copied to last by identity (a caller names one device with one
+        # object), else a simulated device by lookup (`_cuda_index` does the rest).
+        last = self._last_target
+        if device is last[0]:
+            index = last[1]
+        else:
+            known = self._indices.get(device) if type(device) is torch.device else None
+            index = self._cuda_index(device) if known is None else known
+            self._last_target = (device, index)
         stream = self._copy_stream(stream, index)
         tensors = value._resident_tensors
         if len(tensors) == 1 and self._timing is None:
@@ -422,34 +431,18 @@ class SimulatedRuntime(SimulatedStreams):
             # `to(copy=True)` always clones, so even a CPU source gets new, independent
             # storage, exactly like a real host-to-device copy.
             result = value.to(_CPU, copy=True, non_blocking=False)
-            location = self._cuda_locations.get(index)
+            location = self._cuda_locations[index]
             if location is None:
                 location = self._cuda_locations[index] = cuda_location(self._devices[index])
             (copied,) = result._resident_tensors
-            storage = copied.untyped_storage()
-            with self._lock:
-                # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse);
-                # a host source is not tracked, so the copy is only enqueued there.
-                entry = registry.register_one_locked(
-                    storage,
-                    index,
-                    stream,
-                    source.key if source is not None and source.cuda else None,
-                )
-                self.copies.append(_new_tuple(SimulatedCopy, (location, stream, non_blocking)))
-            if not measured:
-                return result, None
-            size = entry.nbytes
-            return result, _new_tuple(
-                ValueFacts,
-                (
-                    entry.device,
-                    index,
-                    False,
-                    copied.nbytes,
-                    size,
-                    [(index, storage.data_ptr())] if size else [],
-                ),
+            return result, registry.register_copy(
+                copied,
+                index,
+                stream,
+                source,
+                self.copies,
+                _new_tuple(SimulatedCopy, (location, stream, non_blocking)),
+                measured,
             )
         target = self._devices[index]
         with self._lock:
@@ -464,7 +457,7 @@ class SimulatedRuntime(SimulatedStreams):
                 timeline.enqueue_copy(
                     stream, engine, sum(by_device.values()), blocking=not non_blocking
                 )
-        location = self._cuda_locations.get(index)
+        location = self._cuda_locations[index]
         if location is None:
             location = self._cuda_locations[index] = cuda_location(target)
         self._log(location, stream, non_blocking=non_blocking)

@@ -15,7 +15,7 @@ import mmap
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, TypeVar
 
 import torch
 
@@ -43,6 +43,8 @@ _new_ref: Final = weakref.ref.__new__
 _free_weak_ref: Final[Callable[[int], None]] = torch.UntypedStorage._free_weak_ref
 # A named tuple built without its Python ``__new__`` frame (every measurement is one).
 _new_tuple: Final = tuple.__new__
+# What the runtime logs of a copy (`StorageRegistry.register_copy`).
+_Record = TypeVar("_Record")
 
 
 class SimulatedHazard(NamedTuple):
@@ -88,6 +90,7 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
         "device",
         "key",
         "nbytes",
+        "owner",
         "pinned",
         "reserved",
     )
@@ -101,6 +104,9 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
     device: torch.device
     key: int
     nbytes: int
+    # The handle of the stream that allocated it on a simulated device (whose pool its
+    # block goes back to when freed, docs/concepts/simulation.md#memory-reuse), or None.
+    owner: int | None
     pinned: bool
     reserved: int
 
@@ -136,6 +142,7 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
         # `reserved_nbytes`, inline.
         entry.reserved = -(-nbytes // _BLOCK) * _BLOCK
         entry.counted = False
+        entry.owner = None
         return entry
 
     def release(self) -> None:
@@ -164,6 +171,7 @@ class StorageRegistry:
     __slots__ = (
         "_hazards",
         "_lock",
+        "_on_free",
         "_order",
         "allocated",
         "devices",
@@ -193,6 +201,8 @@ class StorageRegistry:
         self.allocated: list[int] = [0] * len(devices)
         self.reserved: list[int] = [0] * len(devices)
         self.freed: collections.deque[StorageEntry] = collections.deque()
+        # Every entry's weak reference callback: one bound method, made once.
+        self._on_free = self.freed.append
 
     def __del__(self) -> None:
         # The entries still within reach go with the registry (`StorageEntry.release`).
@@ -378,7 +388,7 @@ class StorageRegistry:
         pinned: bool,
         owner: SimulatedStream | None = None,
     ) -> None:
-        freed = self.freed.append
+        freed = self._on_free
         kind = device.type
         cuda = kind == "cuda"
         code = -1 if kind == "cpu" else (device.index or 0)
@@ -403,52 +413,82 @@ class StorageRegistry:
                 previous.release()
             if cuda:
                 if owner is not None:
-                    self._order.allocated(owner, entry.key)
+                    entry.owner = self._order.owner(owner)
                 self.allocated[code] += entry.nbytes
                 self.reserved[code] += entry.reserved
                 entry.counted = True
 
-    def register_one_locked(
+    def register_copy(
         self,
-        storage: torch.UntypedStorage,
+        copied: torch.Tensor,
         index: int,
         owner: SimulatedStream,
-        source: int | None,
-    ) -> StorageEntry:
-        """`register_locked` of the one storage of a new copy on the simulated CUDA device
-        of index ``index``, allocated on ``owner``, with the copy's read of the simulated
-        device storage ``source`` (its key; ``None`` for host memory, which is not
-        tracked) on ``owner`` (`ReuseOrder.copied`): the same steps, without the loop
-        and with `StorageEntry.make` inline (most copies are of one tensor). Returns the
-        storage's entry."""
-        if self.freed:
-            self.drain_freed_locked()
+        source: StorageEntry | None,
+        log: list[_Record],
+        record: _Record,
+        measured: bool,
+    ) -> ValueFacts | None:
+        """The bookkeeping of `SimulatedRuntime.copy_to_cuda`'s copy of a one-tensor value,
+        under one hold of the lock: `register_locked` of the storage of its field
+        ``copied`` on the simulated CUDA device of index ``index``, allocated on
+        ``owner``, with the copy's read of its source on ``owner`` (`ReuseOrder.copied`;
+        ``source`` is the source storage's entry, if any: only a simulated device
+        storage's read is tracked), then ``record`` appended to ``log``. The same steps
+        as `register_locked`, without the loop and with `StorageEntry.make` inline (most
+        copies are of one tensor). Returns the copy's facts when ``measured``
+        (`measure`'s one-tensor case, from what the registration found), else ``None``."""
+        storage = copied.untyped_storage()
         device = self.devices[index]
-        # An allocation on `owner` may reuse any block freed to its pool.
-        key = storage._cdata
-        for reader, nbytes in self._order.copied(owner, source, key):
-            self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
-        entry = _new_ref(StorageEntry, storage, self.freed.append)
-        entry.address = storage._weak_ref()  # type: ignore[assignment]  # an int, untyped
-        entry.key = key
-        entry.device = device
-        entry.code = index
-        entry.pinned = False
-        entry.cuda = True
-        entry.nbytes = nbytes = storage.nbytes()
-        entry.reserved = reserved = -(-nbytes // _BLOCK) * _BLOCK
-        entry.counted = True
-        entries = self.entries
-        previous = entries.get(key)
-        entries[key] = entry
-        if previous is not None:
-            # A new storage's key can be an entry's only while that entry's storage
-            # lives (its `address` holds the key): the same storage, registered again.
-            self.uncount_locked(previous)
-            previous.release()
-        self.allocated[index] += nbytes
-        self.reserved[index] += reserved
-        return entry
+        read = source.key if source is not None and source.cuda else None
+        # `with lock`, spelled out: the same hold of the lock, in half the time.
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self.freed:
+                self.drain_freed_locked()
+            # An allocation on `owner` may reuse any block freed to its pool.
+            entry_owner, hazards = self._order.copied(owner, read)
+            if hazards:
+                for reader, nbytes in hazards:
+                    self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
+            entry = _new_ref(StorageEntry, storage, self._on_free)
+            entry.address = storage._weak_ref()  # type: ignore[assignment]  # an int, untyped
+            entry.key = key = storage._cdata
+            entry.device = device
+            entry.code = index
+            entry.owner = entry_owner
+            entry.pinned = False
+            entry.cuda = True
+            entry.nbytes = nbytes = storage.nbytes()
+            # `reserved_nbytes`, inline (the literal is `_BLOCK`).
+            entry.reserved = reserved = -(-nbytes // 512) * 512
+            entry.counted = True
+            entries = self.entries
+            previous = entries.get(key)
+            entries[key] = entry
+            if previous is not None:
+                # A new storage's key can be an entry's only while that entry's storage
+                # lives (its `address` holds the key): the same storage, registered again.
+                self.uncount_locked(previous)
+                previous.release()
+            self.allocated[index] += nbytes
+            self.reserved[index] += reserved
+            log.append(record)
+        finally:
+            lock.release()
+        if not measured:
+            return None
+        return _new_tuple(
+            ValueFacts,
+            (
+                device,
+                index,
+                False,
+                copied.nbytes,
+                nbytes,
+                [(index, storage.data_ptr())] if nbytes else [],
+            ),
+        )
 
     def uncount_locked(self, entry: StorageEntry) -> None:
         if entry.counted:
@@ -462,6 +502,7 @@ class StorageRegistry:
         the work is one step per storage freed, however many are alive."""
         freed = self.freed
         entries = self.entries
+        order = self._order
         while freed:
             entry = freed.popleft()
             if entry.counted:
@@ -469,13 +510,16 @@ class StorageRegistry:
                 entry.counted = False
                 self.allocated[entry.code] -= entry.nbytes
                 self.reserved[entry.code] -= entry.reserved
-            # A storage registered again has a newer entry there; no other storage can
-            # have the key while this entry is there (its `address` holds it).
+            # A storage registered again has a newer entry there, which stays; no other
+            # storage can have the key while this entry is there (its `address` holds it).
             key = entry.key
-            if entries.get(key) is entry:
-                del entries[key]
-                if entry.cuda:
-                    self._order.freed(key, entry.nbytes)
+            current = entries.pop(key, None)
+            if current is entry:
+                # Its readers go to its owner's pool (none read: nothing to do).
+                if entry.cuda and order.readers:
+                    order.freed(key, entry.nbytes, entry.owner)
+            elif current is not None:
+                entries[key] = current
             # Out of reach now: its key may be taken again (`release`, inline).
             address = entry.address
             if address:
@@ -485,10 +529,15 @@ class StorageRegistry:
     def sample(self, index: int) -> tuple[int, int]:
         """(allocated, reserved) bytes of the simulated device of index ``index``, after
         taking the freed out."""
-        with self._lock:
+        # `with self._lock`, spelled out (as in `register_copy`): every transition reads.
+        lock = self._lock
+        lock.acquire()
+        try:
             if self.freed:
                 self.drain_freed_locked()
             return self.allocated[index], self.reserved[index]
+        finally:
+            lock.release()
 
 
 def reserved_nbytes(nbytes: int) -> int:
