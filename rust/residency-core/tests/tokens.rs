@@ -373,6 +373,35 @@ fn a_transfer_protects_destination_and_source_until_its_event_completes() {
 }
 
 #[test]
+fn a_reap_asks_once_for_an_event_a_transfers_destination_and_source_share() {
+    let manager = manager();
+    let handle = copied_value(&manager);
+    let (event, kept) = (manager.new_object(), manager.new_object());
+    let mut freed = Freed::default();
+    assert!(manager.protect_transfer(handle, CUDA, Some(PINNED), event, Some(kept), &mut freed));
+    assert_eq!(manager.pending_leases(), 2);
+    let mut asked = Vec::new();
+    let reaped: Result<(), ()> = manager.reap(
+        |id| {
+            asked.push(id);
+            Ok(true)
+        },
+        &mut freed,
+    );
+    assert_eq!(reaped, Ok(()));
+    // Both protections end, the shared event asked about once.
+    assert_eq!(
+        asked.iter().filter(|&&id| id == event).count(),
+        1,
+        "{asked:?}"
+    );
+    assert_eq!(manager.pending_leases(), 0);
+    assert_eq!(counts(&manager, handle, PINNED), (0, 0, 0));
+    assert_eq!(counts(&manager, handle, CUDA), (0, 0, 0));
+    assert_eq!(manager.live_objects(), 0);
+}
+
+#[test]
 fn a_transfer_into_nothing_protects_nothing_and_gives_its_ids_back() {
     let manager = manager();
     let handle = value(&manager, PINNED);

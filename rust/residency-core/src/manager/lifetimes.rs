@@ -162,8 +162,9 @@ impl Manager {
 
     /// Applies the queued releases, then releases every pending lease whose events
     /// all report complete (`complete` is asked in order, until one is not), then
-    /// forgets the transfers released on the device whose events completed. A failing
-    /// `complete` stops the reaping; what was freed until then is in `freed`.
+    /// forgets the transfers released on the device whose events completed. An event
+    /// several of them share is asked once: a completed event stays complete. A
+    /// failing `complete` stops the reaping; what was freed until then is in `freed`.
     pub fn reap<E>(
         &self,
         mut complete: impl FnMut(ObjectId) -> Result<bool, E>,
@@ -174,12 +175,23 @@ impl Manager {
         if !self.releases.is_empty() {
             self.drain_releases(freed);
         }
+        let mut completed: Vec<ObjectId> = Vec::new();
+        let mut complete = |event: ObjectId| {
+            if completed.contains(&event) {
+                return Ok(true);
+            }
+            let done = complete(event)?;
+            if done {
+                completed.push(event);
+            }
+            Ok(done)
+        };
         for (token, events) in self.pending_events() {
             if all_complete(&events, &mut complete)? {
                 self.inner().settle_pending(token, freed);
             }
         }
-        self.reap_transfers(complete, freed)
+        self.reap_transfers(&mut complete, freed)
     }
 
     /// Forgets the transfers released on the device whose events all completed.
