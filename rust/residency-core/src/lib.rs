@@ -12,7 +12,9 @@ pub mod fasthash;
 pub mod gate;
 pub mod location;
 pub mod manager;
+pub mod messages;
 mod overlay;
+pub mod placement;
 pub mod plan;
 pub mod search;
 pub mod simulate;
@@ -30,6 +32,8 @@ pub use manager::{
     SearchInputs, SettleWait, StateValues, StorageKey, Ticket, TransitionDevice, Transitioned,
     Unborrowable, Unresolved, Work,
 };
+pub use messages::{Refusal, RefusalKind};
+pub use placement::{Measurement, Misplaced, Misplacement, ValueFacts};
 pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};

@@ -51,6 +51,25 @@ pub enum ActionKind {
     Discard,
 }
 
+impl ActionKind {
+    /// The name of the kind's action record class (`fhelium.residency.plan`), as
+    /// messages about an action name it.
+    pub fn record_name(self) -> &'static str {
+        match self {
+            Self::Ensure => "EnsureResident",
+            Self::Move => "MoveResident",
+            Self::Drop => "DropResident",
+            Self::Discard => "DiscardValue",
+        }
+    }
+
+    /// Whether an action of this kind takes a transfer stream: only those that copy
+    /// to a location (an ensure, a move).
+    pub fn takes_stream(self) -> bool {
+        matches!(self, Self::Ensure | Self::Move)
+    }
+}
+
 /// A handle as the caller wrote it. The manager resolves it against its own records;
 /// `type_key` identifies the handle's value type, interned by the glue.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -4,13 +4,13 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
-use residency_core::Location;
+use residency_core::{CudaDevices, Location, Refusal};
 
-use crate::errors::to_py_err;
+use crate::errors::{refuse, to_py_err};
 use crate::records::RecordBuilder;
 
 /// What the engine hands over once: the classes it recognises, the report builder,
@@ -306,10 +306,12 @@ impl Context {
             return Ok(known);
         }
         if !location.is_instance(&self.pageable.bind(py).get_type())? {
-            return Err(PyTypeError::new_err(format!(
-                "expected a ResidencyLocation, got {}",
-                location.get_type().name()?
-            )));
+            return Err(refuse(
+                py,
+                Refusal::NotALocation {
+                    got: &location.get_type().name()?.to_cow()?,
+                },
+            ));
         }
         let kind = location.getattr(intern!(py, "kind"))?;
         match kind.cast::<PyString>()?.to_str()? {
@@ -331,18 +333,9 @@ impl Context {
             .getattr(intern!(py, "device"))?
             .getattr(intern!(py, "index"))?
             .extract()?;
-        if self.cuda_count == 0 {
-            return Err(PyValueError::new_err(
-                residency_core::location::cuda_unavailable(location.str()?),
-            ));
-        }
-        if index >= self.cuda_count {
-            return Err(PyValueError::new_err(format!(
-                "{} is not usable: only {} CUDA device(s) present",
-                location.str()?,
-                self.cuda_count
-            )));
-        }
+        CudaDevices::from_count(self.cuda_count)
+            .check(location.str()?, index)
+            .map_err(PyValueError::new_err)?;
         let checked = Location::cuda(index).map_err(|err| to_py_err(py, err.into()))?;
         remember(&self.checked_cuda, (location.clone().unbind(), checked));
         Ok(checked)
@@ -366,25 +359,31 @@ impl Context {
             .call_method1(intern!(py, "is_stream"), (stream,))?
             .is_truthy()?
         {
-            return Err(PyTypeError::new_err(format!(
-                "stream must be a CUDA stream, got {}",
-                stream.get_type().name()?
-            )));
+            return Err(refuse(
+                py,
+                Refusal::NotAStream {
+                    got: &stream.get_type().name()?.to_cow()?,
+                },
+            ));
         }
         if !matches!(at, Location::Cuda(_)) {
-            return Err(PyValueError::new_err(format!(
-                "a stream was given for host location {}",
-                location.str()?
-            )));
+            return Err(refuse(
+                py,
+                Refusal::StreamForHost {
+                    location: &location.str()?.to_cow()?,
+                },
+            ));
         }
         let location_device = location.getattr(intern!(py, "device"))?;
         let device = runtime.call_method1(intern!(py, "stream_device"), (stream,))?;
         if device.ne(&location_device)? {
-            return Err(PyValueError::new_err(format!(
-                "stream is on {}, but the location is {}",
-                device.str()?,
-                location.str()?
-            )));
+            return Err(refuse(
+                py,
+                Refusal::StreamOnOtherDevice {
+                    device: &device.str()?.to_cow()?,
+                    location: &location.str()?.to_cow()?,
+                },
+            ));
         }
         // The stream as the manager keeps it: a default-stream handle, which names the
         // current device's default stream, is fixed to this location's device here

@@ -3,11 +3,11 @@
 //! The classes are defined in Python (documented, picklable, typed); this module
 //! imports them once per interpreter and builds instances with their fields.
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyType};
 use pyo3::{IntoPyObjectExt, PyTypeInfo};
-use residency_core::{CoreError, Location};
+use residency_core::{CoreError, Location, Refusal, RefusalKind};
 
 pyo3::import_exception!(fhelium.errors, ResidencyHandleError);
 pyo3::import_exception!(fhelium.errors, ResidencyUnavailableError);
@@ -195,9 +195,15 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
     }
 }
 
-/// What to do with a tensor passed where a managed value is expected.
-pub(crate) const TENSOR_HINT: &str = "wrap a tensor first: fhelium.values.ResidentTensor(tensor) \
-     (see docs/concepts/values.md#tensorresident)";
+/// Raises a core refusal (`residency_core::Refusal`) as the class it names.
+pub(crate) fn refuse(py: Python<'_>, refusal: Refusal<'_>) -> PyErr {
+    let message = refusal.to_string();
+    match refusal.kind() {
+        RefusalKind::Type => PyTypeError::new_err(message),
+        RefusalKind::Value => PyValueError::new_err(message),
+        RefusalKind::Materialization => to_py_err(py, CoreError::Materialization { message }),
+    }
+}
 
 /// Whether `value` is a `torch.Tensor`.
 pub(crate) fn is_tensor(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {

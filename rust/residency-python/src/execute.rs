@@ -14,23 +14,21 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
+use residency_core::messages::cleanup_note;
 use residency_core::{
     Action, ActionKind, Copied, CoreError, Freed, HandleId, HandleSlot, Location, Measured,
-    ObjectId, PlanPhase, PlanRun, RunError, TransitionDevice,
+    Misplaced, Misplacement, ObjectId, PlanPhase, PlanRun, Refusal, RunError, TransitionDevice,
+    ValueFacts,
 };
 
 use crate::context::Context;
-use crate::errors::to_py_err;
+use crate::errors::{refuse, to_py_err};
 use crate::manager::CoreManager;
 use crate::measure::{self, Facts};
 use crate::transition::{Allocator, Transition, now_ns};
 
 fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
     result.map_err(|err| to_py_err(py, err))
-}
-
-pub(crate) fn materialization_error(py: Python<'_>, message: String) -> PyErr {
-    to_py_err(py, CoreError::Materialization { message })
 }
 
 /// A transition's report fields beyond its no-op flag.
@@ -244,10 +242,12 @@ fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<ActionK
             return Ok(kind);
         }
     }
-    Err(PyTypeError::new_err(format!(
-        "not a residency action: {}",
-        action.repr()?
-    )))
+    Err(refuse(
+        action.py(),
+        Refusal::NotAnAction {
+            repr: &action.repr()?.to_cow()?,
+        },
+    ))
 }
 
 /// An action record read and checked: the core's action (its one value at slot 0)
@@ -710,9 +710,9 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
             value.facts.as_ref(),
         )?;
         Ok(Measured {
-            logical_nbytes: facts.logical,
-            storage_nbytes: facts.storage,
-            keys: facts.keys,
+            logical_nbytes: facts.facts.logical,
+            storage_nbytes: facts.facts.storage,
+            keys: facts.facts.keys,
         })
     }
 
@@ -878,11 +878,9 @@ fn copy_to<'py>(
                         .setattr(intern!(py, "__context__"), error.value(py))?;
                     return Err(cleanup);
                 }
-                let note = format!(
-                    "cleanup after the failed transfer to {} also failed: copy stream \
-                     synchronize raised {}",
-                    device.str()?,
-                    cleanup.value(py).repr()?
+                let note = cleanup_note(
+                    &device.str()?.to_cow()?,
+                    &cleanup.value(py).repr()?.to_cow()?,
                 );
                 error
                     .value(py)
@@ -967,11 +965,13 @@ fn validate<'py>(
         return Ok(Facts {
             device: None,
             first: None,
-            device_code: -2,
-            pinned: None,
-            logical,
-            storage,
-            keys: Vec::new(),
+            facts: ValueFacts {
+                device_code: -2,
+                pinned: None,
+                logical,
+                storage,
+                keys: Vec::new(),
+            },
         });
     }
     let spec = manager.spec_object(py, index)?;
@@ -979,19 +979,17 @@ fn validate<'py>(
     if !value.is_instance(&value_type)? {
         let handle = manager.handle_object(py, index)?;
         let handle_id = handle.bind(py).getattr(intern!(py, "handle_id"))?;
-        return Err(materialization_error(
+        return Err(refuse(
             py,
-            format!(
-                "expected a {} for value {}, got {}{}",
-                value_type.getattr(intern!(py, "__name__"))?,
-                handle_id.repr()?,
-                value.get_type().name()?,
-                if crate::errors::is_tensor(py, value)? {
-                    format!("; {}", crate::errors::TENSOR_HINT)
-                } else {
-                    String::new()
-                },
-            ),
+            Refusal::WrongValueType {
+                expected: &value_type
+                    .getattr(intern!(py, "__name__"))?
+                    .str()?
+                    .to_cow()?,
+                handle: &handle_id.repr()?.to_cow()?,
+                got: &value.get_type().name()?.to_cow()?,
+                tensor: crate::errors::is_tensor(py, value)?,
+            },
         ));
     }
     let facts = match known {
@@ -1026,15 +1024,18 @@ fn facts_of<'py>(facts: &Bound<'py, PyAny>) -> PyResult<Facts<'py>> {
     Ok(Facts {
         device: Some(facts.get_item(0)?),
         first: None,
-        device_code: facts.get_item(1)?.extract()?,
-        pinned: facts.get_item(2)?.extract()?,
-        logical: facts.get_item(3)?.extract()?,
-        storage: facts.get_item(4)?.extract()?,
-        keys: facts.get_item(5)?.extract()?,
+        facts: ValueFacts {
+            device_code: facts.get_item(1)?.extract()?,
+            pinned: facts.get_item(2)?.extract()?,
+            logical: facts.get_item(3)?.extract()?,
+            storage: facts.get_item(4)?.extract()?,
+            keys: facts.get_item(5)?.extract()?,
+        },
     })
 }
 
-/// Refuses a value measured somewhere other than `at`, by name.
+/// Refuses a value measured somewhere other than `at`, by name: the core's placement
+/// rule and diagnosis (`ValueFacts::misplaced`), with the names its message needs.
 pub(crate) fn check_measured(
     context: &Context,
     py: Python<'_>,
@@ -1042,60 +1043,19 @@ pub(crate) fn check_measured(
     at: Location,
     value: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    // The core's placement rule; what is refused is diagnosed by its devices here.
-    if at.holds(facts.device_code, facts.pinned, facts.storage) {
-        Ok(())
-    } else {
-        check_placement(context, py, facts, at, value)
-    }
-}
-
-/// The placement error for a value measured somewhere other than `at`.
-fn check_placement(
-    context: &Context,
-    py: Python<'_>,
-    facts: &Facts<'_>,
-    at: Location,
-    value: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    let name = value.get_type().name()?;
-    let location = context.location(py, at)?;
-    if at.is_disk() {
-        return Err(materialization_error(
-            py,
-            format!(
-                "{name} is in memory, but the location is {}: values reach a disk location \
-                 only by ensure or move",
-                location.str()?
-            ),
-        ));
-    }
-    let device = location.getattr(intern!(py, "device"))?;
-    let measured = facts.device()?;
-    if !measured.eq(&device)? {
-        return Err(materialization_error(
-            py,
-            format!(
-                "{name} is on {}, but the location is {}",
-                measured.str()?,
-                location.str()?
-            ),
-        ));
-    }
-    if !matches!(at, Location::PageableHost | Location::PinnedHost) {
+    let Some(why) = facts.facts.misplaced(at) else {
         return Ok(());
-    }
-    let message = match (facts.pinned, at) {
-        (None, _) => format!("{name} mixes pinned and pageable host tensors"),
-        (Some(false), Location::PinnedHost) => format!(
-            "{name} is not in pinned memory, but the location is {}",
-            location.str()?
-        ),
-        (Some(true), Location::PageableHost) => format!(
-            "{name} is in pinned memory, but the location is {}",
-            location.str()?
-        ),
-        _ => return Ok(()),
     };
-    Err(materialization_error(py, message))
+    let device = match why {
+        Misplaced::OtherDevice => facts.device()?.str()?.to_string(),
+        _ => String::new(),
+    };
+    let misplacement = Misplacement {
+        why,
+        value: &value.get_type().name()?.to_cow()?,
+        location: &context.location(py, at)?.str()?.to_cow()?,
+        device: &device,
+    }
+    .error();
+    Err(to_py_err(py, misplacement))
 }

@@ -10,15 +10,15 @@ use std::borrow::Cow;
 use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyAssertionError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple, PyType};
 use residency_core::{
-    Action, FastMap, HandleRef, HandleSlot, Location, Plan, Reservation, Resolutions,
+    Action, FastMap, HandleRef, HandleSlot, Location, Plan, Refusal, Reservation, Resolutions,
 };
 
-use crate::errors::to_py_err;
+use crate::errors::{refuse, to_py_err};
 use crate::kinds::PyActionKind;
 
 /// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent.
@@ -174,10 +174,12 @@ impl<'py> Kinds<'py> {
                 return Ok(*kind);
             }
         }
-        Err(PyTypeError::new_err(format!(
-            "not a residency action: {}",
-            action.repr()?
-        )))
+        Err(refuse(
+            action.py(),
+            Refusal::NotAnAction {
+                repr: &action.repr()?.to_cow()?,
+            },
+        ))
     }
 }
 
@@ -295,7 +297,7 @@ impl<'py> Slots<'py> {
             slot
         } else {
             let slot = u32::try_from(self.handles.len())
-                .map_err(|_| PyValueError::new_err("a plan names at most 2**32 handles"))?;
+                .map_err(|_| refuse(handle.py(), Refusal::TooManyHandles))?;
             match self.by_hash.entry(hash) {
                 Entry::Vacant(entry) => {
                     entry.insert(slot);
