@@ -25,7 +25,7 @@ pub mod victims;
 
 pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
-pub use location::{Location, MAX_CUDA_INDEX};
+pub use location::{CopyRoute, Location, MAX_CUDA_INDEX};
 pub use manager::{
     Begun, Committed, Copied, Device, HostCost, InFlight, Inputs, Landed, LeaseRelease, LeaseState,
     LifetimeHost, Manager, Measured, OpenLifetimes, PlanDevice, PlanRun, Resolutions, RunError,
@@ -34,7 +34,9 @@ pub use manager::{
 };
 pub use messages::{Refusal, RefusalKind};
 pub use placement::{Measurement, Misplaced, Misplacement, ValueFacts};
-pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
+pub use plan::{
+    Action, ActionKind, HandleRef, HandleSlot, Place, Plan, PlanPhase, ReportPlaces, Reservation,
+};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
 pub use tokens::{Freed, LifetimeKind, ObjectId, Release};

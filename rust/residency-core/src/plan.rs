@@ -70,6 +70,24 @@ impl ActionKind {
     }
 }
 
+/// A location a transition's report or telemetry names: none, the location record
+/// the action itself names, or the shared record of a location.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    None,
+    Named,
+    At(Location),
+}
+
+/// What a transition's report names (see `Action::report_places`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReportPlaces {
+    pub source: Place,
+    pub destination: Place,
+    /// The kind whose no-op reason the report gives; `None` when it is not a no-op.
+    pub no_op: Option<ActionKind>,
+}
+
 /// A handle as the caller wrote it. The manager resolves it against its own records;
 /// `type_key` identifies the handle's value type, interned by the glue.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -134,6 +152,101 @@ impl Action {
                 location: Location::from_signed_code(code)?,
             },
             ActionKind::Discard => Self::Discard { handle },
+        })
+    }
+
+    /// An action of `kind` on `handle` naming `at` (a move's destination; none for a
+    /// discard) and, for a move, its source `from`.
+    pub fn new(
+        kind: ActionKind,
+        handle: HandleSlot,
+        at: Option<Location>,
+        from: Option<Location>,
+    ) -> CoreResult<Self> {
+        let named = || {
+            at.ok_or_else(|| CoreError::Internal {
+                message: format!("{} without its location", kind.record_name()),
+            })
+        };
+        Ok(match kind {
+            ActionKind::Ensure => Self::Ensure {
+                handle,
+                location: named()?,
+            },
+            ActionKind::Move => Self::Move {
+                handle,
+                to: named()?,
+                from,
+            },
+            ActionKind::Drop => Self::Drop {
+                handle,
+                location: named()?,
+            },
+            ActionKind::Discard => Self::Discard { handle },
+        })
+    }
+
+    pub fn kind(&self) -> ActionKind {
+        match self {
+            Self::Ensure { .. } => ActionKind::Ensure,
+            Self::Move { .. } => ActionKind::Move,
+            Self::Drop { .. } => ActionKind::Drop,
+            Self::Discard { .. } => ActionKind::Discard,
+        }
+    }
+
+    /// What a transition's report names (docs/concepts/transitions.md#reports): its
+    /// source and destination, given `source`, where the transition copied from, and
+    /// the kind whose no-op reason it gives when it was a no-op. A drop's source and
+    /// the others' destination are the location the action names; a discard's report
+    /// names no location and gives no reason.
+    pub fn report_places(&self, source: Option<Location>, no_op: bool) -> ReportPlaces {
+        let at = |location: Option<Location>| location.map_or(Place::None, Place::At);
+        let (source, destination) = match self {
+            Self::Ensure { .. } | Self::Move { .. } => (at(source), Place::Named),
+            Self::Drop { .. } => (Place::Named, Place::None),
+            Self::Discard { .. } => (Place::None, Place::None),
+        };
+        let no_op = (no_op && !matches!(self, Self::Discard { .. })).then(|| self.kind());
+        ReportPlaces {
+            source,
+            destination,
+            no_op,
+        }
+    }
+
+    /// The CUDA location whose allocator is read around the action's transition
+    /// (docs/concepts/transitions.md#telemetry), if any: an ensure's or a drop's own
+    /// location; for a move, the first CUDA one of its destination and its source
+    /// (without one, the value's `materializations`); for a discard, the first CUDA
+    /// one of its `materializations`.
+    pub fn sampled(
+        &self,
+        materializations: impl FnOnce() -> CoreResult<Vec<Location>>,
+    ) -> CoreResult<Place> {
+        let first_cuda = |locations: &[Location]| {
+            locations
+                .iter()
+                .find(|location| location.is_cuda())
+                .map_or(Place::None, |location| Place::At(*location))
+        };
+        Ok(match *self {
+            Self::Ensure { location, .. } | Self::Drop { location, .. } => {
+                if location.is_cuda() {
+                    Place::Named
+                } else {
+                    Place::None
+                }
+            }
+            Self::Move { to, from, .. } => {
+                let mut touched = vec![to];
+                match from {
+                    Some(from) => touched.push(from),
+                    None => touched.extend(materializations()?),
+                }
+                first_cuda(&touched)
+            }
+            Self::Discard { .. } => first_cuda(&materializations()?),
         })
     }
 

@@ -9,16 +9,16 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 use residency_core::messages::cleanup_note;
 use residency_core::{
-    Action, ActionKind, Copied, CoreError, Freed, HandleId, HandleSlot, Location, Measured,
-    Misplaced, Misplacement, ObjectId, PlanPhase, PlanRun, Refusal, RunError, TransitionDevice,
-    ValueFacts,
+    Action, ActionKind, Copied, CopyRoute, CoreError, Freed, HandleId, HandleSlot, Location,
+    Measured, Misplaced, Misplacement, ObjectId, Place, PlanPhase, PlanRun, Refusal, RunError,
+    TransitionDevice, ValueFacts,
 };
 
 use crate::context::Context;
@@ -29,13 +29,6 @@ use crate::transition::{Allocator, Transition, now_ns};
 
 fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
     result.map_err(|err| to_py_err(py, err))
-}
-
-/// A transition's report fields beyond its no-op flag.
-struct Outcome<'py> {
-    source: Option<Bound<'py, PyAny>>,
-    destination: Option<Bound<'py, PyAny>>,
-    reason: Option<Bound<'py, PyAny>>,
 }
 
 /// Allocator figures around a transition that touches a CUDA device.
@@ -304,50 +297,19 @@ fn step<'py>(
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Step<'py>> {
     let context = manager.context();
-    let handle = HandleSlot(0);
-    let mut bound = None;
-    let action = match kind {
-        ActionKind::Ensure => {
-            let at = context.location_code(py, location)?;
-            if let Some(stream) = stream {
-                bound = Some(context.check_stream(py, stream, location, at)?);
-            }
-            Action::Ensure {
-                handle,
-                location: at,
-            }
-        }
-        ActionKind::Move => {
-            let to = context.location_code(py, location)?;
-            let from = match from {
-                Some(from) if !from.is_none() => Some(context.location_code(py, from)?),
-                _ => None,
-            };
-            if let Some(stream) = stream {
-                bound = Some(context.check_stream(py, stream, location, to)?);
-            }
-            Action::Move { handle, to, from }
-        }
-        ActionKind::Drop => {
-            let at = context.location_code(py, location)?;
-            if stream.is_some() {
-                return Err(PyValueError::new_err(
-                    "DropResident does not take a transfer stream",
-                ));
-            }
-            Action::Drop {
-                handle,
-                location: at,
-            }
-        }
-        ActionKind::Discard => {
-            if stream.is_some() {
-                return Err(PyValueError::new_err(
-                    "DiscardValue does not take a transfer stream",
-                ));
-            }
-            Action::Discard { handle }
-        }
+    let at = match kind {
+        ActionKind::Discard => None,
+        _ => Some(context.location_code(py, location)?),
+    };
+    let from = match from {
+        Some(from) if !from.is_none() => Some(context.location_code(py, from)?),
+        _ => None,
+    };
+    let action = Action::new(kind, HandleSlot(0), at, from).map_err(|err| to_py_err(py, err))?;
+    let bound = match (stream, action.destination()) {
+        (None, _) => None,
+        (Some(stream), Some(to)) => Some(context.check_stream(py, stream, location, to)?),
+        (Some(_), None) => return Err(refuse(py, Refusal::StreamNotTaken { kind })),
     };
     Ok(Step {
         action,
@@ -404,28 +366,10 @@ fn execute_step<'py>(
 ) -> PyResult<Arc<Transition>> {
     let context = manager.context();
     let core = manager.core();
-    let device = match *action {
-        Action::Ensure { location: at, .. } | Action::Drop { location: at, .. } => {
-            if matches!(at, Location::Cuda(_)) {
-                Some(location.getattr(intern!(py, "device"))?)
-            } else {
-                None
-            }
-        }
-        Action::Move { to, from, .. } => {
-            let mut touched = vec![to];
-            match from {
-                Some(from) => touched.push(from),
-                None => touched.extend(lift(py, core.materialization_locations(index))?),
-            }
-            first_cuda(context, py, &touched)?
-        }
-        Action::Discard { .. } => first_cuda(
-            context,
-            py,
-            &lift(py, core.materialization_locations(index))?,
-        )?,
-    };
+    let sampled_place = action.sampled(|| core.materialization_locations(index));
+    let device = place(context, py, location, lift(py, sampled_place)?)?
+        .map(|place| place.getattr(intern!(py, "device")))
+        .transpose()?;
     // An asynchronous plan (a prefetch) takes no allocator readings: its copies are
     // still in flight, and a reading per transition would cost two allocator queries
     // before the next copy is enqueued (docs/concepts/transitions.md#telemetry).
@@ -444,29 +388,14 @@ fn execute_step<'py>(
         Err(RunError::Core(error)) => return Err(to_py_err(py, error)),
         Err(RunError::Device(error)) => return Err(error),
     };
-    let no_op = |reason: &Py<PyAny>| done.no_op.then(|| reason.bind(py).clone());
-    let outcome = match *action {
-        Action::Ensure { .. } => Outcome {
-            source: location_of(context, py, done.source)?,
-            destination: Some(location.clone()),
-            reason: no_op(&context.ensure_noop),
-        },
-        Action::Move { .. } => Outcome {
-            source: location_of(context, py, done.source)?,
-            destination: Some(location.clone()),
-            reason: no_op(&context.move_noop),
-        },
-        Action::Drop { .. } => Outcome {
-            source: Some(location.clone()),
-            destination: None,
-            reason: no_op(&context.drop_noop),
-        },
-        Action::Discard { .. } => Outcome {
-            source: None,
-            destination: None,
-            reason: None,
-        },
-    };
+    let places = action.report_places(done.source, done.no_op);
+    let reason = places.no_op.map(|kind| match kind {
+        ActionKind::Move => &context.move_noop,
+        ActionKind::Drop => &context.drop_noop,
+        ActionKind::Ensure | ActionKind::Discard => &context.ensure_noop,
+    });
+    let source = place(context, py, location, places.source)?;
+    let destination = place(context, py, location, places.destination)?;
     let after = match &device {
         Some(cuda) if sampled => sample(context, py, cuda)?,
         _ => None,
@@ -482,46 +411,32 @@ fn execute_step<'py>(
     let transition = Arc::new(Transition {
         action: record.clone().unbind(),
         no_op: done.no_op,
-        source: outcome.source.map(Bound::unbind),
-        destination: outcome.destination.map(Bound::unbind),
+        source: source.map(Bound::unbind),
+        destination: destination.map(Bound::unbind),
         logical: spec.logical_nbytes(),
         storage: spec.storage_nbytes(),
         started,
         completed: now_ns().max(started),
         allocator,
-        reason: outcome.reason.map(Bound::unbind),
+        reason: reason.map(|reason| reason.clone_ref(py)),
         report: PyOnceLock::new(),
     });
     manager.record(&transition);
     Ok(transition)
 }
 
-/// The location record of `location`, if any.
-fn location_of<'py>(
+/// The location record of `place`: `named` is the record the action names.
+fn place<'py>(
     context: &Context,
     py: Python<'py>,
-    location: Option<Location>,
+    named: &Bound<'py, PyAny>,
+    place: Place,
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
-    location
-        .map(|location| context.location(py, location))
-        .transpose()
-}
-
-/// The device of the first CUDA location among `locations`.
-fn first_cuda<'py>(
-    context: &Context,
-    py: Python<'py>,
-    locations: &[Location],
-) -> PyResult<Option<Bound<'py, PyAny>>> {
-    locations
-        .iter()
-        .find(|location| matches!(location, Location::Cuda(_)))
-        .map(|location| {
-            context
-                .location(py, *location)?
-                .getattr(intern!(py, "device"))
-        })
-        .transpose()
+    match place {
+        Place::None => Ok(None),
+        Place::Named => Ok(Some(named.clone())),
+        Place::At(location) => context.location(py, location).map(Some),
+    }
 }
 
 /// The allocator's figures on `device`; a runtime that cannot say gives none.
@@ -628,12 +543,7 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
         };
         let context = self.manager.context();
         let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
-        let stream = match self.stream {
-            Some(stream) => stream.clone(),
-            None => context
-                .runtime(py)
-                .call_method1(intern!(py, "current_stream"), (&device,))?,
-        };
+        let stream = transfer_stream(context, py, &device, self.stream)?;
         Ok(Some(Deferral {
             source,
             device,
@@ -795,64 +705,56 @@ fn copy_to<'py>(
 ) -> PyResult<CopyMade<'py>> {
     let runtime = context.runtime.bind(py);
     let disk = context.disk.bind(py);
-    if let Location::Disk(_) = source {
+    match CopyRoute::between(source, at) {
         // Read back: mapped into pageable memory, read into pinned memory, or through
         // the disk tier's pinned staging ring to a device, a chunk at a time, with the
         // copies on the transfer stream (docs/concepts/locations-and-budgets.md#disk).
-        if !matches!(at, Location::Cuda(_)) {
-            let pinned = at == Location::PinnedHost;
-            let read = disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?;
-            return Ok(CopyMade::host(read));
+        CopyRoute::ReadToHost { pinned } => Ok(CopyMade::host(
+            disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?,
+        )),
+        CopyRoute::ReadToCuda => {
+            let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
+            let copy_stream = transfer_stream(context, py, &device, stream)?;
+            // The tier waits for its own copies before it raises.
+            let (read, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = disk
+                .call_method1(
+                    intern!(py, "read_to_cuda"),
+                    (value, &device, &copy_stream, runtime),
+                )?
+                .extract()?;
+            let event = if asynchronous {
+                Some(event)
+            } else {
+                runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+                None
+            };
+            Ok(CopyMade {
+                value: read,
+                event,
+                owner: Some(copy_stream),
+                facts: None,
+            })
         }
-        let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
-        let copy_stream = match stream {
-            Some(stream) => stream.clone(),
-            None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
-        };
-        // The tier waits for its own copies before it raises.
-        let (read, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = disk
-            .call_method1(
-                intern!(py, "read_to_cuda"),
-                (value, &device, &copy_stream, runtime),
-            )?
-            .extract()?;
-        let event = if asynchronous {
-            Some(event)
-        } else {
-            runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-            None
-        };
-        return Ok(CopyMade {
-            value: read,
-            event,
-            owner: Some(copy_stream),
-            facts: None,
-        });
-    }
-    match at {
-        Location::Disk(_) => Ok(CopyMade::host(disk.call_method1(
+        CopyRoute::Write => Ok(CopyMade::host(disk.call_method1(
             intern!(py, "write"),
             (context.location(py, at)?, value, runtime),
         )?)),
-        Location::PinnedHost => Ok(CopyMade::host(
+        CopyRoute::ToPinned => Ok(CopyMade::host(
             runtime.call_method1(intern!(py, "copy_to_pinned"), (value,))?,
         )),
-        Location::PageableHost => Ok(CopyMade::host(
+        CopyRoute::ToPageable => Ok(CopyMade::host(
             runtime.call_method1(intern!(py, "copy_to_pageable"), (value,))?,
         )),
-        Location::Cuda(_) => {
+        CopyRoute::ToCuda { non_blocking } => {
             let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
-            let copy_stream = match stream {
-                Some(stream) => stream.clone(),
-                None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
-            };
+            let copy_stream = transfer_stream(context, py, &device, stream)?;
             let copied = enqueue_cuda_copy(
                 context,
                 py,
                 value,
                 &device,
                 &copy_stream,
-                source != Location::PageableHost,
+                non_blocking,
                 asynchronous,
             );
             let error = match copied {
@@ -888,6 +790,22 @@ fn copy_to<'py>(
             }
             Err(error)
         }
+    }
+}
+
+/// The stream a copy to `device` goes on: the transfer stream, else the device's
+/// current stream.
+fn transfer_stream<'py>(
+    context: &Context,
+    py: Python<'py>,
+    device: &Bound<'py, PyAny>,
+    stream: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    match stream {
+        Some(stream) => Ok(stream.clone()),
+        None => context
+            .runtime(py)
+            .call_method1(intern!(py, "current_stream"), (device,)),
     }
 }
 
