@@ -19,6 +19,7 @@ pub mod plan;
 pub mod search;
 pub mod simulate;
 pub mod state;
+pub mod tables;
 pub mod tokens;
 pub mod value;
 pub mod victims;
@@ -40,4 +41,6 @@ pub use plan::{
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
 pub use tokens::{Freed, LifetimeKind, ObjectId, Release};
-pub use value::{HandleName, Recoverability, ReplicaMode, ValueSpec, charge_of};
+pub use value::{
+    HandleName, Recoverability, ReplicaMode, SourceRefusal, SpecField, ValueSpec, charge_of,
+};

@@ -71,10 +71,10 @@ pub fn run_direct(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let context = manager.context();
-    let (builder, code, class) = match kind {
-        ActionKind::Ensure => (&context.new_ensure, 0, &context.ensure),
-        ActionKind::Move => (&context.new_move, 1, &context.move_),
-        ActionKind::Drop => (&context.new_drop, 2, &context.drop),
+    let (builder, class) = match kind {
+        ActionKind::Ensure => (&context.new_ensure, &context.ensure),
+        ActionKind::Move => (&context.new_move, &context.move_),
+        ActionKind::Drop => (&context.new_drop, &context.drop),
         ActionKind::Discard => {
             return Err(PyTypeError::new_err(
                 "internal error: discard is not a direct call",
@@ -99,8 +99,11 @@ pub fn run_direct(
             .get(position)
             .map_or(0, |field| field.as_ptr().addr())
     };
-    let key = (code, [address(0), address(1), address(2)]);
-    let action = if let Some(action) = context.direct_actions.get(py, &key) {
+    let key = (kind, [address(0), address(1), address(2)]);
+    let action = if let Some(action) = context
+        .direct_actions
+        .get(&key, |action| action.bind(py).clone())
+    {
         action
     } else {
         let action = builder.get().build(py, fields)?;

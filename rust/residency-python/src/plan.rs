@@ -7,15 +7,15 @@
 //! encoded as tuples (the controller's tests and tools build such tables by hand).
 
 use std::borrow::Cow;
-use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyAssertionError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple, PyType};
+use residency_core::tables::{FirstSeen, Identity, Interner};
 use residency_core::{
-    Action, FastMap, HandleRef, HandleSlot, Location, Plan, Refusal, Reservation, Resolutions,
+    Action, HandleRef, HandleSlot, Location, Plan, Refusal, Reservation, Resolutions,
 };
 
 use crate::errors::{refuse, to_py_err};
@@ -186,9 +186,8 @@ impl<'py> Kinds<'py> {
 /// The core's location code of a location record: 0 pageable host, 1 pinned host,
 /// 2 + CUDA index. The records seen so far are remembered by identity (each is kept
 /// alive here, so its address stays its own).
-#[derive(Default)]
 struct Codes<'py> {
-    known: Vec<(Bound<'py, PyAny>, i64)>,
+    known: FirstSeen<(Bound<'py, PyAny>, i64)>,
 }
 
 /// Distinct location objects and value types remembered per call; plans name few.
@@ -196,14 +195,21 @@ const KNOWN_LOCATIONS: usize = 16;
 const KNOWN_TYPES: usize = 16;
 
 impl<'py> Codes<'py> {
+    fn new() -> Self {
+        Self {
+            known: FirstSeen::new(KNOWN_LOCATIONS),
+        }
+    }
+
     fn of(&mut self, location: &Bound<'py, PyAny>) -> PyResult<i64> {
-        if let Some((_, code)) = self.known.iter().find(|(known, _)| known.is(location)) {
-            return Ok(*code);
+        if let Some(code) = self
+            .known
+            .find_map(|(known, code)| known.is(location).then_some(*code))
+        {
+            return Ok(code);
         }
         let code = location_code(location)?;
-        if self.known.len() < KNOWN_LOCATIONS {
-            self.known.push((location.clone(), code));
-        }
+        self.known.insert((location.clone(), code));
         Ok(code)
     }
 }
@@ -261,74 +267,30 @@ fn diagnostic_text<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, str>> {
     ))
 }
 
-/// The plan's handle table, in first-appearance order, keyed as a Python dict keyed
-/// by the handle records would be: by their hash, then identity or equality.
-struct Slots<'py> {
-    handles: Vec<Bound<'py, PyAny>>,
-    /// The first slot whose handle has a given hash; `collisions` holds the others.
-    by_hash: FastMap<isize, u32>,
-    collisions: Vec<(isize, u32)>,
-    /// Every object seen, by address, with its slot; `kept` keeps the ones that are
-    /// not in the table alive while lowering, so no address is reused meanwhile.
-    seen: FastMap<usize, u32>,
-    kept: Vec<Bound<'py, PyAny>>,
-}
+/// The plan's handle table (the core's `Interner`), keyed as a Python dict keyed by
+/// the handle records would be: by their hash, then identity or equality.
+type Slots<'py> = Interner<Bound<'py, PyAny>>;
 
-impl<'py> Slots<'py> {
-    fn new() -> Self {
-        Self {
-            handles: Vec::new(),
-            by_hash: FastMap::default(),
-            collisions: Vec::new(),
-            seen: FastMap::default(),
-            kept: Vec::new(),
-        }
+/// How the handle table asks about handle records.
+struct Handles<'py>(Python<'py>);
+
+impl<'py> Identity<Bound<'py, PyAny>> for Handles<'py> {
+    type Error = PyErr;
+
+    fn address(&self, handle: &Bound<'py, PyAny>) -> usize {
+        handle.as_ptr().addr()
     }
 
-    /// The slot of `handle`, appended to the table when no equal handle is in it.
-    fn slot(&mut self, handle: Bound<'py, PyAny>) -> PyResult<u32> {
-        let address = handle.as_ptr().addr();
-        if let Some(slot) = self.seen.get(&address) {
-            return Ok(*slot);
-        }
-        let hash = handle.hash()?;
-        let slot = if let Some(slot) = self.find(hash, &handle)? {
-            self.kept.push(handle);
-            slot
-        } else {
-            let slot = u32::try_from(self.handles.len())
-                .map_err(|_| refuse(handle.py(), Refusal::TooManyHandles))?;
-            match self.by_hash.entry(hash) {
-                Entry::Vacant(entry) => {
-                    entry.insert(slot);
-                }
-                // The first handle with this hash keeps the map's entry.
-                Entry::Occupied(_) => self.collisions.push((hash, slot)),
-            }
-            self.handles.push(handle);
-            slot
-        };
-        self.seen.insert(address, slot);
-        Ok(slot)
+    fn hash(&self, handle: &Bound<'py, PyAny>) -> PyResult<isize> {
+        handle.hash()
     }
 
-    fn find(&self, hash: isize, handle: &Bound<'py, PyAny>) -> PyResult<Option<u32>> {
-        let Some(&first) = self.by_hash.get(&hash) else {
-            return Ok(None);
-        };
-        let candidates = std::iter::once(first).chain(
-            self.collisions
-                .iter()
-                .filter(move |(other, _)| *other == hash)
-                .map(|(_, slot)| *slot),
-        );
-        for slot in candidates {
-            let known = &self.handles[slot as usize];
-            if known.is(handle) || known.eq(handle)? {
-                return Ok(Some(slot));
-            }
-        }
-        Ok(None)
+    fn same(&self, known: &Bound<'py, PyAny>, handle: &Bound<'py, PyAny>) -> PyResult<bool> {
+        Ok(known.is(handle) || known.eq(handle)?)
+    }
+
+    fn too_many(&self) -> PyErr {
+        refuse(self.0, Refusal::TooManyHandles)
     }
 }
 
@@ -342,7 +304,7 @@ fn encode_actions<'py>(
     let mut encoded = Vec::with_capacity(actions.len().unwrap_or(0));
     for action in actions.try_iter()? {
         let action = action?;
-        let slot = slots.slot(action.getattr(intern!(py, "handle"))?)?;
+        let slot = slots.slot(action.getattr(intern!(py, "handle"))?, &Handles(py))?;
         let kind = kinds.of(&action)?;
         encoded.push(match kind {
             PyActionKind::Move => {
@@ -397,16 +359,16 @@ pub fn lower_records<'py>(
     type_key: &Bound<'py, PyAny>,
 ) -> PyResult<(PlanIr, Bound<'py, PyTuple>)> {
     let kinds = Kinds::new(kinds)?;
-    let mut slots = Slots::new();
-    let mut codes = Codes::default();
+    let mut slots = Slots::default();
+    let mut codes = Codes::new();
     let reclaim = encode_actions(reclaim, &kinds, &mut slots, &mut codes)?;
     let enter = encode_actions(enter, &kinds, &mut slots, &mut codes)?;
     let exit = encode_actions(exit, &kinds, &mut slots, &mut codes)?;
-    let mut type_keys: Vec<(Bound<'py, PyAny>, u64)> = Vec::new();
+    let mut type_keys: FirstSeen<(Bound<'py, PyAny>, u64)> = FirstSeen::new(KNOWN_TYPES);
     // Handles of one manager share their manager id object: converted once.
     let mut manager_ids: Option<(Bound<'py, PyAny>, Arc<str>)> = None;
-    let mut handles = Vec::with_capacity(slots.handles.len());
-    for handle in &slots.handles {
+    let mut handles = Vec::with_capacity(slots.items().len());
+    for handle in slots.items() {
         let manager_id = handle.getattr(intern!(py, "manager_id"))?;
         let manager_id = match &manager_ids {
             Some((known, text)) if known.is(&manager_id) => Arc::clone(text),
@@ -418,14 +380,13 @@ pub fn lower_records<'py>(
         };
         let handle_id = Arc::from(diagnostic_text(&handle.getattr(intern!(py, "handle_id"))?)?);
         let value_type = handle.getattr(intern!(py, "value_type"))?;
-        let key = if let Some((_, key)) = type_keys.iter().find(|(known, _)| known.is(&value_type))
+        let key = if let Some(key) =
+            type_keys.find_map(|(known, key)| known.is(&value_type).then_some(*key))
         {
-            *key
+            key
         } else {
             let key: u64 = type_key.call1((&value_type,))?.extract()?;
-            if type_keys.len() < KNOWN_TYPES {
-                type_keys.push((value_type, key));
-            }
+            type_keys.insert((value_type, key));
             key
         };
         handles.push(HandleRef {
@@ -452,5 +413,5 @@ pub fn lower_records<'py>(
         exit,
         encoded_reservations,
     )?;
-    Ok((ir, PyTuple::new(py, &slots.handles)?))
+    Ok((ir, PyTuple::new(py, slots.items())?))
 }

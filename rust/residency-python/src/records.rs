@@ -19,6 +19,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString, PyTuple, PyType};
+use residency_core::tables::{ByCode, Last};
 use residency_core::{ActionOutcome, Location, Materialization, ValueRecord};
 
 /// Builds instances of one record class from field values in declaration order.
@@ -97,50 +98,26 @@ impl RecordBuilder {
 /// Location records by core code, each asked of the glue once per bulk call.
 pub struct Locations<'a, 'py> {
     location_of: &'a Bound<'py, PyAny>,
-    known: Vec<Option<Bound<'py, PyAny>>>,
+    known: ByCode<Bound<'py, PyAny>>,
 }
 
 impl<'a, 'py> Locations<'a, 'py> {
     pub fn new(location_of: &'a Bound<'py, PyAny>) -> Self {
         Self {
             location_of,
-            known: Vec::new(),
+            known: ByCode::default(),
         }
     }
 
     pub fn get(&mut self, code: u32) -> PyResult<Bound<'py, PyAny>> {
-        let index = code as usize;
-        if let Some(Some(location)) = self.known.get(index) {
-            return Ok(location.clone());
-        }
-        let location = self.location_of.call1((code,))?;
-        if self.known.len() <= index {
-            self.known.resize(index + 1, None);
-        }
-        self.known[index] = Some(location.clone());
-        Ok(location)
+        let location_of = self.location_of;
+        self.known.get_or_try(code, || location_of.call1((code,)))
     }
 }
 
 /// Python ints for one column of byte counts, which mostly repeats the previous
 /// row's value: that one is kept.
-#[derive(Default)]
-pub struct Ints<'py> {
-    last: Option<(u64, Bound<'py, PyAny>)>,
-}
-
-impl<'py> Ints<'py> {
-    pub fn get(&mut self, py: Python<'py>, value: u64) -> PyResult<Bound<'py, PyAny>> {
-        if let Some((last, int)) = &self.last {
-            if *last == value {
-                return Ok(int.clone());
-            }
-        }
-        let int = value.into_bound_py_any(py)?;
-        self.last = Some((value, int.clone()));
-        Ok(int)
-    }
-}
+type Ints<'py> = Last<u64, Bound<'py, PyAny>>;
 
 /// Python strings for reasons, converted once per distinct text in a bulk call.
 #[derive(Default)]
@@ -280,8 +257,12 @@ pub fn action_entries<'py>(
                 &PyBool::new(py, outcome.no_op).to_owned().into_any(),
                 &location(outcome.source)?,
                 &location(outcome.destination)?,
-                &logical.get(py, outcome.logical_nbytes)?,
-                &storage.get(py, outcome.storage_nbytes)?,
+                &logical.get_or_try(outcome.logical_nbytes, || {
+                    outcome.logical_nbytes.into_bound_py_any(py)
+                })?,
+                &storage.get_or_try(outcome.storage_nbytes, || {
+                    outcome.storage_nbytes.into_bound_py_any(py)
+                })?,
                 &reasons.optional(py, outcome.reason.as_deref()),
             ],
         )?);
