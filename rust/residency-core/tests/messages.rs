@@ -2,7 +2,10 @@
 //! exception class each is raised as.
 
 use residency_core::messages::cleanup_note;
-use residency_core::{ActionKind, CudaDevices, Location, Refusal, RefusalKind};
+use residency_core::{
+    ActionKind, CudaDevices, Location, Refusal, RefusalKind, ReplicaMode, SourceRefusal, SpecField,
+    ValueSpec,
+};
 
 #[test]
 fn stream_refusals_name_the_action_record_class() {
@@ -159,4 +162,29 @@ fn a_failed_cleanup_is_noted_with_its_error() {
         "cleanup after the failed transfer to cuda:0 also failed: copy stream synchronize \
          raised RuntimeError('x')"
     );
+}
+
+#[test]
+fn register_source_refuses_preserved_values_then_unaccountable_counts() {
+    assert_eq!(
+        ValueSpec::source_bytes(false, Some(8), Some(16)),
+        Ok((8, 16))
+    );
+    // Must-preserve is refused first, whatever the counts.
+    assert_eq!(
+        ValueSpec::source_bytes(true, None, None),
+        Err(SourceRefusal::MustPreserve)
+    );
+    assert_eq!(
+        ValueSpec::source_bytes(false, None, None),
+        Err(SourceRefusal::TooManyBytes(SpecField::Logical))
+    );
+    assert_eq!(
+        ValueSpec::source_bytes(false, Some(8), None),
+        Err(SourceRefusal::TooManyBytes(SpecField::Storage))
+    );
+    assert_eq!(SpecField::Storage.name(), "spec.storage_nbytes");
+    assert_eq!(SpecField::Logical.attribute(), "logical_nbytes");
+    assert_eq!(ReplicaMode::of(true), ReplicaMode::Exclusive);
+    assert_eq!(ReplicaMode::of(false), ReplicaMode::Replicable);
 }

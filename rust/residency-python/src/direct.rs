@@ -2,13 +2,14 @@
 //! the measurement and placement checks, and the core's record, with the precise
 //! error for each refusal.
 
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyType};
 use residency_core::placement::PlacementError;
-use residency_core::{Location, Misplacement, Recoverability, Refusal, ReplicaMode, ValueSpec};
+use residency_core::{
+    Location, Misplacement, Recoverability, Refusal, ReplicaMode, SourceRefusal, ValueSpec,
+};
 
 use crate::errors::{refuse, to_py_err};
 use crate::manager::CoreManager;
@@ -94,13 +95,14 @@ fn register_locked(
             },
         ));
     }
-    let Some((type_key, spec, value_type)) =
-        manager
+    let (type_key, spec, value_type) =
+        match manager
             .adopted_shapes()
             .read_spec(py, context, spec_record)?
-    else {
-        return Err(refused_spec(py, context, spec_record)?);
-    };
+        {
+            Ok(read) => read,
+            Err(refusal) => return Err(refused_spec(py, spec_record, refusal)?),
+        };
     manager.register_checked(
         py,
         type_key,
@@ -112,34 +114,22 @@ fn register_locked(
     )
 }
 
-/// Why `read_spec` refused a spec: it must be preserved, or a byte count exceeds
-/// what the core accounts.
+/// The error for a spec `register_source` refuses (`ValueSpec::source_bytes`).
 fn refused_spec(
     py: Python<'_>,
-    context: &crate::context::Context,
     spec_record: &Bound<'_, PyAny>,
+    refusal: SourceRefusal,
 ) -> PyResult<PyErr> {
-    if context.is_must_preserve(&spec_record.getattr(intern!(py, "recoverability"))?) {
-        return Ok(refuse(py, Refusal::SourceMustPreserve));
-    }
-    for (field, name) in [
-        (intern!(py, "logical_nbytes"), "spec.logical_nbytes"),
-        (intern!(py, "storage_nbytes"), "spec.storage_nbytes"),
-    ] {
-        let nbytes = spec_record.getattr(field)?;
-        if nbytes.extract::<u64>().is_err() {
-            return Ok(refuse(
-                py,
-                Refusal::TooManyBytes {
-                    name,
-                    nbytes: &nbytes.str()?.to_cow()?,
-                },
-            ));
-        }
-    }
-    Ok(PyRuntimeError::new_err(
-        "internal error: a spec was refused for no reason",
-    ))
+    Ok(match refusal {
+        SourceRefusal::MustPreserve => refuse(py, Refusal::SourceMustPreserve),
+        SourceRefusal::TooManyBytes(field) => refuse(
+            py,
+            Refusal::TooManyBytes {
+                name: field.name(),
+                nbytes: &spec_record.getattr(field.attribute())?.str()?.to_cow()?,
+            },
+        ),
+    })
 }
 
 /// Adopts a value as a `MUST_PRESERVE` managed value
@@ -213,11 +203,7 @@ fn adopt_locked(
     let spec = ValueSpec::new(
         logical,
         charge,
-        if exclusive {
-            ReplicaMode::Exclusive
-        } else {
-            ReplicaMode::Replicable
-        },
+        ReplicaMode::of(exclusive),
         Recoverability::MustPreserve,
     )
     .map_err(|err| to_py_err(py, err))?;

@@ -5,7 +5,7 @@ use std::sync::{Mutex, PoisonError};
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use residency_core::{FastMap, Recoverability, ReplicaMode, ValueSpec};
+use residency_core::{FastMap, Recoverability, ReplicaMode, SourceRefusal, ValueSpec};
 
 use crate::context::Context;
 use crate::errors::to_py_err;
@@ -51,14 +51,13 @@ impl AdoptedShapes {
     }
 
     /// What registering with `spec_record` needs: its type key, core spec and value
-    /// type. `None` for a spec `register_source` refuses (`MUST_PRESERVE`, byte
-    /// counts past 2**64 - 1).
+    /// type; or why `register_source` refuses the spec (`ValueSpec::source_bytes`).
     pub(crate) fn read_spec(
         &self,
         py: Python<'_>,
         context: &Context,
         spec_record: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<(u64, ValueSpec, Py<PyAny>)>> {
+    ) -> PyResult<Result<(u64, ValueSpec, Py<PyAny>), SourceRefusal>> {
         if let Some(last) = self
             .last_spec
             .lock()
@@ -66,25 +65,23 @@ impl AdoptedShapes {
             .as_ref()
             .filter(|last| last.record.bind(py).is(spec_record))
         {
-            return Ok(Some((
+            return Ok(Ok((
                 last.type_key,
                 last.spec,
                 last.value_type.clone_ref(py),
             )));
         }
         let recoverability = spec_record.getattr(intern!(py, "recoverability"))?;
-        if context.is_must_preserve(&recoverability) {
-            return Ok(None);
-        }
-        let (Ok(logical), Ok(storage)) = (
-            spec_record
-                .getattr(intern!(py, "logical_nbytes"))?
-                .extract::<u64>(),
-            spec_record
-                .getattr(intern!(py, "storage_nbytes"))?
-                .extract::<u64>(),
-        ) else {
-            return Ok(None);
+        let logical = spec_record.getattr(intern!(py, "logical_nbytes"))?;
+        let storage = spec_record.getattr(intern!(py, "storage_nbytes"))?;
+        let bytes = ValueSpec::source_bytes(
+            context.is_must_preserve(&recoverability),
+            logical.extract::<u64>().ok(),
+            storage.extract::<u64>().ok(),
+        );
+        let (logical, storage) = match bytes {
+            Ok(bytes) => bytes,
+            Err(refusal) => return Ok(Err(refusal)),
         };
         let exclusive = context.is_exclusive(&spec_record.getattr(intern!(py, "replica_mode"))?);
         let value_type = spec_record.getattr(intern!(py, "value_type"))?;
@@ -92,11 +89,7 @@ impl AdoptedShapes {
         let spec = ValueSpec::new(
             logical,
             storage,
-            if exclusive {
-                ReplicaMode::Exclusive
-            } else {
-                ReplicaMode::Replicable
-            },
+            ReplicaMode::of(exclusive),
             Recoverability::Reconstructible,
         )
         .map_err(|err| to_py_err(py, err))?;
@@ -112,7 +105,7 @@ impl AdoptedShapes {
                 spec,
             });
         drop(previous);
-        Ok(Some((type_key, spec, value_type)))
+        Ok(Ok((type_key, spec, value_type)))
     }
 
     pub(crate) fn type_key(
