@@ -19,6 +19,9 @@ pub(crate) type ShapeKey = (usize, u64, u64, bool);
 /// (type key, spec record, the type object that keeps the address valid).
 pub(crate) type ShapeEntry = (u64, Py<PyAny>, Py<PyAny>);
 
+/// What `read_spec` reads from a spec record: its type key, core spec and value type.
+pub(crate) type SpecRead = (u64, ValueSpec, Py<PyAny>);
+
 #[derive(Debug, Default)]
 pub struct AdoptedShapes {
     shapes: Mutex<FastMap<ShapeKey, ShapeEntry>>,
@@ -57,7 +60,7 @@ impl AdoptedShapes {
         py: Python<'_>,
         context: &Context,
         spec_record: &Bound<'_, PyAny>,
-    ) -> PyResult<Result<(u64, ValueSpec, Py<PyAny>), SourceRefusal>> {
+    ) -> PyResult<Result<SpecRead, SourceRefusal>> {
         if let Some(last) = self
             .last_spec
             .lock()
