@@ -16,6 +16,7 @@ pub mod messages;
 mod overlay;
 pub mod placement;
 pub mod plan;
+pub mod report;
 pub mod search;
 pub mod simulate;
 pub mod state;
@@ -26,7 +27,7 @@ pub mod victims;
 
 pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
-pub use location::{CopyRoute, Location, MAX_CUDA_INDEX};
+pub use location::{CopyRoute, Location, LocationKind, MAX_CUDA_INDEX};
 pub use manager::{
     Begun, Committed, Copied, Device, HostCost, InFlight, Inputs, Landed, LeaseRelease, LeaseState,
     LifetimeHost, Manager, Measured, OpenLifetimes, PlanDevice, PlanRun, Resolutions, RunError,

@@ -157,6 +157,29 @@ impl Location {
     }
 }
 
+/// What a location record's `kind` names (docs/concepts/locations-and-budgets.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocationKind {
+    PageableHost,
+    PinnedHost,
+    Disk,
+    /// A CUDA device, which the record names by its device's index.
+    Cuda,
+}
+
+impl LocationKind {
+    /// The kind `kind` names: every kind other than the host and disk kinds is a CUDA
+    /// device's.
+    pub fn named(kind: &str) -> Self {
+        match kind {
+            "pageable-host" => Self::PageableHost,
+            "pinned-host" => Self::PinnedHost,
+            "disk" => Self::Disk,
+            _ => Self::Cuda,
+        }
+    }
+}
+
 /// How a copy between two locations is made (docs/concepts/transitions.md#copies-and-streams,
 /// docs/concepts/locations-and-budgets.md#disk): the device seam's or the disk tier's
 /// call that makes it.

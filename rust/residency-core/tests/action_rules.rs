@@ -3,7 +3,8 @@
 //! which call makes each copy (docs/concepts/transitions.md).
 
 use residency_core::{
-    Action, ActionKind, CopyRoute, CoreError, HandleSlot, Location, Place, ReportPlaces,
+    Action, ActionKind, CopyRoute, CoreError, HandleSlot, Location, LocationKind, Place,
+    ReportPlaces,
 };
 
 const SLOT: HandleSlot = HandleSlot(0);
@@ -156,4 +157,17 @@ fn each_copy_has_one_route() {
     for (from, to, route) in cases {
         assert_eq!(CopyRoute::between(from, to), route, "{from} -> {to}");
     }
+}
+
+#[test]
+fn location_records_name_their_kind() {
+    assert_eq!(
+        LocationKind::named("pageable-host"),
+        LocationKind::PageableHost
+    );
+    assert_eq!(LocationKind::named("pinned-host"), LocationKind::PinnedHost);
+    assert_eq!(LocationKind::named("disk"), LocationKind::Disk);
+    // Every other kind names a CUDA device by its index.
+    assert_eq!(LocationKind::named("cuda"), LocationKind::Cuda);
+    assert_eq!(LocationKind::named("Pinned-Host"), LocationKind::Cuda);
 }

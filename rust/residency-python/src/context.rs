@@ -7,7 +7,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 use residency_core::tables::{CallTable, Recent};
-use residency_core::{CudaDevices, Location, Refusal};
+use residency_core::{CudaDevices, Location, LocationKind, Refusal};
 
 use crate::errors::{refuse, to_py_err};
 use crate::records::RecordBuilder;
@@ -246,10 +246,10 @@ impl Context {
             ));
         }
         let kind = location.getattr(intern!(py, "kind"))?;
-        match kind.cast::<PyString>()?.to_str()? {
-            "pageable-host" => return Ok(Location::PageableHost),
-            "pinned-host" => return Ok(Location::PinnedHost),
-            "disk" => {
+        match LocationKind::named(kind.cast::<PyString>()?.to_str()?) {
+            LocationKind::PageableHost => return Ok(Location::PageableHost),
+            LocationKind::PinnedHost => return Ok(Location::PinnedHost),
+            LocationKind::Disk => {
                 let code: u32 = self.disk_code.bind(py).call1((location,))?.extract()?;
                 let checked = Location::from_code(code).map_err(|err| to_py_err(py, err.into()))?;
                 if let Location::Disk(index) = checked {
@@ -260,7 +260,7 @@ impl Context {
                     .remember((location.clone().unbind(), checked));
                 return Ok(checked);
             }
-            _ => {}
+            LocationKind::Cuda => {}
         }
         let index: u32 = location
             .getattr(intern!(py, "device"))?

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 use residency_core::messages::cleanup_note;
+use residency_core::report::{AllocatorReadings, TransitionFacts};
 use residency_core::{
     Action, ActionKind, Copied, CopyRoute, CoreError, Freed, HandleId, HandleSlot, Location,
     Measured, Misplaced, Misplacement, ObjectId, Place, PlanPhase, PlanRun, Refusal, RunError,
@@ -23,9 +23,10 @@ use residency_core::{
 
 use crate::context::Context;
 use crate::errors::{refuse, to_py_err};
+use crate::kinds::kind_of;
 use crate::manager::CoreManager;
 use crate::measure::{self, Facts};
-use crate::transition::{Allocator, Transition, now_ns};
+use crate::transition::{Transition, now_ns};
 
 fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
     result.map_err(|err| to_py_err(py, err))
@@ -221,29 +222,16 @@ impl residency_core::Device for OneAction<'_, '_> {
 
 /// The action's kind: by exact class first, then as a subclass of one of the four.
 fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<ActionKind> {
-    let action_type = action.get_type();
-    let classes = [
-        (&context.ensure, ActionKind::Ensure),
-        (&context.move_, ActionKind::Move),
-        (&context.drop, ActionKind::Drop),
-        (&context.discard, ActionKind::Discard),
-    ];
-    for (class, kind) in classes {
-        if action_type.is(class) {
-            return Ok(kind);
-        }
-    }
-    for (class, kind) in classes {
-        if action.is_instance(class.bind(action.py()))? {
-            return Ok(kind);
-        }
-    }
-    Err(refuse(
-        action.py(),
-        Refusal::NotAnAction {
-            repr: &action.repr()?.to_cow()?,
-        },
-    ))
+    let py = action.py();
+    kind_of(
+        action,
+        &[
+            (context.ensure.bind(py), ActionKind::Ensure),
+            (context.move_.bind(py), ActionKind::Move),
+            (context.drop.bind(py), ActionKind::Drop),
+            (context.discard.bind(py), ActionKind::Discard),
+        ],
+    )
 }
 
 /// An action record read and checked: the core's action (its one value at slot 0)
@@ -405,25 +393,23 @@ fn execute_step<'py>(
     };
     let spec = lift(py, core.value_spec(index))?;
     let allocator = device.map(|device| {
-        Box::new(Allocator {
+        Box::new(AllocatorReadings {
             device: device.unbind(),
             before: before.map(Sample::unbind),
             after: after.map(Sample::unbind),
         })
     });
-    let transition = Arc::new(Transition {
-        action: record.clone().unbind(),
-        no_op: done.no_op,
-        source: source.map(Bound::unbind),
-        destination: destination.map(Bound::unbind),
-        logical: spec.logical_nbytes(),
-        storage: spec.storage_nbytes(),
+    let transition = Arc::new(Transition::new(TransitionFacts::completed_now(
+        record.clone().unbind(),
+        done.no_op,
+        source.map(Bound::unbind),
+        destination.map(Bound::unbind),
+        spec.logical_nbytes(),
+        spec.storage_nbytes(),
         started,
-        completed: now_ns().max(started),
         allocator,
-        reason: reason.map(|reason| reason.clone_ref(py)),
-        report: PyOnceLock::new(),
-    });
+        reason.map(|reason| reason.clone_ref(py)),
+    )));
     manager.record(&transition);
     Ok(transition)
 }

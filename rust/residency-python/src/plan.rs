@@ -15,11 +15,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple, PyType};
 use residency_core::tables::{FirstSeen, Identity, Interner};
 use residency_core::{
-    Action, HandleRef, HandleSlot, Location, Plan, Refusal, Reservation, Resolutions,
+    Action, ActionKind, HandleRef, HandleSlot, Location, LocationKind, Plan, Refusal, Reservation,
+    Resolutions,
 };
 
 use crate::errors::{refuse, to_py_err};
-use crate::kinds::PyActionKind;
+use crate::kinds::{PyActionKind, kind_of};
 
 /// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent.
 type ActionTuple = (PyActionKind, u32, i64, i64);
@@ -145,41 +146,26 @@ fn build(
     Ok(PlanIr::new(plan))
 }
 
-/// The kinds of the action record classes, in the glue's registration order: an
-/// exact class matches by identity, a subclass by `isinstance` in this order.
+/// The kinds of the action record classes, in the glue's registration order (see
+/// `kinds::kind_of`).
 struct Kinds<'py> {
-    classes: Vec<(Bound<'py, PyType>, PyActionKind)>,
+    classes: Vec<(Bound<'py, PyAny>, ActionKind)>,
 }
 
 impl<'py> Kinds<'py> {
     fn new(kinds: &Bound<'py, PyDict>) -> PyResult<Self> {
         let classes = kinds
             .iter()
-            .map(|(class, kind)| Ok((class.cast_into::<PyType>()?, kind.extract()?)))
+            .map(|(class, kind)| {
+                let kind: PyActionKind = kind.extract()?;
+                Ok((class.cast_into::<PyType>()?.into_any(), kind.into()))
+            })
             .collect::<PyResult<_>>()?;
         Ok(Self { classes })
     }
 
-    fn of(&self, action: &Bound<'py, PyAny>) -> PyResult<PyActionKind> {
-        let action_type = action.get_type();
-        if let Some((_, kind)) = self
-            .classes
-            .iter()
-            .find(|(class, _)| class.is(&action_type))
-        {
-            return Ok(*kind);
-        }
-        for (class, kind) in &self.classes {
-            if action.is_instance(class)? {
-                return Ok(*kind);
-            }
-        }
-        Err(refuse(
-            action.py(),
-            Refusal::NotAnAction {
-                repr: &action.repr()?.to_cow()?,
-            },
-        ))
+    fn of(&self, action: &Bound<'py, PyAny>) -> PyResult<ActionKind> {
+        kind_of(action, &self.classes)
     }
 }
 
@@ -217,35 +203,34 @@ impl<'py> Codes<'py> {
 fn location_code(location: &Bound<'_, PyAny>) -> PyResult<i64> {
     let py = location.py();
     let kind = location.getattr(intern!(py, "kind"))?;
-    let is = |text: &str| -> PyResult<bool> {
-        match kind.cast_exact::<PyString>() {
-            Ok(kind) => Ok(kind.to_str().is_ok_and(|kind| kind == text)),
-            Err(_) => kind.eq(text),
-        }
+    let kind = match kind.cast::<PyString>() {
+        Ok(kind) => kind
+            .to_str()
+            .map_or(LocationKind::Cuda, LocationKind::named),
+        Err(_) => LocationKind::Cuda,
     };
-    if is("pageable-host")? {
-        return Ok(0);
+    match kind {
+        LocationKind::PageableHost => Ok(Location::PageableHost.code().into()),
+        LocationKind::PinnedHost => Ok(Location::PinnedHost.code().into()),
+        LocationKind::Disk => {
+            // The glue numbers disk directories (`_lowering.location_code`).
+            let lowering = py.import(intern!(py, "fhelium.residency._lowering"))?;
+            lowering
+                .getattr(intern!(py, "location_code"))?
+                .call1((location,))?
+                .extract()
+        }
+        LocationKind::Cuda => {
+            let index = location
+                .getattr(intern!(py, "device"))?
+                .getattr(intern!(py, "index"))?;
+            if index.is_none() {
+                // A location record always names an indexed CUDA device.
+                return Err(PyAssertionError::new_err(()));
+            }
+            index.add(2)?.extract()
+        }
     }
-    if is("pinned-host")? {
-        return Ok(1);
-    }
-    if is("disk")? {
-        // The glue numbers disk directories (`_lowering.location_code`).
-        let lowering = py.import(intern!(py, "fhelium.residency._lowering"))?;
-        return lowering
-            .getattr(intern!(py, "location_code"))?
-            .call1((location,))?
-            .extract();
-    }
-    let index = location
-        .getattr(intern!(py, "device"))?
-        .getattr(intern!(py, "index"))?;
-    if index.is_none() {
-        // A location record always names an indexed CUDA device.
-        return Err(PyAssertionError::new_err(()));
-    }
-    let index: i64 = index.add(2)?.extract()?;
-    Ok(index)
 }
 
 /// `text` as the core's UTF-8 diagnostics: lone surrogates become U+FFFD, exactly as
@@ -307,7 +292,7 @@ fn encode_actions<'py>(
         let slot = slots.slot(action.getattr(intern!(py, "handle"))?, &Handles(py))?;
         let kind = kinds.of(&action)?;
         encoded.push(match kind {
-            PyActionKind::Move => {
+            ActionKind::Move => {
                 let to = codes.of(&action.getattr(intern!(py, "to"))?)?;
                 let source = action.getattr(intern!(py, "from_location"))?;
                 let from = if source.is_none() {
@@ -315,12 +300,12 @@ fn encode_actions<'py>(
                 } else {
                     codes.of(&source)?
                 };
-                (kind, slot, to, from)
+                (kind.into(), slot, to, from)
             }
-            PyActionKind::Discard => (kind, slot, -1, -1),
-            PyActionKind::Ensure | PyActionKind::Drop => {
+            ActionKind::Discard => (kind.into(), slot, -1, -1),
+            ActionKind::Ensure | ActionKind::Drop => {
                 let location = codes.of(&action.getattr(intern!(py, "location"))?)?;
-                (kind, slot, location, -1)
+                (kind.into(), slot, location, -1)
             }
         });
     }
