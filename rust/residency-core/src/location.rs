@@ -170,6 +170,7 @@ pub enum LocationKind {
 impl LocationKind {
     /// The kind `kind` names: every kind other than the host and disk kinds is a CUDA
     /// device's.
+    #[inline]
     pub fn named(kind: &str) -> Self {
         match kind {
             "pageable-host" => Self::PageableHost,
@@ -204,6 +205,7 @@ pub enum CopyRoute {
 
 impl CopyRoute {
     /// The route of a copy from `from` to `to`.
+    #[inline]
     pub fn between(from: Location, to: Location) -> Self {
         match (from, to) {
             (Location::Disk(_), Location::Cuda(_)) => Self::ReadToCuda,

@@ -133,6 +133,7 @@ impl ValueFacts {
 
     /// Why the value is not in place at `at` (the placement rule, `Location::holds`),
     /// or `None` where it is.
+    #[inline]
     pub fn misplaced(&self, at: Location) -> Option<Misplaced> {
         if at.holds(self.device_code, self.pinned, self.storage) {
             return None;

@@ -65,6 +65,7 @@ impl ActionKind {
 
     /// Whether an action of this kind takes a transfer stream: only those that copy
     /// to a location (an ensure, a move).
+    #[inline]
     pub fn takes_stream(self) -> bool {
         matches!(self, Self::Ensure | Self::Move)
     }
@@ -157,6 +158,7 @@ impl Action {
 
     /// An action of `kind` on `handle` naming `at` (a move's destination; none for a
     /// discard) and, for a move, its source `from`.
+    #[inline]
     pub fn new(
         kind: ActionKind,
         handle: HandleSlot,
@@ -186,6 +188,7 @@ impl Action {
         })
     }
 
+    #[inline]
     pub fn kind(&self) -> ActionKind {
         match self {
             Self::Ensure { .. } => ActionKind::Ensure,
@@ -200,6 +203,7 @@ impl Action {
     /// the kind whose no-op reason it gives when it was a no-op. A drop's source and
     /// the others' destination are the location the action names; a discard's report
     /// names no location and gives no reason.
+    #[inline]
     pub fn report_places(&self, source: Option<Location>, no_op: bool) -> ReportPlaces {
         let at = |location: Option<Location>| location.map_or(Place::None, Place::At);
         let (source, destination) = match self {
@@ -220,6 +224,7 @@ impl Action {
     /// location; for a move, the first CUDA one of its destination and its source
     /// (without one, the value's `materializations`); for a discard, the first CUDA
     /// one of its `materializations`.
+    #[inline]
     pub fn sampled(
         &self,
         materializations: impl FnOnce() -> CoreResult<Vec<Location>>,
@@ -287,6 +292,34 @@ pub struct Plan {
     enter: Vec<Action>,
     exit: Vec<Action>,
     reservations: Vec<Reservation>,
+}
+
+/// The plan's name and how many handles, actions of each phase and reservations it
+/// has: `PlanIR(name="p", handles=1, reclaim=0, enter=2, exit=0, reservations=0)`.
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "PlanIR(name={:?}, handles={}, reclaim={}, enter={}, exit={}, reservations={})",
+            self.name(),
+            self.handles().len(),
+            self.reclaim().len(),
+            self.enter().len(),
+            self.exit().len(),
+            self.reservations().len(),
+        )
+    }
+}
+
+impl Reservation {
+    /// A reservation as the bindings encode it: a signed location code.
+    pub fn decode(code: i64, nbytes: u64, label: impl Into<Arc<str>>) -> CoreResult<Self> {
+        Ok(Self {
+            location: Location::from_signed_code(code)?,
+            nbytes,
+            label: label.into(),
+        })
+    }
 }
 
 impl Plan {

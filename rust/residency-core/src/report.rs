@@ -7,6 +7,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Nanoseconds since the Unix epoch: a transition's start and completion times.
+#[inline]
 pub fn now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -55,6 +56,7 @@ pub const REPORT_FIELDS: usize = 14;
 
 impl<O> TransitionFacts<O> {
     /// The facts of a transition that completed now.
+    #[inline]
     #[allow(clippy::too_many_arguments)] // the report's fields
     pub fn completed_now(
         action: O,

@@ -5,6 +5,7 @@
 //! The bindings fill them with their objects; the bounds and the forgetting are here.
 
 use std::collections::hash_map::Entry;
+use std::hash::Hash;
 use std::sync::{Mutex, PoisonError};
 
 use crate::fasthash::FastMap;
@@ -27,6 +28,7 @@ impl<T> Recent<T> {
     }
 
     /// What `find` reads from the first entry it accepts.
+    #[inline]
     pub fn find_map<R>(&self, find: impl FnMut(&T) -> Option<R>) -> Option<R> {
         self.entries
             .lock()
@@ -44,6 +46,47 @@ impl<T> Recent<T> {
             (entries.len() > self.bound).then(|| entries.remove(0))
         };
         drop(forgotten);
+    }
+}
+
+/// Values by key, each kept from its first insertion on. Shared between threads.
+#[derive(Debug)]
+pub struct Memo<K, V> {
+    entries: Mutex<FastMap<K, V>>,
+}
+
+impl<K, V> Default for Memo<K, V> {
+    fn default() -> Self {
+        Self {
+            entries: Mutex::new(FastMap::default()),
+        }
+    }
+}
+
+impl<K: Hash + Eq, V> Memo<K, V> {
+    /// What `read` reads from the value kept for `key`, if one is.
+    pub fn get<R>(&self, key: &K, read: impl FnOnce(&V) -> R) -> Option<R> {
+        self.entries
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(key)
+            .map(read)
+    }
+
+    /// Keeps `value` for `key` unless a value is kept already (which stays); a value
+    /// not kept is released after the lock.
+    pub fn insert(&self, key: K, value: V) {
+        let unkept = {
+            let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+            match entries.entry(key) {
+                Entry::Vacant(entry) => {
+                    entry.insert(value);
+                    None
+                }
+                Entry::Occupied(_) => Some(value),
+            }
+        };
+        drop(unkept);
     }
 }
 
@@ -105,6 +148,7 @@ impl<V> CallTable<V> {
     }
 
     /// What `read` reads from the entry kept for `key`, if one is.
+    #[inline]
     pub fn get<R>(&self, key: &CallKey, read: impl FnOnce(&V) -> R) -> Option<R> {
         let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
         match &slots[Self::slot(key)] {

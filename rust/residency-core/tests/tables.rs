@@ -5,7 +5,7 @@ use std::cell::Cell;
 
 use residency_core::ActionKind;
 use residency_core::tables::{
-    ByCode, CallTable, FirstSeen, Identity, Interner, KEPT_CALLS, Last, Recent,
+    ByCode, CallTable, FirstSeen, Identity, Interner, KEPT_CALLS, Last, Memo, Recent,
 };
 
 #[test]
@@ -119,4 +119,15 @@ fn the_interner_numbers_distinct_items_in_first_appearance_order() {
     assert_eq!(table.slot((1, 0, "z"), &ByValue), Ok(0));
     let values: Vec<&str> = table.items().iter().map(|item| item.2).collect();
     assert_eq!(values, ["a", "b", "c"]);
+}
+
+#[test]
+fn a_memo_keeps_the_first_value_for_a_key() {
+    let memo = Memo::default();
+    memo.insert(1, "first");
+    memo.insert(1, "second");
+    memo.insert(2, "other");
+    assert_eq!(memo.get(&1, |value| *value), Some("first"));
+    assert_eq!(memo.get(&2, |value| *value), Some("other"));
+    assert_eq!(memo.get(&3, |value| *value), None);
 }

@@ -25,11 +25,6 @@ use crate::kinds::{PyActionKind, kind_of};
 /// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent.
 type ActionTuple = (PyActionKind, u32, i64, i64);
 
-/// A location code, or the `ValueError` naming what is wrong with it.
-fn location(code: i64) -> PyResult<Location> {
-    Location::from_signed_code(code).map_err(|err| PyValueError::new_err(err.to_string()))
-}
-
 fn actions(tuples: Vec<ActionTuple>) -> PyResult<Vec<Action>> {
     tuples
         .into_iter()
@@ -77,16 +72,7 @@ impl PlanIr {
 #[pymethods]
 impl PlanIr {
     fn __repr__(&self) -> String {
-        let plan = &self.plan;
-        format!(
-            "PlanIR(name={:?}, handles={}, reclaim={}, enter={}, exit={}, reservations={})",
-            plan.name(),
-            plan.handles().len(),
-            plan.reclaim().len(),
-            plan.enter().len(),
-            plan.exit().len(),
-            plan.reservations().len(),
-        )
+        self.plan.to_string()
     }
 }
 
@@ -127,11 +113,8 @@ fn build(
     let reservations = reservations
         .into_iter()
         .map(|(code, nbytes, label)| {
-            Ok(Reservation {
-                location: location(code)?,
-                nbytes,
-                label: Arc::from(label),
-            })
+            Reservation::decode(code, nbytes, label)
+                .map_err(|err| PyValueError::new_err(err.to_string()))
         })
         .collect::<PyResult<Vec<_>>>()?;
     let plan = Plan::new(
