@@ -38,6 +38,7 @@ pub use messages::{Refusal, RefusalKind};
 pub use placement::{Measurement, Misplaced, Misplacement, ValueFacts};
 pub use plan::{
     Action, ActionKind, HandleRef, HandleSlot, Place, Plan, PlanPhase, ReportPlaces, Reservation,
+    Telemetry,
 };
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};

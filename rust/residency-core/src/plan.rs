@@ -80,6 +80,15 @@ pub enum Place {
     At(Location),
 }
 
+/// What a transition reports of the allocator (see `Action::telemetry`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Telemetry {
+    /// The CUDA location whose allocator the report names.
+    pub device: Place,
+    /// Whether the allocator's figures are read before and after the transition.
+    pub readings: bool,
+}
+
 /// What a transition's report names (see `Action::report_places`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReportPlaces {
@@ -219,11 +228,29 @@ impl Action {
         }
     }
 
-    /// The CUDA location whose allocator is read around the action's transition
-    /// (docs/concepts/transitions.md#telemetry), if any: an ensure's or a drop's own
-    /// location; for a move, the first CUDA one of its destination and its source
-    /// (without one, the value's `materializations`); for a discard, the first CUDA
-    /// one of its `materializations`.
+    /// What the action's transition reports of the allocator
+    /// (docs/concepts/transitions.md#telemetry): the CUDA device it touched, if any
+    /// (`sampled`), and whether the allocator's figures are read before and after it.
+    /// An asynchronous plan's transitions (a prefetch's) take no readings: their copies
+    /// are still in flight, and a reading per transition would cost two allocator
+    /// queries before the next copy is enqueued.
+    #[inline]
+    pub fn telemetry(
+        &self,
+        asynchronous: bool,
+        materializations: impl FnOnce() -> CoreResult<Vec<Location>>,
+    ) -> CoreResult<Telemetry> {
+        let device = self.sampled(materializations)?;
+        Ok(Telemetry {
+            device,
+            readings: !asynchronous && device != Place::None,
+        })
+    }
+
+    /// The CUDA location whose allocator is read around the action's transition, if
+    /// any: an ensure's or a drop's own location; for a move, the first CUDA one of
+    /// its destination and its source (without one, the value's `materializations`);
+    /// for a discard, the first CUDA one of its `materializations`.
     #[inline]
     pub fn sampled(
         &self,

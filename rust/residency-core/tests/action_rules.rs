@@ -4,7 +4,7 @@
 
 use residency_core::{
     Action, ActionKind, CopyRoute, CoreError, HandleSlot, Location, LocationKind, Place,
-    ReportPlaces,
+    ReportPlaces, Telemetry,
 };
 
 const SLOT: HandleSlot = HandleSlot(0);
@@ -170,4 +170,39 @@ fn location_records_name_their_kind() {
     // Every other kind names a CUDA device by its index.
     assert_eq!(LocationKind::named("cuda"), LocationKind::Cuda);
     assert_eq!(LocationKind::named("Pinned-Host"), LocationKind::Cuda);
+}
+
+#[test]
+fn an_asynchronous_transition_names_its_device_but_takes_no_readings() {
+    let ensure = Action::Ensure {
+        handle: SLOT,
+        location: Location::Cuda(0),
+    };
+    let none = || Ok(Vec::new());
+    assert_eq!(
+        ensure.telemetry(false, none),
+        Ok(Telemetry {
+            device: Place::Named,
+            readings: true,
+        })
+    );
+    assert_eq!(
+        ensure.telemetry(true, none),
+        Ok(Telemetry {
+            device: Place::Named,
+            readings: false,
+        })
+    );
+    // Nothing on CUDA: nothing to read.
+    let host = Action::Drop {
+        handle: SLOT,
+        location: Location::PinnedHost,
+    };
+    assert_eq!(
+        host.telemetry(false, none),
+        Ok(Telemetry {
+            device: Place::None,
+            readings: false,
+        })
+    );
 }

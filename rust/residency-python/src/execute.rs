@@ -357,16 +357,14 @@ fn execute_step<'py>(
 ) -> PyResult<Arc<Transition>> {
     let context = manager.context();
     let core = manager.core();
-    let sampled_place = action.sampled(|| core.materialization_locations(index));
-    let device = place(context, py, location, lift(py, sampled_place)?)?
+    let asynchronous = manager.asynchronous();
+    let telemetry = action.telemetry(asynchronous, || core.materialization_locations(index));
+    let telemetry = lift(py, telemetry)?;
+    let device = place(context, py, location, telemetry.device)?
         .map(|place| place.getattr(intern!(py, "device")))
         .transpose()?;
-    // An asynchronous plan (a prefetch) takes no allocator readings: its copies are
-    // still in flight, and a reading per transition would cost two allocator queries
-    // before the next copy is enqueued (docs/concepts/transitions.md#telemetry).
-    let sampled = !manager.asynchronous();
     let before = match &device {
-        Some(cuda) if sampled => sample(context, py, cuda)?,
+        Some(cuda) if telemetry.readings => sample(context, py, cuda)?,
         _ => None,
     };
     let mut runtime = Runtime {
@@ -374,7 +372,7 @@ fn execute_step<'py>(
         py,
         stream,
     };
-    let done = match core.transition(action, index, !sampled, &mut runtime) {
+    let done = match core.transition(action, index, asynchronous, &mut runtime) {
         Ok(done) => done,
         Err(RunError::Core(error)) => return Err(to_py_err(py, error)),
         Err(RunError::Device(error)) => return Err(error),
@@ -388,7 +386,7 @@ fn execute_step<'py>(
     let source = place(context, py, location, places.source)?;
     let destination = place(context, py, location, places.destination)?;
     let after = match &device {
-        Some(cuda) if sampled => sample(context, py, cuda)?,
+        Some(cuda) if telemetry.readings => sample(context, py, cuda)?,
         _ => None,
     };
     let spec = lift(py, core.value_spec(index))?;
