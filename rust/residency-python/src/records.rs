@@ -137,9 +137,10 @@ impl<'s, 'py> Strings<'s, 'py> {
     }
 }
 
-/// A materialisation record's fields, with its value's spec object (by address; the
-/// spec is alive for the whole call) standing for the logical size it supplies.
-type MaterializationKey = (usize, u32, u64, u64, u32, u32, u32);
+/// A materialisation record's fields: the core's, with its value's spec object (by
+/// address; the spec is alive for the whole call) standing for the logical size it
+/// supplies.
+type MaterializationKey = (usize, Materialization);
 
 /// Snapshot value entries (docs/concepts/snapshots.md), one per value of `values`
 /// in issue order; `objects` holds each value's handle and spec object.
@@ -165,15 +166,7 @@ pub fn value_entries<'a, 'py>(
     for (record, (handle, spec)) in values.into_iter().zip(objects) {
         let spec = spec.bind(py);
         let mut materialization = |m: &Materialization| -> PyResult<_> {
-            let key = (
-                spec.as_ptr().addr(),
-                m.location.code(),
-                m.storage_nbytes,
-                m.charged_nbytes,
-                m.use_count,
-                m.hold_count,
-                m.pending_count,
-            );
+            let key = (spec.as_ptr().addr(), *m);
             if let Some(built) = shared.get(&key) {
                 return Ok(built.clone());
             }
