@@ -65,7 +65,7 @@ pub enum CoreError {
     },
 
     /// The controller's search tried every reclaim and none lets the request fit.
-    #[error("request {request_name:?} is infeasible: {detail}")]
+    #[error("{}", infeasible(&format!("{request_name:?}"), detail))]
     SearchInfeasible {
         request_name: String,
         detail: String,
@@ -73,7 +73,7 @@ pub enum CoreError {
 
     /// A value the request requires has no materialisation and no source to rebuild
     /// it from, so no plan can place it.
-    #[error("value {handle_id:?} has no materialization and no reconstruction source")]
+    #[error("{}", unplaceable(&format!("{handle_id:?}")))]
     SearchUnavailable { handle_id: String },
 
     /// A search policy broke its side of the search: an ordering that is not a
@@ -114,6 +114,18 @@ pub enum CoreError {
     /// A broken internal invariant, unreachable through the public API (`RuntimeError`).
     #[error("internal error: {message}")]
     Internal { message: String },
+}
+
+/// `SearchInfeasible`'s message, with the request's name quoted as the caller's
+/// language quotes a string.
+pub fn infeasible(quoted_name: &str, detail: &str) -> String {
+    format!("request {quoted_name} is infeasible: {detail}")
+}
+
+/// `SearchUnavailable`'s message, with the handle id quoted as the caller's language
+/// quotes a string.
+pub fn unplaceable(quoted_handle_id: &str) -> String {
+    format!("value {quoted_handle_id} has no materialization and no reconstruction source")
 }
 
 impl From<InvalidLocation> for CoreError {
@@ -172,5 +184,21 @@ mod tests {
             detail: "d".into(),
         };
         assert_eq!(infeasible.to_string(), "request \"r\" is infeasible: d");
+        let unplaceable = CoreError::SearchUnavailable {
+            handle_id: "h".into(),
+        };
+        assert_eq!(
+            unplaceable.to_string(),
+            "value \"h\" has no materialization and no reconstruction source"
+        );
+        // The bindings quote names as their language does.
+        assert_eq!(
+            super::infeasible("'r'", "d"),
+            "request 'r' is infeasible: d"
+        );
+        assert_eq!(
+            super::unplaceable("'h'"),
+            "value 'h' has no materialization and no reconstruction source"
+        );
     }
 }

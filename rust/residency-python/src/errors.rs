@@ -7,7 +7,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyType};
 use pyo3::{IntoPyObjectExt, PyTypeInfo};
-use residency_core::{CoreError, Location, Refusal, RefusalKind};
+use residency_core::{CoreError, Location, Refusal, RefusalKind, error};
 
 pyo3::import_exception!(fhelium.errors, ResidencyHandleError);
 pyo3::import_exception!(fhelium.errors, ResidencyUnavailableError);
@@ -181,15 +181,11 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
             request_name,
             detail,
         } => match python_repr(py, &request_name) {
-            Ok(name) => {
-                ResidencyPlanError::new_err(format!("request {name} is infeasible: {detail}"))
-            }
+            Ok(name) => ResidencyPlanError::new_err(error::infeasible(&name, &detail)),
             Err(err) => err,
         },
         CoreError::SearchUnavailable { handle_id } => match python_repr(py, &handle_id) {
-            Ok(handle_id) => ResidencyUnavailableError::new_err(format!(
-                "value {handle_id} has no materialization and no reconstruction source"
-            )),
+            Ok(handle_id) => ResidencyUnavailableError::new_err(error::unplaceable(&handle_id)),
             Err(err) => err,
         },
     }
