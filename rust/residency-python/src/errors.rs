@@ -90,6 +90,7 @@ fn class_object(py: Python<'_>, class: ErrorClass) -> Bound<'_, PyType> {
 
 /// Converts a core error into its documented Python exception: the class, message
 /// and fields the core gives it (`CoreError::class`, `shape`, `fields`).
+#[allow(clippy::needless_pass_by_value)] // taken as `map_err` hands it over
 pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
     // Messages that quote a name quote it as Python does.
     let message = match &err {
