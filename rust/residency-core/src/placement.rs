@@ -121,6 +121,19 @@ pub enum Misplaced {
 }
 
 impl ValueFacts {
+    /// The facts of a file a disk location stores: the byte counts of the value
+    /// written, on no device and in no memory, so in place on no location in memory
+    /// (only the disk tier installs files, docs/concepts/locations-and-budgets.md#disk).
+    pub fn stored(logical: u64, storage: u64) -> Self {
+        Self {
+            device_code: -2,
+            pinned: None,
+            logical,
+            storage,
+            keys: Vec::new(),
+        }
+    }
+
     /// Whether the value's device is `at`'s: the host for the host locations, the
     /// same index for a CUDA one.
     fn on_device_of(&self, at: Location) -> bool {

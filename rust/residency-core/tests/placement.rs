@@ -157,3 +157,16 @@ fn misplacement_messages_name_the_value_device_and_location() {
         "Pair is in pinned memory, but the location is cuda:0"
     );
 }
+
+#[test]
+fn a_stored_file_is_in_place_nowhere_in_memory() {
+    let stored = ValueFacts::stored(8, 16);
+    assert_eq!((stored.logical, stored.storage), (8, 16));
+    for at in [
+        Location::PageableHost,
+        Location::PinnedHost,
+        Location::Cuda(0),
+    ] {
+        assert_eq!(stored.misplaced(at), Some(Misplaced::OtherDevice));
+    }
+}

@@ -870,13 +870,7 @@ fn validate<'py>(
         return Ok(Facts {
             device: None,
             first: None,
-            facts: ValueFacts {
-                device_code: -2,
-                pinned: None,
-                logical,
-                storage,
-                keys: Vec::new(),
-            },
+            facts: ValueFacts::stored(logical, storage),
         });
     }
     let spec = manager.spec_object(py, index)?;
