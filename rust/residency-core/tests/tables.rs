@@ -43,17 +43,27 @@ fn a_call_table_keeps_one_entry_per_call_until_replaced_or_cleared() {
     let table = CallTable::default();
     let ensure = (ActionKind::Ensure, [0x1000, 0x2000, 0]);
     let drop = (ActionKind::Drop, [0x1000, 0x2000, 0]);
-    table.keep(ensure, "ensure");
-    table.keep(drop, "drop");
-    assert_eq!(table.get(&ensure, |value| *value), Some("ensure"));
-    assert_eq!(table.get(&drop, |value| *value), Some("drop"));
+    table.keep(ensure, 100);
+    table.keep(drop, 200);
+    assert_eq!(table.get(&ensure, |value| *value), Some(100));
+    assert_eq!(table.get(&drop, |value| *value), Some(200));
     // A call that maps to a kept call's slot replaces it, and only its own key finds it.
     let colliding = (ActionKind::Ensure, [0x1000 + (KEPT_CALLS << 4), 0x2000, 0]);
-    table.keep(colliding, "other");
+    table.keep(colliding, 300);
     assert_eq!(table.get(&ensure, |value| *value), None);
-    assert_eq!(table.get(&colliding, |value| *value), Some("other"));
+    assert_eq!(table.get(&colliding, |value| *value), Some(300));
     table.clear();
     assert_eq!(table.get(&drop, |value| *value), None);
+    // Calls that map to distinct slots are all kept, up to the table's size.
+    let keys: Vec<_> = (0..KEPT_CALLS)
+        .map(|index| (ActionKind::Ensure, [index << 4, 0, 0]))
+        .collect();
+    for (index, key) in keys.iter().enumerate() {
+        table.keep(*key, index);
+    }
+    for (index, key) in keys.iter().enumerate() {
+        assert_eq!(table.get(key, |value| *value), Some(index));
+    }
 }
 
 #[test]
