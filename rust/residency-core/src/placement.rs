@@ -40,6 +40,7 @@ pub struct Measurement {
 impl Measurement {
     /// A value whose first tensor is on `device_code`; `pinning_possible` is false
     /// where no tensor can be pinned (no accelerator in this process).
+    #[inline]
     pub fn new(device_code: i64, pinning_possible: bool, tensors: usize) -> Self {
         Self {
             device_code,
@@ -52,12 +53,14 @@ impl Measurement {
     }
 
     /// Adds a tensor of `nbytes` logical bytes.
+    #[inline]
     pub fn add_tensor(&mut self, nbytes: u64) {
         self.logical = self.logical.saturating_add(nbytes);
     }
 
     /// Adds a tensor's storage of `size` bytes at `pointer` (only non-empty storages
     /// are added); a storage seen before with another size is inconsistent.
+    #[inline]
     pub fn add_storage(&mut self, pointer: u64, size: u64) -> Result<(), Inconsistent> {
         match self.storages.iter().find(|(known, _)| *known == pointer) {
             Some(&(_, known_size)) if known_size != size => Err(Inconsistent),
@@ -71,6 +74,7 @@ impl Measurement {
 
     /// Whether a tensor with storage bytes must be asked whether it is pinned: only a
     /// host tensor can be, and only where pinning is possible.
+    #[inline]
     pub fn asks_pinned(&self) -> bool {
         self.device_code == -1 && self.pinning_possible
     }
@@ -78,6 +82,7 @@ impl Measurement {
     /// Adds the answer of a tensor with storage bytes to `asks_pinned`. Only memory
     /// can be pinned: a tensor without storage bytes is neither pinned nor pageable
     /// (docs/concepts/locations-and-budgets.md#pinned-host).
+    #[inline]
     pub fn add_pinned(&mut self, pinned: bool) {
         self.all_pinned &= pinned;
         self.any_pinned |= pinned;
@@ -85,6 +90,7 @@ impl Measurement {
 
     /// The value's facts. A host value without storage bytes reads as pageable;
     /// `Location::holds` accepts it at either host location.
+    #[inline]
     pub fn finish(self) -> ValueFacts {
         let all_pinned = self.all_pinned && self.pinning_possible && !self.storages.is_empty();
         let storage = self
@@ -168,6 +174,7 @@ impl ValueFacts {
     /// Where a value adopted without a location lives: its CUDA device, else pinned or
     /// pageable host memory as its tensors are. A value on another device is taken as
     /// pageable, which its placement check then refuses by name.
+    #[inline]
     pub fn placement(&self) -> Result<Location, PlacementError> {
         if let Ok(index) = u32::try_from(self.device_code) {
             return Location::cuda(index).map_err(|err| PlacementError::Core(err.into()));

@@ -87,6 +87,7 @@ impl<O> TransitionFacts<O> {
     /// `action`, `no_op`, `source`, `destination`, `logical_nbytes`, `storage_nbytes`,
     /// `started_at_ns`, `completed_at_ns`, `allocator_device`, the allocated and
     /// reserved bytes before, the allocated and reserved bytes after, and `reason`.
+    #[inline]
     pub fn fields(&self) -> [Field<'_, O>; REPORT_FIELDS] {
         let allocator = self.allocator.as_deref();
         let (allocated_before, reserved_before) =

@@ -86,9 +86,18 @@ impl RecordBuilder {
         py: Python<'py>,
         fields: &[&Bound<'py, PyAny>],
     ) -> PyResult<Bound<'py, PyAny>> {
+        self.build_with(py, fields.iter().map(|field| Ok(*field)))
+    }
+
+    /// One record from fields made one at a time, in declaration order.
+    pub fn build_with<'py, V: IntoPyObject<'py>>(
+        &self,
+        py: Python<'py>,
+        fields: impl IntoIterator<Item = PyResult<V>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let record = self.fill.bind(py).call0()?;
         for (name, value) in self.names.iter().zip(fields) {
-            record.setattr(name.bind(py), *value)?;
+            record.setattr(name.bind(py), value?)?;
         }
         record.setattr(self.class_name.bind(py), self.record.bind(py))?;
         Ok(record)

@@ -63,18 +63,12 @@ impl Transition {
     }
 
     fn build(&self, py: Python<'_>, builder: &RecordBuilder) -> PyResult<Py<PyAny>> {
-        let fields = self
-            .facts
-            .fields()
-            .into_iter()
-            .map(|field| match field {
-                Field::Object(object) => Ok(object.bind(py).clone()),
-                Field::None => Ok(py.None().into_bound(py)),
-                Field::Flag(flag) => Ok(PyBool::new(py, flag).to_owned().into_any()),
-                Field::Count(count) => count.into_bound_py_any(py),
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        let fields: Vec<&Bound<'_, PyAny>> = fields.iter().collect();
-        Ok(builder.build(py, &fields)?.unbind())
+        let fields = self.facts.fields().into_iter().map(|field| match field {
+            Field::Object(object) => Ok(object.bind(py).clone()),
+            Field::None => Ok(py.None().into_bound(py)),
+            Field::Flag(flag) => Ok(PyBool::new(py, flag).to_owned().into_any()),
+            Field::Count(count) => count.into_bound_py_any(py),
+        });
+        Ok(builder.build_with(py, fields)?.unbind())
     }
 }
