@@ -279,6 +279,7 @@ impl<T> Interner<T> {
     }
 
     /// The slot of `item`, appended to the table when no equal item is in it.
+    #[inline]
     pub fn slot<I: Identity<T>>(&mut self, item: T, identity: &I) -> Result<u32, I::Error> {
         let address = identity.address(&item);
         if let Some(slot) = self.seen.get(&address) {
@@ -304,6 +305,7 @@ impl<T> Interner<T> {
         Ok(slot)
     }
 
+    #[inline]
     fn find<I: Identity<T>>(
         &self,
         hash: isize,

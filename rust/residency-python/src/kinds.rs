@@ -15,6 +15,7 @@ use crate::errors::refuse;
 /// The kind of `action` among the action record `classes`, in order: an exact class
 /// matches by identity first, then a subclass by `isinstance`; anything else is not an
 /// action.
+#[inline]
 pub(crate) fn kind_of<'py, C: Borrow<Bound<'py, PyAny>>>(
     action: &Bound<'py, PyAny>,
     classes: &[(C, ActionKind)],
