@@ -13,26 +13,37 @@ pub mod gate;
 pub mod keys;
 pub mod location;
 pub mod manager;
+pub mod messages;
 mod overlay;
+pub mod placement;
 pub mod plan;
+pub mod report;
 pub mod search;
 pub mod simulate;
 pub mod state;
+pub mod tables;
 pub mod tokens;
 pub mod value;
 pub mod victims;
 
 pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
-pub use location::{Location, MAX_CUDA_INDEX};
+pub use location::{CopyRoute, Location, LocationKind, MAX_CUDA_INDEX};
 pub use manager::{
     Begun, Committed, Copied, Device, HostCost, InFlight, Inputs, Landed, LeaseRelease, LeaseState,
     LifetimeHost, Manager, Measured, OpenLifetimes, PlanDevice, PlanRun, Resolutions, RunError,
     SearchInputs, SettleWait, StateValues, StorageKey, Ticket, TransitionDevice, Transitioned,
     Unborrowable, Unresolved, Work,
 };
-pub use plan::{Action, ActionKind, HandleRef, HandleSlot, Plan, PlanPhase, Reservation};
+pub use messages::{Refusal, RefusalKind};
+pub use placement::{Measurement, Misplaced, Misplacement, ValueFacts};
+pub use plan::{
+    Action, ActionKind, HandleRef, HandleSlot, Place, Plan, PlanPhase, ReportPlaces, Reservation,
+    Telemetry,
+};
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
 pub use tokens::{Freed, LifetimeKind, ObjectId, Release};
-pub use value::{HandleName, Recoverability, ReplicaMode, ValueSpec, charge_of};
+pub use value::{
+    HandleName, Recoverability, ReplicaMode, SourceRefusal, SpecField, ValueSpec, charge_of,
+};

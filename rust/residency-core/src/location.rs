@@ -157,6 +157,71 @@ impl Location {
     }
 }
 
+/// What a location record's `kind` names (docs/concepts/locations-and-budgets.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocationKind {
+    PageableHost,
+    PinnedHost,
+    Disk,
+    /// A CUDA device, which the record names by its device's index.
+    Cuda,
+}
+
+impl LocationKind {
+    /// The kind `kind` names: every kind other than the host and disk kinds is a CUDA
+    /// device's.
+    #[inline]
+    pub fn named(kind: &str) -> Self {
+        match kind {
+            "pageable-host" => Self::PageableHost,
+            "pinned-host" => Self::PinnedHost,
+            "disk" => Self::Disk,
+            _ => Self::Cuda,
+        }
+    }
+}
+
+/// How a copy between two locations is made (docs/concepts/transitions.md#copies-and-streams,
+/// docs/concepts/locations-and-budgets.md#disk): the device seam's or the disk tier's
+/// call that makes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyRoute {
+    /// A stored file read back into host memory, pinned or pageable.
+    ReadToHost {
+        pinned: bool,
+    },
+    /// A stored file read to a device through the disk tier's pinned staging ring.
+    ReadToCuda,
+    /// A value written to a disk location's file.
+    Write,
+    ToPinned,
+    ToPageable,
+    /// A copy to a device, enqueued on the transfer stream; only a pageable source
+    /// is copied blocking.
+    ToCuda {
+        non_blocking: bool,
+    },
+}
+
+impl CopyRoute {
+    /// The route of a copy from `from` to `to`.
+    #[inline]
+    pub fn between(from: Location, to: Location) -> Self {
+        match (from, to) {
+            (Location::Disk(_), Location::Cuda(_)) => Self::ReadToCuda,
+            (Location::Disk(_), to) => Self::ReadToHost {
+                pinned: to == Location::PinnedHost,
+            },
+            (_, Location::Disk(_)) => Self::Write,
+            (_, Location::PinnedHost) => Self::ToPinned,
+            (_, Location::PageableHost) => Self::ToPageable,
+            (from, Location::Cuda(_)) => Self::ToCuda {
+                non_blocking: from != Location::PageableHost,
+            },
+        }
+    }
+}
+
 impl fmt::Display for Location {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

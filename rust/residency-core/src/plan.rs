@@ -51,6 +51,53 @@ pub enum ActionKind {
     Discard,
 }
 
+impl ActionKind {
+    /// The name of the kind's action record class (`fhelium.residency.plan`), as
+    /// messages about an action name it.
+    pub fn record_name(self) -> &'static str {
+        match self {
+            Self::Ensure => "EnsureResident",
+            Self::Move => "MoveResident",
+            Self::Drop => "DropResident",
+            Self::Discard => "DiscardValue",
+        }
+    }
+
+    /// Whether an action of this kind takes a transfer stream: only those that copy
+    /// to a location (an ensure, a move).
+    #[inline]
+    pub fn takes_stream(self) -> bool {
+        matches!(self, Self::Ensure | Self::Move)
+    }
+}
+
+/// A location a transition's report or telemetry names: none, the location record
+/// the action itself names, or the shared record of a location.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    None,
+    Named,
+    At(Location),
+}
+
+/// What a transition reports of the allocator (see `Action::telemetry`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Telemetry {
+    /// The CUDA location whose allocator the report names.
+    pub device: Place,
+    /// Whether the allocator's figures are read before and after the transition.
+    pub readings: bool,
+}
+
+/// What a transition's report names (see `Action::report_places`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReportPlaces {
+    pub source: Place,
+    pub destination: Place,
+    /// The kind whose no-op reason the report gives; `None` when it is not a no-op.
+    pub no_op: Option<ActionKind>,
+}
+
 /// A handle as the caller wrote it. The manager resolves it against its own records;
 /// `type_key` identifies the handle's value type, interned by the glue.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -118,6 +165,123 @@ impl Action {
         })
     }
 
+    /// An action of `kind` on `handle` naming `at` (a move's destination; none for a
+    /// discard) and, for a move, its source `from`.
+    #[inline]
+    pub fn new(
+        kind: ActionKind,
+        handle: HandleSlot,
+        at: Option<Location>,
+        from: Option<Location>,
+    ) -> CoreResult<Self> {
+        let named = || {
+            at.ok_or_else(|| CoreError::Internal {
+                message: format!("{} without its location", kind.record_name()),
+            })
+        };
+        Ok(match kind {
+            ActionKind::Ensure => Self::Ensure {
+                handle,
+                location: named()?,
+            },
+            ActionKind::Move => Self::Move {
+                handle,
+                to: named()?,
+                from,
+            },
+            ActionKind::Drop => Self::Drop {
+                handle,
+                location: named()?,
+            },
+            ActionKind::Discard => Self::Discard { handle },
+        })
+    }
+
+    #[inline]
+    pub fn kind(&self) -> ActionKind {
+        match self {
+            Self::Ensure { .. } => ActionKind::Ensure,
+            Self::Move { .. } => ActionKind::Move,
+            Self::Drop { .. } => ActionKind::Drop,
+            Self::Discard { .. } => ActionKind::Discard,
+        }
+    }
+
+    /// What a transition's report names (docs/concepts/transitions.md#reports): its
+    /// source and destination, given `source`, where the transition copied from, and
+    /// the kind whose no-op reason it gives when it was a no-op. A drop's source and
+    /// the others' destination are the location the action names; a discard's report
+    /// names no location and gives no reason.
+    #[inline]
+    pub fn report_places(&self, source: Option<Location>, no_op: bool) -> ReportPlaces {
+        let at = |location: Option<Location>| location.map_or(Place::None, Place::At);
+        let (source, destination) = match self {
+            Self::Ensure { .. } | Self::Move { .. } => (at(source), Place::Named),
+            Self::Drop { .. } => (Place::Named, Place::None),
+            Self::Discard { .. } => (Place::None, Place::None),
+        };
+        let no_op = (no_op && !matches!(self, Self::Discard { .. })).then(|| self.kind());
+        ReportPlaces {
+            source,
+            destination,
+            no_op,
+        }
+    }
+
+    /// What the action's transition reports of the allocator
+    /// (docs/concepts/transitions.md#telemetry): the CUDA device it touched, if any
+    /// (`sampled`), and whether the allocator's figures are read before and after it.
+    /// An asynchronous plan's transitions (a prefetch's) take no readings: their copies
+    /// are still in flight, and a reading per transition would cost two allocator
+    /// queries before the next copy is enqueued.
+    #[inline]
+    pub fn telemetry(
+        &self,
+        asynchronous: bool,
+        materializations: impl FnOnce() -> CoreResult<Vec<Location>>,
+    ) -> CoreResult<Telemetry> {
+        let device = self.sampled(materializations)?;
+        Ok(Telemetry {
+            device,
+            readings: !asynchronous && device != Place::None,
+        })
+    }
+
+    /// The CUDA location whose allocator is read around the action's transition, if
+    /// any: an ensure's or a drop's own location; for a move, the first CUDA one of
+    /// its destination and its source (without one, the value's `materializations`);
+    /// for a discard, the first CUDA one of its `materializations`.
+    #[inline]
+    pub fn sampled(
+        &self,
+        materializations: impl FnOnce() -> CoreResult<Vec<Location>>,
+    ) -> CoreResult<Place> {
+        let first_cuda = |locations: &[Location]| {
+            locations
+                .iter()
+                .find(|location| location.is_cuda())
+                .map_or(Place::None, |location| Place::At(*location))
+        };
+        Ok(match *self {
+            Self::Ensure { location, .. } | Self::Drop { location, .. } => {
+                if location.is_cuda() {
+                    Place::Named
+                } else {
+                    Place::None
+                }
+            }
+            Self::Move { to, from, .. } => {
+                let mut touched = vec![to];
+                match from {
+                    Some(from) => touched.push(from),
+                    None => touched.extend(materializations()?),
+                }
+                first_cuda(&touched)
+            }
+            Self::Discard { .. } => first_cuda(&materializations()?),
+        })
+    }
+
     /// Where the action copies to, which picks its transfer stream: an ensure's
     /// location or a move's destination; a drop or a discard copies nothing.
     pub fn destination(&self) -> Option<Location> {
@@ -155,6 +319,34 @@ pub struct Plan {
     enter: Vec<Action>,
     exit: Vec<Action>,
     reservations: Vec<Reservation>,
+}
+
+/// The plan's name and how many handles, actions of each phase and reservations it
+/// has: `PlanIR(name="p", handles=1, reclaim=0, enter=2, exit=0, reservations=0)`.
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "PlanIR(name={:?}, handles={}, reclaim={}, enter={}, exit={}, reservations={})",
+            self.name(),
+            self.handles().len(),
+            self.reclaim().len(),
+            self.enter().len(),
+            self.exit().len(),
+            self.reservations().len(),
+        )
+    }
+}
+
+impl Reservation {
+    /// A reservation as the bindings encode it: a signed location code.
+    pub fn decode(code: i64, nbytes: u64, label: impl Into<Arc<str>>) -> CoreResult<Self> {
+        Ok(Self {
+            location: Location::from_signed_code(code)?,
+            nbytes,
+            label: label.into(),
+        })
+    }
 }
 
 impl Plan {

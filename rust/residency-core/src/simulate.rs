@@ -25,6 +25,28 @@ pub enum CudaDevices {
     Count(u32),
 }
 
+impl CudaDevices {
+    /// The devices a runtime reports, `count` of them (none: no CUDA).
+    pub fn from_count(count: u32) -> Self {
+        match count {
+            0 => Self::Unavailable,
+            count => Self::Count(count),
+        }
+    }
+
+    /// Whether CUDA device `index`, which the caller writes as `location`, can be
+    /// used here; the message says why not (docs/concepts/locations-and-budgets.md).
+    pub fn check(self, location: impl std::fmt::Display, index: u32) -> Result<(), String> {
+        match self {
+            Self::Unavailable => Err(crate::location::cuda_unavailable(location)),
+            Self::Count(count) if index >= count => Err(format!(
+                "{location} is not usable: only {count} CUDA device(s) present"
+            )),
+            Self::Count(_) => Ok(()),
+        }
+    }
+}
+
 /// One simulated action, as `ResidencyActionExplanation` reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActionOutcome {
@@ -230,17 +252,7 @@ impl<'a> Simulator<'a> {
             return Ok(index);
         }
         if let Location::Cuda(index) = location {
-            match self.cuda {
-                CudaDevices::Unavailable => {
-                    return Err(crate::location::cuda_unavailable(location));
-                }
-                CudaDevices::Count(count) if u32::from(index) >= count => {
-                    return Err(format!(
-                        "{location} is not usable: only {count} CUDA device(s) present"
-                    ));
-                }
-                CudaDevices::Count(_) => {}
-            }
+            self.cuda.check(location, u32::from(index))?;
         }
         self.books.push(Books {
             location,

@@ -18,7 +18,7 @@ use crate::value::{HandleName, ValueSpec};
 pub type HandleId = u32;
 
 /// One installed materialisation of a value.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Materialization {
     pub location: Location,
     /// The actual unique storage measured at install time.

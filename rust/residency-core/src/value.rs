@@ -12,6 +12,16 @@ pub enum ReplicaMode {
     Exclusive,
 }
 
+impl ReplicaMode {
+    pub fn of(exclusive: bool) -> Self {
+        if exclusive {
+            Self::Exclusive
+        } else {
+            Self::Replicable
+        }
+    }
+}
+
 /// Whether the last materialisation of a value may be dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Recoverability {
@@ -78,6 +88,59 @@ impl ValueSpec {
 
     pub fn is_exclusive(&self) -> bool {
         self.replica_mode == ReplicaMode::Exclusive
+    }
+}
+
+/// A byte count of a spec, as messages name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecField {
+    Logical,
+    Storage,
+}
+
+impl SpecField {
+    /// The field's attribute on a spec record.
+    pub fn attribute(self) -> &'static str {
+        match self {
+            Self::Logical => "logical_nbytes",
+            Self::Storage => "storage_nbytes",
+        }
+    }
+
+    /// The field as messages name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Logical => "spec.logical_nbytes",
+            Self::Storage => "spec.storage_nbytes",
+        }
+    }
+}
+
+/// Why `register_source` refuses a spec before the core sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceRefusal {
+    /// The spec's value must be preserved: such values are adopted.
+    MustPreserve,
+    /// A byte count past 2**64 - 1, which the core cannot account.
+    TooManyBytes(SpecField),
+}
+
+impl ValueSpec {
+    /// The byte counts of a spec `register_source` takes (docs/concepts/values.md#register-a-source):
+    /// `logical` and `storage` are `None` where past 2**64 - 1. Refused, in this order:
+    /// a spec whose value must be preserved, then a logical and a storage count the
+    /// core cannot account.
+    pub fn source_bytes(
+        must_preserve: bool,
+        logical: Option<u64>,
+        storage: Option<u64>,
+    ) -> Result<(u64, u64), SourceRefusal> {
+        if must_preserve {
+            return Err(SourceRefusal::MustPreserve);
+        }
+        let logical = logical.ok_or(SourceRefusal::TooManyBytes(SpecField::Logical))?;
+        let storage = storage.ok_or(SourceRefusal::TooManyBytes(SpecField::Storage))?;
+        Ok((logical, storage))
     }
 }
 

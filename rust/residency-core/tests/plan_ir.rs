@@ -119,3 +119,34 @@ fn empty_and_duplicate_actions_are_valid_ir() {
         enter_only("dup", vec![handle("a")], vec![drop, drop]).expect("duplicates allowed");
     assert_eq!(duplicate.enter(), &[drop, drop]);
 }
+
+#[test]
+fn a_plan_describes_itself_by_its_counts() {
+    let plan = Plan::new(
+        "p",
+        vec![handle("a")],
+        vec![],
+        vec![Action::Ensure {
+            handle: HandleSlot(0),
+            location: Location::PinnedHost,
+        }],
+        vec![],
+        vec![reservation("r", Location::Cuda(0), 8)],
+    )
+    .expect("a valid plan");
+    assert_eq!(
+        plan.to_string(),
+        "PlanIR(name=\"p\", handles=1, reclaim=0, enter=1, exit=0, reservations=1)"
+    );
+}
+
+#[test]
+fn reservations_decode_signed_location_codes() {
+    let decoded = Reservation::decode(3, 8, "r").expect("cuda:1's code");
+    assert_eq!(decoded.location, Location::Cuda(1));
+    assert_eq!((decoded.nbytes, &*decoded.label), (8, "r"));
+    assert!(matches!(
+        Reservation::decode(-1, 8, "r"),
+        Err(CoreError::InvalidArgument { message }) if message == "invalid location code -1"
+    ));
+}

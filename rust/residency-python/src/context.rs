@@ -2,15 +2,14 @@
 //! recognises, the record builders, the runtime, the shared location records, and
 //! the checks of locations and streams with what they remember.
 
-use std::sync::{Mutex, PoisonError};
-
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
-use residency_core::Location;
+use residency_core::tables::{CallTable, Recent};
+use residency_core::{CudaDevices, Location, LocationKind, Refusal};
 
-use crate::errors::to_py_err;
+use crate::errors::{refuse, to_py_err};
 use crate::records::RecordBuilder;
 
 /// What the engine hands over once: the classes it recognises, the report builder,
@@ -63,65 +62,16 @@ pub struct Context {
     pub(crate) new_move: Py<RecordBuilder>,
     pub(crate) new_drop: Py<RecordBuilder>,
     /// Streams already checked, with their location: a stream never changes device,
-    /// so one checked again is not asked about twice. Bounded; the newest last.
-    pub(crate) checked_streams: Mutex<Vec<CheckedStream>>,
+    /// so one checked again is not asked about twice.
+    pub(crate) checked_streams: Recent<CheckedStream>,
     /// CUDA location records already checked (records are immutable), and the shared
-    /// record of each CUDA code; both bounded.
-    pub(crate) checked_cuda: Mutex<Vec<(Py<PyAny>, Location)>>,
-    pub(crate) shared_cuda: Mutex<Vec<(Location, Py<PyAny>)>>,
-    /// Action records `run_direct` built, reused for the same call (see `Actions`).
-    pub(crate) direct_actions: Actions,
-}
-
-/// How many action records of direct calls a manager keeps for reuse.
-const KEPT_ACTIONS: usize = 16;
-
-/// The action records built for direct `ensure`, `move` and `drop` calls, kept in a
-/// small table keyed by the call's kind and argument objects: a value ensured and
-/// dropped again and again gets one record per call shape, not one per call. Records
-/// are immutable, so an equal record may be shared (docs/concepts/transitions.md#reports),
-/// and a kept record holds its arguments alive, so an address in a key stays its own.
-#[derive(Debug, Default)]
-pub(crate) struct Actions {
-    slots: Mutex<[Option<KeptAction>; KEPT_ACTIONS]>,
-}
-
-/// One kept record with its call's key.
-type KeptAction = (ActionKey, Py<PyAny>);
-
-/// A direct call's kind and the addresses of its handle and location arguments.
-type ActionKey = (u8, [usize; 3]);
-
-impl Actions {
-    fn slot(key: &ActionKey) -> usize {
-        let (kind, [handle, at, from]) = *key;
-        ((handle >> 4) ^ (at >> 4) ^ (from >> 4) ^ usize::from(kind)) % KEPT_ACTIONS
-    }
-
-    pub(crate) fn get<'py>(&self, py: Python<'py>, key: &ActionKey) -> Option<Bound<'py, PyAny>> {
-        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        match &slots[Self::slot(key)] {
-            Some((known, record)) if known == key => Some(record.bind(py).clone()),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn keep(&self, key: ActionKey, record: Py<PyAny>) {
-        let replaced = {
-            let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-            slots[Self::slot(&key)].replace((key, record))
-        };
-        // Released outside the lock: freeing a record may run Python code.
-        drop(replaced);
-    }
-
-    /// Forgets every kept record (a value was discarded, or the manager closed), so
-    /// no handle is held alive for reuse any longer.
-    fn clear(&self) {
-        let forgotten =
-            std::mem::take(&mut *self.slots.lock().unwrap_or_else(PoisonError::into_inner));
-        drop(forgotten);
-    }
+    /// record of each CUDA code.
+    pub(crate) checked_cuda: Recent<(Py<PyAny>, Location)>,
+    pub(crate) shared_cuda: Recent<(Location, Py<PyAny>)>,
+    /// Action records `run_direct` built, reused for the same call: records are
+    /// immutable, so an equal record may be shared (docs/concepts/transitions.md#reports),
+    /// and a kept record holds its arguments alive, so an address in a key stays its own.
+    pub(crate) direct_actions: CallTable<Py<PyAny>>,
 }
 
 /// A stream checked for a location, and the stream the runtime binds it to there.
@@ -129,25 +79,6 @@ type CheckedStream = (Py<PyAny>, Location, Py<PyAny>);
 
 /// How many checked streams, and CUDA location records, a manager remembers.
 const REMEMBERED: usize = 8;
-
-/// What `find` reads from the first remembered entry it accepts.
-fn remembered<T, R>(entries: &Mutex<Vec<T>>, find: impl Fn(&T) -> Option<R>) -> Option<R> {
-    entries
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .iter()
-        .find_map(find)
-}
-
-/// Remembers `entry`, forgetting the oldest beyond the bound.
-fn remember<T>(entries: &Mutex<Vec<T>>, entry: T) {
-    let forgotten = {
-        let mut entries = entries.lock().unwrap_or_else(PoisonError::into_inner);
-        entries.push(entry);
-        (entries.len() > REMEMBERED).then(|| entries.remove(0))
-    };
-    drop(forgotten);
-}
 
 impl Context {
     /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
@@ -201,10 +132,10 @@ impl Context {
             new_drop: builder(22, 2)?,
             disk: item(23)?,
             disk_code: item(24)?,
-            direct_actions: Actions::default(),
-            checked_streams: Mutex::new(Vec::new()),
-            checked_cuda: Mutex::new(Vec::new()),
-            shared_cuda: Mutex::new(Vec::new()),
+            direct_actions: CallTable::default(),
+            checked_streams: Recent::new(REMEMBERED),
+            checked_cuda: Recent::new(REMEMBERED),
+            shared_cuda: Recent::new(REMEMBERED),
         })
     }
 
@@ -300,51 +231,47 @@ impl Context {
         if location.is(&self.pinned) {
             return Ok(Location::PinnedHost);
         }
-        if let Some(known) = remembered(&self.checked_cuda, |(record, known)| {
-            record.is(location).then_some(*known)
-        }) {
+        if let Some(known) = self
+            .checked_cuda
+            .find_map(|(record, known)| record.is(location).then_some(*known))
+        {
             return Ok(known);
         }
         if !location.is_instance(&self.pageable.bind(py).get_type())? {
-            return Err(PyTypeError::new_err(format!(
-                "expected a ResidencyLocation, got {}",
-                location.get_type().name()?
-            )));
+            return Err(refuse(
+                py,
+                Refusal::NotALocation {
+                    got: &location.get_type().name()?.to_cow()?,
+                },
+            ));
         }
         let kind = location.getattr(intern!(py, "kind"))?;
-        match kind.cast::<PyString>()?.to_str()? {
-            "pageable-host" => return Ok(Location::PageableHost),
-            "pinned-host" => return Ok(Location::PinnedHost),
-            "disk" => {
+        match LocationKind::named(kind.cast::<PyString>()?.to_str()?) {
+            LocationKind::PageableHost => return Ok(Location::PageableHost),
+            LocationKind::PinnedHost => return Ok(Location::PinnedHost),
+            LocationKind::Disk => {
                 let code: u32 = self.disk_code.bind(py).call1((location,))?.extract()?;
                 let checked = Location::from_code(code).map_err(|err| to_py_err(py, err.into()))?;
                 if let Location::Disk(index) = checked {
                     // Messages name the directory, as the record does.
                     residency_core::location::name_disk(index, &location.str()?.to_cow()?);
                 }
-                remember(&self.checked_cuda, (location.clone().unbind(), checked));
+                self.checked_cuda
+                    .remember((location.clone().unbind(), checked));
                 return Ok(checked);
             }
-            _ => {}
+            LocationKind::Cuda => {}
         }
         let index: u32 = location
             .getattr(intern!(py, "device"))?
             .getattr(intern!(py, "index"))?
             .extract()?;
-        if self.cuda_count == 0 {
-            return Err(PyValueError::new_err(
-                residency_core::location::cuda_unavailable(location.str()?),
-            ));
-        }
-        if index >= self.cuda_count {
-            return Err(PyValueError::new_err(format!(
-                "{} is not usable: only {} CUDA device(s) present",
-                location.str()?,
-                self.cuda_count
-            )));
-        }
+        CudaDevices::from_count(self.cuda_count)
+            .check(location.str()?, index)
+            .map_err(PyValueError::new_err)?;
         let checked = Location::cuda(index).map_err(|err| to_py_err(py, err.into()))?;
-        remember(&self.checked_cuda, (location.clone().unbind(), checked));
+        self.checked_cuda
+            .remember((location.clone().unbind(), checked));
         Ok(checked)
     }
 
@@ -356,7 +283,7 @@ impl Context {
         location: &Bound<'py, PyAny>,
         at: Location,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some(bound) = remembered(&self.checked_streams, |(known, known_at, bound)| {
+        if let Some(bound) = self.checked_streams.find_map(|(known, known_at, bound)| {
             (known.is(stream) && *known_at == at).then(|| bound.clone_ref(py))
         }) {
             return Ok(bound.into_bound(py));
@@ -366,38 +293,43 @@ impl Context {
             .call_method1(intern!(py, "is_stream"), (stream,))?
             .is_truthy()?
         {
-            return Err(PyTypeError::new_err(format!(
-                "stream must be a CUDA stream, got {}",
-                stream.get_type().name()?
-            )));
+            return Err(refuse(
+                py,
+                Refusal::NotAStream {
+                    got: &stream.get_type().name()?.to_cow()?,
+                },
+            ));
         }
         if !matches!(at, Location::Cuda(_)) {
-            return Err(PyValueError::new_err(format!(
-                "a stream was given for host location {}",
-                location.str()?
-            )));
+            return Err(refuse(
+                py,
+                Refusal::StreamForHost {
+                    location: &location.str()?.to_cow()?,
+                },
+            ));
         }
         let location_device = location.getattr(intern!(py, "device"))?;
         let device = runtime.call_method1(intern!(py, "stream_device"), (stream,))?;
         if device.ne(&location_device)? {
-            return Err(PyValueError::new_err(format!(
-                "stream is on {}, but the location is {}",
-                device.str()?,
-                location.str()?
-            )));
+            return Err(refuse(
+                py,
+                Refusal::StreamOnOtherDevice {
+                    device: &device.str()?.to_cow()?,
+                    location: &location.str()?.to_cow()?,
+                },
+            ));
         }
         // The stream as the manager keeps it: a default-stream handle, which names the
         // current device's default stream, is fixed to this location's device here
         // (docs/concepts/lifetimes.md#consumer-streams).
         let bound = runtime.call_method1(intern!(py, "bind_stream"), (stream, &location_device))?;
-        remember(
-            &self.checked_streams,
-            (stream.clone().unbind(), at, bound.clone().unbind()),
-        );
+        self.checked_streams
+            .remember((stream.clone().unbind(), at, bound.clone().unbind()));
         Ok(bound)
     }
 
-    /// Forgets the action records kept for direct calls (see `Actions`).
+    /// Forgets the action records kept for direct calls (a value was discarded, or the
+    /// manager closed), so no handle is held alive for reuse any longer.
     pub(crate) fn forget_direct_actions(&self) {
         self.direct_actions.clear();
     }
@@ -412,13 +344,15 @@ impl Context {
             Location::PageableHost => Ok(self.pageable.bind(py).clone()),
             Location::PinnedHost => Ok(self.pinned.bind(py).clone()),
             Location::Cuda(_) | Location::Disk(_) => {
-                if let Some(record) = remembered(&self.shared_cuda, |(known, record)| {
-                    (*known == location).then(|| record.clone_ref(py))
-                }) {
+                if let Some(record) = self
+                    .shared_cuda
+                    .find_map(|(known, record)| (*known == location).then(|| record.clone_ref(py)))
+                {
                     return Ok(record.into_bound(py));
                 }
                 let record = self.location_of.bind(py).call1((location.code(),))?;
-                remember(&self.shared_cuda, (location, record.clone().unbind()));
+                self.shared_cuda
+                    .remember((location, record.clone().unbind()));
                 Ok(record)
             }
         }

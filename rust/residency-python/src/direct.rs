@@ -2,14 +2,16 @@
 //! the measurement and placement checks, and the core's record, with the precise
 //! error for each refusal.
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyType};
-use residency_core::{Location, Recoverability, ReplicaMode, ValueSpec};
+use residency_core::placement::PlacementError;
+use residency_core::{
+    Location, Misplacement, Recoverability, Refusal, ReplicaMode, SourceRefusal, ValueSpec,
+};
 
-use crate::errors::to_py_err;
+use crate::errors::{refuse, to_py_err};
 use crate::manager::CoreManager;
 use crate::measure::Facts;
 
@@ -60,18 +62,16 @@ pub fn register(
 ) -> PyResult<Py<PyAny>> {
     let spec_class = VALUE_SPEC.import(py, "fhelium.residency.model", "ResidencyValueSpec")?;
     if !spec_record.is_instance(spec_class)? {
-        return Err(PyTypeError::new_err(format!(
-            "spec must be a ResidencyValueSpec, got {}",
-            spec_record.get_type().name()?
-        )));
+        return Err(refuse(
+            py,
+            Refusal::NotASpec {
+                got: &spec_record.get_type().name()?.to_cow()?,
+            },
+        ));
     }
     match source.getattr(intern!(py, "load")) {
         Ok(load) if load.is_callable() => {}
-        _ => {
-            return Err(PyTypeError::new_err(
-                "source must have a callable load() method",
-            ));
-        }
+        _ => return Err(refuse(py, Refusal::SourceNotLoadable)),
     }
     in_transition(manager, py, || {
         register_locked(manager, py, spec_record, source, source_location)
@@ -88,18 +88,21 @@ fn register_locked(
     let context = manager.context();
     let location = context.location_code(py, source_location)?;
     if location.is_disk() {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "a source loads into memory, so source_location cannot be the disk location {}",
-            source_location.str()?
-        )));
+        return Err(refuse(
+            py,
+            Refusal::SourceOnDisk {
+                location: &source_location.str()?.to_cow()?,
+            },
+        ));
     }
-    let Some((type_key, spec, value_type)) =
-        manager
+    let (type_key, spec, value_type) =
+        match manager
             .adopted_shapes()
             .read_spec(py, context, spec_record)?
-    else {
-        return Err(refused_spec(py, context, spec_record)?);
-    };
+        {
+            Ok(read) => read,
+            Err(refusal) => return Err(refused_spec(py, spec_record, refusal)?),
+        };
     manager.register_checked(
         py,
         type_key,
@@ -111,43 +114,21 @@ fn register_locked(
     )
 }
 
-/// Why `read_spec` refused a spec: it must be preserved, or a byte count exceeds
-/// what the core accounts.
+/// The error for a spec `register_source` refuses (`ValueSpec::source_bytes`).
 fn refused_spec(
     py: Python<'_>,
-    context: &crate::context::Context,
     spec_record: &Bound<'_, PyAny>,
+    refusal: SourceRefusal,
 ) -> PyResult<PyErr> {
-    if context.is_must_preserve(&spec_record.getattr(intern!(py, "recoverability"))?) {
-        return Ok(PyValueError::new_err(
-            "register_source requires Recoverability.RECONSTRUCTIBLE; \
-             use adopt() for values that must be preserved",
-        ));
-    }
-    for (field, name) in [
-        (intern!(py, "logical_nbytes"), "spec.logical_nbytes"),
-        (intern!(py, "storage_nbytes"), "spec.storage_nbytes"),
-    ] {
-        let nbytes = spec_record.getattr(field)?;
-        if nbytes.extract::<u64>().is_err() {
-            return Ok(PyValueError::new_err(format!(
-                "{name} of {nbytes} bytes exceeds the supported maximum of 2**64 - 1"
-            )));
-        }
-    }
-    Ok(PyRuntimeError::new_err(
-        "internal error: a spec was refused for no reason",
-    ))
-}
-
-/// What to do with a value that is not a `TensorResident`: a tensor is wrapped in a
-/// `ResidentTensor`; anything else through `as_resident`.
-fn wrap_hint(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
-    Ok(if crate::errors::is_tensor(py, value)? {
-        crate::errors::TENSOR_HINT
-    } else {
-        "wrap it first: fhelium.values.as_resident(value) takes a tensor, a mapping of names \
-         to tensors or a list of tensors (see docs/concepts/values.md#tensorresident)"
+    Ok(match refusal {
+        SourceRefusal::MustPreserve => refuse(py, Refusal::SourceMustPreserve),
+        SourceRefusal::TooManyBytes(field) => refuse(
+            py,
+            Refusal::TooManyBytes {
+                name: field.name(),
+                nbytes: &spec_record.getattr(field.attribute())?.str()?.to_cow()?,
+            },
+        ),
     })
 }
 
@@ -165,11 +146,13 @@ pub fn adopt(
     replica_mode: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
     if !is_tensor_resident(py, value)? {
-        return Err(PyTypeError::new_err(format!(
-            "value must be a TensorResident, got {}; {}",
-            value.get_type().name()?,
-            wrap_hint(py, value)?
-        )));
+        return Err(refuse(
+            py,
+            Refusal::NotTensorResident {
+                got: &value.get_type().name()?.to_cow()?,
+                tensor: crate::errors::is_tensor(py, value)?,
+            },
+        ));
     }
     in_transition(manager, py, || {
         adopt_locked(manager, py, value, at, replica_mode)
@@ -194,15 +177,17 @@ fn adopt_locked(
     crate::execute::check_measured(context, py, &facts, location, value)?;
     let mode_class = REPLICA_MODE.import(py, "fhelium.residency.model", "ReplicaMode")?;
     if !replica_mode.is_instance(mode_class)? {
-        return Err(PyTypeError::new_err(format!(
-            "replica_mode must be a ReplicaMode, got {}",
-            replica_mode.get_type().name()?
-        )));
+        return Err(refuse(
+            py,
+            Refusal::NotAReplicaMode {
+                got: &replica_mode.get_type().name()?.to_cow()?,
+            },
+        ));
     }
     let exclusive = context.is_exclusive(replica_mode);
     let value_type = value.get_type();
-    let logical = facts.logical;
-    let charge = residency_core::charge_of(logical, facts.storage);
+    let logical = facts.facts.logical;
+    let charge = residency_core::charge_of(logical, facts.facts.storage);
     let key = (value_type.as_ptr() as usize, logical, charge, exclusive);
     let (type_key, spec_record) = if let Some(entry) = manager.adopted_shapes().get(py, key) {
         entry
@@ -218,11 +203,7 @@ fn adopt_locked(
     let spec = ValueSpec::new(
         logical,
         charge,
-        if exclusive {
-            ReplicaMode::Exclusive
-        } else {
-            ReplicaMode::Replicable
-        },
+        ReplicaMode::of(exclusive),
         Recoverability::MustPreserve,
     )
     .map_err(|err| to_py_err(py, err))?;
@@ -231,17 +212,16 @@ fn adopt_locked(
         type_key,
         spec,
         location,
-        facts.storage,
-        &facts.keys,
+        facts.facts.storage,
+        &facts.facts.keys,
         value_type.into_any().unbind(),
         spec_record,
         value.clone().unbind(),
     )
 }
 
-/// Where a value adopted without `at` lives: its CUDA device, else pinned or
-/// pageable host memory as its tensors are. A value on another device is taken as
-/// pageable, which its placement check then refuses by name.
+/// Where a value adopted without `at` lives (the core's `ValueFacts::placement`),
+/// its CUDA location checked against the devices the runtime reports.
 fn placement_of(
     manager: &CoreManager,
     py: Python<'_>,
@@ -249,20 +229,19 @@ fn placement_of(
     facts: &Facts<'_>,
 ) -> PyResult<Location> {
     let context = manager.context();
-    if let Ok(index) = u32::try_from(facts.device_code) {
-        let cuda = Location::cuda(index).map_err(|err| to_py_err(py, err.into()))?;
-        // The shared record, checked against the devices the runtime reports.
-        return context.location_code(py, &context.location(py, cuda)?);
-    }
-    match facts.pinned {
-        Some(true) if facts.device_code == -1 => Ok(Location::PinnedHost),
-        None => Err(crate::execute::materialization_error(
+    match facts.facts.placement() {
+        Ok(cuda @ Location::Cuda(_)) => context.location_code(py, &context.location(py, cuda)?),
+        Ok(location) => Ok(location),
+        Err(PlacementError::Core(err)) => Err(to_py_err(py, err)),
+        Err(PlacementError::Misplaced(why)) => Err(to_py_err(
             py,
-            format!(
-                "{} mixes pinned and pageable host tensors",
-                value.get_type().name()?
-            ),
+            Misplacement {
+                why,
+                value: &value.get_type().name()?.to_cow()?,
+                location: "",
+                device: "",
+            }
+            .error(),
         )),
-        _ => Ok(Location::PageableHost),
     }
 }

@@ -3,11 +3,12 @@
 //! The classes are defined in Python (documented, picklable, typed); this module
 //! imports them once per interpreter and builds instances with their fields.
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyType};
 use pyo3::{IntoPyObjectExt, PyTypeInfo};
-use residency_core::{CoreError, Location};
+use residency_core::error::{self, ErrorClass, ErrorField, ErrorShape};
+use residency_core::{CoreError, Refusal, RefusalKind};
 
 pyo3::import_exception!(fhelium.errors, ResidencyHandleError);
 pyo3::import_exception!(fhelium.errors, ResidencyUnavailableError);
@@ -45,35 +46,10 @@ fn structured<'py>(
     }
 }
 
-fn location_name(py: Python<'_>, location: Option<Location>) -> PyResult<Bound<'_, PyAny>> {
-    match location {
-        Some(location) => location.name().into_bound_py_any(py),
-        None => Ok(py.None().into_bound(py)),
-    }
-}
-
 /// `text` as Python's `repr` writes it: messages that quote a name quote it the way
 /// the rest of the glue does.
 fn python_repr(py: Python<'_>, text: &str) -> PyResult<String> {
     Ok(PyString::new(py, text).repr()?.to_str()?.to_owned())
-}
-
-/// `ResidencyForkedError(message, owner_pid=, pid=)`.
-fn forked_error(py: Python<'_>, message: String, owner_pid: u32, pid: u32) -> PyErr {
-    match message.into_bound_py_any(py) {
-        Ok(text) => structured(
-            py,
-            &ResidencyForkedError::type_object(py),
-            vec![text],
-            || {
-                Ok(vec![
-                    ("owner_pid", owner_pid.into_bound_py_any(py)?),
-                    ("pid", pid.into_bound_py_any(py)?),
-                ])
-            },
-        ),
-        Err(err) => err,
-    }
 }
 
 /// `ResidencyStaleStateError(expected_version=, actual_version=)`; `expected` as the
@@ -92,112 +68,82 @@ pub fn stale_state(py: Python<'_>, expected: &Bound<'_, PyAny>, actual: u64) -> 
     )
 }
 
-/// Converts a core error into its documented Python exception.
-pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
-    let message = err.to_string();
-    match err {
-        CoreError::InvalidArgument { .. } => PyValueError::new_err(message),
-        CoreError::Handle { .. } => ResidencyHandleError::new_err(message),
-        CoreError::Unavailable { .. } => ResidencyUnavailableError::new_err(message),
-        CoreError::Materialization { .. } => ResidencyMaterializationError::new_err(message),
-        CoreError::Ownership { .. } => ResidencyOwnershipError::new_err(message),
-        CoreError::Reentrancy { .. } => ResidencyReentrancyError::new_err(message),
-        CoreError::Closed { .. } => ResidencyClosedError::new_err(message),
-        CoreError::Forked {
-            message,
-            owner_pid,
-            pid,
-        } => forked_error(py, message, owner_pid, pid),
-        CoreError::Internal { .. } | CoreError::Policy { .. } => PyRuntimeError::new_err(message),
-        CoreError::Plan { .. } => ResidencyPlanError::new_err(message),
-        CoreError::StaleState {
-            expected_version,
-            actual_version,
-        } => match expected_version.into_bound_py_any(py) {
-            Ok(expected) => stale_state(py, &expected, actual_version),
-            Err(err) => err,
-        },
-        CoreError::Budget {
-            location,
-            budget_bytes,
-            used_bytes,
-            reserved_bytes,
-            requested_bytes,
-        } => structured(py, &ResidencyBudgetError::type_object(py), vec![], || {
-            Ok(vec![
-                ("location", location_name(py, Some(location))?),
-                ("budget_bytes", budget_bytes.into_bound_py_any(py)?),
-                ("used_bytes", used_bytes.into_bound_py_any(py)?),
-                ("reserved_bytes", reserved_bytes.into_bound_py_any(py)?),
-                ("requested_bytes", requested_bytes.into_bound_py_any(py)?),
-            ])
-        }),
-        CoreError::InUse {
-            message,
-            location,
-            active_reads,
-            holds,
-            pending_events,
-        } => {
-            let text = message.clone().into_bound_py_any(py);
-            match text {
-                Ok(text) => structured(
-                    py,
-                    &ResidencyInUseError::type_object(py),
-                    vec![text],
-                    || {
-                        Ok(vec![
-                            ("location", location_name(py, location)?),
-                            ("active_reads", active_reads.into_bound_py_any(py)?),
-                            ("holds", holds.into_bound_py_any(py)?),
-                            ("pending_events", pending_events.into_bound_py_any(py)?),
-                        ])
-                    },
-                ),
-                Err(err) => err,
-            }
-        }
-        CoreError::SearchLimit {
-            request_name,
-            state_limit,
-            explored_states,
-            bound,
-            detail,
-        } => structured(
-            py,
-            &ResidencySearchLimitError::type_object(py),
-            vec![],
-            || {
-                Ok(vec![
-                    ("request_name", request_name.into_bound_py_any(py)?),
-                    ("state_limit", state_limit.into_bound_py_any(py)?),
-                    ("explored_states", explored_states.into_bound_py_any(py)?),
-                    ("detail", detail.into_bound_py_any(py)?),
-                    ("bound", bound.into_bound_py_any(py)?),
-                ])
-            },
-        ),
-        CoreError::SearchInfeasible {
-            request_name,
-            detail,
-        } => match python_repr(py, &request_name) {
-            Ok(name) => {
-                ResidencyPlanError::new_err(format!("request {name} is infeasible: {detail}"))
-            }
-            Err(err) => err,
-        },
-        CoreError::SearchUnavailable { handle_id } => match python_repr(py, &handle_id) {
-            Ok(handle_id) => ResidencyUnavailableError::new_err(format!(
-                "value {handle_id} has no materialization and no reconstruction source"
-            )),
-            Err(err) => err,
-        },
+/// The Python class of an error class.
+fn class_object(py: Python<'_>, class: ErrorClass) -> Bound<'_, PyType> {
+    match class {
+        ErrorClass::Value => PyValueError::type_object(py),
+        ErrorClass::Runtime => PyRuntimeError::type_object(py),
+        ErrorClass::Handle => ResidencyHandleError::type_object(py),
+        ErrorClass::Unavailable => ResidencyUnavailableError::type_object(py),
+        ErrorClass::Budget => ResidencyBudgetError::type_object(py),
+        ErrorClass::InUse => ResidencyInUseError::type_object(py),
+        ErrorClass::Materialization => ResidencyMaterializationError::type_object(py),
+        ErrorClass::Ownership => ResidencyOwnershipError::type_object(py),
+        ErrorClass::Plan => ResidencyPlanError::type_object(py),
+        ErrorClass::StaleState => ResidencyStaleStateError::type_object(py),
+        ErrorClass::SearchLimit => ResidencySearchLimitError::type_object(py),
+        ErrorClass::Reentrancy => ResidencyReentrancyError::type_object(py),
+        ErrorClass::Closed => ResidencyClosedError::type_object(py),
+        ErrorClass::Forked => ResidencyForkedError::type_object(py),
     }
 }
 
-/// What to do with a tensor passed where a managed value is expected.
-pub(crate) const TENSOR_HINT: &str = "wrap a tensor first: fhelium.values.ResidentTensor(tensor) \
-     (see docs/concepts/values.md#tensorresident)";
+/// Converts a core error into its documented Python exception: the class, message
+/// and fields the core gives it (`CoreError::class`, `shape`, `fields`).
+#[allow(clippy::needless_pass_by_value)] // taken as `map_err` hands it over
+pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
+    // Messages that quote a name quote it as Python does.
+    let message = match &err {
+        CoreError::SearchInfeasible {
+            request_name,
+            detail,
+        } => python_repr(py, request_name).map(|name| error::infeasible(&name, detail)),
+        CoreError::SearchUnavailable { handle_id } => {
+            python_repr(py, handle_id).map(|handle_id| error::unplaceable(&handle_id))
+        }
+        CoreError::InUse { message, .. } | CoreError::Forked { message, .. } => Ok(message.clone()),
+        _ => Ok(err.to_string()),
+    };
+    let message = match message {
+        Ok(message) => message,
+        Err(failed) => return failed,
+    };
+    let class = class_object(py, err.class());
+    let args = match err.shape() {
+        ErrorShape::Message => return PyErr::from_type(class, message),
+        ErrorShape::MessageAndFields => match message.into_bound_py_any(py) {
+            Ok(message) => vec![message],
+            Err(failed) => return failed,
+        },
+        ErrorShape::Fields => vec![],
+    };
+    structured(py, &class, args, || {
+        err.fields()
+            .into_iter()
+            .map(|(name, field)| {
+                let value = match field {
+                    ErrorField::Count(count) => count.into_bound_py_any(py)?,
+                    ErrorField::Text(text) => text.into_bound_py_any(py)?,
+                    ErrorField::Location(Some(location)) => {
+                        location.name().into_bound_py_any(py)?
+                    }
+                    ErrorField::Location(None) => py.None().into_bound(py),
+                };
+                Ok((name, value))
+            })
+            .collect()
+    })
+}
+
+/// Raises a core refusal (`residency_core::Refusal`) as the class it names.
+pub(crate) fn refuse(py: Python<'_>, refusal: Refusal<'_>) -> PyErr {
+    let message = refusal.to_string();
+    match refusal.kind() {
+        RefusalKind::Type => PyTypeError::new_err(message),
+        RefusalKind::Value => PyValueError::new_err(message),
+        RefusalKind::Materialization => to_py_err(py, CoreError::Materialization { message }),
+    }
+}
 
 /// Whether `value` is a `torch.Tensor`.
 pub(crate) fn is_tensor(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {

@@ -9,35 +9,27 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
+use residency_core::messages::cleanup_note;
+use residency_core::report::{AllocatorReadings, TransitionFacts};
 use residency_core::{
-    Action, ActionKind, Copied, CoreError, Freed, HandleId, HandleSlot, Location, Measured,
-    ObjectId, PlanPhase, PlanRun, RunError, TransitionDevice,
+    Action, ActionKind, Copied, CopyRoute, CoreError, Freed, HandleId, HandleSlot, Location,
+    Measured, Misplaced, Misplacement, ObjectId, Place, PlanPhase, PlanRun, Refusal, RunError,
+    TransitionDevice, ValueFacts,
 };
 
 use crate::context::Context;
-use crate::errors::to_py_err;
+use crate::errors::{refuse, to_py_err};
+use crate::kinds::kind_of;
 use crate::manager::CoreManager;
 use crate::measure::{self, Facts};
-use crate::transition::{Allocator, Transition, now_ns};
+use crate::transition::{Transition, now_ns};
 
 fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
     result.map_err(|err| to_py_err(py, err))
-}
-
-pub(crate) fn materialization_error(py: Python<'_>, message: String) -> PyErr {
-    to_py_err(py, CoreError::Materialization { message })
-}
-
-/// A transition's report fields beyond its no-op flag.
-struct Outcome<'py> {
-    source: Option<Bound<'py, PyAny>>,
-    destination: Option<Bound<'py, PyAny>>,
-    reason: Option<Bound<'py, PyAny>>,
 }
 
 /// Allocator figures around a transition that touches a CUDA device.
@@ -80,10 +72,10 @@ pub fn run_direct(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let context = manager.context();
-    let (builder, code, class) = match kind {
-        ActionKind::Ensure => (&context.new_ensure, 0, &context.ensure),
-        ActionKind::Move => (&context.new_move, 1, &context.move_),
-        ActionKind::Drop => (&context.new_drop, 2, &context.drop),
+    let (builder, class) = match kind {
+        ActionKind::Ensure => (&context.new_ensure, &context.ensure),
+        ActionKind::Move => (&context.new_move, &context.move_),
+        ActionKind::Drop => (&context.new_drop, &context.drop),
         ActionKind::Discard => {
             return Err(PyTypeError::new_err(
                 "internal error: discard is not a direct call",
@@ -108,8 +100,11 @@ pub fn run_direct(
             .get(position)
             .map_or(0, |field| field.as_ptr().addr())
     };
-    let key = (code, [address(0), address(1), address(2)]);
-    let action = if let Some(action) = context.direct_actions.get(py, &key) {
+    let key = (kind, [address(0), address(1), address(2)]);
+    let action = if let Some(action) = context
+        .direct_actions
+        .get(&key, |action| action.bind(py).clone())
+    {
         action
     } else {
         let action = builder.get().build(py, fields)?;
@@ -227,27 +222,16 @@ impl residency_core::Device for OneAction<'_, '_> {
 
 /// The action's kind: by exact class first, then as a subclass of one of the four.
 fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<ActionKind> {
-    let action_type = action.get_type();
-    let classes = [
-        (&context.ensure, ActionKind::Ensure),
-        (&context.move_, ActionKind::Move),
-        (&context.drop, ActionKind::Drop),
-        (&context.discard, ActionKind::Discard),
-    ];
-    for (class, kind) in classes {
-        if action_type.is(class) {
-            return Ok(kind);
-        }
-    }
-    for (class, kind) in classes {
-        if action.is_instance(class.bind(action.py()))? {
-            return Ok(kind);
-        }
-    }
-    Err(PyTypeError::new_err(format!(
-        "not a residency action: {}",
-        action.repr()?
-    )))
+    let py = action.py();
+    kind_of(
+        action,
+        &[
+            (context.ensure.bind(py), ActionKind::Ensure),
+            (context.move_.bind(py), ActionKind::Move),
+            (context.drop.bind(py), ActionKind::Drop),
+            (context.discard.bind(py), ActionKind::Discard),
+        ],
+    )
 }
 
 /// An action record read and checked: the core's action (its one value at slot 0)
@@ -304,50 +288,19 @@ fn step<'py>(
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Step<'py>> {
     let context = manager.context();
-    let handle = HandleSlot(0);
-    let mut bound = None;
-    let action = match kind {
-        ActionKind::Ensure => {
-            let at = context.location_code(py, location)?;
-            if let Some(stream) = stream {
-                bound = Some(context.check_stream(py, stream, location, at)?);
-            }
-            Action::Ensure {
-                handle,
-                location: at,
-            }
-        }
-        ActionKind::Move => {
-            let to = context.location_code(py, location)?;
-            let from = match from {
-                Some(from) if !from.is_none() => Some(context.location_code(py, from)?),
-                _ => None,
-            };
-            if let Some(stream) = stream {
-                bound = Some(context.check_stream(py, stream, location, to)?);
-            }
-            Action::Move { handle, to, from }
-        }
-        ActionKind::Drop => {
-            let at = context.location_code(py, location)?;
-            if stream.is_some() {
-                return Err(PyValueError::new_err(
-                    "DropResident does not take a transfer stream",
-                ));
-            }
-            Action::Drop {
-                handle,
-                location: at,
-            }
-        }
-        ActionKind::Discard => {
-            if stream.is_some() {
-                return Err(PyValueError::new_err(
-                    "DiscardValue does not take a transfer stream",
-                ));
-            }
-            Action::Discard { handle }
-        }
+    let at = match kind {
+        ActionKind::Discard => None,
+        _ => Some(context.location_code(py, location)?),
+    };
+    let from = match from {
+        Some(from) if !from.is_none() => Some(context.location_code(py, from)?),
+        _ => None,
+    };
+    let action = Action::new(kind, HandleSlot(0), at, from).map_err(|err| to_py_err(py, err))?;
+    let bound = match (stream, action.destination()) {
+        (None, _) => None,
+        (Some(stream), Some(to)) => Some(context.check_stream(py, stream, location, to)?),
+        (Some(_), None) => return Err(refuse(py, Refusal::StreamNotTaken { kind })),
     };
     Ok(Step {
         action,
@@ -404,34 +357,14 @@ fn execute_step<'py>(
 ) -> PyResult<Arc<Transition>> {
     let context = manager.context();
     let core = manager.core();
-    let device = match *action {
-        Action::Ensure { location: at, .. } | Action::Drop { location: at, .. } => {
-            if matches!(at, Location::Cuda(_)) {
-                Some(location.getattr(intern!(py, "device"))?)
-            } else {
-                None
-            }
-        }
-        Action::Move { to, from, .. } => {
-            let mut touched = vec![to];
-            match from {
-                Some(from) => touched.push(from),
-                None => touched.extend(lift(py, core.materialization_locations(index))?),
-            }
-            first_cuda(context, py, &touched)?
-        }
-        Action::Discard { .. } => first_cuda(
-            context,
-            py,
-            &lift(py, core.materialization_locations(index))?,
-        )?,
-    };
-    // An asynchronous plan (a prefetch) takes no allocator readings: its copies are
-    // still in flight, and a reading per transition would cost two allocator queries
-    // before the next copy is enqueued (docs/concepts/transitions.md#telemetry).
-    let sampled = !manager.asynchronous();
+    let asynchronous = manager.asynchronous();
+    let telemetry = action.telemetry(asynchronous, || core.materialization_locations(index));
+    let telemetry = lift(py, telemetry)?;
+    let device = place(context, py, location, telemetry.device)?
+        .map(|place| place.getattr(intern!(py, "device")))
+        .transpose()?;
     let before = match &device {
-        Some(cuda) if sampled => sample(context, py, cuda)?,
+        Some(cuda) if telemetry.readings => sample(context, py, cuda)?,
         _ => None,
     };
     let mut runtime = Runtime {
@@ -439,89 +372,58 @@ fn execute_step<'py>(
         py,
         stream,
     };
-    let done = match core.transition(action, index, !sampled, &mut runtime) {
+    let done = match core.transition(action, index, asynchronous, &mut runtime) {
         Ok(done) => done,
         Err(RunError::Core(error)) => return Err(to_py_err(py, error)),
         Err(RunError::Device(error)) => return Err(error),
     };
-    let no_op = |reason: &Py<PyAny>| done.no_op.then(|| reason.bind(py).clone());
-    let outcome = match *action {
-        Action::Ensure { .. } => Outcome {
-            source: location_of(context, py, done.source)?,
-            destination: Some(location.clone()),
-            reason: no_op(&context.ensure_noop),
-        },
-        Action::Move { .. } => Outcome {
-            source: location_of(context, py, done.source)?,
-            destination: Some(location.clone()),
-            reason: no_op(&context.move_noop),
-        },
-        Action::Drop { .. } => Outcome {
-            source: Some(location.clone()),
-            destination: None,
-            reason: no_op(&context.drop_noop),
-        },
-        Action::Discard { .. } => Outcome {
-            source: None,
-            destination: None,
-            reason: None,
-        },
-    };
+    let places = action.report_places(done.source, done.no_op);
+    let reason = places.no_op.map(|kind| match kind {
+        ActionKind::Move => &context.move_noop,
+        ActionKind::Drop => &context.drop_noop,
+        ActionKind::Ensure | ActionKind::Discard => &context.ensure_noop,
+    });
+    let source = place(context, py, location, places.source)?;
+    let destination = place(context, py, location, places.destination)?;
     let after = match &device {
-        Some(cuda) if sampled => sample(context, py, cuda)?,
+        Some(cuda) if telemetry.readings => sample(context, py, cuda)?,
         _ => None,
     };
     let spec = lift(py, core.value_spec(index))?;
     let allocator = device.map(|device| {
-        Box::new(Allocator {
+        Box::new(AllocatorReadings {
             device: device.unbind(),
             before: before.map(Sample::unbind),
             after: after.map(Sample::unbind),
         })
     });
-    let transition = Arc::new(Transition {
-        action: record.clone().unbind(),
-        no_op: done.no_op,
-        source: outcome.source.map(Bound::unbind),
-        destination: outcome.destination.map(Bound::unbind),
-        logical: spec.logical_nbytes(),
-        storage: spec.storage_nbytes(),
+    let transition = Arc::new(Transition::new(TransitionFacts::completed_now(
+        record.clone().unbind(),
+        done.no_op,
+        source.map(Bound::unbind),
+        destination.map(Bound::unbind),
+        spec.logical_nbytes(),
+        spec.storage_nbytes(),
         started,
-        completed: now_ns().max(started),
         allocator,
-        reason: outcome.reason.map(Bound::unbind),
-        report: PyOnceLock::new(),
-    });
+        reason.map(|reason| reason.clone_ref(py)),
+    )));
     manager.record(&transition);
     Ok(transition)
 }
 
-/// The location record of `location`, if any.
-fn location_of<'py>(
+/// The location record of `place`: `named` is the record the action names.
+fn place<'py>(
     context: &Context,
     py: Python<'py>,
-    location: Option<Location>,
+    named: &Bound<'py, PyAny>,
+    place: Place,
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
-    location
-        .map(|location| context.location(py, location))
-        .transpose()
-}
-
-/// The device of the first CUDA location among `locations`.
-fn first_cuda<'py>(
-    context: &Context,
-    py: Python<'py>,
-    locations: &[Location],
-) -> PyResult<Option<Bound<'py, PyAny>>> {
-    locations
-        .iter()
-        .find(|location| matches!(location, Location::Cuda(_)))
-        .map(|location| {
-            context
-                .location(py, *location)?
-                .getattr(intern!(py, "device"))
-        })
-        .transpose()
+    match place {
+        Place::None => Ok(None),
+        Place::Named => Ok(Some(named.clone())),
+        Place::At(location) => context.location(py, location).map(Some),
+    }
 }
 
 /// The allocator's figures on `device`; a runtime that cannot say gives none.
@@ -628,12 +530,7 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
         };
         let context = self.manager.context();
         let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
-        let stream = match self.stream {
-            Some(stream) => stream.clone(),
-            None => context
-                .runtime(py)
-                .call_method1(intern!(py, "current_stream"), (&device,))?,
-        };
+        let stream = transfer_stream(context, py, &device, self.stream)?;
         Ok(Some(Deferral {
             source,
             device,
@@ -710,9 +607,9 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
             value.facts.as_ref(),
         )?;
         Ok(Measured {
-            logical_nbytes: facts.logical,
-            storage_nbytes: facts.storage,
-            keys: facts.keys,
+            logical_nbytes: facts.facts.logical,
+            storage_nbytes: facts.facts.storage,
+            keys: facts.facts.keys,
         })
     }
 
@@ -795,64 +692,56 @@ fn copy_to<'py>(
 ) -> PyResult<CopyMade<'py>> {
     let runtime = context.runtime.bind(py);
     let disk = context.disk.bind(py);
-    if let Location::Disk(_) = source {
+    match CopyRoute::between(source, at) {
         // Read back: mapped into pageable memory, read into pinned memory, or through
         // the disk tier's pinned staging ring to a device, a chunk at a time, with the
         // copies on the transfer stream (docs/concepts/locations-and-budgets.md#disk).
-        if !matches!(at, Location::Cuda(_)) {
-            let pinned = at == Location::PinnedHost;
-            let read = disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?;
-            return Ok(CopyMade::host(read));
+        CopyRoute::ReadToHost { pinned } => Ok(CopyMade::host(
+            disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?,
+        )),
+        CopyRoute::ReadToCuda => {
+            let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
+            let copy_stream = transfer_stream(context, py, &device, stream)?;
+            // The tier waits for its own copies before it raises.
+            let (read, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = disk
+                .call_method1(
+                    intern!(py, "read_to_cuda"),
+                    (value, &device, &copy_stream, runtime),
+                )?
+                .extract()?;
+            let event = if asynchronous {
+                Some(event)
+            } else {
+                runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
+                None
+            };
+            Ok(CopyMade {
+                value: read,
+                event,
+                owner: Some(copy_stream),
+                facts: None,
+            })
         }
-        let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
-        let copy_stream = match stream {
-            Some(stream) => stream.clone(),
-            None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
-        };
-        // The tier waits for its own copies before it raises.
-        let (read, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = disk
-            .call_method1(
-                intern!(py, "read_to_cuda"),
-                (value, &device, &copy_stream, runtime),
-            )?
-            .extract()?;
-        let event = if asynchronous {
-            Some(event)
-        } else {
-            runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-            None
-        };
-        return Ok(CopyMade {
-            value: read,
-            event,
-            owner: Some(copy_stream),
-            facts: None,
-        });
-    }
-    match at {
-        Location::Disk(_) => Ok(CopyMade::host(disk.call_method1(
+        CopyRoute::Write => Ok(CopyMade::host(disk.call_method1(
             intern!(py, "write"),
             (context.location(py, at)?, value, runtime),
         )?)),
-        Location::PinnedHost => Ok(CopyMade::host(
+        CopyRoute::ToPinned => Ok(CopyMade::host(
             runtime.call_method1(intern!(py, "copy_to_pinned"), (value,))?,
         )),
-        Location::PageableHost => Ok(CopyMade::host(
+        CopyRoute::ToPageable => Ok(CopyMade::host(
             runtime.call_method1(intern!(py, "copy_to_pageable"), (value,))?,
         )),
-        Location::Cuda(_) => {
+        CopyRoute::ToCuda { non_blocking } => {
             let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
-            let copy_stream = match stream {
-                Some(stream) => stream.clone(),
-                None => runtime.call_method1(intern!(py, "current_stream"), (&device,))?,
-            };
+            let copy_stream = transfer_stream(context, py, &device, stream)?;
             let copied = enqueue_cuda_copy(
                 context,
                 py,
                 value,
                 &device,
                 &copy_stream,
-                source != Location::PageableHost,
+                non_blocking,
                 asynchronous,
             );
             let error = match copied {
@@ -878,11 +767,9 @@ fn copy_to<'py>(
                         .setattr(intern!(py, "__context__"), error.value(py))?;
                     return Err(cleanup);
                 }
-                let note = format!(
-                    "cleanup after the failed transfer to {} also failed: copy stream \
-                     synchronize raised {}",
-                    device.str()?,
-                    cleanup.value(py).repr()?
+                let note = cleanup_note(
+                    &device.str()?.to_cow()?,
+                    &cleanup.value(py).repr()?.to_cow()?,
                 );
                 error
                     .value(py)
@@ -890,6 +777,22 @@ fn copy_to<'py>(
             }
             Err(error)
         }
+    }
+}
+
+/// The stream a copy to `device` goes on: the transfer stream, else the device's
+/// current stream.
+fn transfer_stream<'py>(
+    context: &Context,
+    py: Python<'py>,
+    device: &Bound<'py, PyAny>,
+    stream: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    match stream {
+        Some(stream) => Ok(stream.clone()),
+        None => context
+            .runtime(py)
+            .call_method1(intern!(py, "current_stream"), (device,)),
     }
 }
 
@@ -967,11 +870,7 @@ fn validate<'py>(
         return Ok(Facts {
             device: None,
             first: None,
-            device_code: -2,
-            pinned: None,
-            logical,
-            storage,
-            keys: Vec::new(),
+            facts: ValueFacts::stored(logical, storage),
         });
     }
     let spec = manager.spec_object(py, index)?;
@@ -979,19 +878,17 @@ fn validate<'py>(
     if !value.is_instance(&value_type)? {
         let handle = manager.handle_object(py, index)?;
         let handle_id = handle.bind(py).getattr(intern!(py, "handle_id"))?;
-        return Err(materialization_error(
+        return Err(refuse(
             py,
-            format!(
-                "expected a {} for value {}, got {}{}",
-                value_type.getattr(intern!(py, "__name__"))?,
-                handle_id.repr()?,
-                value.get_type().name()?,
-                if crate::errors::is_tensor(py, value)? {
-                    format!("; {}", crate::errors::TENSOR_HINT)
-                } else {
-                    String::new()
-                },
-            ),
+            Refusal::WrongValueType {
+                expected: &value_type
+                    .getattr(intern!(py, "__name__"))?
+                    .str()?
+                    .to_cow()?,
+                handle: &handle_id.repr()?.to_cow()?,
+                got: &value.get_type().name()?.to_cow()?,
+                tensor: crate::errors::is_tensor(py, value)?,
+            },
         ));
     }
     let facts = match known {
@@ -1026,15 +923,18 @@ fn facts_of<'py>(facts: &Bound<'py, PyAny>) -> PyResult<Facts<'py>> {
     Ok(Facts {
         device: Some(facts.get_item(0)?),
         first: None,
-        device_code: facts.get_item(1)?.extract()?,
-        pinned: facts.get_item(2)?.extract()?,
-        logical: facts.get_item(3)?.extract()?,
-        storage: facts.get_item(4)?.extract()?,
-        keys: facts.get_item(5)?.extract()?,
+        facts: ValueFacts {
+            device_code: facts.get_item(1)?.extract()?,
+            pinned: facts.get_item(2)?.extract()?,
+            logical: facts.get_item(3)?.extract()?,
+            storage: facts.get_item(4)?.extract()?,
+            keys: facts.get_item(5)?.extract()?,
+        },
     })
 }
 
-/// Refuses a value measured somewhere other than `at`, by name.
+/// Refuses a value measured somewhere other than `at`, by name: the core's placement
+/// rule and diagnosis (`ValueFacts::misplaced`), with the names its message needs.
 pub(crate) fn check_measured(
     context: &Context,
     py: Python<'_>,
@@ -1042,60 +942,19 @@ pub(crate) fn check_measured(
     at: Location,
     value: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    // The core's placement rule; what is refused is diagnosed by its devices here.
-    if at.holds(facts.device_code, facts.pinned, facts.storage) {
-        Ok(())
-    } else {
-        check_placement(context, py, facts, at, value)
-    }
-}
-
-/// The placement error for a value measured somewhere other than `at`.
-fn check_placement(
-    context: &Context,
-    py: Python<'_>,
-    facts: &Facts<'_>,
-    at: Location,
-    value: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    let name = value.get_type().name()?;
-    let location = context.location(py, at)?;
-    if at.is_disk() {
-        return Err(materialization_error(
-            py,
-            format!(
-                "{name} is in memory, but the location is {}: values reach a disk location \
-                 only by ensure or move",
-                location.str()?
-            ),
-        ));
-    }
-    let device = location.getattr(intern!(py, "device"))?;
-    let measured = facts.device()?;
-    if !measured.eq(&device)? {
-        return Err(materialization_error(
-            py,
-            format!(
-                "{name} is on {}, but the location is {}",
-                measured.str()?,
-                location.str()?
-            ),
-        ));
-    }
-    if !matches!(at, Location::PageableHost | Location::PinnedHost) {
+    let Some(why) = facts.facts.misplaced(at) else {
         return Ok(());
-    }
-    let message = match (facts.pinned, at) {
-        (None, _) => format!("{name} mixes pinned and pageable host tensors"),
-        (Some(false), Location::PinnedHost) => format!(
-            "{name} is not in pinned memory, but the location is {}",
-            location.str()?
-        ),
-        (Some(true), Location::PageableHost) => format!(
-            "{name} is in pinned memory, but the location is {}",
-            location.str()?
-        ),
-        _ => return Ok(()),
     };
-    Err(materialization_error(py, message))
+    let device = match why {
+        Misplaced::OtherDevice => facts.device()?.str()?.to_string(),
+        _ => String::new(),
+    };
+    let misplacement = Misplacement {
+        why,
+        value: &value.get_type().name()?.to_cow()?,
+        location: &context.location(py, at)?.str()?.to_cow()?,
+        device: &device,
+    }
+    .error();
+    Err(to_py_err(py, misplacement))
 }

@@ -5,8 +5,40 @@
 //! values keep the numbers the glue used before, and `eq_int` lets them compare
 //! equal to those numbers while callers move over.
 
+use std::borrow::Borrow;
+
 use pyo3::prelude::*;
-use residency_core::ActionKind;
+use residency_core::{ActionKind, Refusal};
+
+use crate::errors::refuse;
+
+/// The kind of `action` among the action record `classes`, in order: an exact class
+/// matches by identity first, then a subclass by `isinstance`; anything else is not an
+/// action.
+#[inline]
+pub(crate) fn kind_of<'py, C: Borrow<Bound<'py, PyAny>>>(
+    action: &Bound<'py, PyAny>,
+    classes: &[(C, ActionKind)],
+) -> PyResult<ActionKind> {
+    let action_type = action.get_type();
+    if let Some((_, kind)) = classes
+        .iter()
+        .find(|(class, _)| class.borrow().is(&action_type))
+    {
+        return Ok(*kind);
+    }
+    for (class, kind) in classes {
+        if action.is_instance(class.borrow())? {
+            return Ok(*kind);
+        }
+    }
+    Err(refuse(
+        action.py(),
+        Refusal::NotAnAction {
+            repr: &action.repr()?.to_cow()?,
+        },
+    ))
+}
 
 /// The kind of a residency action.
 #[pyclass(

@@ -7,27 +7,23 @@
 //! encoded as tuples (the controller's tests and tools build such tables by hand).
 
 use std::borrow::Cow;
-use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyAssertionError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple, PyType};
+use residency_core::tables::{FirstSeen, Identity, Interner};
 use residency_core::{
-    Action, FastMap, HandleRef, HandleSlot, Location, Plan, Reservation, Resolutions,
+    Action, ActionKind, HandleRef, HandleSlot, Location, LocationKind, Plan, Refusal, Reservation,
+    Resolutions,
 };
 
-use crate::errors::to_py_err;
-use crate::kinds::PyActionKind;
+use crate::errors::{refuse, to_py_err};
+use crate::kinds::{PyActionKind, kind_of};
 
 /// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent.
 type ActionTuple = (PyActionKind, u32, i64, i64);
-
-/// A location code, or the `ValueError` naming what is wrong with it.
-fn location(code: i64) -> PyResult<Location> {
-    Location::from_signed_code(code).map_err(|err| PyValueError::new_err(err.to_string()))
-}
 
 fn actions(tuples: Vec<ActionTuple>) -> PyResult<Vec<Action>> {
     tuples
@@ -76,16 +72,7 @@ impl PlanIr {
 #[pymethods]
 impl PlanIr {
     fn __repr__(&self) -> String {
-        let plan = &self.plan;
-        format!(
-            "PlanIR(name={:?}, handles={}, reclaim={}, enter={}, exit={}, reservations={})",
-            plan.name(),
-            plan.handles().len(),
-            plan.reclaim().len(),
-            plan.enter().len(),
-            plan.exit().len(),
-            plan.reservations().len(),
-        )
+        self.plan.to_string()
     }
 }
 
@@ -126,11 +113,8 @@ fn build(
     let reservations = reservations
         .into_iter()
         .map(|(code, nbytes, label)| {
-            Ok(Reservation {
-                location: location(code)?,
-                nbytes,
-                label: Arc::from(label),
-            })
+            Reservation::decode(code, nbytes, label)
+                .map_err(|err| PyValueError::new_err(err.to_string()))
         })
         .collect::<PyResult<Vec<_>>>()?;
     let plan = Plan::new(
@@ -145,48 +129,34 @@ fn build(
     Ok(PlanIr::new(plan))
 }
 
-/// The kinds of the action record classes, in the glue's registration order: an
-/// exact class matches by identity, a subclass by `isinstance` in this order.
+/// The kinds of the action record classes, in the glue's registration order (see
+/// `kinds::kind_of`).
 struct Kinds<'py> {
-    classes: Vec<(Bound<'py, PyType>, PyActionKind)>,
+    classes: Vec<(Bound<'py, PyAny>, ActionKind)>,
 }
 
 impl<'py> Kinds<'py> {
     fn new(kinds: &Bound<'py, PyDict>) -> PyResult<Self> {
         let classes = kinds
             .iter()
-            .map(|(class, kind)| Ok((class.cast_into::<PyType>()?, kind.extract()?)))
+            .map(|(class, kind)| {
+                let kind: PyActionKind = kind.extract()?;
+                Ok((class.cast_into::<PyType>()?.into_any(), kind.into()))
+            })
             .collect::<PyResult<_>>()?;
         Ok(Self { classes })
     }
 
-    fn of(&self, action: &Bound<'py, PyAny>) -> PyResult<PyActionKind> {
-        let action_type = action.get_type();
-        if let Some((_, kind)) = self
-            .classes
-            .iter()
-            .find(|(class, _)| class.is(&action_type))
-        {
-            return Ok(*kind);
-        }
-        for (class, kind) in &self.classes {
-            if action.is_instance(class)? {
-                return Ok(*kind);
-            }
-        }
-        Err(PyTypeError::new_err(format!(
-            "not a residency action: {}",
-            action.repr()?
-        )))
+    fn of(&self, action: &Bound<'py, PyAny>) -> PyResult<ActionKind> {
+        kind_of(action, &self.classes)
     }
 }
 
 /// The core's location code of a location record: 0 pageable host, 1 pinned host,
 /// 2 + CUDA index. The records seen so far are remembered by identity (each is kept
 /// alive here, so its address stays its own).
-#[derive(Default)]
 struct Codes<'py> {
-    known: Vec<(Bound<'py, PyAny>, i64)>,
+    known: FirstSeen<(Bound<'py, PyAny>, i64)>,
 }
 
 /// Distinct location objects and value types remembered per call; plans name few.
@@ -194,14 +164,21 @@ const KNOWN_LOCATIONS: usize = 16;
 const KNOWN_TYPES: usize = 16;
 
 impl<'py> Codes<'py> {
+    fn new() -> Self {
+        Self {
+            known: FirstSeen::new(KNOWN_LOCATIONS),
+        }
+    }
+
     fn of(&mut self, location: &Bound<'py, PyAny>) -> PyResult<i64> {
-        if let Some((_, code)) = self.known.iter().find(|(known, _)| known.is(location)) {
-            return Ok(*code);
+        if let Some(code) = self
+            .known
+            .find_map(|(known, code)| known.is(location).then_some(*code))
+        {
+            return Ok(code);
         }
         let code = location_code(location)?;
-        if self.known.len() < KNOWN_LOCATIONS {
-            self.known.push((location.clone(), code));
-        }
+        self.known.insert((location.clone(), code));
         Ok(code)
     }
 }
@@ -209,35 +186,34 @@ impl<'py> Codes<'py> {
 fn location_code(location: &Bound<'_, PyAny>) -> PyResult<i64> {
     let py = location.py();
     let kind = location.getattr(intern!(py, "kind"))?;
-    let is = |text: &str| -> PyResult<bool> {
-        match kind.cast_exact::<PyString>() {
-            Ok(kind) => Ok(kind.to_str().is_ok_and(|kind| kind == text)),
-            Err(_) => kind.eq(text),
-        }
+    let kind = match kind.cast::<PyString>() {
+        Ok(kind) => kind
+            .to_str()
+            .map_or(LocationKind::Cuda, LocationKind::named),
+        Err(_) => LocationKind::Cuda,
     };
-    if is("pageable-host")? {
-        return Ok(0);
+    match kind {
+        LocationKind::PageableHost => Ok(Location::PageableHost.code().into()),
+        LocationKind::PinnedHost => Ok(Location::PinnedHost.code().into()),
+        LocationKind::Disk => {
+            // The glue numbers disk directories (`_lowering.location_code`).
+            let lowering = py.import(intern!(py, "fhelium.residency._lowering"))?;
+            lowering
+                .getattr(intern!(py, "location_code"))?
+                .call1((location,))?
+                .extract()
+        }
+        LocationKind::Cuda => {
+            let index = location
+                .getattr(intern!(py, "device"))?
+                .getattr(intern!(py, "index"))?;
+            if index.is_none() {
+                // A location record always names an indexed CUDA device.
+                return Err(PyAssertionError::new_err(()));
+            }
+            index.add(2)?.extract()
+        }
     }
-    if is("pinned-host")? {
-        return Ok(1);
-    }
-    if is("disk")? {
-        // The glue numbers disk directories (`_lowering.location_code`).
-        let lowering = py.import(intern!(py, "fhelium.residency._lowering"))?;
-        return lowering
-            .getattr(intern!(py, "location_code"))?
-            .call1((location,))?
-            .extract();
-    }
-    let index = location
-        .getattr(intern!(py, "device"))?
-        .getattr(intern!(py, "index"))?;
-    if index.is_none() {
-        // A location record always names an indexed CUDA device.
-        return Err(PyAssertionError::new_err(()));
-    }
-    let index: i64 = index.add(2)?.extract()?;
-    Ok(index)
 }
 
 /// `text` as the core's UTF-8 diagnostics: lone surrogates become U+FFFD, exactly as
@@ -259,74 +235,30 @@ fn diagnostic_text<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, str>> {
     ))
 }
 
-/// The plan's handle table, in first-appearance order, keyed as a Python dict keyed
-/// by the handle records would be: by their hash, then identity or equality.
-struct Slots<'py> {
-    handles: Vec<Bound<'py, PyAny>>,
-    /// The first slot whose handle has a given hash; `collisions` holds the others.
-    by_hash: FastMap<isize, u32>,
-    collisions: Vec<(isize, u32)>,
-    /// Every object seen, by address, with its slot; `kept` keeps the ones that are
-    /// not in the table alive while lowering, so no address is reused meanwhile.
-    seen: FastMap<usize, u32>,
-    kept: Vec<Bound<'py, PyAny>>,
-}
+/// The plan's handle table (the core's `Interner`), keyed as a Python dict keyed by
+/// the handle records would be: by their hash, then identity or equality.
+type Slots<'py> = Interner<Bound<'py, PyAny>>;
 
-impl<'py> Slots<'py> {
-    fn new() -> Self {
-        Self {
-            handles: Vec::new(),
-            by_hash: FastMap::default(),
-            collisions: Vec::new(),
-            seen: FastMap::default(),
-            kept: Vec::new(),
-        }
+/// How the handle table asks about handle records.
+struct Handles<'py>(Python<'py>);
+
+impl<'py> Identity<Bound<'py, PyAny>> for Handles<'py> {
+    type Error = PyErr;
+
+    fn address(&self, handle: &Bound<'py, PyAny>) -> usize {
+        handle.as_ptr().addr()
     }
 
-    /// The slot of `handle`, appended to the table when no equal handle is in it.
-    fn slot(&mut self, handle: Bound<'py, PyAny>) -> PyResult<u32> {
-        let address = handle.as_ptr().addr();
-        if let Some(slot) = self.seen.get(&address) {
-            return Ok(*slot);
-        }
-        let hash = handle.hash()?;
-        let slot = if let Some(slot) = self.find(hash, &handle)? {
-            self.kept.push(handle);
-            slot
-        } else {
-            let slot = u32::try_from(self.handles.len())
-                .map_err(|_| PyValueError::new_err("a plan names at most 2**32 handles"))?;
-            match self.by_hash.entry(hash) {
-                Entry::Vacant(entry) => {
-                    entry.insert(slot);
-                }
-                // The first handle with this hash keeps the map's entry.
-                Entry::Occupied(_) => self.collisions.push((hash, slot)),
-            }
-            self.handles.push(handle);
-            slot
-        };
-        self.seen.insert(address, slot);
-        Ok(slot)
+    fn hash(&self, handle: &Bound<'py, PyAny>) -> PyResult<isize> {
+        handle.hash()
     }
 
-    fn find(&self, hash: isize, handle: &Bound<'py, PyAny>) -> PyResult<Option<u32>> {
-        let Some(&first) = self.by_hash.get(&hash) else {
-            return Ok(None);
-        };
-        let candidates = std::iter::once(first).chain(
-            self.collisions
-                .iter()
-                .filter(move |(other, _)| *other == hash)
-                .map(|(_, slot)| *slot),
-        );
-        for slot in candidates {
-            let known = &self.handles[slot as usize];
-            if known.is(handle) || known.eq(handle)? {
-                return Ok(Some(slot));
-            }
-        }
-        Ok(None)
+    fn same(&self, known: &Bound<'py, PyAny>, handle: &Bound<'py, PyAny>) -> PyResult<bool> {
+        Ok(known.is(handle) || known.eq(handle)?)
+    }
+
+    fn too_many(&self) -> PyErr {
+        refuse(self.0, Refusal::TooManyHandles)
     }
 }
 
@@ -340,10 +272,10 @@ fn encode_actions<'py>(
     let mut encoded = Vec::with_capacity(actions.len().unwrap_or(0));
     for action in actions.try_iter()? {
         let action = action?;
-        let slot = slots.slot(action.getattr(intern!(py, "handle"))?)?;
+        let slot = slots.slot(action.getattr(intern!(py, "handle"))?, &Handles(py))?;
         let kind = kinds.of(&action)?;
         encoded.push(match kind {
-            PyActionKind::Move => {
+            ActionKind::Move => {
                 let to = codes.of(&action.getattr(intern!(py, "to"))?)?;
                 let source = action.getattr(intern!(py, "from_location"))?;
                 let from = if source.is_none() {
@@ -351,12 +283,12 @@ fn encode_actions<'py>(
                 } else {
                     codes.of(&source)?
                 };
-                (kind, slot, to, from)
+                (kind.into(), slot, to, from)
             }
-            PyActionKind::Discard => (kind, slot, -1, -1),
-            PyActionKind::Ensure | PyActionKind::Drop => {
+            ActionKind::Discard => (kind.into(), slot, -1, -1),
+            ActionKind::Ensure | ActionKind::Drop => {
                 let location = codes.of(&action.getattr(intern!(py, "location"))?)?;
-                (kind, slot, location, -1)
+                (kind.into(), slot, location, -1)
             }
         });
     }
@@ -395,16 +327,16 @@ pub fn lower_records<'py>(
     type_key: &Bound<'py, PyAny>,
 ) -> PyResult<(PlanIr, Bound<'py, PyTuple>)> {
     let kinds = Kinds::new(kinds)?;
-    let mut slots = Slots::new();
-    let mut codes = Codes::default();
+    let mut slots = Slots::default();
+    let mut codes = Codes::new();
     let reclaim = encode_actions(reclaim, &kinds, &mut slots, &mut codes)?;
     let enter = encode_actions(enter, &kinds, &mut slots, &mut codes)?;
     let exit = encode_actions(exit, &kinds, &mut slots, &mut codes)?;
-    let mut type_keys: Vec<(Bound<'py, PyAny>, u64)> = Vec::new();
+    let mut type_keys: FirstSeen<(Bound<'py, PyAny>, u64)> = FirstSeen::new(KNOWN_TYPES);
     // Handles of one manager share their manager id object: converted once.
     let mut manager_ids: Option<(Bound<'py, PyAny>, Arc<str>)> = None;
-    let mut handles = Vec::with_capacity(slots.handles.len());
-    for handle in &slots.handles {
+    let mut handles = Vec::with_capacity(slots.items().len());
+    for handle in slots.items() {
         let manager_id = handle.getattr(intern!(py, "manager_id"))?;
         let manager_id = match &manager_ids {
             Some((known, text)) if known.is(&manager_id) => Arc::clone(text),
@@ -416,14 +348,13 @@ pub fn lower_records<'py>(
         };
         let handle_id = Arc::from(diagnostic_text(&handle.getattr(intern!(py, "handle_id"))?)?);
         let value_type = handle.getattr(intern!(py, "value_type"))?;
-        let key = if let Some((_, key)) = type_keys.iter().find(|(known, _)| known.is(&value_type))
+        let key = if let Some(key) =
+            type_keys.find_map(|(known, key)| known.is(&value_type).then_some(*key))
         {
-            *key
+            key
         } else {
             let key: u64 = type_key.call1((&value_type,))?.extract()?;
-            if type_keys.len() < KNOWN_TYPES {
-                type_keys.push((value_type, key));
-            }
+            type_keys.insert((value_type, key));
             key
         };
         handles.push(HandleRef {
@@ -450,5 +381,5 @@ pub fn lower_records<'py>(
         exit,
         encoded_reservations,
     )?;
-    Ok((ir, PyTuple::new(py, &slots.handles)?))
+    Ok((ir, PyTuple::new(py, slots.items())?))
 }

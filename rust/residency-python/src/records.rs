@@ -19,6 +19,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString, PyTuple, PyType};
+use residency_core::tables::{ByCode, Last};
 use residency_core::{ActionOutcome, Location, Materialization, ValueRecord};
 
 /// Builds instances of one record class from field values in declaration order.
@@ -85,9 +86,18 @@ impl RecordBuilder {
         py: Python<'py>,
         fields: &[&Bound<'py, PyAny>],
     ) -> PyResult<Bound<'py, PyAny>> {
+        self.build_with(py, fields.iter().map(|field| Ok(*field)))
+    }
+
+    /// One record from fields made one at a time, in declaration order.
+    pub fn build_with<'py, V: IntoPyObject<'py>>(
+        &self,
+        py: Python<'py>,
+        fields: impl IntoIterator<Item = PyResult<V>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let record = self.fill.bind(py).call0()?;
         for (name, value) in self.names.iter().zip(fields) {
-            record.setattr(name.bind(py), *value)?;
+            record.setattr(name.bind(py), value?)?;
         }
         record.setattr(self.class_name.bind(py), self.record.bind(py))?;
         Ok(record)
@@ -97,50 +107,26 @@ impl RecordBuilder {
 /// Location records by core code, each asked of the glue once per bulk call.
 pub struct Locations<'a, 'py> {
     location_of: &'a Bound<'py, PyAny>,
-    known: Vec<Option<Bound<'py, PyAny>>>,
+    known: ByCode<Bound<'py, PyAny>>,
 }
 
 impl<'a, 'py> Locations<'a, 'py> {
     pub fn new(location_of: &'a Bound<'py, PyAny>) -> Self {
         Self {
             location_of,
-            known: Vec::new(),
+            known: ByCode::default(),
         }
     }
 
     pub fn get(&mut self, code: u32) -> PyResult<Bound<'py, PyAny>> {
-        let index = code as usize;
-        if let Some(Some(location)) = self.known.get(index) {
-            return Ok(location.clone());
-        }
-        let location = self.location_of.call1((code,))?;
-        if self.known.len() <= index {
-            self.known.resize(index + 1, None);
-        }
-        self.known[index] = Some(location.clone());
-        Ok(location)
+        let location_of = self.location_of;
+        self.known.get_or_try(code, || location_of.call1((code,)))
     }
 }
 
 /// Python ints for one column of byte counts, which mostly repeats the previous
 /// row's value: that one is kept.
-#[derive(Default)]
-pub struct Ints<'py> {
-    last: Option<(u64, Bound<'py, PyAny>)>,
-}
-
-impl<'py> Ints<'py> {
-    pub fn get(&mut self, py: Python<'py>, value: u64) -> PyResult<Bound<'py, PyAny>> {
-        if let Some((last, int)) = &self.last {
-            if *last == value {
-                return Ok(int.clone());
-            }
-        }
-        let int = value.into_bound_py_any(py)?;
-        self.last = Some((value, int.clone()));
-        Ok(int)
-    }
-}
+type Ints<'py> = Last<u64, Bound<'py, PyAny>>;
 
 /// Python strings for reasons, converted once per distinct text in a bulk call.
 #[derive(Default)]
@@ -160,9 +146,10 @@ impl<'s, 'py> Strings<'s, 'py> {
     }
 }
 
-/// A materialisation record's fields, with its value's spec object (by address; the
-/// spec is alive for the whole call) standing for the logical size it supplies.
-type MaterializationKey = (usize, u32, u64, u64, u32, u32, u32);
+/// A materialisation record's fields: the core's, with its value's spec object (by
+/// address; the spec is alive for the whole call) standing for the logical size it
+/// supplies.
+type MaterializationKey = (usize, Materialization);
 
 /// Snapshot value entries (docs/concepts/snapshots.md), one per value of `values`
 /// in issue order; `objects` holds each value's handle and spec object.
@@ -188,15 +175,7 @@ pub fn value_entries<'a, 'py>(
     for (record, (handle, spec)) in values.into_iter().zip(objects) {
         let spec = spec.bind(py);
         let mut materialization = |m: &Materialization| -> PyResult<_> {
-            let key = (
-                spec.as_ptr().addr(),
-                m.location.code(),
-                m.storage_nbytes,
-                m.charged_nbytes,
-                m.use_count,
-                m.hold_count,
-                m.pending_count,
-            );
+            let key = (spec.as_ptr().addr(), *m);
             if let Some(built) = shared.get(&key) {
                 return Ok(built.clone());
             }
@@ -280,8 +259,12 @@ pub fn action_entries<'py>(
                 &PyBool::new(py, outcome.no_op).to_owned().into_any(),
                 &location(outcome.source)?,
                 &location(outcome.destination)?,
-                &logical.get(py, outcome.logical_nbytes)?,
-                &storage.get(py, outcome.storage_nbytes)?,
+                &logical.get_or_try(outcome.logical_nbytes, || {
+                    outcome.logical_nbytes.into_bound_py_any(py)
+                })?,
+                &storage.get_or_try(outcome.storage_nbytes, || {
+                    outcome.storage_nbytes.into_bound_py_any(py)
+                })?,
                 &reasons.optional(py, outcome.reason.as_deref()),
             ],
         )?);

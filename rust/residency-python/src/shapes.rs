@@ -1,11 +1,10 @@
 //! The spec records and type keys of adopted values, kept by shape: values of one
 //! shape share one immutable spec record (see `direct`).
 
-use std::sync::{Mutex, PoisonError};
-
 use pyo3::intern;
 use pyo3::prelude::*;
-use residency_core::{FastMap, Recoverability, ReplicaMode, ValueSpec};
+use residency_core::tables::{Memo, Recent};
+use residency_core::{Recoverability, ReplicaMode, SourceRefusal, ValueSpec};
 
 use crate::context::Context;
 use crate::errors::to_py_err;
@@ -19,14 +18,27 @@ pub(crate) type ShapeKey = (usize, u64, u64, bool);
 /// (type key, spec record, the type object that keeps the address valid).
 pub(crate) type ShapeEntry = (u64, Py<PyAny>, Py<PyAny>);
 
-#[derive(Debug, Default)]
+/// What `read_spec` reads from a spec record: its type key, core spec and value type.
+pub(crate) type SpecRead = (u64, ValueSpec, Py<PyAny>);
+
+#[derive(Debug)]
 pub struct AdoptedShapes {
-    shapes: Mutex<FastMap<ShapeKey, ShapeEntry>>,
+    shapes: Memo<ShapeKey, ShapeEntry>,
     /// Type keys by type address, the type kept alive beside its key.
-    type_keys: Mutex<FastMap<usize, (u64, Py<PyAny>)>>,
+    type_keys: Memo<usize, (u64, Py<PyAny>)>,
     /// The spec record registered last and what was read from it: callers register
     /// many values with one immutable spec record.
-    last_spec: Mutex<Option<SpecReading>>,
+    last_spec: Recent<SpecReading>,
+}
+
+impl Default for AdoptedShapes {
+    fn default() -> Self {
+        Self {
+            shapes: Memo::default(),
+            type_keys: Memo::default(),
+            last_spec: Recent::new(1),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -39,52 +51,41 @@ struct SpecReading {
 
 impl AdoptedShapes {
     pub(crate) fn get(&self, py: Python<'_>, key: ShapeKey) -> Option<(u64, Py<PyAny>)> {
-        let shapes = self.shapes.lock().unwrap_or_else(PoisonError::into_inner);
-        shapes
-            .get(&key)
-            .map(|(type_key, spec, _)| (*type_key, spec.clone_ref(py)))
+        self.shapes
+            .get(&key, |(type_key, spec, _)| (*type_key, spec.clone_ref(py)))
     }
 
     pub(crate) fn insert(&self, key: ShapeKey, entry: ShapeEntry) {
-        let mut shapes = self.shapes.lock().unwrap_or_else(PoisonError::into_inner);
-        shapes.entry(key).or_insert(entry);
+        self.shapes.insert(key, entry);
     }
 
     /// What registering with `spec_record` needs: its type key, core spec and value
-    /// type. `None` for a spec `register_source` refuses (`MUST_PRESERVE`, byte
-    /// counts past 2**64 - 1).
+    /// type; or why `register_source` refuses the spec (`ValueSpec::source_bytes`).
     pub(crate) fn read_spec(
         &self,
         py: Python<'_>,
         context: &Context,
         spec_record: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<(u64, ValueSpec, Py<PyAny>)>> {
-        if let Some(last) = self
-            .last_spec
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .filter(|last| last.record.bind(py).is(spec_record))
-        {
-            return Ok(Some((
-                last.type_key,
-                last.spec,
-                last.value_type.clone_ref(py),
-            )));
+    ) -> PyResult<Result<SpecRead, SourceRefusal>> {
+        if let Some(read) = self.last_spec.find_map(|last| {
+            last.record
+                .bind(py)
+                .is(spec_record)
+                .then(|| (last.type_key, last.spec, last.value_type.clone_ref(py)))
+        }) {
+            return Ok(Ok(read));
         }
         let recoverability = spec_record.getattr(intern!(py, "recoverability"))?;
-        if context.is_must_preserve(&recoverability) {
-            return Ok(None);
-        }
-        let (Ok(logical), Ok(storage)) = (
-            spec_record
-                .getattr(intern!(py, "logical_nbytes"))?
-                .extract::<u64>(),
-            spec_record
-                .getattr(intern!(py, "storage_nbytes"))?
-                .extract::<u64>(),
-        ) else {
-            return Ok(None);
+        let logical = spec_record.getattr(intern!(py, "logical_nbytes"))?;
+        let storage = spec_record.getattr(intern!(py, "storage_nbytes"))?;
+        let bytes = ValueSpec::source_bytes(
+            context.is_must_preserve(&recoverability),
+            logical.extract::<u64>().ok(),
+            storage.extract::<u64>().ok(),
+        );
+        let (logical, storage) = match bytes {
+            Ok(bytes) => bytes,
+            Err(refusal) => return Ok(Err(refusal)),
         };
         let exclusive = context.is_exclusive(&spec_record.getattr(intern!(py, "replica_mode"))?);
         let value_type = spec_record.getattr(intern!(py, "value_type"))?;
@@ -92,27 +93,18 @@ impl AdoptedShapes {
         let spec = ValueSpec::new(
             logical,
             storage,
-            if exclusive {
-                ReplicaMode::Exclusive
-            } else {
-                ReplicaMode::Replicable
-            },
+            ReplicaMode::of(exclusive),
             Recoverability::Reconstructible,
         )
         .map_err(|err| to_py_err(py, err))?;
         let value_type = value_type.unbind();
-        let previous = self
-            .last_spec
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .replace(SpecReading {
-                record: spec_record.clone().unbind(),
-                value_type: value_type.clone_ref(py),
-                type_key,
-                spec,
-            });
-        drop(previous);
-        Ok(Some((type_key, spec, value_type)))
+        self.last_spec.remember(SpecReading {
+            record: spec_record.clone().unbind(),
+            value_type: value_type.clone_ref(py),
+            type_key,
+            spec,
+        });
+        Ok(Ok((type_key, spec, value_type)))
     }
 
     pub(crate) fn type_key(
@@ -122,20 +114,12 @@ impl AdoptedShapes {
         value_type: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
         let address = value_type.as_ptr() as usize;
-        if let Some((key, _)) = self
-            .type_keys
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&address)
-        {
-            return Ok(*key);
+        if let Some(key) = self.type_keys.get(&address, |(key, _)| *key) {
+            return Ok(key);
         }
         let key = context.type_key(py, value_type)?;
         self.type_keys
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(address)
-            .or_insert((key, value_type.clone().unbind()));
+            .insert(address, (key, value_type.clone().unbind()));
         Ok(key)
     }
 }
