@@ -67,8 +67,11 @@ def test_a_step_s_seam_calls_enter_few_frames_of_the_runtime() -> None:
     assert sum(name in SEAM for name in frames) == 6
     own = [name for name in frames if name not in SEAM]
     # The copy, its device's stream, the value's copy, its registration (which takes
-    # the freed copy out and checks the reuse order) and one record's order: 7.
-    assert len(own) <= 7, own
+    # the freed copy out and checks the reuse order) and one record's order, and the
+    # value's field read twice (`ResidentTensor` keeps its tensor in a slot of its own,
+    # not in a tuple a C getter could hand out: one more tracked object per value would
+    # cost every garbage collection of a process holding many values): 9.
+    assert len(own) <= 9, own
     assert runtime.hazards == []
     assert runtime.memory_sample(CUDA0) == (64, 1024)
     assert runtime.placement(alive[-1]) == cuda_location("cuda:0")
@@ -77,11 +80,10 @@ def test_a_step_s_seam_calls_enter_few_frames_of_the_runtime() -> None:
 @pytest.mark.parametrize(
     "value",
     [
-        ResidentTensor(torch.zeros(2)),
         TensorBundle({"a": torch.zeros(2), "b": torch.ones(1)}),
         TensorSequence([torch.zeros(2), torch.ones(1)]),
     ],
-    ids=["ResidentTensor", "TensorBundle", "TensorSequence"],
+    ids=["TensorBundle", "TensorSequence"],
 )
 def test_reading_a_library_value_s_fields_runs_no_python_code(value: TensorResident) -> None:
     assert _frames_during(lambda: value._resident_tensors) == []

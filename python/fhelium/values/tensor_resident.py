@@ -168,9 +168,9 @@ class TensorResident(abc.ABC):
             on_host = target == _CPU
             if not on_host:
                 target = _indexed(target)
-        # A `ResidentTensor`'s fields by slot (most values are one).
+        # A `ResidentTensor`'s field by slot (no property frame): most values are one.
         tensors = (
-            self._tensors  # type: ignore[attr-defined]
+            (self._tensor,)  # type: ignore[attr-defined]
             if type(self) is ResidentTensor
             else self._resident_tensors
         )
@@ -211,7 +211,7 @@ class TensorResident(abc.ABC):
             if type(self) is ResidentTensor:
                 # `ResidentTensor._with_resident_tensors`, inline: one slot to fill.
                 plain = _new_object(ResidentTensor)
-                plain._tensors = (field,)
+                plain._tensor = field
                 return plain  # type: ignore[return-value]
             return self._with_resident_tensors((field,))
 
@@ -412,34 +412,23 @@ class ResidentTensor(TensorResident):
         ```
     """
 
-    # The tensor, as the one-field tuple `_resident_tensors` returns: kept whole, it
-    # is read without running Python code (every copy and measurement reads it).
-    __slots__ = ("_tensors",)
+    __slots__ = ("_tensor",)
 
-    _tensors: tuple[torch.Tensor]
+    _tensor: torch.Tensor
 
     def __init__(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        self._tensors = (tensor,)
+        self._tensor = tensor
 
     @property
     def tensor(self) -> torch.Tensor:
         """The wrapped tensor."""
-        return self._tensors[0]
+        return self._tensor
 
     @property
-    def _tensor(self) -> torch.Tensor:
-        """The wrapped tensor, as subclasses read (and replace) it."""
-        return self._tensors[0]
-
-    @_tensor.setter
-    def _tensor(self, tensor: torch.Tensor) -> None:
-        # Around a subclass's `__setattr__`, as replacing the field always went.
-        object.__setattr__(self, "_tensors", (tensor,))
-
-    # A property over a C getter: no Python frame (`_tensors`).
-    _resident_tensors = property(operator.attrgetter("_tensors"))
+    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self._tensor,)
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         (tensor,) = tensors
@@ -447,16 +436,16 @@ class ResidentTensor(TensorResident):
             # Its one slot is the tensor: nothing else to copy (and no `__setattr__` of
             # a subclass to go around).
             plain = _new_object(ResidentTensor)
-            plain._tensors = (tensor,)
+            plain._tensor = tensor
             return plain  # type: ignore[return-value]
         # A shallow copy rather than a constructor call: subclasses keep their own
         # metadata and constructor signature, and nothing is re-validated.
         clone = copy.copy(self)
-        object.__setattr__(clone, "_tensors", (tensor,))
+        object.__setattr__(clone, "_tensor", tensor)
         return clone
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({_describe(self._tensors[0])})"
+        return f"{type(self).__name__}({_describe(self._tensor)})"
 
 
 class TensorBundle(TensorResident):
