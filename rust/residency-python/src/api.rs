@@ -562,7 +562,7 @@ impl CoreManager {
         consumers: &Bound<'_, pyo3::types::PyDict>,
         holds: &Bound<'_, pyo3::types::PyList>,
     ) -> PyResult<(StateView, Py<crate::step::StepEntry>, Vec<u64>)> {
-        crate::lifetimes::enter_step(slf, py, engine, groups, consumers, holds)
+        crate::step::enter_step(slf, py, engine, groups, consumers, holds)
     }
 
     /// Scope exit in one call: the exit actions, then the scope's reservations.

@@ -12,15 +12,14 @@ use pyo3::exceptions::{PyException, PyRuntimeWarning, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyWeakrefReference};
+use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::{
     CoreError, Freed, HandleId, LeaseRelease, LifetimeHost, Location, Manager, ObjectId, Unresolved,
 };
 
 use crate::errors::to_py_err;
 use crate::kinds::LifetimeKind;
-use crate::manager::{CoreManager, StateView};
-use crate::step::{Borrow, StepEntry};
+use crate::manager::CoreManager;
 
 fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
     let message = CString::new(message.replace('\0', " "))
@@ -30,14 +29,14 @@ fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
 
 /// The runtime's side of the core's lifetime protocol ([`LifetimeHost`]): events
 /// kept at the core's ids in the object store, and the runtime's calls.
-struct Host<'a, 'py> {
+pub(crate) struct Host<'a, 'py> {
     manager: &'a CoreManager,
     py: Python<'py>,
     runtime: &'a Bound<'py, PyAny>,
 }
 
 impl<'a, 'py> Host<'a, 'py> {
-    fn new(manager: &'a CoreManager, py: Python<'py>) -> Self {
+    pub(crate) fn new(manager: &'a CoreManager, py: Python<'py>) -> Self {
         let runtime = manager.context().runtime(py);
         Self {
             manager,
@@ -309,7 +308,7 @@ pub(crate) struct Admitted<'py> {
 /// `acquire`'s admission under the gate the caller holds (`handles` normalised): the
 /// location's checks, then the reap (with `reap`), then the stream's check, the
 /// lookups and the core's lease.
-fn admit_locked<'py>(
+pub(crate) fn admit_locked<'py>(
     manager: &CoreManager,
     host: &Host<'_, 'py>,
     handles: &Bound<'py, PyTuple>,
@@ -351,100 +350,6 @@ fn admit_locked<'py>(
         streams,
         transfers,
     })
-}
-
-/// A staged pipeline step's entry, under one hold of the gate after reaping
-/// (docs/concepts/controller.md#steps): the state its decision describes, then a lease
-/// per group `(location, handles)` of `groups` (the handles normalised; a CUDA one read
-/// on `consumers[location]`), with nothing in between. Then the staging's `holds` go,
-/// whether or not the leases were taken: on a failure the leases already taken are
-/// released first, and the error propagates. Returns the view, the leases as one
-/// [`StepEntry`] and what their CUDA leases leave protected once released: each one's
-/// token and those of the transfers still in flight into its values.
-pub fn enter_step(
-    manager: &Bound<'_, CoreManager>,
-    py: Python<'_>,
-    engine: &Bound<'_, PyAny>,
-    groups: &Bound<'_, PyTuple>,
-    consumers: &Bound<'_, PyDict>,
-    holds_list: &Bound<'_, PyList>,
-) -> PyResult<(StateView, Py<StepEntry>, Vec<u64>)> {
-    let owner = manager;
-    let manager = owner.get();
-    // The holds are this call's from here on, taken out of the caller's list before
-    // anything can be interrupted: it releases them, whatever happens.
-    let holds: Vec<u64> = holds_list.extract()?;
-    holds_list.del_slice(0, holds_list.len())?;
-    let mut released = false;
-    let entered = manager.with_gate(py, true, true, || {
-        let host = Host::new(manager, py);
-        let core = manager.core();
-        let mut borrows: Vec<Borrow> = Vec::with_capacity(groups.len());
-        let mut protecting: Vec<u64> = Vec::new();
-        let taken = (|| {
-            core.reap_with(&host)?;
-            let view = StateView {
-                state: core.current(),
-            };
-            for group in groups.iter() {
-                let group = group.cast_into::<PyTuple>()?;
-                let at = group.get_item(0)?;
-                let handles = manager
-                    .context()
-                    .normalized_handles(py, &group.get_item(1)?)?;
-                let stream = consumers.get_item(&at)?;
-                let admitted = admit_locked(manager, &host, &handles, &at, stream.as_ref(), false)?;
-                if stream.is_some() {
-                    protecting.push(admitted.token);
-                    protecting.extend(admitted.transfers);
-                }
-                borrows.push(Borrow {
-                    token: admitted.token,
-                    at: admitted.at,
-                    location: at.unbind(),
-                    handles: handles.unbind(),
-                    indices: admitted.indices,
-                    streams: admitted.streams.unbind(),
-                    active: true,
-                });
-            }
-            Ok(view)
-        })();
-        let taken = match taken {
-            Ok(view) => {
-                StepEntry::track(owner, engine, &mut borrows).map(|entry| (view, entry, protecting))
-            }
-            Err(error) => Err(error),
-        };
-        // Nothing of a failed entry stays: its leases go as they came (no consumer
-        // has read them, so no event is needed).
-        for borrow in borrows {
-            core.release_lease(borrow.token);
-        }
-        for &token in &holds {
-            core.release_hold(token);
-        }
-        released = true;
-        taken
-    });
-    if !released {
-        // The gate refused the entry (a closed manager, a forked child, a callback
-        // running): the holds go the usual way, queued or refused as that path says.
-        // The entry's refusal is the error raised; one of a release refused for the
-        // same reason is its consequence, noted on it.
-        for &token in &holds {
-            if let (Err(refused), Err(entry)) = (
-                release(manager, py, LifetimeKind::Hold, token, false),
-                &entered,
-            ) {
-                entry.add_note(
-                    py,
-                    format!("the staging's hold was not released: {refused}"),
-                )?;
-            }
-        }
-    }
-    entered
 }
 
 /// Holds per group `(handles, location)` of `groups` (the handles normalised) under

@@ -1,5 +1,6 @@
-//! A staged pipeline step's leases as one object (docs/concepts/controller.md#steps):
-//! what `enter_step` admits, a lease per location, without a lease object each. The
+//! A staged pipeline step's entry in one call, and its leases as one object
+//! (docs/concepts/controller.md#steps): what `enter_step` admits, a lease per
+//! location, without a lease object each. The
 //! step's use reads its values here and releases them here; the rules are the
 //! leases' own (docs/concepts/lifetimes.md#leases): a CUDA lease's release records an
 //! event on its consumer stream, a host lease's ends at once, and a step never
@@ -11,12 +12,12 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple, PyWeakrefReference};
+use pyo3::types::{PyDict, PyList, PyTuple, PyWeakrefReference};
 use residency_core::{HandleId, Location};
 
 use crate::kinds::LifetimeKind;
 use crate::lifetimes;
-use crate::manager::CoreManager;
+use crate::manager::{CoreManager, StateView};
 use crate::search::PolicyKeys;
 
 pyo3::import_exception!(fhelium.errors, ResidencyLifetimeClosedError);
@@ -398,4 +399,99 @@ impl Drop for StepEntry {
             }
         });
     }
+}
+
+/// A staged pipeline step's entry, under one hold of the gate after reaping
+/// (docs/concepts/controller.md#steps): the state its decision describes, then a lease
+/// per group `(location, handles)` of `groups` (the handles normalised; a CUDA one read
+/// on `consumers[location]`), with nothing in between. Then the staging's `holds` go,
+/// whether or not the leases were taken: on a failure the leases already taken are
+/// released first, and the error propagates. Returns the view, the leases as one
+/// [`StepEntry`] and what their CUDA leases leave protected once released: each one's
+/// token and those of the transfers still in flight into its values.
+pub fn enter_step(
+    manager: &Bound<'_, CoreManager>,
+    py: Python<'_>,
+    engine: &Bound<'_, PyAny>,
+    groups: &Bound<'_, PyTuple>,
+    consumers: &Bound<'_, PyDict>,
+    holds_list: &Bound<'_, PyList>,
+) -> PyResult<(StateView, Py<StepEntry>, Vec<u64>)> {
+    let owner = manager;
+    let manager = owner.get();
+    // The holds are this call's from here on, taken out of the caller's list before
+    // anything can be interrupted: it releases them, whatever happens.
+    let holds: Vec<u64> = holds_list.extract()?;
+    holds_list.del_slice(0, holds_list.len())?;
+    let mut released = false;
+    let entered = manager.with_gate(py, true, true, || {
+        let host = lifetimes::Host::new(manager, py);
+        let core = manager.core();
+        let mut borrows: Vec<Borrow> = Vec::with_capacity(groups.len());
+        let mut protecting: Vec<u64> = Vec::new();
+        let taken = (|| {
+            core.reap_with(&host)?;
+            let view = StateView {
+                state: core.current(),
+            };
+            for group in groups.iter() {
+                let group = group.cast_into::<PyTuple>()?;
+                let at = group.get_item(0)?;
+                let handles = manager
+                    .context()
+                    .normalized_handles(py, &group.get_item(1)?)?;
+                let stream = consumers.get_item(&at)?;
+                let admitted =
+                    lifetimes::admit_locked(manager, &host, &handles, &at, stream.as_ref(), false)?;
+                if stream.is_some() {
+                    protecting.push(admitted.token);
+                    protecting.extend(admitted.transfers);
+                }
+                borrows.push(Borrow {
+                    token: admitted.token,
+                    at: admitted.at,
+                    location: at.unbind(),
+                    handles: handles.unbind(),
+                    indices: admitted.indices,
+                    streams: admitted.streams.unbind(),
+                    active: true,
+                });
+            }
+            Ok(view)
+        })();
+        let taken = match taken {
+            Ok(view) => {
+                StepEntry::track(owner, engine, &mut borrows).map(|entry| (view, entry, protecting))
+            }
+            Err(error) => Err(error),
+        };
+        // Nothing of a failed entry stays: its leases go as they came (no consumer
+        // has read them, so no event is needed).
+        for borrow in borrows {
+            core.release_lease(borrow.token);
+        }
+        for &token in &holds {
+            core.release_hold(token);
+        }
+        released = true;
+        taken
+    });
+    if !released {
+        // The gate refused the entry (a closed manager, a forked child, a callback
+        // running): the holds go the usual way, queued or refused as that path says.
+        // The entry's refusal is the error raised; one of a release refused for the
+        // same reason is its consequence, noted on it.
+        for &token in &holds {
+            if let (Err(refused), Err(entry)) = (
+                lifetimes::release(manager, py, LifetimeKind::Hold, token, false),
+                &entered,
+            ) {
+                entry.add_note(
+                    py,
+                    format!("the staging's hold was not released: {refused}"),
+                )?;
+            }
+        }
+    }
+    entered
 }
