@@ -49,6 +49,18 @@ impl<'a, 'py> Host<'a, 'py> {
         self.manager.objects().object(self.py, id)
     }
 
+    /// A `(handles, location)` group's handles (normalised) resolved in order at its
+    /// location, and the location. The caller holds the gate.
+    fn resolve_group(&self, group: &Bound<'py, PyAny>) -> PyResult<(Vec<HandleId>, Location)> {
+        let (manager, py) = (self.manager, self.py);
+        let group = group.cast::<PyTuple>()?;
+        let handles = manager
+            .context()
+            .normalized_handles(py, &group.get_item(0)?)?;
+        let at = manager.context().location_code(py, &group.get_item(1)?)?;
+        Ok((self.resolve(&handles, at)?, at))
+    }
+
     /// Per handle in order, the lookup and then residency at `at`. The caller holds
     /// the gate.
     fn resolve(&self, handles: &Bound<'py, PyTuple>, at: Location) -> PyResult<Vec<HandleId>> {
@@ -367,12 +379,7 @@ pub fn hold_locked(
     let host = Host::new(manager, py);
     let core = manager.core();
     for group in groups.iter() {
-        let group = group.cast_into::<PyTuple>()?;
-        let handles = manager
-            .context()
-            .normalized_handles(py, &group.get_item(0)?)?;
-        let at = manager.context().location_code(py, &group.get_item(1)?)?;
-        let ids = host.resolve(&handles, at)?;
+        let (ids, at) = host.resolve_group(&group)?;
         let token = core.hold(&ids, at).map_err(|err| host.lift(err))?;
         if let Err(error) = held.append(token) {
             core.release_hold(token);
@@ -394,12 +401,7 @@ pub fn blocks_host_locked(
     let host = Host::new(manager, py);
     let core = manager.core();
     for group in groups.iter() {
-        let group = group.cast_into::<PyTuple>()?;
-        let handles = manager
-            .context()
-            .normalized_handles(py, &group.get_item(0)?)?;
-        let at = manager.context().location_code(py, &group.get_item(1)?)?;
-        let ids = host.resolve(&handles, at)?;
+        let (ids, at) = host.resolve_group(&group)?;
         if core.blocks_host_with(&host, &ids, at, disk_deferred)? {
             return Ok(true);
         }
