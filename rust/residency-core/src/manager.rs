@@ -270,9 +270,13 @@ impl Inner {
             return false;
         };
         lease.pending = true;
-        let (handles, location) = (lease.handles.clone(), lease.location);
+        // Lent out of the lease while its tokens change, and put back.
+        let (handles, location) = (std::mem::take(&mut lease.handles), lease.location);
         self.tokens(&handles, location, TokenKind::Use, false);
         self.tokens(&handles, location, TokenKind::Pending, true);
+        if let Some(lease) = self.leases.get_mut(&token) {
+            lease.handles = handles;
+        }
         self.state.pending_leases += 1;
         self.state.bump();
         self.dirty = true;
@@ -1095,8 +1099,10 @@ impl Manager {
         reservations: Vec<Reservation>,
     ) -> CoreResult<(Plan, Vec<HandleId>)> {
         let inner = self.inner();
-        let mut slots: Vec<HandleId> = Vec::new();
-        let mut handles: Vec<HandleRef> = Vec::new();
+        // At most one slot per action.
+        let actions = outcome.reclaim.len() + outcome.enter.len();
+        let mut slots: Vec<HandleId> = Vec::with_capacity(actions);
+        let mut handles: Vec<HandleRef> = Vec::with_capacity(actions);
         let mut lower = |planned: &Planned| -> CoreResult<Action> {
             // Search positions are handle indices (see `search_inputs`).
             let value = match *planned {
@@ -1116,7 +1122,7 @@ impl Manager {
                     })?;
                 handles.push(HandleRef {
                     manager_id: Arc::clone(&self.manager_id),
-                    handle_id: Arc::from(record.handle_id.to_string()),
+                    handle_id: record.handle_id.to_shared_str(),
                     type_key: u64::from(record.type_key),
                 });
                 slots.push(index);
@@ -1129,16 +1135,15 @@ impl Manager {
                 Planned::Drop { location, .. } => Action::Drop { handle, location },
             })
         };
-        let reclaim = outcome
-            .reclaim
-            .iter()
-            .map(&mut lower)
-            .collect::<CoreResult<Vec<_>>>()?;
-        let enter = outcome
-            .enter
-            .iter()
-            .map(&mut lower)
-            .collect::<CoreResult<Vec<_>>>()?;
+        // Lowered into vectors of the known lengths (a collect through `?` would grow them).
+        let mut reclaim = Vec::with_capacity(outcome.reclaim.len());
+        for planned in &outcome.reclaim {
+            reclaim.push(lower(planned)?);
+        }
+        let mut enter = Vec::with_capacity(outcome.enter.len());
+        for planned in &outcome.enter {
+            enter.push(lower(planned)?);
+        }
         let plan = Plan::new(name, handles, reclaim, enter, Vec::new(), reservations)?;
         Ok((plan, slots))
     }
@@ -1242,6 +1247,44 @@ impl ValueTable for StateValues {
             .unwrap_or_default();
         mats.sort_by_key(|mat| mat.location);
         mats
+    }
+
+    fn extend_mats(&self, position: usize, out: &mut Vec<MatInfo>) {
+        let start = out.len();
+        if let Some(record) = self.record(position) {
+            out.extend(record.materializations.iter().map(Self::mat));
+        }
+        if let Some(added) = out.get_mut(start..) {
+            added.sort_by_key(|mat| mat.location);
+        }
+    }
+
+    fn first_mat(&self, position: usize) -> Option<MatInfo> {
+        // The first of the least location: what a stable sort puts first.
+        self.record(position)?
+            .materializations
+            .iter()
+            .min_by_key(|materialization| materialization.location)
+            .map(Self::mat)
+    }
+
+    fn mats_at(&self, position: usize, locations: &[Location]) -> bool {
+        let empty: &[Materialization] = &[];
+        let mats = self
+            .record(position)
+            .map_or(empty, |record| &record.materializations[..]);
+        // The sorted locations equal `locations` exactly when `locations` is sorted and
+        // both hold each location as many times.
+        let count_in = |location: Location| {
+            mats.iter()
+                .filter(|materialization| materialization.location == location)
+                .count()
+        };
+        mats.len() == locations.len()
+            && locations.is_sorted()
+            && locations.iter().all(|&location| {
+                locations.iter().filter(|&&known| known == location).count() == count_in(location)
+            })
     }
 
     fn mat_count(&self, position: usize) -> usize {

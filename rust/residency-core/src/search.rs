@@ -17,11 +17,12 @@
 //! ([`Trail`]) and one path copy of its overlay, and the values blocked and reclaims
 //! active in a branch are links in a shared arena ([`Links`]), truncated on backtrack.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::fasthash::{FastMap, FastSet};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use crate::overlay::Overlay;
 
@@ -167,6 +168,22 @@ pub trait ValueTable {
     fn mat_at(&self, position: usize, location: Location) -> Option<MatInfo>;
     /// Its materialisations, in canonical (location) order.
     fn mats(&self, position: usize) -> Vec<MatInfo>;
+    /// Appends its materialisations, in canonical order, to `out` (the search reuses
+    /// one buffer for them).
+    fn extend_mats(&self, position: usize, out: &mut Vec<MatInfo>) {
+        out.extend(self.mats(position));
+    }
+    /// Its first materialisation in canonical order, if any.
+    fn first_mat(&self, position: usize) -> Option<MatInfo> {
+        self.mats(position).first().copied()
+    }
+    /// Whether its materialisations are at exactly `locations` (in canonical order).
+    fn mats_at(&self, position: usize, locations: &[Location]) -> bool {
+        self.mats(position)
+            .iter()
+            .map(|mat| mat.location)
+            .eq(locations.iter().copied())
+    }
     /// How many materialisations it has.
     fn mat_count(&self, position: usize) -> usize;
     /// The positions of the values materialised at `location`, ascending.
@@ -204,6 +221,30 @@ impl ValueTable for SearchValues {
             return Vec::new();
         }
         SearchValues::mats(self, position).to_vec()
+    }
+
+    fn extend_mats(&self, position: usize, out: &mut Vec<MatInfo>) {
+        if position < self.values.len() {
+            out.extend_from_slice(SearchValues::mats(self, position));
+        }
+    }
+
+    fn first_mat(&self, position: usize) -> Option<MatInfo> {
+        if position >= self.values.len() {
+            return None;
+        }
+        SearchValues::mats(self, position).first().copied()
+    }
+
+    fn mats_at(&self, position: usize, locations: &[Location]) -> bool {
+        let mats: &[MatInfo] = if position < self.values.len() {
+            SearchValues::mats(self, position)
+        } else {
+            &[]
+        };
+        mats.iter()
+            .map(|mat| mat.location)
+            .eq(locations.iter().copied())
     }
 
     fn mat_count(&self, position: usize) -> usize {
@@ -1261,7 +1302,7 @@ type Signature = (Vec<(usize, Vec<Location>)>, Vec<Books>);
 type Resumed = (State, Vec<Planned>, usize, FastSet<Location>);
 
 /// A failed simulation: why, and where a descendant may resume it.
-type SimFailure = (SimError, Option<Box<Resume>>);
+type SimFailure = (SimError, Option<Arc<Resume>>);
 
 /// `capacity_states` memo key: signature, destination, additional bytes, blocked
 /// registration indices, active `(registration index, location)` pairs.
@@ -1272,10 +1313,11 @@ pub struct Search<'a, P: SearchPolicy, V: ValueTable = SearchValues> {
     values: &'a V,
     budgets: &'a BTreeMap<Location, u64>,
     requirements: &'a [Requirement],
-    required: FastSet<(usize, Location)>,
-    /// Each required value's first requirement index: a simulation that stopped at
-    /// requirement `i` read exactly the values whose first index is below `i`.
-    first_required: FastMap<usize, usize>,
+    /// The required `(value, location)` pairs, and each required value's first
+    /// requirement index (a simulation that stopped at requirement `i` read exactly the
+    /// values whose first index is below `i`): indexed only for a long list of
+    /// requirements; a short one is scanned ([`Self::is_required`], [`Self::first_required`]).
+    indexed: Option<Box<RequiredIndex>>,
     reservations: &'a [(Location, u64)],
     policy: &'a mut P,
     limit: u64,
@@ -1290,8 +1332,27 @@ pub struct Search<'a, P: SearchPolicy, V: ValueTable = SearchValues> {
     memo_budget: u64,
     /// Search steps taken, for the interrupt polls.
     steps: u64,
-    /// The prefix of a simulation that failed at its first requirement, shared.
-    empty_prefix: Arc<Prefix>,
+    /// A buffer for a value's materialisations while one is added or removed, reused.
+    scratch: Cell<Vec<MatInfo>>,
+}
+
+/// The prefix of a simulation that failed at its first requirement, shared by every
+/// search.
+static EMPTY_PREFIX: LazyLock<Arc<Prefix>> = LazyLock::new(|| {
+    Arc::new(Prefix {
+        mats: Vec::new(),
+        actions: Vec::new(),
+    })
+});
+
+/// Requirements at or below this many are scanned rather than indexed.
+const SCANNED_REQUIREMENTS: usize = 16;
+
+/// The index of a long list of requirements ([`Search::indexed`]).
+#[derive(Debug)]
+struct RequiredIndex {
+    required: FastSet<(usize, Location)>,
+    first_required: FastMap<usize, usize>,
 }
 
 impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
@@ -1307,17 +1368,19 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             values,
             budgets,
             requirements,
-            required: requirements
-                .iter()
-                .map(|requirement| (requirement.value, requirement.location))
-                .collect(),
-            first_required: {
-                let mut first = FastMap::default();
+            indexed: (requirements.len() > SCANNED_REQUIREMENTS).then(|| {
+                let mut first_required = FastMap::default();
                 for (index, requirement) in requirements.iter().enumerate() {
-                    first.entry(requirement.value).or_insert(index);
+                    first_required.entry(requirement.value).or_insert(index);
                 }
-                first
-            },
+                Box::new(RequiredIndex {
+                    required: requirements
+                        .iter()
+                        .map(|requirement| (requirement.value, requirement.location))
+                        .collect(),
+                    first_required,
+                })
+            }),
             reservations,
             policy,
             limit,
@@ -1329,10 +1392,29 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             memo_bytes: 0,
             memo_budget: MEMO_BUDGET_BYTES,
             steps: 0,
-            empty_prefix: Arc::new(Prefix {
-                mats: Vec::new(),
-                actions: Vec::new(),
-            }),
+            scratch: Cell::new(Vec::new()),
+        }
+    }
+
+    /// Whether `(value, location)` is required.
+    fn is_required(&self, value: usize, location: Location) -> bool {
+        match &self.indexed {
+            Some(index) => index.required.contains(&(value, location)),
+            None => self
+                .requirements
+                .iter()
+                .any(|requirement| requirement.value == value && requirement.location == location),
+        }
+    }
+
+    /// The index of a value's first requirement, if it is required.
+    fn first_required(&self, value: usize) -> Option<usize> {
+        match &self.indexed {
+            Some(index) => index.first_required.get(&value).copied(),
+            None => self
+                .requirements
+                .iter()
+                .position(|requirement| requirement.value == value),
         }
     }
 
@@ -1382,11 +1464,11 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             .unwrap_or_else(|| absent(position))
     }
 
-    /// A value's materialisations in `state`, in canonical order.
-    fn mats(&self, state: &State, value: usize) -> Vec<MatInfo> {
+    /// Appends a value's materialisations in `state`, in canonical order, to `out`.
+    fn extend_mats(&self, state: &State, value: usize, out: &mut Vec<MatInfo>) {
         match state.changed.get(value) {
-            Some(mats) => mats.to_vec(),
-            None => self.values.mats(value),
+            Some(mats) => out.extend_from_slice(mats),
+            None => self.values.extend_mats(value, out),
         }
     }
 
@@ -1402,7 +1484,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
     fn first_mat(&self, state: &State, value: usize) -> Option<MatInfo> {
         match state.changed.get(value) {
             Some(mats) => mats.first().copied(),
-            None => self.values.mats(value).first().copied(),
+            None => self.values.first_mat(value),
         }
     }
 
@@ -1432,24 +1514,34 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         positions
     }
 
-    fn set_mats(&self, state: &mut State, value: usize, mats: Vec<MatInfo>) {
+    fn set_mats(&self, state: &mut State, value: usize, mats: &[MatInfo]) {
         state.changed.insert(value, Arc::from(mats));
-        if let Some(&first) = self.first_required.get(&value) {
+        if let Some(first) = self.first_required(value) {
             state.touched = state.touched.min(first);
         }
     }
 
+    /// Edits a value's materialisations in `state` in the reused buffer, then sets them.
+    fn edit_mats(&self, state: &mut State, value: usize, edit: impl FnOnce(&mut Vec<MatInfo>)) {
+        let mut mats = self.scratch.take();
+        mats.clear();
+        self.extend_mats(state, value, &mut mats);
+        edit(&mut mats);
+        self.set_mats(state, value, &mats);
+        self.scratch.set(mats);
+    }
+
     fn add_mat(&self, state: &mut State, value: usize, mat: MatInfo) {
-        let mut mats = self.mats(state, value);
-        let position = mats.partition_point(|known| known.location < mat.location);
-        mats.insert(position, mat);
-        self.set_mats(state, value, mats);
+        self.edit_mats(state, value, |mats| {
+            let position = mats.partition_point(|known| known.location < mat.location);
+            mats.insert(position, mat);
+        });
     }
 
     fn remove_mat(&self, state: &mut State, value: usize, location: Location) {
-        let mut mats = self.mats(state, value);
-        mats.retain(|mat| mat.location != location);
-        self.set_mats(state, value, mats);
+        self.edit_mats(state, value, |mats| {
+            mats.retain(|mat| mat.location != location);
+        });
     }
 
     fn books_mut(state: &mut State, location: Location) -> &mut Books {
@@ -1495,13 +1587,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             .iter()
             .filter_map(|(value, mats)| {
                 let now: Vec<Location> = mats.iter().map(|mat| mat.location).collect();
-                let initial: Vec<Location> = self
-                    .values
-                    .mats(value)
-                    .iter()
-                    .map(|mat| mat.location)
-                    .collect();
-                (now != initial).then_some((value, now))
+                (!self.values.mats_at(value, &now)).then_some((value, now))
             })
             .collect();
         values.sort_unstable();
@@ -1673,8 +1759,11 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             };
         for (index, requirement) in self.requirements.iter().enumerate().skip(start) {
             let (value, destination) = (requirement.value, requirement.location);
-            let before = trial.books.clone();
+            // The books before this requirement: the trial's own until a temporary
+            // source's reservation changes them (copied only then).
+            let mut saved: Option<Vec<Books>> = None;
             let failed = |capacity: Capacity,
+                          before: &[Books],
                           trial: &State,
                           actions: &Vec<Planned>,
                           locations: &FastSet<Location>| {
@@ -1686,7 +1775,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                         let mats: Vec<(usize, Arc<[MatInfo]>)> = self.requirements[..index]
                             .iter()
                             .enumerate()
-                            .filter(|&(at, read)| self.first_required.get(&read.value) == Some(&at))
+                            .filter(|&(at, read)| self.first_required(read.value) == Some(at))
                             .filter_map(|(_, read)| {
                                 trial
                                     .changed
@@ -1695,7 +1784,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                             })
                             .collect();
                         if mats.is_empty() && actions.is_empty() {
-                            Arc::clone(&self.empty_prefix)
+                            Arc::clone(&EMPTY_PREFIX)
                         } else {
                             Arc::new(Prefix {
                                 mats,
@@ -1706,7 +1795,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                 };
                 (
                     SimError::Capacity(capacity),
-                    Some(Box::new(Resume {
+                    Some(Arc::new(Resume {
                         index,
                         books: before.iter().chain(&state.books).copied().collect(),
                         split: before.len(),
@@ -1736,11 +1825,13 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                             nbytes: charge,
                             stage: "source reconstruction",
                         },
+                        &trial.books,
                         &trial,
                         &actions,
                         &locations,
                     ));
                 }
+                saved = Some(trial.books.clone());
                 let books = Self::books_mut(&mut trial, source);
                 books.reserved = books.reserved.saturating_add(charge);
                 if source == destination {
@@ -1754,6 +1845,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                         nbytes: charge,
                         stage: "materialization",
                     },
+                    saved.as_deref().unwrap_or(&trial.books),
                     &trial,
                     &actions,
                     &locations,
@@ -1836,7 +1928,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             .changed
             .iter()
             .filter(|&(value, _)| {
-                !links.is_blocked(blocked, value) && !self.required.contains(&(value, location))
+                !links.is_blocked(blocked, value) && !self.is_required(value, location)
             })
             .filter_map(|(value, mats)| {
                 candidate(
@@ -1893,7 +1985,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             // A value the state changed is among `changed` if it is a candidate.
             if state.changed.get(value).is_some()
                 || links.is_blocked(walk.blocked, value)
-                || self.required.contains(&(value, location))
+                || self.is_required(value, location)
             {
                 continue;
             }
@@ -1948,7 +2040,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                     location,
                     charged: mat.charged,
                 };
-                if self.required.contains(&(value, location)) {
+                if self.is_required(value, location) {
                     required.push(candidate);
                 } else {
                     ordinary.push(candidate);
@@ -2028,7 +2120,10 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         parent: Option<usize>,
     ) -> Result<Option<Found>, SearchError> {
         self.step()?;
-        if self.failed_requests.contains(&self.signature(&state)) {
+        // No signature to take while no request state failed.
+        if !self.failed_requests.is_empty()
+            && self.failed_requests.contains(&self.signature(&state))
+        {
             let detail = "the equivalent state is already exhausted";
             return match parent {
                 Some(parent) => {
@@ -2055,7 +2150,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         // reclaims cannot have changed what came before.
         let state = match resume {
             Some(resume) => State {
-                resume: Some(Arc::from(resume)),
+                resume: Some(resume),
                 touched: usize::MAX,
                 ..state
             },
@@ -2239,7 +2334,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                     mat.pending_count
                 ));
             }
-            if why.is_empty() && self.required.contains(&(value, location)) {
+            if why.is_empty() && self.is_required(value, location) {
                 reasons.required = true;
                 why.push("required here by this request".to_owned());
             }

@@ -597,9 +597,10 @@ pub fn simulate(
     }
     Simulation {
         actions,
+        // Collected in the books' own allocation.
         peaks: simulator
             .books
-            .iter()
+            .into_iter()
             .map(|books| (books.location, books.peak))
             .collect(),
         feasible: failure.is_none(),

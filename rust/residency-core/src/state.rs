@@ -264,6 +264,26 @@ impl State {
         Arc::make_mut(&mut self.values[handle as usize])
     }
 
+    /// [`Self::record_mut`] with room for one more materialisation: a shared record is
+    /// copied with that room, so the push that follows does not grow the copy again.
+    fn record_mut_for_install(&mut self, handle: HandleId) -> &mut ValueRecord {
+        let slot = &mut self.values[handle as usize];
+        if Arc::get_mut(slot).is_none() {
+            let shared: &ValueRecord = slot;
+            let mut materializations = Vec::with_capacity(shared.materializations.len() + 1);
+            materializations.extend_from_slice(&shared.materializations);
+            *slot = Arc::new(ValueRecord {
+                handle_id: shared.handle_id,
+                type_key: shared.type_key,
+                spec: shared.spec,
+                source: shared.source,
+                discarded: shared.discarded,
+                materializations,
+            });
+        }
+        Arc::make_mut(slot)
+    }
+
     /// Adds a charge that is not a materialisation (reservation or temporary load).
     /// Admission must have been checked; the caller decides about version steps.
     pub fn add_reserved(&mut self, location: Location, nbytes: u64) {
@@ -313,7 +333,7 @@ impl State {
         books.used_bytes = books.used_bytes.saturating_add(charged_nbytes);
         books.value_count += 1;
         books.note_peaks();
-        self.record_mut(handle)
+        self.record_mut_for_install(handle)
             .materializations
             .push(Materialization {
                 location,

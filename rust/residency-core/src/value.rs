@@ -251,6 +251,11 @@ impl HandleName {
             .hyphenated()
             .encode_lower(buffer)
     }
+
+    /// The id's string (as [`std::fmt::Display`] writes it), shared: one allocation.
+    pub fn to_shared_str(&self) -> std::sync::Arc<str> {
+        std::sync::Arc::from(self.encode(&mut [0u8; 36]))
+    }
 }
 
 impl std::fmt::Display for HandleName {
@@ -286,6 +291,7 @@ mod handle_name_tests {
         let mut buffer = [0u8; 36];
         let text = name.encode(&mut buffer).to_owned();
         assert_eq!(text, name.to_string());
+        assert_eq!(&*name.to_shared_str(), name.to_string());
         assert_eq!(HandleName::index_in_text(&text, 0xDEAD_BEEF), Some(41));
         assert!(name.is_written_as(&text));
         assert!(!name.is_written_as(&text.to_uppercase()));
