@@ -725,15 +725,15 @@ impl Manager {
     ) -> CoreResult<Vec<HostCost>> {
         let to_device = matches!(at, Location::Cuda(_));
         let inner = self.inner();
-        handles
-            .iter()
-            .map(|&handle| {
-                let record = inner.live_record(handle)?;
-                if record.is_resident(at) {
-                    return Ok(HostCost::Free);
-                }
+        // Pushed into a vector of the known length (a collect through `?` would grow it).
+        let mut costs = Vec::with_capacity(handles.len());
+        for &handle in handles {
+            let record = inner.live_record(handle)?;
+            costs.push(if record.is_resident(at) {
+                HostCost::Free
+            } else {
                 let copied = record.best_source(None);
-                Ok(match copied.or(record.source) {
+                match copied.or(record.source) {
                     None => HostCost::Free,
                     // A source's `load()` into pageable memory (no copy there yet).
                     Some(Location::PageableHost)
@@ -744,9 +744,10 @@ impl Manager {
                     Some(Location::PinnedHost | Location::Cuda(_)) if to_device => HostCost::Free,
                     Some(Location::Disk(_)) if disk_deferred && to_device => HostCost::Free,
                     Some(_) => HostCost::Blocks,
-                })
-            })
-            .collect()
+                }
+            });
+        }
+        Ok(costs)
     }
 
     fn unavailable(record: &ValueRecord) -> CoreError {
