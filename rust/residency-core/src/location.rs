@@ -242,9 +242,105 @@ impl fmt::Display for Location {
     }
 }
 
+/// Words of a [`LocationSet`]: one bit for every location code, disks included.
+const SET_WORDS: usize = LOCATION_CODES.div_ceil(64) as usize;
+
+/// A set of locations as a bitset over their codes. Code order is the canonical
+/// order, so the lowest set bit is the canonical first location; no allocation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct LocationSet([u64; SET_WORDS]);
+
+impl LocationSet {
+    fn bit(location: Location) -> (usize, u64) {
+        let code = location.code() as usize;
+        (code / 64, 1u64 << (code % 64))
+    }
+
+    pub(crate) fn contains(self, location: Location) -> bool {
+        let (word, mask) = Self::bit(location);
+        self.0[word] & mask != 0
+    }
+
+    pub(crate) fn insert(&mut self, location: Location) {
+        let (word, mask) = Self::bit(location);
+        self.0[word] |= mask;
+    }
+
+    pub(crate) fn remove(&mut self, location: Location) {
+        let (word, mask) = Self::bit(location);
+        self.0[word] &= !mask;
+    }
+
+    pub(crate) fn len(self) -> u32 {
+        self.0.iter().map(|word| word.count_ones()).sum()
+    }
+
+    pub(crate) fn is_empty(self) -> bool {
+        self.0 == [0; SET_WORDS]
+    }
+
+    /// Locations in canonical order.
+    pub(crate) fn iter(self) -> impl Iterator<Item = Location> {
+        (0u32..)
+            .zip(self.0)
+            .flat_map(|(word, mut bits)| {
+                // The set bits of a word, lowest first.
+                std::iter::from_fn(move || {
+                    (bits != 0).then(|| {
+                        let bit = bits.trailing_zeros();
+                        bits &= bits - 1;
+                        word * 64 + bit
+                    })
+                })
+            })
+            .filter_map(|code| Location::from_code(code).ok())
+    }
+
+    pub(crate) fn first(self) -> Option<Location> {
+        (0u32..).zip(self.0).find_map(|(word, bits)| {
+            (bits != 0).then(|| {
+                Location::from_code(word * 64 + bits.trailing_zeros())
+                    .unwrap_or(Location::PageableHost)
+            })
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_location_set_walks_its_locations_in_canonical_order() {
+        let inserted = [
+            Location::Disk(MAX_DISK_INDEX),
+            Location::Cuda(63),
+            Location::PinnedHost,
+            Location::Cuda(61),
+            Location::Disk(0),
+            Location::Cuda(MAX_CUDA_INDEX),
+            Location::PageableHost,
+            Location::Cuda(0),
+        ];
+        let mut set = LocationSet::default();
+        assert!(set.is_empty());
+        assert_eq!(set.first(), None);
+        for location in inserted {
+            set.insert(location);
+            set.insert(location);
+        }
+        let mut sorted = inserted.to_vec();
+        sorted.sort();
+        assert_eq!(set.iter().collect::<Vec<_>>(), sorted);
+        assert_eq!(set.len(), 8);
+        assert_eq!(set.first(), Some(Location::PageableHost));
+        set.remove(Location::PageableHost);
+        set.remove(Location::Cuda(63));
+        assert!(!set.contains(Location::Cuda(63)));
+        assert!(set.contains(Location::Cuda(61)));
+        assert_eq!(set.first(), Some(Location::PinnedHost));
+        assert_eq!(set.iter().count(), 6);
+    }
 
     #[test]
     fn canonical_order_is_pageable_pinned_then_cuda_by_index() {

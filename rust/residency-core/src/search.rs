@@ -28,7 +28,7 @@ use crate::overlay::Overlay;
 
 use crate::bytes;
 use crate::error::CoreError;
-use crate::location::Location;
+use crate::location::{Location, LocationSet};
 use crate::plan::ActionKind;
 use crate::state::HandleId;
 use crate::victims::{LruKeys, Ordered, PLAIN_KEYS, Positioned, ResidentSet, VictimOrder};
@@ -1126,7 +1126,7 @@ struct Resume {
     /// at such a location, or touches a value the prefix read (the values of the
     /// requirements before `index`, `Search::first_required`), could change the
     /// prefix, and then the request is simulated from the start.
-    locations: Box<[Location]>,
+    locations: LocationSet,
 }
 
 impl Resume {
@@ -1299,7 +1299,7 @@ type Signature = (Vec<(usize, Vec<Location>)>, Vec<Books>);
 
 /// A resumed simulation: trial state, actions so far, the index to continue at, and
 /// the locations checked so far.
-type Resumed = (State, Vec<Planned>, usize, FastSet<Location>);
+type Resumed = (State, Vec<Planned>, usize, LocationSet);
 
 /// A failed simulation: why, and where a descendant may resume it.
 type SimFailure = (SimError, Option<Arc<Resume>>);
@@ -1682,7 +1682,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         if resume
             .locations
             .iter()
-            .any(|&location| total(&state.books, location) > total(resume.base_books(), location))
+            .any(|location| total(&state.books, location) > total(resume.base_books(), location))
         {
             return None;
         }
@@ -1722,7 +1722,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             trial,
             resume.prefix.actions.clone(),
             resume.index,
-            resume.locations.iter().copied().collect(),
+            resume.locations,
         ))
     }
 
@@ -1739,7 +1739,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                 resumed
             } else {
                 let mut trial = state.clone();
-                let mut locations = FastSet::default();
+                let mut locations = LocationSet::default();
                 for &(location, nbytes) in self.reservations {
                     if !self.fits(&trial, location, nbytes) {
                         return Err((
@@ -1766,7 +1766,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                           before: &[Books],
                           trial: &State,
                           actions: &Vec<Planned>,
-                          locations: &FastSet<Location>| {
+                          locations: &LocationSet| {
                 let prefix = match &shared {
                     // Resumed and stopped where it resumed: the same prefix.
                     Some(prefix) if index == start => Arc::clone(prefix),
@@ -1800,7 +1800,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                         books: before.iter().chain(&state.books).copied().collect(),
                         split: before.len(),
                         prefix,
-                        locations: locations.iter().copied().collect(),
+                        locations: *locations,
                     })),
                 )
             };

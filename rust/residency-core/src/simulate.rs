@@ -10,7 +10,7 @@ use std::cell::Cell;
 use crate::fasthash::FastMap;
 use std::fmt::Write as _;
 
-use crate::location::{LOCATION_CODES, Location};
+use crate::location::{Location, LocationSet};
 use crate::plan::{Action, Plan};
 use crate::state::{HandleId, State, ValueRecord};
 
@@ -81,60 +81,6 @@ struct Books {
     used: u64,
     reserved: u64,
     peak: u64,
-}
-
-/// Words of a [`LocationSet`]: one bit for every location code, disks included.
-const SET_WORDS: usize = LOCATION_CODES.div_ceil(64) as usize;
-
-/// A set of locations as a bitset over their codes. Code order is the canonical
-/// order, so the lowest set bit is the canonical first location; no allocation.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct LocationSet([u64; SET_WORDS]);
-
-impl LocationSet {
-    fn bit(location: Location) -> (usize, u64) {
-        let code = location.code() as usize;
-        (code / 64, 1u64 << (code % 64))
-    }
-
-    fn contains(self, location: Location) -> bool {
-        let (word, mask) = Self::bit(location);
-        self.0[word] & mask != 0
-    }
-
-    fn insert(&mut self, location: Location) {
-        let (word, mask) = Self::bit(location);
-        self.0[word] |= mask;
-    }
-
-    fn remove(&mut self, location: Location) {
-        let (word, mask) = Self::bit(location);
-        self.0[word] &= !mask;
-    }
-
-    fn len(self) -> u32 {
-        self.0.iter().map(|word| word.count_ones()).sum()
-    }
-
-    fn is_empty(self) -> bool {
-        self.0 == [0; SET_WORDS]
-    }
-
-    /// Locations in canonical order.
-    fn iter(self) -> impl Iterator<Item = Location> {
-        (0u32..LOCATION_CODES)
-            .filter(move |&code| self.0[code as usize / 64] & (1u64 << (code % 64)) != 0)
-            .filter_map(|code| Location::from_code(code).ok())
-    }
-
-    fn first(self) -> Option<Location> {
-        (0u32..).zip(self.0).find_map(|(word, bits)| {
-            (bits != 0).then(|| {
-                Location::from_code(word * 64 + bits.trailing_zeros())
-                    .unwrap_or(Location::PageableHost)
-            })
-        })
-    }
 }
 
 #[derive(Debug, Clone, Copy)]
