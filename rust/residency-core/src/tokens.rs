@@ -225,12 +225,52 @@ struct Transfer {
     events: Vec<ObjectId>,
 }
 
+/// A pending lease's events: most wait on one, kept inline (no allocation to store
+/// or to copy it).
+#[derive(Debug, Clone)]
+pub(crate) enum Events {
+    One(ObjectId),
+    Many(Vec<ObjectId>),
+}
+
+impl std::ops::Deref for Events {
+    type Target = [ObjectId];
+
+    fn deref(&self) -> &[ObjectId] {
+        match self {
+            Self::One(event) => std::slice::from_ref(event),
+            Self::Many(events) => events,
+        }
+    }
+}
+
+impl From<Vec<ObjectId>> for Events {
+    fn from(events: Vec<ObjectId>) -> Self {
+        match *events.as_slice() {
+            [event] => Self::One(event),
+            _ => Self::Many(events),
+        }
+    }
+}
+
+impl IntoIterator for Events {
+    type Item = ObjectId;
+    type IntoIter = std::iter::Chain<std::option::IntoIter<ObjectId>, std::vec::IntoIter<ObjectId>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        match self {
+            Self::One(event) => Some(event).into_iter().chain(Vec::new()),
+            Self::Many(events) => None.into_iter().chain(events),
+        }
+    }
+}
+
 /// The pending leases' events, the transfers in flight and the object ids, kept
 /// with the lease records (under the manager's inner lock).
 #[derive(Debug, Default)]
 pub(crate) struct TokenBook {
     /// The events of each pending CUDA lease, in release order.
-    pending: Vec<(u64, Vec<ObjectId>)>,
+    pending: Vec<(u64, Events)>,
     transfers: Vec<Transfer>,
     /// How many records refer to each id; 0 for a free one.
     refs: Vec<u32>,
@@ -276,11 +316,11 @@ impl TokenBook {
         self.refs.iter().filter(|count| **count > 0).count()
     }
 
-    pub(crate) fn add_pending(&mut self, token: u64, events: Vec<ObjectId>) {
-        self.pending.push((token, events));
+    pub(crate) fn add_pending(&mut self, token: u64, events: impl Into<Events>) {
+        self.pending.push((token, events.into()));
     }
 
-    pub(crate) fn pending(&self) -> Vec<(u64, Vec<ObjectId>)> {
+    pub(crate) fn pending(&self) -> Vec<(u64, Events)> {
         self.pending.clone()
     }
 
@@ -288,7 +328,7 @@ impl TokenBook {
         !self.pending.is_empty()
     }
 
-    fn take_pending_events(&mut self, token: u64) -> Option<Vec<ObjectId>> {
+    fn take_pending_events(&mut self, token: u64) -> Option<Events> {
         let position = self.pending.iter().position(|(known, _)| *known == token)?;
         Some(self.pending.remove(position).1)
     }

@@ -9,7 +9,7 @@
 use crate::error::CoreResult;
 use crate::location::Location;
 use crate::state::HandleId;
-use crate::tokens::{self, Freed, LifetimeKind, ObjectId, Release};
+use crate::tokens::{self, Events, Freed, LifetimeKind, ObjectId, Release};
 
 use super::{Inner, Manager};
 
@@ -157,6 +157,14 @@ impl Manager {
 
     /// The pending leases and their events, in release order.
     pub fn pending_events(&self) -> Vec<(u64, Vec<ObjectId>)> {
+        self.pending_list()
+            .into_iter()
+            .map(|(token, events)| (token, events.to_vec()))
+            .collect()
+    }
+
+    /// The pending leases and their events, in release order, as the book keeps them.
+    fn pending_list(&self) -> Vec<(u64, Events)> {
         self.inner().book.pending()
     }
 
@@ -186,7 +194,7 @@ impl Manager {
             }
             Ok(done)
         };
-        for (token, events) in self.pending_events() {
+        for (token, events) in self.pending_list() {
             if all_complete(&events, &mut complete)? {
                 self.inner().settle_pending(token, freed);
             }
@@ -219,7 +227,7 @@ impl Manager {
     /// longer protect anything (explain's rule). An event whose question fails
     /// (`complete` returns `false` for it) keeps its lease protecting.
     pub fn completed_pending(&self, mut complete: impl FnMut(ObjectId) -> bool) -> Vec<u64> {
-        self.pending_events()
+        self.pending_list()
             .into_iter()
             .filter(|(_, events)| events.iter().all(|&event| complete(event)))
             .map(|(token, _)| token)
@@ -242,11 +250,11 @@ impl Manager {
         } else {
             Vec::new()
         };
-        for (token, events) in self.pending_events() {
+        for (token, events) in self.pending_list() {
             if !selected(token) && !in_flight.contains(&token) {
                 continue;
             }
-            for &event in &events {
+            for &event in events.iter() {
                 wait(event)?;
             }
             self.inner().settle_pending(token, freed);
@@ -292,7 +300,7 @@ impl Manager {
         freed: &mut Freed,
     ) -> Result<Vec<u64>, E> {
         let mut left = Vec::new();
-        for (token, events) in self.pending_events() {
+        for (token, events) in self.pending_list() {
             if !tokens.contains(&token) {
                 continue;
             }
@@ -347,7 +355,7 @@ impl Manager {
         };
         let mut inner = self.inner();
         inner.lease_to_pending(token);
-        inner.book.add_pending(token, vec![event]);
+        inner.book.add_pending(token, Events::One(event));
         inner.book.add_transfer(token, handle, at, keepalive);
         drop(inner);
         if let Some(source) = source
@@ -356,7 +364,7 @@ impl Manager {
             let mut inner = self.inner();
             inner.lease_to_pending(read);
             inner.book.share(&[event]);
-            inner.book.add_pending(read, vec![event]);
+            inner.book.add_pending(read, Events::One(event));
         }
         true
     }

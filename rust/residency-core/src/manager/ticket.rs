@@ -16,7 +16,7 @@ use super::{Inner, Manager, StorageKey};
 use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
 use crate::state::{HandleId, ValueRecord};
-use crate::tokens::{Freed, ObjectId};
+use crate::tokens::{Events, Freed, ObjectId};
 
 /// What `begin` decided.
 #[derive(Debug)]
@@ -350,13 +350,13 @@ impl Manager {
                 }),
                 Some(InFlight { event, keepalive }),
             ) => {
-                inner.book.add_pending(*token, vec![event]);
+                inner.book.add_pending(*token, Events::One(event));
                 inner
                     .book
                     .add_transfer(*token, ticket.handle, ticket.destination, keepalive);
                 if let Some(read) = read {
                     inner.book.share(&[event]);
-                    inner.book.add_pending(*read, vec![event]);
+                    inner.book.add_pending(*read, Events::One(event));
                 }
                 true
             }
