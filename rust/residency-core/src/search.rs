@@ -1345,6 +1345,30 @@ static EMPTY_PREFIX: LazyLock<Arc<Prefix>> = LazyLock::new(|| {
     })
 });
 
+/// Whether `order` names each of `0..order.len()` exactly once (up to 64 marked in a
+/// word, more in a vector).
+fn is_permutation(order: &[usize]) -> bool {
+    let count = order.len();
+    if count <= 64 {
+        let mut seen = 0u64;
+        order.iter().all(|&index| {
+            let bit = 1u64.checked_shl(u32::try_from(index).unwrap_or(u32::MAX));
+            match bit {
+                Some(bit) if index < count && seen & bit == 0 => {
+                    seen |= bit;
+                    true
+                }
+                _ => false,
+            }
+        })
+    } else {
+        let mut seen = vec![false; count];
+        order
+            .iter()
+            .all(|&index| index < count && !std::mem::replace(&mut seen[index], true))
+    }
+}
+
 /// Requirements at or below this many are scanned rather than indexed.
 const SCANNED_REQUIREMENTS: usize = 16;
 
@@ -1937,19 +1961,17 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                 )
             })
             .collect();
-        let mut required: Vec<usize> = self
+        // Each required value once, ascending (a value's candidate depends on it alone).
+        let mut required: Vec<Candidate> = self
             .requirements
             .iter()
             .filter(|requirement| requirement.location == location)
             .map(|requirement| requirement.value)
             .filter(|&value| !links.is_blocked(blocked, value))
-            .collect();
-        required.sort_unstable();
-        required.dedup();
-        let required: Vec<Candidate> = required
-            .into_iter()
             .filter_map(|value| candidate(value, self.mat_at(state, value, location)))
             .collect();
+        required.sort_unstable_by_key(|candidate| candidate.value);
+        required.dedup_by_key(|candidate| candidate.value);
         let changed = self.order(&changed)?;
         let required = self.order(&required)?;
         Ok(Candidates::Walked(Box::new(Walk {
@@ -2057,12 +2079,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             return Ok(Vec::new());
         }
         let order = self.policy.order(candidates)?;
-        let mut seen = vec![false; candidates.len()];
-        if order.len() != candidates.len()
-            || order.iter().any(|&index| {
-                index >= candidates.len() || std::mem::replace(&mut seen[index], true)
-            })
-        {
+        if order.len() != candidates.len() || !is_permutation(&order) {
             return Err(SearchError::BadOrdering {
                 detail: format!(
                     "the policy's order_candidates must return each of its {} candidates exactly \
@@ -2791,5 +2808,30 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             blocked_indices,
             active_pairs,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_permutation;
+
+    #[test]
+    fn a_permutation_names_each_index_once() {
+        for count in [0usize, 1, 2, 63, 64, 65, 130] {
+            let forward: Vec<usize> = (0..count).collect();
+            let backward: Vec<usize> = (0..count).rev().collect();
+            assert!(is_permutation(&forward));
+            assert!(is_permutation(&backward));
+            if count >= 2 {
+                let mut repeated = forward.clone();
+                repeated[count - 1] = 0;
+                assert!(!is_permutation(&repeated));
+                let mut outside = forward.clone();
+                outside[0] = count;
+                assert!(!is_permutation(&outside));
+                outside[0] = usize::MAX;
+                assert!(!is_permutation(&outside));
+            }
+        }
     }
 }

@@ -183,9 +183,9 @@ impl Manager {
         if !self.releases.is_empty() {
             self.drain_releases(freed);
         }
-        let mut completed: Vec<ObjectId> = Vec::new();
+        let mut completed = Completed::default();
         let mut complete = |event: ObjectId| {
-            if completed.contains(&event) {
+            if completed.contains(event) {
                 return Ok(true);
             }
             let done = complete(event)?;
@@ -408,6 +408,35 @@ impl Manager {
 }
 
 /// Whether every event reports complete, asked in order until one does not.
+/// The events a reap saw complete: the first few inline (a reap sees few), the
+/// rest in a vector.
+#[derive(Debug, Default)]
+struct Completed {
+    inline: [ObjectId; 4],
+    len: usize,
+    more: Vec<ObjectId>,
+}
+
+impl Completed {
+    fn contains(&self, event: ObjectId) -> bool {
+        self.inline
+            .iter()
+            .take(self.len)
+            .any(|&known| known == event)
+            || self.more.contains(&event)
+    }
+
+    fn push(&mut self, event: ObjectId) {
+        match self.inline.get_mut(self.len) {
+            Some(slot) => {
+                *slot = event;
+                self.len += 1;
+            }
+            None => self.more.push(event),
+        }
+    }
+}
+
 fn all_complete<E>(
     events: &[ObjectId],
     complete: &mut impl FnMut(ObjectId) -> Result<bool, E>,
@@ -418,4 +447,24 @@ fn all_complete<E>(
         }
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Completed;
+
+    #[test]
+    fn completed_events_are_known_past_the_inline_ones() {
+        let mut completed = Completed::default();
+        assert!(!completed.contains(0));
+        for event in [7, 0, 3, 9, 12, 5] {
+            completed.push(event);
+        }
+        for event in [7, 0, 3, 9, 12, 5] {
+            assert!(completed.contains(event));
+        }
+        for event in [1, 2, 4, 6, 8, 13] {
+            assert!(!completed.contains(event));
+        }
+    }
 }
