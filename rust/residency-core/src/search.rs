@@ -1033,7 +1033,9 @@ impl<T> Trail<T> {
     where
         T: Clone,
     {
-        let mut items: Vec<T> = self.iter_back().cloned().collect();
+        // Counted first, so the vector is allocated once at its length.
+        let mut items: Vec<T> = Vec::with_capacity(self.iter_back().count());
+        items.extend(self.iter_back().cloned());
         items.reverse();
         items
     }
