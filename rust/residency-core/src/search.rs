@@ -1033,9 +1033,7 @@ impl<T> Trail<T> {
     where
         T: Clone,
     {
-        // Counted first, so the vector is allocated once at its length.
-        let mut items: Vec<T> = Vec::with_capacity(self.iter_back().count());
-        items.extend(self.iter_back().cloned());
+        let mut items: Vec<T> = self.iter_back().cloned().collect();
         items.reverse();
         items
     }
