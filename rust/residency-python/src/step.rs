@@ -289,12 +289,6 @@ impl StepEntry {
         self.active(py, position).map(drop)
     }
 
-    /// Whether any lease is still active.
-    #[getter]
-    fn active_count(&self) -> usize {
-        self.borrows().iter().filter(|borrow| borrow.active).count()
-    }
-
     /// Registers another stream reading the values of the CUDA lease at `position`,
     /// as `ResidencyLease.add_consumer_stream` does: the release records an event on
     /// it too, and a value still being copied in is ordered before it.
