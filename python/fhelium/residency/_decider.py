@@ -67,6 +67,7 @@ class Decider:
         "_epochs",
         "_lowered_requests",
         "_metadata",
+        "_native",
         "_native_keys",
         "_native_tiers",
         "_schedule_cache",
@@ -114,6 +115,9 @@ class Decider:
         # The tiered policy, and the native configuration the core's decide takes for
         # it: the keys and its tiers, converted once (see `_decide_request`).
         self._native_tiers: tuple[Any, tuple[Any, TierTable]] | None = None
+        # The policy (this controller's) and that native configuration, as the last
+        # native decision took them (see `restage`).
+        self._native: tuple[Any, tuple[Any, TierTable]] | None = None
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ metadata
@@ -278,11 +282,40 @@ class Decider:
         # A forked child is refused before the lock (docs/concepts/lifetimes.md#fork).
         engine.check_process()
         policy = self.policy
+        schedule: tuple[Any, int] | None = None
         if isinstance(policy, ScheduleAwarePolicy):
             # A one-pass schedule that has run out says so (`decide_found`).
-            deciding_at(policy, policy.position if position is None else position)
+            position = policy.position if position is None else position
+            deciding_at(policy, position)
+            kept = self._schedule_cache
+            if kept is not None and kept[0] is policy:
+                schedule = (kept[1], position)
         with self.lock:
-            again = self._decide_request(request, position, False, (rerun, reclaim, blocking))
+            # `_decide_request`'s native call, inline where the request's lowering and
+            # the policy's native configuration (and its schedule) are kept already: a
+            # staging in a pipeline's steady state.
+            cached = self._lowered_requests.get(id(request))
+            native = self._native
+            if (
+                cached is not None
+                and cached[0] is request
+                and native is not None
+                and native[0] is policy
+                and (schedule is not None or type(policy) is DeterministicTieredLRU)
+            ):
+                again = engine.stage_request(
+                    cached[2],
+                    self.limit,
+                    engine.cuda_count or -1,
+                    *rerun,
+                    native[1],
+                    schedule,
+                    None,
+                    reclaim,
+                    blocking,
+                )
+            else:
+                again = self._decide_request(request, position, False, (rerun, reclaim, blocking))
             if again is None:
                 return None
             found, ran = again
@@ -414,6 +447,8 @@ class Decider:
                         ),
                     ),
                 )
+            # For `restage`: the native configuration of this very policy.
+            self._native = (policy, tiers[1])
             if rerun is None:
                 return engine.decide_request(*arguments, native=tiers[1], schedule=schedule)
             again, reclaim, blocking = rerun
