@@ -658,8 +658,8 @@ def enter_staged(
                 engine.manager_id, view, request, policy, shape.empty_plan, None
             )
         else:
-            use._decision = _Satisfied(
-                engine.manager_id, view, request, policy, shape.empty_plan, identity
+            use._decision = _new_satisfied(
+                _Satisfied, (engine.manager_id, view, request, policy, shape, identity)
             )
         use._scope = unscoped
         decider.record_staged(request, step)
@@ -686,18 +686,20 @@ _STAGED_EXITS: Final[list[Callable[[Any, Any, Any], object]]] = []
 _new_object = object.__new__
 
 
-class _Satisfied:
-    """A staged step's decision as its entry read it (`_decided.satisfied`'s arguments:
-    the state view is immutable and the policy's identity fixed), built when first
-    read: a step whose decision nobody reads builds none."""
+class _Satisfied(tuple[Any, ...]):
+    """A staged step's decision as its entry read it: `_decided.satisfied`'s arguments,
+    with its request's shape in place of the shape's empty plan (the state view is
+    immutable and the policy's identity fixed), built when first read: a step whose
+    decision nobody reads builds none."""
 
-    __slots__ = ("arguments",)
-
-    def __init__(self, *arguments: Any) -> None:
-        self.arguments = arguments
+    __slots__ = ()
 
     def build(self) -> ResidencyDecision:
-        return satisfied(*self.arguments)
+        manager_id, view, request, policy, shape, identity = self
+        return satisfied(manager_id, view, request, policy, shape.empty_plan, identity)
+
+
+_new_satisfied = tuple.__new__
 
 
 def _unwind(
