@@ -42,7 +42,9 @@ pub use plan::{
     Telemetry,
 };
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
-pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
+pub use state::{
+    HandleId, LocationBooks, LocationState, Materialization, ReservationRecord, State, ValueRecord,
+};
 pub use tokens::{Freed, LifetimeKind, ObjectId, Release};
 pub use value::{
     HandleName, Recoverability, ReplicaMode, SourceRefusal, SpecField, ValueSpec, charge_of,

@@ -272,8 +272,14 @@ impl Inner {
         lease.pending = true;
         // Lent out of the lease while its tokens change, and put back.
         let (handles, location) = (std::mem::take(&mut lease.handles), lease.location);
-        self.tokens(&handles, location, TokenKind::Use, false);
-        self.tokens(&handles, location, TokenKind::Pending, true);
+        for &handle in &handles {
+            self.state.move_token(
+                handle,
+                location,
+                Some(TokenKind::Use),
+                Some(TokenKind::Pending),
+            );
+        }
         if let Some(lease) = self.leases.get_mut(&token) {
             lease.handles = handles;
         }
