@@ -559,6 +559,14 @@ impl Manager {
         state
     }
 
+    /// The working state's version, books and reservations, without its value records
+    /// ([`State::books_only`]), inside the gate. Unlike [`Manager::current`] it
+    /// publishes nothing and shares no value record with the working state: a reader
+    /// that keeps it across later changes makes them copy nothing.
+    pub fn current_books(&self) -> Arc<State> {
+        Arc::new(self.inner().state.books_only())
+    }
+
     pub fn materialization_locations(&self, handle: HandleId) -> CoreResult<Vec<Location>> {
         let inner = self.inner();
         Ok(inner

@@ -250,6 +250,23 @@ impl State {
         self.residents.get(&location)
     }
 
+    /// This state's version, books and reservations without its value records: what a
+    /// reader of the books alone keeps (a staged step's decision reads the version and
+    /// the books). It shares no value node with this state, so keeping it makes the
+    /// changes that follow copy no record.
+    #[must_use]
+    pub fn books_only(&self) -> Self {
+        Self {
+            version: self.version,
+            closed: self.closed,
+            values: Vector::new(),
+            locations: self.locations.clone(),
+            reservations: self.reservations.clone(),
+            pending_leases: self.pending_leases,
+            residents: OrdMap::new(),
+        }
+    }
+
     /// Forgets every value record (a closed manager).
     pub fn clear_values(&mut self) {
         self.values = Vector::new();

@@ -634,3 +634,63 @@ fn a_closed_manager_drops_every_token_and_id() {
     assert!(manager.pending_events().is_empty());
     assert!(!manager.reap_needed());
 }
+
+#[test]
+fn a_lease_to_pending_moves_each_use_token_to_a_pending_one_in_the_books_too() {
+    let manager = manager();
+    let first = copied_value(&manager);
+    let second = copied_value(&manager);
+    let hold = manager.hold(&[first], CUDA).expect("held");
+    let token = manager.acquire(&[first, second], CUDA).expect("acquired");
+    let before = manager.current();
+    assert!(manager.lease_to_pending(token));
+    assert!(!manager.lease_to_pending(token), "already pending");
+    assert_eq!(counts(&manager, first, CUDA), (0, 1, 1));
+    assert_eq!(counts(&manager, second, CUDA), (0, 0, 1));
+    assert_eq!(counts(&manager, first, PINNED), (0, 0, 0));
+    let books = manager.current().books(CUDA);
+    assert_eq!(
+        (books.use_count, books.hold_count, books.pending_count),
+        (0, 1, 2)
+    );
+    // A snapshot taken before keeps its counts.
+    let kept = before.record(first).expect("issued").materialization(CUDA);
+    assert_eq!(
+        kept.map(|mat| (mat.use_count, mat.pending_count)),
+        Some((1, 0))
+    );
+    assert_eq!(before.books(CUDA).use_count, 2);
+    assert!(manager.release_pending(token));
+    assert!(manager.release_hold(hold));
+    assert_eq!(counts(&manager, first, CUDA), (0, 0, 0));
+    let books = manager.current().books(CUDA);
+    assert_eq!(
+        (books.use_count, books.hold_count, books.pending_count),
+        (0, 0, 0)
+    );
+    manager.check_books().expect("books balance");
+}
+
+#[test]
+fn the_books_alone_are_the_working_states_and_keep_no_value() {
+    let manager = manager();
+    let handle = copied_value(&manager);
+    let full = manager.current();
+    let books = manager.current_books();
+    assert_eq!(books.version, full.version);
+    assert_eq!(books.closed, full.closed);
+    assert_eq!(books.pending_leases, full.pending_leases);
+    assert_eq!(&*books.locations, &*full.locations);
+    assert_eq!(books.values.len(), 0);
+    assert!(books.residents(CUDA).is_none());
+    // Kept across later changes, they stay as they were taken.
+    let token = manager.acquire(&[handle], CUDA).expect("acquired");
+    assert!(manager.release_lease(token));
+    assert!(manager.drop_materialization(handle, CUDA).expect("dropped"));
+    assert_eq!(books.version, full.version);
+    assert_eq!(books.books(CUDA), full.books(CUDA));
+    let now = manager.current_books();
+    assert!(now.version > books.version);
+    assert_eq!(now.books(CUDA).used_bytes, 0);
+    assert_eq!(now.books(CUDA).value_count, 0);
+}
