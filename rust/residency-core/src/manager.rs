@@ -854,20 +854,23 @@ impl Manager {
     /// Drops one materialisation. `Ok(false)` is the no-op (already absent).
     pub fn drop_materialization(&self, handle: HandleId, at: Location) -> CoreResult<bool> {
         let mut inner = self.inner();
-        let record = Arc::clone(inner.live_record(handle)?);
+        let record = inner.live_record(handle)?;
         if !record.is_resident(at) {
             return Ok(false);
         }
+        let final_one = record.materializations.len() == 1 && record.source.is_none();
+        let handle_id = record.handle_id;
         inner.check_removable(handle, at)?;
-        if record.materializations.len() == 1 && record.source.is_none() {
+        if final_one {
             return Err(CoreError::Ownership {
                 message: format!(
-                    "cannot drop the final MUST_PRESERVE materialization of value {:?} at {at}; \
-                     move it elsewhere or discard the value",
-                    record.handle_id
+                    "cannot drop the final MUST_PRESERVE materialization of value {handle_id:?} at {at}; \
+                     move it elsewhere or discard the value"
                 ),
             });
         }
+        // No other reference to the record is held here: the removal changes it in
+        // place unless a snapshot shares it.
         inner.remove(handle, at);
         Ok(true)
     }
@@ -876,15 +879,15 @@ impl Manager {
     /// nothing changes), the source cleared, the record marked discarded.
     pub fn discard(&self, handle: HandleId) -> CoreResult<Vec<Location>> {
         let mut inner = self.inner();
-        let record = Arc::clone(inner.live_record(handle)?);
-        for materialization in &record.materializations {
-            inner.check_removable(handle, materialization.location)?;
-        }
-        let removed: Vec<Location> = record
+        let removed: Vec<Location> = inner
+            .live_record(handle)?
             .materializations
             .iter()
             .map(|materialization| materialization.location)
             .collect();
+        for &location in &removed {
+            inner.check_removable(handle, location)?;
+        }
         for &location in &removed {
             inner.remove(handle, location);
         }
@@ -1159,7 +1162,14 @@ impl Manager {
         for planned in &outcome.enter {
             enter.push(lower(planned)?);
         }
-        let plan = Plan::new(name, handles, reclaim, enter, Vec::new(), reservations)?;
+        let plan = Plan::new(
+            Arc::clone(name),
+            handles,
+            reclaim,
+            enter,
+            Vec::new(),
+            reservations,
+        )?;
         Ok((plan, slots))
     }
 
