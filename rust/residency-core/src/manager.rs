@@ -1112,7 +1112,7 @@ impl Manager {
     /// would; also each slot's handle index, for the glue's records and the simulation.
     pub fn decided_plan(
         &self,
-        name: &str,
+        name: &Arc<str>,
         outcome: &SearchOutcome,
         reservations: Vec<Reservation>,
     ) -> CoreResult<(Plan, Vec<HandleId>)> {
