@@ -129,6 +129,10 @@ pub struct Manager {
     /// Set when a whole operation changed the state since it was last published.
     /// Publishing costs a state clone and a swap, so it waits until a reader asks.
     stale: AtomicBool,
+    /// What `published` holds while it is stale: an empty state that no reader takes
+    /// (`try_published_snapshot` knows it by its address). Letting go of the stale
+    /// state means the changes that follow copy none of the records it shared.
+    unpublished: Arc<State>,
     /// Scrambles the index each issued id carries (see `HandleName::issue`).
     index_key: u32,
     /// The process that made the manager. A forked child inherits the manager's memory
@@ -357,6 +361,7 @@ impl Manager {
             gate: Gate::new(),
             published: ArcSwap::from_pointee(state.clone()),
             stale: AtomicBool::new(false),
+            unpublished: Arc::new(State::default()),
             // Truncation is the point: 32 random bits.
             #[allow(clippy::cast_possible_truncation)]
             index_key: uuid::Uuid::new_v4().as_u128() as u32,
@@ -454,9 +459,17 @@ impl Manager {
         // Lock order: gate, then inner. Nothing takes them the other way round.
         self.gate.exit_with(|| {
             if self.inner().dirty {
-                self.stale.store(true, Ordering::Release);
+                self.mark_stale();
             }
         });
+    }
+
+    /// Marks the published state stale (inside the gate); the first time since it was
+    /// published, lets go of it.
+    fn mark_stale(&self) {
+        if !self.stale.swap(true, Ordering::AcqRel) {
+            self.published.store(Arc::clone(&self.unpublished));
+        }
     }
 
     pub fn begin_transition(&self) {
@@ -486,7 +499,7 @@ impl Manager {
     pub fn end_transition_and_exit(&self) {
         self.gate.end_transition_and_exit(|| {
             if self.inner().dirty {
-                self.stale.store(true, Ordering::Release);
+                self.mark_stale();
             }
         });
     }
@@ -532,6 +545,10 @@ impl Manager {
             return Ok(None);
         }
         let state = self.published.load_full();
+        if Arc::ptr_eq(&state, &self.unpublished) {
+            // Marked stale since the flag was read.
+            return Ok(None);
+        }
         if state.closed {
             return Err(self.closed_error());
         }

@@ -694,3 +694,55 @@ fn the_books_alone_are_the_working_states_and_keep_no_value() {
     assert_eq!(now.books(CUDA).used_bytes, 0);
     assert_eq!(now.books(CUDA).value_count, 0);
 }
+
+/// One operation under the gate, as the binding runs them.
+fn gated<R>(manager: &Manager, operation: impl FnOnce() -> R) -> R {
+    enter(manager);
+    let result = operation();
+    manager.exit();
+    result
+}
+
+#[test]
+fn a_stale_published_state_is_let_go_and_never_read_lock_free() {
+    let manager = manager();
+    let handle = gated(&manager, || value(&manager, CUDA));
+    // Stale after a changing operation: the lock-free path declines.
+    assert!(manager.try_published_snapshot().expect("open").is_none());
+    let published = gated(&manager, || manager.current());
+    let read = manager
+        .try_published_snapshot()
+        .expect("open")
+        .expect("published and current");
+    assert!(Arc::ptr_eq(&read, &published));
+    drop(read);
+    // Only the manager's published copy shares it besides this one.
+    assert_eq!(Arc::strong_count(&published), 2);
+    let token = gated(&manager, || {
+        manager.acquire(&[handle], CUDA).expect("acquired")
+    });
+    // Marked stale, the manager let go of it: the change after copies no record of it.
+    assert_eq!(Arc::strong_count(&published), 1);
+    assert!(manager.try_published_snapshot().expect("open").is_none());
+    assert_eq!(
+        published
+            .record(handle)
+            .and_then(|record| record.materialization(CUDA))
+            .map(|mat| mat.use_count),
+        Some(0)
+    );
+    // Published again when a reader takes the gate: current, and read lock-free.
+    let again = gated(&manager, || manager.current());
+    assert!(again.version > published.version);
+    let read = manager
+        .try_published_snapshot()
+        .expect("open")
+        .expect("published again");
+    assert_eq!(read.version, again.version);
+    assert_eq!(counts(&manager, handle, CUDA), (1, 0, 0));
+    // An operation that changes nothing keeps it.
+    gated(&manager, || manager.lease_state(token));
+    assert!(manager.try_published_snapshot().expect("open").is_some());
+    assert!(gated(&manager, || manager.release_lease(token)));
+    assert!(manager.try_published_snapshot().expect("open").is_none());
+}
