@@ -17,6 +17,7 @@ pub mod messages;
 mod overlay;
 pub mod placement;
 pub mod plan;
+pub mod pvec;
 pub mod report;
 pub mod search;
 pub mod simulate;

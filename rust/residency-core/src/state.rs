@@ -8,10 +8,11 @@
 
 use std::sync::Arc;
 
-use imbl::{OrdMap, OrdSet, Vector};
+use imbl::{OrdMap, OrdSet};
 
 use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
+use crate::pvec::PVec;
 use crate::value::{HandleName, ValueSpec};
 
 /// A value's position in issue order; stable until the manager closes.
@@ -219,7 +220,7 @@ impl<'a> IntoIterator for &'a mut LocationBooks {
 pub struct State {
     pub version: u64,
     pub closed: bool,
-    pub values: Vector<Arc<ValueRecord>>,
+    pub values: PVec<Arc<ValueRecord>>,
     /// Registered locations in registration order.
     pub locations: LocationBooks,
     /// Active reservations keyed by their token (creation order).
@@ -259,7 +260,7 @@ impl State {
         Self {
             version: self.version,
             closed: self.closed,
-            values: Vector::new(),
+            values: PVec::new(),
             locations: self.locations.clone(),
             reservations: self.reservations.clone(),
             pending_leases: self.pending_leases,
@@ -269,7 +270,7 @@ impl State {
 
     /// Forgets every value record (a closed manager).
     pub fn clear_values(&mut self) {
-        self.values = Vector::new();
+        self.values = PVec::new();
         self.residents = OrdMap::new();
     }
 
@@ -521,7 +522,7 @@ impl State {
         for books in &self.locations {
             let mut used = 0u64;
             let mut count = 0u64;
-            for record in &self.values {
+            for record in self.values.iter() {
                 if let Some(materialization) = record.materialization(books.location) {
                     used = used.saturating_add(materialization.charged_nbytes);
                     count += 1;
