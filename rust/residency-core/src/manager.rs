@@ -66,16 +66,50 @@ pub enum LeaseState {
     Pending,
 }
 
+/// A lease's or a hold's handles: a single one kept inline (a step's group is often
+/// one value), more in a vector.
+#[derive(Debug, Clone)]
+enum Handles {
+    One(HandleId),
+    Many(Vec<HandleId>),
+}
+
+impl Default for Handles {
+    fn default() -> Self {
+        Self::Many(Vec::new())
+    }
+}
+
+impl From<&[HandleId]> for Handles {
+    fn from(handles: &[HandleId]) -> Self {
+        match *handles {
+            [handle] => Self::One(handle),
+            _ => Self::Many(handles.to_vec()),
+        }
+    }
+}
+
+impl std::ops::Deref for Handles {
+    type Target = [HandleId];
+
+    fn deref(&self) -> &[HandleId] {
+        match self {
+            Self::One(handle) => std::slice::from_ref(handle),
+            Self::Many(handles) => handles,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct LeaseRecord {
-    handles: Vec<HandleId>,
+    handles: Handles,
     location: Location,
     pending: bool,
 }
 
 #[derive(Debug, Clone)]
 struct HoldRecord {
-    handles: Vec<HandleId>,
+    handles: Handles,
     location: Location,
 }
 
@@ -259,7 +293,7 @@ impl Inner {
         self.leases.insert(
             token,
             LeaseRecord {
-                handles: handles.to_vec(),
+                handles: Handles::from(handles),
                 location,
                 pending: false,
             },
@@ -276,7 +310,7 @@ impl Inner {
         lease.pending = true;
         // Lent out of the lease while its tokens change, and put back.
         let (handles, location) = (std::mem::take(&mut lease.handles), lease.location);
-        for &handle in &handles {
+        for &handle in handles.iter() {
             self.state.move_token(
                 handle,
                 location,
@@ -949,7 +983,7 @@ impl Manager {
         inner.holds.insert(
             token,
             HoldRecord {
-                handles: handles.to_vec(),
+                handles: Handles::from(handles),
                 location,
             },
         );
@@ -973,7 +1007,7 @@ impl Manager {
             .leases
             .get(&token)
             .filter(|lease| lease.pending)
-            .map(|lease| (lease.handles.clone(), lease.location))
+            .map(|lease| (lease.handles.to_vec(), lease.location))
     }
 
     /// True while the lease record exists, is active and `handle` is one of its
@@ -1115,7 +1149,7 @@ impl Manager {
         let mut completed = CompletedPending::default();
         for token in completed_leases {
             if let Some(lease) = inner.leases.get(token).filter(|lease| lease.pending) {
-                for &handle in &lease.handles {
+                for &handle in lease.handles.iter() {
                     *completed.entry((handle, lease.location)).or_default() += 1;
                 }
             }

@@ -460,7 +460,6 @@ impl State {
 
     /// Removes one token of kind `from` (when the materialisation has one) and adds one
     /// of kind `to`, in one visit of the record and the books; no version step here.
-    /// A record that would not change is not copied out of a snapshot.
     pub fn move_token(
         &mut self,
         handle: HandleId,
@@ -482,21 +481,18 @@ impl State {
                 TokenKind::Pending => &mut books.pending_count,
             }
         }
-        let Some(current) = self
+        let Some(materialization) = self
             .values
-            .get(handle as usize)
-            .and_then(|record| record.materialization(location))
+            .get_mut(handle as usize)
+            .map(Arc::make_mut)
+            .and_then(|record| record.materialization_mut(location))
         else {
             return;
         };
-        let mut current = *current;
-        let removes = from.is_some_and(|kind| *count(&mut current, kind) > 0);
+        let removes = from.is_some_and(|kind| *count(materialization, kind) > 0);
         if !removes && to.is_none() {
             return;
         }
-        let Some(materialization) = self.record_mut(handle).materialization_mut(location) else {
-            return;
-        };
         if let Some(kind) = from.filter(|_| removes) {
             let counted = count(materialization, kind);
             *counted = counted.saturating_sub(1);
