@@ -120,7 +120,8 @@ pub struct SearchInputs {
     /// and no source, so it is never a candidate.
     pub values: StateValues,
     pub books: Vec<(Location, u64, u64)>,
-    pub budgets: std::collections::BTreeMap<Location, u64>,
+    /// The budgets, fixed when the manager was made (shared, built once).
+    pub budgets: Arc<std::collections::BTreeMap<Location, u64>>,
     pub version: u64,
 }
 
@@ -167,6 +168,8 @@ pub struct Manager {
     /// (`try_published_snapshot` knows it by its address). Letting go of the stale
     /// state means the changes that follow copy none of the records it shared.
     unpublished: Arc<State>,
+    /// The budgeted locations' budgets: set at construction, never changed after.
+    budgets: Arc<std::collections::BTreeMap<Location, u64>>,
     /// Scrambles the index each issued id carries (see `HandleName::issue`).
     index_key: u32,
     /// The process that made the manager. A forked child inherits the manager's memory
@@ -396,6 +399,13 @@ impl Manager {
             published: ArcSwap::from_pointee(state.clone()),
             stale: AtomicBool::new(false),
             unpublished: Arc::new(State::default()),
+            budgets: Arc::new(
+                state
+                    .locations
+                    .iter()
+                    .filter_map(|books| books.budget_bytes.map(|budget| (books.location, budget)))
+                    .collect(),
+            ),
             // Truncation is the point: 32 random bits.
             #[allow(clippy::cast_possible_truncation)]
             index_key: uuid::Uuid::new_v4().as_u128() as u32,
@@ -1240,11 +1250,7 @@ impl Manager {
                 .iter()
                 .map(|books| (books.location, books.used_bytes, books.reserved_bytes))
                 .collect(),
-            budgets: state
-                .locations
-                .iter()
-                .filter_map(|books| books.budget_bytes.map(|budget| (books.location, budget)))
-                .collect(),
+            budgets: Arc::clone(&self.budgets),
             version: state.version,
         }
     }
