@@ -17,6 +17,7 @@ pub mod messages;
 mod overlay;
 pub mod placement;
 pub mod plan;
+pub mod pvec;
 pub mod report;
 pub mod search;
 pub mod simulate;
@@ -42,7 +43,9 @@ pub use plan::{
     Telemetry,
 };
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
-pub use state::{HandleId, LocationState, Materialization, ReservationRecord, State, ValueRecord};
+pub use state::{
+    HandleId, LocationBooks, LocationState, Materialization, ReservationRecord, State, ValueRecord,
+};
 pub use tokens::{Freed, LifetimeKind, ObjectId, Release};
 pub use value::{
     HandleName, Recoverability, ReplicaMode, SourceRefusal, SpecField, ValueSpec, charge_of,

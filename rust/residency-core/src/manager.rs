@@ -66,16 +66,50 @@ pub enum LeaseState {
     Pending,
 }
 
+/// A lease's or a hold's handles: a single one kept inline (a step's group is often
+/// one value), more in a vector.
+#[derive(Debug, Clone)]
+enum Handles {
+    One(HandleId),
+    Many(Vec<HandleId>),
+}
+
+impl Default for Handles {
+    fn default() -> Self {
+        Self::Many(Vec::new())
+    }
+}
+
+impl From<&[HandleId]> for Handles {
+    fn from(handles: &[HandleId]) -> Self {
+        match *handles {
+            [handle] => Self::One(handle),
+            _ => Self::Many(handles.to_vec()),
+        }
+    }
+}
+
+impl std::ops::Deref for Handles {
+    type Target = [HandleId];
+
+    fn deref(&self) -> &[HandleId] {
+        match self {
+            Self::One(handle) => std::slice::from_ref(handle),
+            Self::Many(handles) => handles,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct LeaseRecord {
-    handles: Vec<HandleId>,
+    handles: Handles,
     location: Location,
     pending: bool,
 }
 
 #[derive(Debug, Clone)]
 struct HoldRecord {
-    handles: Vec<HandleId>,
+    handles: Handles,
     location: Location,
 }
 
@@ -86,7 +120,8 @@ pub struct SearchInputs {
     /// and no source, so it is never a candidate.
     pub values: StateValues,
     pub books: Vec<(Location, u64, u64)>,
-    pub budgets: std::collections::BTreeMap<Location, u64>,
+    /// The budgets, fixed when the manager was made (shared, built once).
+    pub budgets: Arc<std::collections::BTreeMap<Location, u64>>,
     pub version: u64,
 }
 
@@ -129,6 +164,12 @@ pub struct Manager {
     /// Set when a whole operation changed the state since it was last published.
     /// Publishing costs a state clone and a swap, so it waits until a reader asks.
     stale: AtomicBool,
+    /// What `published` holds while it is stale: an empty state that no reader takes
+    /// (`try_published_snapshot` knows it by its address). Letting go of the stale
+    /// state means the changes that follow copy none of the records it shared.
+    unpublished: Arc<State>,
+    /// The budgeted locations' budgets: set at construction, never changed after.
+    budgets: Arc<std::collections::BTreeMap<Location, u64>>,
     /// Scrambles the index each issued id carries (see `HandleName::issue`).
     index_key: u32,
     /// The process that made the manager. A forked child inherits the manager's memory
@@ -255,7 +296,7 @@ impl Inner {
         self.leases.insert(
             token,
             LeaseRecord {
-                handles: handles.to_vec(),
+                handles: Handles::from(handles),
                 location,
                 pending: false,
             },
@@ -272,8 +313,14 @@ impl Inner {
         lease.pending = true;
         // Lent out of the lease while its tokens change, and put back.
         let (handles, location) = (std::mem::take(&mut lease.handles), lease.location);
-        self.tokens(&handles, location, TokenKind::Use, false);
-        self.tokens(&handles, location, TokenKind::Pending, true);
+        for &handle in handles.iter() {
+            self.state.move_token(
+                handle,
+                location,
+                Some(TokenKind::Use),
+                Some(TokenKind::Pending),
+            );
+        }
         if let Some(lease) = self.leases.get_mut(&token) {
             lease.handles = handles;
         }
@@ -351,6 +398,14 @@ impl Manager {
             gate: Gate::new(),
             published: ArcSwap::from_pointee(state.clone()),
             stale: AtomicBool::new(false),
+            unpublished: Arc::new(State::default()),
+            budgets: Arc::new(
+                state
+                    .locations
+                    .iter()
+                    .filter_map(|books| books.budget_bytes.map(|budget| (books.location, budget)))
+                    .collect(),
+            ),
             // Truncation is the point: 32 random bits.
             #[allow(clippy::cast_possible_truncation)]
             index_key: uuid::Uuid::new_v4().as_u128() as u32,
@@ -448,9 +503,17 @@ impl Manager {
         // Lock order: gate, then inner. Nothing takes them the other way round.
         self.gate.exit_with(|| {
             if self.inner().dirty {
-                self.stale.store(true, Ordering::Release);
+                self.mark_stale();
             }
         });
+    }
+
+    /// Marks the published state stale (inside the gate); the first time since it was
+    /// published, lets go of it.
+    fn mark_stale(&self) {
+        if !self.stale.swap(true, Ordering::AcqRel) {
+            self.published.store(Arc::clone(&self.unpublished));
+        }
     }
 
     pub fn begin_transition(&self) {
@@ -480,7 +543,7 @@ impl Manager {
     pub fn end_transition_and_exit(&self) {
         self.gate.end_transition_and_exit(|| {
             if self.inner().dirty {
-                self.stale.store(true, Ordering::Release);
+                self.mark_stale();
             }
         });
     }
@@ -526,6 +589,10 @@ impl Manager {
             return Ok(None);
         }
         let state = self.published.load_full();
+        if Arc::ptr_eq(&state, &self.unpublished) {
+            // Marked stale since the flag was read.
+            return Ok(None);
+        }
         if state.closed {
             return Err(self.closed_error());
         }
@@ -551,6 +618,14 @@ impl Manager {
             self.stale.store(false, Ordering::Release);
         }
         state
+    }
+
+    /// The working state's version, books and reservations, without its value records
+    /// ([`State::books_only`]), inside the gate. Unlike [`Manager::current`] it
+    /// publishes nothing and shares no value record with the working state: a reader
+    /// that keeps it across later changes makes them copy nothing.
+    pub fn current_books(&self) -> Arc<State> {
+        Arc::new(self.inner().state.books_only())
     }
 
     pub fn materialization_locations(&self, handle: HandleId) -> CoreResult<Vec<Location>> {
@@ -840,20 +915,23 @@ impl Manager {
     /// Drops one materialisation. `Ok(false)` is the no-op (already absent).
     pub fn drop_materialization(&self, handle: HandleId, at: Location) -> CoreResult<bool> {
         let mut inner = self.inner();
-        let record = Arc::clone(inner.live_record(handle)?);
+        let record = inner.live_record(handle)?;
         if !record.is_resident(at) {
             return Ok(false);
         }
+        let final_one = record.materializations.len() == 1 && record.source.is_none();
+        let handle_id = record.handle_id;
         inner.check_removable(handle, at)?;
-        if record.materializations.len() == 1 && record.source.is_none() {
+        if final_one {
             return Err(CoreError::Ownership {
                 message: format!(
-                    "cannot drop the final MUST_PRESERVE materialization of value {:?} at {at}; \
-                     move it elsewhere or discard the value",
-                    record.handle_id
+                    "cannot drop the final MUST_PRESERVE materialization of value {handle_id:?} at {at}; \
+                     move it elsewhere or discard the value"
                 ),
             });
         }
+        // No other reference to the record is held here: the removal changes it in
+        // place unless a snapshot shares it.
         inner.remove(handle, at);
         Ok(true)
     }
@@ -862,15 +940,15 @@ impl Manager {
     /// nothing changes), the source cleared, the record marked discarded.
     pub fn discard(&self, handle: HandleId) -> CoreResult<Vec<Location>> {
         let mut inner = self.inner();
-        let record = Arc::clone(inner.live_record(handle)?);
-        for materialization in &record.materializations {
-            inner.check_removable(handle, materialization.location)?;
-        }
-        let removed: Vec<Location> = record
+        let removed: Vec<Location> = inner
+            .live_record(handle)?
             .materializations
             .iter()
             .map(|materialization| materialization.location)
             .collect();
+        for &location in &removed {
+            inner.check_removable(handle, location)?;
+        }
         for &location in &removed {
             inner.remove(handle, location);
         }
@@ -915,7 +993,7 @@ impl Manager {
         inner.holds.insert(
             token,
             HoldRecord {
-                handles: handles.to_vec(),
+                handles: Handles::from(handles),
                 location,
             },
         );
@@ -939,7 +1017,7 @@ impl Manager {
             .leases
             .get(&token)
             .filter(|lease| lease.pending)
-            .map(|lease| (lease.handles.clone(), lease.location))
+            .map(|lease| (lease.handles.to_vec(), lease.location))
     }
 
     /// True while the lease record exists, is active and `handle` is one of its
@@ -1081,7 +1159,7 @@ impl Manager {
         let mut completed = CompletedPending::default();
         for token in completed_leases {
             if let Some(lease) = inner.leases.get(token).filter(|lease| lease.pending) {
-                for &handle in &lease.handles {
+                for &handle in lease.handles.iter() {
                     *completed.entry((handle, lease.location)).or_default() += 1;
                 }
             }
@@ -1095,7 +1173,7 @@ impl Manager {
     /// would; also each slot's handle index, for the glue's records and the simulation.
     pub fn decided_plan(
         &self,
-        name: &str,
+        name: &Arc<str>,
         outcome: &SearchOutcome,
         reservations: Vec<Reservation>,
     ) -> CoreResult<(Plan, Vec<HandleId>)> {
@@ -1145,7 +1223,14 @@ impl Manager {
         for planned in &outcome.enter {
             enter.push(lower(planned)?);
         }
-        let plan = Plan::new(name, handles, reclaim, enter, Vec::new(), reservations)?;
+        let plan = Plan::new(
+            Arc::clone(name),
+            handles,
+            reclaim,
+            enter,
+            Vec::new(),
+            reservations,
+        )?;
         Ok((plan, slots))
     }
 
@@ -1165,11 +1250,7 @@ impl Manager {
                 .iter()
                 .map(|books| (books.location, books.used_bytes, books.reserved_bytes))
                 .collect(),
-            budgets: state
-                .locations
-                .iter()
-                .filter_map(|books| books.budget_bytes.map(|budget| (books.location, budget)))
-                .collect(),
+            budgets: Arc::clone(&self.budgets),
             version: state.version,
         }
     }

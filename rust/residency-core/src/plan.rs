@@ -349,6 +349,12 @@ impl Reservation {
     }
 }
 
+/// Whether `text` is empty or all whitespace (what `text.trim().is_empty()` says),
+/// stopping at the first other character: a plan checks every handle's ids.
+fn is_blank(text: &str) -> bool {
+    text.chars().all(char::is_whitespace)
+}
+
 impl Plan {
     /// Validates the IR's internal consistency. Cross-field semantics (duplicate
     /// actions, foreign handles) are deliberately allowed; the manager judges them.
@@ -361,11 +367,11 @@ impl Plan {
         reservations: Vec<Reservation>,
     ) -> CoreResult<Self> {
         let name = name.into();
-        if name.trim().is_empty() {
+        if is_blank(&name) {
             return Err(CoreError::invalid("plan name must be a non-empty string"));
         }
         for handle in &handles {
-            if handle.manager_id.trim().is_empty() || handle.handle_id.trim().is_empty() {
+            if is_blank(&handle.manager_id) || is_blank(&handle.handle_id) {
                 return Err(CoreError::invalid(
                     "handle manager_id and handle_id must be non-empty strings",
                 ));
@@ -391,7 +397,7 @@ impl Plan {
         if let Some(reservation) = plan
             .reservations
             .iter()
-            .find(|reservation| reservation.label.trim().is_empty())
+            .find(|reservation| is_blank(&reservation.label))
         {
             return Err(CoreError::invalid(format!(
                 "reservation at {} must have a non-empty label",

@@ -8,10 +8,11 @@
 
 use std::sync::Arc;
 
-use imbl::{OrdMap, OrdSet, Vector};
+use imbl::{OrdMap, OrdSet};
 
 use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
+use crate::pvec::PVec;
 use crate::value::{HandleName, ValueSpec};
 
 /// A value's position in issue order; stable until the manager closes.
@@ -170,14 +171,58 @@ pub enum TokenKind {
     Pending,
 }
 
+/// The registered locations' books, in registration order: a handful of entries, kept
+/// as one shared vector. A snapshot shares it; the first change after one copies it
+/// (a few entries, one allocation), and reading it is a slice scan.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LocationBooks(Arc<Vec<LocationState>>);
+
+impl LocationBooks {
+    fn push_back(&mut self, books: LocationState) {
+        Arc::make_mut(&mut self.0).push(books);
+    }
+}
+
+impl std::ops::Deref for LocationBooks {
+    type Target = [LocationState];
+
+    fn deref(&self) -> &[LocationState] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for LocationBooks {
+    fn deref_mut(&mut self) -> &mut [LocationState] {
+        Arc::make_mut(&mut self.0).as_mut_slice()
+    }
+}
+
+impl<'a> IntoIterator for &'a LocationBooks {
+    type Item = &'a LocationState;
+    type IntoIter = std::slice::Iter<'a, LocationState>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a mut LocationBooks {
+    type Item = &'a mut LocationState;
+    type IntoIter = std::slice::IterMut<'a, LocationState>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        Arc::make_mut(&mut self.0).iter_mut()
+    }
+}
+
 /// One immutable, self-consistent observation of a manager.
 #[derive(Debug, Clone, Default)]
 pub struct State {
     pub version: u64,
     pub closed: bool,
-    pub values: Vector<Arc<ValueRecord>>,
+    pub values: PVec<Arc<ValueRecord>>,
     /// Registered locations in registration order.
-    pub locations: Vector<LocationState>,
+    pub locations: LocationBooks,
     /// Active reservations keyed by their token (creation order).
     pub reservations: OrdMap<u64, ReservationRecord>,
     /// Released CUDA leases whose completion events have not been reaped yet.
@@ -206,9 +251,26 @@ impl State {
         self.residents.get(&location)
     }
 
+    /// This state's version, books and reservations without its value records: what a
+    /// reader of the books alone keeps (a staged step's decision reads the version and
+    /// the books). It shares no value node with this state, so keeping it makes the
+    /// changes that follow copy no record.
+    #[must_use]
+    pub fn books_only(&self) -> Self {
+        Self {
+            version: self.version,
+            closed: self.closed,
+            values: PVec::new(),
+            locations: self.locations.clone(),
+            reservations: self.reservations.clone(),
+            pending_leases: self.pending_leases,
+            residents: OrdMap::new(),
+        }
+    }
+
     /// Forgets every value record (a closed manager).
     pub fn clear_values(&mut self) {
-        self.values = Vector::new();
+        self.values = PVec::new();
         self.residents = OrdMap::new();
     }
 
@@ -380,7 +442,8 @@ impl State {
         self.bump();
     }
 
-    /// Adds (`delta > 0`) or removes protection tokens; no version step here.
+    /// Adds (`add`) or removes one protection token; no version step here. Removing
+    /// a token the materialisation does not have changes nothing.
     pub fn adjust_tokens(
         &mut self,
         handle: HandleId,
@@ -388,37 +451,63 @@ impl State {
         kind: TokenKind,
         add: bool,
     ) {
-        let Some(materialization) = self.record_mut(handle).materialization_mut(location) else {
-            return;
-        };
-        let count = match kind {
-            TokenKind::Use => &mut materialization.use_count,
-            TokenKind::Hold => &mut materialization.hold_count,
-            TokenKind::Pending => &mut materialization.pending_count,
-        };
-        let changed = if add {
-            *count += 1;
-            true
-        } else if *count > 0 {
-            *count = count.saturating_sub(1);
-            true
+        if add {
+            self.move_token(handle, location, None, Some(kind));
         } else {
-            false
-        };
-        if !changed {
-            return;
+            self.move_token(handle, location, Some(kind), None);
         }
-        if let Some(index) = self.location_index(location) {
-            let books = &mut self.locations[index];
-            let total = match kind {
+    }
+
+    /// Removes one token of kind `from` (when the materialisation has one) and adds one
+    /// of kind `to`, in one visit of the record and the books; no version step here.
+    pub fn move_token(
+        &mut self,
+        handle: HandleId,
+        location: Location,
+        from: Option<TokenKind>,
+        to: Option<TokenKind>,
+    ) {
+        fn count(materialization: &mut Materialization, kind: TokenKind) -> &mut u32 {
+            match kind {
+                TokenKind::Use => &mut materialization.use_count,
+                TokenKind::Hold => &mut materialization.hold_count,
+                TokenKind::Pending => &mut materialization.pending_count,
+            }
+        }
+        fn total(books: &mut LocationState, kind: TokenKind) -> &mut u64 {
+            match kind {
                 TokenKind::Use => &mut books.use_count,
                 TokenKind::Hold => &mut books.hold_count,
                 TokenKind::Pending => &mut books.pending_count,
-            };
-            if add {
-                *total += 1;
-            } else {
-                *total = total.saturating_sub(1);
+            }
+        }
+        let Some(materialization) = self
+            .values
+            .get_mut(handle as usize)
+            .map(Arc::make_mut)
+            .and_then(|record| record.materialization_mut(location))
+        else {
+            return;
+        };
+        let removes = from.is_some_and(|kind| *count(materialization, kind) > 0);
+        if !removes && to.is_none() {
+            return;
+        }
+        if let Some(kind) = from.filter(|_| removes) {
+            let counted = count(materialization, kind);
+            *counted = counted.saturating_sub(1);
+        }
+        if let Some(kind) = to {
+            *count(materialization, kind) += 1;
+        }
+        if let Some(index) = self.location_index(location) {
+            let books = &mut self.locations[index];
+            if let Some(kind) = from.filter(|_| removes) {
+                let counted = total(books, kind);
+                *counted = counted.saturating_sub(1);
+            }
+            if let Some(kind) = to {
+                *total(books, kind) += 1;
             }
         }
     }
@@ -429,7 +518,7 @@ impl State {
         for books in &self.locations {
             let mut used = 0u64;
             let mut count = 0u64;
-            for record in &self.values {
+            for record in self.values.iter() {
                 if let Some(materialization) = record.materialization(books.location) {
                     used = used.saturating_add(materialization.charged_nbytes);
                     count += 1;

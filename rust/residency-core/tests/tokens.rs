@@ -634,3 +634,115 @@ fn a_closed_manager_drops_every_token_and_id() {
     assert!(manager.pending_events().is_empty());
     assert!(!manager.reap_needed());
 }
+
+#[test]
+fn a_lease_to_pending_moves_each_use_token_to_a_pending_one_in_the_books_too() {
+    let manager = manager();
+    let first = copied_value(&manager);
+    let second = copied_value(&manager);
+    let hold = manager.hold(&[first], CUDA).expect("held");
+    let token = manager.acquire(&[first, second], CUDA).expect("acquired");
+    let before = manager.current();
+    assert!(manager.lease_to_pending(token));
+    assert!(!manager.lease_to_pending(token), "already pending");
+    assert_eq!(counts(&manager, first, CUDA), (0, 1, 1));
+    assert_eq!(counts(&manager, second, CUDA), (0, 0, 1));
+    assert_eq!(counts(&manager, first, PINNED), (0, 0, 0));
+    let books = manager.current().books(CUDA);
+    assert_eq!(
+        (books.use_count, books.hold_count, books.pending_count),
+        (0, 1, 2)
+    );
+    // A snapshot taken before keeps its counts.
+    let kept = before.record(first).expect("issued").materialization(CUDA);
+    assert_eq!(
+        kept.map(|mat| (mat.use_count, mat.pending_count)),
+        Some((1, 0))
+    );
+    assert_eq!(before.books(CUDA).use_count, 2);
+    assert!(manager.release_pending(token));
+    assert!(manager.release_hold(hold));
+    assert_eq!(counts(&manager, first, CUDA), (0, 0, 0));
+    let books = manager.current().books(CUDA);
+    assert_eq!(
+        (books.use_count, books.hold_count, books.pending_count),
+        (0, 0, 0)
+    );
+    manager.check_books().expect("books balance");
+}
+
+#[test]
+fn the_books_alone_are_the_working_states_and_keep_no_value() {
+    let manager = manager();
+    let handle = copied_value(&manager);
+    let full = manager.current();
+    let books = manager.current_books();
+    assert_eq!(books.version, full.version);
+    assert_eq!(books.closed, full.closed);
+    assert_eq!(books.pending_leases, full.pending_leases);
+    assert_eq!(&*books.locations, &*full.locations);
+    assert_eq!(books.values.len(), 0);
+    assert!(books.residents(CUDA).is_none());
+    // Kept across later changes, they stay as they were taken.
+    let token = manager.acquire(&[handle], CUDA).expect("acquired");
+    assert!(manager.release_lease(token));
+    assert!(manager.drop_materialization(handle, CUDA).expect("dropped"));
+    assert_eq!(books.version, full.version);
+    assert_eq!(books.books(CUDA), full.books(CUDA));
+    let now = manager.current_books();
+    assert!(now.version > books.version);
+    assert_eq!(now.books(CUDA).used_bytes, 0);
+    assert_eq!(now.books(CUDA).value_count, 0);
+}
+
+/// One operation under the gate, as the binding runs them.
+fn gated<R>(manager: &Manager, operation: impl FnOnce() -> R) -> R {
+    enter(manager);
+    let result = operation();
+    manager.exit();
+    result
+}
+
+#[test]
+fn a_stale_published_state_is_let_go_and_never_read_lock_free() {
+    let manager = manager();
+    let handle = gated(&manager, || value(&manager, CUDA));
+    // Stale after a changing operation: the lock-free path declines.
+    assert!(manager.try_published_snapshot().expect("open").is_none());
+    let published = gated(&manager, || manager.current());
+    let read = manager
+        .try_published_snapshot()
+        .expect("open")
+        .expect("published and current");
+    assert!(Arc::ptr_eq(&read, &published));
+    drop(read);
+    // Only the manager's published copy shares it besides this one.
+    assert_eq!(Arc::strong_count(&published), 2);
+    let token = gated(&manager, || {
+        manager.acquire(&[handle], CUDA).expect("acquired")
+    });
+    // Marked stale, the manager let go of it: the change after copies no record of it.
+    assert_eq!(Arc::strong_count(&published), 1);
+    assert!(manager.try_published_snapshot().expect("open").is_none());
+    assert_eq!(
+        published
+            .record(handle)
+            .and_then(|record| record.materialization(CUDA))
+            .map(|mat| mat.use_count),
+        Some(0)
+    );
+    // Published again when a reader takes the gate: current, and read lock-free.
+    let again = gated(&manager, || manager.current());
+    assert!(again.version > published.version);
+    let read = manager
+        .try_published_snapshot()
+        .expect("open")
+        .expect("published again");
+    assert_eq!(read.version, again.version);
+    assert_eq!(counts(&manager, handle, CUDA), (1, 0, 0));
+    // An operation that changes nothing keeps it.
+    gated(&manager, || manager.lease_state(token));
+    assert!(manager.try_published_snapshot().expect("open").is_some());
+    assert!(gated(&manager, || manager.release_lease(token)));
+    assert!(manager.try_published_snapshot().expect("open").is_none());
+}

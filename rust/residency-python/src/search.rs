@@ -375,7 +375,8 @@ impl Decided {
 pub struct LoweredRequest {
     discards: u64,
     requirements: Vec<Requirement>,
-    name: String,
+    /// Shared with every plan decided for it (no copy per decide).
+    name: Arc<str>,
     reservations: Vec<Reservation>,
     /// The reservations as the search takes them.
     searched: Vec<(Location, u64)>,
@@ -420,7 +421,7 @@ impl LoweredRequest {
         Ok(Self {
             discards,
             requirements,
-            name,
+            name: Arc::from(name),
             reservations,
             searched,
             labels,
@@ -544,7 +545,7 @@ fn decide_locked(
     completed_leases: &[u64],
     policy: DecidePolicy<'_>,
 ) -> PyResult<Decided> {
-    let request_name = request.name.as_str();
+    let request_name: &str = &request.name;
     let core = manager.core();
     let inputs = core.search_inputs();
     for requirement in &request.requirements {
@@ -587,7 +588,7 @@ fn decide_locked(
         }
     };
     let (plan, slots) = core
-        .decided_plan(request_name, &outcome, request.reservations.clone())
+        .decided_plan(&request.name, &outcome, request.reservations.clone())
         .map_err(|err| to_py_err(py, err))?;
     let resolutions: Vec<SlotResolution> = slots.iter().copied().map(Ok).collect();
     let cuda = u32::try_from(cuda_count).map_or(CudaDevices::Unavailable, CudaDevices::Count);

@@ -396,7 +396,8 @@ impl Drop for StepEntry {
 }
 
 /// A staged pipeline step's entry, under one hold of the gate after reaping
-/// (docs/concepts/controller.md#steps): the state its decision describes, then a lease
+/// (docs/concepts/controller.md#steps): the state its decision describes (its version
+/// and books; no value record), then a lease
 /// per group `(location, handles)` of `groups` (the handles normalised; a CUDA one read
 /// on `consumers[location]`), with nothing in between. Then the staging's `holds` go,
 /// whether or not the leases were taken: on a failure the leases already taken are
@@ -425,8 +426,10 @@ pub fn enter_step(
         let mut protecting: Vec<u64> = Vec::new();
         let taken = (|| {
             core.reap_with(&host)?;
+            // The decision reads the version and the books alone: a view of those
+            // keeps no value record shared, so the step's changes copy none.
             let view = StateView {
-                state: core.current(),
+                state: core.current_books(),
             };
             for group in groups.iter() {
                 let group = group.cast_into::<PyTuple>()?;
