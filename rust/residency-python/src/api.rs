@@ -694,13 +694,6 @@ impl CoreManager {
         Ok((!discarded).then_some(index))
     }
 
-    /// Whether `handle` names a value of this manager that was discarded.
-    fn is_discarded(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self
-            .lookup(py, handle)?
-            .is_some_and(|(_, discarded)| discarded))
-    }
-
     pub(crate) fn handle(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
         self.objects
             .handle(py, index)
