@@ -36,7 +36,7 @@ from fhelium.residency._runtime.simulated_storage import (
 from fhelium.residency._runtime.simulated_streams import SimulatedStream, SimulatedStreams
 from fhelium.residency._runtime.timeline import Timeline, TimelineSpan, non_negative
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
-from fhelium.values.tensor_resident import TensorResident, layout_copy
+from fhelium.values.tensor_resident import TensorResident, host_copy, layout_copy
 
 __all__ = ["SimulatedCopy", "SimulatedRuntime"]
 
@@ -409,11 +409,11 @@ class SimulatedRuntime(SimulatedStreams):
     ) -> tuple[_V, ValueFacts | None]:
         """The copy of `copy_to_cuda`, with its facts when ``measured`` (else ``None``).
 
-        A one-tensor value without a timeline (most values) takes the first branch:
-        the same steps as the general one (the source read on the stream, the copy, its
-        registration and the log entry), with the bookkeeping under one hold of the
-        lock, and the copy's facts from what the registration found
-        (`StorageRegistry.register_copy`)."""
+        A plain one-tensor value without a timeline (most values) takes the first branch:
+        `host_copy` (`to`'s copy, without its frame and device checks), then the same
+        steps as the general branch (the source read on the stream, the copy's
+        registration and the log entry) under one hold of the lock, and the copy's facts
+        from what the registration found (`StorageRegistry.register_copy`)."""
         # The device copied to last by identity (a caller names one device with one
         # object), else a simulated device by lookup (`_cuda_index` does the rest).
         last = self._last_target
@@ -424,19 +424,15 @@ class SimulatedRuntime(SimulatedStreams):
             index = self._cuda_index(device) if known is None else known
             self._last_target = (device, index)
         stream = self._copy_stream(stream, index)
-        tensors = value._resident_tensors
-        if len(tensors) == 1 and self._timing is None:
-            registry = self._storage
-            source = registry.entries.get(tensors[0].untyped_storage()._cdata)
-            # `to(copy=True)` always clones, so even a CPU source gets new, independent
-            # storage, exactly like a real host-to-device copy.
-            result = value.to(_CPU, copy=True, non_blocking=False)
+        copied = host_copy(value) if self._timing is None else None
+        if copied is not None:
+            result, storage, source, nbytes = copied
             location = self._cuda_locations[index]
             if location is None:
                 location = self._cuda_locations[index] = cuda_location(self._devices[index])
-            (copied,) = result._resident_tensors
-            return result, registry.register_copy(
-                copied,
+            return result, self._storage.register_copy(  # type: ignore[return-value]
+                storage,
+                nbytes,
                 index,
                 stream,
                 source,
@@ -444,6 +440,7 @@ class SimulatedRuntime(SimulatedStreams):
                 _new_tuple(SimulatedCopy, (location, stream, non_blocking)),
                 measured,
             )
+        tensors = value._resident_tensors
         target = self._devices[index]
         with self._lock:
             # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse).

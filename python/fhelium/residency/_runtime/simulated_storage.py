@@ -420,26 +420,27 @@ class StorageRegistry:
 
     def register_copy(
         self,
-        copied: torch.Tensor,
+        storage: torch.UntypedStorage,
+        nbytes: int,
         index: int,
         owner: SimulatedStream,
-        source: StorageEntry | None,
+        source: torch.UntypedStorage,
         log: list[_Record],
         record: _Record,
         measured: bool,
     ) -> ValueFacts | None:
-        """The bookkeeping of `SimulatedRuntime.copy_to_cuda`'s copy of a one-tensor value,
-        under one hold of the lock: `register_locked` of the storage of its field
-        ``copied`` on the simulated CUDA device of index ``index``, allocated on
-        ``owner``, with the copy's read of its source on ``owner`` (`ReuseOrder.copied`;
-        ``source`` is the source storage's entry, if any: only a simulated device
-        storage's read is tracked), then ``record`` appended to ``log``. The same steps
-        as `register_locked`, without the loop and with `StorageEntry.make` inline (most
+        """The bookkeeping of `SimulatedRuntime.copy_to_cuda`'s copy of a plain one-tensor
+        value (`host_copy`), under one hold of the lock: `register_locked` of the copy's
+        ``storage`` of ``nbytes`` (its tensor's too) on the simulated CUDA device of index
+        ``index``, allocated on ``owner``, with the copy's read of its ``source`` storage
+        on ``owner`` (`ReuseOrder.copied`: only a simulated device storage's read is
+        tracked), then ``record`` appended to ``log``. The same steps as
+        `register_locked`, without the loop and with `StorageEntry.make` inline (most
         copies are of one tensor). Returns the copy's facts when ``measured``
         (`measure`'s one-tensor case, from what the registration found), else ``None``."""
-        storage = copied.untyped_storage()
         device = self.devices[index]
-        read = source.key if source is not None and source.cuda else None
+        read = self.entries.get(source._cdata)
+        read_key = read.key if read is not None and read.cuda else None
         # `with lock`, spelled out: the same hold of the lock, in half the time.
         lock = self._lock
         lock.acquire()
@@ -447,10 +448,10 @@ class StorageRegistry:
             if self.freed:
                 self.drain_freed_locked()
             # An allocation on `owner` may reuse any block freed to its pool.
-            entry_owner, hazards = self._order.copied(owner, read)
+            entry_owner, hazards = self._order.copied(owner, read_key)
             if hazards:
-                for reader, nbytes in hazards:
-                    self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
+                for reader, freed_bytes in hazards:
+                    self._hazards.append(SimulatedHazard(device, owner, reader, freed_bytes))
             entry = _new_ref(StorageEntry, storage, self._on_free)
             entry.address = storage._weak_ref()  # type: ignore[assignment]  # an int, untyped
             entry.key = key = storage._cdata
@@ -459,7 +460,7 @@ class StorageRegistry:
             entry.owner = entry_owner
             entry.pinned = False
             entry.cuda = True
-            entry.nbytes = nbytes = storage.nbytes()
+            entry.nbytes = nbytes
             # `reserved_nbytes`, inline (the literal is `_BLOCK`).
             entry.reserved = reserved = -(-nbytes // 512) * 512
             entry.counted = True
@@ -478,16 +479,9 @@ class StorageRegistry:
             lock.release()
         if not measured:
             return None
+        # One contiguous tensor over its whole storage: its bytes are the storage's.
         return _new_tuple(
-            ValueFacts,
-            (
-                device,
-                index,
-                False,
-                copied.nbytes,
-                nbytes,
-                [(index, storage.data_ptr())] if nbytes else [],
-            ),
+            ValueFacts, (device, index, False, nbytes, nbytes, [(index, storage.data_ptr())])
         )
 
     def uncount_locked(self, entry: StorageEntry) -> None:
