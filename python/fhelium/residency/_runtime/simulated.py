@@ -18,7 +18,6 @@ runtime). This module adds the seam's copies, buffers, value facts and memory re
 
 from __future__ import annotations
 
-from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
@@ -48,9 +47,6 @@ _CPU: Final = torch.device("cpu")
 # A named tuple built without its Python ``__new__`` frame (a copy logs one each).
 _new_tuple: Final = tuple.__new__
 
-# `calls`' key of the seam methods that count themselves (see `copy_to_cuda`).
-_COPY_TO_CUDA: Final = ("copy_to_cuda",)
-_MEMORY_SAMPLE: Final = ("memory_sample",)
 # No device was given yet (`SimulatedRuntime._last_target`).
 _NO_DEVICE: Final = object()
 
@@ -82,9 +78,9 @@ class SimulatedRuntime(SimulatedStreams):
     the storages the runtime's own copies created, so a value copied to ``cuda:1`` reports
     ``cuda:1``; storages it did not create report their real torch placement.
 
-    Test instrumentation: ``calls`` (a ``Counter``) counts every seam method called;
-    `fail_next` makes the next call(s) of a method raise; ``copies`` logs every copy as a
-    `SimulatedCopy` and ``waits`` every `wait_event`. The test helpers `to_device`, `pin`,
+    Test instrumentation: ``calls`` (a ``Counter``, up to date each time it is read)
+    counts every seam method called; `fail_next` makes the next call(s) of a method raise;
+    ``copies`` logs every copy as a `SimulatedCopy` and ``waits`` every `wait_event`. The test helpers `to_device`, `pin`,
     `placement`, `complete_events`, `compute`, `current_device`, `set_device`,
     `device_guard` and `pending_event_count` are neither counted nor fault-injected. Each
     thread has a current device, and a default-stream handle names the current device's
@@ -351,7 +347,7 @@ class SimulatedRuntime(SimulatedStreams):
         if self._faults:
             self._enter("copy_to_cuda")
         else:
-            _count_elements(self.calls, _COPY_TO_CUDA)
+            next(self._counters["copy_to_cuda"])
         return self._to_cuda(value, device, stream, non_blocking, False)[0]
 
     def copy_to_cuda_measured(
@@ -396,7 +392,7 @@ class SimulatedRuntime(SimulatedStreams):
         if self._faults:
             self._enter("copy_to_cuda")
         else:
-            _count_elements(self.calls, _COPY_TO_CUDA)
+            next(self._counters["copy_to_cuda"])
         return self._to_cuda(value, device, stream, non_blocking, True)
 
     def _to_cuda(
@@ -612,7 +608,7 @@ class SimulatedRuntime(SimulatedStreams):
         if self._faults:
             self._enter("memory_sample")
         else:
-            _count_elements(self.calls, _MEMORY_SAMPLE)
+            next(self._counters["memory_sample"])
         # A simulated device by lookup first (`_device_index` does the rest).
         index = self._indices.get(device) if type(device) is torch.device else None
         if index is None:
