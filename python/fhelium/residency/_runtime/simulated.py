@@ -80,11 +80,12 @@ class SimulatedRuntime(SimulatedStreams):
 
     Test instrumentation: ``calls`` (a ``Counter``, up to date each time it is read)
     counts every seam method called; `fail_next` makes the next call(s) of a method raise;
-    ``copies`` logs every copy as a `SimulatedCopy` and ``waits`` every `wait_event`. The test helpers `to_device`, `pin`,
-    `placement`, `complete_events`, `compute`, `current_device`, `set_device`,
-    `device_guard` and `pending_event_count` are neither counted nor fault-injected. Each
-    thread has a current device, and a default-stream handle names the current device's
-    default stream (docs/concepts/simulation.md#current-device-and-default-streams).
+    ``copies`` logs every copy as a `SimulatedCopy` and ``waits`` every `wait_event`. The
+    test helpers `to_device`, `pin`, `placement`, `complete_events`, `compute`,
+    `current_device`, `set_device`, `device_guard` and `pending_event_count` are neither
+    counted nor fault-injected. Each thread has a current device, and a default-stream
+    handle names the current device's default stream
+    (docs/concepts/simulation.md#current-device-and-default-streams).
     With ``timeline``, events complete by virtual time instead of by the test. See
     docs/concepts/simulation.md.
 
@@ -348,7 +349,8 @@ class SimulatedRuntime(SimulatedStreams):
             self._enter("copy_to_cuda")
         else:
             next(self._counters["copy_to_cuda"])
-        return self._to_cuda(value, device, stream, non_blocking, False)[0]
+        index = self._cuda_index(device)
+        return self._to_cuda(value, index, self._copy_stream(stream, index), non_blocking, False)[0]
 
     def copy_to_cuda_measured(
         self, value: TensorResident, device: torch.device, stream: Any, *, non_blocking: bool
@@ -393,23 +395,6 @@ class SimulatedRuntime(SimulatedStreams):
             self._enter("copy_to_cuda")
         else:
             next(self._counters["copy_to_cuda"])
-        return self._to_cuda(value, device, stream, non_blocking, True)
-
-    def _to_cuda(
-        self,
-        value: _V,
-        device: torch.device,
-        stream: Any,
-        non_blocking: bool,
-        measured: bool,
-    ) -> tuple[_V, ValueFacts | None]:
-        """The copy of `copy_to_cuda`, with its facts when ``measured`` (else ``None``).
-
-        A plain one-tensor value without a timeline (most values) takes the first branch:
-        `host_copy` (`to`'s copy, without its frame and device checks), then the same
-        steps as the general branch (the source read on the stream, the copy's
-        registration and the log entry) under one hold of the lock, and the copy's facts
-        from what the registration found (`StorageRegistry.register_copy`)."""
         # The device copied to last by identity (a caller names one device with one
         # object), else a simulated device by lookup (`_cuda_index` does the rest).
         last = self._last_target
@@ -419,23 +404,42 @@ class SimulatedRuntime(SimulatedStreams):
             known = self._indices.get(device) if type(device) is torch.device else None
             index = self._cuda_index(device) if known is None else known
             self._last_target = (device, index)
-        stream = self._copy_stream(stream, index)
+        # `_copy_stream`'s first case inline: a stream of this runtime on the device.
+        if type(stream) is not SimulatedStream or stream.device is not self._devices[index]:
+            stream = self._copy_stream(stream, index)
+        # A plain one-tensor value without a timeline (most values): `host_copy` (`to`'s
+        # copy, without its frame and device checks), then the general path's steps
+        # (the source read on the stream, the copy's registration and its log entry)
+        # under one hold of the lock, and the copy's facts from what the registration
+        # found (`StorageRegistry.register_copy`).
         copied = host_copy(value) if self._timing is None else None
-        if copied is not None:
-            result, storage, source, nbytes = copied
-            location = self._cuda_locations[index]
-            if location is None:
-                location = self._cuda_locations[index] = cuda_location(self._devices[index])
-            return result, self._storage.register_copy(  # type: ignore[return-value]
-                storage,
-                nbytes,
-                index,
-                stream,
-                source,
-                self.copies,
-                _new_tuple(SimulatedCopy, (location, stream, non_blocking)),
-                measured,
-            )
+        if copied is None:
+            return self._to_cuda(value, index, stream, non_blocking, True)
+        result, storage, source, nbytes = copied
+        location = self._cuda_locations[index]
+        if location is None:
+            location = self._cuda_locations[index] = cuda_location(self._devices[index])
+        return result, self._storage.register_copy(
+            storage,
+            nbytes,
+            index,
+            stream,
+            source,
+            self.copies,
+            _new_tuple(SimulatedCopy, (location, stream, non_blocking)),
+        )
+
+    def _to_cuda(
+        self,
+        value: _V,
+        index: int,
+        stream: SimulatedStream,
+        non_blocking: bool,
+        measured: bool,
+    ) -> tuple[_V, ValueFacts | None]:
+        """The copy of `copy_to_cuda` to the simulated device of index ``index`` on
+        ``stream`` (a stream of that device), with its facts when ``measured`` (else
+        ``None``); `copy_to_cuda_measured` takes a shorter path for most values."""
         tensors = value._resident_tensors
         target = self._devices[index]
         with self._lock:

@@ -427,8 +427,7 @@ class StorageRegistry:
         source: torch.UntypedStorage,
         log: list[_Record],
         record: _Record,
-        measured: bool,
-    ) -> ValueFacts | None:
+    ) -> ValueFacts:
         """The bookkeeping of `SimulatedRuntime.copy_to_cuda`'s copy of a plain one-tensor
         value (`host_copy`), under one hold of the lock: `register_locked` of the copy's
         ``storage`` of ``nbytes`` (its tensor's too) on the simulated CUDA device of index
@@ -436,8 +435,8 @@ class StorageRegistry:
         on ``owner`` (`ReuseOrder.copied`: only a simulated device storage's read is
         tracked), then ``record`` appended to ``log``. The same steps as
         `register_locked`, without the loop and with `StorageEntry.make` inline (most
-        copies are of one tensor). Returns the copy's facts when ``measured``
-        (`measure`'s one-tensor case, from what the registration found), else ``None``."""
+        copies are of one tensor). Returns the copy's facts (`measure`'s one-tensor case,
+        from what the registration found)."""
         device = self.devices[index]
         read = self.entries.get(source._cdata)
         read_key = read.key if read is not None and read.cuda else None
@@ -477,8 +476,6 @@ class StorageRegistry:
             log.append(record)
         finally:
             lock.release()
-        if not measured:
-            return None
         # One contiguous tensor over its whole storage: its bytes are the storage's.
         return _new_tuple(
             ValueFacts, (device, index, False, nbytes, nbytes, [(index, storage.data_ptr())])
