@@ -404,9 +404,7 @@ class SimulatedRuntime(SimulatedStreams):
             known = self._indices.get(device) if type(device) is torch.device else None
             index = self._cuda_index(device) if known is None else known
             self._last_target = (device, index)
-        # `_copy_stream`'s first case inline: a stream of this runtime on the device.
-        if type(stream) is not SimulatedStream or stream.device is not self._devices[index]:
-            stream = self._copy_stream(stream, index)
+        stream = self._copy_stream(stream, index)
         # A plain one-tensor value without a timeline (most values): `host_copy` (`to`'s
         # copy, without its frame and device checks), then the general path's steps
         # (the source read on the stream, the copy's registration and its log entry)

@@ -22,7 +22,7 @@ import torch
 
 from fhelium.residency._runtime.base import DeviceRuntime
 
-__all__ = ["SimulatedDevices", "counted"]
+__all__ = ["SimulatedDevices"]
 
 # Every method of the seam, i.e. what `calls` counts and `fail_next` accepts. Derived from the
 # Protocol so that a method added there is instrumented here without a second list to forget.
@@ -33,7 +33,7 @@ _SEAM_METHODS: Final = frozenset(
 )
 
 
-def counted(counter: itertools.count[int]) -> int:
+def _counted(counter: itertools.count[int]) -> int:
     """How many times an `itertools.count` started at 0 was advanced: its next value, read
     from its repr (``count(N)``), the one way to read it without advancing it."""
     return int(repr(counter)[6:-1])
@@ -81,7 +81,7 @@ class SimulatedDevices:
             counts = self._calls
             folded = self._folded
             for name, counter in self._counters.items():
-                now = counted(counter)
+                now = _counted(counter)
                 taken = folded[name]
                 if now != taken:
                     folded[name] = now

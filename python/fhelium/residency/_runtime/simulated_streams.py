@@ -10,7 +10,6 @@ time events complete at (docs/concepts/simulation.md#streams-and-events).
 from __future__ import annotations
 
 import math
-import operator
 import weakref
 from collections.abc import Callable
 from typing import Any, Final
@@ -70,10 +69,10 @@ class SimulatedStream:
         """
         return self._handle
 
-    # A property over a C getter (no Python frame): every copy reads it.
-    device = property(
-        operator.attrgetter("_device"), doc="The simulated CUDA device the stream belongs to."
-    )
+    @property
+    def device(self) -> torch.device:
+        """The simulated CUDA device the stream belongs to."""
+        return self._device
 
     @property
     def device_index(self) -> int:
