@@ -405,26 +405,17 @@ class SimulatedRuntime(SimulatedStreams):
             index = self._cuda_index(device) if known is None else known
             self._last_target = (device, index)
         stream = self._copy_stream(stream, index)
-        # A plain one-tensor value without a timeline (most values): `host_copy` (`to`'s
-        # copy, without its frame and device checks), then the general path's steps
-        # (the source read on the stream, the copy's registration and its log entry)
-        # under one hold of the lock, and the copy's facts from what the registration
-        # found (`StorageRegistry.register_copy`).
+        # `_to_cuda`, inline (its first branch takes most values).
         copied = host_copy(value) if self._timing is None else None
         if copied is None:
-            return self._to_cuda(value, index, stream, non_blocking, True)
+            return self._general_copy(value, index, stream, non_blocking, True)
         result, storage, source, nbytes = copied
         location = self._cuda_locations[index]
         if location is None:
             location = self._cuda_locations[index] = cuda_location(self._devices[index])
+        record = _new_tuple(SimulatedCopy, (location, stream, non_blocking))
         return result, self._storage.register_copy(
-            storage,
-            nbytes,
-            index,
-            stream,
-            source,
-            self.copies,
-            _new_tuple(SimulatedCopy, (location, stream, non_blocking)),
+            storage, nbytes, index, stream, source, self.copies, record
         )
 
     def _to_cuda(
@@ -435,9 +426,32 @@ class SimulatedRuntime(SimulatedStreams):
         non_blocking: bool,
         measured: bool,
     ) -> tuple[_V, ValueFacts | None]:
-        """The copy of `copy_to_cuda` to the simulated device of index ``index`` on
-        ``stream`` (a stream of that device), with its facts when ``measured`` (else
-        ``None``); `copy_to_cuda_measured` takes a shorter path for most values."""
+        """`copy_to_cuda`'s copy to device ``index`` on ``stream``, with its facts when
+        ``measured``. A plain one-tensor value without a timeline: `host_copy` (`to`'s
+        copy, without its frame), registered in one step (`register_copy`)."""
+        copied = host_copy(value) if self._timing is None else None
+        if copied is not None:
+            result, storage, source, nbytes = copied
+            location = self._cuda_locations[index]
+            if location is None:
+                location = self._cuda_locations[index] = cuda_location(self._devices[index])
+            record = _new_tuple(SimulatedCopy, (location, stream, non_blocking))
+            facts = self._storage.register_copy(
+                storage, nbytes, index, stream, source, self.copies, record
+            )
+            return result, (facts if measured else None)  # type: ignore[return-value]
+        return self._general_copy(value, index, stream, non_blocking, measured)
+
+    def _general_copy(
+        self,
+        value: _V,
+        index: int,
+        stream: SimulatedStream,
+        non_blocking: bool,
+        measured: bool,
+    ) -> tuple[_V, ValueFacts | None]:
+        """`_to_cuda` of any value: the source read, the copy (`to`'s), its registration,
+        timing and log entry."""
         tensors = value._resident_tensors
         target = self._devices[index]
         with self._lock:
