@@ -110,3 +110,27 @@ def test_a_freed_storage_s_identity_is_not_taken_while_its_entry_remains() -> No
     gc.collect()
     runtime.memory_sample(CUDA0)
     assert runtime._storage.entries == {}
+
+
+def test_a_new_storage_at_a_freed_one_s_address_is_its_own() -> None:
+    """A copy freed and the next copy made at once: the new storage may be allocated where
+    the freed one was, while the freed one's entry still waits to be taken out. Each
+    copy reads as its own (on the device, its bytes counted once), and the freed one's
+    entry, taken out later, leaves the new one's in place."""
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    stream = runtime.create_stream(CUDA0)
+    source = runtime.pin(ResidentTensor(torch.zeros(8)))
+    copied = runtime.copy_to_cuda_measured(source, CUDA0, stream, non_blocking=True)[0]
+    reused = 0
+    for _ in range(200):
+        address = copied.tensor.untyped_storage()._cdata
+        del copied  # freed: its entry waits in the registry
+        copied, facts = runtime.copy_to_cuda_measured(source, CUDA0, stream, non_blocking=True)
+        reused += copied.tensor.untyped_storage()._cdata == address
+        assert facts == runtime.measure(copied)
+        assert runtime.placement(copied) == cuda_location("cuda:0")
+        assert runtime.memory_sample(CUDA0) == (32, BLOCK)
+        assert runtime.placement(ResidentTensor(torch.zeros(8))) == PAGEABLE_HOST
+    assert reused > 0, "no storage was allocated at a freed one's address: nothing checked"
+    del copied
+    assert runtime.memory_sample(CUDA0) == (0, 0)

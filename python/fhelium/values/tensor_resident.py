@@ -267,6 +267,50 @@ class TensorResident(abc.ABC):
         return self._with_resident_tensors(pinned)
 
 
+def host_copy(
+    value: TensorResident,
+) -> tuple[TensorResident, torch.UntypedStorage, torch.UntypedStorage, int] | None:
+    """``value.to("cpu", copy=True)`` for a plain `ResidentTensor` on the host, with what a
+    caller that registers the copy's storage needs: ``(copy, its storage, the source's
+    storage, their bytes)``; ``None`` where `to`'s one-tensor fast path does not apply
+    (the caller then calls `to`).
+
+    The same checks and the same copy as that fast path: a plain tensor (or parameter)
+    on the host, strided, not quantized, contiguous from offset 0 over its whole,
+    non-empty storage, without lazy conjugate or negative bits, cloned without autograd
+    into a leaf with its ``requires_grad``. The copy's storage bytes, and its tensor's,
+    are the source tensor's ``nbytes``. A `ResidentTensor` subclass is left to `to`.
+    """
+    if type(value) is not ResidentTensor:
+        return None
+    tensor = value._tensor
+    if (
+        type(tensor) not in _PLAIN_TENSORS
+        or tensor.layout != _STRIDED
+        or tensor.is_quantized
+        or not tensor.is_cpu
+        or tensor.storage_offset()
+        or not tensor.is_contiguous()
+    ):
+        return None
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if not 0 < tensor.nbytes == nbytes or tensor.is_conj() or tensor.is_neg():
+        return None
+    # As `to`: detached first where autograd could see the copy.
+    requires_grad = tensor.requires_grad
+    field = (
+        tensor.detach()
+        if requires_grad or not _DUAL_LEVELS_KNOWN or _forward_ad._current_level >= 0
+        else tensor
+    ).clone()
+    if requires_grad:
+        field.requires_grad_(True)
+    plain = _new_object(ResidentTensor)
+    plain._tensor = field
+    return plain, field.untyped_storage(), storage, nbytes
+
+
 def _indexed(device: torch.device) -> torch.device:
     """``device`` with the index torch gives an unindexed accelerator device (``"cuda"``
     names the current CUDA device), so it compares equal to the devices of its tensors."""

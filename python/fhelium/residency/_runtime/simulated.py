@@ -18,7 +18,6 @@ runtime). This module adds the seam's copies, buffers, value facts and memory re
 
 from __future__ import annotations
 
-from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
@@ -36,7 +35,7 @@ from fhelium.residency._runtime.simulated_storage import (
 from fhelium.residency._runtime.simulated_streams import SimulatedStream, SimulatedStreams
 from fhelium.residency._runtime.timeline import Timeline, TimelineSpan, non_negative
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
-from fhelium.values.tensor_resident import TensorResident, layout_copy
+from fhelium.values.tensor_resident import TensorResident, host_copy, layout_copy
 
 __all__ = ["SimulatedCopy", "SimulatedRuntime"]
 
@@ -48,9 +47,6 @@ _CPU: Final = torch.device("cpu")
 # A named tuple built without its Python ``__new__`` frame (a copy logs one each).
 _new_tuple: Final = tuple.__new__
 
-# `calls`' key of the seam methods that count themselves (see `copy_to_cuda`).
-_COPY_TO_CUDA: Final = ("copy_to_cuda",)
-_MEMORY_SAMPLE: Final = ("memory_sample",)
 # No device was given yet (`SimulatedRuntime._last_target`).
 _NO_DEVICE: Final = object()
 
@@ -82,13 +78,14 @@ class SimulatedRuntime(SimulatedStreams):
     the storages the runtime's own copies created, so a value copied to ``cuda:1`` reports
     ``cuda:1``; storages it did not create report their real torch placement.
 
-    Test instrumentation: ``calls`` (a ``Counter``) counts every seam method called;
-    `fail_next` makes the next call(s) of a method raise; ``copies`` logs every copy as a
-    `SimulatedCopy` and ``waits`` every `wait_event`. The test helpers `to_device`, `pin`,
-    `placement`, `complete_events`, `compute`, `current_device`, `set_device`,
-    `device_guard` and `pending_event_count` are neither counted nor fault-injected. Each
-    thread has a current device, and a default-stream handle names the current device's
-    default stream (docs/concepts/simulation.md#current-device-and-default-streams).
+    Test instrumentation: ``calls`` (a ``Counter``, up to date each time it is read)
+    counts every seam method called; `fail_next` makes the next call(s) of a method raise;
+    ``copies`` logs every copy as a `SimulatedCopy` and ``waits`` every `wait_event`. The
+    test helpers `to_device`, `pin`, `placement`, `complete_events`, `compute`,
+    `current_device`, `set_device`, `device_guard` and `pending_event_count` are neither
+    counted nor fault-injected. Each thread has a current device, and a default-stream
+    handle names the current device's default stream
+    (docs/concepts/simulation.md#current-device-and-default-streams).
     With ``timeline``, events complete by virtual time instead of by the test. See
     docs/concepts/simulation.md.
 
@@ -351,8 +348,9 @@ class SimulatedRuntime(SimulatedStreams):
         if self._faults:
             self._enter("copy_to_cuda")
         else:
-            _count_elements(self.calls, _COPY_TO_CUDA)
-        return self._to_cuda(value, device, stream, non_blocking, False)[0]
+            next(self._counters["copy_to_cuda"])
+        index = self._cuda_index(device)
+        return self._to_cuda(value, index, self._copy_stream(stream, index), non_blocking, False)[0]
 
     def copy_to_cuda_measured(
         self, value: TensorResident, device: torch.device, stream: Any, *, non_blocking: bool
@@ -396,24 +394,7 @@ class SimulatedRuntime(SimulatedStreams):
         if self._faults:
             self._enter("copy_to_cuda")
         else:
-            _count_elements(self.calls, _COPY_TO_CUDA)
-        return self._to_cuda(value, device, stream, non_blocking, True)
-
-    def _to_cuda(
-        self,
-        value: _V,
-        device: torch.device,
-        stream: Any,
-        non_blocking: bool,
-        measured: bool,
-    ) -> tuple[_V, ValueFacts | None]:
-        """The copy of `copy_to_cuda`, with its facts when ``measured`` (else ``None``).
-
-        A one-tensor value without a timeline (most values) takes the first branch:
-        the same steps as the general one (the source read on the stream, the copy, its
-        registration and the log entry), with the bookkeeping under one hold of the
-        lock, and the copy's facts from what the registration found
-        (`StorageRegistry.register_copy`)."""
+            next(self._counters["copy_to_cuda"])
         # The device copied to last by identity (a caller names one device with one
         # object), else a simulated device by lookup (`_cuda_index` does the rest).
         last = self._last_target
@@ -424,26 +405,54 @@ class SimulatedRuntime(SimulatedStreams):
             index = self._cuda_index(device) if known is None else known
             self._last_target = (device, index)
         stream = self._copy_stream(stream, index)
-        tensors = value._resident_tensors
-        if len(tensors) == 1 and self._timing is None:
-            registry = self._storage
-            source = registry.entries.get(tensors[0].untyped_storage()._cdata)
-            # `to(copy=True)` always clones, so even a CPU source gets new, independent
-            # storage, exactly like a real host-to-device copy.
-            result = value.to(_CPU, copy=True, non_blocking=False)
+        # `_to_cuda`, inline (its first branch takes most values).
+        copied = host_copy(value) if self._timing is None else None
+        if copied is None:
+            return self._general_copy(value, index, stream, non_blocking, True)
+        result, storage, source, nbytes = copied
+        location = self._cuda_locations[index]
+        if location is None:
+            location = self._cuda_locations[index] = cuda_location(self._devices[index])
+        record = _new_tuple(SimulatedCopy, (location, stream, non_blocking))
+        return result, self._storage.register_copy(
+            storage, nbytes, index, stream, source, self.copies, record
+        )
+
+    def _to_cuda(
+        self,
+        value: _V,
+        index: int,
+        stream: SimulatedStream,
+        non_blocking: bool,
+        measured: bool,
+    ) -> tuple[_V, ValueFacts | None]:
+        """`copy_to_cuda`'s copy to device ``index`` on ``stream``, with its facts when
+        ``measured``. A plain one-tensor value without a timeline: `host_copy` (`to`'s
+        copy, without its frame), registered in one step (`register_copy`)."""
+        copied = host_copy(value) if self._timing is None else None
+        if copied is not None:
+            result, storage, source, nbytes = copied
             location = self._cuda_locations[index]
             if location is None:
                 location = self._cuda_locations[index] = cuda_location(self._devices[index])
-            (copied,) = result._resident_tensors
-            return result, registry.register_copy(
-                copied,
-                index,
-                stream,
-                source,
-                self.copies,
-                _new_tuple(SimulatedCopy, (location, stream, non_blocking)),
-                measured,
+            record = _new_tuple(SimulatedCopy, (location, stream, non_blocking))
+            facts = self._storage.register_copy(
+                storage, nbytes, index, stream, source, self.copies, record
             )
+            return result, (facts if measured else None)  # type: ignore[return-value]
+        return self._general_copy(value, index, stream, non_blocking, measured)
+
+    def _general_copy(
+        self,
+        value: _V,
+        index: int,
+        stream: SimulatedStream,
+        non_blocking: bool,
+        measured: bool,
+    ) -> tuple[_V, ValueFacts | None]:
+        """`_to_cuda` of any value: the source read, the copy (`to`'s), its registration,
+        timing and log entry."""
+        tensors = value._resident_tensors
         target = self._devices[index]
         with self._lock:
             # The copy reads its source on `stream` (docs/concepts/simulation.md#memory-reuse).
@@ -615,7 +624,7 @@ class SimulatedRuntime(SimulatedStreams):
         if self._faults:
             self._enter("memory_sample")
         else:
-            _count_elements(self.calls, _MEMORY_SAMPLE)
+            next(self._counters["memory_sample"])
         # A simulated device by lookup first (`_device_index` does the rest).
         index = self._indices.get(device) if type(device) is torch.device else None
         if index is None:

@@ -40,7 +40,6 @@ __all__ = [
 _BLOCK: Final = 512
 
 _new_ref: Final = weakref.ref.__new__
-_free_weak_ref: Final[Callable[[int], None]] = torch.UntypedStorage._free_weak_ref
 # A named tuple built without its Python ``__new__`` frame (every measurement is one).
 _new_tuple: Final = tuple.__new__
 # What the runtime logs of a copy (`StorageRegistry.register_copy`).
@@ -73,17 +72,14 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
     torch keeps a storage's Python object alive for as long as the storage itself (as it
     does a tensor's), so the reference dies, and the callback runs, exactly when the
     storage is freed. ``counted`` is whether the entry's bytes are still in its device's
-    counters: a storage registered again replaces its entry and is counted once. The
-    storage's C++ weak reference (``address``, what torch's ``StorageWeakRef`` holds)
-    keeps the identity unique: while the entry can be found in the registry, no other
-    storage can be allocated at its key. The registry releases it (`release`) when the
-    entry leaves its reach: taken out after its storage's death, replaced by a newer
-    entry of the same storage, or with the registry itself; one release per entry, not a
-    finalizer per entry (every simulated copy makes one).
+    counters: a storage registered again replaces its entry and is counted once. An
+    entry stays in the registry, under its key (the storage's address), from its
+    storage's death until the registry takes it out; meanwhile a new storage may be
+    allocated at the same address, so a lookup by key is the storage's entry only when
+    the entry refers to that very storage (`StorageRegistry.entry`).
     """
 
     __slots__ = (
-        "address",
         "code",
         "counted",
         "cuda",
@@ -96,7 +92,6 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
     )
 
     # Plain attributes, set by `make` (see there).
-    address: int
     # -1 on the host, the CUDA index on a simulated device (`ValueFacts.device_code`).
     code: int
     counted: bool
@@ -109,10 +104,6 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
     owner: int | None
     pinned: bool
     reserved: int
-
-    # Kept on the class, as torch's StorageWeakRef keeps it on each instance: the
-    # `torch` module may be cleared at interpreter exit before the last entry goes.
-    _free_weak_ref: Final[Callable[[int], None]] = torch.UntypedStorage._free_weak_ref
 
     @classmethod
     def make(
@@ -132,7 +123,6 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
         simulated copy registers one.
         """
         entry = _new_ref(cls, storage, callback)
-        entry.address = storage._weak_ref()  # type: ignore[assignment]  # an int, untyped
         entry.key = storage._cdata
         entry.device = device
         entry.code = code
@@ -145,21 +135,14 @@ class StorageEntry(weakref.ref[torch.UntypedStorage]):
         entry.owner = None
         return entry
 
-    def release(self) -> None:
-        """Releases the C++ weak reference, once (``address`` 0 after)."""
-        address = self.address
-        if address:
-            self.address = 0
-            self._free_weak_ref(address)
-
 
 class StorageRegistry:
     """The storages a `SimulatedRuntime` created, by storage identity, and the live
     simulated bytes of each device.
 
     Methods named ``*_locked`` run with ``lock`` (the runtime's) held; the others take it
-    where they change state. Lookups are lock-free: dict lookups are atomic, and a live
-    storage's identity cannot be registered again while the caller holds the storage.
+    where they change state. Lookups are lock-free: dict lookups are atomic, and an entry
+    found under a live storage's key is that storage's only if it refers to it (`entry`).
 
     Args:
         lock: The runtime's lock.
@@ -204,11 +187,6 @@ class StorageRegistry:
         # Every entry's weak reference callback: one bound method, made once.
         self._on_free = self.freed.append
 
-    def __del__(self) -> None:
-        # The entries still within reach go with the registry (`StorageEntry.release`).
-        for entry in (*self.entries.values(), *self.freed):
-            entry.release()
-
     # --- facts about values -----------------------------------------------------------
     def measure(self, value: TensorResident) -> ValueFacts:
         """A value's device, pinning and storage in one pass (`SimulatedRuntime.measure`)."""
@@ -217,9 +195,10 @@ class StorageRegistry:
             # One tensor, one lookup: the same facts as the general pass below.
             (tensor,) = tensors
             storage = tensor.untyped_storage()
+            # `entry`, inline.
             entry = self.entries.get(storage._cdata)
             size = storage.nbytes()
-            if entry is not None:
+            if entry is not None and entry() is storage:
                 # The entry knows its device's code: no `device.type` read (a slow one).
                 code = entry.code
                 return _new_tuple(
@@ -292,7 +271,7 @@ class StorageRegistry:
         for tensor in value._resident_tensors:
             storage = tensor.untyped_storage()
             if storage.nbytes() > 0:
-                entry = self.entries.get(storage._cdata)
+                entry = self.entry(storage)
                 device = tensor.device if entry is None else entry.device
                 keys.add((device, storage.data_ptr()))
         return frozenset(keys)
@@ -321,12 +300,19 @@ class StorageRegistry:
             raise RuntimeError(f"{device} is not a residency location")
         return PINNED_HOST if pinned else PAGEABLE_HOST
 
+    def entry(self, storage: torch.UntypedStorage) -> StorageEntry | None:
+        """The entry of a live storage, if the runtime registered it. A lock-free read:
+        dict lookups are atomic, and the entry found under the storage's key is its own
+        only if it refers to it (another one is a dead storage's, not yet taken out)."""
+        entry = self.entries.get(storage._cdata)
+        return entry if entry is not None and entry() is storage else None
+
     def facts(self, tensor: torch.Tensor) -> tuple[torch.device, bool]:
         """(simulated device, simulated pinning) of one tensor."""
-        # A lock-free read: dict lookups are atomic, and a live storage's identity cannot be
-        # re-registered while we hold it.
-        entry = self.entries.get(tensor.untyped_storage()._cdata)
-        if entry is not None:
+        # `entry`, inline.
+        storage = tensor.untyped_storage()
+        entry = self.entries.get(storage._cdata)
+        if entry is not None and entry() is storage:
             return entry.device, entry.pinned
         device = tensor.device
         return device, device.type == "cpu" and tensor.is_pinned()
@@ -349,8 +335,10 @@ class StorageRegistry:
         """The keys of the registered simulated device storages among ``tensors``'."""
         keys = []
         for tensor in tensors:
-            entry = self.entries.get(tensor.untyped_storage()._cdata)
-            if entry is not None and entry.cuda:
+            # `entry`, inline.
+            storage = tensor.untyped_storage()
+            entry = self.entries.get(storage._cdata)
+            if entry is not None and entry.cuda and entry() is storage:
                 keys.append(entry.key)
         return keys
 
@@ -406,11 +394,11 @@ class StorageRegistry:
             entry = StorageEntry.make(storage, freed, device, pinned, cuda, code)
             previous = self.entries.get(entry.key)
             self.entries[entry.key] = entry
-            if previous is not None:
+            if previous is not None and previous() is storage:
                 # The same storage again (a view of one already registered): the new
-                # entry replaces it, and its bytes are counted once.
+                # entry replaces it, and its bytes are counted once. (Another storage's
+                # entry is a dead one's, waiting in `freed`: taken out from there.)
                 self.uncount_locked(previous)
-                previous.release()
             if cuda:
                 if owner is not None:
                     entry.owner = self._order.owner(owner)
@@ -420,26 +408,27 @@ class StorageRegistry:
 
     def register_copy(
         self,
-        copied: torch.Tensor,
+        storage: torch.UntypedStorage,
+        nbytes: int,
         index: int,
         owner: SimulatedStream,
-        source: StorageEntry | None,
+        source: torch.UntypedStorage,
         log: list[_Record],
         record: _Record,
-        measured: bool,
-    ) -> ValueFacts | None:
-        """The bookkeeping of `SimulatedRuntime.copy_to_cuda`'s copy of a one-tensor value,
-        under one hold of the lock: `register_locked` of the storage of its field
-        ``copied`` on the simulated CUDA device of index ``index``, allocated on
-        ``owner``, with the copy's read of its source on ``owner`` (`ReuseOrder.copied`;
-        ``source`` is the source storage's entry, if any: only a simulated device
-        storage's read is tracked), then ``record`` appended to ``log``. The same steps
-        as `register_locked`, without the loop and with `StorageEntry.make` inline (most
-        copies are of one tensor). Returns the copy's facts when ``measured``
-        (`measure`'s one-tensor case, from what the registration found), else ``None``."""
-        storage = copied.untyped_storage()
+    ) -> ValueFacts:
+        """The bookkeeping of `SimulatedRuntime.copy_to_cuda`'s copy of a plain one-tensor
+        value (`host_copy`), under one hold of the lock: `register_locked` of the copy's
+        ``storage`` of ``nbytes`` (its tensor's too) on the simulated CUDA device of index
+        ``index``, allocated on ``owner``, with the copy's read of its ``source`` storage
+        on ``owner`` (`ReuseOrder.copied`: only a simulated device storage's read is
+        tracked), then ``record`` appended to ``log``. The same steps as
+        `register_locked`, without the loop and with `StorageEntry.make` inline (most
+        copies are of one tensor). Returns the copy's facts (`measure`'s one-tensor case,
+        from what the registration found)."""
         device = self.devices[index]
-        read = source.key if source is not None and source.cuda else None
+        # `entry`, inline.
+        read = self.entries.get(source._cdata)
+        read_key = read.key if read is not None and read.cuda and read() is source else None
         # `with lock`, spelled out: the same hold of the lock, in half the time.
         lock = self._lock
         lock.acquire()
@@ -447,47 +436,36 @@ class StorageRegistry:
             if self.freed:
                 self.drain_freed_locked()
             # An allocation on `owner` may reuse any block freed to its pool.
-            entry_owner, hazards = self._order.copied(owner, read)
+            entry_owner, hazards = self._order.copied(owner, read_key)
             if hazards:
-                for reader, nbytes in hazards:
-                    self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
+                for reader, freed_bytes in hazards:
+                    self._hazards.append(SimulatedHazard(device, owner, reader, freed_bytes))
             entry = _new_ref(StorageEntry, storage, self._on_free)
-            entry.address = storage._weak_ref()  # type: ignore[assignment]  # an int, untyped
             entry.key = key = storage._cdata
             entry.device = device
             entry.code = index
             entry.owner = entry_owner
             entry.pinned = False
             entry.cuda = True
-            entry.nbytes = nbytes = storage.nbytes()
+            entry.nbytes = nbytes
             # `reserved_nbytes`, inline (the literal is `_BLOCK`).
             entry.reserved = reserved = -(-nbytes // 512) * 512
             entry.counted = True
             entries = self.entries
             previous = entries.get(key)
             entries[key] = entry
-            if previous is not None:
-                # A new storage's key can be an entry's only while that entry's storage
-                # lives (its `address` holds the key): the same storage, registered again.
+            if previous is not None and previous() is storage:
+                # The same storage, registered again (another storage's entry is a
+                # dead one's, waiting in `freed`).
                 self.uncount_locked(previous)
-                previous.release()
             self.allocated[index] += nbytes
             self.reserved[index] += reserved
             log.append(record)
         finally:
             lock.release()
-        if not measured:
-            return None
+        # One contiguous tensor over its whole storage: its bytes are the storage's.
         return _new_tuple(
-            ValueFacts,
-            (
-                device,
-                index,
-                False,
-                copied.nbytes,
-                nbytes,
-                [(index, storage.data_ptr())] if nbytes else [],
-            ),
+            ValueFacts, (device, index, False, nbytes, nbytes, [(index, storage.data_ptr())])
         )
 
     def uncount_locked(self, entry: StorageEntry) -> None:
@@ -510,21 +488,14 @@ class StorageRegistry:
                 entry.counted = False
                 self.allocated[entry.code] -= entry.nbytes
                 self.reserved[entry.code] -= entry.reserved
-            # A storage registered again has a newer entry there, which stays; no other
-            # storage can have the key while this entry is there (its `address` holds it).
+            # A storage registered again, or a new storage at the same address, has a
+            # newer entry there, which stays.
             key = entry.key
-            current = entries.pop(key, None)
-            if current is entry:
+            if entries.get(key) is entry:
+                del entries[key]
                 # Its readers go to its owner's pool (none read: nothing to do).
                 if entry.cuda and order.readers:
                     order.freed(key, entry.nbytes, entry.owner)
-            elif current is not None:
-                entries[key] = current
-            # Out of reach now: its key may be taken again (`release`, inline).
-            address = entry.address
-            if address:
-                entry.address = 0
-                _free_weak_ref(address)
 
     def sample(self, index: int) -> tuple[int, int]:
         """(allocated, reserved) bytes of the simulated device of index ``index``, after
