@@ -87,3 +87,23 @@ def test_calls_are_exact_under_threads_and_reads() -> None:
     total = cleared + runtime.calls
     expected = threads * rounds
     assert total == {"event_query": expected, "record_event": expected, "is_stream": expected}
+
+
+def test_a_calls_counter_kept_from_before_counts_the_calls_made_after() -> None:
+    # `calls` is the runtime's live Counter: a test may keep it and read it later.
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    calls = runtime.calls
+    stream = runtime.current_stream(CUDA0)
+    event = runtime.record_event(stream)
+    runtime.event_query(event)
+    runtime.copy_to_cuda_measured(
+        runtime.pin(ResidentTensor(torch.ones(4))), CUDA0, stream, non_blocking=True
+    )
+    runtime.memory_sample(CUDA0)
+    assert calls == {
+        "current_stream": 1,
+        "record_event": 1,
+        "event_query": 1,
+        "copy_to_cuda": 1,
+        "memory_sample": 1,
+    }

@@ -18,6 +18,7 @@ runtime). This module adds the seam's copies, buffers, value facts and memory re
 
 from __future__ import annotations
 
+from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
@@ -43,6 +44,9 @@ __all__ = ["SimulatedCopy", "SimulatedRuntime"]
 _V = TypeVar("_V", bound=TensorResident)
 
 _CPU: Final = torch.device("cpu")
+# `calls`' key of the seam methods that count themselves (see `copy_to_cuda`).
+_COPY_TO_CUDA: Final = ("copy_to_cuda",)
+_MEMORY_SAMPLE: Final = ("memory_sample",)
 
 # A named tuple built without its Python ``__new__`` frame (a copy logs one each).
 _new_tuple: Final = tuple.__new__
@@ -78,14 +82,13 @@ class SimulatedRuntime(SimulatedStreams):
     the storages the runtime's own copies created, so a value copied to ``cuda:1`` reports
     ``cuda:1``; storages it did not create report their real torch placement.
 
-    Test instrumentation: ``calls`` (a ``Counter``, up to date each time it is read)
-    counts every seam method called; `fail_next` makes the next call(s) of a method raise;
-    ``copies`` logs every copy as a `SimulatedCopy` and ``waits`` every `wait_event`. The
-    test helpers `to_device`, `pin`, `placement`, `complete_events`, `compute`,
-    `current_device`, `set_device`, `device_guard` and `pending_event_count` are neither
-    counted nor fault-injected. Each thread has a current device, and a default-stream
-    handle names the current device's default stream
-    (docs/concepts/simulation.md#current-device-and-default-streams).
+    Test instrumentation: ``calls`` (a ``Counter``) counts every seam method called;
+    `fail_next` makes the next call(s) of a method raise; ``copies`` logs every copy as a
+    `SimulatedCopy` and ``waits`` every `wait_event`. The test helpers `to_device`, `pin`,
+    `placement`, `complete_events`, `compute`, `current_device`, `set_device`,
+    `device_guard` and `pending_event_count` are neither counted nor fault-injected. Each
+    thread has a current device, and a default-stream handle names the current device's
+    default stream (docs/concepts/simulation.md#current-device-and-default-streams).
     With ``timeline``, events complete by virtual time instead of by the test. See
     docs/concepts/simulation.md.
 
@@ -348,7 +351,7 @@ class SimulatedRuntime(SimulatedStreams):
         if self._faults:
             self._enter("copy_to_cuda")
         else:
-            next(self._counters["copy_to_cuda"])
+            _count_elements(self.calls, _COPY_TO_CUDA)
         index = self._cuda_index(device)
         return self._to_cuda(value, index, self._copy_stream(stream, index), non_blocking, False)[0]
 
@@ -394,7 +397,7 @@ class SimulatedRuntime(SimulatedStreams):
         if self._faults:
             self._enter("copy_to_cuda")
         else:
-            next(self._counters["copy_to_cuda"])
+            _count_elements(self.calls, _COPY_TO_CUDA)
         # The device copied to last by identity (a caller names one device with one
         # object), else a simulated device by lookup (`_cuda_index` does the rest).
         last = self._last_target
@@ -624,7 +627,7 @@ class SimulatedRuntime(SimulatedStreams):
         if self._faults:
             self._enter("memory_sample")
         else:
-            next(self._counters["memory_sample"])
+            _count_elements(self.calls, _MEMORY_SAMPLE)
         # A simulated device by lookup first (`_device_index` does the rest).
         index = self._indices.get(device) if type(device) is torch.device else None
         if index is None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
-import itertools
 import threading
 from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Iterator
@@ -31,12 +30,6 @@ _SEAM_METHODS: Final = frozenset(
     for name, member in vars(DeviceRuntime).items()
     if not name.startswith("_") and inspect.isfunction(member)
 )
-
-
-def _counted(counter: itertools.count[int]) -> int:
-    """How many times an `itertools.count` started at 0 was advanced: its next value, read
-    from its repr (``count(N)``), the one way to read it without advancing it."""
-    return int(repr(counter)[6:-1])
 
 
 class _Fault:
@@ -63,35 +56,7 @@ class SimulatedDevices:
         self._faults: dict[str, collections.deque[_Fault]] = {}
         # Each thread's current device (0 until changed).
         self._current = threading.local()
-        # Each seam method counts its calls with an `itertools.count` (one ``next``, an
-        # atomic C call, is a third of a `Counter` update): `calls` takes in what they
-        # counted since it was last read (`_folded`, under `_folding`).
-        self._counters: dict[str, itertools.count[int]] = {
-            name: itertools.count() for name in _SEAM_METHODS
-        }
-        self._folded: dict[str, int] = dict.fromkeys(_SEAM_METHODS, 0)
-        self._folding = threading.Lock()
-        self._calls: collections.Counter[str] = collections.Counter()
-
-    @property
-    def calls(self) -> collections.Counter[str]:
-        """Every seam call so far, by method name: a ``Counter``, brought up to date
-        each time it is read from the runtime (read it again after more calls)."""
-        with self._folding:
-            counts = self._calls
-            folded = self._folded
-            for name, counter in self._counters.items():
-                now = _counted(counter)
-                taken = folded[name]
-                if now != taken:
-                    folded[name] = now
-                    counts[name] += now - taken
-        return counts
-
-    @calls.setter
-    def calls(self, counts: collections.Counter[str]) -> None:
-        _ = self.calls  # what was counted so far stays out of the new counts
-        self._calls = counts
+        self.calls: collections.Counter[str] = collections.Counter()
 
     # --- instrumentation ------------------------------------------------------------
     def fail_next(
@@ -141,16 +106,13 @@ class SimulatedDevices:
 
     def _enter(self, name: str) -> None:
         """Count a seam call and raise an injected failure if one is due."""
-        counter = self._counters.get(name)
-        if not self._faults and counter is not None:
-            # The common case: counting only, atomically (`calls`).
-            next(counter)
+        if not self._faults:
+            # The common case: counting only. The C counting helper updates the Counter
+            # without running Python code in between, so counts stay exact under threads.
+            _count_elements(self.calls, (name,))
             return
         with self._lock:
-            if counter is None:  # not a seam method: counted in `calls` directly
-                _count_elements(self._calls, (name,))
-            else:
-                next(counter)
+            _count_elements(self.calls, (name,))
             queue = self._faults.get(name)
             if not queue:
                 return
