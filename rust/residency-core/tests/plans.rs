@@ -41,6 +41,8 @@ struct Fake<'m> {
     refuse: Option<usize>,
     /// Run at the reap: what completed in the meantime (changes the version).
     on_reap: Option<OnReap>,
+    /// What its inputs say of the preflight simulation (`Inputs::simulated`).
+    simulated: bool,
     calls: Vec<String>,
     released: Vec<u64>,
     copier: Copier<'m>,
@@ -61,6 +63,7 @@ impl<'m> Fake<'m> {
             fail: None,
             refuse: None,
             on_reap: None,
+            simulated: false,
             calls: Vec::new(),
             released: Vec::new(),
             copier,
@@ -247,6 +250,7 @@ impl PlanDevice for Fake<'_> {
             slots: self.values.iter().map(|&index| Ok(index)).collect(),
             cuda: CudaDevices::Count(1),
             labels: Vec::new(),
+            simulated: self.simulated,
         })
     }
 
@@ -461,6 +465,52 @@ fn an_infeasible_preflight_raises_the_simulations_reason_and_runs_nothing() {
     assert_eq!(manager.version(), version, "nothing changed");
     assert_eq!(reserved(&manager, CUDA), 0);
     assert!(!resident(&manager, small, CUDA));
+}
+
+#[test]
+fn inputs_that_were_simulated_already_skip_only_the_preflight_simulation() {
+    // The caller vouches that it simulated this very plan at this state (a staging's
+    // decide): the run does not simulate it again, and the transitions' own checks
+    // still refuse what does not fit.
+    let manager = Manager::new(&[(CUDA, 100)]);
+    let small = adopted(&manager, 40, HOST);
+    let large = adopted(&manager, 70, HOST);
+    let plan = plan(
+        &manager,
+        2,
+        vec![],
+        vec![ensure(0, CUDA), ensure(1, CUDA)],
+        vec![],
+        vec![],
+    );
+    let slots: Vec<SlotResolution> = vec![Ok(small), Ok(large)];
+    assert!(
+        !manager
+            .simulate(&plan, &slots, CudaDevices::Count(1), &[], &[])
+            .feasible
+    );
+
+    let mut device = Fake::new(&manager, &[small, large]);
+    assert!(
+        PlanRun::new()
+            .execute(&manager, &plan, &mut device)
+            .is_err()
+    );
+    assert!(device.performed().is_empty(), "the preflight refused it");
+
+    let mut device = Fake::new(&manager, &[small, large]);
+    device.simulated = true;
+    let stopped = PlanRun::new().execute(&manager, &plan, &mut device);
+    assert!(stopped.is_err(), "the second ensure does not fit");
+    assert_eq!(
+        device.performed(),
+        ["perform execute 0", "perform execute 1"]
+    );
+    assert!(
+        resident(&manager, small, CUDA),
+        "the committed prefix stays"
+    );
+    assert!(!resident(&manager, large, CUDA));
 }
 
 // ----- failures inside the phases ---------------------------------------------------

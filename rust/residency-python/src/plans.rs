@@ -221,8 +221,10 @@ pub fn stage_request(
     );
     device.inputs = Some((rerun.ir, rerun.handles, transfer_streams, Vec::new()));
     // The decide reaped under this hold of the gate: nothing to reap, no version to
-    // compare.
+    // compare; and it simulated this very plan (the same actions on the same slots as
+    // the plan `rerun` lowered), which the preflight would simulate again.
     device.reaped = true;
+    device.simulated = decided.preflighted(rerun.ir.plan(), cuda_devices(manager));
     manager.set_asynchronous(true);
     let result = run.with_run(|state| state.execute(core, rerun.ir.plan(), &mut device));
     manager.set_asynchronous(false);
@@ -339,6 +341,9 @@ struct RunSide<'a, 'py> {
     /// Whether the caller reaped under this hold of the gate already (a staging that
     /// decided there): the run does not reap again.
     reaped: bool,
+    /// The slots of a plan the caller simulated already under this hold of the gate
+    /// (a staging whose decide found this very plan): no second preflight simulation.
+    simulated: Option<std::sync::Arc<[SlotResolution]>>,
 }
 
 impl<'a, 'py> RunSide<'a, 'py> {
@@ -356,6 +361,7 @@ impl<'a, 'py> RunSide<'a, 'py> {
             expected: None,
             streams: Vec::new(),
             reaped: false,
+            simulated: None,
         }
     }
 
@@ -434,11 +440,21 @@ impl residency_core::PlanDevice for RunSide<'_, '_> {
         };
         self.streams = read_streams(manager, py, *transfer_streams)?;
         let labels = labels(py, reservations)?;
+        if let Some(slots) = self.simulated.take() {
+            // The staging's decide simulated this very plan (see `stage_request`).
+            return Ok(Inputs {
+                slots,
+                cuda: cuda_devices(manager),
+                labels,
+                simulated: true,
+            });
+        }
         let slots = resolve(manager, py, ir, handles)?;
         Ok(Inputs {
             slots,
             cuda: cuda_devices(manager),
             labels,
+            simulated: false,
         })
     }
 

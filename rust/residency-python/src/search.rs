@@ -275,9 +275,41 @@ pub struct Decided {
     evictions: Vec<Eviction>,
     explored: u64,
     version: u64,
+    /// The CUDA devices its simulation checked locations against.
+    cuda: CudaDevices,
+    /// Whether its simulation counted pending leases whose events completed as released.
+    set_aside: bool,
 }
 
 impl Decided {
+    /// Its slots as a run's resolutions, where its simulation is what a run's preflight
+    /// of its plan would simulate now, under the same hold of the gate: feasible, with
+    /// the CUDA devices `cuda`, no reservation (so no label), no completed lease counted
+    /// as released; else `None`.
+    /// `ir` is the plan a run runs: its actions, in order, must be this plan's, slot for
+    /// slot (so its slot `k` names this plan's slot `k`'s value), and its slots as many.
+    /// Without reservations a simulation is the actions in order, whichever phase holds
+    /// them (a staging's run keeps them all in one).
+    pub(crate) fn preflighted(
+        &self,
+        ir: &Plan,
+        cuda: CudaDevices,
+    ) -> Option<Arc<[SlotResolution]>> {
+        (self.simulation.feasible
+            && !self.set_aside
+            && self.cuda == cuda
+            && self.plan.reservations().is_empty()
+            && ir.reservations().is_empty()
+            && ir.exit().is_empty()
+            && self.plan.exit().is_empty()
+            && ir.handles().len() == self.slots.len()
+            && ir
+                .ordered_actions()
+                .map(|(_, _, action)| action)
+                .eq(self.plan.ordered_actions().map(|(_, _, action)| action)))
+        .then(|| self.slots.iter().copied().map(Ok).collect())
+    }
+
     /// Whether this decision runs as `previous` ran: feasible, the same actions on the
     /// same slots, and evicting nothing unless `reclaim` allows it.
     pub(crate) fn runs_as(&self, previous: &Self, reclaim: bool) -> bool {
@@ -600,6 +632,8 @@ fn decide_locked(
         evictions: outcome.evictions,
         explored: outcome.explored,
         version,
+        cuda,
+        set_aside: !completed_leases.is_empty(),
     })
 }
 

@@ -77,6 +77,10 @@ pub struct Inputs {
     pub cuda: CudaDevices,
     /// The reservations' labels as the simulation's messages quote them.
     pub labels: Vec<String>,
+    /// The caller simulated this very plan over these slots, with these CUDA devices and
+    /// labels, at the current state under the same hold of the gate, with no completed
+    /// lease set aside, and found it feasible: the preflight simulation would repeat it.
+    pub simulated: bool,
 }
 
 /// The side of a run that touches values and devices: it performs each action. The
@@ -324,7 +328,11 @@ fn prepare<D: PlanDevice>(
         slots,
         cuda,
         labels,
+        simulated,
     } = device.inputs().map_err(RunError::Device)?;
+    if simulated {
+        return Ok(slots);
+    }
     let simulation: Simulation =
         device.detached(|| manager.simulate(plan, &slots, cuda, &[], &labels));
     if !simulation.feasible {
