@@ -407,19 +407,7 @@ class SimulatedRuntime(SimulatedStreams):
             known = self._indices.get(device) if type(device) is torch.device else None
             index = self._cuda_index(device) if known is None else known
             self._last_target = (device, index)
-        stream = self._copy_stream(stream, index)
-        # `_to_cuda`, inline (its first branch takes most values).
-        copied = host_copy(value) if self._timing is None else None
-        if copied is None:
-            return self._general_copy(value, index, stream, non_blocking, True)
-        result, storage, source, nbytes = copied
-        location = self._cuda_locations[index]
-        if location is None:
-            location = self._cuda_locations[index] = cuda_location(self._devices[index])
-        record = _new_tuple(SimulatedCopy, (location, stream, non_blocking))
-        return result, self._storage.register_copy(
-            storage, nbytes, index, stream, source, self.copies, record
-        )
+        return self._to_cuda(value, index, self._copy_stream(stream, index), non_blocking, True)
 
     def _to_cuda(
         self,
