@@ -336,11 +336,14 @@ class StagedRuns:
     schedule stages the same decision again on every pass. One attribute, replaced
     whole: pipelines on other threads may stage the same request meanwhile."""
 
-    __slots__ = ("last",)
+    __slots__ = ("kit", "last")
 
     def __init__(self) -> None:
         # (decided request, discards, the core's decision), then what ran for it.
         self.last: tuple[tuple[Any, ...], _Run] | None = None
+        # `last`, and the native arguments its staging runs again with
+        # (`_pipeline.Pipeline._restage_first`): valid while `last` is.
+        self.kit: tuple[Any, ...] | None = None
 
 
 def staged_found_run(

@@ -261,6 +261,36 @@ class Decider:
         # The core's decision, read when a record built from it is first read.
         return (engine.handle_at, found), found.state_version, found.explored
 
+    def rerun_arguments(self, request: ResidencyRequest, discards: int) -> tuple[Any, ...] | None:
+        """What `restage`'s native call takes from this decider for ``request``, when it
+        would make that call itself: ``(lowering, search limit, CUDA count, native
+        configuration, schedule index or None)``, all lowered while the manager had
+        discarded ``discards`` values; None otherwise. A pipeline keeps them for the
+        staging of ``request`` in a cyclic schedule's steady state and makes the call
+        under `lock` (`_pipeline.Pipeline._restage_first`): once a value is discarded,
+        the core refuses the lowering (and the schedule) as stale, and the staging is
+        decided afresh."""
+        policy = self.policy
+        native = self._native
+        cached = self._lowered_requests.get(id(request))
+        if (
+            native is None
+            or native[0] is not policy
+            or cached is None
+            or cached[0] is not request
+            or cached[1] != discards
+        ):
+            return None
+        schedule = None
+        if type(policy) is ScheduleAwarePolicy:
+            kept = self._schedule_cache
+            if kept is None or kept[0] is not policy or kept[1].discards != discards:
+                return None
+            schedule = kept[1]
+        elif type(policy) is not DeterministicTieredLRU:
+            return None
+        return (cached[2], self.limit, self.engine.cuda_count or -1, native[1], schedule)
+
     def restage(
         self,
         request: ResidencyRequest,

@@ -9,14 +9,12 @@ import contextlib
 import time
 from collections.abc import Generator, Iterable, Mapping
 from functools import partial
-from typing import Any, Final
+from typing import Any, NoReturn
 
 from fhelium.errors import (
     ResidencyBudgetError,
-    ResidencyClosedError,
     ResidencyError,
     ResidencyPlanError,
-    ResidencyReentrancyError,
     ResidencyStaleStateError,
 )
 from fhelium.residency import _plans
@@ -29,6 +27,7 @@ from fhelium.residency._staging import (
     extra_headroom,
     release_all,
     release_on_device,
+    settle_transfers,
     shape_of,
     streams_for,
     transfer_streams,
@@ -48,16 +47,11 @@ from fhelium.residency._validation import require_count
 from fhelium.residency.lease import ResidencyReservation, release_deferred
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.request import ResidencyRequest
-from fhelium.residency.schedule import ScheduleAwarePolicy, position_after
+from fhelium.residency.schedule import ScheduleAwarePolicy, deciding_at, position_after
 
 __all__ = ["Pipeline"]
 
 _time_ns = time.time_ns
-
-# Closing waits for copies in flight; another thread's source callback refuses the gate
-# meanwhile, so the wait is retried this often, this long apart.
-_SETTLE_RETRIES: Final = 2000
-_SETTLE_PAUSE_S: Final = 0.0005
 
 
 class Pipeline:
@@ -253,7 +247,7 @@ class Pipeline:
         except BaseException as failure:
             error = error or failure
         try:
-            self._settle_transfers()
+            settle_transfers(self.controller.engine)
         except BaseException as failure:
             error = error or failure
         self.closed = True
@@ -277,25 +271,6 @@ class Pipeline:
         for kept in guard.values():
             for reservation in kept:
                 release_deferred(reservation)
-
-    def _settle_transfers(self) -> None:
-        """Waits for every copy in flight and releases its protections. While another
-        thread's source callback runs the gate refuses; the wait is tried again for
-        up to a second, and after that the protections are reaped as their events
-        complete, like a released lease's."""
-        engine = self.controller.engine
-        for _ in range(_SETTLE_RETRIES):
-            try:
-                engine.settle([], transfers=True)
-                return
-            except ResidencyClosedError:
-                return  # a closed manager holds nothing any more
-            except ResidencyReentrancyError:
-                if engine.blocked_here():
-                    # This thread's own transition (or callback): waiting cannot
-                    # help; the protections are reaped as their events complete.
-                    return
-                time.sleep(_SETTLE_PAUSE_S)
 
     def _enter(
         self,
@@ -367,7 +342,7 @@ class Pipeline:
                 # protected until they complete, which only a host wait observes
                 # once their steps were released on the device.
                 settled = True
-                self._settle_transfers()
+                settle_transfers(self.controller.engine)
             else:
                 return self._entered(entered, shape.needs)
 
@@ -662,37 +637,114 @@ class Pipeline:
     ) -> bool | None:
         """`_stage`'s first decision where nothing else is staged and the step's request,
         without reservations, was staged before since the last discard (a cyclic
-        schedule's steady state): its last plan runs again if decided again
-        (`_restage`). Whether the step is staged; None where this does not apply or
-        the search decided otherwise (nothing ran: `_stage` decides afresh)."""
-        controller = self.controller
+        schedule's steady state): its last plan runs again if decided again, by the
+        native call `Decider.restage` makes, its arguments kept with that plan
+        (`StagedRuns.kit`; a value discarded since makes the core refuse them). Whether
+        the step is staged; None where this does not apply or the search decided
+        otherwise (nothing ran: `_stage` decides afresh)."""
+        controller: Decider = self.controller  # type: ignore[assignment]
         shape = controller.shapes.get(id(request))
         if shape is None or shape.request is not request or shape.needs:
             return None
-        last = shape.runs.last
+        runs = shape.runs
+        last = runs.last
         if last is None or last[0][0] is not request:
             return None
         engine = controller.engine
         pending_among = engine.pending_among
         while ended and not pending_among(ended[0]):
             ended.popleft()  # completed on their own: nothing to wait for
-        if last[0][1] != engine.discard_count():
-            return None
-        policy = controller.policy
-        position = (
-            position_after(policy, policy.position, distance - 1)
-            if type(policy) is ScheduleAwarePolicy
-            else None
-        )
+        kit = runs.kit
+        if kit is None or kit[0] is not last:
+            discards = engine.discard_count()
+            if last[0][1] != discards:
+                return None
+            arguments = controller.rerun_arguments(request, discards)
+            if arguments is None:
+                return None  # not lowered for it yet: `_stage` runs it again (`_restage`)
+            kit = runs.kit = (last, *arguments)
+        _, lowering, limit, cuda_count, native, schedule_index = kit
+        schedule = None
+        if schedule_index is not None:
+            # As `Decider.restage`: a forked child is refused first, and a one-pass
+            # schedule that has run out says so.
+            engine.check_process()
+            policy: ScheduleAwarePolicy = controller.policy  # type: ignore[assignment]
+            position = position_after(policy, policy.position, distance - 1)
+            deciding_at(policy, position)
+            schedule = (schedule_index, position)
         blocking = None if wait else getattr(engine.runtime, "staged_events", False)
+        (_, _, previous), (_, actions, lowered) = last
+        streams = self._streams(shape)
+        staged = Staged(shape, streams, engine)
+        tier = engine.disk  # reads from disk go to its I/O thread, as in `_stage`
+        reads, deferred = tier.defer(engine.runtime)
+        run = engine.plan_run()
+        started = _time_ns()
         try:
-            again = self._restage(index, request, position, shape, last, ended, blocking)
-        except (ResidencyPlanError, ResidencyBudgetError):
-            # As `_stage`: not staged now; with ``wait``, it waits and decides again.
-            return None if wait else False
+            try:
+                with controller.lock:
+                    again = engine.stage_request(
+                        lowering,
+                        limit,
+                        cuda_count,
+                        previous,
+                        run,
+                        lowered.ir,
+                        lowered.handles,
+                        actions,
+                        streams[1],
+                        (shape.holds, staged.holds),
+                        native,
+                        schedule,
+                        None,
+                        not ended,
+                        blocking,
+                    )
+            finally:
+                tier.undefer(deferred)
+                staged.reads = reads
+        except BaseException as error:
+            if run.phase is None and not len(run) and not staged.holds:
+                # The search's (nothing ran): as `_stage`, not staged now; with
+                # ``wait``, it waits and decides again.
+                if isinstance(error, (ResidencyPlanError, ResidencyBudgetError)):
+                    return None if wait else False
+                raise
+            try:
+                self._restage_failed(index, request, run, staged, started, error, actions)
+            except (ResidencyPlanError, ResidencyBudgetError):
+                return None if wait else False  # as the search's refusal
         if again is None:
             return False  # its copies would block the host
-        return True if again[1] else None
+        found, ran = again
+        if ran:
+            self.staged[index] = staged
+            return True
+        if found is not None and not found.feasible:
+            return None if wait else False  # as the search's refusal
+        return None
+
+    def _restage_failed(
+        self,
+        index: int,
+        request: ResidencyRequest,
+        run: Any,
+        staged: Staged,
+        started: int,
+        error: BaseException,
+        actions: tuple[Any, ...],
+    ) -> NoReturn:
+        """Raises what a staging's plan run again raised for ``error`` once it had run
+        (part of) its plan: what the plan committed stays; a failed read's copy goes."""
+        try:
+            staged.release()
+        finally:
+            self._forget_reads({index: staged})
+        failure = _plans.staging_failure(request.name, run, started, error, actions)
+        if failure is error:
+            raise error
+        raise failure from error
 
     def _restage(
         self,
@@ -730,15 +782,7 @@ class Pipeline:
         except BaseException as error:
             if run.phase is None and not len(run) and not staged.holds:
                 raise  # the search's (nothing ran)
-            # What the plan committed stays; a failed read's copy goes.
-            try:
-                staged.release()
-            finally:
-                self._forget_reads({index: staged})
-            failure = _plans.staging_failure(request.name, run, started, error, actions)
-            if failure is error:
-                raise
-            raise failure from error
+            self._restage_failed(index, request, run, staged, started, error, actions)
         if again is not None and again[1]:
             self.staged[index] = staged
         return again

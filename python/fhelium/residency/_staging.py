@@ -6,9 +6,11 @@ docs/concepts/controller.md#prefetch.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
+from fhelium.errors import ResidencyClosedError, ResidencyReentrancyError
 from fhelium.residency._decided import StagedRuns
 from fhelium.residency._engine import Engine
 from fhelium.residency._runtime.base import StagedEvent
@@ -26,6 +28,7 @@ __all__ = [
     "extra_headroom",
     "release_all",
     "release_on_device",
+    "settle_transfers",
     "shape_of",
     "streams_for",
     "transfer_streams",
@@ -294,3 +297,28 @@ def blocks_host(
         check(handles, location, disk_deferred=deferred)
         for location, handles in by_location.items()
     )
+
+
+# Closing waits for copies in flight; another thread's source callback refuses the gate
+# meanwhile, so the wait is retried this often, this long apart.
+_SETTLE_RETRIES: Final = 2000
+_SETTLE_PAUSE_S: Final = 0.0005
+
+
+def settle_transfers(engine: Engine) -> None:
+    """Waits for every copy in flight and releases its protections (a pipeline's end).
+    While another thread's source callback runs the gate refuses; the wait is tried
+    again for up to a second, and after that the protections are reaped as their events
+    complete, like a released lease's."""
+    for _ in range(_SETTLE_RETRIES):
+        try:
+            engine.settle([], transfers=True)
+            return
+        except ResidencyClosedError:
+            return  # a closed manager holds nothing any more
+        except ResidencyReentrancyError:
+            if engine.blocked_here():
+                # This thread's own transition (or callback): waiting cannot help; the
+                # protections are reaped as their events complete.
+                return
+            time.sleep(_SETTLE_PAUSE_S)
