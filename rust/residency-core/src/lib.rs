@@ -31,8 +31,9 @@ pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
 pub use location::{CopyRoute, Location, LocationKind, MAX_CUDA_INDEX};
 pub use manager::{
-    Begun, Committed, Copied, Device, HostCost, InFlight, Inputs, Landed, LeaseRelease, LeaseState,
-    LifetimeHost, Manager, Measured, OpenLifetimes, PlanDevice, PlanRun, Resolutions, RunError,
+    Begun, Committed, Copied, DecideFailure, Decision, Device, EvictionRow, HostCost, InFlight,
+    Inputs, Landed, LeaseRelease, LeaseState, LifetimeHost, LoweredRequest, Manager, Measured,
+    NativePolicy, OpenLifetimes, PlanDevice, PlanRun, Resolutions, Row, RunError, ScheduleIndex,
     SearchInputs, SettleWait, StateValues, StorageKey, Ticket, TransitionDevice, Transitioned,
     Unborrowable, Unresolved, Work,
 };

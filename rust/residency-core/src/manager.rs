@@ -27,6 +27,12 @@ use crate::value::{HandleName, Recoverability, ValueSpec, charge_of};
 mod ticket;
 pub use ticket::{Begun, Committed, InFlight, Landed, Ticket, Work};
 
+mod decide;
+pub use decide::{
+    DecideFailure, Decision, EvictionRow, LoweredRequest, NativePolicy, Row, ScheduleIndex,
+    kind_code,
+};
+
 mod driver;
 mod lifetimes;
 

@@ -301,8 +301,8 @@ impl CoreManager {
             }
             resolved.push(indices);
         }
-        Ok(crate::search::ScheduleIndex::new(
-            &resolved, discards, cyclic,
+        Ok(crate::search::ScheduleIndex(
+            residency_core::ScheduleIndex::new(&resolved, discards, cyclic),
         ))
     }
 
