@@ -129,9 +129,16 @@ class LazyDecision(ResidencyDecision):
         if evictions is None:
             reclaim = self.plan.reclaim
             source = cast("tuple[Any, Any]", self._source)
-            evictions = tuple(
-                _new_eviction(reclaim[position], rank, location_of(code), nbytes, reason)
-                for position, rank, code, nbytes, reason in source[1].eviction_rows()
+            # A plan that reclaims nothing evicts nothing.
+            evictions = (
+                tuple(
+                    [
+                        _new_eviction(reclaim[position], rank, location_of(code), nbytes, reason)
+                        for position, rank, code, nbytes, reason in source[1].eviction_rows()
+                    ]
+                )
+                if reclaim
+                else ()
             )
             object.__setattr__(self, "_built_evictions", evictions)
         return evictions

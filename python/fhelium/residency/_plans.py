@@ -240,6 +240,13 @@ def explain(
     return _Explanation._capture(plan, simulation)
 
 
+# The explanation record's field setters, in `_set`'s order.
+_EXPLANATION_SETTERS: Final = tuple(
+    ResidencyPlanExplanation.__dict__[name].__set__
+    for name in ("plan_name", "reservations", "predicted_peak_bytes", "feasible", "reason")
+)
+
+
 def explanation_of(
     plan: ResidencyPlan, simulation: _core.SimulationView
 ) -> ResidencyPlanExplanation:
@@ -297,10 +304,11 @@ class _Explanation(_LazyRecord, ResidencyPlanExplanation):
     @classmethod
     def _capture(cls, plan: ResidencyPlan, simulation: _core.SimulationView) -> _Explanation:
         explanation = object.__new__(cls)
-        peaks = tuple((location_of(code), peak) for code, peak in simulation.peaks())
+        peaks = tuple([(location_of(code), peak) for code, peak in simulation.peaks()])
         explanation._set(plan.name, plan.reservations, peaks, simulation)
         init = object.__setattr__
-        init(explanation, "_actions", None)
+        # A plan without actions explains none (`_build_actions`, without building).
+        init(explanation, "_actions", None if plan.reclaim or plan.enter or plan.exit else ())
         init(explanation, "_plan", plan)
         init(explanation, "_simulation", simulation)
         return explanation
@@ -312,12 +320,12 @@ class _Explanation(_LazyRecord, ResidencyPlanExplanation):
         peaks: tuple[tuple[ResidencyLocation, int], ...],
         source: Any,
     ) -> None:
-        slots = ResidencyPlanExplanation.__dict__
-        slots["plan_name"].__set__(self, plan_name)
-        slots["reservations"].__set__(self, reservations)
-        slots["predicted_peak_bytes"].__set__(self, peaks)
-        slots["feasible"].__set__(self, source.feasible)
-        slots["reason"].__set__(self, source.reason)
+        set_name, set_reservations, set_peaks, set_feasible, set_reason = _EXPLANATION_SETTERS
+        set_name(self, plan_name)
+        set_reservations(self, reservations)
+        set_peaks(self, peaks)
+        set_feasible(self, source.feasible)
+        set_reason(self, source.reason)
 
     @property
     def actions(self) -> tuple[ResidencyActionExplanation, ...]:
