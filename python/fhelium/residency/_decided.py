@@ -348,8 +348,9 @@ class StagedRuns:
     def __init__(self) -> None:
         # (decided request, discards, the core's decision), then what ran for it.
         self.last: tuple[tuple[Any, ...], _Run] | None = None
-        # `last`, and the native arguments its staging runs again with
-        # (`_pipeline.Pipeline._restage_first`): valid while `last` is.
+        # The discard count, and the native arguments a staging runs `last` again with
+        # (`_pipeline.Pipeline._restage_first`), lowered at that count: they serve any
+        # `last` decided at it.
         self.kit: tuple[Any, ...] | None = None
 
 

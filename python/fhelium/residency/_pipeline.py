@@ -638,8 +638,9 @@ class Pipeline:
         """`_stage`'s first decision where nothing else is staged and the step's request,
         without reservations, was staged before since the last discard (a cyclic
         schedule's steady state): its last plan runs again if decided again, by the
-        native call `Decider.restage` makes, its arguments kept with that plan
-        (`StagedRuns.kit`; a value discarded since makes the core refuse them). Whether
+        native call `Decider.restage` makes, its arguments kept with the request's runs
+        (`StagedRuns.kit`, lowered while as many values were discarded as when that plan
+        was; a value discarded since makes the core refuse them). Whether
         the step is staged; None where this does not apply or the search decided
         otherwise (nothing ran: `_stage` decides afresh)."""
         controller: Decider = self.controller  # type: ignore[assignment]
@@ -655,14 +656,14 @@ class Pipeline:
         while ended and not pending_among(ended[0]):
             ended.popleft()  # completed on their own: nothing to wait for
         kit = runs.kit
-        if kit is None or kit[0] is not last:
+        if kit is None or kit[0] != last[0][1]:
             discards = engine.discard_count()
             if last[0][1] != discards:
                 return None
             arguments = controller.rerun_arguments(request, discards)
             if arguments is None:
                 return None  # not lowered for it yet: `_stage` runs it again (`_restage`)
-            kit = runs.kit = (last, *arguments)
+            kit = runs.kit = (discards, *arguments)
         _, lowering, limit, cuda_count, native, schedule_index = kit
         schedule = None
         if schedule_index is not None:
