@@ -27,9 +27,12 @@ use crate::value::{HandleName, Recoverability, ValueSpec, charge_of};
 mod ticket;
 pub use ticket::{Begun, Committed, InFlight, Landed, Ticket, Work};
 
+mod admission;
 mod driver;
+mod finalizers;
 mod lifetimes;
 
+pub use admission::Admitted;
 pub use driver::{LeaseRelease, LifetimeHost, Unborrowable, Unresolved};
 pub use lifetimes::SettleWait;
 
@@ -154,6 +157,8 @@ struct Inner {
     discards: u64,
     /// The pending leases' events, the transfers in flight and the object ids.
     book: TokenBook,
+    /// The object id of each lease tracked for its finalizer, by token.
+    tracked: FastMap<u64, crate::tokens::ObjectId>,
 }
 
 #[derive(Debug)]

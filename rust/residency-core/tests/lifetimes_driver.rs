@@ -41,12 +41,19 @@ struct Device {
     record_fails_after: Option<u32>,
     host_wait_fails: bool,
     owners: HashMap<HandleId, u32>,
+    /// The host's other steps, in order: `place`, `lookup`, `check_stream`,
+    /// `closing`, `closed`.
+    steps: Vec<&'static str>,
+    /// `closed` fails.
+    closed_fails: bool,
 }
 
 #[derive(Debug, PartialEq)]
 enum Failure {
     Core(String),
     Device(&'static str),
+    /// A handle that is no live handle of the manager.
+    Unknown,
 }
 
 #[derive(Debug)]
@@ -65,6 +72,14 @@ impl<'a> Fake<'a> {
 
     fn calls(&self) -> Vec<Call> {
         std::mem::take(&mut self.device.borrow_mut().calls)
+    }
+
+    fn steps(&self) -> Vec<&'static str> {
+        std::mem::take(&mut self.device.borrow_mut().steps)
+    }
+
+    fn step(&self, step: &'static str) {
+        self.device.borrow_mut().steps.push(step);
     }
 
     fn complete(&self, event: u32) {
@@ -94,13 +109,55 @@ impl LifetimeHost for Fake<'_> {
     type Stream = u32;
     type Event = u32;
     type Error = Failure;
+    /// `None` names no handle of the manager.
+    type Handle = Option<HandleId>;
+    type Place = Location;
 
     fn lift(&self, error: CoreError) -> Failure {
         Failure::Core(error.to_string())
     }
 
-    fn enter(&self, check_reentrant: bool) -> CoreResult<()> {
-        self.manager.enter(POLL, false, check_reentrant)
+    fn enter(&self, check_closed: bool, check_reentrant: bool) -> CoreResult<()> {
+        self.manager.enter(POLL, check_closed, check_reentrant)
+    }
+
+    fn place(&self, place: &Location) -> Result<Location, Failure> {
+        self.step("place");
+        Ok(*place)
+    }
+
+    fn name(&self, place: &Location) -> Result<String, Failure> {
+        Ok(place.to_string())
+    }
+
+    fn lookup(&self, handle: &Option<HandleId>) -> Result<Option<HandleId>, Failure> {
+        self.step("lookup");
+        Ok(*handle)
+    }
+
+    fn unknown(&self, _handle: &Option<HandleId>) -> Failure {
+        Failure::Unknown
+    }
+
+    /// Stream 0 is no stream; any other is kept as itself plus 100.
+    fn check_stream(&self, stream: &u32, _place: &Location, _at: Location) -> Result<u32, Failure> {
+        self.step("check_stream");
+        match stream {
+            0 => Err(Failure::Device("not a stream")),
+            _ => Ok(stream + 100),
+        }
+    }
+
+    fn closing(&self) {
+        self.step("closing");
+    }
+
+    fn closed(&self) -> Result<(), Failure> {
+        self.step("closed");
+        if self.device.borrow().closed_fails {
+            return Err(Failure::Device("closing the disk failed"));
+        }
+        Ok(())
     }
 
     fn free(&self, freed: &Freed) {
@@ -499,26 +556,24 @@ fn close_with_a_live_lease_is_refused_unless_forced() {
     let fake = Fake::new(&manager);
     let handle = value(&manager, CUDA);
     let token = manager.acquire(&[handle], CUDA).expect("acquired");
-    let mut closings = 0;
     enter(&manager);
-    let refused = manager.close_with(&fake, false, false, || closings += 1);
+    let refused = manager.close_with(&fake, false, false);
     assert!(
         matches!(&refused, Err(Failure::Core(text)) if text.contains("still has open lifetimes"))
     );
     assert!(!manager.is_closed());
     assert_eq!(fake.calls(), vec![]);
+    // Refused: the objects stay.
+    assert_eq!(fake.steps(), vec!["closing"]);
     // Forced: each CUDA device is synchronised first, then the tokens end.
-    let forced = manager.close_with(&fake, false, true, || closings += 1);
+    let forced = manager.close_with(&fake, false, true);
     assert_eq!(forced, Ok(true));
     assert!(manager.is_closed());
     assert_eq!(fake.calls(), vec![Call::SyncDevice(CUDA)]);
     // Closed already: nothing is done again.
-    assert_eq!(
-        manager.close_with(&fake, true, true, || closings += 1),
-        Ok(false)
-    );
+    assert_eq!(manager.close_with(&fake, true, true), Ok(false));
     manager.exit();
-    assert_eq!(closings, 2);
+    assert_eq!(fake.steps(), vec!["closing", "closed"]);
     assert_eq!(manager.lease_state(token), LeaseState::Unknown);
 }
 
@@ -531,7 +586,7 @@ fn close_with_wait_settles_every_pending_lease_first() {
     let second = pending(&fake, &[handle], &[2]);
     fake.calls();
     enter(&manager);
-    let closed = manager.close_with(&fake, true, false, || {});
+    let closed = manager.close_with(&fake, true, false);
     manager.clear_tokens_with(&fake);
     manager.exit();
     assert_eq!(closed, Ok(true));
@@ -548,11 +603,11 @@ fn close_without_wait_refuses_a_pending_lease_whose_events_are_incomplete() {
     let handle = value(&manager, CUDA);
     let token = pending(&fake, &[handle], &[1]);
     enter(&manager);
-    let refused = manager.close_with(&fake, false, false, || {});
+    let refused = manager.close_with(&fake, false, false);
     assert!(matches!(refused, Err(Failure::Core(_))));
     // Its event completes: the close reaps it and closes.
     fake.complete(1);
-    let closed = manager.close_with(&fake, false, false, || {});
+    let closed = manager.close_with(&fake, false, false);
     manager.exit();
     assert_eq!(closed, Ok(true));
     assert_eq!(manager.lease_state(token), LeaseState::Unknown);

@@ -214,11 +214,7 @@ impl CoreManager {
     /// Releases a host lease at once when the gate is free and nothing is queued;
     /// `False` sends the caller down the waiting path (nothing has changed then).
     fn release_host_lease_now(&self, token: u64) -> bool {
-        let released = self.release_now(LifetimeKind::Lease, token);
-        if released {
-            drop(self.objects.untrack_lease(token));
-        }
-        released
+        self.release_now(LifetimeKind::Lease, token)
     }
 
     /// Tracks a lease object built by the glue itself, until it is released; its
@@ -237,7 +233,7 @@ impl CoreManager {
 
     /// Stops tracking a lease (finalized by its own object, at exit).
     fn untrack_lease(&self, token: u64) {
-        drop(self.objects.untrack_lease(token));
+        self.forget_lease(token);
     }
 
     /// The lease objects not yet released that are still alive, oldest first.
@@ -413,15 +409,7 @@ impl CoreManager {
     /// reaping the leases whose events completed.
     #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
     fn pending_among(&self, py: Python<'_>, tokens: Vec<u64>) -> PyResult<Vec<u64>> {
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            Ok(tokens
-                .into_iter()
-                .filter(|&token| {
-                    self.core.lease_state(token) == residency_core::LeaseState::Pending
-                })
-                .collect())
-        })
+        crate::lifetimes::pending_among(self, py, &tokens)
     }
 
     /// True when this thread cannot pass the gate now: it is inside a transition of

@@ -33,9 +33,6 @@ struct Store {
     /// The objects the core knows by id (`residency_core::ObjectId`): the events of
     /// pending leases and transfers in flight, and what a copy in flight reads.
     slots: Vec<Option<Py<PyAny>>>,
-    /// A weak reference to each lease object not yet released, by token: at
-    /// interpreter exit the leases still alive are finalised while the runtime works.
-    leases: FastMap<u64, Py<PyAny>>,
 }
 
 /// Python objects released together, after the store's lock.
@@ -261,30 +258,5 @@ impl Objects {
             released.extend(store.labels.remove(token));
         }
         released
-    }
-
-    pub fn track_lease(&self, token: u64, reference: Py<PyAny>) {
-        drop(self.store().leases.insert(token, reference));
-    }
-
-    /// Forgets a lease object; its weak reference is released after the lock.
-    pub fn untrack_lease(&self, token: u64) -> Option<Py<PyAny>> {
-        self.store().leases.remove(&token)
-    }
-
-    /// The weak references of the leases not yet released, in token order.
-    pub fn tracked_leases(&self, py: Python<'_>) -> Vec<Py<PyAny>> {
-        let store = self.store();
-        let mut tracked: Vec<(u64, Py<PyAny>)> = store
-            .leases
-            .iter()
-            .map(|(token, reference)| (*token, reference.clone_ref(py)))
-            .collect();
-        drop(store);
-        tracked.sort_by_key(|(token, _)| *token);
-        tracked
-            .into_iter()
-            .map(|(_, reference)| reference)
-            .collect()
     }
 }
