@@ -34,6 +34,7 @@ mod lifetimes;
 
 pub use admission::Admitted;
 pub use driver::{LeaseRelease, LifetimeHost, Unborrowable, Unresolved};
+pub use finalizers::ReleasedNow;
 pub use lifetimes::SettleWait;
 
 mod plan_run;

@@ -170,6 +170,12 @@ impl LifetimeHost for Fake<'_> {
         device.freed.append(freed.clone());
     }
 
+    fn forget(&self, id: ObjectId) {
+        let mut device = self.device.borrow_mut();
+        device.kept.remove(&id);
+        device.freed.objects.push(id);
+    }
+
     fn keep(&self, id: ObjectId, event: u32) {
         self.device.borrow_mut().kept.insert(id, event);
     }
@@ -1085,4 +1091,32 @@ fn tracking_a_lease_again_lets_its_former_id_go() {
     assert_eq!(freed.objects, vec![former]);
     assert_eq!(manager.tracked_leases(), vec![latter]);
     assert_eq!(manager.live_objects(), 1);
+}
+
+#[test]
+fn a_borrowed_lookup_reads_the_location_and_value_only_while_the_lease_covers_it() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let (leased, other) = (value(&manager, PINNED), value(&manager, PINNED));
+    let token = manager.acquire(&[leased], PINNED).expect("acquired");
+    let mut read = Vec::new();
+    let mut borrowed = |handle: Option<HandleId>, known: Option<(HandleId, Location)>| {
+        manager.borrowed_with(&fake, token, &handle, &PINNED, known, |index, at| {
+            read.push((index, at));
+            Some(index)
+        })
+    };
+    assert_eq!(borrowed(Some(leased), None), Ok(Some(leased)));
+    assert_eq!(borrowed(Some(other), None), Ok(None));
+    assert_eq!(borrowed(None, None), Ok(None));
+    // A known index and location are not looked up again.
+    assert_eq!(borrowed(None, Some((leased, PINNED))), Ok(Some(leased)));
+    assert_eq!(read, vec![(leased, PINNED), (leased, PINNED)]);
+    assert_eq!(fake.steps(), vec!["lookup", "place", "lookup", "lookup"]);
+    // A forced close ends what the lease borrows; the lookup is no closed-manager error.
+    enter(&manager);
+    manager.close(true).expect("closed");
+    manager.exit();
+    let after = manager.borrowed_with(&fake, token, &Some(leased), &PINNED, None, |_, _| Some(0));
+    assert_eq!(after, Ok(None));
 }

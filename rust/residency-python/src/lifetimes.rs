@@ -126,6 +126,10 @@ impl<'py> LifetimeHost for Host<'_, 'py> {
         self.manager.free(freed);
     }
 
+    fn forget(&self, id: ObjectId) {
+        drop(self.manager.objects().take(id));
+    }
+
     fn keep(&self, id: ObjectId, event: Py<PyAny>) {
         drop(self.manager.objects().put(id, event));
     }
@@ -637,28 +641,17 @@ pub(crate) fn borrowed_known(
     location: &Bound<'_, PyAny>,
     known: Option<(HandleId, Location)>,
 ) -> PyResult<Py<PyAny>> {
-    manager.with_gate(py, false, true, || {
-        let (index, at) = match known {
-            Some((index, at)) => (Some(index), Some(at)),
-            None => (manager.resolve_live(py, handle)?, None),
-        };
-        let value = match manager.core().borrowed(token, index) {
-            Some(index) => {
-                let at = match at {
-                    Some(at) => at,
-                    None => manager.context().location_code(py, location)?,
-                };
-                manager.objects().value(py, index, at.code())
-            }
-            None => None,
-        };
-        value.ok_or_else(|| {
-            let handle_id = handle.getattr(intern!(py, "handle_id"));
-            let handle_id = handle_id.and_then(|id| Ok(id.repr()?.to_string()));
-            let at = location.str().map(|text| text.to_string());
-            let (handle_id, at) = (handle_id.unwrap_or_default(), at.unwrap_or_default());
-            to_py_err(py, Manager::no_longer_borrowed(&handle_id, &at))
-        })
+    let (core, host) = (manager.core(), Host::new(manager, py));
+    let objects = manager.objects();
+    let value = core.borrowed_with(&host, token, handle, location, known, |index, at| {
+        objects.value(py, index, at.code())
+    })?;
+    value.ok_or_else(|| {
+        let handle_id = handle.getattr(intern!(py, "handle_id"));
+        let handle_id = handle_id.and_then(|id| Ok(id.repr()?.to_string()));
+        let at = location.str().map(|text| text.to_string());
+        let (handle_id, at) = (handle_id.unwrap_or_default(), at.unwrap_or_default());
+        to_py_err(py, Manager::no_longer_borrowed(&handle_id, &at))
     })
 }
 

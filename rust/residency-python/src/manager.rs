@@ -159,8 +159,11 @@ impl CoreManager {
     /// A lease released is no longer tracked.
     pub(crate) fn release_now(&self, kind: LifetimeKind, token: u64) -> bool {
         match self.core.release_now(kind.into(), token) {
-            Some(freed) => {
-                self.free(&freed);
+            Some(released) => {
+                self.free(&released.freed);
+                if let Some(id) = released.untracked {
+                    drop(self.objects.take(id));
+                }
                 true
             }
             None => false,
@@ -178,10 +181,11 @@ impl CoreManager {
 
     /// Stops tracking lease `token`; its reference goes. `false` when it was not tracked.
     pub(crate) fn forget_lease(&self, token: u64) -> bool {
-        let mut freed = Freed::default();
-        let forgotten = self.core.untrack_lease(token, &mut freed);
-        self.free(&freed);
-        forgotten
+        let Some(id) = self.core.untrack_lease(token) else {
+            return false;
+        };
+        drop(self.objects.take(id));
+        true
     }
 
     /// Releases a reservation's bytes and forgets its label; the caller holds the gate.

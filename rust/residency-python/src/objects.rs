@@ -31,7 +31,8 @@ struct Store {
     streams: FastMap<(u32, u32), Py<PyAny>>,
     labels: FastMap<u64, Py<PyAny>>,
     /// The objects the core knows by id (`residency_core::ObjectId`): the events of
-    /// pending leases and transfers in flight, and what a copy in flight reads.
+    /// pending leases and transfers in flight, what a copy in flight reads, and a
+    /// weak reference to each lease tracked for its finalizer.
     slots: Vec<Option<Py<PyAny>>>,
 }
 
@@ -240,6 +241,12 @@ impl Objects {
             .filter_map(|&id| store.slots.get(id)?.as_ref())
             .map(|object| object.clone_ref(py))
             .collect()
+    }
+
+    /// Takes the object at `id`, which the core no longer refers to; it is released
+    /// after the lock.
+    pub fn take(&self, id: ObjectId) -> Option<Py<PyAny>> {
+        self.store().slots.get_mut(id)?.take()
     }
 
     /// Forgets what the core gave back: the objects at its freed ids and the labels

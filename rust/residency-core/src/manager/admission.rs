@@ -224,6 +224,36 @@ impl Manager {
         Ok(false)
     }
 
+    /// What lease `token` borrows of `handle` at `place`, under the gate (without the
+    /// closed check: a forced close ends what a lease borrows, and this says so): the
+    /// handle's index (`known`, else looked up), then, only while the lease covers it,
+    /// the location (`known`, else read) and `value` there. `None` when the lease no
+    /// longer covers the value (or `value` has none).
+    pub fn borrowed_with<H: LifetimeHost, T>(
+        &self,
+        host: &H,
+        token: u64,
+        handle: &H::Handle,
+        place: &H::Place,
+        known: Option<(HandleId, Location)>,
+        value: impl FnOnce(HandleId, Location) -> Option<T>,
+    ) -> Result<Option<T>, H::Error> {
+        self.gated(host, false, true, || {
+            let index = match known {
+                Some((index, _)) => Some(index),
+                None => host.lookup(handle)?,
+            };
+            let Some(index) = self.borrowed(token, index) else {
+                return Ok(None);
+            };
+            let at = match known {
+                Some((_, at)) => at,
+                None => host.place(place)?,
+            };
+            Ok(value(index, at))
+        })
+    }
+
     /// The tokens among `tokens` of leases still pending on their events, after
     /// reaping those whose events completed. The caller holds the gate.
     pub fn pending_among_with<H: LifetimeHost>(

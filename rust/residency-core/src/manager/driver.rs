@@ -56,6 +56,8 @@ pub trait LifetimeHost {
     fn closed(&self) -> Result<(), Self::Error>;
     /// Drops the objects the core gave back (and the labels of released reservations).
     fn free(&self, freed: &Freed);
+    /// Drops the object at `id`, which no record refers to any more.
+    fn forget(&self, id: ObjectId);
     /// Keeps `event` at the core's new id `id`.
     fn keep(&self, id: ObjectId, event: Self::Event);
     /// Whether the event at `id` completed. An id no longer kept belongs to a lease
@@ -222,10 +224,13 @@ impl Manager {
         kind: LifetimeKind,
         token: u64,
     ) -> bool {
-        let Some(freed) = self.release_now(kind, token) else {
+        let Some(released) = self.release_now(kind, token) else {
             return false;
         };
-        host.free(&freed);
+        host.free(&released.freed);
+        if let Some(id) = released.untracked {
+            host.forget(id);
+        }
         true
     }
 

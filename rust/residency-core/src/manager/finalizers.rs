@@ -10,6 +10,15 @@ use crate::tokens::{Freed, LifetimeKind, ObjectId};
 
 use super::{LifetimeHost, Manager};
 
+/// What [`Manager::release_now`] let go.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ReleasedNow {
+    /// What the release freed.
+    pub freed: Freed,
+    /// The id the lease was tracked at, now free (its object the caller's to let go).
+    pub untracked: Option<ObjectId>,
+}
+
 impl Manager {
     /// Tracks lease `token`: a new object id, at which the caller keeps what finds
     /// the lease object. A token tracked already lets its former id go (in `freed`,
@@ -23,23 +32,22 @@ impl Manager {
         id
     }
 
-    /// Stops tracking lease `token`; its id goes back in `freed`. `false` when it was
-    /// not tracked (released or finalized already).
-    pub fn untrack_lease(&self, token: u64, freed: &mut Freed) -> bool {
+    /// Stops tracking lease `token`: the id it was tracked at, free again (the
+    /// caller lets its object go); `None` when it was not tracked (released or
+    /// finalized already).
+    pub fn untrack_lease(&self, token: u64) -> Option<ObjectId> {
         let mut inner = self.inner();
-        let Some(id) = inner.tracked.remove(&token) else {
-            return false;
-        };
-        inner.book.unref([id], freed);
-        true
+        let id = inner.tracked.remove(&token)?;
+        inner.book.unref_one(id).then_some(id)
     }
 
-    /// `untrack_lease`, its id handed back to `host`.
+    /// `untrack_lease`, its object let go by `host`.
     pub fn untrack_lease_with<H: LifetimeHost>(&self, host: &H, token: u64) -> bool {
-        let mut freed = Freed::default();
-        let untracked = self.untrack_lease(token, &mut freed);
-        host.free(&freed);
-        untracked
+        let Some(id) = self.untrack_lease(token) else {
+            return false;
+        };
+        host.forget(id);
+        true
     }
 
     /// Whether a collected lease `token` is to be finalized now: not in a forked
@@ -63,15 +71,15 @@ impl Manager {
     }
 
     /// Releases a token at once when the gate is free and nothing is queued (see
-    /// [`Manager::try_release_now`]); a lease released is no longer tracked. What
-    /// goes is in the result; `None` sends the caller down the waiting path, nothing
-    /// changed.
-    pub fn release_now(&self, kind: LifetimeKind, token: u64) -> Option<Freed> {
-        let mut freed = self.try_release_now(kind, token)?;
-        if kind == LifetimeKind::Lease {
-            self.untrack_lease(token, &mut freed);
-        }
-        Some(freed)
+    /// [`Manager::try_release_now`]); a lease released is no longer tracked. `None`
+    /// sends the caller down the waiting path, nothing changed.
+    pub fn release_now(&self, kind: LifetimeKind, token: u64) -> Option<ReleasedNow> {
+        let freed = self.try_release_now(kind, token)?;
+        let untracked = match kind {
+            LifetimeKind::Lease => self.untrack_lease(token),
+            LifetimeKind::Hold | LifetimeKind::Reservation => None,
+        };
+        Some(ReleasedNow { freed, untracked })
     }
 
     /// Whether lease `token` is tracked.
