@@ -1120,3 +1120,53 @@ fn a_borrowed_lookup_reads_the_location_and_value_only_while_the_lease_covers_it
     let after = manager.borrowed_with(&fake, token, &Some(leased), &PINNED, None, |_, _| Some(0));
     assert_eq!(after, Ok(None));
 }
+
+#[test]
+fn a_finalizers_release_queued_behind_a_callback_untracks_the_lease_at_once() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, PINNED);
+    let token = manager.acquire(&[handle], PINNED).expect("acquired");
+    manager.track_lease(token, &mut Freed::default());
+    enter(&manager);
+    manager.begin_transition();
+    manager.set_callback_active(true);
+    let queued = manager.release_token_with(&fake, LifetimeKind::Lease, token, true);
+    manager.set_callback_active(false);
+    manager.end_transition();
+    // Queued, not yet applied: the lease is still active, but no longer tracked (its
+    // release is certain, and at exit nothing may finalize it a second time).
+    assert_eq!(queued, Ok(()));
+    assert!(manager.releases_queued());
+    assert_eq!(manager.lease_state(token), LeaseState::Active);
+    assert!(!manager.is_tracked(token));
+    manager.reap_with(&fake).expect("reaped");
+    manager.exit();
+    assert_eq!(manager.lease_state(token), LeaseState::Unknown);
+    assert_eq!(manager.live_objects(), 0);
+}
+
+#[test]
+fn a_snapshot_reaps_the_completed_leases_before_it_observes() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let quiet = manager.snapshot_with(&fake, |state| state.pending_leases);
+    assert_eq!(quiet, Ok(0));
+    let done = reapable(&fake, handle);
+    let waiting = pending(&fake, &[handle], &[2]);
+    let observed = manager.snapshot_with(&fake, |state| (state.pending_leases, state.version));
+    // The completed lease is gone from what is observed; the other still protects.
+    let (pending_leases, version) = observed.expect("observed");
+    assert_eq!(pending_leases, 1);
+    assert_eq!(manager.lease_state(done), LeaseState::Unknown);
+    assert_eq!(manager.lease_state(waiting), LeaseState::Pending);
+    assert_eq!(manager.reaped_version_with(&fake), Ok(version));
+    fake.complete(2);
+    assert_eq!(manager.reaped_version_with(&fake), Ok(version + 1));
+    enter(&manager);
+    manager.close(false).expect("closed");
+    manager.exit();
+    let closed = manager.snapshot_with(&fake, |state| state.version);
+    assert!(matches!(closed, Err(Failure::Core(text)) if text.contains("closed")));
+}

@@ -14,6 +14,7 @@ use residency_core::{HandleId, Manager};
 
 use crate::context::Context;
 use crate::kinds::LifetimeKind;
+use crate::lifetimes::Host;
 use crate::manager::{CoreManager, SimulationView, StateView, Trace, unknown_index};
 use crate::objects::Objects;
 use crate::plan::PlanIr;
@@ -620,10 +621,7 @@ impl CoreManager {
 
     /// The state version after reaping completed CUDA leases, under the gate.
     fn checked_version(&self, py: Python<'_>) -> PyResult<u64> {
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            Ok(self.core.version())
-        })
+        self.core.reaped_version_with(&Host::new(self, py))
     }
 
     #[getter]
@@ -645,17 +643,9 @@ impl CoreManager {
     /// A consistent published state for a snapshot and the time it was captured: the
     /// lock-free one when nothing waits to be reaped, else one taken under the gate.
     fn snapshot_state(&self, py: Python<'_>) -> PyResult<(StateView, u64)> {
-        Self::lift(py, self.core.check_process())?;
-        if !self.core.releases_queued()
-            && let Some(state) = Self::lift(py, self.core.try_published_snapshot())?
-        {
-            return Ok((StateView { state }, now_ns()));
-        }
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            let state = self.core.current();
-            Ok((StateView { state }, now_ns()))
-        })
+        let host = Host::new(self, py);
+        self.core
+            .snapshot_with(&host, |state| (StateView { state }, now_ns()))
     }
 
     // ----- registration ---------------------------------------------------------

@@ -4,8 +4,10 @@
 //! converts arguments and builds the lifetime objects; the order is decided here
 //! (docs/concepts/lifetimes.md).
 
+use std::sync::Arc;
+
 use crate::location::Location;
-use crate::state::HandleId;
+use crate::state::{HandleId, State};
 use crate::tokens::{LifetimeKind, Release};
 
 use super::{LeaseState, LifetimeHost, Manager};
@@ -251,6 +253,38 @@ impl Manager {
                 None => host.place(place)?,
             };
             Ok(value(index, at))
+        })
+    }
+
+    /// `observe` given a consistent state: the published one, without the gate, when
+    /// nothing waits to be reaped (no release queued, no lease pending, nothing
+    /// changed since it was published); else the working one, under the gate after a
+    /// reap (and `observe` runs there). A forked child, a callback running, this
+    /// thread's own transition and a closed manager are refused either way.
+    pub fn snapshot_with<H: LifetimeHost, T>(
+        &self,
+        host: &H,
+        observe: impl FnOnce(Arc<State>) -> T,
+    ) -> Result<T, H::Error> {
+        self.check_process().map_err(|error| host.lift(error))?;
+        if !self.releases_queued()
+            && let Some(state) = self
+                .try_published_snapshot()
+                .map_err(|error| host.lift(error))?
+        {
+            return Ok(observe(state));
+        }
+        self.gated(host, true, true, || {
+            self.reap_with(host)?;
+            Ok(observe(self.current()))
+        })
+    }
+
+    /// The state version after a reap, under the gate.
+    pub fn reaped_version_with<H: LifetimeHost>(&self, host: &H) -> Result<u64, H::Error> {
+        self.gated(host, true, true, || {
+            self.reap_with(host)?;
+            Ok(self.version())
         })
     }
 
