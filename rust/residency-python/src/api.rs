@@ -253,10 +253,14 @@ impl CoreManager {
         crate::lifetimes::borrowed(self, py, token, handle, location)
     }
 
-    /// Closes the manager (docs/concepts/lifetimes.md#close).
+    /// Closes the manager in the core's order (docs/concepts/lifetimes.md#close); a
+    /// closed manager returns at once.
     #[pyo3(signature = (*, wait, force))]
     fn close(&self, py: Python<'_>, wait: bool, force: bool) -> PyResult<()> {
-        crate::lifetimes::close(self, py, wait, force)
+        let (core, host) = (&self.core, Host::new(self, py));
+        core.gated(&host, false, false, || {
+            core.close_with(&host, wait, force).map(drop)
+        })
     }
 
     /// Checks a location record, returning its code.
@@ -370,7 +374,10 @@ impl CoreManager {
     #[pyo3(signature = (tokens, *, transfers=false))]
     #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
     fn settle(&self, py: Python<'_>, tokens: Vec<u64>, transfers: bool) -> PyResult<()> {
-        crate::lifetimes::settle(self, py, &tokens, transfers)
+        let (core, host) = (&self.core, Host::new(self, py));
+        core.gated(&host, true, true, || {
+            core.settle_with(&host, &tokens, transfers)
+        })
     }
 
     /// Releases the pending leases among `tokens` with device-side waits of their
@@ -379,7 +386,10 @@ impl CoreManager {
     #[pyo3(signature = (tokens, *, host))]
     #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
     fn settle_on_device(&self, py: Python<'_>, tokens: Vec<u64>, host: bool) -> PyResult<Vec<u64>> {
-        crate::lifetimes::settle_on_device(self, py, &tokens, host)
+        let (core, runtime) = (&self.core, Host::new(self, py));
+        core.gated(&runtime, true, true, || {
+            core.settle_on_device_with(&runtime, &tokens, host)
+        })
     }
 
     /// Whether bringing `handles` to `at` would block the host on a copy (from disk or
@@ -408,9 +418,9 @@ impl CoreManager {
 
     /// The tokens among `tokens` of leases still pending on their events, after
     /// reaping the leases whose events completed.
-    #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
     fn pending_among(&self, py: Python<'_>, tokens: Vec<u64>) -> PyResult<Vec<u64>> {
-        crate::lifetimes::pending_among(self, py, &tokens)
+        let (core, host) = (&self.core, Host::new(self, py));
+        core.gated(&host, true, true, || core.pending_among_with(&host, tokens))
     }
 
     /// True when this thread cannot pass the gate now: it is inside a transition of

@@ -379,42 +379,6 @@ pub fn blocks_host_locked(
         .blocks_host_groups_with(&host, groups, disk_deferred)
 }
 
-/// Host-waits for the events of the pending leases among `tokens` and releases
-/// them; with `transfers`, also for every asynchronous transfer in flight.
-pub fn settle(
-    manager: &CoreManager,
-    py: Python<'_>,
-    tokens: &[u64],
-    transfers: bool,
-) -> PyResult<()> {
-    let (core, host) = (manager.core(), Host::new(manager, py));
-    core.gated(&host, true, true, || {
-        core.settle_with(&host, tokens, transfers)
-    })
-}
-
-/// Releases the pending leases among `tokens` without a host wait where the device's
-/// order makes that safe (the core's rule); returns the tokens left pending.
-pub fn settle_on_device(
-    manager: &CoreManager,
-    py: Python<'_>,
-    tokens: &[u64],
-    host_wait: bool,
-) -> PyResult<Vec<u64>> {
-    let (core, host) = (manager.core(), Host::new(manager, py));
-    core.gated(&host, true, true, || {
-        core.settle_on_device_with(&host, tokens, host_wait)
-    })
-}
-
-/// The tokens among `tokens` of leases still pending on their events, after reaping.
-pub fn pending_among(manager: &CoreManager, py: Python<'_>, tokens: &[u64]) -> PyResult<Vec<u64>> {
-    let (core, host) = (manager.core(), Host::new(manager, py));
-    core.gated(&host, true, true, || {
-        core.pending_among_with(&host, tokens.iter().copied())
-    })
-}
-
 /// `ResidencyLease.add_consumer_stream`'s wait: the joining stream waits for the
 /// transfers still in flight into the lease's values.
 pub fn wait_transfers(
@@ -652,14 +616,5 @@ pub(crate) fn borrowed_known(
         let at = location.str().map(|text| text.to_string());
         let (handle_id, at) = (handle_id.unwrap_or_default(), at.unwrap_or_default());
         to_py_err(py, Manager::no_longer_borrowed(&handle_id, &at))
-    })
-}
-
-/// Closes the manager (see docs/concepts/lifetimes.md#close; the core's rule and
-/// order). A closed manager returns at once.
-pub fn close(manager: &CoreManager, py: Python<'_>, wait: bool, force: bool) -> PyResult<()> {
-    let (core, host) = (manager.core(), Host::new(manager, py));
-    core.gated(&host, false, false, || {
-        core.close_with(&host, wait, force).map(drop)
     })
 }
