@@ -34,7 +34,7 @@ pub use manager::{
     Admitted, Begun, Committed, Copied, Device, HostCost, InFlight, Inputs, Landed, LeaseRelease,
     LeaseState, LifetimeHost, Manager, Measured, OpenLifetimes, PlanDevice, PlanRun, ReleasedNow,
     Resolutions, RunError, SearchInputs, SettleWait, StateValues, StorageKey, Ticket,
-    TransitionDevice, Transitioned, Unborrowable, Unresolved, Work,
+    TransitionDevice, Transitioned, Unborrowable, Work,
 };
 pub use messages::{Refusal, RefusalKind};
 pub use placement::{Measurement, Misplaced, Misplacement, ValueFacts};

@@ -33,7 +33,7 @@ mod finalizers;
 mod lifetimes;
 
 pub use admission::Admitted;
-pub use driver::{LeaseRelease, LifetimeHost, Unborrowable, Unresolved};
+pub use driver::{LeaseRelease, LifetimeHost, Unborrowable};
 pub use finalizers::ReleasedNow;
 pub use lifetimes::SettleWait;
 

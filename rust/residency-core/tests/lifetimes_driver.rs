@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use residency_core::{
     CoreError, CoreResult, Freed, HandleId, LeaseRelease, LeaseState, LifetimeHost, LifetimeKind,
-    Location, Manager, ObjectId, Recoverability, ReplicaMode, Unborrowable, Unresolved, ValueSpec,
+    Location, Manager, ObjectId, Recoverability, ReplicaMode, Unborrowable, ValueSpec,
 };
 
 const POLL: Duration = Duration::from_millis(1);
@@ -132,9 +132,13 @@ impl LifetimeHost for Fake<'_> {
         Ok(place.to_string())
     }
 
+    /// `HandleId::MAX` is a handle whose lookup raises.
     fn lookup(&self, handle: &Option<HandleId>) -> Result<Option<HandleId>, Failure> {
         self.step("lookup");
-        Ok(*handle)
+        match handle {
+            Some(HandleId::MAX) => Err(Failure::Device("lookup raised")),
+            _ => Ok(*handle),
+        }
     }
 
     fn unknown(&self, _handle: &Option<HandleId>) -> Failure {
@@ -435,24 +439,6 @@ fn a_consumer_stream_waits_on_the_device_for_a_copy_in_flight() {
 }
 
 #[test]
-fn handles_resolve_in_order_and_a_non_resident_one_first_reports_unavailability() {
-    let manager = Manager::new(&[]);
-    let (resident, elsewhere) = (value(&manager, CUDA), value(&manager, PINNED));
-    let lookup = |known: Option<HandleId>| Ok::<_, ()>(known);
-    let ok = manager.resolve_in_order([Some(resident), Some(elsewhere)], CUDA, lookup);
-    assert!(matches!(ok, Ok(indices) if indices == vec![resident, elsewhere]));
-    let unknown = manager.resolve_in_order([Some(resident), None], CUDA, lookup);
-    assert!(matches!(unknown, Err(Unresolved::Unknown(1))));
-    let refused = manager.resolve_in_order([Some(elsewhere), None], CUDA, lookup);
-    assert!(matches!(
-        refused,
-        Err(Unresolved::Refused(CoreError::Unavailable { .. }))
-    ));
-    let failed = manager.resolve_in_order([None], CUDA, |_: Option<HandleId>| Err("raised"));
-    assert!(matches!(failed, Err(Unresolved::Failed("raised"))));
-}
-
-#[test]
 fn disk_is_never_borrowed_and_cuda_needs_a_consumer_stream() {
     assert_eq!(Manager::borrowable(PINNED, false), Ok(()));
     assert_eq!(Manager::borrowable(CUDA, true), Ok(()));
@@ -676,6 +662,9 @@ fn handles_resolve_through_the_host_in_order_until_the_first_unknown_one() {
     // A handle before it that is not resident there is reported first.
     let refused = manager.resolve_with(&fake, [Some(elsewhere), None], CUDA);
     assert!(matches!(refused, Err(Failure::Core(text)) if text.contains("is not resident at")));
+    // A lookup that raises stops there, its error unchanged.
+    let raised = manager.resolve_with(&fake, [Some(HandleId::MAX), None], CUDA);
+    assert_eq!(raised, Err(Failure::Device("lookup raised")));
 }
 
 #[test]

@@ -110,41 +110,7 @@ impl LeaseRelease {
     }
 }
 
-/// Why handles did not resolve in order.
-#[derive(Debug)]
-pub enum Unresolved<E> {
-    /// The caller's lookup failed.
-    Failed(E),
-    /// A handle resolved before the first unknown one is not resident.
-    Refused(CoreError),
-    /// The handle at this position is not a live handle of this manager.
-    Unknown(usize),
-}
-
 impl Manager {
-    /// Per handle in order, the lookup (`resolve`) and then residency at `at`: a
-    /// non-resident handle before an unknown one reports unavailability.
-    pub fn resolve_in_order<T, E>(
-        &self,
-        handles: impl IntoIterator<Item = T>,
-        at: Location,
-        mut resolve: impl FnMut(T) -> Result<Option<HandleId>, E>,
-    ) -> Result<Vec<HandleId>, Unresolved<E>> {
-        let handles = handles.into_iter();
-        let mut indices = Vec::with_capacity(handles.size_hint().0);
-        for (position, handle) in handles.enumerate() {
-            let Some(index) = resolve(handle).map_err(Unresolved::Failed)? else {
-                if !indices.is_empty() {
-                    self.check_resident(&indices, at)
-                        .map_err(Unresolved::Refused)?;
-                }
-                return Err(Unresolved::Unknown(position));
-            };
-            indices.push(index);
-        }
-        Ok(indices)
-    }
-
     /// Applies the releases queued while a callback ran, then releases the pending
     /// leases whose events all completed. The caller holds the gate.
     pub fn reap_with<H: LifetimeHost>(&self, host: &H) -> Result<(), H::Error> {
