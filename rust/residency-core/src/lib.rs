@@ -32,9 +32,9 @@ pub use fasthash::{FastMap, FastSet};
 pub use location::{CopyRoute, Location, LocationKind, MAX_CUDA_INDEX};
 pub use manager::{
     Admitted, Begun, Committed, Copied, Device, HostCost, InFlight, Inputs, Landed, LeaseRelease,
-    LeaseState, LifetimeHost, Manager, Measured, OpenLifetimes, PlanDevice, PlanRun, ReleasedNow,
-    Resolutions, RunError, SearchInputs, SettleWait, StateValues, StorageKey, Ticket,
-    TransitionDevice, Transitioned, Unborrowable, Work,
+    LeaseState, LifetimeHost, Manager, Measured, OpenLifetimes, PlanDevice, PlanRun, Resolutions,
+    RunError, SearchInputs, SettleWait, StateValues, StorageKey, Ticket, TransitionDevice,
+    Transitioned, Unborrowable, Work,
 };
 pub use messages::{Refusal, RefusalKind};
 pub use placement::{Measurement, Misplaced, Misplacement, ValueFacts};

@@ -34,7 +34,6 @@ mod lifetimes;
 
 pub use admission::Admitted;
 pub use driver::{LeaseRelease, LifetimeHost, Unborrowable};
-pub use finalizers::ReleasedNow;
 pub use lifetimes::SettleWait;
 
 mod plan_run;

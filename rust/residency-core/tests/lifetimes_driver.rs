@@ -964,10 +964,9 @@ fn a_released_lease_is_no_longer_tracked_and_its_reference_goes() {
         manager.acquire(&[handle], PINNED).expect("acquired"),
         manager.acquire(&[handle], PINNED).expect("acquired"),
     );
-    let mut freed = Freed::default();
     let ids: Vec<ObjectId> = [first, second, third]
         .iter()
-        .map(|&token| manager.track_lease(token, &mut freed))
+        .map(|&token| manager.track_lease(token, |_| {}))
         .collect();
     assert_eq!(manager.live_objects(), 3);
     // The waiting path (`release_token_with`) and the fast one (`release_now_with`).
@@ -992,7 +991,7 @@ fn a_cuda_lease_pending_on_its_events_is_no_longer_tracked() {
     let fake = Fake::new(&manager);
     let handle = value(&manager, CUDA);
     let token = manager.acquire(&[handle], CUDA).expect("acquired");
-    manager.track_lease(token, &mut Freed::default());
+    manager.track_lease(token, |_| {});
     let released = manager.release_lease_with(&fake, token, CUDA, &[1], false, false);
     assert_eq!(released, Ok(LeaseRelease::Released));
     assert_eq!(manager.lease_state(token), LeaseState::Pending);
@@ -1005,7 +1004,7 @@ fn a_lease_whose_release_failed_stays_tracked_for_its_finalizer() {
     let fake = Fake::new(&manager);
     let handle = value(&manager, CUDA);
     let token = manager.acquire(&[handle], CUDA).expect("acquired");
-    let id = manager.track_lease(token, &mut Freed::default());
+    let id = manager.track_lease(token, |_| {});
     fake.device.borrow_mut().host_wait_fails = true;
     let released = manager.release_lease_with(&fake, token, CUDA, &[1], true, false);
     assert_eq!(released, Err(Failure::Device("wait failed")));
@@ -1032,9 +1031,8 @@ fn a_collected_lease_is_finalized_once_and_only_while_tracked() {
         manager.acquire(&[handle], PINNED).expect("acquired"),
         manager.acquire(&[handle], PINNED).expect("acquired"),
     );
-    let mut freed = Freed::default();
-    let id = manager.track_lease(kept, &mut freed);
-    manager.track_lease(released, &mut freed);
+    let id = manager.track_lease(kept, |_| {});
+    manager.track_lease(released, |_| {});
     assert!(manager.release_now_with(&fake, LifetimeKind::Lease, released));
     // Released already: nothing to finalize.
     assert!(!manager.finalize_tracked_with(&fake, released));
@@ -1052,11 +1050,10 @@ fn tracked_leases_come_oldest_first_and_outlive_a_close() {
     let tokens: Vec<u64> = (0..3)
         .map(|_| manager.acquire(&[handle], PINNED).expect("acquired"))
         .collect();
-    let mut freed = Freed::default();
     let mut ids: Vec<(u64, ObjectId)> = tokens
         .iter()
         .rev()
-        .map(|&token| (token, manager.track_lease(token, &mut freed)))
+        .map(|&token| (token, manager.track_lease(token, |_| {})))
         .collect();
     ids.sort_unstable();
     let oldest_first: Vec<ObjectId> = ids.iter().map(|&(_, id)| id).collect();
@@ -1073,13 +1070,41 @@ fn tracking_a_lease_again_lets_its_former_id_go() {
     let manager = Manager::new(&[]);
     let handle = value(&manager, PINNED);
     let token = manager.acquire(&[handle], PINNED).expect("acquired");
-    let mut freed = Freed::default();
-    let former = manager.track_lease(token, &mut freed);
-    let latter = manager.track_lease(token, &mut freed);
+    let former = manager.track_lease(token, |_| panic!("nothing tracked before"));
+    let mut forgotten = Vec::new();
+    let latter = manager.track_lease(token, |id| forgotten.push(id));
     assert_ne!(former, latter);
-    assert_eq!(freed.objects, vec![former]);
+    assert_eq!(forgotten, vec![former]);
     assert_eq!(manager.tracked_leases(), vec![latter]);
     assert_eq!(manager.live_objects(), 1);
+}
+
+#[test]
+fn an_untracked_leases_id_is_given_again_only_after_its_object_went() {
+    let manager = Manager::new(&[]);
+    let handle = value(&manager, PINNED);
+    let token = manager.acquire(&[handle], PINNED).expect("acquired");
+    let id = manager.track_lease(token, |_| {});
+    // While its object is let go, a new record (an event another thread records, say)
+    // gets another id: the object at the id is never one that record just kept.
+    let mut given = None;
+    assert!(manager.untrack_lease(token, |forgotten| {
+        assert_eq!(forgotten, id);
+        given = Some(manager.new_object());
+    }));
+    assert_ne!(given, Some(id));
+    assert_eq!(manager.new_object(), id);
+    // Again: not tracked any more.
+    assert!(!manager.untrack_lease(token, |_| panic!("untracked already")));
+    let again = manager.track_lease(token, |_| {});
+    assert!(
+        manager
+            .release_now(LifetimeKind::Lease, token, |forgotten| {
+                assert_eq!(forgotten, again);
+                assert_ne!(manager.new_object(), again);
+            })
+            .is_some()
+    );
 }
 
 #[test]
@@ -1116,7 +1141,7 @@ fn a_finalizers_release_queued_behind_a_callback_untracks_the_lease_at_once() {
     let fake = Fake::new(&manager);
     let handle = value(&manager, PINNED);
     let token = manager.acquire(&[handle], PINNED).expect("acquired");
-    manager.track_lease(token, &mut Freed::default());
+    manager.track_lease(token, |_| {});
     enter(&manager);
     manager.begin_transition();
     manager.set_callback_active(true);

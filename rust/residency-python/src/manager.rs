@@ -158,12 +158,10 @@ impl CoreManager {
     /// path (nothing has changed then).
     /// A lease released is no longer tracked.
     pub(crate) fn release_now(&self, kind: LifetimeKind, token: u64) -> bool {
-        match self.core.release_now(kind.into(), token) {
-            Some(released) => {
-                self.free(&released.freed);
-                if let Some(id) = released.untracked {
-                    drop(self.objects.take(id));
-                }
+        let forget = |id| drop(self.objects.take(id));
+        match self.core.release_now(kind.into(), token, forget) {
+            Some(freed) => {
+                self.free(&freed);
                 true
             }
             None => false,
@@ -173,19 +171,16 @@ impl CoreManager {
     /// Tracks lease `token` for its finalizer (the core's bookkeeping), `reference`
     /// kept at the core's id for it.
     pub(crate) fn keep_lease(&self, token: u64, reference: Py<PyAny>) {
-        let mut freed = Freed::default();
-        let id = self.core.track_lease(token, &mut freed);
+        let id = self
+            .core
+            .track_lease(token, |former| drop(self.objects.take(former)));
         drop(self.objects.put(id, reference));
-        self.free(&freed);
     }
 
     /// Stops tracking lease `token`; its reference goes. `false` when it was not tracked.
     pub(crate) fn forget_lease(&self, token: u64) -> bool {
-        let Some(id) = self.core.untrack_lease(token) else {
-            return false;
-        };
-        drop(self.objects.take(id));
-        true
+        self.core
+            .untrack_lease(token, |id| drop(self.objects.take(id)))
     }
 
     /// Releases a reservation's bytes and forgets its label; the caller holds the gate.

@@ -190,13 +190,10 @@ impl Manager {
         kind: LifetimeKind,
         token: u64,
     ) -> bool {
-        let Some(released) = self.release_now(kind, token) else {
+        let Some(freed) = self.release_now(kind, token, |id| host.forget(id)) else {
             return false;
         };
-        host.free(&released.freed);
-        if let Some(id) = released.untracked {
-            host.forget(id);
-        }
+        host.free(&freed);
         true
     }
 

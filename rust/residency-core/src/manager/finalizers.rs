@@ -10,44 +10,39 @@ use crate::tokens::{Freed, LifetimeKind, ObjectId};
 
 use super::{LifetimeHost, Manager};
 
-/// What [`Manager::release_now`] let go.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct ReleasedNow {
-    /// What the release freed.
-    pub freed: Freed,
-    /// The id the lease was tracked at, now free (its object the caller's to let go).
-    pub untracked: Option<ObjectId>,
-}
-
 impl Manager {
     /// Tracks lease `token`: a new object id, at which the caller keeps what finds
-    /// the lease object. A token tracked already lets its former id go (in `freed`,
-    /// never the new id).
-    pub fn track_lease(&self, token: u64, freed: &mut Freed) -> ObjectId {
-        let mut inner = self.inner();
-        let id = inner.book.allocate();
-        if let Some(former) = inner.tracked.insert(token, id) {
-            inner.book.unref([former], freed);
+    /// the lease object. A token tracked already has its former object let go by
+    /// `forget` (without the manager's lock), before its id can be given again.
+    pub fn track_lease(&self, token: u64, forget: impl FnOnce(ObjectId)) -> ObjectId {
+        let (id, former) = {
+            let mut inner = self.inner();
+            let id = inner.book.allocate();
+            (id, inner.tracked.insert(token, id))
+        };
+        if let Some(former) = former {
+            forget(former);
+            self.inner().book.unref_one(former);
         }
         id
     }
 
-    /// Stops tracking lease `token`: the id it was tracked at, free again (the
-    /// caller lets its object go); `None` when it was not tracked (released or
+    /// Stops tracking lease `token`: `forget` lets its object go (without the
+    /// manager's lock), then its id is free again, so that no record given the id
+    /// meanwhile can lose its object. `false` when it was not tracked (released or
     /// finalized already).
-    pub fn untrack_lease(&self, token: u64) -> Option<ObjectId> {
-        let mut inner = self.inner();
-        let id = inner.tracked.remove(&token)?;
-        inner.book.unref_one(id).then_some(id)
+    pub fn untrack_lease(&self, token: u64, forget: impl FnOnce(ObjectId)) -> bool {
+        let Some(id) = self.inner().tracked.remove(&token) else {
+            return false;
+        };
+        forget(id);
+        self.inner().book.unref_one(id);
+        true
     }
 
     /// `untrack_lease`, its object let go by `host`.
     pub fn untrack_lease_with<H: LifetimeHost>(&self, host: &H, token: u64) -> bool {
-        let Some(id) = self.untrack_lease(token) else {
-            return false;
-        };
-        host.forget(id);
-        true
+        self.untrack_lease(token, |id| host.forget(id))
     }
 
     /// Whether a collected lease `token` is to be finalized now: not in a forked
@@ -71,15 +66,20 @@ impl Manager {
     }
 
     /// Releases a token at once when the gate is free and nothing is queued (see
-    /// [`Manager::try_release_now`]); a lease released is no longer tracked. `None`
-    /// sends the caller down the waiting path, nothing changed.
-    pub fn release_now(&self, kind: LifetimeKind, token: u64) -> Option<ReleasedNow> {
+    /// [`Manager::try_release_now`]); a lease released is no longer tracked, its
+    /// object let go by `forget` (see `untrack_lease`). What the release freed is in
+    /// the result; `None` sends the caller down the waiting path, nothing changed.
+    pub fn release_now(
+        &self,
+        kind: LifetimeKind,
+        token: u64,
+        forget: impl FnOnce(ObjectId),
+    ) -> Option<Freed> {
         let freed = self.try_release_now(kind, token)?;
-        let untracked = match kind {
-            LifetimeKind::Lease => self.untrack_lease(token),
-            LifetimeKind::Hold | LifetimeKind::Reservation => None,
-        };
-        Some(ReleasedNow { freed, untracked })
+        if kind == LifetimeKind::Lease {
+            self.untrack_lease(token, forget);
+        }
+        Some(freed)
     }
 
     /// Whether lease `token` is tracked.
