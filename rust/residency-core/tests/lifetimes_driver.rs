@@ -969,12 +969,16 @@ fn a_released_lease_is_no_longer_tracked_and_its_reference_goes() {
         .map(|&token| manager.track_lease(token, |_| {}))
         .collect();
     assert_eq!(manager.live_objects(), 3);
-    // The waiting path (`release_token_with`) and the fast one (`release_now_with`).
+    // The waiting path (`release_token_with`) and the fast one (`release_now`).
     assert_eq!(
         manager.release_token_with(&fake, LifetimeKind::Lease, first, false),
         Ok(())
     );
-    assert!(manager.release_now_with(&fake, LifetimeKind::Lease, second));
+    assert!(
+        manager
+            .release_now(LifetimeKind::Lease, second, |id| fake.forget(id))
+            .is_some()
+    );
     assert!(!manager.is_tracked(first) && !manager.is_tracked(second));
     assert_eq!(manager.tracked_leases(), vec![ids[2]]);
     assert_eq!(fake.device.borrow().freed.objects, vec![ids[0], ids[1]]);
@@ -1033,7 +1037,11 @@ fn a_collected_lease_is_finalized_once_and_only_while_tracked() {
     );
     let id = manager.track_lease(kept, |_| {});
     manager.track_lease(released, |_| {});
-    assert!(manager.release_now_with(&fake, LifetimeKind::Lease, released));
+    assert!(
+        manager
+            .release_now(LifetimeKind::Lease, released, |id| fake.forget(id))
+            .is_some()
+    );
     // Released already: nothing to finalize.
     assert!(!manager.finalize_tracked_with(&fake, released));
     assert!(manager.finalize_tracked_with(&fake, kept));

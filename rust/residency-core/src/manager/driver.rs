@@ -181,22 +181,6 @@ impl Manager {
         self.release_with(host, Release::Token { kind, token }, finalizing)
     }
 
-    /// Releases a token at once when the gate is free and nothing is queued (a token
-    /// already gone is no error; a lease is no longer tracked); `false` sends the
-    /// caller down the waiting path, nothing changed.
-    pub fn release_now_with<H: LifetimeHost>(
-        &self,
-        host: &H,
-        kind: LifetimeKind,
-        token: u64,
-    ) -> bool {
-        let Some(freed) = self.release_now(kind, token, |id| host.forget(id)) else {
-            return false;
-        };
-        host.free(&freed);
-        true
-    }
-
     /// A lease's release (docs/concepts/lifetimes.md#lease-release). Off CUDA its use
     /// tokens go at once. On CUDA an event is recorded on every consumer stream and
     /// the lease stays pending until they all complete (`wait` waits for them on the
