@@ -31,11 +31,11 @@ pub use error::{CoreError, CoreResult};
 pub use fasthash::{FastMap, FastSet};
 pub use location::{CopyRoute, Location, LocationKind, MAX_CUDA_INDEX};
 pub use manager::{
-    Begun, Committed, Copied, DecideFailure, Decision, Device, EvictionRow, HostCost, InFlight,
-    Inputs, Landed, LeaseRelease, LeaseState, LifetimeHost, LoweredRequest, Manager, Measured,
-    NativePolicy, OpenLifetimes, PlanDevice, PlanRun, Resolutions, Row, RunError, ScheduleIndex,
-    SearchInputs, SettleWait, StateValues, StorageKey, Ticket, TransitionDevice, Transitioned,
-    Unborrowable, Unresolved, Work,
+    Admitted, Begun, Committed, Copied, DecideFailure, Decision, Device, EvictionRow, HostCost,
+    InFlight, Inputs, Landed, LeaseRelease, LeaseState, LifetimeHost, LoweredRequest, Manager,
+    Measured, NativePolicy, OpenLifetimes, PlanDevice, PlanRun, Resolutions, Row, RunError,
+    ScheduleIndex, SearchInputs, SettleWait, StateValues, StorageKey, Ticket, TransitionDevice,
+    Transitioned, Unborrowable, Work,
 };
 pub use messages::{Refusal, RefusalKind};
 pub use placement::{Measurement, Misplaced, Misplacement, ValueFacts};

@@ -33,10 +33,13 @@ pub use decide::{
     kind_code,
 };
 
+mod admission;
 mod driver;
+mod finalizers;
 mod lifetimes;
 
-pub use driver::{LeaseRelease, LifetimeHost, Unborrowable, Unresolved};
+pub use admission::Admitted;
+pub use driver::{LeaseRelease, LifetimeHost, Unborrowable};
 pub use lifetimes::SettleWait;
 
 mod plan_run;
@@ -160,6 +163,8 @@ struct Inner {
     discards: u64,
     /// The pending leases' events, the transfers in flight and the object ids.
     book: TokenBook,
+    /// The object id of each lease tracked for its finalizer, by token.
+    tracked: FastMap<u64, crate::tokens::ObjectId>,
 }
 
 #[derive(Debug)]

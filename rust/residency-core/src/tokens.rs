@@ -298,16 +298,27 @@ impl TokenBook {
     /// One record less refers to each of `ids`; the last reference frees it.
     pub(crate) fn unref(&mut self, ids: impl IntoIterator<Item = ObjectId>, freed: &mut Freed) {
         for id in ids {
-            match self.refs.get_mut(id) {
-                Some(count) if *count > 1 => *count -= 1,
-                Some(count) if *count == 1 => {
-                    *count = 0;
-                    self.free.push(id);
-                    freed.objects.push(id);
-                }
-                // Unknown or already free: nothing refers to it.
-                _ => {}
+            if self.unref_one(id) {
+                freed.objects.push(id);
             }
+        }
+    }
+
+    /// One record less refers to `id`; `true` when that was the last one: the id is
+    /// free again, and its object the caller's to let go.
+    pub(crate) fn unref_one(&mut self, id: ObjectId) -> bool {
+        match self.refs.get_mut(id) {
+            Some(count) if *count > 1 => {
+                *count -= 1;
+                false
+            }
+            Some(count) if *count == 1 => {
+                *count = 0;
+                self.free.push(id);
+                true
+            }
+            // Unknown or already free: nothing refers to it.
+            _ => false,
         }
     }
 

@@ -14,6 +14,7 @@ use residency_core::{HandleId, Manager};
 
 use crate::context::Context;
 use crate::kinds::LifetimeKind;
+use crate::lifetimes::Host;
 use crate::manager::{CoreManager, SimulationView, StateView, Trace, unknown_index};
 use crate::objects::Objects;
 use crate::plan::PlanIr;
@@ -214,11 +215,7 @@ impl CoreManager {
     /// Releases a host lease at once when the gate is free and nothing is queued;
     /// `False` sends the caller down the waiting path (nothing has changed then).
     fn release_host_lease_now(&self, token: u64) -> bool {
-        let released = self.release_now(LifetimeKind::Lease, token);
-        if released {
-            drop(self.objects.untrack_lease(token));
-        }
-        released
+        self.release_now(LifetimeKind::Lease, token)
     }
 
     /// Tracks a lease object built by the glue itself, until it is released; its
@@ -237,7 +234,7 @@ impl CoreManager {
 
     /// Stops tracking a lease (finalized by its own object, at exit).
     fn untrack_lease(&self, token: u64) {
-        drop(self.objects.untrack_lease(token));
+        self.forget_lease(token);
     }
 
     /// The lease objects not yet released that are still alive, oldest first.
@@ -256,10 +253,14 @@ impl CoreManager {
         crate::lifetimes::borrowed(self, py, token, handle, location)
     }
 
-    /// Closes the manager (docs/concepts/lifetimes.md#close).
+    /// Closes the manager in the core's order (docs/concepts/lifetimes.md#close); a
+    /// closed manager returns at once.
     #[pyo3(signature = (*, wait, force))]
     fn close(&self, py: Python<'_>, wait: bool, force: bool) -> PyResult<()> {
-        crate::lifetimes::close(self, py, wait, force)
+        let (core, host) = (&self.core, Host::new(self, py));
+        core.gated(&host, false, false, || {
+            core.close_with(&host, wait, force).map(drop)
+        })
     }
 
     /// Checks a location record, returning its code.
@@ -373,7 +374,10 @@ impl CoreManager {
     #[pyo3(signature = (tokens, *, transfers=false))]
     #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
     fn settle(&self, py: Python<'_>, tokens: Vec<u64>, transfers: bool) -> PyResult<()> {
-        crate::lifetimes::settle(self, py, &tokens, transfers)
+        let (core, host) = (&self.core, Host::new(self, py));
+        core.gated(&host, true, true, || {
+            core.settle_with(&host, &tokens, transfers)
+        })
     }
 
     /// Releases the pending leases among `tokens` with device-side waits of their
@@ -382,7 +386,10 @@ impl CoreManager {
     #[pyo3(signature = (tokens, *, host))]
     #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
     fn settle_on_device(&self, py: Python<'_>, tokens: Vec<u64>, host: bool) -> PyResult<Vec<u64>> {
-        crate::lifetimes::settle_on_device(self, py, &tokens, host)
+        let (core, runtime) = (&self.core, Host::new(self, py));
+        core.gated(&runtime, true, true, || {
+            core.settle_on_device_with(&runtime, &tokens, host)
+        })
     }
 
     /// Whether bringing `handles` to `at` would block the host on a copy (from disk or
@@ -411,17 +418,9 @@ impl CoreManager {
 
     /// The tokens among `tokens` of leases still pending on their events, after
     /// reaping the leases whose events completed.
-    #[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
     fn pending_among(&self, py: Python<'_>, tokens: Vec<u64>) -> PyResult<Vec<u64>> {
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            Ok(tokens
-                .into_iter()
-                .filter(|&token| {
-                    self.core.lease_state(token) == residency_core::LeaseState::Pending
-                })
-                .collect())
-        })
+        let (core, host) = (&self.core, Host::new(self, py));
+        core.gated(&host, true, true, || core.pending_among_with(&host, tokens))
     }
 
     /// True when this thread cannot pass the gate now: it is inside a transition of
@@ -632,10 +631,7 @@ impl CoreManager {
 
     /// The state version after reaping completed CUDA leases, under the gate.
     fn checked_version(&self, py: Python<'_>) -> PyResult<u64> {
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            Ok(self.core.version())
-        })
+        self.core.reaped_version_with(&Host::new(self, py))
     }
 
     #[getter]
@@ -657,17 +653,9 @@ impl CoreManager {
     /// A consistent published state for a snapshot and the time it was captured: the
     /// lock-free one when nothing waits to be reaped, else one taken under the gate.
     fn snapshot_state(&self, py: Python<'_>) -> PyResult<(StateView, u64)> {
-        Self::lift(py, self.core.check_process())?;
-        if !self.core.releases_queued()
-            && let Some(state) = Self::lift(py, self.core.try_published_snapshot())?
-        {
-            return Ok((StateView { state }, now_ns()));
-        }
-        self.with_gate(py, true, true, || {
-            crate::lifetimes::reap(self, py)?;
-            let state = self.core.current();
-            Ok((StateView { state }, now_ns()))
-        })
+        let host = Host::new(self, py);
+        self.core
+            .snapshot_with(&host, |state| (StateView { state }, now_ns()))
     }
 
     // ----- registration ---------------------------------------------------------

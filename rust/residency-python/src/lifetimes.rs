@@ -1,10 +1,11 @@
 //! Leases, holds and reservations end to end, and what keeps CUDA memory protected
 //! after a lease's release: the events recorded on its consumer streams.
 //!
-//! The rules are the core's (`residency_core::LifetimeHost` and the `*_with` methods
-//! of `Manager`, written in docs/concepts/lifetimes.md): this file reads the
-//! arguments, takes the gate, does the runtime's part (event recording, queries and
-//! waits, synchronisation) for the core, and builds the lifetime objects handed back.
+//! The rules and their order are the core's (`residency_core::LifetimeHost` and the
+//! `*_with` methods of `Manager`, written in docs/concepts/lifetimes.md): this file
+//! converts the arguments, does the runtime's part for the core (event recording,
+//! queries and waits, synchronisation, stream checks, handle lookups), builds the
+//! lifetime objects handed back and maps the errors.
 
 use std::ffi::CString;
 
@@ -14,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::{
-    CoreError, Freed, HandleId, LeaseRelease, LifetimeHost, Location, Manager, ObjectId, Unresolved,
+    CoreError, Freed, HandleId, LeaseRelease, LifetimeHost, Location, Manager, ObjectId,
 };
 
 use crate::errors::to_py_err;
@@ -49,35 +50,17 @@ impl<'a, 'py> Host<'a, 'py> {
         self.manager.objects().object(self.py, id)
     }
 
-    /// A `(handles, location)` group's handles (normalised) resolved in order at its
-    /// location, and the location. The caller holds the gate.
-    fn resolve_group(&self, group: &Bound<'py, PyAny>) -> PyResult<(Vec<HandleId>, Location)> {
-        let (manager, py) = (self.manager, self.py);
+    /// A `(handles, location)` group: its handles normalised, and its location.
+    fn group(
+        &self,
+        group: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyTuple>, Bound<'py, PyAny>)> {
         let group = group.cast::<PyTuple>()?;
-        let handles = manager
+        let handles = self
+            .manager
             .context()
-            .normalized_handles(py, &group.get_item(0)?)?;
-        let at = manager.context().location_code(py, &group.get_item(1)?)?;
-        Ok((self.resolve(&handles, at)?, at))
-    }
-
-    /// Per handle in order, the lookup and then residency at `at`. The caller holds
-    /// the gate.
-    fn resolve(&self, handles: &Bound<'py, PyTuple>, at: Location) -> PyResult<Vec<HandleId>> {
-        let (manager, py) = (self.manager, self.py);
-        manager
-            .core()
-            .resolve_in_order(handles.iter(), at, |handle| {
-                manager.resolve_live(py, &handle)
-            })
-            .map_err(|unresolved| match unresolved {
-                Unresolved::Failed(err) => err,
-                Unresolved::Refused(err) => to_py_err(py, err),
-                Unresolved::Unknown(position) => match handles.get_item(position) {
-                    Ok(handle) => manager.handle_error(py, &handle).unwrap_or_else(|err| err),
-                    Err(err) => err,
-                },
-            })
+            .normalized_handles(self.py, &group.get_item(0)?)?;
+        Ok((handles, group.get_item(1)?))
     }
 }
 
@@ -85,17 +68,66 @@ impl<'py> LifetimeHost for Host<'_, 'py> {
     type Stream = Bound<'py, PyAny>;
     type Event = Py<PyAny>;
     type Error = PyErr;
+    type Handle = Bound<'py, PyAny>;
+    type Place = Bound<'py, PyAny>;
 
     fn lift(&self, error: CoreError) -> PyErr {
         to_py_err(self.py, error)
     }
 
-    fn enter(&self, check_reentrant: bool) -> Result<(), CoreError> {
-        self.manager.enter_core(self.py, false, check_reentrant)
+    fn enter(&self, check_closed: bool, check_reentrant: bool) -> Result<(), CoreError> {
+        self.manager
+            .enter_core(self.py, check_closed, check_reentrant)
+    }
+
+    fn place(&self, place: &Self::Place) -> PyResult<Location> {
+        self.manager.context().location_code(self.py, place)
+    }
+
+    fn name(&self, place: &Self::Place) -> PyResult<String> {
+        Ok(place.str()?.to_string_lossy().into_owned())
+    }
+
+    fn lookup(&self, handle: &Self::Handle) -> PyResult<Option<HandleId>> {
+        self.manager.resolve_live(self.py, handle)
+    }
+
+    fn unknown(&self, handle: &Self::Handle) -> PyErr {
+        self.manager
+            .handle_error(self.py, handle)
+            .unwrap_or_else(|err| err)
+    }
+
+    fn check_stream(
+        &self,
+        stream: &Self::Stream,
+        place: &Self::Place,
+        at: Location,
+    ) -> PyResult<Self::Stream> {
+        self.manager
+            .context()
+            .check_stream(self.py, stream, place, at)
+    }
+
+    fn closing(&self) {
+        self.manager.context().forget_direct_actions();
+    }
+
+    /// Every file of the manager's disk locations goes with it, then its objects.
+    fn closed(&self) -> PyResult<()> {
+        let py = self.py;
+        let disk = self.manager.context().disk.bind(py);
+        disk.call_method0(intern!(py, "close"))?;
+        drop(self.manager.objects().clear());
+        Ok(())
     }
 
     fn free(&self, freed: &Freed) {
         self.manager.free(freed);
+    }
+
+    fn forget(&self, id: ObjectId) {
+        drop(self.manager.objects().take(id));
     }
 
     fn keep(&self, id: ObjectId, event: Py<PyAny>) {
@@ -197,7 +229,7 @@ pub fn completed_pending(manager: &CoreManager, py: Python<'_>) -> Vec<u64> {
 }
 
 /// Releases a lease, hold or reservation token (queued behind a source callback
-/// running elsewhere). A released lease is no longer tracked.
+/// running elsewhere).
 pub fn release(
     manager: &CoreManager,
     py: Python<'_>,
@@ -208,15 +240,10 @@ pub fn release(
     let host = Host::new(manager, py);
     manager
         .core()
-        .release_token_with(&host, kind.into(), token, finalizing)?;
-    if kind == LifetimeKind::Lease {
-        drop(manager.objects().untrack_lease(token));
-    }
-    Ok(())
+        .release_token_with(&host, kind.into(), token, finalizing)
 }
 
 /// A lease's release (the core's rule), with its warning raised at `stacklevel`.
-/// A lease whose release fails stays tracked, so the at-exit finalizer tries again.
 #[allow(clippy::too_many_arguments)]
 pub fn release_lease(
     manager: &CoreManager,
@@ -234,7 +261,6 @@ pub fn release_lease(
     let released = manager
         .core()
         .release_lease_with(&host, token, at, &streams, wait, finalizing)?;
-    drop(manager.objects().untrack_lease(token));
     if released == LeaseRelease::Released {
         return Ok(());
     }
@@ -244,19 +270,8 @@ pub fn release_lease(
     }
 }
 
-/// The lifetime object built for a new token, or, when building it failed, the
-/// error after `give_back` released the token: nothing may keep the tokens of a
-/// lifetime that was never handed out.
-fn handed_out(
-    built: PyResult<Bound<'_, PyAny>>,
-    give_back: impl FnOnce() -> bool,
-) -> PyResult<Py<PyAny>> {
-    built.map(Bound::unbind).inspect_err(|_| {
-        give_back();
-    })
-}
-
-/// Borrows the ready materialisations of `handles` at `at`, atomically.
+/// Borrows the ready materialisations of `handles` at `at`, atomically (the core's
+/// admission, then the lease object, tracked for its finalizer).
 /// A CUDA location needs the consumer stream that will read them.
 pub fn acquire(
     manager: &CoreManager,
@@ -267,40 +282,23 @@ pub fn acquire(
     consumer_stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let handles = &manager.context().normalized_handles(py, handles)?;
-    manager.with_gate(py, true, true, || {
-        let host = Host::new(manager, py);
-        acquire_locked(manager, &host, engine, handles, at, consumer_stream, true)
-            .map(|(_, lease, _)| lease)
-    })
-}
-
-/// `acquire` under the gate the caller holds (`handles` normalised): the location's
-/// checks, then the reap (with `reap`), then the stream's check and the lookups.
-/// The lease's token, the lease, and the tokens of the transfers still in flight into
-/// its values.
-fn acquire_locked(
-    manager: &CoreManager,
-    host: &Host<'_, '_>,
-    engine: &Bound<'_, PyAny>,
-    handles: &Bound<'_, PyTuple>,
-    at: &Bound<'_, PyAny>,
-    consumer_stream: Option<&Bound<'_, PyAny>>,
-    reap: bool,
-) -> PyResult<(u64, Py<PyAny>, Vec<u64>)> {
-    let py = host.py;
-    let admitted = admit_locked(manager, host, handles, at, consumer_stream, reap)?;
-    let token = admitted.token;
-    let streams = admitted.streams;
-    let lease = manager
-        .context()
-        .new_lease(py)
-        .call1((engine, token, handles, at, &streams))
-        .and_then(|lease| {
-            track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
-            Ok(lease)
-        });
-    let core = manager.core();
-    handed_out(lease, || core.release_lease(token)).map(|lease| (token, lease, admitted.transfers))
+    let host = Host::new(manager, py);
+    let build = |admitted: residency_core::Admitted<Bound<'_, PyAny>>| {
+        let streams = match admitted.stream {
+            Some(stream) => PyList::new(py, [stream])?,
+            None => PyList::empty(py),
+        };
+        let token = admitted.token;
+        let lease = manager
+            .context()
+            .new_lease(py)
+            .call1((engine, token, handles, at, &streams))?;
+        track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
+        Ok(lease.unbind())
+    };
+    manager
+        .core()
+        .lease_with(&host, handles.iter(), at, consumer_stream, build)
 }
 
 /// What `acquire` admits under the gate, before any lifetime object is built for it.
@@ -317,9 +315,8 @@ pub(crate) struct Admitted<'py> {
     pub transfers: Vec<u64>,
 }
 
-/// `acquire`'s admission under the gate the caller holds (`handles` normalised): the
-/// location's checks, then the reap (with `reap`), then the stream's check, the
-/// lookups and the core's lease.
+/// `acquire`'s admission under the gate the caller holds (`handles` normalised), in
+/// the core's order (`Manager::admit_with`, reaping with `reap`), and its stream list.
 pub(crate) fn admit_locked<'py>(
     manager: &CoreManager,
     host: &Host<'_, 'py>,
@@ -329,47 +326,30 @@ pub(crate) fn admit_locked<'py>(
     reap: bool,
 ) -> PyResult<Admitted<'py>> {
     let py = host.py;
-    let context = manager.context();
-    let location = context.location_code(py, at)?;
-    if let Err(refusal) = Manager::borrowable(location, consumer_stream.is_some()) {
-        return Err(to_py_err(py, refusal.error(&at.str()?.to_string_lossy())));
-    }
-    if reap {
-        manager.core().reap_with(host)?;
-    }
-    let consumer_stream = consumer_stream
-        .map(|stream| context.check_stream(py, stream, at, location))
-        .transpose()?;
-    let indices = host.resolve(handles, location)?;
     let core = manager.core();
-    let token = core.acquire_with(host, &indices, location, consumer_stream.as_ref())?;
-    let streams = match &consumer_stream {
-        Some(stream) => PyList::new(py, [stream]),
-        None => Ok(PyList::empty(py)),
-    };
-    let streams = streams.inspect_err(|_| {
-        core.release_lease(token);
-    })?;
-    let transfers = if location.is_cuda() && core.transfer_count() > 0 {
-        core.transfer_tokens_into(&indices, location)
-    } else {
-        Vec::new()
-    };
+    let admitted = core.admit_with(host, handles.iter(), at, consumer_stream, reap)?;
+    let streams = core.hand_out(
+        host,
+        residency_core::LifetimeKind::Lease,
+        admitted.token,
+        || match &admitted.stream {
+            Some(stream) => PyList::new(py, [stream]),
+            None => Ok(PyList::empty(py)),
+        },
+    )?;
     Ok(Admitted {
-        token,
-        at: location,
-        indices,
+        token: admitted.token,
+        at: admitted.at,
+        indices: admitted.indices,
         streams,
-        transfers,
+        transfers: admitted.transfers,
     })
 }
 
-/// Holds per group `(handles, location)` of `groups` (the handles normalised) under
-/// the gate the caller holds, right after a plan ran there: one token per group, in
-/// order, each appended to `held` as it is taken. Nothing is reaped first: the plan's
-/// run reaped before each action, and what its copies left in flight is protected
-/// until a later operation finds it complete (docs/concepts/lifetimes.md#reaping).
-/// When one fails, the error propagates, the tokens taken still in `held`.
+/// Holds per group `(handles, location)` of `groups` under the gate the caller holds,
+/// right after a plan ran there (`Manager::hold_groups_with`): each token appended to
+/// `held` as it is taken. When one fails, the error propagates, the tokens taken
+/// still in `held`.
 pub fn hold_locked(
     manager: &CoreManager,
     py: Python<'_>,
@@ -377,21 +357,15 @@ pub fn hold_locked(
     held: &Bound<'_, PyList>,
 ) -> PyResult<()> {
     let host = Host::new(manager, py);
-    let core = manager.core();
-    for group in groups.iter() {
-        let (ids, at) = host.resolve_group(&group)?;
-        let token = core.hold(&ids, at).map_err(|err| host.lift(err))?;
-        if let Err(error) = held.append(token) {
-            core.release_hold(token);
-            return Err(error);
-        }
-    }
-    Ok(())
+    let groups = groups.iter().map(|group| host.group(&group));
+    manager
+        .core()
+        .hold_groups_with(&host, groups, |token| held.append(token))
 }
 
-/// Whether bringing the values of any `(handles, location)` group of `groups` (the
-/// handles normalised) there would block the host on a copy (`blocks_host`'s rule),
-/// under the gate the caller holds. Changes nothing.
+/// Whether bringing the values of any `(handles, location)` group of `groups` there
+/// would block the host on a copy (`blocks_host`'s rule), under the gate the caller
+/// holds. Changes nothing.
 pub fn blocks_host_locked(
     manager: &CoreManager,
     py: Python<'_>,
@@ -399,66 +373,10 @@ pub fn blocks_host_locked(
     disk_deferred: bool,
 ) -> PyResult<bool> {
     let host = Host::new(manager, py);
-    let core = manager.core();
-    for group in groups.iter() {
-        let (ids, at) = host.resolve_group(&group)?;
-        if core.blocks_host_with(&host, &ids, at, disk_deferred)? {
-            return Ok(true);
-        }
-    }
-    Ok(false)
-}
-
-/// Host-waits for the events of the pending leases among `tokens` and releases
-/// them; with `transfers`, also for every asynchronous transfer in flight.
-pub fn settle(
-    manager: &CoreManager,
-    py: Python<'_>,
-    tokens: &[u64],
-    transfers: bool,
-) -> PyResult<()> {
-    manager.with_gate(py, true, true, || {
-        manager
-            .core()
-            .settle_with(&Host::new(manager, py), tokens, transfers)
-    })
-}
-
-/// Releases the pending leases among `tokens` without a host wait where the device's
-/// order makes that safe (the core's rule); returns the tokens left pending.
-pub fn settle_on_device(
-    manager: &CoreManager,
-    py: Python<'_>,
-    tokens: &[u64],
-    host: bool,
-) -> PyResult<Vec<u64>> {
-    manager.with_gate(py, true, true, || {
-        manager
-            .core()
-            .settle_on_device_with(&Host::new(manager, py), tokens, host)
-    })
-}
-
-/// Runs `operation` under the gate on `handles` resolved in order at `at` (after
-/// reaping, with `reap`).
-fn with_resolved<'py, T>(
-    manager: &CoreManager,
-    py: Python<'py>,
-    handles: &Bound<'py, PyAny>,
-    at: &Bound<'py, PyAny>,
-    reap: bool,
-    operation: impl FnOnce(&Host<'_, 'py>, &Bound<'py, PyTuple>, &[HandleId], Location) -> PyResult<T>,
-) -> PyResult<T> {
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    manager.with_gate(py, true, true, || {
-        let location = manager.context().location_code(py, at)?;
-        let host = Host::new(manager, py);
-        if reap {
-            manager.core().reap_with(&host)?;
-        }
-        let indices = host.resolve(handles, location)?;
-        operation(&host, handles, &indices, location)
-    })
+    let groups = groups.iter().map(|group| host.group(&group));
+    manager
+        .core()
+        .blocks_host_groups_with(&host, groups, disk_deferred)
 }
 
 /// `ResidencyLease.add_consumer_stream`'s wait: the joining stream waits for the
@@ -470,12 +388,14 @@ pub fn wait_transfers(
     at: &Bound<'_, PyAny>,
     stream: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    if manager.core().transfer_count() == 0 {
+    let core = manager.core();
+    if core.transfer_count() == 0 {
         return Ok(());
     }
-    let core = manager.core();
-    with_resolved(manager, py, handles, at, true, |host, _, ids, at| {
-        core.wait_transfers_with(host, ids, at, stream)
+    let handles = manager.context().normalized_handles(py, handles)?;
+    let host = Host::new(manager, py);
+    core.with_resolved(&host, handles, at, true, |ids, at| {
+        core.wait_transfers_with(&host, ids, at, stream)
     })
 }
 
@@ -486,11 +406,13 @@ pub fn transfers_into(
     handles: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
 ) -> PyResult<Vec<u64>> {
-    if manager.core().transfer_count() == 0 {
+    let core = manager.core();
+    if core.transfer_count() == 0 {
         return Ok(Vec::new());
     }
-    let core = manager.core();
-    with_resolved(manager, py, handles, at, false, |_, _, ids, at| {
+    let handles = manager.context().normalized_handles(py, handles)?;
+    let host = Host::new(manager, py);
+    core.with_resolved(&host, handles, at, false, |ids, at| {
         Ok(core.transfer_tokens_into(ids, at))
     })
 }
@@ -505,13 +427,16 @@ pub fn blocks_host(
     disk_deferred: bool,
 ) -> PyResult<bool> {
     let core = manager.core();
-    with_resolved(manager, py, handles, at, false, |host, _, ids, at| {
-        core.blocks_host_with(host, ids, at, disk_deferred)
+    let handles = manager.context().normalized_handles(py, handles)?;
+    let host = Host::new(manager, py);
+    core.with_resolved(&host, handles, at, false, |ids, at| {
+        core.blocks_host_with(&host, ids, at, disk_deferred)
     })
 }
 
 /// Tracks an unreleased lease by a weak reference whose callback finalizes it if it
-/// is collected before its release (docs/concepts/lifetimes.md#finalizers).
+/// is collected before its release (docs/concepts/lifetimes.md#finalizers; the
+/// bookkeeping is the core's).
 pub fn track_lease(
     manager: &CoreManager,
     py: Python<'_>,
@@ -531,9 +456,7 @@ pub fn track_lease(
         },
     )?;
     let reference = PyWeakrefReference::new_with(lease, finalizer)?;
-    manager
-        .objects()
-        .track_lease(token, reference.into_any().unbind());
+    manager.keep_lease(token, reference.into_any().unbind());
     Ok(())
 }
 
@@ -560,24 +483,17 @@ impl LeaseFinalizer {
     fn __call__(&self, py: Python<'_>, _reference: &Bound<'_, PyAny>) -> PyResult<()> {
         let engine = self.engine.bind(py);
         let core = engine.getattr(intern!(py, "core"))?;
-        let core = core.cast::<CoreManager>()?;
-        // In a forked child the lease is the parent's: nothing here may release it
-        // (docs/concepts/lifetimes.md#fork).
-        if core.get().core().check_process().is_err() {
+        let manager = core.cast::<CoreManager>()?.get();
+        // Not in a forked child, and not when released or finalized already (the
+        // core's rule, docs/concepts/lifetimes.md#fork).
+        let host = Host::new(manager, py);
+        if !manager.core().finalize_tracked_with(&host, self.token) {
             return Ok(());
         }
-        // Already released or finalized (at exit, say): nothing is left to do.
-        let Some(reference) = core.get().objects().untrack_lease(self.token) else {
-            return Ok(());
-        };
-        drop(reference);
+        let streams = self.streams.bind(py);
+        let location = self.location.bind(py);
         let finalize = FINALIZE_LEASE.import(py, "fhelium.residency.lease", "finalize_lease")?;
-        finalize.call1((
-            engine,
-            self.token,
-            self.location.bind(py),
-            self.streams.bind(py),
-        ))?;
+        finalize.call1((engine, self.token, location, streams))?;
         Ok(())
     }
 }
@@ -597,8 +513,9 @@ pub(crate) fn finalize_lease(
 
 /// The lease objects not yet released that are still alive, oldest first.
 pub fn live_leases(manager: &CoreManager, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+    let ids = manager.core().tracked_leases();
     let mut live = Vec::new();
-    for reference in manager.objects().tracked_leases(py) {
+    for reference in manager.objects().objects(py, &ids) {
         let lease = reference.bind(py).call0()?;
         if !lease.is_none() {
             live.push(lease.unbind());
@@ -615,11 +532,10 @@ pub fn hold(
     handles: &Bound<'_, PyAny>,
     at: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
-    let (core, new_hold) = (manager.core(), manager.context().new_hold(py));
-    with_resolved(manager, py, handles, at, true, |host, tuple, ids, code| {
-        let token = core.hold(ids, code).map_err(|err| host.lift(err))?;
-        let hold = new_hold.call1((engine, token, tuple, at));
-        handed_out(hold, || core.release_hold(token))
+    let handles = &manager.context().normalized_handles(py, handles)?;
+    let (new_hold, host) = (manager.context().new_hold(py), Host::new(manager, py));
+    manager.core().hold_with(&host, handles, at, |token| {
+        Ok(new_hold.call1((engine, token, handles, at))?.unbind())
     })
 }
 
@@ -633,16 +549,16 @@ pub fn reserve(
     nbytes: &Bound<'_, PyAny>,
     label: &Bound<'_, PyString>,
 ) -> PyResult<Py<PyAny>> {
-    manager.with_gate(py, true, true, || {
-        let context = manager.context();
-        let code = context.location_code(py, location)?;
-        let token = reserve_locked(manager, py, code, nbytes, label)?;
-        handed_out(
-            context
-                .new_reservation(py)
-                .call1((engine, token, location, nbytes, label)),
-            || manager.release_reservation_token(token),
-        )
+    let (core, host) = (manager.core(), Host::new(manager, py));
+    let new_reservation = manager.context().new_reservation(py);
+    core.gated(&host, true, true, || {
+        let at = host.place(location)?;
+        let token = reserve_locked(manager, py, at, nbytes, label)?;
+        let kind = residency_core::LifetimeKind::Reservation;
+        core.hand_out(&host, kind, token, || {
+            let reservation = new_reservation.call1((engine, token, location, nbytes, label));
+            Ok(reservation?.unbind())
+        })
     })
 }
 
@@ -689,45 +605,16 @@ pub(crate) fn borrowed_known(
     location: &Bound<'_, PyAny>,
     known: Option<(HandleId, Location)>,
 ) -> PyResult<Py<PyAny>> {
-    manager.with_gate(py, false, true, || {
-        let (index, at) = match known {
-            Some((index, at)) => (Some(index), Some(at)),
-            None => (manager.resolve_live(py, handle)?, None),
-        };
-        let value = match manager.core().borrowed(token, index) {
-            Some(index) => {
-                let at = match at {
-                    Some(at) => at,
-                    None => manager.context().location_code(py, location)?,
-                };
-                manager.objects().value(py, index, at.code())
-            }
-            None => None,
-        };
-        value.ok_or_else(|| {
-            let handle_id = handle.getattr(intern!(py, "handle_id"));
-            let handle_id = handle_id.and_then(|id| Ok(id.repr()?.to_string()));
-            let at = location.str().map(|text| text.to_string());
-            let (handle_id, at) = (handle_id.unwrap_or_default(), at.unwrap_or_default());
-            to_py_err(py, Manager::no_longer_borrowed(&handle_id, &at))
-        })
-    })
-}
-
-/// Closes the manager (see docs/concepts/lifetimes.md#close; the core's rule). A
-/// closed manager returns at once.
-pub fn close(manager: &CoreManager, py: Python<'_>, wait: bool, force: bool) -> PyResult<()> {
-    manager.with_gate(py, false, false, || {
-        let host = Host::new(manager, py);
-        let context = manager.context();
-        let core = manager.core();
-        if !core.close_with(&host, wait, force, || context.forget_direct_actions())? {
-            return Ok(());
-        }
-        // Every file of the manager's disk locations goes with it.
-        context.disk.bind(py).call_method0(intern!(py, "close"))?;
-        drop(manager.objects().clear());
-        core.clear_tokens_with(&host);
-        Ok(())
+    let (core, host) = (manager.core(), Host::new(manager, py));
+    let objects = manager.objects();
+    let value = core.borrowed_with(&host, token, handle, location, known, |index, at| {
+        objects.value(py, index, at.code())
+    })?;
+    value.ok_or_else(|| {
+        let handle_id = handle.getattr(intern!(py, "handle_id"));
+        let handle_id = handle_id.and_then(|id| Ok(id.repr()?.to_string()));
+        let at = location.str().map(|text| text.to_string());
+        let (handle_id, at) = (handle_id.unwrap_or_default(), at.unwrap_or_default());
+        to_py_err(py, Manager::no_longer_borrowed(&handle_id, &at))
     })
 }

@@ -156,14 +156,31 @@ impl CoreManager {
     /// Releases a lifetime token at once when the gate is free and nothing is queued
     /// (a token already gone is no error); `false` sends the caller down the waiting
     /// path (nothing has changed then).
+    /// A lease released is no longer tracked.
     pub(crate) fn release_now(&self, kind: LifetimeKind, token: u64) -> bool {
-        match self.core.try_release_now(kind.into(), token) {
+        let forget = |id| drop(self.objects.take(id));
+        match self.core.release_now(kind.into(), token, forget) {
             Some(freed) => {
                 self.free(&freed);
                 true
             }
             None => false,
         }
+    }
+
+    /// Tracks lease `token` for its finalizer (the core's bookkeeping), `reference`
+    /// kept at the core's id for it.
+    pub(crate) fn keep_lease(&self, token: u64, reference: Py<PyAny>) {
+        let id = self
+            .core
+            .track_lease(token, |former| drop(self.objects.take(former)));
+        drop(self.objects.put(id, reference));
+    }
+
+    /// Stops tracking lease `token`; its reference goes. `false` when it was not tracked.
+    pub(crate) fn forget_lease(&self, token: u64) -> bool {
+        self.core
+            .untrack_lease(token, |id| drop(self.objects.take(id)))
     }
 
     /// Releases a reservation's bytes and forgets its label; the caller holds the gate.

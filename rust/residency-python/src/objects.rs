@@ -31,11 +31,9 @@ struct Store {
     streams: FastMap<(u32, u32), Py<PyAny>>,
     labels: FastMap<u64, Py<PyAny>>,
     /// The objects the core knows by id (`residency_core::ObjectId`): the events of
-    /// pending leases and transfers in flight, and what a copy in flight reads.
+    /// pending leases and transfers in flight, what a copy in flight reads, and a
+    /// weak reference to each lease tracked for its finalizer.
     slots: Vec<Option<Py<PyAny>>>,
-    /// A weak reference to each lease object not yet released, by token: at
-    /// interpreter exit the leases still alive are finalised while the runtime works.
-    leases: FastMap<u64, Py<PyAny>>,
 }
 
 /// Python objects released together, after the store's lock.
@@ -245,6 +243,12 @@ impl Objects {
             .collect()
     }
 
+    /// Takes the object at `id`, which the core no longer refers to; it is released
+    /// after the lock.
+    pub fn take(&self, id: ObjectId) -> Option<Py<PyAny>> {
+        self.store().slots.get_mut(id)?.take()
+    }
+
     /// Forgets what the core gave back: the objects at its freed ids and the labels
     /// of its released reservations; they are released after the lock.
     pub fn free(&self, freed: &Freed) -> Released {
@@ -261,30 +265,5 @@ impl Objects {
             released.extend(store.labels.remove(token));
         }
         released
-    }
-
-    pub fn track_lease(&self, token: u64, reference: Py<PyAny>) {
-        drop(self.store().leases.insert(token, reference));
-    }
-
-    /// Forgets a lease object; its weak reference is released after the lock.
-    pub fn untrack_lease(&self, token: u64) -> Option<Py<PyAny>> {
-        self.store().leases.remove(&token)
-    }
-
-    /// The weak references of the leases not yet released, in token order.
-    pub fn tracked_leases(&self, py: Python<'_>) -> Vec<Py<PyAny>> {
-        let store = self.store();
-        let mut tracked: Vec<(u64, Py<PyAny>)> = store
-            .leases
-            .iter()
-            .map(|(token, reference)| (*token, reference.clone_ref(py)))
-            .collect();
-        drop(store);
-        tracked.sort_by_key(|(token, _)| *token);
-        tracked
-            .into_iter()
-            .map(|(_, reference)| reference)
-            .collect()
     }
 }

@@ -83,9 +83,9 @@ impl StepEntry {
             },
         )?;
         let reference = PyWeakrefReference::new(&entry)?.into_any().unbind();
-        let objects = owner.get().objects();
+        let manager = owner.get();
         for borrow in borrows.iter() {
-            objects.track_lease(borrow.token, reference.clone_ref(py));
+            manager.keep_lease(borrow.token, reference.clone_ref(py));
         }
         *entry.get().borrows() = std::mem::take(borrows);
         Ok(entry.unbind())
@@ -168,8 +168,7 @@ impl StepEntry {
             );
         }
         if !finalizing && manager.release_now(LifetimeKind::Lease, taken.token) {
-            drop(manager.objects().untrack_lease(taken.token));
-            return Ok(());
+            return Ok(()); // (released at once, and untracked with it)
         }
         lifetimes::release(manager, py, LifetimeKind::Lease, taken.token, finalizing)
     }
@@ -185,7 +184,7 @@ impl StepEntry {
         let mut error: Option<PyErr> = None;
         for (position, taken) in self.active_last_first(py) {
             self.mark_released(position);
-            drop(manager.objects().untrack_lease(taken.token));
+            manager.forget_lease(taken.token);
             let finalized = lifetimes::finalize_lease(
                 py,
                 self.engine.bind(py),

@@ -21,14 +21,43 @@ pub trait LifetimeHost {
     type Event;
     /// The caller's error.
     type Error;
+    /// A value's handle as the caller names it.
+    type Handle;
+    /// A location as the caller names it.
+    type Place;
 
     /// The caller's error for a refusal of the core's.
     fn lift(&self, error: CoreError) -> Self::Error;
-    /// Takes the gate, waiting for another thread's operation; fails fast with a
-    /// re-entrancy error while a source callback runs (`check_reentrant`).
-    fn enter(&self, check_reentrant: bool) -> CoreResult<()>;
+    /// Takes the gate, waiting for another thread's operation; fails with the closed
+    /// manager's error (`check_closed`), and fast with a re-entrancy error while a
+    /// source callback runs (`check_reentrant`).
+    fn enter(&self, check_closed: bool, check_reentrant: bool) -> CoreResult<()>;
+    /// The location `place` names (checked, and registered on first use).
+    fn place(&self, place: &Self::Place) -> Result<Location, Self::Error>;
+    /// How an error message names `place`.
+    fn name(&self, place: &Self::Place) -> Result<String, Self::Error>;
+    /// The index of the live handle of this manager that `handle` is, else `None`.
+    fn lookup(&self, handle: &Self::Handle) -> Result<Option<HandleId>, Self::Error>;
+    /// The error for `handle`, which is no live handle of this manager.
+    fn unknown(&self, handle: &Self::Handle) -> Self::Error;
+    /// Checks a consumer stream for `place` (`at`): the stream the manager keeps for
+    /// it there.
+    fn check_stream(
+        &self,
+        stream: &Self::Stream,
+        place: &Self::Place,
+        at: Location,
+    ) -> Result<Self::Stream, Self::Error>;
+    /// The manager is closing, its queued releases applied: what is kept of its
+    /// direct calls goes.
+    fn closing(&self);
+    /// The manager closed: the objects kept for its values go, and the files of its
+    /// disk locations with them.
+    fn closed(&self) -> Result<(), Self::Error>;
     /// Drops the objects the core gave back (and the labels of released reservations).
     fn free(&self, freed: &Freed);
+    /// Drops the object at `id`, which no record refers to any more.
+    fn forget(&self, id: ObjectId);
     /// Keeps `event` at the core's new id `id`.
     fn keep(&self, id: ObjectId, event: Self::Event);
     /// Whether the event at `id` completed. An id no longer kept belongs to a lease
@@ -81,41 +110,7 @@ impl LeaseRelease {
     }
 }
 
-/// Why handles did not resolve in order.
-#[derive(Debug)]
-pub enum Unresolved<E> {
-    /// The caller's lookup failed.
-    Failed(E),
-    /// A handle resolved before the first unknown one is not resident.
-    Refused(CoreError),
-    /// The handle at this position is not a live handle of this manager.
-    Unknown(usize),
-}
-
 impl Manager {
-    /// Per handle in order, the lookup (`resolve`) and then residency at `at`: a
-    /// non-resident handle before an unknown one reports unavailability.
-    pub fn resolve_in_order<T, E>(
-        &self,
-        handles: impl IntoIterator<Item = T>,
-        at: Location,
-        mut resolve: impl FnMut(T) -> Result<Option<HandleId>, E>,
-    ) -> Result<Vec<HandleId>, Unresolved<E>> {
-        let handles = handles.into_iter();
-        let mut indices = Vec::with_capacity(handles.size_hint().0);
-        for (position, handle) in handles.enumerate() {
-            let Some(index) = resolve(handle).map_err(Unresolved::Failed)? else {
-                if !indices.is_empty() {
-                    self.check_resident(&indices, at)
-                        .map_err(Unresolved::Refused)?;
-                }
-                return Err(Unresolved::Unknown(position));
-            };
-            indices.push(index);
-        }
-        Ok(indices)
-    }
-
     /// Applies the releases queued while a callback ran, then releases the pending
     /// leases whose events all completed. The caller holds the gate.
     pub fn reap_with<H: LifetimeHost>(&self, host: &H) -> Result<(), H::Error> {
@@ -146,7 +141,7 @@ impl Manager {
         let released = self.release(
             release,
             finalizing,
-            |check_reentrant| host.enter(check_reentrant),
+            |check_reentrant| host.enter(false, check_reentrant),
             &mut freed,
         );
         host.free(&freed);
@@ -154,8 +149,25 @@ impl Manager {
     }
 
     /// Releases a lease, hold or reservation token: at once when the gate is free and
-    /// nothing is queued, else by the waiting path.
+    /// nothing is queued, else by the waiting path (or queued). A lease released is
+    /// no longer tracked; one whose release failed still is, so that its finalizer
+    /// tries again (docs/concepts/lifetimes.md#finalizers).
     pub fn release_token_with<H: LifetimeHost>(
+        &self,
+        host: &H,
+        kind: LifetimeKind,
+        token: u64,
+        finalizing: bool,
+    ) -> Result<(), H::Error> {
+        self.release_token_only(host, kind, token, finalizing)?;
+        if kind == LifetimeKind::Lease {
+            self.untrack_lease_with(host, token);
+        }
+        Ok(())
+    }
+
+    /// `release_token_with` leaving the lease's tracking as it is.
+    fn release_token_only<H: LifetimeHost>(
         &self,
         host: &H,
         kind: LifetimeKind,
@@ -174,8 +186,24 @@ impl Manager {
     /// the lease stays pending until they all complete (`wait` waits for them on the
     /// host first). Without consumer streams the device is synchronised; when
     /// recording fails the streams are. A lease not active (released, or ended by a
-    /// forced close) is left as it is.
+    /// forced close) is left as it is. Released, the lease is no longer tracked; one
+    /// whose release failed still is (its finalizer tries again).
     pub fn release_lease_with<H: LifetimeHost>(
+        &self,
+        host: &H,
+        token: u64,
+        at: Location,
+        streams: &[H::Stream],
+        wait: bool,
+        finalizing: bool,
+    ) -> Result<LeaseRelease, H::Error> {
+        let released = self.release_lease_only(host, token, at, streams, wait, finalizing)?;
+        self.untrack_lease_with(host, token);
+        Ok(released)
+    }
+
+    /// `release_lease_with` leaving the lease's tracking as it is.
+    fn release_lease_only<H: LifetimeHost>(
         &self,
         host: &H,
         token: u64,
@@ -186,7 +214,7 @@ impl Manager {
     ) -> Result<LeaseRelease, H::Error> {
         let lease = LifetimeKind::Lease;
         if !matches!(at, Location::Cuda(_)) {
-            self.release_token_with(host, lease, token, finalizing)?;
+            self.release_token_only(host, lease, token, finalizing)?;
             return Ok(LeaseRelease::Released);
         }
         if self.lease_state(token) != LeaseState::Active {
@@ -194,7 +222,7 @@ impl Manager {
         }
         if streams.is_empty() {
             host.synchronize_device(at)?;
-            self.release_token_with(host, lease, token, finalizing)?;
+            self.release_token_only(host, lease, token, finalizing)?;
             return Ok(LeaseRelease::DeviceSynchronized);
         }
         // Every stream was checked against `at` when it joined the lease.
@@ -205,7 +233,7 @@ impl Manager {
                 for stream in streams {
                     host.synchronize_stream(stream)?;
                 }
-                self.release_token_with(host, lease, token, finalizing)?;
+                self.release_token_only(host, lease, token, finalizing)?;
                 return Ok(LeaseRelease::StreamsSynchronized);
             };
             events.push(event);
@@ -360,18 +388,18 @@ impl Manager {
         Ok(false)
     }
 
-    /// Closes the manager's lifetimes (docs/concepts/lifetimes.md#close): the queued
-    /// releases are applied; with `wait` every pending lease's events are waited for
-    /// on the host, oldest first, else the completed ones are reaped; with `force`
-    /// every CUDA device is synchronised and live tokens end; then the core closes
-    /// (refused with live lifetimes unless `force`). `closing` runs once the queue
-    /// is drained. `false` when it was closed already (nothing done). The caller holds the gate (without its checks).
+    /// Closes the manager (docs/concepts/lifetimes.md#close): the queued releases are
+    /// applied, then `host.closing()`; with `wait` every pending lease's events are
+    /// waited for on the host, oldest first, else the completed ones are reaped; with
+    /// `force` every CUDA device is synchronised and live tokens end; then the core
+    /// closes (refused with live lifetimes unless `force`), `host.closed()` lets the
+    /// objects go, and every token record is forgotten. `false` when it was closed
+    /// already (nothing done). The caller holds the gate (without its checks).
     pub fn close_with<H: LifetimeHost>(
         &self,
         host: &H,
         wait: bool,
         force: bool,
-        closing: impl FnOnce(),
     ) -> Result<bool, H::Error> {
         if self.is_closed() {
             return Ok(false);
@@ -382,7 +410,7 @@ impl Manager {
         let mut freed = Freed::default();
         self.drain_releases(&mut freed);
         host.free(&freed);
-        closing();
+        host.closing();
         if wait {
             self.settle_with_only(host, |_| true)?;
         } else {
@@ -396,6 +424,8 @@ impl Manager {
             }
         }
         self.close(force).map_err(|error| host.lift(error))?;
+        host.closed()?;
+        self.clear_tokens_with(host);
         Ok(true)
     }
 
