@@ -272,10 +272,17 @@ pub(crate) struct TokenBook {
     /// The events of each pending CUDA lease, in release order.
     pending: Vec<(u64, Events)>,
     transfers: Vec<Transfer>,
-    /// How many records refer to each id; 0 for a free one.
+    /// How many records refer to each id; 0 for a free one, [`QUARANTINED`] for one no
+    /// record refers to whose object the binding has not let go yet.
     refs: Vec<u32>,
     free: Vec<ObjectId>,
 }
+
+/// An id no record refers to, handed back in a [`Freed`] and not given again until the
+/// binding has let its object go (`Manager::recycle`): an id given again before that
+/// would have its new object dropped in the old one's place
+/// (docs/concepts/lifetimes.md#object-ids).
+const QUARANTINED: u32 = u32::MAX;
 
 impl TokenBook {
     /// A new id, referred to once.
@@ -290,8 +297,8 @@ impl TokenBook {
 
     /// One more record refers to `id`.
     fn retain(&mut self, id: ObjectId) {
-        if let Some(count) = self.refs.get_mut(id) {
-            *count = count.saturating_add(1);
+        if let Some(count) = self.refs.get_mut(id).filter(|count| **count != QUARANTINED) {
+            *count = count.saturating_add(1).min(QUARANTINED - 1);
         }
     }
 
@@ -304,27 +311,49 @@ impl TokenBook {
         }
     }
 
-    /// One record less refers to `id`; `true` when that was the last one: the id is
-    /// free again, and its object the caller's to let go.
+    /// One record less refers to `id`; `true` when that was the last one: its object
+    /// is the caller's to let go, and the id is quarantined until [`Self::recycle`]
+    /// says it was.
     pub(crate) fn unref_one(&mut self, id: ObjectId) -> bool {
         match self.refs.get_mut(id) {
-            Some(count) if *count > 1 => {
+            Some(count) if *count > 1 && *count != QUARANTINED => {
                 *count -= 1;
                 false
             }
             Some(count) if *count == 1 => {
-                *count = 0;
-                self.free.push(id);
+                *count = QUARANTINED;
                 true
             }
-            // Unknown or already free: nothing refers to it.
+            // Unknown, quarantined or free: nothing refers to it.
             _ => false,
         }
     }
 
-    /// How many ids are referred to (for the tests' leak checks).
+    /// `unref_one` of an id whose object the caller has let go already: free at once.
+    pub(crate) fn unref_let_go(&mut self, id: ObjectId) {
+        if self.unref_one(id) {
+            self.recycle([id]);
+        }
+    }
+
+    /// The quarantined `ids` are free again: their objects were let go. An id given
+    /// back twice, or never quarantined, is left as it is.
+    pub(crate) fn recycle(&mut self, ids: impl IntoIterator<Item = ObjectId>) {
+        for id in ids {
+            if let Some(count) = self.refs.get_mut(id).filter(|count| **count == QUARANTINED) {
+                *count = 0;
+                self.free.push(id);
+            }
+        }
+    }
+
+    /// How many ids are referred to (for the tests' leak checks); quarantined ones
+    /// are not.
     pub(crate) fn live_objects(&self) -> usize {
-        self.refs.iter().filter(|count| **count > 0).count()
+        self.refs
+            .iter()
+            .filter(|count| **count > 0 && **count != QUARANTINED)
+            .count()
     }
 
     pub(crate) fn add_pending(&mut self, token: u64, events: impl Into<Events>) {

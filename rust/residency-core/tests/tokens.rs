@@ -167,6 +167,34 @@ fn a_pending_release_known_complete_ends_the_lease_at_once() {
     assert_eq!(manager.live_objects(), 0);
 }
 
+#[test]
+fn a_freed_object_id_is_given_again_only_once_its_object_was_let_go() {
+    // The event ids a release gives back are not given to another release before the
+    // binding has dropped their objects (`recycle`): given again earlier, a late drop
+    // of the old object would drop the new one, and its lease would read as complete.
+    let manager = manager();
+    let handle = value(&manager, CUDA);
+    let token = manager.acquire(&[handle], CUDA).expect("acquired");
+    let event = manager.new_object();
+    enter(&manager);
+    let freed = manager.apply(Release::Pending {
+        token,
+        events: vec![event],
+        completed: true,
+    });
+    manager.exit();
+    assert_eq!(freed.objects, vec![event]);
+    // Quarantined: a new object gets another id, and nothing counts it as live.
+    let other = manager.new_object();
+    assert_ne!(other, event);
+    assert_eq!(manager.live_objects(), 1);
+    // Let go: the id is free again, once, however often it is handed back.
+    manager.recycle(&freed.objects);
+    manager.recycle(&freed.objects);
+    assert_eq!(manager.new_object(), event);
+    assert_ne!(manager.new_object(), event);
+}
+
 // ----- reaping --------------------------------------------------------------------
 
 #[test]
@@ -450,6 +478,10 @@ fn ids_are_reused_only_once_free() {
     let mut freed = Freed::default();
     assert!(manager.settle_pending(token, &mut freed));
     assert_eq!(freed.objects, vec![first]);
+    // Free once its object was let go (`recycle`), not before.
+    let third = manager.new_object();
+    assert_ne!(third, first);
+    manager.recycle(&freed.objects);
     assert_eq!(manager.new_object(), first);
 }
 

@@ -192,6 +192,8 @@ impl CoreManager {
     /// Drops the objects the core gave back (after the store's lock).
     pub(crate) fn free(&self, freed: &Freed) {
         drop(self.objects.free(freed));
+        // Let go: the ids may be given again only now.
+        self.core.recycle(&freed.objects);
     }
 
     pub(crate) fn adopted_shapes(&self) -> &AdoptedShapes {

@@ -22,7 +22,7 @@ impl Manager {
         };
         if let Some(former) = former {
             forget(former);
-            self.inner().book.unref_one(former);
+            self.inner().book.unref_let_go(former);
         }
         id
     }
@@ -36,7 +36,7 @@ impl Manager {
             return false;
         };
         forget(id);
-        self.inner().book.unref_one(id);
+        self.inner().book.unref_let_go(id);
         true
     }
 

@@ -75,6 +75,14 @@ impl Manager {
         self.inner().book.allocate()
     }
 
+    /// The object ids of a [`Freed`] whose objects the binding has let go: they may be
+    /// given again from now on, never before (docs/concepts/lifetimes.md#object-ids).
+    pub fn recycle(&self, ids: &[ObjectId]) {
+        if !ids.is_empty() {
+            self.inner().book.recycle(ids.iter().copied());
+        }
+    }
+
     /// How many object ids are in use (for leak checks).
     pub fn live_objects(&self) -> usize {
         self.inner().book.live_objects()
