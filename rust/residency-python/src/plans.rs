@@ -134,7 +134,7 @@ pub fn execute_plan(
         return within_gate_then(manager, py, operation, then, || {});
     };
     within_gate_after(manager, py, operation, || {
-        hold_then(manager, py, hold, then).map(|()| py.None())
+        hold_then(manager, py, hold, then, None).map(|()| py.None())
     })
 }
 
@@ -149,11 +149,22 @@ fn hold_then(
     py: Python<'_>,
     (groups, held): (&Bound<'_, PyTuple>, &Bound<'_, PyList>),
     then: Option<&Bound<'_, PyAny>>,
+    indexed: Option<&[(Location, Vec<HandleId>)]>,
 ) -> PyResult<()> {
     let kept = held.len();
-    let result = crate::lifetimes::hold_locked(manager, py, groups, held).and_then(|()| match then
-        .filter(|then| !then.is_none())
-    {
+    let holds = match indexed {
+        // The same groups by handle index (a staging's request, lowered): held without
+        // resolving its handle objects; a refusal is raised as the handles' path
+        // raises it, by taking that path.
+        Some(indexed) => match hold_indexed(manager, indexed, held) {
+            Ok(true) => Ok(()),
+            Ok(false) => release_held(manager, held, kept)
+                .and_then(|()| crate::lifetimes::hold_locked(manager, py, groups, held)),
+            Err(error) => Err(error),
+        },
+        None => crate::lifetimes::hold_locked(manager, py, groups, held),
+    };
+    let result = holds.and_then(|()| match then.filter(|then| !then.is_none()) {
         Some(then) => then.call0().map(drop),
         None => Ok(()),
     });
@@ -162,6 +173,43 @@ fn hold_then(
         return Err(error);
     }
     Ok(())
+}
+
+/// Holds each `(location, indices)` group in order, appending the tokens to `held`;
+/// `false`, with the tokens taken so far left in `held`, where the core refuses one.
+fn hold_indexed(
+    manager: &CoreManager,
+    groups: &[(Location, Vec<HandleId>)],
+    held: &Bound<'_, PyList>,
+) -> PyResult<bool> {
+    for (at, indices) in groups {
+        let Ok(token) = manager.core().hold(indices, *at) else {
+            return Ok(false);
+        };
+        if let Err(error) = held.append(token) {
+            manager.core().release_hold(token);
+            return Err(error);
+        }
+    }
+    Ok(true)
+}
+
+/// A lowered request's requirements as hold groups: per location in order of first
+/// appearance, its values in order, each once (the groups a staging's `hold` names
+/// by handle objects).
+fn requirement_groups(request: &LoweredRequest) -> Vec<(Location, Vec<HandleId>)> {
+    let mut groups: Vec<(Location, Vec<HandleId>)> = Vec::new();
+    for requirement in &request.requirements {
+        let Ok(index) = HandleId::try_from(requirement.value) else {
+            continue;
+        };
+        match groups.iter_mut().find(|(at, _)| *at == requirement.location) {
+            Some((_, indices)) if indices.contains(&index) => {}
+            Some((_, indices)) => indices.push(index),
+            None => groups.push((requirement.location, vec![index])),
+        }
+    }
+    groups
 }
 
 /// What a pipeline's staging runs again when it decides what its last staging of the
@@ -197,9 +245,25 @@ pub fn stage_request(
 ) -> PyResult<Option<(Option<Decided>, bool)>> {
     manager.enter_transition_gate(py)?;
     let core = manager.core();
+    // The request's hold groups by handle index: the lowering is current under this
+    // hold of the gate (the decide refuses it otherwise, before anything runs).
+    let groups = core
+        .is_current(request, None)
+        .then(|| requirement_groups(request));
     if let Some(disk_deferred) = blocking {
         // Before anything is decided: whether its copies would block the host.
-        match crate::lifetimes::blocks_host_locked(manager, py, hold.0, disk_deferred) {
+        let blocks = match &groups {
+            Some(groups) => {
+                let host = crate::lifetimes::Host::new(manager, py);
+                groups.iter().try_fold(false, |blocks, (at, indices)| {
+                    Ok::<_, PyErr>(
+                        blocks || core.blocks_host_with(&host, indices, *at, disk_deferred)?,
+                    )
+                })
+            }
+            None => crate::lifetimes::blocks_host_locked(manager, py, hold.0, disk_deferred),
+        };
+        match blocks {
             Ok(false) => {}
             other => {
                 core.end_transition_and_exit();
@@ -233,7 +297,7 @@ pub fn stage_request(
         return Err(device.raised(error));
     }
     core.end_transition();
-    let outcome = hold_then(manager, py, hold, then);
+    let outcome = hold_then(manager, py, hold, then, groups.as_deref());
     core.exit();
     outcome.map(|()| Some((Some(decided), true)))
 }

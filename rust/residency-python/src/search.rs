@@ -259,6 +259,14 @@ impl Decided {
 #[derive(Debug)]
 pub struct LoweredRequest(residency_core::LoweredRequest);
 
+impl Deref for LoweredRequest {
+    type Target = residency_core::LoweredRequest;
+
+    fn deref(&self) -> &residency_core::LoweredRequest {
+        &self.0
+    }
+}
+
 #[pymethods]
 impl LoweredRequest {
     /// From the `(handle index, location code)` rows, the name, the `(code, nbytes,
