@@ -222,3 +222,26 @@ fn a_failing_policy_refuses_as_a_policy_error() {
         other => panic!("expected a policy error, got {other:?}"),
     }
 }
+
+#[test]
+fn a_requests_groups_are_its_locations_in_order_each_value_once() {
+    let cuda = Location::cuda(0).expect("cuda:0");
+    let lowered = LoweredRequest::new(
+        0,
+        vec![
+            (3, PINNED.code()),
+            (1, cuda.code()),
+            (2, PINNED.code()),
+            (3, PINNED.code()),
+            (1, cuda.code()),
+        ],
+        "step".to_owned(),
+        Vec::new(),
+        Vec::new(),
+    )
+    .expect("valid location codes");
+    assert_eq!(
+        lowered.groups(),
+        vec![(PINNED, vec![3, 2]), (cuda, vec![1])]
+    );
+}

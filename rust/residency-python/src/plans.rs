@@ -194,24 +194,6 @@ fn hold_indexed(
     Ok(true)
 }
 
-/// A lowered request's requirements as hold groups: per location in order of first
-/// appearance, its values in order, each once (the groups a staging's `hold` names
-/// by handle objects).
-fn requirement_groups(request: &LoweredRequest) -> Vec<(Location, Vec<HandleId>)> {
-    let mut groups: Vec<(Location, Vec<HandleId>)> = Vec::new();
-    for requirement in &request.requirements {
-        let Ok(index) = HandleId::try_from(requirement.value) else {
-            continue;
-        };
-        match groups.iter_mut().find(|(at, _)| *at == requirement.location) {
-            Some((_, indices)) if indices.contains(&index) => {}
-            Some((_, indices)) => indices.push(index),
-            None => groups.push((requirement.location, vec![index])),
-        }
-    }
-    groups
-}
-
 /// What a pipeline's staging runs again when it decides what its last staging of the
 /// same request ran (docs/concepts/controller.md#staging): that decision, and the plan
 /// it ran: its lowering, handles and action records.
@@ -247,9 +229,7 @@ pub fn stage_request(
     let core = manager.core();
     // The request's hold groups by handle index: the lowering is current under this
     // hold of the gate (the decide refuses it otherwise, before anything runs).
-    let groups = core
-        .is_current(request, None)
-        .then(|| requirement_groups(request));
+    let groups = core.is_current(request, None).then(|| request.groups());
     if let Some(disk_deferred) = blocking {
         // Before anything is decided: whether its copies would block the host.
         let blocks = match &groups {

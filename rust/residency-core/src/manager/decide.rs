@@ -80,6 +80,29 @@ impl LoweredRequest {
     }
 }
 
+impl LoweredRequest {
+    /// Its requirements grouped by location in order of first appearance, each group's
+    /// values in requirement order, each once: the groups a staging holds (its handle
+    /// objects' groups, resolved).
+    pub fn groups(&self) -> Vec<(Location, Vec<HandleId>)> {
+        let mut groups: Vec<(Location, Vec<HandleId>)> = Vec::new();
+        for requirement in &self.requirements {
+            let Ok(index) = HandleId::try_from(requirement.value) else {
+                continue;
+            };
+            match groups
+                .iter_mut()
+                .find(|(at, _)| *at == requirement.location)
+            {
+                Some((_, indices)) if indices.contains(&index) => {}
+                Some((_, indices)) => indices.push(index),
+                None => groups.push((requirement.location, vec![index])),
+            }
+        }
+        groups
+    }
+}
+
 /// A schedule's steps as handle indices of one manager, resolved once and valid until
 /// the manager next discards a value: each handle's steps are kept sorted, so a decide
 /// finds a next use from its position by a binary search
