@@ -7,6 +7,7 @@
 
 pub mod bytes;
 pub mod checksum;
+pub mod entries;
 pub mod error;
 pub mod fasthash;
 pub mod gate;
@@ -40,8 +41,8 @@ pub use manager::{
 pub use messages::{Refusal, RefusalKind};
 pub use placement::{Measurement, Misplaced, Misplacement, ValueFacts};
 pub use plan::{
-    Action, ActionKind, HandleRef, HandleSlot, Place, Plan, PlanPhase, ReportPlaces, Reservation,
-    Telemetry,
+    Action, ActionKind, HandleRef, HandleSlot, Place, Plan, PlanPhase, RecordFields, ReportPlaces,
+    Reservation, Telemetry,
 };
 pub use simulate::{ActionOutcome, CudaDevices, Simulation, SlotResolution};
 pub use state::{

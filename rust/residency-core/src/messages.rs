@@ -5,7 +5,9 @@
 
 use std::fmt;
 
-use crate::plan::ActionKind;
+use crate::location::Location;
+use crate::plan::{Action, ActionKind};
+use crate::value::SourceRefusal;
 
 /// Which exception a refusal is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,6 +145,31 @@ impl fmt::Display for Refusal<'_> {
                 Ok(())
             }
             Self::TooManyHandles => f.write_str("a plan names at most 2**32 handles"),
+        }
+    }
+}
+
+impl<'a> Refusal<'a> {
+    /// Where the transfer stream given with `action` is checked: the location it
+    /// copies to (an ensure's, a move's destination); an action that copies nothing
+    /// (a drop, a discard) takes no stream (docs/concepts/transitions.md).
+    #[inline]
+    pub fn stream_destination(action: &Action) -> Result<Location, Refusal<'static>> {
+        action.destination().ok_or(Refusal::StreamNotTaken {
+            kind: action.kind(),
+        })
+    }
+
+    /// The refusal of a spec `register_source` cannot take (`ValueSpec::source_bytes`);
+    /// `nbytes` is the count of the field it names (`SourceRefusal::field`) as the
+    /// caller wrote it, unused for the others.
+    pub fn of_source(refusal: SourceRefusal, nbytes: &'a str) -> Self {
+        match refusal {
+            SourceRefusal::MustPreserve => Self::SourceMustPreserve,
+            SourceRefusal::TooManyBytes(field) => Self::TooManyBytes {
+                name: field.name(),
+                nbytes,
+            },
         }
     }
 }

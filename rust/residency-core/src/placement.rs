@@ -126,6 +126,15 @@ pub enum Misplaced {
     Pinned,
 }
 
+impl Misplaced {
+    /// Whether the refusal's message names the device the value was measured on (only
+    /// a value on another device): the bindings ask for the device's name only then.
+    #[inline]
+    pub fn names_device(self) -> bool {
+        matches!(self, Self::OtherDevice)
+    }
+}
+
 impl ValueFacts {
     /// The facts of a file a disk location stores: the byte counts of the value
     /// written, on no device and in no memory, so in place on no location in memory

@@ -69,6 +69,53 @@ impl ActionKind {
     pub fn takes_stream(self) -> bool {
         matches!(self, Self::Ensure | Self::Move)
     }
+
+    /// The kinds in the order the bindings tell an action record's class apart: an
+    /// exact class by identity first, then a subclass, in this order.
+    pub const ALL: [Self; 4] = [Self::Ensure, Self::Move, Self::Drop, Self::Discard];
+
+    /// The attributes the kind's action record names its locations by
+    /// (`fhelium.residency.plan`): an ensure's and a drop's `location`, a move's
+    /// destination `to` and its optional source `from_location`; a discard names none.
+    #[inline]
+    pub fn record_fields(self) -> RecordFields {
+        match self {
+            Self::Ensure | Self::Drop => RecordFields {
+                location: Some("location"),
+                from: None,
+            },
+            Self::Move => RecordFields {
+                location: Some("to"),
+                from: Some("from_location"),
+            },
+            Self::Discard => RecordFields {
+                location: None,
+                from: None,
+            },
+        }
+    }
+
+    /// The reason a no-op transition of this kind reports
+    /// (docs/concepts/transitions.md#reports); a discard is never a no-op.
+    #[inline]
+    pub fn no_op_reason(self) -> Option<&'static str> {
+        match self {
+            Self::Ensure => Some("destination already resident"),
+            Self::Move => Some("destination already owns the selected replica"),
+            Self::Drop => Some("materialization already absent"),
+            Self::Discard => None,
+        }
+    }
+}
+
+/// The attributes of an action record that hold its location records (see
+/// `ActionKind::record_fields`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordFields {
+    /// The location the action names: an ensure's or a drop's, a move's destination.
+    pub location: Option<&'static str>,
+    /// A move's source, which may hold `None`.
+    pub from: Option<&'static str>,
 }
 
 /// A location a transition's report or telemetry names: none, the location record

@@ -6,6 +6,8 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::location::Location;
+
 /// Nanoseconds since the Unix epoch: a transition's start and completion times.
 #[inline]
 pub fn now_ns() -> u64 {
@@ -42,14 +44,27 @@ pub struct AllocatorReadings<O> {
     pub after: Option<(O, O)>,
 }
 
-/// One field of a report record.
+/// One field of a record the bindings build (a report, a snapshot entry, an
+/// explanation action): one of the caller's objects, `None`, a flag, a byte count, the
+/// shared record of a location, or a text.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Field<'a, O> {
     Object(&'a O),
     None,
     Flag(bool),
     Count(u64),
+    Location(Location),
+    Text(&'a str),
 }
+
+// A field only borrows the caller's objects: copied whatever `O` is.
+impl<O> Clone for Field<'_, O> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<O> Copy for Field<'_, O> {}
 
 /// How many fields a transition report record has.
 pub const REPORT_FIELDS: usize = 14;

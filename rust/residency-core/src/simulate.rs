@@ -11,7 +11,7 @@ use crate::fasthash::FastMap;
 use std::fmt::Write as _;
 
 use crate::location::{Location, LocationSet};
-use crate::plan::{Action, Plan};
+use crate::plan::{Action, ActionKind, Plan};
 use crate::state::{HandleId, State, ValueRecord};
 
 /// How the caller resolved one handle slot of the plan: a live handle, or the
@@ -355,9 +355,10 @@ impl<'a> Simulator<'a> {
         outcome
     }
 
-    fn no_op(outcome: &mut ActionOutcome, reason: &str) {
+    /// Marks the outcome a no-op of `kind`, with the reason its report gives.
+    fn no_op(outcome: &mut ActionOutcome, kind: ActionKind) {
         outcome.no_op = true;
-        outcome.reason = Some(reason.to_owned());
+        outcome.reason = kind.no_op_reason().map(str::to_owned);
     }
 
     fn ensure(
@@ -371,7 +372,7 @@ impl<'a> Simulator<'a> {
         self.prepare(destination)?;
         let state = self.slot_state(slot, handle);
         if state.contains(destination) {
-            Self::no_op(outcome, "destination already resident");
+            Self::no_op(outcome, ActionKind::Ensure);
             return Ok(());
         }
         let first = state.at.first();
@@ -420,11 +421,11 @@ impl<'a> Simulator<'a> {
         if state.contains(to) {
             return match source {
                 None => {
-                    Self::no_op(outcome, "destination already owns the selected replica");
+                    Self::no_op(outcome, ActionKind::Move);
                     Ok(())
                 }
                 Some(source) if source == to => {
-                    Self::no_op(outcome, "destination already owns the selected replica");
+                    Self::no_op(outcome, ActionKind::Move);
                     Ok(())
                 }
                 Some(source) => {
@@ -464,7 +465,7 @@ impl<'a> Simulator<'a> {
         self.prepare(location)?;
         let state = self.slot_state(slot, handle);
         if !state.contains(location) {
-            Self::no_op(outcome, "materialization already absent");
+            Self::no_op(outcome, ActionKind::Drop);
             return Ok(());
         }
         let sole = state.at.len() == 1;

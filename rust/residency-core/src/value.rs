@@ -125,6 +125,16 @@ pub enum SourceRefusal {
     TooManyBytes(SpecField),
 }
 
+impl SourceRefusal {
+    /// The spec field whose count the refusal's message quotes, if any.
+    pub fn field(self) -> Option<SpecField> {
+        match self {
+            Self::MustPreserve => None,
+            Self::TooManyBytes(field) => Some(field),
+        }
+    }
+}
+
 impl ValueSpec {
     /// The byte counts of a spec `register_source` takes (docs/concepts/values.md#register-a-source):
     /// `logical` and `storage` are `None` where past 2**64 - 1. Refused, in this order:

@@ -5,9 +5,9 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyString, PyTuple};
+use pyo3::types::{PyDict, PyString, PyTuple};
 use residency_core::tables::{CallTable, Recent};
-use residency_core::{CudaDevices, Location, LocationKind, Refusal};
+use residency_core::{ActionKind, CudaDevices, Location, LocationKind, Refusal};
 
 use crate::errors::{refuse, to_py_err};
 use crate::records::RecordBuilder;
@@ -37,9 +37,12 @@ pub struct Context {
     /// numbering of disk directories (`_locations.disk_code`).
     pub(crate) disk: Py<PyAny>,
     pub(crate) disk_code: Py<PyAny>,
-    pub(crate) ensure_noop: Py<PyAny>,
-    pub(crate) move_noop: Py<PyAny>,
-    pub(crate) drop_noop: Py<PyAny>,
+    /// The reason text of each kind's no-op report (`ActionKind::no_op_reason`),
+    /// converted once.
+    no_op_reasons: Vec<(ActionKind, Py<PyAny>)>,
+    /// The options of a copy to a device, by `non_blocking` (false, true): built once,
+    /// never changed, so every copy passes the same mapping.
+    copy_options: [Py<PyDict>; 2],
     /// The process-wide integer key of a value type.
     pub(crate) type_key: Py<PyAny>,
     /// Builds an adopted value's spec record: `(type, logical, charge, mode, recoverability)`.
@@ -67,12 +70,16 @@ pub struct Context {
     /// CUDA location records already checked (records are immutable), and the shared
     /// record of each CUDA code.
     pub(crate) checked_cuda: Recent<(Py<PyAny>, Location)>,
-    pub(crate) shared_cuda: Recent<(Location, Py<PyAny>)>,
+    /// With the device each shared CUDA record names (`None` for a disk record).
+    pub(crate) shared_cuda: Recent<SharedRecord>,
     /// Action records `run_direct` built, reused for the same call: records are
     /// immutable, so an equal record may be shared (docs/concepts/transitions.md#reports),
     /// and a kept record holds its arguments alive, so an address in a key stays its own.
     pub(crate) direct_actions: CallTable<Py<PyAny>>,
 }
+
+/// The shared record of a location code, and the device a CUDA one names.
+type SharedRecord = (Location, Py<PyAny>, Option<Py<PyAny>>);
 
 /// A stream checked for a location, and the stream the runtime binds it to there.
 type CheckedStream = (Py<PyAny>, Location, Py<PyAny>);
@@ -83,7 +90,7 @@ const REMEMBERED: usize = 8;
 impl Context {
     /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
     /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
-    /// (ensure_noop, move_noop, drop_noop), type_key, spec_builder, must_preserve,
+    /// _, type_key, spec_builder, must_preserve,
     /// new_lease, exclusive, cuda_count, new_hold, new_reservation,
     /// normalize_handles, handle_class, (ensure, move, drop action builders))`.
     pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
@@ -97,8 +104,12 @@ impl Context {
                 .clone()
                 .unbind())
         };
-        let reasons = items.get_item(11)?;
-        let reasons = reasons.cast::<PyTuple>()?;
+        let py = items.py();
+        let options = |non_blocking: bool| -> PyResult<Py<PyDict>> {
+            let options = PyDict::new(py);
+            options.set_item(intern!(py, "non_blocking"), non_blocking)?;
+            Ok(options.unbind())
+        };
         Ok(Self {
             ensure: item(0)?,
             move_: item(1)?,
@@ -114,9 +125,14 @@ impl Context {
             pageable: item(8)?,
             pinned: item(9)?,
             location_of: item(10)?,
-            ensure_noop: reasons.get_item(0)?.unbind(),
-            move_noop: reasons.get_item(1)?.unbind(),
-            drop_noop: reasons.get_item(2)?.unbind(),
+            no_op_reasons: ActionKind::ALL
+                .into_iter()
+                .filter_map(|kind| {
+                    let reason = kind.no_op_reason()?;
+                    Some((kind, PyString::new(py, reason).into_any().unbind()))
+                })
+                .collect(),
+            copy_options: [options(false)?, options(true)?],
             type_key: item(12)?,
             spec_builder: item(13)?,
             must_preserve: item(14)?,
@@ -137,6 +153,23 @@ impl Context {
             checked_cuda: Recent::new(REMEMBERED),
             shared_cuda: Recent::new(REMEMBERED),
         })
+    }
+
+    /// The reason a no-op transition of `kind` reports.
+    pub(crate) fn no_op_reason(&self, py: Python<'_>, kind: ActionKind) -> Option<Py<PyAny>> {
+        self.no_op_reasons
+            .iter()
+            .find(|(known, _)| *known == kind)
+            .map(|(_, reason)| reason.clone_ref(py))
+    }
+
+    /// The keyword options of a copy to a device (the runtime's `copy_to_cuda`).
+    pub(crate) fn copy_options<'py>(
+        &self,
+        py: Python<'py>,
+        non_blocking: bool,
+    ) -> &Bound<'py, PyDict> {
+        self.copy_options[usize::from(non_blocking)].bind(py)
     }
 
     /// The builder of transition report records.
@@ -343,18 +376,49 @@ impl Context {
         match location {
             Location::PageableHost => Ok(self.pageable.bind(py).clone()),
             Location::PinnedHost => Ok(self.pinned.bind(py).clone()),
-            Location::Cuda(_) | Location::Disk(_) => {
-                if let Some(record) = self
-                    .shared_cuda
-                    .find_map(|(known, record)| (*known == location).then(|| record.clone_ref(py)))
-                {
-                    return Ok(record.into_bound(py));
-                }
-                let record = self.location_of.bind(py).call1((location.code(),))?;
-                self.shared_cuda
-                    .remember((location, record.clone().unbind()));
-                Ok(record)
-            }
+            Location::Cuda(_) | Location::Disk(_) => Ok(self.shared(py, location)?.0),
         }
+    }
+
+    /// The device a CUDA location's shared record names.
+    pub(crate) fn device<'py>(
+        &self,
+        py: Python<'py>,
+        location: Location,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match self.shared(py, location)?.1 {
+            Some(device) => Ok(device),
+            None => self.location(py, location)?.getattr(intern!(py, "device")),
+        }
+    }
+
+    /// The shared record of a CUDA or disk location, and the device a CUDA one names.
+    fn shared<'py>(
+        &self,
+        py: Python<'py>,
+        location: Location,
+    ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
+        if let Some(known) = self.shared_cuda.find_map(|(known, record, device)| {
+            (*known == location).then(|| {
+                (
+                    record.bind(py).clone(),
+                    device.as_ref().map(|device| device.bind(py).clone()),
+                )
+            })
+        }) {
+            return Ok(known);
+        }
+        let record = self.location_of.bind(py).call1((location.code(),))?;
+        let device = if location.is_cuda() {
+            Some(record.getattr(intern!(py, "device"))?)
+        } else {
+            None
+        };
+        self.shared_cuda.remember((
+            location,
+            record.clone().unbind(),
+            device.as_ref().map(|device| device.clone().unbind()),
+        ));
+        Ok((record, device))
     }
 }

@@ -35,20 +35,6 @@ fn is_tensor_resident(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool
     value.is_instance(base)
 }
 
-/// Runs `operation` as a transition for `adopt` or `register_source`: the gate is
-/// taken, queued releases applied and completed CUDA leases reaped first, as every
-/// transition does, and the gate is released after.
-fn in_transition<T>(
-    manager: &CoreManager,
-    py: Python<'_>,
-    operation: impl FnOnce() -> PyResult<T>,
-) -> PyResult<T> {
-    manager.in_transition(py, || {
-        crate::lifetimes::reap(manager, py)?;
-        operation()
-    })
-}
-
 /// Registers a reconstructible value (docs/concepts/values.md#register-a-source).
 ///
 /// Argument types are checked before the gate; the location, the spec's
@@ -73,7 +59,7 @@ pub fn register(
         Ok(load) if load.is_callable() => {}
         _ => return Err(refuse(py, Refusal::SourceNotLoadable)),
     }
-    in_transition(manager, py, || {
+    crate::execute::in_transition(manager, py, || {
         register_locked(manager, py, spec_record, source, source_location)
     })
 }
@@ -120,16 +106,11 @@ fn refused_spec(
     spec_record: &Bound<'_, PyAny>,
     refusal: SourceRefusal,
 ) -> PyResult<PyErr> {
-    Ok(match refusal {
-        SourceRefusal::MustPreserve => refuse(py, Refusal::SourceMustPreserve),
-        SourceRefusal::TooManyBytes(field) => refuse(
-            py,
-            Refusal::TooManyBytes {
-                name: field.name(),
-                nbytes: &spec_record.getattr(field.attribute())?.str()?.to_cow()?,
-            },
-        ),
-    })
+    let nbytes = match refusal.field() {
+        Some(field) => spec_record.getattr(field.attribute())?.str()?.to_string(),
+        None => String::new(),
+    };
+    Ok(refuse(py, Refusal::of_source(refusal, &nbytes)))
 }
 
 /// Adopts a value as a `MUST_PRESERVE` managed value
@@ -154,7 +135,7 @@ pub fn adopt(
             },
         ));
     }
-    in_transition(manager, py, || {
+    crate::execute::in_transition(manager, py, || {
         adopt_locked(manager, py, value, at, replica_mode)
     })
 }

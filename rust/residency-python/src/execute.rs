@@ -12,18 +12,18 @@ use std::sync::Arc;
 use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::PyTuple;
 use residency_core::messages::cleanup_note;
 use residency_core::report::{AllocatorReadings, TransitionFacts};
 use residency_core::{
     Action, ActionKind, Copied, CopyRoute, CoreError, Freed, HandleId, HandleSlot, Location,
-    Measured, Misplaced, Misplacement, ObjectId, Place, PlanPhase, PlanRun, Refusal, RunError,
+    Measured, Misplacement, ObjectId, Place, PlanPhase, PlanRun, Refusal, RunError,
     TransitionDevice, ValueFacts,
 };
 
 use crate::context::Context;
 use crate::errors::{refuse, to_py_err};
-use crate::kinds::kind_of;
+use crate::kinds::{kind_of, locations_of};
 use crate::manager::CoreManager;
 use crate::measure::{self, Facts};
 use crate::transition::{Transition, now_ns};
@@ -117,7 +117,7 @@ pub fn run_direct(
         ));
     };
     let from = match kind {
-        ActionKind::Move => fields.get(2),
+        ActionKind::Move => fields.get(2).copied(),
         _ => None,
     };
     one_action(
@@ -140,8 +140,7 @@ fn one_action<'py>(
     handle: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
     step: impl FnOnce() -> PyResult<Step<'py>>,
 ) -> PyResult<Py<PyAny>> {
-    let transition = manager.in_transition(py, || {
-        crate::lifetimes::reap(manager, py)?;
+    let transition = in_transition(manager, py, || {
         let started = now_ns();
         let handle = handle()?;
         let Some(index) = manager.resolve_live(py, &handle)? else {
@@ -153,6 +152,30 @@ fn one_action<'py>(
     Ok(transition
         .report(py, manager.context().report_builder(py))?
         .unbind())
+}
+
+/// Runs `operation` as a transition (an action, `adopt`, `register_source`): the gate
+/// is taken, queued releases applied and completed CUDA leases reaped first, as every
+/// transition does, and the gate is released after.
+pub(crate) fn in_transition<T>(
+    manager: &CoreManager,
+    py: Python<'_>,
+    operation: impl FnOnce() -> PyResult<T>,
+) -> PyResult<T> {
+    manager.in_transition(py, || {
+        crate::lifetimes::reap(manager, py)?;
+        operation()
+    })
+}
+
+/// What the core's runner or driver gave back, its errors raised: the device's as
+/// they were raised, the core's as their documented classes.
+fn ran<T>(py: Python<'_>, result: Result<T, RunError<PyErr>>) -> PyResult<T> {
+    match result {
+        Ok(done) => Ok(done),
+        Err(RunError::Device(error)) => Err(error),
+        Err(RunError::Core(error)) => Err(to_py_err(py, error)),
+    }
 }
 
 /// Runs the checked `step` of `record` on value `index` through the core's runner.
@@ -173,11 +196,7 @@ fn perform<'py>(
         stream: step.stream.as_ref(),
         started,
     };
-    match run.perform(&step.action, index, &mut device) {
-        Ok(transition) => Ok(transition),
-        Err(RunError::Device(error)) => Err(error),
-        Err(RunError::Core(error)) => Err(to_py_err(py, error)),
-    }
+    ran(py, run.perform(&step.action, index, &mut device))
 }
 
 /// The device side of a one-action plan: its action was checked before the run.
@@ -254,27 +273,11 @@ fn read_step<'py>(
     action: &Bound<'py, PyAny>,
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Step<'py>> {
-    let context = manager.context();
-    let kind = action_kind(context, action)?;
-    match kind {
-        ActionKind::Ensure | ActionKind::Drop => step(
-            manager,
-            py,
-            kind,
-            &action.getattr(intern!(py, "location"))?,
-            None,
-            stream,
-        ),
-        ActionKind::Move => step(
-            manager,
-            py,
-            kind,
-            &action.getattr(intern!(py, "to"))?,
-            Some(&&action.getattr(intern!(py, "from_location"))?),
-            stream,
-        ),
-        ActionKind::Discard => step(manager, py, kind, action, None, stream),
-    }
+    let kind = action_kind(manager.context(), action)?;
+    let (location, from) = locations_of(action, kind)?;
+    // A discard names no location: the record stands for it.
+    let location = location.unwrap_or_else(|| action.clone());
+    step(manager, py, kind, &location, from.as_ref(), stream)
 }
 
 /// The step of an action of `kind` with its location fields (`location` is the
@@ -284,7 +287,7 @@ fn step<'py>(
     py: Python<'py>,
     kind: ActionKind,
     location: &Bound<'py, PyAny>,
-    from: Option<&&Bound<'py, PyAny>>,
+    from: Option<&Bound<'py, PyAny>>,
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Step<'py>> {
     let context = manager.context();
@@ -297,10 +300,12 @@ fn step<'py>(
         _ => None,
     };
     let action = Action::new(kind, HandleSlot(0), at, from).map_err(|err| to_py_err(py, err))?;
-    let bound = match (stream, action.destination()) {
-        (None, _) => None,
-        (Some(stream), Some(to)) => Some(context.check_stream(py, stream, location, to)?),
-        (Some(_), None) => return Err(refuse(py, Refusal::StreamNotTaken { kind })),
+    let bound = match stream {
+        None => None,
+        Some(stream) => {
+            let to = Refusal::stream_destination(&action).map_err(|err| refuse(py, err))?;
+            Some(context.check_stream(py, stream, location, to)?)
+        }
     };
     Ok(Step {
         action,
@@ -372,17 +377,12 @@ fn execute_step<'py>(
         py,
         stream,
     };
-    let done = match core.transition(action, index, asynchronous, &mut runtime) {
-        Ok(done) => done,
-        Err(RunError::Core(error)) => return Err(to_py_err(py, error)),
-        Err(RunError::Device(error)) => return Err(error),
-    };
+    let done = ran(
+        py,
+        core.transition(action, index, asynchronous, &mut runtime),
+    )?;
     let places = action.report_places(done.source, done.no_op);
-    let reason = places.no_op.map(|kind| match kind {
-        ActionKind::Move => &context.move_noop,
-        ActionKind::Drop => &context.drop_noop,
-        ActionKind::Ensure | ActionKind::Discard => &context.ensure_noop,
-    });
+    let reason = places.no_op.and_then(|kind| context.no_op_reason(py, kind));
     let source = place(context, py, location, places.source)?;
     let destination = place(context, py, location, places.destination)?;
     let after = match &device {
@@ -406,7 +406,7 @@ fn execute_step<'py>(
         spec.storage_nbytes(),
         started,
         allocator,
-        reason.map(|reason| reason.clone_ref(py)),
+        reason,
     )));
     manager.record(&transition);
     Ok(transition)
@@ -528,9 +528,7 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
         let Some(source) = self.manager.objects().source(py, index) else {
             return Ok(None);
         };
-        let context = self.manager.context();
-        let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
-        let stream = transfer_stream(context, py, &device, self.stream)?;
+        let (device, stream) = device_stream(self.manager.context(), py, at, self.stream)?;
         Ok(Some(Deferral {
             source,
             device,
@@ -700,8 +698,7 @@ fn copy_to<'py>(
             disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?,
         )),
         CopyRoute::ReadToCuda => {
-            let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
-            let copy_stream = transfer_stream(context, py, &device, stream)?;
+            let (device, copy_stream) = device_stream(context, py, at, stream)?;
             // The tier waits for its own copies before it raises.
             let (read, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = disk
                 .call_method1(
@@ -709,15 +706,9 @@ fn copy_to<'py>(
                     (value, &device, &copy_stream, runtime),
                 )?
                 .extract()?;
-            let event = if asynchronous {
-                Some(event)
-            } else {
-                runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-                None
-            };
             Ok(CopyMade {
                 value: read,
-                event,
+                event: settle(runtime, event, asynchronous)?,
                 owner: Some(copy_stream),
                 facts: None,
             })
@@ -733,9 +724,8 @@ fn copy_to<'py>(
             runtime.call_method1(intern!(py, "copy_to_pageable"), (value,))?,
         )),
         CopyRoute::ToCuda { non_blocking } => {
-            let device = context.location(py, at)?.getattr(intern!(py, "device"))?;
-            let copy_stream = transfer_stream(context, py, &device, stream)?;
-            let copied = enqueue_cuda_copy(
+            let (device, copy_stream) = device_stream(context, py, at, stream)?;
+            match enqueue_cuda_copy(
                 context,
                 py,
                 value,
@@ -743,62 +733,84 @@ fn copy_to<'py>(
                 &copy_stream,
                 non_blocking,
                 asynchronous,
-            );
-            let error = match copied {
-                Ok((copied, facts, event)) => {
-                    return Ok(CopyMade {
-                        value: copied,
-                        event,
-                        owner: Some(copy_stream),
-                        facts,
-                    });
-                }
-                Err(error) => error,
-            };
-            // Interrupts too: the copy may still be reading the source on the stream.
-            if let Err(cleanup) =
-                runtime.call_method1(intern!(py, "synchronize_stream"), (&copy_stream,))
-            {
-                if !cleanup.is_instance_of::<PyException>(py) {
-                    // As a raise inside an except block would: the original error is
-                    // the cleanup error's context.
-                    cleanup
-                        .value(py)
-                        .setattr(intern!(py, "__context__"), error.value(py))?;
-                    return Err(cleanup);
-                }
-                let note = cleanup_note(
-                    &device.str()?.to_cow()?,
-                    &cleanup.value(py).repr()?.to_cow()?,
-                );
-                error
-                    .value(py)
-                    .call_method1(intern!(py, "add_note"), (note,))?;
+            ) {
+                Ok((copied, facts, event)) => Ok(CopyMade {
+                    value: copied,
+                    event,
+                    owner: Some(copy_stream),
+                    facts,
+                }),
+                Err(error) => Err(after_failed_copy(runtime, &device, &copy_stream, error)?),
             }
-            Err(error)
         }
     }
 }
 
-/// The stream a copy to `device` goes on: the transfer stream, else the device's
-/// current stream.
-fn transfer_stream<'py>(
+/// The error of a failed CUDA copy, once its stream is synchronised: the copy may still
+/// be reading the source on the stream (interrupts too). A failed synchronisation is a
+/// note on the error, or, if it is not an `Exception`, the error raised, with the
+/// copy's error as its context, as a raise inside an except block would make it.
+fn after_failed_copy(
+    runtime: &Bound<'_, PyAny>,
+    device: &Bound<'_, PyAny>,
+    copy_stream: &Bound<'_, PyAny>,
+    error: PyErr,
+) -> PyResult<PyErr> {
+    let py = runtime.py();
+    let Err(cleanup) = runtime.call_method1(intern!(py, "synchronize_stream"), (copy_stream,))
+    else {
+        return Ok(error);
+    };
+    if !cleanup.is_instance_of::<PyException>(py) {
+        cleanup
+            .value(py)
+            .setattr(intern!(py, "__context__"), error.value(py))?;
+        return Ok(cleanup);
+    }
+    let note = cleanup_note(
+        &device.str()?.to_cow()?,
+        &cleanup.value(py).repr()?.to_cow()?,
+    );
+    error
+        .value(py)
+        .call_method1(intern!(py, "add_note"), (note,))?;
+    Ok(error)
+}
+
+/// The device of CUDA location `at` and the stream a copy to it goes on: the transfer
+/// stream, else the device's current stream.
+fn device_stream<'py>(
     context: &Context,
     py: Python<'py>,
-    device: &Bound<'py, PyAny>,
+    at: Location,
     stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    match stream {
-        Some(stream) => Ok(stream.clone()),
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let device = context.device(py, at)?;
+    let stream = match stream {
+        Some(stream) => stream.clone(),
         None => context
             .runtime(py)
-            .call_method1(intern!(py, "current_stream"), (device,)),
+            .call_method1(intern!(py, "current_stream"), (&device,))?,
+    };
+    Ok((device, stream))
+}
+
+/// A copy's `event`, waited for here unless `asynchronous` (it then comes back).
+fn settle<'py>(
+    runtime: &Bound<'py, PyAny>,
+    event: Bound<'py, PyAny>,
+    asynchronous: bool,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if asynchronous {
+        return Ok(Some(event));
     }
+    runtime.call_method1(intern!(runtime.py(), "synchronize_event"), (event,))?;
+    Ok(None)
 }
 
 /// The copy `copy_to` enqueues on `copy_stream` for a CUDA destination, with its facts
 /// where the runtime gives them (`copy_to_cuda_measured`), and the event recorded after
-/// it, which is waited for here unless `asynchronous` (it then comes back).
+/// it (see `settle`).
 #[allow(clippy::type_complexity)] // the copy, its facts and its event
 fn enqueue_cuda_copy<'py>(
     context: &Context,
@@ -814,15 +826,14 @@ fn enqueue_cuda_copy<'py>(
     Option<Bound<'py, PyAny>>,
 )> {
     let runtime = context.runtime.bind(py);
-    let options = PyDict::new(py);
-    options.set_item(intern!(py, "non_blocking"), non_blocking)?;
+    let options = context.copy_options(py, non_blocking);
     let (copied, facts) = if context.measured_copies {
         // The copy and what `measure` would say of it, from one call; `None` for
         // facts: the runtime could not say, and the copy is measured as usual.
         let made = runtime.call_method(
             intern!(py, "copy_to_cuda_measured"),
             (value, device, copy_stream),
-            Some(&options),
+            Some(options),
         )?;
         let facts = made.get_item(1)?;
         let facts = if facts.is_none() {
@@ -835,16 +846,12 @@ fn enqueue_cuda_copy<'py>(
         let copied = runtime.call_method(
             intern!(py, "copy_to_cuda"),
             (value, device, copy_stream),
-            Some(&options),
+            Some(options),
         )?;
         (copied, None)
     };
     let event = runtime.call_method1(intern!(py, "record_event"), (copy_stream,))?;
-    if asynchronous {
-        return Ok((copied, facts, Some(event)));
-    }
-    runtime.call_method1(intern!(py, "synchronize_event"), (event,))?;
-    Ok((copied, facts, None))
+    Ok((copied, facts, settle(runtime, event, asynchronous)?))
 }
 
 /// Type and placement of a candidate value, and its measured facts: the core's ticket
@@ -945,9 +952,10 @@ pub(crate) fn check_measured(
     let Some(why) = facts.facts.misplaced(at) else {
         return Ok(());
     };
-    let device = match why {
-        Misplaced::OtherDevice => facts.device()?.str()?.to_string(),
-        _ => String::new(),
+    let device = if why.names_device() {
+        facts.device()?.str()?.to_string()
+    } else {
+        String::new()
     };
     let misplacement = Misplacement {
         why,

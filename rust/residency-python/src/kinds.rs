@@ -8,6 +8,8 @@
 use std::borrow::Borrow;
 
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyString;
 use residency_core::{ActionKind, Refusal};
 
 use crate::errors::refuse;
@@ -38,6 +40,40 @@ pub(crate) fn kind_of<'py, C: Borrow<Bound<'py, PyAny>>>(
             repr: &action.repr()?.to_cow()?,
         },
     ))
+}
+
+/// The interned names of the attributes each kind's action record names its
+/// locations by (`ActionKind::record_fields`), made once per process.
+type FieldNames = Vec<(ActionKind, Option<Py<PyString>>, Option<Py<PyString>>)>;
+static FIELD_NAMES: PyOnceLock<FieldNames> = PyOnceLock::new();
+
+/// An action record's location records as its kind names them: the location (a move's
+/// destination; `None` for a discard) and a move's source (which may be `None`).
+#[allow(clippy::type_complexity)] // the two optional records
+pub(crate) fn locations_of<'py>(
+    action: &Bound<'py, PyAny>,
+    kind: ActionKind,
+) -> PyResult<(Option<Bound<'py, PyAny>>, Option<Bound<'py, PyAny>>)> {
+    let py = action.py();
+    let names = FIELD_NAMES.get_or_init(py, || {
+        let intern = |name: Option<&str>| name.map(|name| PyString::intern(py, name).unbind());
+        ActionKind::ALL
+            .into_iter()
+            .map(|kind| {
+                let fields = kind.record_fields();
+                (kind, intern(fields.location), intern(fields.from))
+            })
+            .collect()
+    });
+    let Some((_, location, from)) = names.iter().find(|(known, ..)| *known == kind) else {
+        return Ok((None, None));
+    };
+    let read = |name: &Option<Py<PyString>>| {
+        name.as_ref()
+            .map(|name| action.getattr(name.bind(py)))
+            .transpose()
+    };
+    Ok((read(location)?, read(from)?))
 }
 
 /// The kind of a residency action.

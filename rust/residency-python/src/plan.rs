@@ -20,7 +20,7 @@ use residency_core::{
 };
 
 use crate::errors::{refuse, to_py_err};
-use crate::kinds::{PyActionKind, kind_of};
+use crate::kinds::{PyActionKind, kind_of, locations_of};
 
 /// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent.
 type ActionTuple = (PyActionKind, u32, i64, i64);
@@ -274,23 +274,16 @@ fn encode_actions<'py>(
         let action = action?;
         let slot = slots.slot(action.getattr(intern!(py, "handle"))?, &Handles(py))?;
         let kind = kinds.of(&action)?;
-        encoded.push(match kind {
-            ActionKind::Move => {
-                let to = codes.of(&action.getattr(intern!(py, "to"))?)?;
-                let source = action.getattr(intern!(py, "from_location"))?;
-                let from = if source.is_none() {
-                    -1
-                } else {
-                    codes.of(&source)?
-                };
-                (kind.into(), slot, to, from)
-            }
-            ActionKind::Discard => (kind.into(), slot, -1, -1),
-            ActionKind::Ensure | ActionKind::Drop => {
-                let location = codes.of(&action.getattr(intern!(py, "location"))?)?;
-                (kind.into(), slot, location, -1)
-            }
-        });
+        let (location, from) = locations_of(&action, kind)?;
+        let at = match location {
+            Some(location) => codes.of(&location)?,
+            None => -1,
+        };
+        let from = match from {
+            Some(from) if !from.is_none() => codes.of(&from)?,
+            _ => -1,
+        };
+        encoded.push((kind.into(), slot, at, from));
     }
     Ok(encoded)
 }

@@ -15,10 +15,15 @@
 use std::collections::HashMap;
 
 use pyo3::IntoPyObjectExt;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString, PyTuple, PyType};
+use residency_core::entries::{
+    ACTION_FIELDS, MATERIALIZATION_FIELDS, VALUE_FIELDS, action_fields, materialization_fields,
+    value_fields,
+};
+use residency_core::report::Field;
 use residency_core::tables::{ByCode, Last};
 use residency_core::{ActionOutcome, Location, Materialization, ValueRecord};
 
@@ -104,46 +109,91 @@ impl RecordBuilder {
     }
 }
 
-/// Location records by core code, each asked of the glue once per bulk call.
-pub struct Locations<'a, 'py> {
-    location_of: &'a Bound<'py, PyAny>,
-    known: ByCode<Bound<'py, PyAny>>,
+/// One record field as its Python object (the one conversion of `Field`): `object`
+/// gives the caller's objects, `location` the record of a location.
+pub fn field<'py, O>(
+    py: Python<'py>,
+    field: Field<'_, O>,
+    object: impl FnOnce(&O) -> Bound<'py, PyAny>,
+    location: impl FnOnce(Location) -> PyResult<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    match field {
+        Field::Object(known) => Ok(object(known)),
+        Field::None => Ok(py.None().into_bound(py)),
+        Field::Flag(flag) => Ok(PyBool::new(py, flag).to_owned().into_any()),
+        Field::Count(count) => count.into_bound_py_any(py),
+        Field::Location(at) => location(at),
+        Field::Text(text) => Ok(PyString::new(py, text).into_any()),
+    }
 }
 
-impl<'a, 'py> Locations<'a, 'py> {
-    pub fn new(location_of: &'a Bound<'py, PyAny>) -> Self {
+/// The fields of records built in bulk, converted as `field` does, each distinct
+/// location and text once per call, and each column's byte count once per run of
+/// equal counts (a column mostly repeats the previous row's value).
+struct Fields<'a, 'py> {
+    py: Python<'py>,
+    location_of: &'a Bound<'py, PyAny>,
+    locations: ByCode<Bound<'py, PyAny>>,
+    texts: HashMap<String, Bound<'py, PyAny>>,
+    counts: Vec<Last<u64, Bound<'py, PyAny>>>,
+}
+
+impl<'a, 'py> Fields<'a, 'py> {
+    fn new(py: Python<'py>, location_of: &'a Bound<'py, PyAny>) -> Self {
         Self {
+            py,
             location_of,
-            known: ByCode::default(),
+            locations: ByCode::default(),
+            texts: HashMap::new(),
+            counts: Vec::new(),
         }
     }
 
-    pub fn get(&mut self, code: u32) -> PyResult<Bound<'py, PyAny>> {
+    /// One record of `builder` from `fields`, in declaration order.
+    fn build<const N: usize>(
+        &mut self,
+        builder: &RecordBuilder,
+        fields: [Field<'_, Bound<'py, PyAny>>; N],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if self.counts.len() < N {
+            self.counts.resize_with(N, Last::default);
+        }
+        let py = self.py;
+        let mut converted = Vec::with_capacity(N);
+        for (column, value) in fields.into_iter().enumerate() {
+            converted.push(match value {
+                Field::Count(count) => {
+                    self.counts[column].get_or_try(count, || count.into_bound_py_any(py))?
+                }
+                Field::Text(text) => self.text(text),
+                Field::Location(at) => self.location(at)?,
+                other => field(py, other, Bound::clone, |_| unreachable_location())?,
+            });
+        }
+        builder.build_with(py, converted.into_iter().map(Ok))
+    }
+
+    fn text(&mut self, text: &str) -> Bound<'py, PyAny> {
+        if let Some(known) = self.texts.get(text) {
+            return known.clone();
+        }
+        let converted = PyString::new(self.py, text).into_any();
+        self.texts.insert(text.to_owned(), converted.clone());
+        converted
+    }
+
+    fn location(&mut self, at: Location) -> PyResult<Bound<'py, PyAny>> {
         let location_of = self.location_of;
-        self.known.get_or_try(code, || location_of.call1((code,)))
+        self.locations
+            .get_or_try(at.code(), || location_of.call1((at.code(),)))
     }
 }
 
-/// Python ints for one column of byte counts, which mostly repeats the previous
-/// row's value: that one is kept.
-type Ints<'py> = Last<u64, Bound<'py, PyAny>>;
-
-/// Python strings for reasons, converted once per distinct text in a bulk call.
-#[derive(Default)]
-pub struct Strings<'s, 'py> {
-    known: HashMap<&'s str, Bound<'py, PyAny>>,
-}
-
-impl<'s, 'py> Strings<'s, 'py> {
-    pub fn optional(&mut self, py: Python<'py>, text: Option<&'s str>) -> Bound<'py, PyAny> {
-        let Some(text) = text else {
-            return py.None().into_bound(py);
-        };
-        self.known
-            .entry(text)
-            .or_insert_with(|| PyString::new(py, text).into_any())
-            .clone()
-    }
+/// Never called: `Fields::build` converts location fields itself.
+fn unreachable_location<'py>() -> PyResult<Bound<'py, PyAny>> {
+    Err(PyRuntimeError::new_err(
+        "internal error: a location field outside a bulk call",
+    ))
 }
 
 /// A materialisation record's fields: the core's, with its value's spec object (by
@@ -161,12 +211,11 @@ pub fn value_entries<'a, 'py>(
     materialization_records: &RecordBuilder,
     location_of: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    value_records.expect_fields(6)?;
-    materialization_records.expect_fields(7)?;
+    value_records.expect_fields(VALUE_FIELDS)?;
+    materialization_records.expect_fields(MATERIALIZATION_FIELDS)?;
     let logical_name = intern!(py, "logical_nbytes");
-    let none = py.None().into_bound(py);
     let empty = PyTuple::empty(py).into_any();
-    let mut locations = Locations::new(location_of);
+    let mut fields = Fields::new(py, location_of);
     // Equal materialisations (same spec, place and counts) share one record, and a
     // value with only that materialisation shares its one-element tuple too.
     let mut shared: HashMap<MaterializationKey, (Bound<'py, PyAny>, Bound<'py, PyAny>)> =
@@ -179,18 +228,9 @@ pub fn value_entries<'a, 'py>(
             if let Some(built) = shared.get(&key) {
                 return Ok(built.clone());
             }
-            let built = materialization_records.build(
-                py,
-                &[
-                    &locations.get(m.location.code())?,
-                    &spec.getattr(logical_name)?,
-                    &m.storage_nbytes.into_bound_py_any(py)?,
-                    &m.charged_nbytes.into_bound_py_any(py)?,
-                    &m.use_count.into_bound_py_any(py)?,
-                    &m.hold_count.into_bound_py_any(py)?,
-                    &m.pending_count.into_bound_py_any(py)?,
-                ],
-            )?;
+            let logical = spec.getattr(logical_name)?;
+            let built =
+                fields.build(materialization_records, materialization_fields(m, &logical))?;
             let alone = PyTuple::new(py, [&built])?.into_any();
             shared.insert(key, (built.clone(), alone.clone()));
             Ok((built, alone))
@@ -207,25 +247,10 @@ pub fn value_entries<'a, 'py>(
             )?
             .into_any(),
         };
-        let source = match record.source {
-            Some(location) => locations.get(location.code())?,
-            None => none.clone(),
-        };
-        entries.push(
-            value_records.build(
-                py,
-                &[
-                    handle.bind(py),
-                    spec,
-                    &materializations,
-                    &PyBool::new(py, record.source.is_some())
-                        .to_owned()
-                        .into_any(),
-                    &source,
-                    &PyBool::new(py, record.discarded).to_owned().into_any(),
-                ],
-            )?,
-        );
+        entries.push(fields.build(
+            value_records,
+            value_fields(record, handle.bind(py), spec, &materializations),
+        )?);
     }
     PyTuple::new(py, entries)
 }
@@ -239,35 +264,11 @@ pub fn action_entries<'py>(
     action_records: &RecordBuilder,
     location_of: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    action_records.expect_fields(8)?;
-    let mut locations = Locations::new(location_of);
-    let mut logical = Ints::default();
-    let mut storage = Ints::default();
-    let mut reasons = Strings::default();
-    let none = py.None().into_bound(py);
+    action_records.expect_fields(ACTION_FIELDS)?;
+    let mut fields = Fields::new(py, location_of);
     let mut entries = Vec::with_capacity(outcomes.len().min(actions.len()));
     for (outcome, action) in outcomes.iter().zip(actions.iter()) {
-        let mut location = |code: Option<Location>| match code {
-            Some(location) => locations.get(location.code()),
-            None => Ok(none.clone()),
-        };
-        entries.push(action_records.build(
-            py,
-            &[
-                &action,
-                &PyBool::new(py, outcome.executable).to_owned().into_any(),
-                &PyBool::new(py, outcome.no_op).to_owned().into_any(),
-                &location(outcome.source)?,
-                &location(outcome.destination)?,
-                &logical.get_or_try(outcome.logical_nbytes, || {
-                    outcome.logical_nbytes.into_bound_py_any(py)
-                })?,
-                &storage.get_or_try(outcome.storage_nbytes, || {
-                    outcome.storage_nbytes.into_bound_py_any(py)
-                })?,
-                &reasons.optional(py, outcome.reason.as_deref()),
-            ],
-        )?);
+        entries.push(fields.build(action_records, action_fields(outcome, &action))?);
     }
     PyTuple::new(py, entries)
 }

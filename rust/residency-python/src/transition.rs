@@ -4,12 +4,12 @@
 
 use std::sync::Arc;
 
-use pyo3::IntoPyObjectExt;
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyTuple};
+use pyo3::types::PyTuple;
+use residency_core::report::TransitionFacts;
 pub(crate) use residency_core::report::now_ns;
-use residency_core::report::{Field, TransitionFacts};
 
 use crate::records::RecordBuilder;
 
@@ -63,11 +63,17 @@ impl Transition {
     }
 
     fn build(&self, py: Python<'_>, builder: &RecordBuilder) -> PyResult<Py<PyAny>> {
-        let fields = self.facts.fields().into_iter().map(|field| match field {
-            Field::Object(object) => Ok(object.bind(py).clone()),
-            Field::None => Ok(py.None().into_bound(py)),
-            Field::Flag(flag) => Ok(PyBool::new(py, flag).to_owned().into_any()),
-            Field::Count(count) => count.into_bound_py_any(py),
+        let fields = self.facts.fields().into_iter().map(|value| {
+            crate::records::field(
+                py,
+                value,
+                |object| object.bind(py).clone(),
+                |_| {
+                    Err(PyRuntimeError::new_err(
+                        "internal error: a report names a location by code",
+                    ))
+                },
+            )
         });
         Ok(builder.build_with(py, fields)?.unbind())
     }
