@@ -15,6 +15,7 @@ pub mod keys;
 pub mod location;
 pub mod manager;
 pub mod messages;
+pub mod objects;
 mod overlay;
 pub mod placement;
 pub mod plan;

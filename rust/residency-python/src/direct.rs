@@ -149,13 +149,13 @@ fn adopt_locked(
 ) -> PyResult<Py<PyAny>> {
     let context = manager.context();
     let (location, facts) = if at.is_none() {
-        let facts = crate::execute::measure(context, py, value)?;
+        let facts = crate::measure::measure_value(context, py, value)?;
         (placement_of(manager, py, value, &facts)?, facts)
     } else {
         let location = context.location_code(py, at)?;
-        (location, crate::execute::measure(context, py, value)?)
+        (location, crate::measure::measure_value(context, py, value)?)
     };
-    crate::execute::check_measured(context, py, &facts, location, value)?;
+    crate::measure::check_measured(context, py, &facts, location, value)?;
     let mode_class = REPLICA_MODE.import(py, "fhelium.residency.model", "ReplicaMode")?;
     if !replica_mode.is_instance(mode_class)? {
         return Err(refuse(

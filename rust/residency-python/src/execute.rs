@@ -17,8 +17,7 @@ use residency_core::messages::cleanup_note;
 use residency_core::report::{AllocatorReadings, TransitionFacts};
 use residency_core::{
     Action, ActionKind, Copied, CopyRoute, CoreError, Freed, HandleId, HandleSlot, Location,
-    Measured, Misplacement, ObjectId, Place, PlanPhase, PlanRun, Refusal, RunError,
-    TransitionDevice, ValueFacts,
+    Measured, ObjectId, Place, PlanPhase, PlanRun, Refusal, RunError, TransitionDevice,
 };
 
 use crate::context::Context;
@@ -576,7 +575,7 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
         in_flight: bool,
     ) -> PyResult<Copied<Made<'py>, Bound<'py, PyAny>>> {
         let context = self.manager.context();
-        let copied = copy_to(
+        copy_to(
             context,
             self.py,
             &value.value,
@@ -584,19 +583,11 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
             to,
             self.stream,
             in_flight,
-        )?;
-        Ok(Copied {
-            value: Made {
-                value: copied.value,
-                owner: copied.owner,
-                facts: copied.facts,
-            },
-            event: copied.event,
-        })
+        )
     }
 
     fn validate(&mut self, index: HandleId, at: Location, value: &Made<'py>) -> PyResult<Measured> {
-        let facts = validate(
+        let facts = measure::validate(
             self.manager,
             self.py,
             index,
@@ -651,24 +642,11 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
     }
 }
 
-/// What `copy_to` made: the copy, its event when it was not waited for, the stream
-/// that allocated it (a CUDA copy's), and its facts where the runtime gave them.
-struct CopyMade<'py> {
-    value: Bound<'py, PyAny>,
-    event: Option<Bound<'py, PyAny>>,
-    owner: Option<Bound<'py, PyAny>>,
-    facts: Option<Facts<'py>>,
-}
-
-impl<'py> CopyMade<'py> {
-    /// A synchronous copy that no stream allocated.
-    fn host(value: Bound<'py, PyAny>) -> Self {
-        Self {
-            value,
-            event: None,
-            owner: None,
-            facts: None,
-        }
+/// A synchronous copy that no stream allocated.
+fn host(value: Bound<'_, PyAny>) -> Copied<Made<'_>, Bound<'_, PyAny>> {
+    Copied {
+        value: Made::held(value),
+        event: None,
     }
 }
 
@@ -687,14 +665,14 @@ fn copy_to<'py>(
     at: Location,
     stream: Option<&Bound<'py, PyAny>>,
     asynchronous: bool,
-) -> PyResult<CopyMade<'py>> {
+) -> PyResult<Copied<Made<'py>, Bound<'py, PyAny>>> {
     let runtime = context.runtime.bind(py);
     let disk = context.disk.bind(py);
     match CopyRoute::between(source, at) {
         // Read back: mapped into pageable memory, read into pinned memory, or through
         // the disk tier's pinned staging ring to a device, a chunk at a time, with the
         // copies on the transfer stream (docs/concepts/locations-and-budgets.md#disk).
-        CopyRoute::ReadToHost { pinned } => Ok(CopyMade::host(
+        CopyRoute::ReadToHost { pinned } => Ok(host(
             disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?,
         )),
         CopyRoute::ReadToCuda => {
@@ -706,21 +684,23 @@ fn copy_to<'py>(
                     (value, &device, &copy_stream, runtime),
                 )?
                 .extract()?;
-            Ok(CopyMade {
-                value: read,
+            Ok(Copied {
                 event: settle(runtime, event, asynchronous)?,
-                owner: Some(copy_stream),
-                facts: None,
+                value: Made {
+                    value: read,
+                    owner: Some(copy_stream),
+                    facts: None,
+                },
             })
         }
-        CopyRoute::Write => Ok(CopyMade::host(disk.call_method1(
+        CopyRoute::Write => Ok(host(disk.call_method1(
             intern!(py, "write"),
             (context.location(py, at)?, value, runtime),
         )?)),
-        CopyRoute::ToPinned => Ok(CopyMade::host(
+        CopyRoute::ToPinned => Ok(host(
             runtime.call_method1(intern!(py, "copy_to_pinned"), (value,))?,
         )),
-        CopyRoute::ToPageable => Ok(CopyMade::host(
+        CopyRoute::ToPageable => Ok(host(
             runtime.call_method1(intern!(py, "copy_to_pageable"), (value,))?,
         )),
         CopyRoute::ToCuda { non_blocking } => {
@@ -734,11 +714,13 @@ fn copy_to<'py>(
                 non_blocking,
                 asynchronous,
             ) {
-                Ok((copied, facts, event)) => Ok(CopyMade {
-                    value: copied,
+                Ok((copied, facts, event)) => Ok(Copied {
+                    value: Made {
+                        value: copied,
+                        owner: Some(copy_stream),
+                        facts,
+                    },
                     event,
-                    owner: Some(copy_stream),
-                    facts,
                 }),
                 Err(error) => Err(after_failed_copy(runtime, &device, &copy_stream, error)?),
             }
@@ -839,7 +821,7 @@ fn enqueue_cuda_copy<'py>(
         let facts = if facts.is_none() {
             None
         } else {
-            Some(facts_of(&facts)?)
+            Some(measure::facts_of(&facts)?)
         };
         (made.get_item(0)?, facts)
     } else {
@@ -852,117 +834,4 @@ fn enqueue_cuda_copy<'py>(
     };
     let event = runtime.call_method1(intern!(py, "record_event"), (copy_stream,))?;
     Ok((copied, facts, settle(runtime, event, asynchronous)?))
-}
-
-/// Type and placement of a candidate value, and its measured facts: the core's ticket
-/// checks the bytes (on `loaded` or at the install). `known` are the facts the runtime
-/// gave with a copy it made (`copy_to_cuda_measured`): exactly what `measure` would
-/// return, so the value is not measured again.
-fn validate<'py>(
-    manager: &CoreManager,
-    py: Python<'py>,
-    index: HandleId,
-    at: Location,
-    value: &Bound<'py, PyAny>,
-    known: Option<&Facts<'py>>,
-) -> PyResult<Facts<'py>> {
-    let context = manager.context();
-    if let Location::Disk(_) = at {
-        // A stored file: its byte counts are those of the value written.
-        let (logical, storage): (u64, u64) = context
-            .disk
-            .bind(py)
-            .call_method1(intern!(py, "facts"), (value,))?
-            .extract()?;
-        return Ok(Facts {
-            device: None,
-            first: None,
-            facts: ValueFacts::stored(logical, storage),
-        });
-    }
-    let spec = manager.spec_object(py, index)?;
-    let value_type = spec.bind(py).getattr(intern!(py, "value_type"))?;
-    if !value.is_instance(&value_type)? {
-        let handle = manager.handle_object(py, index)?;
-        let handle_id = handle.bind(py).getattr(intern!(py, "handle_id"))?;
-        return Err(refuse(
-            py,
-            Refusal::WrongValueType {
-                expected: &value_type
-                    .getattr(intern!(py, "__name__"))?
-                    .str()?
-                    .to_cow()?,
-                handle: &handle_id.repr()?.to_cow()?,
-                got: &value.get_type().name()?.to_cow()?,
-                tensor: crate::errors::is_tensor(py, value)?,
-            },
-        ));
-    }
-    let facts = match known {
-        Some(facts) => facts.clone(),
-        None => measure(context, py, value)?,
-    };
-    check_measured(context, py, &facts, at, value)?;
-    Ok(facts)
-}
-
-pub(crate) fn measure<'py>(
-    context: &Context,
-    py: Python<'py>,
-    value: &Bound<'py, PyAny>,
-) -> PyResult<Facts<'py>> {
-    let runtime = context.runtime.bind(py);
-    if context.native_measure {
-        let tensors = value.getattr(intern!(py, "_resident_tensors"))?;
-        if let Ok(tensors) = tensors.cast::<PyTuple>()
-            && let Some(facts) = measure::measure(py, tensors, context.pinning_possible)?
-        {
-            return Ok(facts);
-        }
-    }
-    // The runtime's own measurement: it raises the documented error for a value
-    // whose tensors disagree.
-    facts_of(&runtime.call_method1(intern!(py, "measure"), (value,))?)
-}
-
-/// The runtime's `ValueFacts` (what its `measure` returns) read into `Facts`.
-fn facts_of<'py>(facts: &Bound<'py, PyAny>) -> PyResult<Facts<'py>> {
-    Ok(Facts {
-        device: Some(facts.get_item(0)?),
-        first: None,
-        facts: ValueFacts {
-            device_code: facts.get_item(1)?.extract()?,
-            pinned: facts.get_item(2)?.extract()?,
-            logical: facts.get_item(3)?.extract()?,
-            storage: facts.get_item(4)?.extract()?,
-            keys: facts.get_item(5)?.extract()?,
-        },
-    })
-}
-
-/// Refuses a value measured somewhere other than `at`, by name: the core's placement
-/// rule and diagnosis (`ValueFacts::misplaced`), with the names its message needs.
-pub(crate) fn check_measured(
-    context: &Context,
-    py: Python<'_>,
-    facts: &Facts<'_>,
-    at: Location,
-    value: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    let Some(why) = facts.facts.misplaced(at) else {
-        return Ok(());
-    };
-    let device = if why.names_device() {
-        facts.device()?.str()?.to_string()
-    } else {
-        String::new()
-    };
-    let misplacement = Misplacement {
-        why,
-        value: &value.get_type().name()?.to_cow()?,
-        location: &context.location(py, at)?.str()?.to_cow()?,
-        device: &device,
-    }
-    .error();
-    Err(to_py_err(py, misplacement))
 }

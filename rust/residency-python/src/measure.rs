@@ -8,7 +8,11 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::{IntoPyObjectExt, intern};
-use residency_core::{Measurement, ValueFacts};
+use residency_core::{HandleId, Location, Measurement, Misplacement, Refusal, ValueFacts};
+
+use crate::context::Context;
+use crate::errors::{refuse, to_py_err};
+use crate::manager::CoreManager;
 
 /// What one pass over a value's tensors found: the core's facts, and the objects
 /// that name the value's device.
@@ -138,4 +142,119 @@ fn same_device(
                 .extract::<i64>()?
                 == index),
     }
+}
+
+/// Type and placement of a candidate value, and its measured facts: the core's ticket
+/// checks the bytes (on `loaded` or at the install). `known` are the facts the runtime
+/// gave with a copy it made (`copy_to_cuda_measured`): exactly what `measure` would
+/// return, so the value is not measured again.
+pub(crate) fn validate<'py>(
+    manager: &CoreManager,
+    py: Python<'py>,
+    index: HandleId,
+    at: Location,
+    value: &Bound<'py, PyAny>,
+    known: Option<&Facts<'py>>,
+) -> PyResult<Facts<'py>> {
+    let context = manager.context();
+    if let Location::Disk(_) = at {
+        // A stored file: its byte counts are those of the value written.
+        let (logical, storage): (u64, u64) = context
+            .disk
+            .bind(py)
+            .call_method1(intern!(py, "facts"), (value,))?
+            .extract()?;
+        return Ok(Facts {
+            device: None,
+            first: None,
+            facts: ValueFacts::stored(logical, storage),
+        });
+    }
+    let spec = manager.spec_object(py, index)?;
+    let value_type = spec.bind(py).getattr(intern!(py, "value_type"))?;
+    if !value.is_instance(&value_type)? {
+        let handle = manager.handle_object(py, index)?;
+        let handle_id = handle.bind(py).getattr(intern!(py, "handle_id"))?;
+        return Err(refuse(
+            py,
+            Refusal::WrongValueType {
+                expected: &value_type
+                    .getattr(intern!(py, "__name__"))?
+                    .str()?
+                    .to_cow()?,
+                handle: &handle_id.repr()?.to_cow()?,
+                got: &value.get_type().name()?.to_cow()?,
+                tensor: crate::errors::is_tensor(py, value)?,
+            },
+        ));
+    }
+    let facts = match known {
+        Some(facts) => facts.clone(),
+        None => measure_value(context, py, value)?,
+    };
+    check_measured(context, py, &facts, at, value)?;
+    Ok(facts)
+}
+
+/// The facts of `value`: from one pass over its tensors where the runtime measures
+/// with torch, else from the runtime's `measure`.
+pub(crate) fn measure_value<'py>(
+    context: &Context,
+    py: Python<'py>,
+    value: &Bound<'py, PyAny>,
+) -> PyResult<Facts<'py>> {
+    let runtime = context.runtime.bind(py);
+    if context.native_measure {
+        let tensors = value.getattr(intern!(py, "_resident_tensors"))?;
+        if let Ok(tensors) = tensors.cast::<PyTuple>()
+            && let Some(facts) = measure(py, tensors, context.pinning_possible)?
+        {
+            return Ok(facts);
+        }
+    }
+    // The runtime's own measurement: it raises the documented error for a value
+    // whose tensors disagree.
+    facts_of(&runtime.call_method1(intern!(py, "measure"), (value,))?)
+}
+
+/// The runtime's `ValueFacts` (what its `measure` returns) read into `Facts`.
+pub(crate) fn facts_of<'py>(facts: &Bound<'py, PyAny>) -> PyResult<Facts<'py>> {
+    Ok(Facts {
+        device: Some(facts.get_item(0)?),
+        first: None,
+        facts: ValueFacts {
+            device_code: facts.get_item(1)?.extract()?,
+            pinned: facts.get_item(2)?.extract()?,
+            logical: facts.get_item(3)?.extract()?,
+            storage: facts.get_item(4)?.extract()?,
+            keys: facts.get_item(5)?.extract()?,
+        },
+    })
+}
+
+/// Refuses a value measured somewhere other than `at`, by name: the core's placement
+/// rule and diagnosis (`ValueFacts::misplaced`), with the names its message needs.
+pub(crate) fn check_measured(
+    context: &Context,
+    py: Python<'_>,
+    facts: &Facts<'_>,
+    at: Location,
+    value: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let Some(why) = facts.facts.misplaced(at) else {
+        return Ok(());
+    };
+    let device = if why.names_device() {
+        facts.device()?.str()?.to_string()
+    } else {
+        String::new()
+    };
+    let misplacement = Misplacement {
+        why,
+        value: &value.get_type().name()?.to_cow()?,
+        location: &context.location(py, at)?.str()?.to_cow()?,
+        device: &device,
+    }
+    .error();
+    Err(to_py_err(py, misplacement))
 }
