@@ -10,16 +10,16 @@ use residency_core::tables::{CallTable, Recent};
 use residency_core::{ActionKind, CudaDevices, Location, LocationKind, Refusal};
 
 use crate::errors::{refuse, to_py_err};
+use crate::kinds::kind_of;
 use crate::records::RecordBuilder;
 
 /// What the engine hands over once: the classes it recognises, the report builder,
 /// the runtime, and the shared records and strings reports carry.
 #[derive(Debug)]
 pub struct Context {
-    pub(crate) ensure: Py<PyAny>,
-    pub(crate) move_: Py<PyAny>,
-    pub(crate) drop: Py<PyAny>,
-    pub(crate) discard: Py<PyAny>,
+    /// The action record classes and their kinds, in `ActionKind::ALL` order, and the
+    /// builders of the records of `ensure`, `move` and `drop` called directly.
+    actions: [(Py<PyAny>, ActionKind, Option<Py<RecordBuilder>>); 4],
     /// Builds transition reports without running Python code.
     pub(crate) report: Py<RecordBuilder>,
     pub(crate) runtime: Py<PyAny>,
@@ -60,10 +60,6 @@ pub struct Context {
     /// Normalises a `handles` argument into a tuple of distinct handles.
     pub(crate) normalize_handles: Py<PyAny>,
     pub(crate) handle_class: Py<PyAny>,
-    /// Build the action records of `ensure`, `move` and `drop` called directly.
-    pub(crate) new_ensure: Py<RecordBuilder>,
-    pub(crate) new_move: Py<RecordBuilder>,
-    pub(crate) new_drop: Py<RecordBuilder>,
     /// Streams already checked, with their location: a stream never changes device,
     /// so one checked again is not asked about twice.
     pub(crate) checked_streams: Recent<CheckedStream>,
@@ -110,11 +106,14 @@ impl Context {
             options.set_item(intern!(py, "non_blocking"), non_blocking)?;
             Ok(options.unbind())
         };
+        let [ensure, move_, drop, discard] = ActionKind::ALL;
         Ok(Self {
-            ensure: item(0)?,
-            move_: item(1)?,
-            drop: item(2)?,
-            discard: item(3)?,
+            actions: [
+                (item(0)?, ensure, Some(builder(22, 0)?)),
+                (item(1)?, move_, Some(builder(22, 1)?)),
+                (item(2)?, drop, Some(builder(22, 2)?)),
+                (item(3)?, discard, None),
+            ],
             report: items.get_item(4)?.cast::<RecordBuilder>()?.clone().unbind(),
             runtime: item(5)?,
             native_measure: items.get_item(6)?.extract()?,
@@ -143,9 +142,6 @@ impl Context {
             new_reservation: item(19)?,
             normalize_handles: item(20)?,
             handle_class: item(21)?,
-            new_ensure: builder(22, 0)?,
-            new_move: builder(22, 1)?,
-            new_drop: builder(22, 2)?,
             disk: item(23)?,
             disk_code: item(24)?,
             direct_actions: CallTable::default(),
@@ -153,6 +149,26 @@ impl Context {
             checked_cuda: Recent::new(REMEMBERED),
             shared_cuda: Recent::new(REMEMBERED),
         })
+    }
+
+    /// The kind of an action record: by exact class first, then as a subclass of one
+    /// of the four.
+    pub(crate) fn action_kind(&self, action: &Bound<'_, PyAny>) -> PyResult<ActionKind> {
+        let py = action.py();
+        let classes = self
+            .actions
+            .each_ref()
+            .map(|(class, kind, _)| (class.bind(py), *kind));
+        kind_of(action, &classes)
+    }
+
+    /// The class of the records `ensure`, `move` or `drop` called directly make, and
+    /// their builder (`None` for a discard, which is no direct call).
+    pub(crate) fn direct_class(&self, kind: ActionKind) -> Option<(&Py<PyAny>, &RecordBuilder)> {
+        self.actions
+            .iter()
+            .find(|(_, known, _)| *known == kind)
+            .and_then(|(class, _, builder)| Some((class, builder.as_ref()?.get())))
     }
 
     /// The reason a no-op transition of `kind` reports.

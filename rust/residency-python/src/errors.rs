@@ -10,18 +10,37 @@ use pyo3::{IntoPyObjectExt, PyTypeInfo};
 use residency_core::error::{self, ErrorClass, ErrorField, ErrorShape};
 use residency_core::{CoreError, Refusal, RefusalKind};
 
-pyo3::import_exception!(fhelium.errors, ResidencyHandleError);
-pyo3::import_exception!(fhelium.errors, ResidencyUnavailableError);
-pyo3::import_exception!(fhelium.errors, ResidencyBudgetError);
-pyo3::import_exception!(fhelium.errors, ResidencyInUseError);
-pyo3::import_exception!(fhelium.errors, ResidencyMaterializationError);
-pyo3::import_exception!(fhelium.errors, ResidencyOwnershipError);
-pyo3::import_exception!(fhelium.errors, ResidencyPlanError);
-pyo3::import_exception!(fhelium.errors, ResidencyStaleStateError);
-pyo3::import_exception!(fhelium.errors, ResidencySearchLimitError);
-pyo3::import_exception!(fhelium.errors, ResidencyReentrancyError);
-pyo3::import_exception!(fhelium.errors, ResidencyClosedError);
-pyo3::import_exception!(fhelium.errors, ResidencyForkedError);
+/// The classes of `fhelium.errors`, each imported once per interpreter, and
+/// `class_object`, the Python class of each of the core's error classes.
+macro_rules! error_classes {
+    ($($class:ident => $name:ident),* $(,)?) => {
+        $(pyo3::import_exception!(fhelium.errors, $name);)*
+
+        /// The Python class of an error class.
+        fn class_object(py: Python<'_>, class: ErrorClass) -> Bound<'_, PyType> {
+            match class {
+                ErrorClass::Value => PyValueError::type_object(py),
+                ErrorClass::Runtime => PyRuntimeError::type_object(py),
+                $(ErrorClass::$class => $name::type_object(py),)*
+            }
+        }
+    };
+}
+
+error_classes! {
+    Handle => ResidencyHandleError,
+    Unavailable => ResidencyUnavailableError,
+    Budget => ResidencyBudgetError,
+    InUse => ResidencyInUseError,
+    Materialization => ResidencyMaterializationError,
+    Ownership => ResidencyOwnershipError,
+    Plan => ResidencyPlanError,
+    StaleState => ResidencyStaleStateError,
+    SearchLimit => ResidencySearchLimitError,
+    Reentrancy => ResidencyReentrancyError,
+    Closed => ResidencyClosedError,
+    Forked => ResidencyForkedError,
+}
 
 /// Keyword fields of a structured exception.
 type Fields<'py> = Vec<(&'static str, Bound<'py, PyAny>)>;
@@ -66,26 +85,6 @@ pub fn stale_state(py: Python<'_>, expected: &Bound<'_, PyAny>, actual: u64) -> 
             ])
         },
     )
-}
-
-/// The Python class of an error class.
-fn class_object(py: Python<'_>, class: ErrorClass) -> Bound<'_, PyType> {
-    match class {
-        ErrorClass::Value => PyValueError::type_object(py),
-        ErrorClass::Runtime => PyRuntimeError::type_object(py),
-        ErrorClass::Handle => ResidencyHandleError::type_object(py),
-        ErrorClass::Unavailable => ResidencyUnavailableError::type_object(py),
-        ErrorClass::Budget => ResidencyBudgetError::type_object(py),
-        ErrorClass::InUse => ResidencyInUseError::type_object(py),
-        ErrorClass::Materialization => ResidencyMaterializationError::type_object(py),
-        ErrorClass::Ownership => ResidencyOwnershipError::type_object(py),
-        ErrorClass::Plan => ResidencyPlanError::type_object(py),
-        ErrorClass::StaleState => ResidencyStaleStateError::type_object(py),
-        ErrorClass::SearchLimit => ResidencySearchLimitError::type_object(py),
-        ErrorClass::Reentrancy => ResidencyReentrancyError::type_object(py),
-        ErrorClass::Closed => ResidencyClosedError::type_object(py),
-        ErrorClass::Forked => ResidencyForkedError::type_object(py),
-    }
 }
 
 /// Converts a core error into its documented Python exception: the class, message

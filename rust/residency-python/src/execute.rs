@@ -22,7 +22,7 @@ use residency_core::{
 
 use crate::context::Context;
 use crate::errors::{refuse, to_py_err};
-use crate::kinds::{kind_of, locations_of};
+use crate::kinds::locations_of;
 use crate::manager::CoreManager;
 use crate::measure::{self, Facts};
 use crate::transition::{Transition, now_ns};
@@ -71,15 +71,10 @@ pub fn run_direct(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let context = manager.context();
-    let (builder, class) = match kind {
-        ActionKind::Ensure => (&context.new_ensure, &context.ensure),
-        ActionKind::Move => (&context.new_move, &context.move_),
-        ActionKind::Drop => (&context.new_drop, &context.drop),
-        ActionKind::Discard => {
-            return Err(PyTypeError::new_err(
-                "internal error: discard is not a direct call",
-            ));
-        }
+    let Some((class, builder)) = context.direct_class(kind) else {
+        return Err(PyTypeError::new_err(
+            "internal error: discard is not a direct call",
+        ));
     };
     // Arguments of other classes (subclasses, or not records at all) go through the
     // action class's own constructor, which checks them.
@@ -106,7 +101,7 @@ pub fn run_direct(
     {
         action
     } else {
-        let action = builder.get().build(py, fields)?;
+        let action = builder.build(py, fields)?;
         context.direct_actions.keep(key, action.clone().unbind());
         action
     };
@@ -146,7 +141,14 @@ fn one_action<'py>(
             return Err(manager.handle_error(py, &handle)?);
         };
         let step = step()?;
-        perform(manager, py, record, index, &step, started)
+        let mut device = OneAction {
+            manager,
+            py,
+            record,
+            step: &step,
+            started,
+        };
+        ran(py, PlanRun::new().perform(&step.action, index, &mut device))
     })?;
     Ok(transition
         .report(py, manager.context().report_builder(py))?
@@ -177,34 +179,12 @@ fn ran<T>(py: Python<'_>, result: Result<T, RunError<PyErr>>) -> PyResult<T> {
     }
 }
 
-/// Runs the checked `step` of `record` on value `index` through the core's runner.
-fn perform<'py>(
-    manager: &CoreManager,
-    py: Python<'py>,
-    record: &Bound<'py, PyAny>,
-    index: HandleId,
-    step: &Step<'py>,
-    started: u64,
-) -> PyResult<Arc<Transition>> {
-    let mut run = PlanRun::new();
-    let mut device = OneAction {
-        manager,
-        py,
-        record,
-        location: &step.location,
-        stream: step.stream.as_ref(),
-        started,
-    };
-    ran(py, run.perform(&step.action, index, &mut device))
-}
-
 /// The device side of a one-action plan: its action was checked before the run.
 struct OneAction<'a, 'py> {
     manager: &'a CoreManager,
     py: Python<'py>,
     record: &'a Bound<'py, PyAny>,
-    location: &'a Bound<'py, PyAny>,
-    stream: Option<&'a Bound<'py, PyAny>>,
+    step: &'a Step<'py>,
     started: u64,
 }
 
@@ -231,25 +211,11 @@ impl residency_core::Device for OneAction<'_, '_> {
             self.record,
             index,
             action,
-            self.location,
-            self.stream,
+            &self.step.location,
+            self.step.stream.as_ref(),
             self.started,
         )
     }
-}
-
-/// The action's kind: by exact class first, then as a subclass of one of the four.
-fn action_kind(context: &Context, action: &Bound<'_, PyAny>) -> PyResult<ActionKind> {
-    let py = action.py();
-    kind_of(
-        action,
-        &[
-            (context.ensure.bind(py), ActionKind::Ensure),
-            (context.move_.bind(py), ActionKind::Move),
-            (context.drop.bind(py), ActionKind::Drop),
-            (context.discard.bind(py), ActionKind::Discard),
-        ],
-    )
 }
 
 /// An action record read and checked: the core's action (its one value at slot 0)
@@ -272,7 +238,7 @@ fn read_step<'py>(
     action: &Bound<'py, PyAny>,
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Step<'py>> {
-    let kind = action_kind(manager.context(), action)?;
+    let kind = manager.context().action_kind(action)?;
     let (location, from) = locations_of(action, kind)?;
     // A discard names no location: the record stands for it.
     let location = location.unwrap_or_else(|| action.clone());
@@ -445,8 +411,8 @@ fn sample<'py>(
                 });
             }
             Ok(Sample {
-                allocated: figures.get_item(0)?,
-                reserved: figures.get_item(1)?,
+                allocated: measure::item(&figures, 0)?,
+                reserved: measure::item(&figures, 1)?,
             })
         });
     match figures {
@@ -817,13 +783,13 @@ fn enqueue_cuda_copy<'py>(
             (value, device, copy_stream),
             Some(options),
         )?;
-        let facts = made.get_item(1)?;
+        let facts = measure::item(&made, 1)?;
         let facts = if facts.is_none() {
             None
         } else {
             Some(measure::facts_of(&facts)?)
         };
-        (made.get_item(0)?, facts)
+        (measure::item(&made, 0)?, facts)
     } else {
         let copied = runtime.call_method(
             intern!(py, "copy_to_cuda"),

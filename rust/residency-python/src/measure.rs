@@ -220,16 +220,41 @@ pub(crate) fn measure_value<'py>(
 /// The runtime's `ValueFacts` (what its `measure` returns) read into `Facts`.
 pub(crate) fn facts_of<'py>(facts: &Bound<'py, PyAny>) -> PyResult<Facts<'py>> {
     Ok(Facts {
-        device: Some(facts.get_item(0)?),
+        device: Some(item(facts, 0)?),
         first: None,
         facts: ValueFacts {
-            device_code: facts.get_item(1)?.extract()?,
-            pinned: facts.get_item(2)?.extract()?,
-            logical: facts.get_item(3)?.extract()?,
-            storage: facts.get_item(4)?.extract()?,
-            keys: facts.get_item(5)?.extract()?,
+            device_code: item(facts, 1)?.extract()?,
+            pinned: item(facts, 2)?.extract()?,
+            logical: item(facts, 3)?.extract()?,
+            storage: item(facts, 4)?.extract()?,
+            keys: keys_of(&item(facts, 5)?)?,
         },
     })
+}
+
+/// Item `index` of what the runtime gave back: a tuple's (a named tuple's too) read
+/// directly, another sequence's indexed.
+pub(crate) fn item<'py>(sequence: &Bound<'py, PyAny>, index: usize) -> PyResult<Bound<'py, PyAny>> {
+    match sequence.cast::<PyTuple>() {
+        Ok(tuple) => tuple.get_item(index),
+        Err(_) => sequence.get_item(index),
+    }
+}
+
+/// A value's storage keys, `(device code, data pointer)` pairs: a list of tuples read
+/// directly, anything else extracted as a sequence.
+fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<(i64, u64)>> {
+    let Ok(list) = keys.cast::<PyList>() else {
+        return keys.extract();
+    };
+    list.iter()
+        .map(|key| match key.cast::<PyTuple>() {
+            Ok(pair) if pair.len() == 2 => {
+                Ok((pair.get_item(0)?.extract()?, pair.get_item(1)?.extract()?))
+            }
+            _ => key.extract(),
+        })
+        .collect()
 }
 
 /// Refuses a value measured somewhere other than `at`, by name: the core's placement
