@@ -140,11 +140,13 @@ impl Location {
     #[inline]
     pub fn holds(self, device_code: i64, pinned: Option<bool>, storage_nbytes: u64) -> bool {
         match self {
-            Self::PageableHost | Self::PinnedHost if device_code == -1 && storage_nbytes == 0 => {
+            Self::PageableHost | Self::PinnedHost
+                if device_code == HOST_DEVICE && storage_nbytes == 0 =>
+            {
                 true
             }
-            Self::PageableHost => (device_code, pinned) == (-1, Some(false)),
-            Self::PinnedHost => (device_code, pinned) == (-1, Some(true)),
+            Self::PageableHost => (device_code, pinned) == (HOST_DEVICE, Some(false)),
+            Self::PinnedHost => (device_code, pinned) == (HOST_DEVICE, Some(true)),
             Self::Cuda(index) => (device_code, pinned) == (i64::from(index), Some(false)),
             Self::Disk(_) => false,
         }
@@ -180,6 +182,14 @@ impl LocationKind {
         }
     }
 }
+
+/// The device code a value's measurement gives on the host (`ValueFacts::device_code`;
+/// on CUDA it is the index).
+pub const HOST_DEVICE: i64 = -1;
+
+/// The device code of a value on a device that is neither the host nor CUDA (meta,
+/// mps, ...), or on none (a stored file): it never matches a location's.
+pub const OTHER_DEVICE: i64 = -2;
 
 /// How a copy between two locations is made (docs/concepts/transitions.md#copies-and-streams,
 /// docs/concepts/locations-and-budgets.md#disk): the device seam's or the disk tier's

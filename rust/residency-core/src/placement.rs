@@ -5,7 +5,7 @@
 use std::fmt;
 
 use crate::error::CoreError;
-use crate::location::Location;
+use crate::location::{HOST_DEVICE, Location, OTHER_DEVICE};
 
 /// What one pass over a value's tensors found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,6 +18,13 @@ pub struct ValueFacts {
     pub storage: u64,
     /// (device code, data pointer) per unique non-empty storage.
     pub keys: Vec<(i64, u64)>,
+}
+
+impl ValueFacts {
+    /// The device code of a value on the host (`location::HOST_DEVICE`).
+    pub const HOST: i64 = HOST_DEVICE;
+    /// The device code of a value elsewhere (`location::OTHER_DEVICE`).
+    pub const ELSEWHERE: i64 = OTHER_DEVICE;
 }
 
 /// A value whose tensors disagree: one storage reporting two sizes (the glue also
@@ -45,7 +52,7 @@ impl Measurement {
         Self {
             device_code,
             pinning_possible,
-            all_pinned: device_code == -1,
+            all_pinned: device_code == ValueFacts::HOST,
             any_pinned: false,
             logical: 0,
             storages: Vec::with_capacity(tensors),
@@ -76,7 +83,7 @@ impl Measurement {
     /// host tensor can be, and only where pinning is possible.
     #[inline]
     pub fn asks_pinned(&self) -> bool {
-        self.device_code == -1 && self.pinning_possible
+        self.device_code == ValueFacts::HOST && self.pinning_possible
     }
 
     /// Adds the answer of a tensor with storage bytes to `asks_pinned`. Only memory
@@ -141,7 +148,7 @@ impl ValueFacts {
     /// (only the disk tier installs files, docs/concepts/locations-and-budgets.md#disk).
     pub fn stored(logical: u64, storage: u64) -> Self {
         Self {
-            device_code: -2,
+            device_code: Self::ELSEWHERE,
             pinned: None,
             logical,
             storage,
@@ -153,7 +160,7 @@ impl ValueFacts {
     /// same index for a CUDA one.
     fn on_device_of(&self, at: Location) -> bool {
         match at {
-            Location::PageableHost | Location::PinnedHost => self.device_code == -1,
+            Location::PageableHost | Location::PinnedHost => self.device_code == Self::HOST,
             Location::Cuda(index) => self.device_code == i64::from(index),
             Location::Disk(_) => false,
         }
@@ -189,7 +196,7 @@ impl ValueFacts {
             return Location::cuda(index).map_err(|err| PlacementError::Core(err.into()));
         }
         match self.pinned {
-            Some(true) if self.device_code == -1 => Ok(Location::PinnedHost),
+            Some(true) if self.device_code == Self::HOST => Ok(Location::PinnedHost),
             None => Err(PlacementError::Misplaced(Misplaced::MixedPinning)),
             _ => Ok(Location::PageableHost),
         }

@@ -69,6 +69,30 @@ impl ValueSpec {
         })
     }
 
+    /// The spec of an adopted value measured at `logical` and `storage` bytes
+    /// (docs/concepts/values.md#adopt): it must be preserved, and is charged the charge
+    /// rule's bytes (`charge_of`).
+    #[inline]
+    pub fn adopted(logical: u64, storage: u64, exclusive: bool) -> Self {
+        Self {
+            logical_nbytes: logical,
+            storage_nbytes: charge_of(logical, storage),
+            replica_mode: ReplicaMode::of(exclusive),
+            recoverability: Recoverability::MustPreserve,
+        }
+    }
+
+    /// The spec of a registered source's value (docs/concepts/values.md#register-a-source):
+    /// reconstructible, with the counts `source_bytes` took.
+    pub fn reconstructible(logical: u64, storage: u64, exclusive: bool) -> CoreResult<Self> {
+        Self::new(
+            logical,
+            storage,
+            ReplicaMode::of(exclusive),
+            Recoverability::Reconstructible,
+        )
+    }
+
     pub fn logical_nbytes(&self) -> u64 {
         self.logical_nbytes
     }

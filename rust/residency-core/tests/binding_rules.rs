@@ -240,3 +240,27 @@ fn an_explanation_action_lists_its_outcome() {
     assert_eq!(fields[3], Field::Location(Location::PageableHost));
     assert_eq!(fields[7], Field::None);
 }
+
+#[test]
+fn an_adopted_value_must_be_preserved_and_is_charged_by_the_charge_rule() {
+    let spec = ValueSpec::adopted(100, 64, true);
+    assert_eq!(spec.logical_nbytes(), 100);
+    assert_eq!(spec.storage_nbytes(), 100);
+    assert_eq!(spec.replica_mode(), ReplicaMode::Exclusive);
+    assert_eq!(spec.recoverability(), Recoverability::MustPreserve);
+    let spec = ValueSpec::adopted(16, 64, false);
+    assert_eq!(spec.storage_nbytes(), 64);
+    assert_eq!(spec.replica_mode(), ReplicaMode::Replicable);
+    // Values of one shape share a spec (the binding keys spec records by it).
+    assert_eq!(spec, ValueSpec::adopted(16, 64, false));
+}
+
+#[test]
+fn a_registered_source_s_value_is_reconstructible_with_its_spec_s_counts() {
+    let spec = ValueSpec::reconstructible(16, 64, true).expect("a valid spec");
+    assert_eq!(spec.logical_nbytes(), 16);
+    assert_eq!(spec.storage_nbytes(), 64);
+    assert_eq!(spec.replica_mode(), ReplicaMode::Exclusive);
+    assert_eq!(spec.recoverability(), Recoverability::Reconstructible);
+    assert!(ValueSpec::reconstructible(64, 16, false).is_err());
+}

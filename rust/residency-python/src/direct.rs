@@ -7,9 +7,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyType};
 use residency_core::placement::PlacementError;
-use residency_core::{
-    Location, Misplacement, Recoverability, Refusal, ReplicaMode, SourceRefusal, ValueSpec,
-};
+use residency_core::{Location, Misplacement, Refusal, SourceRefusal, ValueSpec};
 
 use crate::errors::{refuse, to_py_err};
 use crate::manager::CoreManager;
@@ -167,27 +165,25 @@ fn adopt_locked(
     }
     let exclusive = context.is_exclusive(replica_mode);
     let value_type = value.get_type();
-    let logical = facts.facts.logical;
-    let charge = residency_core::charge_of(logical, facts.facts.storage);
-    let key = (value_type.as_ptr() as usize, logical, charge, exclusive);
+    let spec = ValueSpec::adopted(facts.facts.logical, facts.facts.storage, exclusive);
+    let key = (value_type.as_ptr().addr(), spec);
     let (type_key, spec_record) = if let Some(entry) = manager.adopted_shapes().get(py, key) {
         entry
     } else {
         let type_key: u64 = context.type_key(py, &value_type)?;
-        let spec_record = context.adopted_spec(py, &value_type, logical, charge, replica_mode)?;
+        let spec_record = context.adopted_spec(
+            py,
+            &value_type,
+            spec.logical_nbytes(),
+            spec.storage_nbytes(),
+            replica_mode,
+        )?;
         let keep_type = value_type.clone().into_any().unbind();
         manager
             .adopted_shapes()
             .insert(key, (type_key, spec_record.clone_ref(py), keep_type));
         (type_key, spec_record)
     };
-    let spec = ValueSpec::new(
-        logical,
-        charge,
-        ReplicaMode::of(exclusive),
-        Recoverability::MustPreserve,
-    )
-    .map_err(|err| to_py_err(py, err))?;
     manager.adopt_measured(
         py,
         type_key,

@@ -49,17 +49,17 @@ pub fn measure<'py>(
     let Ok(first) = tensors.get_item(0) else {
         return Ok(None);
     };
-    // -2 marks a device that is neither the host nor CUDA (meta, mps, ...): it never
-    // matches a residency location's code.
+    // A device that is neither the host nor CUDA (meta, mps, ...) is `ELSEWHERE`: it
+    // never matches a residency location's code.
     let device_code: i64 = if first.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
-        -1
+        ValueFacts::HOST
     } else if first.getattr(intern!(py, "is_cuda"))?.is_truthy()? {
         first.call_method0(intern!(py, "get_device"))?.extract()?
     } else {
-        -2
+        ValueFacts::ELSEWHERE
     };
     // Only a device that is neither the host nor CUDA is compared as an object.
-    let device = if device_code == -2 {
+    let device = if device_code == ValueFacts::ELSEWHERE {
         Some(first.getattr(intern!(py, "device"))?)
     } else {
         None
@@ -134,8 +134,8 @@ fn same_device(
     device_code: i64,
 ) -> PyResult<bool> {
     match (device_code, device) {
-        (-1, _) => tensor.getattr(intern!(py, "is_cpu"))?.is_truthy(),
-        (-2, Some(device)) => tensor.getattr(intern!(py, "device"))?.eq(device),
+        (ValueFacts::HOST, _) => tensor.getattr(intern!(py, "is_cpu"))?.is_truthy(),
+        (ValueFacts::ELSEWHERE, Some(device)) => tensor.getattr(intern!(py, "device"))?.eq(device),
         (index, _) => Ok(tensor.getattr(intern!(py, "is_cuda"))?.is_truthy()?
             && tensor
                 .call_method0(intern!(py, "get_device"))?

@@ -4,16 +4,15 @@
 use pyo3::intern;
 use pyo3::prelude::*;
 use residency_core::tables::{Memo, Recent};
-use residency_core::{Recoverability, ReplicaMode, SourceRefusal, ValueSpec};
+use residency_core::{SourceRefusal, ValueSpec};
 
 use crate::context::Context;
 use crate::errors::to_py_err;
 
-/// Spec records and type keys of adopted values, by (type, logical, charge,
-/// exclusive). Values of one shape share one immutable spec record. The type object
-/// is kept alive by the entry, so its address stays a valid key.
-/// (type address, logical, charge, exclusive).
-pub(crate) type ShapeKey = (usize, u64, u64, bool);
+/// Spec records and type keys of adopted values, by (type address, core spec): values
+/// of one shape share one immutable spec record. The type object is kept alive by the
+/// entry, so its address stays a valid key.
+pub(crate) type ShapeKey = (usize, ValueSpec);
 
 /// (type key, spec record, the type object that keeps the address valid).
 pub(crate) type ShapeEntry = (u64, Py<PyAny>, Py<PyAny>);
@@ -90,13 +89,8 @@ impl AdoptedShapes {
         let exclusive = context.is_exclusive(&spec_record.getattr(intern!(py, "replica_mode"))?);
         let value_type = spec_record.getattr(intern!(py, "value_type"))?;
         let type_key = self.type_key(py, context, &value_type)?;
-        let spec = ValueSpec::new(
-            logical,
-            storage,
-            ReplicaMode::of(exclusive),
-            Recoverability::Reconstructible,
-        )
-        .map_err(|err| to_py_err(py, err))?;
+        let spec = ValueSpec::reconstructible(logical, storage, exclusive)
+            .map_err(|err| to_py_err(py, err))?;
         let value_type = value_type.unbind();
         self.last_spec.remember(SpecReading {
             record: spec_record.clone().unbind(),
