@@ -111,6 +111,7 @@ impl RecordBuilder {
 
 /// One record field as its Python object (the one conversion of `Field`): `object`
 /// gives the caller's objects, `location` the record of a location.
+#[inline]
 pub fn field<'py, O>(
     py: Python<'py>,
     field: Field<'_, O>,
@@ -149,7 +150,9 @@ impl<'a, 'py> Fields<'a, 'py> {
         }
     }
 
-    /// One record of `builder` from `fields`, in declaration order.
+    /// One record of `builder` from `fields`, in declaration order. The caller's
+    /// objects are set as they are; the other fields are converted first, in order
+    /// (flags and `None` here, as `field` would: this is the bulk loop).
     fn build<const N: usize>(
         &mut self,
         builder: &RecordBuilder,
@@ -159,18 +162,46 @@ impl<'a, 'py> Fields<'a, 'py> {
             self.counts.resize_with(N, Last::default);
         }
         let py = self.py;
-        let mut converted = Vec::with_capacity(N);
-        for (column, value) in fields.into_iter().enumerate() {
-            converted.push(match value {
-                Field::Count(count) => {
-                    self.counts[column].get_or_try(count, || count.into_bound_py_any(py))?
-                }
-                Field::Text(text) => self.text(text),
-                Field::Location(at) => self.location(at)?,
-                other => field(py, other, Bound::clone, |_| unreachable_location())?,
-            });
+        let mut made: [Option<Bound<'py, PyAny>>; N] = [const { None }; N];
+        for ((column, value), slot) in fields.iter().enumerate().zip(&mut made) {
+            *slot = match *value {
+                Field::Object(_) => None,
+                Field::Flag(flag) => Some(PyBool::new(py, flag).to_owned().into_any()),
+                Field::None => Some(py.None().into_bound(py)),
+                other => Some(self.convert(column, other)?),
+            };
         }
-        builder.build_with(py, converted.into_iter().map(Ok))
+        builder.build_with(
+            self.py,
+            fields
+                .iter()
+                .zip(&made)
+                .map(|(value, made)| match (value, made) {
+                    (Field::Object(object), _) => Ok(*object),
+                    (_, Some(made)) => Ok(made),
+                    (_, None) => Err(PyRuntimeError::new_err(
+                        "internal error: a record field left unconverted",
+                    )),
+                }),
+        )
+    }
+
+    /// A field other than the caller's objects, `column` of its record.
+    #[inline]
+    fn convert(
+        &mut self,
+        column: usize,
+        value: Field<'_, Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = self.py;
+        match value {
+            Field::Count(count) => match self.counts.get_mut(column) {
+                Some(last) => last.get_or_try(count, || count.into_bound_py_any(py)),
+                None => count.into_bound_py_any(py),
+            },
+            Field::Text(text) => Ok(self.text(text)),
+            other => field(py, other, Bound::clone, |at| self.location(at)),
+        }
     }
 
     fn text(&mut self, text: &str) -> Bound<'py, PyAny> {
@@ -187,13 +218,6 @@ impl<'a, 'py> Fields<'a, 'py> {
         self.locations
             .get_or_try(at.code(), || location_of.call1((at.code(),)))
     }
-}
-
-/// Never called: `Fields::build` converts location fields itself.
-fn unreachable_location<'py>() -> PyResult<Bound<'py, PyAny>> {
-    Err(PyRuntimeError::new_err(
-        "internal error: a location field outside a bulk call",
-    ))
 }
 
 /// A materialisation record's fields: the core's, with its value's spec object (by
