@@ -107,24 +107,41 @@ impl RecordBuilder {
         record.setattr(self.class_name.bind(py), self.record.bind(py))?;
         Ok(record)
     }
+
+    /// One record from `fields` in declaration order, each set by `set(record, name,
+    /// column, field)`.
+    pub fn build_each<'py, F>(
+        &self,
+        py: Python<'py>,
+        fields: impl IntoIterator<Item = F>,
+        mut set: impl FnMut(&Bound<'py, PyAny>, &Bound<'py, PyString>, usize, F) -> PyResult<()>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let record = self.fill.bind(py).call0()?;
+        for (column, (name, value)) in self.names.iter().zip(fields).enumerate() {
+            set(&record, name.bind(py), column, value)?;
+        }
+        record.setattr(self.class_name.bind(py), self.record.bind(py))?;
+        Ok(record)
+    }
 }
 
-/// One record field as its Python object (the one conversion of `Field`): `object`
-/// gives the caller's objects, `location` the record of a location.
+/// Sets one record field (the one conversion of `Field`): the caller's objects as
+/// they are (`object` reads one), flags and `None` as the interpreter's own objects,
+/// and the others (counts, locations, texts) as `made` makes them.
 #[inline]
-pub fn field<'py, O>(
-    py: Python<'py>,
-    field: Field<'_, O>,
-    object: impl FnOnce(&O) -> Bound<'py, PyAny>,
-    location: impl FnOnce(Location) -> PyResult<Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    match field {
-        Field::Object(known) => Ok(object(known)),
-        Field::None => Ok(py.None().into_bound(py)),
-        Field::Flag(flag) => Ok(PyBool::new(py, flag).to_owned().into_any()),
-        Field::Count(count) => count.into_bound_py_any(py),
-        Field::Location(at) => location(at),
-        Field::Text(text) => Ok(PyString::new(py, text).into_any()),
+pub fn set_field<'a, 'py: 'a, O>(
+    record: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+    value: Field<'a, O>,
+    object: impl FnOnce(&'a O) -> &'a Bound<'py, PyAny>,
+    made: impl FnOnce(Field<'a, O>) -> PyResult<Bound<'py, PyAny>>,
+) -> PyResult<()> {
+    let py = record.py();
+    match value {
+        Field::Object(known) => record.setattr(name, object(known)),
+        Field::Flag(flag) => record.setattr(name, PyBool::new(py, flag)),
+        Field::None => record.setattr(name, py.None()),
+        other => record.setattr(name, made(other)?),
     }
 }
 
@@ -150,9 +167,7 @@ impl<'a, 'py> Fields<'a, 'py> {
         }
     }
 
-    /// One record of `builder` from `fields`, in declaration order. The caller's
-    /// objects are set as they are; the other fields are converted first, in order
-    /// (flags and `None` here, as `field` would: this is the bulk loop).
+    /// One record of `builder` from `fields`, in declaration order (see `set_field`).
     fn build<const N: usize>(
         &mut self,
         builder: &RecordBuilder,
@@ -162,46 +177,26 @@ impl<'a, 'py> Fields<'a, 'py> {
             self.counts.resize_with(N, Last::default);
         }
         let py = self.py;
-        let mut made: [Option<Bound<'py, PyAny>>; N] = [const { None }; N];
-        for ((column, value), slot) in fields.iter().enumerate().zip(&mut made) {
-            *slot = match *value {
-                Field::Object(_) => None,
-                Field::Flag(flag) => Some(PyBool::new(py, flag).to_owned().into_any()),
-                Field::None => Some(py.None().into_bound(py)),
-                other => Some(self.convert(column, other)?),
-            };
-        }
-        builder.build_with(
-            self.py,
-            fields
-                .iter()
-                .zip(&made)
-                .map(|(value, made)| match (value, made) {
-                    (Field::Object(object), _) => Ok(*object),
-                    (_, Some(made)) => Ok(made),
-                    (_, None) => Err(PyRuntimeError::new_err(
-                        "internal error: a record field left unconverted",
+        builder.build_each(py, fields, |record, name, column, value| {
+            set_field(
+                record,
+                name,
+                value,
+                |object| object,
+                |other| match other {
+                    Field::Count(count) => match self.counts.get_mut(column) {
+                        Some(last) => last.get_or_try(count, || count.into_bound_py_any(py)),
+                        None => count.into_bound_py_any(py),
+                    },
+                    Field::Location(at) => self.location(at),
+                    Field::Text(text) => Ok(self.text(text)),
+                    Field::Object(object) => Ok(object.clone()),
+                    Field::Flag(_) | Field::None => Err(PyRuntimeError::new_err(
+                        "internal error: a record field converted twice",
                     )),
-                }),
-        )
-    }
-
-    /// A field other than the caller's objects, `column` of its record.
-    #[inline]
-    fn convert(
-        &mut self,
-        column: usize,
-        value: Field<'_, Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let py = self.py;
-        match value {
-            Field::Count(count) => match self.counts.get_mut(column) {
-                Some(last) => last.get_or_try(count, || count.into_bound_py_any(py)),
-                None => count.into_bound_py_any(py),
-            },
-            Field::Text(text) => Ok(self.text(text)),
-            other => field(py, other, Bound::clone, |at| self.location(at)),
-        }
+                },
+            )
+        })
     }
 
     fn text(&mut self, text: &str) -> Bound<'py, PyAny> {

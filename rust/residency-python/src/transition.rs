@@ -4,14 +4,15 @@
 
 use std::sync::Arc;
 
+use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyTuple;
-use residency_core::report::TransitionFacts;
 pub(crate) use residency_core::report::now_ns;
+use residency_core::report::{Field, TransitionFacts};
 
-use crate::records::RecordBuilder;
+use crate::records::{RecordBuilder, set_field};
 
 /// The report records of `transitions`, in order, each built once.
 pub fn reports<'py>(
@@ -63,18 +64,21 @@ impl Transition {
     }
 
     fn build(&self, py: Python<'_>, builder: &RecordBuilder) -> PyResult<Py<PyAny>> {
-        let fields = self.facts.fields().into_iter().map(|value| {
-            crate::records::field(
-                py,
+        let fields = self.facts.fields();
+        let report = builder.build_each(py, fields, |record, name, _, value| {
+            set_field(
+                record,
+                name,
                 value,
-                |object| object.bind(py).clone(),
-                |_| {
-                    Err(PyRuntimeError::new_err(
-                        "internal error: a report names a location by code",
-                    ))
+                |object| object.bind(py),
+                |other| match other {
+                    Field::Count(count) => count.into_bound_py_any(py),
+                    _ => Err(PyRuntimeError::new_err(
+                        "internal error: a report field that is not a count",
+                    )),
                 },
             )
-        });
-        Ok(builder.build_with(py, fields)?.unbind())
+        })?;
+        Ok(report.unbind())
     }
 }
