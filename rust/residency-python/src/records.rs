@@ -145,7 +145,7 @@ pub fn set_field<'a, 'py: 'a, O>(
     }
 }
 
-/// The fields of records built in bulk, converted as `field` does, each distinct
+/// The fields of records built in bulk, set as `set_field` does, each distinct
 /// location and text once per call, and each column's byte count once per run of
 /// equal counts (a column mostly repeats the previous row's value).
 struct Fields<'a, 'py> {
