@@ -72,9 +72,6 @@ __all__ = ["Engine", "normalize_handles"]
 
 ValueT = TypeVar("ValueT", bound=TensorResident)
 
-_REASON_ENSURE_NOOP: Final = "destination already resident"
-_REASON_MOVE_NOOP: Final = "destination already owns the selected replica"
-_REASON_DROP_NOOP: Final = "materialization already absent"
 
 _MUST_PRESERVE: Final = Recoverability.MUST_PRESERVE
 _new_spec = trusted_builder(ResidencyValueSpec)
@@ -187,7 +184,6 @@ class Engine:
             PAGEABLE_HOST,
             PINNED_HOST,
             location_of,
-            (_REASON_ENSURE_NOOP, _REASON_MOVE_NOOP, _REASON_DROP_NOOP),
             _lowering.type_key,
             _new_spec,
             _MUST_PRESERVE,

@@ -86,9 +86,9 @@ const REMEMBERED: usize = 8;
 impl Context {
     /// From the engine's tuple: `(ensure, move, drop, discard, report_builder,
     /// runtime, native_measure, pinning_possible, pageable, pinned, location_of,
-    /// _, type_key, spec_builder, must_preserve,
-    /// new_lease, exclusive, cuda_count, new_hold, new_reservation,
-    /// normalize_handles, handle_class, (ensure, move, drop action builders))`.
+    /// type_key, spec_builder, must_preserve, new_lease, exclusive, cuda_count,
+    /// new_hold, new_reservation, normalize_handles, handle_class, (ensure, move, drop
+    /// action builders), disk, disk_code)`.
     pub fn from_tuple(items: &Bound<'_, PyTuple>) -> PyResult<Self> {
         let item = |index: usize| items.get_item(index).map(Bound::unbind);
         let builder = |index: usize, position: usize| -> PyResult<Py<RecordBuilder>> {
@@ -109,9 +109,9 @@ impl Context {
         let [ensure, move_, drop, discard] = ActionKind::ALL;
         Ok(Self {
             actions: [
-                (item(0)?, ensure, Some(builder(22, 0)?)),
-                (item(1)?, move_, Some(builder(22, 1)?)),
-                (item(2)?, drop, Some(builder(22, 2)?)),
+                (item(0)?, ensure, Some(builder(21, 0)?)),
+                (item(1)?, move_, Some(builder(21, 1)?)),
+                (item(2)?, drop, Some(builder(21, 2)?)),
                 (item(3)?, discard, None),
             ],
             report: items.get_item(4)?.cast::<RecordBuilder>()?.clone().unbind(),
@@ -132,18 +132,18 @@ impl Context {
                 })
                 .collect(),
             copy_options: [options(false)?, options(true)?],
-            type_key: item(12)?,
-            spec_builder: item(13)?,
-            must_preserve: item(14)?,
-            new_lease: item(15)?,
-            exclusive: item(16)?,
-            cuda_count: items.get_item(17)?.extract()?,
-            new_hold: item(18)?,
-            new_reservation: item(19)?,
-            normalize_handles: item(20)?,
-            handle_class: item(21)?,
-            disk: item(23)?,
-            disk_code: item(24)?,
+            type_key: item(11)?,
+            spec_builder: item(12)?,
+            must_preserve: item(13)?,
+            new_lease: item(14)?,
+            exclusive: item(15)?,
+            cuda_count: items.get_item(16)?.extract()?,
+            new_hold: item(17)?,
+            new_reservation: item(18)?,
+            normalize_handles: item(19)?,
+            handle_class: item(20)?,
+            disk: item(22)?,
+            disk_code: item(23)?,
             direct_actions: CallTable::default(),
             checked_streams: Recent::new(REMEMBERED),
             checked_cuda: Recent::new(REMEMBERED),
