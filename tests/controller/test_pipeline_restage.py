@@ -29,6 +29,26 @@ CUDA = cuda_location("cuda:0")
 NBYTES = 32  # torch.zeros(8)
 
 
+def _pinned_cycle(
+    manager: ResidencyManager, runtime: SimulatedRuntime, values: list[torch.Tensor], steps: int
+) -> tuple[list[Any], list[ResidencyRequest]]:
+    """``values`` adopted in simulated pinned memory, and the requests of one pass: step
+    ``i`` requires value ``i`` on cuda:0, for the first ``steps`` values."""
+    handles = [
+        manager.adopt(
+            runtime.pin(ResidentTensor(value.clone())),
+            at=PINNED_HOST,
+            replica_mode=ReplicaMode.REPLICABLE,
+        )
+        for value in values
+    ]
+    cycle = [
+        ResidencyRequest(f"step-{i}", [ResidencyRequirement(handles[i], CUDA)])
+        for i in range(steps)
+    ]
+    return handles, cycle
+
+
 def test_a_restaging_that_does_not_fit_before_the_body_waits_until_after_it() -> None:
     # Events complete only when the host waits: an ended step's values stay protected.
     runtime = SimulatedRuntime(1, auto_complete=False)
@@ -37,18 +57,7 @@ def test_a_restaging_that_does_not_fit_before_the_body_waits_until_after_it() ->
         manager = ResidencyManager({CUDA: 2 * NBYTES, PINNED_HOST: 3 * NBYTES})
     with manager:
         values = [torch.full((8,), float(i)) for i in range(3)]
-        handles = [
-            manager.adopt(
-                runtime.pin(ResidentTensor(value.clone())),
-                at=PINNED_HOST,
-                replica_mode=ReplicaMode.REPLICABLE,
-            )
-            for value in values
-        ]
-        cycle = [
-            ResidencyRequest(f"step-{i}", [ResidencyRequirement(handles[i], CUDA)])
-            for i in range(3)
-        ]
+        handles, cycle = _pinned_cycle(manager, runtime, values, 3)
         controller = ResidencyController(manager, policy=DeterministicTieredLRU())
         requests = cycle * 3  # the same request objects again: staged again
         seen = []
@@ -81,18 +90,7 @@ def _cycle_with_a_discard(policy_name: str, discard: int, at_step: int) -> tuple
     error = None
     with manager:
         values = [torch.full((8,), float(i)) for i in range(5)]
-        handles = [
-            manager.adopt(
-                runtime.pin(ResidentTensor(value.clone())),
-                at=PINNED_HOST,
-                replica_mode=ReplicaMode.REPLICABLE,
-            )
-            for value in values
-        ]
-        cycle = [
-            ResidencyRequest(f"step-{i}", [ResidencyRequirement(handles[i], CUDA)])
-            for i in range(4)
-        ]
+        handles, cycle = _pinned_cycle(manager, runtime, values, 4)
         requests = cycle * 4
         policy: Any = (
             DeterministicTieredLRU() if policy_name == "lru" else ScheduleAwarePolicy(requests)
