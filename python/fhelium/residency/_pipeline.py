@@ -52,6 +52,7 @@ from fhelium.residency.schedule import ScheduleAwarePolicy, deciding_at, positio
 __all__ = ["Pipeline"]
 
 _time_ns = time.time_ns
+_new_object = object.__new__
 
 
 class Pipeline:
@@ -676,15 +677,28 @@ class Pipeline:
             schedule = (schedule_index, position)
         blocking = None if wait else getattr(engine.runtime, "staged_events", False)
         (_, _, previous), (_, actions, lowered) = last
-        streams = self._streams(shape)
-        staged = Staged(shape, streams, engine)
+        streams = self.streams.get(shape.devices)
+        if streams is None:
+            streams = self._streams(shape)
+        # `Staged(shape, streams, engine)`, without its frame.
+        staged = _new_object(Staged)
+        staged.engine = engine
+        holds: list[int] = []
+        staged.holds = holds
+        staged.needs = shape.needs
+        staged.request = request
+        staged.shape = shape
+        staged.streams = streams
         tier = engine.disk  # reads from disk go to its I/O thread, as in `_stage`
         reads, deferred = tier.defer(engine.runtime)
         run = engine.plan_run()
         started = _time_ns()
         try:
             try:
-                with controller.lock:
+                # `with controller.lock`, spelled out: the same hold, fewer steps.
+                lock = controller.lock
+                lock.acquire()
+                try:
                     again = engine.stage_request(
                         lowering,
                         limit,
@@ -695,13 +709,15 @@ class Pipeline:
                         lowered.handles,
                         actions,
                         streams[1],
-                        (shape.holds, staged.holds),
+                        (shape.holds, holds),
                         native,
                         schedule,
                         None,
                         not ended,
                         blocking,
                     )
+                finally:
+                    lock.release()
             finally:
                 tier.undefer(deferred)
                 staged.reads = reads

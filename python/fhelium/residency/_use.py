@@ -501,7 +501,9 @@ class ResidencyUse:
                     raise
                 finally:
                     self._values = None
-                    scope.close(None, None, None)
+                    # `scope.close(None, None, None)`, inline.
+                    if scope._completed is None:
+                        scope._completed = max(scope._started, _time_ns())
                 self._exited = True
                 return False
             exits = [scope.close, entry.exit]
@@ -644,7 +646,13 @@ def enter_staged(
         if isinstance(policy, ScheduleAwarePolicy):
             engine.check_process()
             deciding_at(policy, policy.position)
-        unscoped = _Unscoped(request.name, _time_ns())
+        # `_Unscoped(request.name, now)`, without its frame.
+        unscoped = _new_object(_Unscoped)
+        unscoped._name = request.name
+        unscoped._started = _time_ns()
+        unscoped._completed = None
+        unscoped._report = None
+        unscoped.exit_error = None
         # The manager takes the holds out of ``holds`` and releases them, whatever
         # happens. Its leases are one object, released by the use's exit.
         view, step, use._step_tokens = engine.enter_step(engine, shape.entry, consumers, holds)
