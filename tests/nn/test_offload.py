@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,6 +232,23 @@ def engine_closed(manager: object) -> bool:
     from fhelium.residency.manager import engine_of
 
     return bool(engine_of(manager).core.closed)  # type: ignore[arg-type]
+
+
+def test_wrapped_forwards_keep_their_signatures(runtime: SimulatedRuntime) -> None:
+    # Model code reads a forward's signature: transformers' `generate` builds
+    # `position_ids` only for a forward that takes them, so a wrapper that hid it would
+    # change the model's computation.
+    model = Switch()
+    units = list(model.layers)
+    before = inspect.signature(model.forward)
+    with offload(model, budget=weights_nbytes(model) // 2):
+        assert inspect.signature(model.forward) == before
+        assert "reverse" in inspect.signature(model.forward).parameters
+        for layer in units:
+            assert inspect.signature(layer.forward) == inspect.signature(nn.Linear(2, 2).forward)
+        x = torch.randn(2, 16)
+        assert torch.equal(model(x, reverse=True), model(x, reverse=True))
+    assert inspect.signature(model.forward) == before
 
 
 def test_inference_only(runtime: SimulatedRuntime) -> None:

@@ -178,11 +178,28 @@ class Pipeline:
                     # A staged step without reservations, no headroom kept, the plain
                     # decider (`_enter`'s first case, without its frames).
                     del self.staged[index]
-                    entered = self._enter_staged(staged, request)
-                    if entered is None:  # (not with those conditions: as `_enter`)
+                    if request.reservations:
+                        # Not without reservations (`_enter_staged`'s refusal): as `_enter`.
                         staged.release()
-                        entered = enter(index, request, ended)
-                    use = self.current = entered
+                        use = self.current = enter(index, request, ended)
+                    else:
+                        # `_enter_staged`, inline (`self.native`: the plain decider).
+                        shape = staged.shape
+                        holds = staged.holds
+                        try:
+                            entered = enter_staged(
+                                self.controller, request, staged.streams, shape, holds
+                            )
+                        finally:
+                            # Leased now (or failed): any hold left (it was refused
+                            # first) goes here.
+                            if holds:
+                                staged.release()
+                        self.active = shape.needs
+                        if self.staged:
+                            # The headroom the steps still staged need (`_entered`).
+                            entered = self._entered(entered, shape.needs)
+                        use = self.current = entered
                 else:
                     use = self.current = enter(index, request, ended)
                 self.position = index + 1

@@ -11,6 +11,7 @@ and steps only put tensors in place (docs/concepts/offload.md#the-schedule,
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -294,6 +295,9 @@ class Wrappers:
         original = module.forward
         enter, leave = steps.unit_enter, steps.unit_exit
 
+        # With the module's own signature (`functools.wraps`): model code reads it
+        # (transformers' `generate` passes `position_ids` only to a forward that takes them).
+        @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             with lock:
                 enter(unit)
@@ -320,6 +324,7 @@ class Wrappers:
                 return item.to(device, non_blocking=True)
             return item
 
+        @functools.wraps(original)  # its signature, as `wrap_unit`'s
         def forward(*args: Any, **kwargs: Any) -> Any:
             with lock:
                 if device is not None:
