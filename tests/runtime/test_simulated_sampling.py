@@ -131,6 +131,24 @@ def test_a_new_storage_at_a_freed_one_s_address_is_its_own() -> None:
         assert runtime.placement(copied) == cuda_location("cuda:0")
         assert runtime.memory_sample(CUDA0) == (32, BLOCK)
         assert runtime.placement(ResidentTensor(torch.zeros(8))) == PAGEABLE_HOST
-    assert reused > 0, "no storage was allocated at a freed one's address: nothing checked"
     del copied
+    # Then many freed at once and as many made: the allocator hands the new storages the
+    # freed ones' addresses (whatever state earlier tests left its free lists in).
+    for _ in range(5):
+        batch = [
+            runtime.copy_to_cuda_measured(source, CUDA0, stream, non_blocking=True)[0]
+            for _ in range(64)
+        ]
+        freed = {copy.tensor.untyped_storage()._cdata for copy in batch}
+        del batch
+        batch = []
+        for _ in range(64):
+            copy, facts = runtime.copy_to_cuda_measured(source, CUDA0, stream, non_blocking=True)
+            reused += copy.tensor.untyped_storage()._cdata in freed
+            assert facts == runtime.measure(copy)
+            assert runtime.placement(copy) == cuda_location("cuda:0")
+            batch.append(copy)
+            assert runtime.memory_sample(CUDA0) == (32 * len(batch), BLOCK * len(batch))
+        del batch, copy
+    assert reused > 0, "no storage was allocated at a freed one's address: nothing checked"
     assert runtime.memory_sample(CUDA0) == (0, 0)
