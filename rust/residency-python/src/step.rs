@@ -436,7 +436,7 @@ pub fn enter_step(
                 let handles = manager
                     .context()
                     .normalized_handles(py, &group.get_item(1)?)?;
-                let stream = consumers.get_item(&at)?;
+                let stream = consumer_stream(consumers, &at)?;
                 let admitted =
                     lifetimes::admit_locked(manager, &host, &handles, &at, stream.as_ref(), false)?;
                 if stream.is_some() {
@@ -490,4 +490,21 @@ pub fn enter_step(
         }
     }
     entered
+}
+
+/// `consumers[at]` (None where absent), found first by identity: a pipeline's consumer
+/// streams are keyed by the locations its requests name, so the key is most often the
+/// very object, found without hashing it (a location's hash is a Python call).
+fn consumer_stream<'py>(
+    consumers: &Bound<'py, PyDict>,
+    at: &Bound<'py, PyAny>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if consumers.len() <= 4 {
+        for (key, stream) in consumers.iter() {
+            if key.is(at) {
+                return Ok(Some(stream));
+            }
+        }
+    }
+    consumers.get_item(at)
 }
