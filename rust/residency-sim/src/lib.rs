@@ -106,7 +106,7 @@ fn attr<'py>(object: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyAn
     object.getattr(name)
 }
 
-fn part<'py, T: pyo3::PyTypeCheck>(object: &Bound<'py, PyAny>, name: &str) -> PyResult<Py<T>> {
+fn part<T: pyo3::PyTypeCheck>(object: &Bound<'_, PyAny>, name: &str) -> PyResult<Py<T>> {
     Ok(attr(object, name)?.cast_into::<T>()?.unbind())
 }
 
@@ -707,13 +707,12 @@ impl SimulatedSeam {
         if let Some(source) = source {
             self.streams.bind(py).set_item(&handle, stream)?;
             let readers = self.readers.bind(py);
-            let read = match readers.get_item(source)? {
-                Some(read) => read.cast_into::<PyDict>()?,
-                None => {
-                    let read = PyDict::new(py);
-                    readers.set_item(source, &read)?;
-                    read
-                }
+            let read = if let Some(read) = readers.get_item(source)? {
+                read.cast_into::<PyDict>()?
+            } else {
+                let read = PyDict::new(py);
+                readers.set_item(source, &read)?;
+                read
             };
             read.set_item(&handle, position)?;
         }

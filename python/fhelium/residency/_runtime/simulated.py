@@ -407,7 +407,7 @@ class SimulatedRuntime(SimulatedStreams):
         if native is not None:
             made = native.copy(self, value, device, stream, non_blocking)
             if made is not None:
-                return made  # type: ignore[no-any-return]
+                return made
         # `_enter`, inline for the common case (no failure queued).
         if self._faults:
             self._enter("copy_to_cuda")
@@ -608,7 +608,7 @@ class SimulatedRuntime(SimulatedStreams):
         if native is not None:
             sample = native.memory_sample(self, device)
             if sample is not None:
-                return sample  # type: ignore[no-any-return]
+                return sample
         # `_enter`, inline for the common case (no failure queued).
         if self._faults:
             self._enter("memory_sample")
