@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 use residency_core::tables::{CallTable, Recent};
 use residency_core::{ActionKind, CudaDevices, Location, LocationKind, Refusal};
+use residency_sim::SimulatedSeam;
 
 use crate::errors::{refuse, to_py_err};
 use crate::kinds::kind_of;
@@ -28,6 +29,9 @@ pub struct Context {
     /// The runtime gives a CUDA copy's facts with the copy (`copy_to_cuda_measured`,
     /// an optional capability of the seam, docs/architecture.md#the-device-seam).
     pub(crate) measured_copies: bool,
+    /// A `SimulatedRuntime`'s native seam calls, which the copies, events and samples
+    /// take first (docs/concepts/simulation.md#native-calls).
+    pub(crate) seam: Option<Py<SimulatedSeam>>,
     pub(crate) pinning_possible: bool,
     /// Shared location records by code; `location_of` builds the others.
     pub(crate) pageable: Py<PyAny>,
@@ -120,6 +124,7 @@ impl Context {
             measured_copies: items
                 .get_item(5)?
                 .hasattr(intern!(items.py(), "copy_to_cuda_measured"))?,
+            seam: SimulatedSeam::of(&items.get_item(5)?)?.map(Bound::unbind),
             pinning_possible: items.get_item(7)?.extract()?,
             pageable: item(8)?,
             pinned: item(9)?,
@@ -260,6 +265,11 @@ impl Context {
 
     pub(crate) fn runtime<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
         self.runtime.bind(py)
+    }
+
+    /// The runtime's native seam calls, if it is a `SimulatedRuntime` with them.
+    pub(crate) fn seam(&self) -> Option<&SimulatedSeam> {
+        self.seam.as_ref().map(Py::get)
     }
 
     pub(crate) fn cuda_count(&self) -> u32 {

@@ -400,8 +400,15 @@ fn sample<'py>(
     let runtime = context.runtime.bind(py);
     // One call reads both figures (the runtime's `memory_sample`); `None` reads as
     // no reading, like a failure.
-    let figures = runtime
-        .call_method1(intern!(py, "memory_sample"), (device,))
+    let native = match context.seam() {
+        Some(seam) => seam.sample(runtime, device),
+        None => Ok(None),
+    };
+    let figures = native
+        .and_then(|native| match native {
+            Some(figures) => Ok(figures.into_any()),
+            None => runtime.call_method1(intern!(py, "memory_sample"), (device,)),
+        })
         .and_then(|figures| {
             if figures.is_none() {
                 let none = py.None().into_bound(py);
@@ -775,7 +782,14 @@ fn enqueue_cuda_copy<'py>(
 )> {
     let runtime = context.runtime.bind(py);
     let options = context.copy_options(py, non_blocking);
-    let (copied, facts) = if context.measured_copies {
+    let native = match context.seam() {
+        Some(seam) => seam.copy_measured(runtime, value, device, copy_stream, non_blocking)?,
+        None => None,
+    };
+    let (copied, facts) = if let Some(made) = native {
+        let facts = measure::copied_facts(&made);
+        (made.value, Some(facts))
+    } else if context.measured_copies {
         // The copy and what `measure` would say of it, from one call; `None` for
         // facts: the runtime could not say, and the copy is measured as usual.
         let made = runtime.call_method(
@@ -798,6 +812,13 @@ fn enqueue_cuda_copy<'py>(
         )?;
         (copied, None)
     };
-    let event = runtime.call_method1(intern!(py, "record_event"), (copy_stream,))?;
+    let event = match context.seam() {
+        Some(seam) => seam.record(runtime, copy_stream)?,
+        None => None,
+    };
+    let event = match event {
+        Some(event) => event,
+        None => runtime.call_method1(intern!(py, "record_event"), (copy_stream,))?,
+    };
     Ok((copied, facts, settle(runtime, event, asynchronous)?))
 }

@@ -135,13 +135,18 @@ impl<'py> LifetimeHost for Host<'_, 'py> {
     }
 
     fn query(&self, id: ObjectId) -> PyResult<bool> {
-        match self.event(id) {
-            Some(event) => self
-                .runtime
-                .call_method1(intern!(self.py, "event_query"), (event,))?
-                .is_truthy(),
-            None => Ok(true),
+        let Some(event) = self.event(id) else {
+            return Ok(true);
+        };
+        let event = event.bind(self.py);
+        if let Some(seam) = self.manager.context().seam() {
+            if let Some(completed) = seam.query(self.runtime, event)? {
+                return Ok(completed);
+            }
         }
+        self.runtime
+            .call_method1(intern!(self.py, "event_query"), (event,))?
+            .is_truthy()
     }
 
     fn wait(&self, id: ObjectId) -> PyResult<()> {
@@ -161,10 +166,16 @@ impl<'py> LifetimeHost for Host<'_, 'py> {
     }
 
     fn record(&self, stream: &Self::Stream) -> PyResult<Option<Py<PyAny>>> {
-        match self
-            .runtime
-            .call_method1(intern!(self.py, "record_event"), (stream,))
-        {
+        let native = match self.manager.context().seam() {
+            Some(seam) => seam.record(self.runtime, stream),
+            None => Ok(None),
+        };
+        match native.and_then(|native| match native {
+            Some(event) => Ok(event),
+            None => self
+                .runtime
+                .call_method1(intern!(self.py, "record_event"), (stream,)),
+        }) {
             Ok(event) => Ok(Some(event.unbind())),
             Err(err) if err.is_instance_of::<PyException>(self.py) => Ok(None),
             Err(err) => Err(err),

@@ -232,6 +232,23 @@ pub(crate) fn facts_of<'py>(facts: &Bound<'py, PyAny>) -> PyResult<Facts<'py>> {
     })
 }
 
+/// The facts of a simulated runtime's native copy (`residency_sim::Copied`): what its
+/// `measure` says of the copy.
+pub(crate) fn copied_facts<'py>(copied: &residency_sim::Copied<'py>) -> Facts<'py> {
+    let code = i64::try_from(copied.index).unwrap_or(ValueFacts::ELSEWHERE);
+    Facts {
+        device: Some(copied.device.clone()),
+        first: None,
+        facts: ValueFacts {
+            device_code: code,
+            pinned: Some(false),
+            logical: copied.nbytes,
+            storage: copied.nbytes,
+            keys: vec![(code, copied.pointer)],
+        },
+    }
+}
+
 /// Item `index` of what the runtime gave back: a tuple's (a named tuple's too) read
 /// directly, another sequence's indexed.
 pub(crate) fn item<'py>(sequence: &Bound<'py, PyAny>, index: usize) -> PyResult<Bound<'py, PyAny>> {

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 import torch
 
+from fhelium._core import SimulatedSeam
 from fhelium.residency._runtime.base import DeviceRuntime, MeasuredCopies, ValueFacts
 from fhelium.residency._runtime.simulated_cudart import SimulatedCudart
 from fhelium.residency._runtime.simulated_storage import (
@@ -36,7 +37,7 @@ from fhelium.residency._runtime.simulated_storage import (
 from fhelium.residency._runtime.simulated_streams import SimulatedStream, SimulatedStreams
 from fhelium.residency._runtime.timeline import Timeline, TimelineSpan, non_negative
 from fhelium.residency.location import PAGEABLE_HOST, PINNED_HOST, ResidencyLocation, cuda_location
-from fhelium.values.tensor_resident import TensorResident, host_copy, layout_copy
+from fhelium.values.tensor_resident import TensorResident, layout_copy
 
 __all__ = ["SimulatedCopy", "SimulatedRuntime"]
 
@@ -164,6 +165,10 @@ class SimulatedRuntime(SimulatedStreams):
         self._cudart = SimulatedCudart(
             self.current_device, self._stream_for_handle, self._record, self._query, self._wait
         )
+        # The common case of the hot seam methods, native, for this exact class (a
+        # subclass may replace what they stand for): docs/concepts/simulation.md#native-calls.
+        if type(self) is SimulatedRuntime:
+            self._native = SimulatedSeam(self, _OWN_METHODS)
 
     @property
     def name(self) -> str:
@@ -347,6 +352,11 @@ class SimulatedRuntime(SimulatedStreams):
                 the caller's work), or a device the runtime does not simulate.
             Exception: The failure queued by `fail_next` for this method, if any.
         """
+        native = self._native
+        if native is not None:
+            made = native.copy(self, value, device, stream, non_blocking)
+            if made is not None:
+                return made[0]  # type: ignore[no-any-return]
         # `_enter`, inline for the common case (no failure queued).
         if self._faults:
             self._enter("copy_to_cuda")
@@ -393,6 +403,11 @@ class SimulatedRuntime(SimulatedStreams):
             own = False
         if not own:
             return self.copy_to_cuda(value, device, stream, non_blocking=non_blocking), None
+        native = self._native
+        if native is not None:
+            made = native.copy(self, value, device, stream, non_blocking)
+            if made is not None:
+                return made
         # `_enter`, inline for the common case (no failure queued).
         if self._faults:
             self._enter("copy_to_cuda")
@@ -417,32 +432,10 @@ class SimulatedRuntime(SimulatedStreams):
         non_blocking: bool,
         measured: bool,
     ) -> tuple[_V, ValueFacts | None]:
-        """`copy_to_cuda`'s copy to device ``index`` on ``stream``, with its facts when
-        ``measured``. A plain one-tensor value without a timeline: `host_copy` (`to`'s
-        copy, without its frame), registered in one step (`register_copy`)."""
-        copied = host_copy(value) if self._timing is None else None
-        if copied is not None:
-            result, storage, source, nbytes = copied
-            location = self._cuda_locations[index]
-            if location is None:
-                location = self._cuda_locations[index] = cuda_location(self._devices[index])
-            record = _new_tuple(SimulatedCopy, (location, stream, non_blocking))
-            facts = self._storage.register_copy(
-                storage, nbytes, index, stream, source, self.copies, record
-            )
-            return result, (facts if measured else None)  # type: ignore[return-value]
-        return self._general_copy(value, index, stream, non_blocking, measured)
-
-    def _general_copy(
-        self,
-        value: _V,
-        index: int,
-        stream: SimulatedStream,
-        non_blocking: bool,
-        measured: bool,
-    ) -> tuple[_V, ValueFacts | None]:
-        """`_to_cuda` of any value: the source read, the copy (`to`'s), its registration,
-        timing and log entry."""
+        """`copy_to_cuda`'s copy of ``value`` to device ``index`` on ``stream``, with its
+        facts when ``measured``: the source read, the copy (`to`'s), its registration,
+        timing and log entry. (The common case is the native seam's,
+        `fhelium._core.SimulatedSeam.copy`.)"""
         tensors = value._resident_tensors
         target = self._devices[index]
         with self._lock:
@@ -611,6 +604,11 @@ class SimulatedRuntime(SimulatedStreams):
         Raises:
             Exception: The failure queued by `fail_next` for this method, if any.
         """
+        native = self._native
+        if native is not None:
+            sample = native.memory_sample(self, device)
+            if sample is not None:
+                return sample
         # `_enter`, inline for the common case (no failure queued).
         if self._faults:
             self._enter("memory_sample")
@@ -780,6 +778,17 @@ class SimulatedRuntime(SimulatedStreams):
         with self._lock:
             self.copies.append(SimulatedCopy(destination, stream, non_blocking))
 
+
+# What `SimulatedSeam` stands for, in its order: the class's own seam methods, taken
+# before anything may replace them.
+_OWN_METHODS: Final = (
+    SimulatedRuntime.copy_to_cuda_measured,
+    SimulatedRuntime.copy_to_cuda,
+    SimulatedRuntime.measure,
+    SimulatedRuntime.record_event,
+    SimulatedRuntime.event_query,
+    SimulatedRuntime.memory_sample,
+)
 
 if TYPE_CHECKING:
     # Static proof that the simulation satisfies the seam it stands in for, and has the

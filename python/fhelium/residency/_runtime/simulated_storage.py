@@ -15,7 +15,7 @@ import mmap
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Final, NamedTuple, TypeVar
+from typing import Final, NamedTuple
 
 import torch
 
@@ -42,8 +42,6 @@ _BLOCK: Final = 512
 _new_ref: Final = weakref.ref.__new__
 # A named tuple built without its Python ``__new__`` frame (every measurement is one).
 _new_tuple: Final = tuple.__new__
-# What the runtime logs of a copy (`StorageRegistry.register_copy`).
-_Record = TypeVar("_Record")
 
 
 class SimulatedHazard(NamedTuple):
@@ -406,68 +404,6 @@ class StorageRegistry:
                 self.reserved[code] += entry.reserved
                 entry.counted = True
 
-    def register_copy(
-        self,
-        storage: torch.UntypedStorage,
-        nbytes: int,
-        index: int,
-        owner: SimulatedStream,
-        source: torch.UntypedStorage,
-        log: list[_Record],
-        record: _Record,
-    ) -> ValueFacts:
-        """The bookkeeping of `SimulatedRuntime.copy_to_cuda`'s copy of a plain one-tensor
-        value (`host_copy`), under one hold of the lock: `register_locked` of the copy's
-        ``storage`` of ``nbytes`` (its tensor's too) on the simulated CUDA device of index
-        ``index``, allocated on ``owner``, with the copy's read of its ``source`` storage
-        on ``owner`` (`ReuseOrder.copied`: only a simulated device storage's read is
-        tracked), then ``record`` appended to ``log``. The same steps as
-        `register_locked`, without the loop and with `StorageEntry.make` inline (most
-        copies are of one tensor). Returns the copy's facts (`measure`'s one-tensor case,
-        from what the registration found)."""
-        device = self.devices[index]
-        # `entry`, inline.
-        read = self.entries.get(source._cdata)
-        read_key = read.key if read is not None and read.cuda and read() is source else None
-        # `with lock`, spelled out: the same hold of the lock, in half the time.
-        lock = self._lock
-        lock.acquire()
-        try:
-            if self.freed:
-                self.drain_freed_locked()
-            # An allocation on `owner` may reuse any block freed to its pool.
-            entry_owner, hazards = self._order.copied(owner, read_key)
-            if hazards:
-                for reader, freed_bytes in hazards:
-                    self._hazards.append(SimulatedHazard(device, owner, reader, freed_bytes))
-            entry = _new_ref(StorageEntry, storage, self._on_free)
-            entry.key = key = storage._cdata
-            entry.device = device
-            entry.code = index
-            entry.owner = entry_owner
-            entry.pinned = False
-            entry.cuda = True
-            entry.nbytes = nbytes
-            # `reserved_nbytes`, inline (the literal is `_BLOCK`).
-            entry.reserved = reserved = -(-nbytes // 512) * 512
-            entry.counted = True
-            entries = self.entries
-            previous = entries.get(key)
-            entries[key] = entry
-            if previous is not None and previous() is storage:
-                # The same storage, registered again (another storage's entry is a
-                # dead one's, waiting in `freed`).
-                self.uncount_locked(previous)
-            self.allocated[index] += nbytes
-            self.reserved[index] += reserved
-            log.append(record)
-        finally:
-            lock.release()
-        # One contiguous tensor over its whole storage: its bytes are the storage's.
-        return _new_tuple(
-            ValueFacts, (device, index, False, nbytes, nbytes, [(index, storage.data_ptr())])
-        )
-
     def uncount_locked(self, entry: StorageEntry) -> None:
         if entry.counted:
             entry.counted = False
@@ -500,7 +436,7 @@ class StorageRegistry:
     def sample(self, index: int) -> tuple[int, int]:
         """(allocated, reserved) bytes of the simulated device of index ``index``, after
         taking the freed out."""
-        # `with self._lock`, spelled out (as in `register_copy`): every transition reads.
+        # `with self._lock`, spelled out: every transition reads.
         lock = self._lock
         lock.acquire()
         try:

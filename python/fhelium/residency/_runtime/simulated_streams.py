@@ -17,6 +17,7 @@ from typing import Any, Final
 
 import torch
 
+from fhelium._core import SimulatedSeam
 from fhelium.residency._runtime._reuse import Clock, ReuseOrder
 from fhelium.residency._runtime.base import StagedEvent
 from fhelium.residency._runtime.simulated_devices import SimulatedDevices
@@ -198,6 +199,8 @@ class SimulatedStreams(SimulatedDevices):
         self._order: ReuseOrder[SimulatedStream] = ReuseOrder()
         self._timeline: Timeline | None = None
         self._timing: TimelineClock | None = None
+        # The native common case of the hot seam methods (`SimulatedRuntime` sets it).
+        self._native: SimulatedSeam | None = None
         if timeline is not None:
             self._timing = attach(timeline, self._lock, self._complete_timed_locked)
             self._timeline = timeline
@@ -407,6 +410,11 @@ class SimulatedStreams(SimulatedDevices):
             TypeError: ``stream`` is not a stream of this runtime.
             Exception: The failure queued by `fail_next` for this method, if any.
         """
+        native = self._native
+        if native is not None:
+            made = native.record_event(self, stream)
+            if made is not None:
+                return made  # type: ignore[no-any-return]
         # `_enter`, inline for the common case (no failure queued): every copy records one.
         if self._faults:
             self._enter("record_event")
@@ -488,6 +496,11 @@ class SimulatedStreams(SimulatedDevices):
             TypeError: ``event`` is not a `SimulatedEvent`.
             Exception: The failure queued by `fail_next` for this method, if any.
         """
+        native = self._native
+        if native is not None:
+            completed = native.event_query(self, event)
+            if completed is not None:
+                return completed
         # `_enter`, inline for the common case (no failure queued).
         if self._faults:
             self._enter("event_query")

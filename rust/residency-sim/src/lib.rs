@@ -1,0 +1,826 @@
+//! The simulated runtime's common-case seam calls, native
+//! (`fhelium.residency.simulation.SimulatedRuntime`, docs/concepts/simulation.md).
+//!
+//! A [`SimulatedSeam`] belongs to one `SimulatedRuntime` (of that exact class) and
+//! holds its parts: the registry's entries, counters and freed queue, the memory-reuse
+//! order's clocks, the copy log, the lock. Its methods do what the runtime's Python
+//! methods do in their common case (no failure queued, no timeline, events completing
+//! at once, a simulated stream, a plain one-tensor value), on the same objects under
+//! the same lock, and return `None`, having changed nothing, where that case does not
+//! apply: the Python method then does the whole call. The runtime's methods call them
+//! first; the binding calls them directly when the runtime's seam methods are its own
+//! (`SimulatedSeam::own`), sparing the Python frames of a pipeline step.
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
+
+/// The CUDA caching allocator's block: reserved bytes are whole blocks.
+pub const BLOCK: u64 = 512;
+
+/// A storage's bytes as the simulated allocator reserves them: whole blocks
+/// (`simulated_storage.reserved_nbytes`).
+pub const fn reserved_nbytes(nbytes: u64) -> u64 {
+    nbytes.div_ceil(BLOCK) * BLOCK
+}
+
+/// The seam methods the binding may call natively, in the order of `originals`.
+const COPY_MEASURED: usize = 0;
+const COPY: usize = 1;
+const MEASURE: usize = 2;
+const RECORD_EVENT: usize = 3;
+const EVENT_QUERY: usize = 4;
+const MEMORY_SAMPLE: usize = 5;
+const NAMES: [&str; 6] = [
+    "copy_to_cuda_measured",
+    "copy_to_cuda",
+    "measure",
+    "record_event",
+    "event_query",
+    "memory_sample",
+];
+
+/// One `SimulatedRuntime`'s parts, for its common-case seam calls (see the module).
+#[pyclass(module = "fhelium._core", frozen)]
+#[derive(Debug)]
+pub struct SimulatedSeam {
+    /// `SimulatedRuntime`'s own functions of `NAMES`, taken when its module loaded,
+    /// and the names, interned.
+    originals: Vec<Py<PyAny>>,
+    names: Vec<Py<PyString>>,
+    /// The address of the runtime it belongs to, which holds it.
+    runtime: usize,
+    lock: Py<PyAny>,
+    faults: Py<PyDict>,
+    devices: Py<PyTuple>,
+    indices: Py<PyDict>,
+    default_streams: Py<PyTuple>,
+    cuda_locations: Py<PyList>,
+    copies: Py<PyList>,
+    hazards: Py<PyList>,
+    auto_complete: bool,
+    timed: bool,
+    // The storage registry (`simulated_storage.StorageRegistry`).
+    entries: Py<PyDict>,
+    allocated: Py<PyList>,
+    reserved: Py<PyList>,
+    freed: Py<PyAny>,
+    on_free: Py<PyAny>,
+    // The memory-reuse order (`_reuse.ReuseOrder`).
+    order: Py<PyAny>,
+    seq: Py<PyDict>,
+    clean: Py<PySet>,
+    readers: Py<PyDict>,
+    streams: Py<PyDict>,
+    pools: Py<PyDict>,
+    host: Py<PyDict>,
+    knows: Py<PyDict>,
+    // Classes and helpers.
+    classes: Classes,
+}
+
+/// The classes and helpers the seam builds with, read once.
+#[derive(Debug)]
+struct Classes {
+    device: Py<PyAny>,
+    stream: Py<PyAny>,
+    event: Py<PyAny>,
+    entry: Py<PyAny>,
+    hazard: Py<PyAny>,
+    facts: Py<PyAny>,
+    copy: Py<PyAny>,
+    resident: Py<PyAny>,
+    tensor: Py<PyAny>,
+    parameter: Py<PyAny>,
+    strided: Py<PyAny>,
+    forward_ad: Py<PyAny>,
+    dual_levels_known: bool,
+    tuple_new: Py<PyAny>,
+    object_new: Py<PyAny>,
+    ref_new: Py<PyAny>,
+    cuda_location: Py<PyAny>,
+}
+
+fn attr<'py>(object: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    object.getattr(name)
+}
+
+fn part<T: pyo3::PyTypeCheck>(object: &Bound<'_, PyAny>, name: &str) -> PyResult<Py<T>> {
+    Ok(attr(object, name)?.cast_into::<T>()?.unbind())
+}
+
+#[pymethods]
+impl SimulatedSeam {
+    /// The parts of ``runtime``, a `SimulatedRuntime` whose construction is complete,
+    /// and ``originals``: its class's own functions, by `NAMES`.
+    #[new]
+    fn new(runtime: &Bound<'_, PyAny>, originals: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let py = runtime.py();
+        if originals.len() != NAMES.len() {
+            return Err(PyTypeError::new_err(
+                "originals: one function per seam method",
+            ));
+        }
+        let storage = attr(runtime, "_storage")?;
+        let order = attr(runtime, "_order")?;
+        let torch = py.import("torch")?;
+        let simulated = py.import("fhelium.residency._runtime.simulated")?;
+        let streams = py.import("fhelium.residency._runtime.simulated_streams")?;
+        let registry = py.import("fhelium.residency._runtime.simulated_storage")?;
+        let base = py.import("fhelium.residency._runtime.base")?;
+        let values = py.import("fhelium.values.tensor_resident")?;
+        let builtins = py.import("builtins")?;
+        let weakref = py.import("weakref")?;
+        let forward_ad = attr(&values, "_forward_ad")?;
+        let classes = Classes {
+            device: attr(&torch, "device")?.unbind(),
+            stream: attr(&streams, "SimulatedStream")?.unbind(),
+            event: attr(&streams, "SimulatedEvent")?.unbind(),
+            entry: attr(&registry, "StorageEntry")?.unbind(),
+            hazard: attr(&registry, "SimulatedHazard")?.unbind(),
+            facts: attr(&base, "ValueFacts")?.unbind(),
+            copy: attr(&simulated, "SimulatedCopy")?.unbind(),
+            resident: attr(&values, "ResidentTensor")?.unbind(),
+            tensor: attr(&torch, "Tensor")?.unbind(),
+            parameter: attr(&attr(&torch, "nn")?, "Parameter")?.unbind(),
+            strided: attr(&torch, "strided")?.unbind(),
+            dual_levels_known: forward_ad.hasattr("_current_level")?,
+            forward_ad: forward_ad.unbind(),
+            tuple_new: attr(&attr(&builtins, "tuple")?, "__new__")?.unbind(),
+            object_new: attr(&attr(&builtins, "object")?, "__new__")?.unbind(),
+            ref_new: attr(&attr(&weakref, "ref")?, "__new__")?.unbind(),
+            cuda_location: attr(&simulated, "cuda_location")?.unbind(),
+        };
+        Ok(Self {
+            originals: originals.iter().map(Bound::unbind).collect(),
+            runtime: runtime.as_ptr().addr(),
+            names: NAMES
+                .iter()
+                .map(|name| PyString::intern(py, name).unbind())
+                .collect(),
+            lock: attr(runtime, "_lock")?.unbind(),
+            faults: part(runtime, "_faults")?,
+            devices: part(runtime, "_devices")?,
+            indices: part(runtime, "_indices")?,
+            default_streams: part(runtime, "_default_streams")?,
+            cuda_locations: part(runtime, "_cuda_locations")?,
+            copies: part(runtime, "copies")?,
+            hazards: part(runtime, "hazards")?,
+            auto_complete: attr(runtime, "_auto_complete")?.is_truthy()?,
+            timed: !attr(runtime, "_timing")?.is_none(),
+            entries: part(&storage, "entries")?,
+            allocated: part(&storage, "allocated")?,
+            reserved: part(&storage, "reserved")?,
+            freed: attr(&storage, "freed")?.unbind(),
+            on_free: attr(&storage, "_on_free")?.unbind(),
+            seq: part(&order, "_seq")?,
+            clean: part(&order, "clean")?,
+            readers: part(&order, "readers")?,
+            streams: part(&order, "_streams")?,
+            pools: part(&order, "_pools")?,
+            host: part(&order, "_host")?,
+            knows: part(&order, "_knows")?,
+            order: order.unbind(),
+            classes,
+        })
+    }
+
+    /// `copy_to_cuda` (and `copy_to_cuda_measured`) of a plain one-tensor value
+    /// (`host_copy`'s case) to a simulated device, on a simulated stream of that device
+    /// or its default stream (``None``), with no failure queued and no timeline:
+    /// ``(copy, facts)``, counted as ``"copy_to_cuda"``. ``None`` otherwise, having done
+    /// nothing.
+    fn copy<'py>(
+        &self,
+        runtime: &Bound<'py, PyAny>,
+        value: &Bound<'py, PyAny>,
+        device: &Bound<'py, PyAny>,
+        stream: &Bound<'py, PyAny>,
+        non_blocking: bool,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let Some(copied) = self.copy_native(runtime, value, device, stream, non_blocking)? else {
+            return Ok(None);
+        };
+        let py = runtime.py();
+        let index = copied.index.into_pyobject(py)?.into_any();
+        let nbytes = copied.nbytes.into_pyobject(py)?.into_any();
+        let pointer = copied.pointer.into_pyobject(py)?.into_any();
+        let keys = PyList::new(py, [PyTuple::new(py, [index.clone(), pointer])?])?;
+        // One contiguous tensor over its whole storage: its bytes are the storage's.
+        let facts = self.tuple_of(
+            self.classes.facts.bind(py),
+            &[
+                copied.device,
+                index,
+                false.into_pyobject(py)?.to_owned().into_any(),
+                nbytes.clone(),
+                nbytes,
+                keys.into_any(),
+            ],
+        )?;
+        PyTuple::new(py, [copied.value, facts]).map(Some)
+    }
+
+    /// `record_event` on a simulated stream of a runtime whose events complete at once,
+    /// with no failure queued: the complete event. ``None`` otherwise.
+    fn record_event<'py>(
+        &self,
+        runtime: &Bound<'py, PyAny>,
+        stream: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = runtime.py();
+        if !self.auto_complete
+            || self.timed
+            || !self.faults.bind(py).is_empty()
+            || !stream.get_type().is(self.classes.stream.bind(py))
+        {
+            return Ok(None);
+        }
+        count(runtime, intern!(py, "record_event"))?;
+        // Complete at once: the host takes in its order now (`ReuseOrder.drained`), so
+        // the event keeps no clock.
+        let event = self
+            .classes
+            .object_new
+            .bind(py)
+            .call1((self.classes.event.bind(py),))?;
+        event.setattr(intern!(py, "_stream"), stream)?;
+        event.setattr(intern!(py, "_time"), py.None())?;
+        event.setattr(intern!(py, "_completed"), true)?;
+        event.setattr(intern!(py, "_clock"), py.None())?;
+        let handle = stream.getattr(intern!(py, "_handle"))?;
+        if !self.clean.bind(py).contains(&handle)? {
+            self.locked(py, || self.drained(&handle))?;
+        }
+        Ok(Some(event))
+    }
+
+    /// `event_query` of a `SimulatedEvent` without a timeline, with no failure queued.
+    /// ``None`` otherwise.
+    fn event_query(
+        &self,
+        runtime: &Bound<'_, PyAny>,
+        event: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<bool>> {
+        let py = runtime.py();
+        if self.timed
+            || !self.faults.bind(py).is_empty()
+            || !event.get_type().is(self.classes.event.bind(py))
+        {
+            return Ok(None);
+        }
+        count(runtime, intern!(py, "event_query"))?;
+        event
+            .getattr(intern!(py, "_completed"))?
+            .is_truthy()
+            .map(Some)
+    }
+
+    /// `memory_sample` of a simulated device, with no failure queued. ``None``
+    /// otherwise.
+    fn memory_sample<'py>(
+        &self,
+        runtime: &Bound<'py, PyAny>,
+        device: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let py = runtime.py();
+        if !self.faults.bind(py).is_empty() {
+            return Ok(None);
+        }
+        let Some(index) = self.index(device)? else {
+            return Ok(None);
+        };
+        count(runtime, intern!(py, "memory_sample"))?;
+        let (allocated, reserved) = self.locked(py, || {
+            self.drain(py)?;
+            Ok((
+                self.allocated.bind(py).get_item(index)?,
+                self.reserved.bind(py).get_item(index)?,
+            ))
+        })?;
+        Ok(Some(PyTuple::new(py, [allocated, reserved])?))
+    }
+}
+
+impl SimulatedSeam {
+    /// The seam of ``runtime`` when the binding may call it for the runtime's own seam
+    /// methods: a runtime built with one (a `SimulatedRuntime` of that exact class).
+    pub fn of<'py>(runtime: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, Self>>> {
+        let py = runtime.py();
+        let Some(seam) = runtime.getattr_opt(intern!(py, "_native"))? else {
+            return Ok(None);
+        };
+        // Its own seam, not one another object hands on (a wrapper of the runtime).
+        Ok(seam
+            .cast_into::<Self>()
+            .ok()
+            .filter(|seam| seam.get().runtime == runtime.as_ptr().addr()))
+    }
+
+    /// `copy` (see there) with the copy's facts as they are: for the binding, and for
+    /// `copy`, which builds the `ValueFacts`.
+    fn copy_native<'py>(
+        &self,
+        runtime: &Bound<'py, PyAny>,
+        value: &Bound<'py, PyAny>,
+        device: &Bound<'py, PyAny>,
+        stream: &Bound<'py, PyAny>,
+        non_blocking: bool,
+    ) -> PyResult<Option<Copied<'py>>> {
+        let py = runtime.py();
+        if self.timed || !self.faults.bind(py).is_empty() {
+            return Ok(None);
+        }
+        let Some(index) = self.index(device)? else {
+            return Ok(None);
+        };
+        let target = self.devices.bind(py).get_item(index)?;
+        let stream = if stream.is_none() {
+            self.default_streams.bind(py).get_item(index)?
+        } else if stream.get_type().is(self.classes.stream.bind(py))
+            && stream.getattr(intern!(py, "_device"))?.is(&target)
+        {
+            stream.clone()
+        } else {
+            return Ok(None);
+        };
+        let Some(source) = self.plain(value)? else {
+            return Ok(None);
+        };
+        count(runtime, intern!(py, "copy_to_cuda"))?;
+        self.copy_plain(&source, target, index, &stream, non_blocking)
+            .map(Some)
+    }
+
+    /// Whether ``runtime``'s seam methods ``names`` are its class's own: none replaced
+    /// on the instance (a test's spy) or on the class.
+    fn own(&self, runtime: &Bound<'_, PyAny>, names: &[usize]) -> PyResult<bool> {
+        let py = runtime.py();
+        for &name in names {
+            let Some(method) = runtime.getattr_opt(self.names[name].bind(py))? else {
+                return Ok(false);
+            };
+            let Some(function) = method.getattr_opt(intern!(py, "__func__"))? else {
+                return Ok(false);
+            };
+            if !function.is(self.originals[name].bind(py)) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// `copy_to_cuda_measured` for the binding: `copy` where none of the methods it
+    /// stands for is replaced.
+    pub fn copy_measured<'py>(
+        &self,
+        runtime: &Bound<'py, PyAny>,
+        value: &Bound<'py, PyAny>,
+        device: &Bound<'py, PyAny>,
+        stream: &Bound<'py, PyAny>,
+        non_blocking: bool,
+    ) -> PyResult<Option<Copied<'py>>> {
+        if !self.own(runtime, &[COPY_MEASURED, COPY, MEASURE])? {
+            return Ok(None);
+        }
+        self.copy_native(runtime, value, device, stream, non_blocking)
+    }
+
+    /// `record_event` for the binding, where it is the runtime's own.
+    pub fn record<'py>(
+        &self,
+        runtime: &Bound<'py, PyAny>,
+        stream: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        if !self.own(runtime, &[RECORD_EVENT])? {
+            return Ok(None);
+        }
+        self.record_event(runtime, stream)
+    }
+
+    /// `event_query` for the binding, where it is the runtime's own.
+    pub fn query(
+        &self,
+        runtime: &Bound<'_, PyAny>,
+        event: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<bool>> {
+        if !self.own(runtime, &[EVENT_QUERY])? {
+            return Ok(None);
+        }
+        self.event_query(runtime, event)
+    }
+
+    /// `memory_sample` for the binding, where it is the runtime's own.
+    pub fn sample<'py>(
+        &self,
+        runtime: &Bound<'py, PyAny>,
+        device: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        if !self.own(runtime, &[MEMORY_SAMPLE])? {
+            return Ok(None);
+        }
+        self.memory_sample(runtime, device)
+    }
+
+    /// The index of a simulated device given as a `torch.device` (else ``None``).
+    fn index(&self, device: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        let py = device.py();
+        if !device.get_type().is(self.classes.device.bind(py)) {
+            return Ok(None);
+        }
+        match self.indices.bind(py).get_item(device)? {
+            Some(index) => index.extract().map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// `f` with the runtime's lock held.
+    fn locked<T>(&self, py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+        let lock = self.lock.bind(py);
+        lock.call_method0(intern!(py, "acquire"))?;
+        let done = f();
+        lock.call_method0(intern!(py, "release"))?;
+        done
+    }
+
+    /// `host_copy`'s checks (`fhelium.values.tensor_resident.host_copy`): the tensor of
+    /// a plain `ResidentTensor` on the host, strided, not quantized, contiguous from
+    /// offset 0 over its whole, non-empty storage, without lazy conjugate or negative
+    /// bits, with its storage and their bytes; ``None`` for any other value.
+    fn plain<'py>(&self, value: &Bound<'py, PyAny>) -> PyResult<Option<Plain<'py>>> {
+        let py = value.py();
+        let classes = &self.classes;
+        if !value.get_type().is(classes.resident.bind(py)) {
+            return Ok(None);
+        }
+        let tensor = value.getattr(intern!(py, "_tensor"))?;
+        let kind = tensor.get_type();
+        if !(kind.is(classes.tensor.bind(py)) || kind.is(classes.parameter.bind(py)))
+            || tensor
+                .getattr(intern!(py, "layout"))?
+                .ne(classes.strided.bind(py))?
+            || tensor.getattr(intern!(py, "is_quantized"))?.is_truthy()?
+            || !tensor.getattr(intern!(py, "is_cpu"))?.is_truthy()?
+            || tensor
+                .call_method0(intern!(py, "storage_offset"))?
+                .is_truthy()?
+            || !tensor
+                .call_method0(intern!(py, "is_contiguous"))?
+                .is_truthy()?
+        {
+            return Ok(None);
+        }
+        let storage = tensor.call_method0(intern!(py, "untyped_storage"))?;
+        let nbytes: u64 = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
+        let tensor_nbytes: u64 = tensor.getattr(intern!(py, "nbytes"))?.extract()?;
+        if nbytes == 0
+            || tensor_nbytes != nbytes
+            || tensor.call_method0(intern!(py, "is_conj"))?.is_truthy()?
+            || tensor.call_method0(intern!(py, "is_neg"))?.is_truthy()?
+        {
+            return Ok(None);
+        }
+        Ok(Some(Plain {
+            tensor,
+            storage,
+            nbytes,
+        }))
+    }
+
+    /// The copy of a checked plain value to device `index` on `stream`, registered
+    /// (`register_copy`), logged, with its facts.
+    fn copy_plain<'py>(
+        &self,
+        source: &Plain<'py>,
+        target: Bound<'py, PyAny>,
+        index: usize,
+        stream: &Bound<'py, PyAny>,
+        non_blocking: bool,
+    ) -> PyResult<Copied<'py>> {
+        let py = target.py();
+        let classes = &self.classes;
+        // As `to`: detached first where autograd could see the copy.
+        let requires_grad = source
+            .tensor
+            .getattr(intern!(py, "requires_grad"))?
+            .is_truthy()?;
+        let detach = requires_grad
+            || !classes.dual_levels_known
+            || classes
+                .forward_ad
+                .bind(py)
+                .getattr(intern!(py, "_current_level"))?
+                .extract::<i64>()?
+                >= 0;
+        let field = if detach {
+            source.tensor.call_method0(intern!(py, "detach"))?
+        } else {
+            source.tensor.clone()
+        }
+        .call_method0(intern!(py, "clone"))?;
+        if requires_grad {
+            field.call_method1(intern!(py, "requires_grad_"), (true,))?;
+        }
+        let copy = classes
+            .object_new
+            .bind(py)
+            .call1((classes.resident.bind(py),))?;
+        copy.setattr(intern!(py, "_tensor"), &field)?;
+        let storage = field.call_method0(intern!(py, "untyped_storage"))?;
+        let location = match self.cuda_locations.bind(py).get_item(index)? {
+            location if !location.is_none() => location,
+            _ => {
+                let location = classes.cuda_location.bind(py).call1((&target,))?;
+                self.cuda_locations.bind(py).set_item(index, &location)?;
+                location
+            }
+        };
+        let record = self.tuple_of(
+            classes.copy.bind(py),
+            &[
+                location,
+                stream.clone(),
+                non_blocking.into_pyobject(py)?.to_owned().into_any(),
+            ],
+        )?;
+        self.register_copy(&storage, source, &target, index, stream, &record)?;
+        Ok(Copied {
+            value: copy,
+            device: target,
+            index,
+            nbytes: source.nbytes,
+            pointer: storage.call_method0(intern!(py, "data_ptr"))?.extract()?,
+        })
+    }
+
+    /// A named tuple of `class` built without its Python ``__new__`` frame.
+    fn tuple_of<'py>(
+        &self,
+        class: &Bound<'py, PyAny>,
+        items: &[Bound<'py, PyAny>],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = class.py();
+        self.classes
+            .tuple_new
+            .bind(py)
+            .call1((class, PyTuple::new(py, items)?))
+    }
+
+    /// `StorageRegistry.register_copy`: under one hold of the lock, the freed taken
+    /// out, the copy's read of its source and its allocation on `stream` in the reuse
+    /// order (`ReuseOrder.copied`), its storage's entry counted on device `index`, and
+    /// `record` logged.
+    fn register_copy<'py>(
+        &self,
+        storage: &Bound<'py, PyAny>,
+        source: &Plain<'py>,
+        target: &Bound<'py, PyAny>,
+        index: usize,
+        stream: &Bound<'py, PyAny>,
+        record: &Bound<'py, PyAny>,
+    ) -> PyResult<()> {
+        let py = storage.py();
+        let entries = self.entries.bind(py);
+        let cdata = intern!(py, "_cdata");
+        // The source's entry, if it is a registered simulated device storage.
+        let read = match entries.get_item(source.storage.getattr(cdata)?)? {
+            Some(read)
+                if read.getattr(intern!(py, "cuda"))?.is_truthy()?
+                    && read.call0()?.is(&source.storage) =>
+            {
+                Some(read.getattr(intern!(py, "key"))?)
+            }
+            _ => None,
+        };
+        self.locked(py, || {
+            self.drain(py)?;
+            let owner = self.copied(stream, read.as_ref())?;
+            if let Some(hazards) = owner.1 {
+                for found in hazards.try_iter()? {
+                    let found = found?.cast_into::<PyTuple>()?;
+                    let hazard = self.classes.hazard.bind(py).call1((
+                        target,
+                        stream,
+                        found.get_item(0)?,
+                        found.get_item(1)?,
+                    ))?;
+                    self.hazards.bind(py).append(hazard)?;
+                }
+            }
+            let entry = self.classes.ref_new.bind(py).call1((
+                self.classes.entry.bind(py),
+                storage,
+                self.on_free.bind(py),
+            ))?;
+            let key = storage.getattr(cdata)?;
+            let reserved = reserved_nbytes(source.nbytes);
+            entry.setattr(intern!(py, "key"), &key)?;
+            entry.setattr(intern!(py, "device"), target)?;
+            entry.setattr(intern!(py, "code"), index)?;
+            entry.setattr(intern!(py, "owner"), owner.0)?;
+            entry.setattr(intern!(py, "pinned"), false)?;
+            entry.setattr(intern!(py, "cuda"), true)?;
+            entry.setattr(intern!(py, "nbytes"), source.nbytes)?;
+            entry.setattr(intern!(py, "reserved"), reserved)?;
+            entry.setattr(intern!(py, "counted"), true)?;
+            let previous = entries.get_item(&key)?;
+            entries.set_item(&key, &entry)?;
+            if let Some(previous) = previous {
+                if previous.call0()?.is(storage) {
+                    // The same storage, registered again (another storage's entry is a
+                    // dead one's, waiting in `freed`).
+                    self.uncount(&previous)?;
+                }
+            }
+            add(self.allocated.bind(py), index, source.nbytes, true)?;
+            add(self.reserved.bind(py), index, reserved, true)?;
+            self.copies.bind(py).append(record)
+        })
+    }
+
+    /// `StorageRegistry.uncount_locked`.
+    fn uncount(&self, entry: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = entry.py();
+        if !entry.getattr(intern!(py, "counted"))?.is_truthy()? {
+            return Ok(());
+        }
+        entry.setattr(intern!(py, "counted"), false)?;
+        // Only a simulated device's entries are counted: `code` is its index.
+        let code: usize = entry.getattr(intern!(py, "code"))?.extract()?;
+        let nbytes: u64 = entry.getattr(intern!(py, "nbytes"))?.extract()?;
+        let reserved: u64 = entry.getattr(intern!(py, "reserved"))?.extract()?;
+        add(self.allocated.bind(py), code, nbytes, false)?;
+        add(self.reserved.bind(py), code, reserved, false)
+    }
+
+    /// `StorageRegistry.drain_freed_locked`, with the lock held: the storages freed
+    /// since the last call taken out of the registry and counters.
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        let freed = self.freed.bind(py);
+        let entries = self.entries.bind(py);
+        while freed.is_truthy()? {
+            let entry = freed.call_method0(intern!(py, "popleft"))?;
+            self.uncount(&entry)?;
+            // A storage registered again, or a new storage at the same address, has a
+            // newer entry there, which stays.
+            let key = entry.getattr(intern!(py, "key"))?;
+            if entries
+                .get_item(&key)?
+                .is_some_and(|found| found.is(&entry))
+            {
+                entries.del_item(&key)?;
+                // Its readers go to its owner's pool (none read: nothing to do).
+                if !self.readers.bind(py).is_empty()
+                    && entry.getattr(intern!(py, "cuda"))?.is_truthy()?
+                {
+                    self.order.bind(py).call_method1(
+                        intern!(py, "freed"),
+                        (
+                            key,
+                            entry.getattr(intern!(py, "nbytes"))?,
+                            entry.getattr(intern!(py, "owner"))?,
+                        ),
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `ReuseOrder.copied`, with the lock held: the allocation's owner (the stream's
+    /// handle) and `check`'s hazards where a stream has a pool to check.
+    fn copied<'py>(
+        &self,
+        stream: &Bound<'py, PyAny>,
+        source: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
+        let py = stream.py();
+        let handle = stream.getattr(intern!(py, "_handle"))?;
+        let seq = self.seq.bind(py);
+        let position = match seq.get_item(&handle)? {
+            Some(position) => position.extract::<u64>()? + 1,
+            None => 1,
+        };
+        seq.set_item(&handle, position)?;
+        self.clean.bind(py).discard(&handle)?;
+        if let Some(source) = source {
+            self.streams.bind(py).set_item(&handle, stream)?;
+            let readers = self.readers.bind(py);
+            let read = if let Some(read) = readers.get_item(source)? {
+                read.cast_into::<PyDict>()?
+            } else {
+                let read = PyDict::new(py);
+                readers.set_item(source, &read)?;
+                read
+            };
+            read.set_item(&handle, position)?;
+        }
+        let hazards = if self.pools.bind(py).is_empty() {
+            None
+        } else {
+            Some(
+                self.order
+                    .bind(py)
+                    .call_method1(intern!(py, "check"), (stream,))?,
+            )
+        };
+        Ok((handle, hazards))
+    }
+
+    /// `ReuseOrder.drained` of the stream of `handle`, with the lock held.
+    fn drained(&self, handle: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = handle.py();
+        let clean = self.clean.bind(py);
+        if clean.contains(handle)? {
+            return Ok(());
+        }
+        clean.add(handle)?;
+        let host = self.host.bind(py);
+        if let Some(knows) = self.knows.bind(py).get_item(handle)? {
+            for (other, position) in knows.cast_into::<PyDict>()?.iter() {
+                raise(host, &other, position.extract()?)?;
+            }
+        }
+        let position: u64 = match self.seq.bind(py).get_item(handle)? {
+            Some(position) => position.extract()?,
+            None => 0,
+        };
+        raise(host, handle, position)
+    }
+}
+
+/// A copy the seam made for the binding, with its facts: on the simulated device of
+/// `index` (`device`), one contiguous tensor over its whole storage of `nbytes` at
+/// `pointer` (`ValueFacts`: not pinned, `nbytes` logical and storage bytes, one key).
+#[derive(Debug)]
+pub struct Copied<'py> {
+    pub value: Bound<'py, PyAny>,
+    pub device: Bound<'py, PyAny>,
+    pub index: usize,
+    pub nbytes: u64,
+    pub pointer: u64,
+}
+
+/// A plain one-tensor value's tensor, storage and bytes (`SimulatedSeam::plain`).
+struct Plain<'py> {
+    tensor: Bound<'py, PyAny>,
+    storage: Bound<'py, PyAny>,
+    nbytes: u64,
+}
+
+/// `clock[key] = max(clock.get(key, 0), position)`.
+fn raise(clock: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>, position: u64) -> PyResult<()> {
+    let known: u64 = match clock.get_item(key)? {
+        Some(known) => known.extract()?,
+        None => 0,
+    };
+    if known < position {
+        clock.set_item(key, position)?;
+    }
+    Ok(())
+}
+
+/// `counters[index] += nbytes` (or `-=`).
+fn add(counters: &Bound<'_, PyList>, index: usize, nbytes: u64, up: bool) -> PyResult<()> {
+    let now: i64 = counters.get_item(index)?.extract()?;
+    let nbytes = i64::try_from(nbytes)?;
+    counters.set_item(index, if up { now + nbytes } else { now - nbytes })
+}
+
+/// One call of seam method `name` counted in the runtime's `calls` (which a test may
+/// replace: read each time), as `collections._count_elements` counts it: no Python
+/// code runs between the read and the write.
+fn count(runtime: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<()> {
+    let py = runtime.py();
+    let calls = runtime.getattr(intern!(py, "calls"))?;
+    let Ok(calls) = calls.cast::<PyDict>() else {
+        // Not a dict: as `_count_elements` counts in any mapping.
+        let counted = py.import("collections")?.getattr("_count_elements")?;
+        counted.call1((calls, (name,)))?;
+        return Ok(());
+    };
+    let now: u64 = match calls.get_item(name)? {
+        Some(now) => now.extract()?,
+        None => 0,
+    };
+    calls.set_item(name, now + 1)
+}
+
+/// Registers the seam's class in the extension module.
+pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<SimulatedSeam>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserved_bytes_are_whole_blocks() {
+        assert_eq!(reserved_nbytes(0), 0);
+        assert_eq!(reserved_nbytes(1), 512);
+        assert_eq!(reserved_nbytes(512), 512);
+        assert_eq!(reserved_nbytes(513), 1024);
+    }
+}
