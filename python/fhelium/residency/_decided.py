@@ -349,7 +349,7 @@ class StagedRuns:
         # (decided request, discards, the core's decision), then what ran for it.
         self.last: tuple[tuple[Any, ...], _Run] | None = None
         # The discard count, and the native arguments a staging runs `last` again with
-        # (`_pipeline.Pipeline._restage_first`), lowered at that count: they serve any
+        # (`_restaging.restage_first`), lowered at that count: they serve any
         # `last` decided at it.
         self.kit: tuple[Any, ...] | None = None
 

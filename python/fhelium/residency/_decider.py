@@ -272,7 +272,7 @@ class Decider:
         configuration, schedule index or None)``, all lowered while the manager had
         discarded ``discards`` values; None otherwise. A pipeline keeps them for the
         staging of ``request`` in a cyclic schedule's steady state and makes the call
-        under `lock` (`_pipeline.Pipeline._restage_first`): once a value is discarded,
+        under `lock` (`_restaging.restage_first`): once a value is discarded,
         the core refuses the lowering (and the schedule) as stale, and the staging is
         decided afresh."""
         policy = self.policy

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import time
 from collections.abc import Generator, Iterable, Mapping
 from functools import partial
-from typing import Any, NoReturn
+from typing import Any
 
 from fhelium.errors import (
     ResidencyBudgetError,
@@ -20,6 +19,7 @@ from fhelium.errors import (
 from fhelium.residency import _plans
 from fhelium.residency._decided import staged_found_run, staged_run
 from fhelium.residency._decider import Decider
+from fhelium.residency._restaging import restage, restage_first
 from fhelium.residency._staging import (
     Shape,
     Staged,
@@ -47,12 +47,9 @@ from fhelium.residency._validation import require_count
 from fhelium.residency.lease import ResidencyReservation, release_deferred
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.request import ResidencyRequest
-from fhelium.residency.schedule import ScheduleAwarePolicy, deciding_at, position_after
+from fhelium.residency.schedule import ScheduleAwarePolicy, position_after
 
 __all__ = ["Pipeline"]
-
-_time_ns = time.time_ns
-_new_object = object.__new__
 
 
 class Pipeline:
@@ -118,13 +115,13 @@ class Pipeline:
         ] = {}
         self.position = 0
         # Its controller is the plain decider with a built-in policy: a staging may run
-        # its last plan again (`_restage_first`).
+        # its last plan again (`_restaging.restage_first`).
         self.native = type(controller) is Decider and controller.identity is not None
         self.closed = False
         # Dropped (or collected) rather than closed: set by the pipeline's finalizer.
         self.dropped = False
 
-    def _streams(
+    def streams_of(
         self, shape: Shape
     ) -> tuple[dict[ResidencyLocation, Any], dict[ResidencyLocation, Any]]:
         """The consumer and transfer streams of a request with ``shape``, made once per
@@ -217,7 +214,7 @@ class Pipeline:
                     # case, its last plan run again when decided again).
                     later, upcoming = ahead[1]
                     try:
-                        again = self._restage_first(later, later - index, upcoming, ended, False)
+                        again = restage_first(self, later, later - index, upcoming, ended, False)
                     except Exception as error:
                         self.held = error  # raised after the body, as `_stage_ahead` does
                     else:
@@ -257,7 +254,7 @@ class Pipeline:
             except BaseException as failure:
                 error = error or failure
         try:
-            self._forget_reads(staged)
+            self.forget_reads(staged)
         except BaseException as failure:
             error = error or failure
         try:
@@ -346,7 +343,7 @@ class Pipeline:
             wait_oldest(engine, ended)
         settled = False
         shape = shape_of(controller, request)
-        consumers, transfers = self._streams(shape)
+        consumers, transfers = self.streams_of(shape)
         while True:
             use = use_for_step(controller, request, consumers, transfers, shape.cuda, shape.grouped)
             try:
@@ -423,9 +420,9 @@ class Pipeline:
             if error is not None:
                 raise error
         finally:
-            self._forget_reads(staged)
+            self.forget_reads(staged)
 
-    def _forget_reads(self, staged: dict[int, Staged]) -> None:
+    def forget_reads(self, staged: dict[int, Staged]) -> None:
         """Steps given up before their turn: the copies of their failed deferred reads
         are dropped (nobody needs the value now; its next use reads it again)."""
         for step in staged.values():
@@ -516,7 +513,7 @@ class Pipeline:
         free, may hold better victims): with ``wait``, the oldest ended step is waited
         for and the step decided again, until none is left to wait for."""
         if self.native and not self.staged:
-            restaged = self._restage_first(index, distance, request, ended, wait)
+            restaged = restage_first(self, index, distance, request, ended, wait)
             if restaged is not None:
                 return restaged
         controller = self.controller
@@ -556,7 +553,7 @@ class Pipeline:
             try:
                 if last is not None:
                     # Its last staging's plan, run again when decided again.
-                    again = self._restage(index, request, position, shape, last, ended, blocking)
+                    again = restage(self, index, request, position, shape, last, ended, blocking)
                     blocking = None
                     if again is None:
                         return False  # its copies would block the host
@@ -597,7 +594,7 @@ class Pipeline:
                 if not release_on_device(engine, ended):
                     wait_oldest(engine, ended)
                 continue
-            streams = self._streams(shape)
+            streams = self.streams_of(shape)
             staged = Staged(shape, streams, engine)
             # Under the plan's hold of the manager, what it made resident is held (a
             # hold per location, `Shape.holds`) before any other thread can evict it,
@@ -627,7 +624,7 @@ class Pipeline:
                     tier.undefer(previous)
                     staged.reads = reads
             except ResidencyStaleStateError:
-                self._forget_reads({index: staged})
+                self.forget_reads({index: staged})
                 # Another thread changed the manager since the decision: decide again,
                 # or leave the step to be staged (or entered) later.
                 stale += 1
@@ -640,183 +637,7 @@ class Pipeline:
                 try:
                     staged.release()
                 finally:
-                    self._forget_reads({index: staged})
+                    self.forget_reads({index: staged})
                 raise
             self.staged[index] = staged
             return True
-
-    def _restage_first(
-        self,
-        index: int,
-        distance: int,
-        request: ResidencyRequest,
-        ended: collections.deque[list[int]],
-        wait: bool,
-    ) -> bool | None:
-        """`_stage`'s first decision where nothing else is staged and the step's request,
-        without reservations, was staged before since the last discard (a cyclic
-        schedule's steady state): its last plan runs again if decided again, by the
-        native call `Decider.restage` makes, its arguments kept with the request's runs
-        (`StagedRuns.kit`, lowered while as many values were discarded as when that plan
-        was; a value discarded since makes the core refuse them). Whether
-        the step is staged; None where this does not apply or the search decided
-        otherwise (nothing ran: `_stage` decides afresh)."""
-        controller: Decider = self.controller  # type: ignore[assignment]
-        shape = controller.shapes.get(id(request))
-        if shape is None or shape.request is not request or shape.needs:
-            return None
-        runs = shape.runs
-        last = runs.last
-        if last is None or last[0][0] is not request:
-            return None
-        engine = controller.engine
-        pending_among = engine.pending_among
-        while ended and not pending_among(ended[0]):
-            ended.popleft()  # completed on their own: nothing to wait for
-        kit = runs.kit
-        if kit is None or kit[0] != last[0][1]:
-            discards = engine.discard_count()
-            if last[0][1] != discards:
-                return None
-            arguments = controller.rerun_arguments(request, discards)
-            if arguments is None:
-                return None  # not lowered for it yet: `_stage` runs it again (`_restage`)
-            kit = runs.kit = (discards, *arguments)
-        _, lowering, limit, cuda_count, native, schedule_index = kit
-        schedule = None
-        if schedule_index is not None:
-            # As `Decider.restage`: a forked child is refused first, and a one-pass
-            # schedule that has run out says so.
-            engine.check_process()
-            policy: ScheduleAwarePolicy = controller.policy  # type: ignore[assignment]
-            position = position_after(policy, policy.position, distance - 1)
-            deciding_at(policy, position)
-            schedule = (schedule_index, position)
-        blocking = None if wait else getattr(engine.runtime, "staged_events", False)
-        (_, _, previous), (_, actions, lowered) = last
-        streams = self.streams.get(shape.devices)
-        if streams is None:
-            streams = self._streams(shape)
-        # `Staged(shape, streams, engine)`, without its frame.
-        staged = _new_object(Staged)
-        staged.engine = engine
-        holds: list[int] = []
-        staged.holds = holds
-        staged.needs = shape.needs
-        staged.request = request
-        staged.shape = shape
-        staged.streams = streams
-        tier = engine.disk  # reads from disk go to its I/O thread, as in `_stage`
-        reads, deferred = tier.defer(engine.runtime)
-        run = engine.plan_run()
-        started = _time_ns()
-        try:
-            try:
-                # `with controller.lock`, spelled out: the same hold, fewer steps.
-                lock = controller.lock
-                lock.acquire()
-                try:
-                    again = engine.stage_request(
-                        lowering,
-                        limit,
-                        cuda_count,
-                        previous,
-                        run,
-                        lowered.ir,
-                        lowered.handles,
-                        actions,
-                        streams[1],
-                        (shape.holds, holds),
-                        native,
-                        schedule,
-                        None,
-                        not ended,
-                        blocking,
-                    )
-                finally:
-                    lock.release()
-            finally:
-                tier.undefer(deferred)
-                staged.reads = reads
-        except BaseException as error:
-            if run.phase is None and not len(run) and not staged.holds:
-                # The search's (nothing ran): as `_stage`, not staged now; with
-                # ``wait``, it waits and decides again.
-                if isinstance(error, (ResidencyPlanError, ResidencyBudgetError)):
-                    return None if wait else False
-                raise
-            try:
-                self._restage_failed(index, request, run, staged, started, error, actions)
-            except (ResidencyPlanError, ResidencyBudgetError):
-                return None if wait else False  # as the search's refusal
-        if again is None:
-            return False  # its copies would block the host
-        found, ran = again
-        if ran:
-            self.staged[index] = staged
-            return True
-        if found is not None and not found.feasible:
-            return None if wait else False  # as the search's refusal
-        return None
-
-    def _restage_failed(
-        self,
-        index: int,
-        request: ResidencyRequest,
-        run: Any,
-        staged: Staged,
-        started: int,
-        error: BaseException,
-        actions: tuple[Any, ...],
-    ) -> NoReturn:
-        """Raises what a staging's plan run again raised for ``error`` once it had run
-        (part of) its plan: what the plan committed stays; a failed read's copy goes."""
-        try:
-            staged.release()
-        finally:
-            self._forget_reads({index: staged})
-        failure = _plans.staging_failure(request.name, run, started, error, actions)
-        if failure is error:
-            raise error
-        raise failure from error
-
-    def _restage(
-        self,
-        index: int,
-        request: ResidencyRequest,
-        position: int | None,
-        shape: Shape,
-        last: tuple[tuple[Any, ...], Any],
-        ended: collections.deque[list[int]],
-        blocking: bool | None,
-    ) -> tuple[tuple[tuple[Any, Any], int, int], bool] | None:
-        """Step ``index``'s staging where its last staging of ``request`` ran ``last``:
-        when the search decides the same (evicting nothing while ``ended`` steps are
-        pending), that plan runs again in the same hold of the manager, its values held
-        (`Decider.restage`). The search's result, and whether the step is staged; None,
-        with ``blocking``, when its copies would block the host; errors as `decide_found`
-        and `_stage`'s run raise them, its holds released."""
-        controller: Decider = self.controller  # type: ignore[assignment]
-        engine = controller.engine
-        (_, _, previous), (_, actions, lowered) = last
-        streams = self._streams(shape)
-        staged = Staged(shape, streams, engine)
-        tier = engine.disk  # reads from disk go to its I/O thread, as in `_stage`
-        reads, deferred = tier.defer(engine.runtime)
-        run = engine.plan_run()
-        started = _time_ns()
-        hold = (shape.holds, staged.holds)
-        rerun = (previous, run, lowered.ir, lowered.handles, actions, streams[1], hold)
-        try:
-            try:
-                again = controller.restage(request, position, rerun, not ended, blocking)
-            finally:
-                tier.undefer(deferred)
-                staged.reads = reads
-        except BaseException as error:
-            if run.phase is None and not len(run) and not staged.holds:
-                raise  # the search's (nothing ran)
-            self._restage_failed(index, request, run, staged, started, error, actions)
-        if again is not None and again[1]:
-            self.staged[index] = staged
-        return again

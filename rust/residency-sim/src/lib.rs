@@ -49,6 +49,9 @@ pub struct SimulatedSeam {
     /// and the names, interned.
     originals: Vec<Py<PyAny>>,
     names: Vec<Py<PyString>>,
+    /// The runtime's own attribute dict, where a method replaced on the instance (a
+    /// test's spy) goes; `None` for an instance without one.
+    instance: Option<Py<PyDict>>,
     /// The address of the runtime it belongs to, which holds it.
     runtime: usize,
     lock: Py<PyAny>,
@@ -155,6 +158,10 @@ impl SimulatedSeam {
         Ok(Self {
             originals: originals.iter().map(Bound::unbind).collect(),
             runtime: runtime.as_ptr().addr(),
+            instance: match runtime.getattr_opt(intern!(py, "__dict__"))? {
+                Some(own) => Some(own.cast_into::<PyDict>()?.unbind()),
+                None => None,
+            },
             names: NAMES
                 .iter()
                 .map(|name| PyString::intern(py, name).unbind())
@@ -357,11 +364,20 @@ impl SimulatedSeam {
     /// on the instance (a test's spy) or on the class.
     fn own(&self, runtime: &Bound<'_, PyAny>, names: &[usize]) -> PyResult<bool> {
         let py = runtime.py();
+        let instance = self.instance.as_ref().map(|own| own.bind(py));
+        let class = runtime.get_type();
         for &name in names {
-            let Some(method) = runtime.getattr_opt(self.names[name].bind(py))? else {
+            let key = self.names[name].bind(py);
+            // Replaced on the instance: its own attribute shadows the class's function
+            // (looked up in its dict: no bound method is made).
+            if let Some(own) = instance
+                && own.contains(key)?
+            {
                 return Ok(false);
-            };
-            let Some(function) = method.getattr_opt(intern!(py, "__func__"))? else {
+            }
+            // Replaced on the class (or a class of its own set since): what the class
+            // gives is another function.
+            let Some(function) = class.getattr_opt(key)? else {
                 return Ok(false);
             };
             if !function.is(self.originals[name].bind(py)) {

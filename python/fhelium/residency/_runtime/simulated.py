@@ -391,13 +391,14 @@ class SimulatedRuntime(SimulatedStreams):
             ValueError: A stream of another device, or a device the runtime does not simulate.
             Exception: The failure queued by `fail_next` for ``copy_to_cuda``, if any.
         """
-        # Replaced by a subclass, or on the instance (a test's spy): theirs, then. (By
-        # the bound methods: reading the instance's `__dict__` would make CPython
-        # build it, and every attribute read of the runtime slower from then on.)
+        # Replaced by a subclass, on the class, or on the instance (a test's spy):
+        # theirs, then.
         try:
             own = (
-                self.copy_to_cuda.__func__ is SimulatedRuntime.copy_to_cuda  # type: ignore[attr-defined]
-                and self.measure.__func__ is SimulatedRuntime.measure  # type: ignore[attr-defined]
+                # The class's own functions as defined (`_OWN_METHODS`): one replaced on
+                # the class is not its own either.
+                self.copy_to_cuda.__func__ is _OWN_METHODS[1]  # type: ignore[attr-defined]
+                and self.measure.__func__ is _OWN_METHODS[2]  # type: ignore[attr-defined]
             )
         except AttributeError:  # not a method: a function set on the instance
             own = False

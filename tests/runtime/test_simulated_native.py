@@ -1,0 +1,142 @@
+"""The simulated runtime's native calls (docs/concepts/simulation.md#native-calls): a
+`SimulatedRuntime` does the common case of its hottest seam methods natively, and the
+manager's binding calls them directly only while the methods are the class's own.
+
+Two things must hold: a method replaced on the instance (a test's spy) or on the class
+is called, as before; and nothing observable differs from the Python methods (a
+subclass, which never gets the native calls, is the reference)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from fhelium.errors import ResidencyPlanExecutionError
+from fhelium.residency import (
+    PINNED_HOST,
+    ReplicaMode,
+    ResidencyController,
+    ResidencyManager,
+    ResidencyRequest,
+    ResidencyRequirement,
+    cuda_location,
+)
+from fhelium.residency.simulation import SimulatedRuntime, use_runtime
+from fhelium.values import ResidentTensor
+
+CUDA0 = torch.device("cuda", 0)
+ON_CUDA0 = cuda_location("cuda:0")
+LAYERS = 6
+NBYTES = 32
+
+
+class PythonPath(SimulatedRuntime):
+    """The same runtime, without native calls (only the exact class gets them)."""
+
+
+def _cycle(runtime: SimulatedRuntime, passes: int = 2) -> dict[str, Any]:
+    """A pipeline of pinned layers cycling through a cuda:0 that holds half of them;
+    returns what the runtime observed."""
+    stream = runtime.current_stream(CUDA0)
+    with use_runtime(runtime):
+        manager = ResidencyManager({ON_CUDA0: LAYERS // 2 * NBYTES, PINNED_HOST: 1 << 20})
+    try:
+        layers = [
+            manager.adopt(
+                runtime.pin(ResidentTensor(torch.full((8,), float(index)))),
+                at=PINNED_HOST,
+                replica_mode=ReplicaMode.REPLICABLE,
+            )
+            for index in range(LAYERS)
+        ]
+        requests = [
+            ResidencyRequest(
+                f"step-{step}", [ResidencyRequirement(layers[step % LAYERS], ON_CUDA0)]
+            )
+            for step in range(LAYERS * passes)
+        ]
+        controller = ResidencyController(manager)
+        read: list[float] = []
+        samples: list[tuple[int, int] | None] = []
+        runtime.calls.clear()
+        with controller.run(requests, prefetch=1, consumer_streams={ON_CUDA0: stream}) as run:
+            for step in run:
+                value = step.value(step.request.requirements[0].handle, at=ON_CUDA0)
+                assert runtime.placement(value) == ON_CUDA0
+                read.append(float(value.tensor[0]))
+                samples.append(runtime.memory_sample(CUDA0))
+        return {
+            "read": read,
+            "samples": samples,
+            "calls": dict(runtime.calls),
+            "copies": [(copy.destination, copy.non_blocking) for copy in runtime.copies],
+            "hazards": list(runtime.hazards),
+            "pending": runtime.pending_event_count(),
+            "after": runtime.memory_sample(CUDA0),
+        }
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("auto_complete", [True, False], ids=["auto-complete", "pending"])
+def test_the_native_calls_observe_what_the_python_methods_do(auto_complete: bool) -> None:
+    native = _cycle(SimulatedRuntime(1, auto_complete=auto_complete))
+    python = _cycle(PythonPath(1, auto_complete=auto_complete))
+    assert native == python
+    assert native["read"] == [float(step % LAYERS) for step in range(2 * LAYERS)]
+    assert native["calls"]["copy_to_cuda"] >= LAYERS  # the copies were counted
+    assert native["hazards"] == []
+
+
+# Each seam method the binding may call natively, and a spy that stands in for it.
+SEAM = ("copy_to_cuda", "copy_to_cuda_measured", "measure", "record_event", "event_query")
+
+
+@pytest.fixture
+def spied() -> list[str]:
+    return []
+
+
+def _spy(name: str, calls: list[str], original: Callable[..., Any]) -> Callable[..., Any]:
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    return spy
+
+
+@pytest.mark.parametrize("name", SEAM)
+def test_a_method_replaced_on_the_instance_is_called(name: str, spied: list[str]) -> None:
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    setattr(runtime, name, _spy(name, spied, getattr(runtime, name)))
+    result = _cycle(runtime)
+    assert name in spied, f"{name} replaced on the instance was never called"
+    assert result["read"] == [float(step % LAYERS) for step in range(2 * LAYERS)]
+    # Put back: the native calls take over again, and the spy is no longer called.
+    delattr(runtime, name)
+    spied.clear()
+    assert _cycle(runtime)["read"] == result["read"]
+    assert spied == []
+
+
+@pytest.mark.parametrize("name", SEAM)
+def test_a_method_replaced_on_the_class_is_called(
+    name: str, spied: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    original = getattr(SimulatedRuntime, name)
+    monkeypatch.setattr(SimulatedRuntime, name, _spy(name, spied, original))
+    result = _cycle(runtime)
+    assert name in spied, f"{name} replaced on the class was never called"
+    assert result["read"] == [float(step % LAYERS) for step in range(2 * LAYERS)]
+
+
+def test_a_failure_queued_reaches_the_manager_through_the_native_calls() -> None:
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    runtime.fail_next("copy_to_cuda", RuntimeError("injected"))
+    with pytest.raises(ResidencyPlanExecutionError) as raised:
+        _cycle(runtime)
+    assert "injected" in repr(raised.value.__cause__)
