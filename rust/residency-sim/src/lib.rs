@@ -54,7 +54,9 @@ pub struct SimulatedSeam {
     instance: Option<Py<PyDict>>,
     /// The address of the runtime it belongs to, which holds it.
     runtime: usize,
-    lock: Py<PyAny>,
+    /// The runtime's lock's bound `acquire` and `release`, taken once.
+    acquire: Py<PyAny>,
+    release: Py<PyAny>,
     faults: Py<PyDict>,
     devices: Py<PyTuple>,
     indices: Py<PyDict>,
@@ -166,7 +168,8 @@ impl SimulatedSeam {
                 .iter()
                 .map(|name| PyString::intern(py, name).unbind())
                 .collect(),
-            lock: attr(runtime, "_lock")?.unbind(),
+            acquire: attr(&attr(runtime, "_lock")?, "acquire")?.unbind(),
+            release: attr(&attr(runtime, "_lock")?, "release")?.unbind(),
             faults: part(runtime, "_faults")?,
             devices: part(runtime, "_devices")?,
             indices: part(runtime, "_indices")?,
@@ -244,7 +247,7 @@ impl SimulatedSeam {
         {
             return Ok(None);
         }
-        count(runtime, intern!(py, "record_event"))?;
+        self.count(runtime, intern!(py, "record_event"))?;
         // Complete at once: the host takes in its order now (`ReuseOrder.drained`), so
         // the event keeps no clock.
         let event = self
@@ -277,7 +280,7 @@ impl SimulatedSeam {
         {
             return Ok(None);
         }
-        count(runtime, intern!(py, "event_query"))?;
+        self.count(runtime, intern!(py, "event_query"))?;
         event
             .getattr(intern!(py, "_completed"))?
             .is_truthy()
@@ -298,7 +301,7 @@ impl SimulatedSeam {
         let Some(index) = self.index(device)? else {
             return Ok(None);
         };
-        count(runtime, intern!(py, "memory_sample"))?;
+        self.count(runtime, intern!(py, "memory_sample"))?;
         let (allocated, reserved) = self.locked(py, || {
             self.drain(py)?;
             Ok((
@@ -355,7 +358,7 @@ impl SimulatedSeam {
         let Some(source) = self.plain(value)? else {
             return Ok(None);
         };
-        count(runtime, intern!(py, "copy_to_cuda"))?;
+        self.count(runtime, intern!(py, "copy_to_cuda"))?;
         self.copy_plain(&source, target, index, &stream, non_blocking)
             .map(Some)
     }
@@ -450,13 +453,36 @@ impl SimulatedSeam {
             None => Ok(None),
         }
     }
+    /// One call of seam method ``name`` counted in ``runtime.calls`` (read from the
+    /// runtime's own dict, where it is kept: a test may set a new counter), as
+    /// `collections._count_elements` counts it.
+    fn count(&self, runtime: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<()> {
+        let py = runtime.py();
+        let calls = match self.instance.as_ref() {
+            Some(own) => match own.bind(py).get_item(intern!(py, "calls"))? {
+                Some(calls) => calls,
+                None => runtime.getattr(intern!(py, "calls"))?,
+            },
+            None => runtime.getattr(intern!(py, "calls"))?,
+        };
+        let Ok(calls) = calls.cast::<PyDict>() else {
+            // Not a dict: as `_count_elements` counts in any mapping.
+            let counted = py.import("collections")?.getattr("_count_elements")?;
+            counted.call1((calls, (name,)))?;
+            return Ok(());
+        };
+        let now: u64 = match calls.get_item(name)? {
+            Some(now) => now.extract()?,
+            None => 0,
+        };
+        calls.set_item(name, now + 1)
+    }
 
     /// `f` with the runtime's lock held.
     fn locked<T>(&self, py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
-        let lock = self.lock.bind(py);
-        lock.call_method0(intern!(py, "acquire"))?;
+        self.acquire.bind(py).call0()?;
         let done = f();
-        lock.call_method0(intern!(py, "release"))?;
+        self.release.bind(py).call0()?;
         done
     }
 
@@ -807,21 +833,6 @@ fn add(counters: &Bound<'_, PyList>, index: usize, nbytes: u64, up: bool) -> PyR
 /// One call of seam method `name` counted in the runtime's `calls` (which a test may
 /// replace: read each time), as `collections._count_elements` counts it: no Python
 /// code runs between the read and the write.
-fn count(runtime: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<()> {
-    let py = runtime.py();
-    let calls = runtime.getattr(intern!(py, "calls"))?;
-    let Ok(calls) = calls.cast::<PyDict>() else {
-        // Not a dict: as `_count_elements` counts in any mapping.
-        let counted = py.import("collections")?.getattr("_count_elements")?;
-        counted.call1((calls, (name,)))?;
-        return Ok(());
-    };
-    let now: u64 = match calls.get_item(name)? {
-        Some(now) => now.extract()?,
-        None => 0,
-    };
-    calls.set_item(name, now + 1)
-}
 
 /// Registers the seam's class in the extension module.
 pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
