@@ -830,10 +830,6 @@ fn add(counters: &Bound<'_, PyList>, index: usize, nbytes: u64, up: bool) -> PyR
     counters.set_item(index, if up { now + nbytes } else { now - nbytes })
 }
 
-/// One call of seam method `name` counted in the runtime's `calls` (which a test may
-/// replace: read each time), as `collections._count_elements` counts it: no Python
-/// code runs between the read and the write.
-
 /// Registers the seam's class in the extension module.
 pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<SimulatedSeam>()
