@@ -225,22 +225,33 @@ fn in_use(
     }
 }
 
+#[cold]
+fn not_issued(handle: HandleId) -> CoreError {
+    CoreError::Internal {
+        message: format!("handle index {handle} is not issued by this manager"),
+    }
+}
+
+#[cold]
+fn discarded(record: &ValueRecord) -> CoreError {
+    handle_error(format!("Value {:?} is discarded", record.handle_id))
+}
+
 impl Inner {
+    // Every operation looks its record up: inlined, with the errors out of line.
+    #[inline]
     fn record(&self, handle: HandleId) -> CoreResult<&Arc<ValueRecord>> {
-        self.state
-            .record(handle)
-            .ok_or_else(|| CoreError::Internal {
-                message: format!("handle index {handle} is not issued by this manager"),
-            })
+        match self.state.record(handle) {
+            Some(record) => Ok(record),
+            None => Err(not_issued(handle)),
+        }
     }
 
+    #[inline]
     fn live_record(&self, handle: HandleId) -> CoreResult<&Arc<ValueRecord>> {
         let record = self.record(handle)?;
         if record.discarded {
-            return Err(handle_error(format!(
-                "Value {:?} is discarded",
-                record.handle_id
-            )));
+            return Err(discarded(record));
         }
         Ok(record)
     }

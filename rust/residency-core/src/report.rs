@@ -71,7 +71,9 @@ pub const REPORT_FIELDS: usize = 14;
 
 impl<O> TransitionFacts<O> {
     /// The facts of a transition that completed now.
-    #[inline]
+    // On every transition's path: built in the caller's frame, not moved out of a call.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     #[allow(clippy::too_many_arguments)] // the report's fields
     pub fn completed_now(
         action: O,

@@ -220,6 +220,22 @@ pub struct HandleName([u64; 2]);
 const SCRAMBLE: u32 = 0x9E37_79B1;
 const UNSCRAMBLE: u32 = 0x0E8B_2F51;
 
+/// Each byte's value as a lower-case hex digit; 0xFF for every other byte.
+const HEX_DIGIT: [u8; 256] = {
+    let mut table = [0xFF; 256];
+    let mut digit = 0u8;
+    while digit < 16 {
+        let byte = if digit < 10 {
+            b'0' + digit
+        } else {
+            b'a' + digit - 10
+        };
+        table[byte as usize] = digit;
+        digit += 1;
+    }
+    table
+};
+
 impl HandleName {
     /// A fresh random id that also carries `index`, scrambled under the manager's
     /// `key`, in 32 of its random bits: looking a handle up by its id then needs no
@@ -240,16 +256,16 @@ impl HandleName {
         if bytes.len() != 36 {
             return None;
         }
+        // Every handle lookup reads these digits: by table, without a branch per digit.
         let mut scrambled: u32 = 0;
+        let mut digits = 0u8;
         for &byte in &bytes[28..] {
-            let digit = match byte {
-                b'0'..=b'9' => byte - b'0',
-                b'a'..=b'f' => byte - b'a' + 10,
-                _ => return None,
-            };
-            scrambled = (scrambled << 4) | u32::from(digit);
+            let digit = HEX_DIGIT[usize::from(byte)];
+            digits |= digit;
+            scrambled = (scrambled << 4) | u32::from(digit & 0xF);
         }
-        Some((scrambled ^ key).wrapping_mul(UNSCRAMBLE))
+        // A byte that is no lower-case hex digit reads with its high bits set.
+        (digits & 0xF0 == 0).then(|| (scrambled ^ key).wrapping_mul(UNSCRAMBLE))
     }
 
     /// Whether `text` is exactly this id's hyphenated lower-case spelling
@@ -355,6 +371,19 @@ mod handle_name_tests {
             None
         );
         assert_eq!(HandleName::index_in_text("handle-1", 0xDEAD_BEEF), None);
+        // Any byte of the last eight that is no lower-case hex digit refuses the text.
+        for position in 28..36 {
+            for wrong in [b'A', b'F', b'g', b'/', b':', b'`', b'-', 0x7F] {
+                let mut bytes = text.clone().into_bytes();
+                bytes[position] = wrong;
+                let wrong = String::from_utf8_lossy(&bytes).into_owned();
+                assert_eq!(
+                    HandleName::index_in_text(&wrong, 0xDEAD_BEEF),
+                    None,
+                    "{wrong}"
+                );
+            }
+        }
         assert_ne!(HandleName::issue(41, 0xDEAD_BEEF), name);
     }
 }

@@ -148,7 +148,7 @@ fn one_action<'py>(
             step: &step,
             started,
         };
-        ran(py, PlanRun::new().perform(&step.action, index, &mut device))
+        ran(py, PlanRun::perform_one(&step.action, index, &mut device))
     })?;
     Ok(transition
         .report(py, manager.context().report_builder(py))?
@@ -378,6 +378,7 @@ fn execute_step<'py>(
 }
 
 /// The location record of `place`: `named` is the record the action names.
+#[inline]
 fn place<'py>(
     context: &Context,
     py: Python<'py>,

@@ -155,8 +155,7 @@ impl CoreManager {
 
     /// Releases a lifetime token at once when the gate is free and nothing is queued
     /// (a token already gone is no error); `false` sends the caller down the waiting
-    /// path (nothing has changed then).
-    /// A lease released is no longer tracked.
+    /// path (nothing has changed then). A lease released is no longer tracked.
     pub(crate) fn release_now(&self, kind: LifetimeKind, token: u64) -> bool {
         let forget = |id| drop(self.objects.take(id));
         match self.core.release_now(kind.into(), token, forget) {

@@ -25,7 +25,7 @@ use residency_core::entries::{
 };
 use residency_core::report::Field;
 use residency_core::tables::{ByCode, Last};
-use residency_core::{ActionOutcome, Location, Materialization, ValueRecord};
+use residency_core::{ActionOutcome, FastMap, Location, Materialization, ValueRecord};
 
 /// Builds instances of one record class from field values in declaration order.
 #[pyclass(frozen, module = "fhelium._core", name = "RecordBuilder")]
@@ -237,8 +237,8 @@ pub fn value_entries<'a, 'py>(
     let mut fields = Fields::new(py, location_of);
     // Equal materialisations (same spec, place and counts) share one record, and a
     // value with only that materialisation shares its one-element tuple too.
-    let mut shared: HashMap<MaterializationKey, (Bound<'py, PyAny>, Bound<'py, PyAny>)> =
-        HashMap::new();
+    let mut shared: FastMap<MaterializationKey, (Bound<'py, PyAny>, Bound<'py, PyAny>)> =
+        FastMap::default();
     let mut entries = Vec::with_capacity(objects.len());
     for (record, (handle, spec)) in values.into_iter().zip(objects) {
         let spec = spec.bind(py);

@@ -6,7 +6,7 @@
 //! parent's: nothing is finalized there. The tracking outlives a close, so leases
 //! still alive are finalized at exit.
 
-use crate::tokens::{Freed, LifetimeKind, ObjectId};
+use crate::tokens::{Freed, LifetimeKind, ObjectId, Release};
 
 use super::{LifetimeHost, Manager};
 
@@ -75,9 +75,27 @@ impl Manager {
         token: u64,
         forget: impl FnOnce(ObjectId),
     ) -> Option<Freed> {
-        let freed = self.try_release_now(kind, token)?;
-        if kind == LifetimeKind::Lease {
-            self.untrack_lease(token, forget);
+        // `try_release_now`, the tracking ended under the same lock as the release.
+        if self.check_process().is_err()
+            || self.releases_queued()
+            || !matches!(self.try_enter(false, true), Ok(true))
+        {
+            return None;
+        }
+        let mut freed = Freed::default();
+        let tracked = {
+            let mut inner = self.inner();
+            inner.apply(Release::Token { kind, token }, &mut freed);
+            if kind == LifetimeKind::Lease {
+                inner.tracked.remove(&token)
+            } else {
+                None
+            }
+        };
+        self.exit();
+        if let Some(id) = tracked {
+            forget(id);
+            self.inner().book.unref_let_go(id);
         }
         Some(freed)
     }

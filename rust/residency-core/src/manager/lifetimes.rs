@@ -27,7 +27,7 @@ pub enum SettleWait<'a, O> {
 
 impl Inner {
     /// Applies one release; what it frees is added to `freed`.
-    fn apply(&mut self, release: Release, freed: &mut Freed) {
+    pub(super) fn apply(&mut self, release: Release, freed: &mut Freed) {
         match release {
             Release::Token { kind, token } => match kind {
                 LifetimeKind::Lease => {

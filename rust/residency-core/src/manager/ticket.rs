@@ -155,10 +155,11 @@ impl Manager {
         asynchronous: bool,
     ) -> CoreResult<Begun> {
         let mut inner = self.inner();
-        let record = Arc::clone(inner.live_record(handle)?);
+        let record = inner.live_record(handle)?;
         if record.is_resident(at) {
             return Ok(Begun::NoOp { source: None });
         }
+        let record = Arc::clone(record);
         if record.spec.is_exclusive() && !record.materializations.is_empty() {
             return Err(CoreError::Ownership {
                 message: format!(
