@@ -16,6 +16,10 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
 
+mod registry;
+
+pub use registry::{SimulatedStorages, Slot, StorageFreed, Table};
+
 /// The CUDA caching allocator's block: reserved bytes are whole blocks.
 pub const BLOCK: u64 = 512;
 
@@ -66,12 +70,8 @@ pub struct SimulatedSeam {
     hazards: Py<PyList>,
     auto_complete: bool,
     timed: bool,
-    // The storage registry (`simulated_storage.StorageRegistry`).
-    entries: Py<PyDict>,
-    allocated: Py<PyList>,
-    reserved: Py<PyList>,
-    freed: Py<PyAny>,
-    on_free: Py<PyAny>,
+    // The storage registry's data (`simulated_storage.StorageRegistry.native`).
+    storages: Py<SimulatedStorages>,
     // The memory-reuse order (`_reuse.ReuseOrder`).
     order: Py<PyAny>,
     seq: Py<PyDict>,
@@ -91,7 +91,6 @@ struct Classes {
     device: Py<PyAny>,
     stream: Py<PyAny>,
     event: Py<PyAny>,
-    entry: Py<PyAny>,
     hazard: Py<PyAny>,
     facts: Py<PyAny>,
     copy: Py<PyAny>,
@@ -103,7 +102,6 @@ struct Classes {
     dual_levels_known: bool,
     tuple_new: Py<PyAny>,
     object_new: Py<PyAny>,
-    ref_new: Py<PyAny>,
     cuda_location: Py<PyAny>,
 }
 
@@ -136,13 +134,11 @@ impl SimulatedSeam {
         let base = py.import("fhelium.residency._runtime.base")?;
         let values = py.import("fhelium.values.tensor_resident")?;
         let builtins = py.import("builtins")?;
-        let weakref = py.import("weakref")?;
         let forward_ad = attr(&values, "_forward_ad")?;
         let classes = Classes {
             device: attr(&torch, "device")?.unbind(),
             stream: attr(&streams, "SimulatedStream")?.unbind(),
             event: attr(&streams, "SimulatedEvent")?.unbind(),
-            entry: attr(&registry, "StorageEntry")?.unbind(),
             hazard: attr(&registry, "SimulatedHazard")?.unbind(),
             facts: attr(&base, "ValueFacts")?.unbind(),
             copy: attr(&simulated, "SimulatedCopy")?.unbind(),
@@ -154,7 +150,6 @@ impl SimulatedSeam {
             forward_ad: forward_ad.unbind(),
             tuple_new: attr(&attr(&builtins, "tuple")?, "__new__")?.unbind(),
             object_new: attr(&attr(&builtins, "object")?, "__new__")?.unbind(),
-            ref_new: attr(&attr(&weakref, "ref")?, "__new__")?.unbind(),
             cuda_location: attr(&simulated, "cuda_location")?.unbind(),
         };
         Ok(Self {
@@ -179,11 +174,7 @@ impl SimulatedSeam {
             hazards: part(runtime, "hazards")?,
             auto_complete: attr(runtime, "_auto_complete")?.is_truthy()?,
             timed: !attr(runtime, "_timing")?.is_none(),
-            entries: part(&storage, "entries")?,
-            allocated: part(&storage, "allocated")?,
-            reserved: part(&storage, "reserved")?,
-            freed: attr(&storage, "freed")?.unbind(),
-            on_free: attr(&storage, "_on_free")?.unbind(),
+            storages: part(&storage, "native")?,
             seq: part(&order, "_seq")?,
             clean: part(&order, "clean")?,
             readers: part(&order, "readers")?,
@@ -302,14 +293,14 @@ impl SimulatedSeam {
             return Ok(None);
         };
         self.count(runtime, intern!(py, "memory_sample"))?;
-        let (allocated, reserved) = self.locked(py, || {
+        let sample = self.locked(py, || {
             self.drain(py)?;
-            Ok((
-                self.allocated.bind(py).get_item(index)?,
-                self.reserved.bind(py).get_item(index)?,
-            ))
+            Ok(self.storages.get().sample(index))
         })?;
-        Ok(Some(PyTuple::new(py, [allocated, reserved])?))
+        let Some(sample) = sample else {
+            return Ok(None);
+        };
+        sample.into_pyobject(py).map(Some)
     }
 }
 
@@ -623,16 +614,14 @@ impl SimulatedSeam {
         record: &Bound<'py, PyAny>,
     ) -> PyResult<()> {
         let py = storage.py();
-        let entries = self.entries.bind(py);
-        let cdata = intern!(py, "_cdata");
-        // The source's entry, if it is a registered simulated device storage.
-        let read = match entries.get_item(source.storage.getattr(cdata)?)? {
-            Some(read)
-                if read.getattr(intern!(py, "cuda"))?.is_truthy()?
-                    && read.call0()?.is(&source.storage) =>
-            {
-                Some(read.getattr(intern!(py, "key"))?)
-            }
+        let storages = self.storages.get();
+        // The source's key, if it is a registered simulated device storage.
+        let read = match storages.lookup(&source.storage)? {
+            Some((_, code, _)) if code >= 0 => Some(
+                source
+                    .storage
+                    .getattr(intern!(py, "_cdata"))?,
+            ),
             _ => None,
         };
         self.locked(py, || {
@@ -650,81 +639,21 @@ impl SimulatedSeam {
                     self.hazards.bind(py).append(hazard)?;
                 }
             }
-            let entry = self.classes.ref_new.bind(py).call1((
-                self.classes.entry.bind(py),
-                storage,
-                self.on_free.bind(py),
-            ))?;
-            let key = storage.getattr(cdata)?;
-            let reserved = reserved_nbytes(source.nbytes);
-            entry.setattr(intern!(py, "key"), &key)?;
-            entry.setattr(intern!(py, "device"), target)?;
-            entry.setattr(intern!(py, "code"), index)?;
-            entry.setattr(intern!(py, "owner"), owner.0)?;
-            entry.setattr(intern!(py, "pinned"), false)?;
-            entry.setattr(intern!(py, "cuda"), true)?;
-            entry.setattr(intern!(py, "nbytes"), source.nbytes)?;
-            entry.setattr(intern!(py, "reserved"), reserved)?;
-            entry.setattr(intern!(py, "counted"), true)?;
-            let previous = entries.get_item(&key)?;
-            entries.set_item(&key, &entry)?;
-            if let Some(previous) = previous {
-                if previous.call0()?.is(storage) {
-                    // The same storage, registered again (another storage's entry is a
-                    // dead one's, waiting in `freed`).
-                    self.uncount(&previous)?;
-                }
-            }
-            add(self.allocated.bind(py), index, source.nbytes, true)?;
-            add(self.reserved.bind(py), index, reserved, true)?;
+            let code = i64::try_from(index)?;
+            storages.add(storage, target, code, false, source.nbytes, &owner.0)?;
             self.copies.bind(py).append(record)
         })
     }
 
-    /// `StorageRegistry.uncount_locked`.
-    fn uncount(&self, entry: &Bound<'_, PyAny>) -> PyResult<()> {
-        let py = entry.py();
-        if !entry.getattr(intern!(py, "counted"))?.is_truthy()? {
-            return Ok(());
-        }
-        entry.setattr(intern!(py, "counted"), false)?;
-        // Only a simulated device's entries are counted: `code` is its index.
-        let code: usize = entry.getattr(intern!(py, "code"))?.extract()?;
-        let nbytes: u64 = entry.getattr(intern!(py, "nbytes"))?.extract()?;
-        let reserved: u64 = entry.getattr(intern!(py, "reserved"))?.extract()?;
-        add(self.allocated.bind(py), code, nbytes, false)?;
-        add(self.reserved.bind(py), code, reserved, false)
-    }
-
     /// `StorageRegistry.drain_freed_locked`, with the lock held: the storages freed
-    /// since the last call taken out of the registry and counters.
+    /// since the last call taken out of the registry and counters, and their readers
+    /// given to their owners' pools (none read: nothing to do).
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
-        let freed = self.freed.bind(py);
-        let entries = self.entries.bind(py);
-        while freed.is_truthy()? {
-            let entry = freed.call_method0(intern!(py, "popleft"))?;
-            self.uncount(&entry)?;
-            // A storage registered again, or a new storage at the same address, has a
-            // newer entry there, which stays.
-            let key = entry.getattr(intern!(py, "key"))?;
-            if entries
-                .get_item(&key)?
-                .is_some_and(|found| found.is(&entry))
-            {
-                entries.del_item(&key)?;
-                // Its readers go to its owner's pool (none read: nothing to do).
-                if !self.readers.bind(py).is_empty()
-                    && entry.getattr(intern!(py, "cuda"))?.is_truthy()?
-                {
-                    self.order.bind(py).call_method1(
-                        intern!(py, "freed"),
-                        (
-                            key,
-                            entry.getattr(intern!(py, "nbytes"))?,
-                            entry.getattr(intern!(py, "owner"))?,
-                        ),
-                    )?;
-                }
+        for (key, nbytes, owner) in self.storages.get().take_freed(py) {
+            if !self.readers.bind(py).is_empty() {
+                self.order
+                    .bind(py)
+                    .call_method1(intern!(py, "freed"), (key, nbytes, owner))?;
             }
         }
         Ok(())
@@ -823,16 +752,10 @@ fn raise(clock: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>, position: u64) -> Py
     Ok(())
 }
 
-/// `counters[index] += nbytes` (or `-=`).
-fn add(counters: &Bound<'_, PyList>, index: usize, nbytes: u64, up: bool) -> PyResult<()> {
-    let now: i64 = counters.get_item(index)?.extract()?;
-    let nbytes = i64::try_from(nbytes)?;
-    counters.set_item(index, if up { now + nbytes } else { now - nbytes })
-}
-
-/// Registers the seam's class in the extension module.
+/// Registers the seam's and the registry's classes in the extension module.
 pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
-    module.add_class::<SimulatedSeam>()
+    module.add_class::<SimulatedSeam>()?;
+    module.add_class::<SimulatedStorages>()
 }
 
 #[cfg(test)]
