@@ -617,11 +617,7 @@ impl SimulatedSeam {
         let storages = self.storages.get();
         // The source's key, if it is a registered simulated device storage.
         let read = match storages.lookup(&source.storage)? {
-            Some((_, code, _)) if code >= 0 => Some(
-                source
-                    .storage
-                    .getattr(intern!(py, "_cdata"))?,
-            ),
+            Some((_, code, _, key)) if code >= 0 => Some(key.into_pyobject(py)?.into_any()),
             _ => None,
         };
         self.locked(py, || {

@@ -7,13 +7,14 @@
 //! registry's Python methods and [`crate::SimulatedSeam`] use, under the runtime's lock
 //! where they change it.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::PyIndexError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple, PyWeakrefMethods, PyWeakrefReference};
+
+use residency_core::FastMap;
 
 use crate::reserved_nbytes;
 
@@ -47,8 +48,9 @@ impl<P> Slot<P> {
 /// entry then takes the key, and the dead one's is taken out later without touching it.
 #[derive(Debug)]
 pub struct Table<P> {
-    slots: HashMap<usize, Slot<P>>,
-    keys: HashMap<u64, usize>,
+    // Keyed by addresses: the fast hasher (`residency_core::fasthash`).
+    slots: FastMap<usize, Slot<P>>,
+    keys: FastMap<u64, usize>,
     allocated: Vec<i64>,
     reserved: Vec<i64>,
 }
@@ -57,8 +59,8 @@ impl<P> Table<P> {
     /// An empty table of `devices` simulated devices.
     pub fn new(devices: usize) -> Self {
         Self {
-            slots: HashMap::new(),
-            keys: HashMap::new(),
+            slots: FastMap::default(),
+            keys: FastMap::default(),
             allocated: vec![0; devices],
             reserved: vec![0; devices],
         }
@@ -206,7 +208,7 @@ impl SimulatedStorages {
     /// ``None``. Lock-free for the runtime.
     fn find<'py>(&self, storage: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let py = storage.py();
-        let Some((device, code, pinned)) = self.lookup(storage)? else {
+        let Some((device, code, pinned, _)) = self.lookup(storage)? else {
             return Ok(None);
         };
         let items = (device, code, pinned, code >= 0).into_pyobject(py)?;
@@ -266,11 +268,11 @@ impl SimulatedStorages {
 
 impl SimulatedStorages {
     /// ``(device, code, pinned)`` of a live registered storage (its entry refers to
-    /// it: another one under its key is a dead storage's).
+    /// it: another one under its key is a dead storage's), and its key.
     pub fn lookup<'py>(
         &self,
         storage: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<(Bound<'py, PyAny>, i64, bool)>> {
+    ) -> PyResult<Option<(Bound<'py, PyAny>, i64, bool, u64)>> {
         let py = storage.py();
         let key: u64 = storage.getattr(intern!(py, "_cdata"))?.extract()?;
         let found = {
@@ -288,7 +290,7 @@ impl SimulatedStorages {
             return Ok(None);
         };
         if reference.bind(py).upgrade().is_some_and(|it| it.is(storage)) {
-            Ok(Some((device.into_bound(py), code, pinned)))
+            Ok(Some((device.into_bound(py), code, pinned, key)))
         } else {
             Ok(None)
         }
