@@ -2,8 +2,9 @@
 //! (`fhelium.residency.simulation.SimulatedRuntime`, docs/concepts/simulation.md).
 //!
 //! A [`SimulatedSeam`] belongs to one `SimulatedRuntime` (of that exact class) and
-//! holds its parts: the registry's entries, counters and freed queue, the memory-reuse
-//! order's clocks, the copy log, the lock. Its methods do what the runtime's Python
+//! holds its parts: the storage registry's native data ([`SimulatedStorages`]: entries,
+//! counters, freed queue), the native memory-reuse order ([`ReuseOrder`]), the copy
+//! log, the lock. Its methods do what the runtime's Python
 //! methods do in their common case (no failure queued, no timeline, events completing
 //! at once, a simulated stream, a plain one-tensor value), on the same objects under
 //! the same lock, and return `None`, having changed nothing, where that case does not
@@ -14,11 +15,13 @@
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 mod registry;
+mod reuse;
 
 pub use registry::{SimulatedStorages, Slot, StorageFreed, Table};
+pub use reuse::{Order, ReuseOrder};
 
 /// The CUDA caching allocator's block: reserved bytes are whole blocks.
 pub const BLOCK: u64 = 512;
@@ -72,15 +75,8 @@ pub struct SimulatedSeam {
     timed: bool,
     // The storage registry's data (`simulated_storage.StorageRegistry.native`).
     storages: Py<SimulatedStorages>,
-    // The memory-reuse order (`_reuse.ReuseOrder`).
-    order: Py<PyAny>,
-    seq: Py<PyDict>,
-    clean: Py<PySet>,
-    readers: Py<PyDict>,
-    streams: Py<PyDict>,
-    pools: Py<PyDict>,
-    host: Py<PyDict>,
-    knows: Py<PyDict>,
+    // The memory-reuse order.
+    order: Py<ReuseOrder>,
     // Classes and helpers.
     classes: Classes,
 }
@@ -175,14 +171,7 @@ impl SimulatedSeam {
             auto_complete: attr(runtime, "_auto_complete")?.is_truthy()?,
             timed: !attr(runtime, "_timing")?.is_none(),
             storages: part(&storage, "native")?,
-            seq: part(&order, "_seq")?,
-            clean: part(&order, "clean")?,
-            readers: part(&order, "readers")?,
-            streams: part(&order, "_streams")?,
-            pools: part(&order, "_pools")?,
-            host: part(&order, "_host")?,
-            knows: part(&order, "_knows")?,
-            order: order.unbind(),
+            order: order.cast_into::<ReuseOrder>()?.unbind(),
             classes,
         })
     }
@@ -250,9 +239,13 @@ impl SimulatedSeam {
         event.setattr(intern!(py, "_time"), py.None())?;
         event.setattr(intern!(py, "_completed"), true)?;
         event.setattr(intern!(py, "_clock"), py.None())?;
-        let handle = stream.getattr(intern!(py, "_handle"))?;
-        if !self.clean.bind(py).contains(&handle)? {
-            self.locked(py, || self.drained(&handle))?;
+        let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;
+        let order = self.order.get();
+        if !order.is_clean_native(handle) {
+            self.locked(py, || {
+                order.drained_native(handle);
+                Ok(())
+            })?;
         }
         Ok(Some(event))
     }
@@ -294,7 +287,7 @@ impl SimulatedSeam {
         };
         self.count(runtime, intern!(py, "memory_sample"))?;
         let sample = self.locked(py, || {
-            self.drain(py)?;
+            self.drain(py);
             Ok(self.storages.get().sample(index))
         })?;
         let Some(sample) = sample else {
@@ -617,103 +610,36 @@ impl SimulatedSeam {
         let storages = self.storages.get();
         // The source's key, if it is a registered simulated device storage.
         let read = match storages.lookup(&source.storage)? {
-            Some((_, code, _, key)) if code >= 0 => Some(key.into_pyobject(py)?.into_any()),
+            Some((_, code, _, key)) if code >= 0 => Some(key),
             _ => None,
         };
+        let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;
+        let order = self.order.get();
         self.locked(py, || {
-            self.drain(py)?;
-            let owner = self.copied(stream, read.as_ref())?;
-            if let Some(hazards) = owner.1 {
-                for found in hazards.try_iter()? {
-                    let found = found?.cast_into::<PyTuple>()?;
+            self.drain(py);
+            // The copy's read of its source and its allocation (`ReuseOrder.copied`).
+            if let Some(hazards) = order.copied_native(stream, handle, read) {
+                for (reader, nbytes) in hazards {
                     let hazard = self.classes.hazard.bind(py).call1((
                         target,
                         stream,
-                        found.get_item(0)?,
-                        found.get_item(1)?,
+                        reader.into_object(),
+                        nbytes,
                     ))?;
                     self.hazards.bind(py).append(hazard)?;
                 }
             }
             let code = i64::try_from(index)?;
-            storages.add(storage, target, code, false, source.nbytes, &owner.0)?;
+            storages.add(storage, target, code, false, source.nbytes, Some(handle))?;
             self.copies.bind(py).append(record)
         })
     }
 
     /// `StorageRegistry.drain_freed_locked`, with the lock held: the storages freed
     /// since the last call taken out of the registry and counters, and their readers
-    /// given to their owners' pools (none read: nothing to do).
-    fn drain(&self, py: Python<'_>) -> PyResult<()> {
-        for (key, nbytes, owner) in self.storages.get().take_freed(py) {
-            if !self.readers.bind(py).is_empty() {
-                self.order
-                    .bind(py)
-                    .call_method1(intern!(py, "freed"), (key, nbytes, owner))?;
-            }
-        }
-        Ok(())
-    }
-
-    /// `ReuseOrder.copied`, with the lock held: the allocation's owner (the stream's
-    /// handle) and `check`'s hazards where a stream has a pool to check.
-    fn copied<'py>(
-        &self,
-        stream: &Bound<'py, PyAny>,
-        source: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
-        let py = stream.py();
-        let handle = stream.getattr(intern!(py, "_handle"))?;
-        let seq = self.seq.bind(py);
-        let position = match seq.get_item(&handle)? {
-            Some(position) => position.extract::<u64>()? + 1,
-            None => 1,
-        };
-        seq.set_item(&handle, position)?;
-        self.clean.bind(py).discard(&handle)?;
-        if let Some(source) = source {
-            self.streams.bind(py).set_item(&handle, stream)?;
-            let readers = self.readers.bind(py);
-            let read = if let Some(read) = readers.get_item(source)? {
-                read.cast_into::<PyDict>()?
-            } else {
-                let read = PyDict::new(py);
-                readers.set_item(source, &read)?;
-                read
-            };
-            read.set_item(&handle, position)?;
-        }
-        let hazards = if self.pools.bind(py).is_empty() {
-            None
-        } else {
-            Some(
-                self.order
-                    .bind(py)
-                    .call_method1(intern!(py, "check"), (stream,))?,
-            )
-        };
-        Ok((handle, hazards))
-    }
-
-    /// `ReuseOrder.drained` of the stream of `handle`, with the lock held.
-    fn drained(&self, handle: &Bound<'_, PyAny>) -> PyResult<()> {
-        let py = handle.py();
-        let clean = self.clean.bind(py);
-        if clean.contains(handle)? {
-            return Ok(());
-        }
-        clean.add(handle)?;
-        let host = self.host.bind(py);
-        if let Some(knows) = self.knows.bind(py).get_item(handle)? {
-            for (other, position) in knows.cast_into::<PyDict>()?.iter() {
-                raise(host, &other, position.extract()?)?;
-            }
-        }
-        let position: u64 = match self.seq.bind(py).get_item(handle)? {
-            Some(position) => position.extract()?,
-            None => 0,
-        };
-        raise(host, handle, position)
+    /// given to their owners' pools.
+    fn drain(&self, py: Python<'_>) {
+        self.storages.get().drain_into(self.order.bind(py).get());
     }
 }
 
@@ -736,22 +662,11 @@ struct Plain<'py> {
     nbytes: u64,
 }
 
-/// `clock[key] = max(clock.get(key, 0), position)`.
-fn raise(clock: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>, position: u64) -> PyResult<()> {
-    let known: u64 = match clock.get_item(key)? {
-        Some(known) => known.extract()?,
-        None => 0,
-    };
-    if known < position {
-        clock.set_item(key, position)?;
-    }
-    Ok(())
-}
-
 /// Registers the seam's and the registry's classes in the extension module.
 pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<SimulatedSeam>()?;
-    module.add_class::<SimulatedStorages>()
+    module.add_class::<SimulatedStorages>()?;
+    module.add_class::<ReuseOrder>()
 }
 
 #[cfg(test)]

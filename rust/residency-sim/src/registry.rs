@@ -12,11 +12,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use pyo3::exceptions::PyIndexError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple, PyWeakrefMethods, PyWeakrefReference};
+use pyo3::types::{PyDict, PyTuple, PyWeakrefMethods, PyWeakrefReference};
 
 use residency_core::FastMap;
 
 use crate::reserved_nbytes;
+use crate::reuse::ReuseOrder;
 
 /// One registered storage: where it lives and what it counts.
 #[derive(Debug)]
@@ -151,7 +152,7 @@ impl<P> Table<P> {
 pub struct Entry {
     reference: Py<PyWeakrefReference>,
     device: Py<PyAny>,
-    owner: Py<PyAny>,
+    owner: Option<i64>,
 }
 
 /// The ids of the entries whose storages died, in order.
@@ -224,7 +225,7 @@ impl SimulatedStorages {
         device: &Bound<'_, PyAny>,
         code: i64,
         pinned: bool,
-        owner: &Bound<'_, PyAny>,
+        owner: Option<i64>,
     ) -> PyResult<()> {
         let py = storage.py();
         let nbytes: u64 = storage
@@ -233,15 +234,11 @@ impl SimulatedStorages {
         self.add(storage, device, code, pinned, nbytes, owner)
     }
 
-    /// Takes the storages freed since the last call out of the entries and counters;
-    /// returns ``(key, nbytes, owner)`` of each simulated device storage taken out from
-    /// under its key (for `ReuseOrder.freed`). With the runtime's lock held.
-    fn drain<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let out = PyList::empty(py);
-        for (key, nbytes, owner) in self.take_freed(py) {
-            out.append((key, nbytes, owner))?;
-        }
-        Ok(out)
+    /// Takes the storages freed since the last call out of the entries and counters,
+    /// and gives each simulated device storage's readers to its owner's pool in
+    /// ``order`` (`ReuseOrder.freed`). With the runtime's lock held.
+    fn drain(&self, order: &Bound<'_, ReuseOrder>) {
+        self.drain_into(order.get());
     }
 
     /// ``(allocated, reserved)`` bytes of the simulated device of index ``index``, as
@@ -304,7 +301,7 @@ impl SimulatedStorages {
         code: i64,
         pinned: bool,
         nbytes: u64,
-        owner: &Bound<'_, PyAny>,
+        owner: Option<i64>,
     ) -> PyResult<()> {
         let py = storage.py();
         let key: u64 = storage.getattr(intern!(py, "_cdata"))?.extract()?;
@@ -319,7 +316,7 @@ impl SimulatedStorages {
             payload: Entry {
                 reference: reference.unbind(),
                 device: device.clone().unbind(),
-                owner: owner.clone().unbind(),
+                owner,
             },
         };
         // The entry it replaces is dropped with the table unlocked.
@@ -333,9 +330,16 @@ impl SimulatedStorages {
         Ok(())
     }
 
-    /// The freed taken out (`drain`): ``(key, nbytes, owner)`` of each simulated
-    /// device storage that held its key.
-    pub fn take_freed(&self, py: Python<'_>) -> Vec<(u64, u64, Py<PyAny>)> {
+    /// `drain`.
+    pub fn drain_into(&self, order: &ReuseOrder) {
+        for (key, nbytes, owner) in self.take_freed() {
+            order.freed_native(key, nbytes, owner);
+        }
+    }
+
+    /// The freed taken out: ``(key, nbytes, owner)`` of each simulated device storage
+    /// that held its key.
+    fn take_freed(&self) -> Vec<(u64, u64, Option<i64>)> {
         let ids = std::mem::take(&mut *lock(&self.queue));
         if ids.is_empty() {
             return Vec::new();
@@ -347,7 +351,7 @@ impl SimulatedStorages {
             for id in ids {
                 if let Some((slot, current)) = table.freed(id) {
                     if current && slot.cuda() {
-                        out.push((slot.key, slot.nbytes, slot.payload.owner.clone_ref(py)));
+                        out.push((slot.key, slot.nbytes, slot.payload.owner));
                     }
                     gone.push(slot);
                 }

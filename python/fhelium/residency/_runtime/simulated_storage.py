@@ -92,7 +92,7 @@ class StorageRegistry:
         self,
         lock: threading.Lock,
         devices: tuple[torch.device, ...],
-        order: ReuseOrder[SimulatedStream],
+        order: ReuseOrder,
         hazards: list[SimulatedHazard],
     ) -> None:
         self._lock = lock
@@ -314,11 +314,8 @@ class StorageRegistry:
     def drain_freed_locked(self) -> None:
         """Takes the storages freed since the last call out of the registry and counters;
         the work is one step per storage freed, however many are alive."""
-        order = self._order
-        for key, nbytes, owner in self.native.drain():
-            # Its readers go to its owner's pool (none read: nothing to do).
-            if order.readers:
-                order.freed(key, nbytes, owner)
+        # Their readers go to their owners' pools.
+        self.native.drain(self._order)
 
     def sample(self, index: int) -> tuple[int, int]:
         """(allocated, reserved) bytes of the simulated device of index ``index``, after
