@@ -7,6 +7,7 @@
 //! registry's Python methods and [`crate::SimulatedSeam`] use, under the runtime's lock
 //! where they change it.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::PyIndexError;
@@ -22,7 +23,8 @@ use crate::reuse::ReuseOrder;
 /// One registered storage: where it lives and what it counts.
 #[derive(Debug)]
 pub struct Slot<P> {
-    /// The storage's key (its address, `UntypedStorage._cdata`).
+    /// The storage's key: the address of its Python object, which torch keeps for as
+    /// long as the storage lives (`key_of`).
     pub key: u64,
     /// -1 on the host, the CUDA index on a simulated device.
     pub code: i64,
@@ -156,7 +158,15 @@ pub struct Entry {
 }
 
 /// The ids of the entries whose storages died, in order.
-type Queue = Arc<Mutex<Vec<usize>>>;
+type Queue = Arc<Mutex<VecDeque<usize>>>;
+
+/// A storage's key: the address of its Python object. torch keeps a storage's Python
+/// object for as long as the storage lives, and hands out that one object, so the
+/// key names one storage while it lives; a storage made after one died may get the
+/// dead one's key (its entry refers to the dead one: `lookup`).
+pub fn key_of(storage: &Bound<'_, PyAny>) -> u64 {
+    storage.as_ptr().addr() as u64
+}
 
 /// Every entry's weak reference callback: reports the reference's death (on whatever
 /// thread frees the storage) by appending its id; nothing else.
@@ -169,7 +179,7 @@ pub struct StorageFreed {
 #[pymethods]
 impl StorageFreed {
     fn __call__(&self, reference: &Bound<'_, PyAny>) {
-        lock(&self.queue).push(reference.as_ptr().addr());
+        lock(&self.queue).push_back(reference.as_ptr().addr());
     }
 }
 
@@ -271,7 +281,7 @@ impl SimulatedStorages {
         storage: &Bound<'py, PyAny>,
     ) -> PyResult<Option<(Bound<'py, PyAny>, i64, bool, u64)>> {
         let py = storage.py();
-        let key: u64 = storage.getattr(intern!(py, "_cdata"))?.extract()?;
+        let key = key_of(storage);
         let found = {
             let table = lock(&self.table);
             table.find(key).map(|(_, slot)| {
@@ -304,7 +314,7 @@ impl SimulatedStorages {
         owner: Option<i64>,
     ) -> PyResult<()> {
         let py = storage.py();
-        let key: u64 = storage.getattr(intern!(py, "_cdata"))?.extract()?;
+        let key = key_of(storage);
         let reference = PyWeakrefReference::new_with(storage, self.on_free.bind(py))?;
         let id = reference.as_ptr().addr();
         let slot = Slot {
@@ -330,35 +340,21 @@ impl SimulatedStorages {
         Ok(())
     }
 
-    /// `drain`.
+    /// `drain`: one entry at a time, in the order they died, each dropped with the
+    /// table unlocked.
     pub fn drain_into(&self, order: &ReuseOrder) {
-        for (key, nbytes, owner) in self.take_freed() {
-            order.freed_native(key, nbytes, owner);
-        }
-    }
-
-    /// The freed taken out: ``(key, nbytes, owner)`` of each simulated device storage
-    /// that held its key.
-    fn take_freed(&self) -> Vec<(u64, u64, Option<i64>)> {
-        let ids = std::mem::take(&mut *lock(&self.queue));
-        if ids.is_empty() {
-            return Vec::new();
-        }
-        let mut out = Vec::new();
-        let mut gone = Vec::with_capacity(ids.len());
-        {
-            let mut table = lock(&self.table);
-            for id in ids {
-                if let Some((slot, current)) = table.freed(id) {
-                    if current && slot.cuda() {
-                        out.push((slot.key, slot.nbytes, slot.payload.owner));
-                    }
-                    gone.push(slot);
-                }
+        loop {
+            let Some(id) = lock(&self.queue).pop_front() else {
+                return;
+            };
+            let Some((slot, current)) = lock(&self.table).freed(id) else {
+                continue;
+            };
+            if current && slot.cuda() {
+                order.freed_native(slot.key, slot.nbytes, slot.payload.owner);
             }
+            drop(slot);
         }
-        drop(gone);
-        out
     }
 
     /// `counters`, for the seam.

@@ -71,8 +71,8 @@ class StorageRegistry:
     frees without a scan. torch keeps a storage's Python object alive for as long as the
     storage itself (as it does a tensor's), so the reference dies, and the callback runs,
     exactly when the storage is freed. A storage registered again replaces its entry and
-    is counted once. An entry stays under its key (the storage's address) from its
-    storage's death until the registry takes it out; meanwhile a new storage may be
+    is counted once. An entry stays under its key (the address of the storage's Python
+    object, which torch keeps while the storage lives) from its storage's death until the registry takes it out; meanwhile a new storage may be
     allocated at the same address, so a lookup by key is the storage's entry only when
     the entry refers to that very storage (`SimulatedStorages.find`).
 
@@ -252,7 +252,7 @@ class StorageRegistry:
             storage = tensor.untyped_storage()
             found = self.native.find(storage)
             if found is not None and found[3]:
-                keys.append(storage._cdata)
+                keys.append(id(storage))
         return keys
 
     def bytes_by_device(self, value: TensorResident) -> dict[torch.device, int]:
