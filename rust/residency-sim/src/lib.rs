@@ -20,7 +20,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 mod registry;
 mod reuse;
 
-pub use registry::{SimulatedStorages, Slot, StorageFreed, Table};
+pub use registry::{Found, SimulatedStorages, Slot, StorageFreed, Table, key_of};
 pub use reuse::{Order, ReuseOrder};
 
 /// The CUDA caching allocator's block: reserved bytes are whole blocks.
@@ -610,7 +610,7 @@ impl SimulatedSeam {
         let storages = self.storages.get();
         // The source's key, if it is a registered simulated device storage.
         let read = match storages.lookup(&source.storage)? {
-            Some((_, code, _, key)) if code >= 0 => Some(key),
+            Some(found) if found.code >= 0 => Some(found.key),
             _ => None,
         };
         let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;

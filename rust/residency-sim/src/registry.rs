@@ -89,7 +89,10 @@ impl<P> Table<P> {
         slot.counted = slot.cuda();
         self.count(&slot, true);
         let replaced = self.keys.insert(key, id).and_then(|previous| {
-            let same = self.slots.get(&previous).is_some_and(|old| same(&old.payload));
+            let same = self
+                .slots
+                .get(&previous)
+                .is_some_and(|old| same(&old.payload));
             if same {
                 let old = self.slots.remove(&previous)?;
                 self.count(&old, false);
@@ -157,6 +160,16 @@ pub struct Entry {
     owner: Option<i64>,
 }
 
+/// A live registered storage's entry, as `SimulatedStorages::lookup` finds it.
+#[derive(Debug)]
+pub struct Found<'py> {
+    pub device: Bound<'py, PyAny>,
+    /// -1 on the host, the CUDA index on a simulated device.
+    pub code: i64,
+    pub pinned: bool,
+    pub key: u64,
+}
+
 /// The ids of the entries whose storages died, in order.
 type Queue = Arc<Mutex<VecDeque<usize>>>;
 
@@ -219,10 +232,11 @@ impl SimulatedStorages {
     /// ``None``. Lock-free for the runtime.
     fn find<'py>(&self, storage: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let py = storage.py();
-        let Some((device, code, pinned, _)) = self.lookup(storage)? else {
+        let Some(found) = self.lookup(storage)? else {
             return Ok(None);
         };
-        let items = (device, code, pinned, code >= 0).into_pyobject(py)?;
+        let cuda = found.code >= 0;
+        let items = (found.device, found.code, found.pinned, cuda).into_pyobject(py)?;
         Ok(Some(items))
     }
 
@@ -238,9 +252,7 @@ impl SimulatedStorages {
         owner: Option<i64>,
     ) -> PyResult<()> {
         let py = storage.py();
-        let nbytes: u64 = storage
-            .call_method0(intern!(py, "nbytes"))?
-            .extract()?;
+        let nbytes: u64 = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
         self.add(storage, device, code, pinned, nbytes, owner)
     }
 
@@ -276,10 +288,7 @@ impl SimulatedStorages {
 impl SimulatedStorages {
     /// ``(device, code, pinned)`` of a live registered storage (its entry refers to
     /// it: another one under its key is a dead storage's), and its key.
-    pub fn lookup<'py>(
-        &self,
-        storage: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<(Bound<'py, PyAny>, i64, bool, u64)>> {
+    pub fn lookup<'py>(&self, storage: &Bound<'py, PyAny>) -> PyResult<Option<Found<'py>>> {
         let py = storage.py();
         let key = key_of(storage);
         let found = {
@@ -296,8 +305,17 @@ impl SimulatedStorages {
         let Some((reference, device, code, pinned)) = found else {
             return Ok(None);
         };
-        if reference.bind(py).upgrade().is_some_and(|it| it.is(storage)) {
-            Ok(Some((device.into_bound(py), code, pinned, key)))
+        if reference
+            .bind(py)
+            .upgrade()
+            .is_some_and(|it| it.is(storage))
+        {
+            Ok(Some(Found {
+                device: device.into_bound(py),
+                code,
+                pinned,
+                key,
+            }))
         } else {
             Ok(None)
         }

@@ -15,6 +15,7 @@ use std::sync::{Mutex, PoisonError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet};
+use pyo3::{PyTraverseError, PyVisit};
 use residency_core::{FastMap, FastSet};
 
 /// Per stream (by simulated handle): how many of its enqueued operations are covered.
@@ -254,6 +255,23 @@ impl ReuseOrder {
         Self::default()
     }
 
+    // The streams it keeps refer to their runtime, which holds it: the collector sees
+    // them (an order locked at that moment is skipped, which keeps it alive).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        let Ok(order) = self.order.try_lock() else {
+            return Ok(());
+        };
+        for stream in order.streams.values() {
+            visit.call(&stream.0)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&self) {
+        let streams = std::mem::take(&mut self.lock().streams);
+        drop(streams);
+    }
+
     /// One operation enqueued on ``stream``; its position there.
     fn enqueue(&self, stream: &Bound<'_, PyAny>) -> PyResult<u64> {
         let handle = handle_of(stream)?;
@@ -333,7 +351,12 @@ impl ReuseOrder {
     ) -> PyResult<(i64, Option<Bound<'py, PyList>>)> {
         let handle = handle_of(stream)?;
         let hazards = self.copied_native(stream, handle, source);
-        Ok((handle, hazards.map(|found| hazards_list(stream.py(), found)).transpose()?))
+        Ok((
+            handle,
+            hazards
+                .map(|found| hazards_list(stream.py(), found))
+                .transpose()?,
+        ))
     }
 
     /// Whether any live storage has readers.

@@ -3,10 +3,10 @@
 Values stay ordinary CPU tensors; `StorageRegistry` records the storages the runtime's
 own copies and buffers created, with their simulated device and pinning, keeps each
 device's allocated and reserved bytes as they are registered and freed, and answers the
-seam's questions about a value's placement from it. Its data (the entries, the counters,
-the freed queue) is native (`fhelium._core.SimulatedStorages`), shared with the
-runtime's native seam calls (docs/concepts/simulation.md#native-calls). A storage it did not create reports
-its real torch placement. A device allocation checks the memory-reuse order
+seam's questions about a value's placement from it. A storage it did not create reports
+its real torch placement. Its data (the entries, the counters, the freed queue) is
+native (`fhelium._core.SimulatedStorages`), shared with the runtime's native seam
+calls (docs/concepts/simulation.md#native-calls). A device allocation checks the memory-reuse order
 (docs/concepts/simulation.md#memory-reuse) and records a `SimulatedHazard`.
 """
 
@@ -72,9 +72,10 @@ class StorageRegistry:
     storage itself (as it does a tensor's), so the reference dies, and the callback runs,
     exactly when the storage is freed. A storage registered again replaces its entry and
     is counted once. An entry stays under its key (the address of the storage's Python
-    object, which torch keeps while the storage lives) from its storage's death until the registry takes it out; meanwhile a new storage may be
-    allocated at the same address, so a lookup by key is the storage's entry only when
-    the entry refers to that very storage (`SimulatedStorages.find`).
+    object, which torch keeps while the storage lives) from its storage's death until
+    the registry takes it out; meanwhile a new storage may be allocated at the same
+    address, so a lookup by key is the storage's entry only when the entry refers to
+    that very storage (`SimulatedStorages.find`).
 
     Methods named ``*_locked`` run with ``lock`` (the runtime's) held; the others take it
     where they change state. Lookups are lock-free.
@@ -123,13 +124,13 @@ class StorageRegistry:
             size = storage.nbytes()
             if found is not None:
                 # The entry knows its device's code: no `device.type` read (a slow one).
-                device, code, pinned, _ = found
+                code = found[1]
                 return _new_tuple(
                     ValueFacts,
                     (
-                        device,
+                        found[0],
                         code,
-                        bool(size) and code == -1 and pinned,
+                        bool(size) and code == -1 and found[2],
                         tensor.nbytes,
                         size,
                         [(code, storage.data_ptr())] if size else [],
