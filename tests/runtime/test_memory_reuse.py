@@ -6,6 +6,7 @@ synchronisation, or the same stream)."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -205,3 +206,21 @@ def test_a_wait_after_a_host_synchronisation_is_taken_in_by_the_next_one() -> No
     _reallocate(runtime, transfer)
     assert runtime.hazards == []
     assert runtime.pending_event_count() == 1  # the reader's own event was not waited for
+
+
+def test_a_runtime_whose_order_keeps_its_streams_is_collected() -> None:
+    """The order keeps each reading stream (to name it in a hazard), and a stream refers
+    to its runtime: the collector still sees the cycle (a runtime without native calls,
+    whose parts are the order and the registry alone)."""
+
+    class Subclass(SimulatedRuntime):
+        pass
+
+    runtime = Subclass(1, auto_complete=True)
+    stream = runtime.create_stream(DEVICE)
+    value = runtime.to_device(ResidentTensor(torch.zeros(4)), 0)
+    runtime.read(stream, value)
+    collected = weakref.ref(runtime)
+    del runtime, stream, value
+    gc.collect()
+    assert collected() is None

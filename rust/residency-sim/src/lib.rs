@@ -2,8 +2,9 @@
 //! (`fhelium.residency.simulation.SimulatedRuntime`, docs/concepts/simulation.md).
 //!
 //! A [`SimulatedSeam`] belongs to one `SimulatedRuntime` (of that exact class) and
-//! holds its parts: the registry's entries, counters and freed queue, the memory-reuse
-//! order's clocks, the copy log, the lock. Its methods do what the runtime's Python
+//! holds its parts: the storage registry's native data ([`SimulatedStorages`]: entries,
+//! counters, freed queue), the native memory-reuse order ([`ReuseOrder`]), the copy
+//! log, the lock. Its methods do what the runtime's Python
 //! methods do in their common case (no failure queued, no timeline, events completing
 //! at once, a simulated stream, a plain one-tensor value), on the same objects under
 //! the same lock, and return `None`, having changed nothing, where that case does not
@@ -14,7 +15,13 @@
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+
+mod registry;
+mod reuse;
+
+pub use registry::{Found, SimulatedStorages, Slot, StorageFreed, Table, key_of};
+pub use reuse::{Order, ReuseOrder};
 
 /// The CUDA caching allocator's block: reserved bytes are whole blocks.
 pub const BLOCK: u64 = 512;
@@ -66,21 +73,10 @@ pub struct SimulatedSeam {
     hazards: Py<PyList>,
     auto_complete: bool,
     timed: bool,
-    // The storage registry (`simulated_storage.StorageRegistry`).
-    entries: Py<PyDict>,
-    allocated: Py<PyList>,
-    reserved: Py<PyList>,
-    freed: Py<PyAny>,
-    on_free: Py<PyAny>,
-    // The memory-reuse order (`_reuse.ReuseOrder`).
-    order: Py<PyAny>,
-    seq: Py<PyDict>,
-    clean: Py<PySet>,
-    readers: Py<PyDict>,
-    streams: Py<PyDict>,
-    pools: Py<PyDict>,
-    host: Py<PyDict>,
-    knows: Py<PyDict>,
+    // The storage registry's data (`simulated_storage.StorageRegistry.native`).
+    storages: Py<SimulatedStorages>,
+    // The memory-reuse order.
+    order: Py<ReuseOrder>,
     // Classes and helpers.
     classes: Classes,
 }
@@ -91,7 +87,6 @@ struct Classes {
     device: Py<PyAny>,
     stream: Py<PyAny>,
     event: Py<PyAny>,
-    entry: Py<PyAny>,
     hazard: Py<PyAny>,
     facts: Py<PyAny>,
     copy: Py<PyAny>,
@@ -103,7 +98,6 @@ struct Classes {
     dual_levels_known: bool,
     tuple_new: Py<PyAny>,
     object_new: Py<PyAny>,
-    ref_new: Py<PyAny>,
     cuda_location: Py<PyAny>,
 }
 
@@ -136,13 +130,11 @@ impl SimulatedSeam {
         let base = py.import("fhelium.residency._runtime.base")?;
         let values = py.import("fhelium.values.tensor_resident")?;
         let builtins = py.import("builtins")?;
-        let weakref = py.import("weakref")?;
         let forward_ad = attr(&values, "_forward_ad")?;
         let classes = Classes {
             device: attr(&torch, "device")?.unbind(),
             stream: attr(&streams, "SimulatedStream")?.unbind(),
             event: attr(&streams, "SimulatedEvent")?.unbind(),
-            entry: attr(&registry, "StorageEntry")?.unbind(),
             hazard: attr(&registry, "SimulatedHazard")?.unbind(),
             facts: attr(&base, "ValueFacts")?.unbind(),
             copy: attr(&simulated, "SimulatedCopy")?.unbind(),
@@ -154,7 +146,6 @@ impl SimulatedSeam {
             forward_ad: forward_ad.unbind(),
             tuple_new: attr(&attr(&builtins, "tuple")?, "__new__")?.unbind(),
             object_new: attr(&attr(&builtins, "object")?, "__new__")?.unbind(),
-            ref_new: attr(&attr(&weakref, "ref")?, "__new__")?.unbind(),
             cuda_location: attr(&simulated, "cuda_location")?.unbind(),
         };
         Ok(Self {
@@ -179,19 +170,8 @@ impl SimulatedSeam {
             hazards: part(runtime, "hazards")?,
             auto_complete: attr(runtime, "_auto_complete")?.is_truthy()?,
             timed: !attr(runtime, "_timing")?.is_none(),
-            entries: part(&storage, "entries")?,
-            allocated: part(&storage, "allocated")?,
-            reserved: part(&storage, "reserved")?,
-            freed: attr(&storage, "freed")?.unbind(),
-            on_free: attr(&storage, "_on_free")?.unbind(),
-            seq: part(&order, "_seq")?,
-            clean: part(&order, "clean")?,
-            readers: part(&order, "readers")?,
-            streams: part(&order, "_streams")?,
-            pools: part(&order, "_pools")?,
-            host: part(&order, "_host")?,
-            knows: part(&order, "_knows")?,
-            order: order.unbind(),
+            storages: part(&storage, "native")?,
+            order: order.cast_into::<ReuseOrder>()?.unbind(),
             classes,
         })
     }
@@ -259,9 +239,13 @@ impl SimulatedSeam {
         event.setattr(intern!(py, "_time"), py.None())?;
         event.setattr(intern!(py, "_completed"), true)?;
         event.setattr(intern!(py, "_clock"), py.None())?;
-        let handle = stream.getattr(intern!(py, "_handle"))?;
-        if !self.clean.bind(py).contains(&handle)? {
-            self.locked(py, || self.drained(&handle))?;
+        let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;
+        let order = self.order.get();
+        if !order.is_clean_native(handle) {
+            self.locked(py, || {
+                order.drained_native(handle);
+                Ok(())
+            })?;
         }
         Ok(Some(event))
     }
@@ -302,14 +286,14 @@ impl SimulatedSeam {
             return Ok(None);
         };
         self.count(runtime, intern!(py, "memory_sample"))?;
-        let (allocated, reserved) = self.locked(py, || {
-            self.drain(py)?;
-            Ok((
-                self.allocated.bind(py).get_item(index)?,
-                self.reserved.bind(py).get_item(index)?,
-            ))
+        let sample = self.locked(py, || {
+            self.drain(py);
+            Ok(self.storages.get().sample(index))
         })?;
-        Ok(Some(PyTuple::new(py, [allocated, reserved])?))
+        let Some(sample) = sample else {
+            return Ok(None);
+        };
+        sample.into_pyobject(py).map(Some)
     }
 }
 
@@ -623,172 +607,39 @@ impl SimulatedSeam {
         record: &Bound<'py, PyAny>,
     ) -> PyResult<()> {
         let py = storage.py();
-        let entries = self.entries.bind(py);
-        let cdata = intern!(py, "_cdata");
-        // The source's entry, if it is a registered simulated device storage.
-        let read = match entries.get_item(source.storage.getattr(cdata)?)? {
-            Some(read)
-                if read.getattr(intern!(py, "cuda"))?.is_truthy()?
-                    && read.call0()?.is(&source.storage) =>
-            {
-                Some(read.getattr(intern!(py, "key"))?)
-            }
+        let storages = self.storages.get();
+        // The source's key, if it is a registered simulated device storage.
+        let read = match storages.lookup(&source.storage)? {
+            Some(found) if found.code >= 0 => Some(found.key),
             _ => None,
         };
+        let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;
+        let order = self.order.get();
         self.locked(py, || {
-            self.drain(py)?;
-            let owner = self.copied(stream, read.as_ref())?;
-            if let Some(hazards) = owner.1 {
-                for found in hazards.try_iter()? {
-                    let found = found?.cast_into::<PyTuple>()?;
+            self.drain(py);
+            // The copy's read of its source and its allocation (`ReuseOrder.copied`).
+            if let Some(hazards) = order.copied_native(stream, handle, read) {
+                for (reader, nbytes) in hazards {
                     let hazard = self.classes.hazard.bind(py).call1((
                         target,
                         stream,
-                        found.get_item(0)?,
-                        found.get_item(1)?,
+                        reader.into_object(),
+                        nbytes,
                     ))?;
                     self.hazards.bind(py).append(hazard)?;
                 }
             }
-            let entry = self.classes.ref_new.bind(py).call1((
-                self.classes.entry.bind(py),
-                storage,
-                self.on_free.bind(py),
-            ))?;
-            let key = storage.getattr(cdata)?;
-            let reserved = reserved_nbytes(source.nbytes);
-            entry.setattr(intern!(py, "key"), &key)?;
-            entry.setattr(intern!(py, "device"), target)?;
-            entry.setattr(intern!(py, "code"), index)?;
-            entry.setattr(intern!(py, "owner"), owner.0)?;
-            entry.setattr(intern!(py, "pinned"), false)?;
-            entry.setattr(intern!(py, "cuda"), true)?;
-            entry.setattr(intern!(py, "nbytes"), source.nbytes)?;
-            entry.setattr(intern!(py, "reserved"), reserved)?;
-            entry.setattr(intern!(py, "counted"), true)?;
-            let previous = entries.get_item(&key)?;
-            entries.set_item(&key, &entry)?;
-            if let Some(previous) = previous {
-                if previous.call0()?.is(storage) {
-                    // The same storage, registered again (another storage's entry is a
-                    // dead one's, waiting in `freed`).
-                    self.uncount(&previous)?;
-                }
-            }
-            add(self.allocated.bind(py), index, source.nbytes, true)?;
-            add(self.reserved.bind(py), index, reserved, true)?;
+            let code = i64::try_from(index)?;
+            storages.add(storage, target, code, false, source.nbytes, Some(handle))?;
             self.copies.bind(py).append(record)
         })
     }
 
-    /// `StorageRegistry.uncount_locked`.
-    fn uncount(&self, entry: &Bound<'_, PyAny>) -> PyResult<()> {
-        let py = entry.py();
-        if !entry.getattr(intern!(py, "counted"))?.is_truthy()? {
-            return Ok(());
-        }
-        entry.setattr(intern!(py, "counted"), false)?;
-        // Only a simulated device's entries are counted: `code` is its index.
-        let code: usize = entry.getattr(intern!(py, "code"))?.extract()?;
-        let nbytes: u64 = entry.getattr(intern!(py, "nbytes"))?.extract()?;
-        let reserved: u64 = entry.getattr(intern!(py, "reserved"))?.extract()?;
-        add(self.allocated.bind(py), code, nbytes, false)?;
-        add(self.reserved.bind(py), code, reserved, false)
-    }
-
     /// `StorageRegistry.drain_freed_locked`, with the lock held: the storages freed
-    /// since the last call taken out of the registry and counters.
-    fn drain(&self, py: Python<'_>) -> PyResult<()> {
-        let freed = self.freed.bind(py);
-        let entries = self.entries.bind(py);
-        while freed.is_truthy()? {
-            let entry = freed.call_method0(intern!(py, "popleft"))?;
-            self.uncount(&entry)?;
-            // A storage registered again, or a new storage at the same address, has a
-            // newer entry there, which stays.
-            let key = entry.getattr(intern!(py, "key"))?;
-            if entries
-                .get_item(&key)?
-                .is_some_and(|found| found.is(&entry))
-            {
-                entries.del_item(&key)?;
-                // Its readers go to its owner's pool (none read: nothing to do).
-                if !self.readers.bind(py).is_empty()
-                    && entry.getattr(intern!(py, "cuda"))?.is_truthy()?
-                {
-                    self.order.bind(py).call_method1(
-                        intern!(py, "freed"),
-                        (
-                            key,
-                            entry.getattr(intern!(py, "nbytes"))?,
-                            entry.getattr(intern!(py, "owner"))?,
-                        ),
-                    )?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// `ReuseOrder.copied`, with the lock held: the allocation's owner (the stream's
-    /// handle) and `check`'s hazards where a stream has a pool to check.
-    fn copied<'py>(
-        &self,
-        stream: &Bound<'py, PyAny>,
-        source: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
-        let py = stream.py();
-        let handle = stream.getattr(intern!(py, "_handle"))?;
-        let seq = self.seq.bind(py);
-        let position = match seq.get_item(&handle)? {
-            Some(position) => position.extract::<u64>()? + 1,
-            None => 1,
-        };
-        seq.set_item(&handle, position)?;
-        self.clean.bind(py).discard(&handle)?;
-        if let Some(source) = source {
-            self.streams.bind(py).set_item(&handle, stream)?;
-            let readers = self.readers.bind(py);
-            let read = if let Some(read) = readers.get_item(source)? {
-                read.cast_into::<PyDict>()?
-            } else {
-                let read = PyDict::new(py);
-                readers.set_item(source, &read)?;
-                read
-            };
-            read.set_item(&handle, position)?;
-        }
-        let hazards = if self.pools.bind(py).is_empty() {
-            None
-        } else {
-            Some(
-                self.order
-                    .bind(py)
-                    .call_method1(intern!(py, "check"), (stream,))?,
-            )
-        };
-        Ok((handle, hazards))
-    }
-
-    /// `ReuseOrder.drained` of the stream of `handle`, with the lock held.
-    fn drained(&self, handle: &Bound<'_, PyAny>) -> PyResult<()> {
-        let py = handle.py();
-        let clean = self.clean.bind(py);
-        if clean.contains(handle)? {
-            return Ok(());
-        }
-        clean.add(handle)?;
-        let host = self.host.bind(py);
-        if let Some(knows) = self.knows.bind(py).get_item(handle)? {
-            for (other, position) in knows.cast_into::<PyDict>()?.iter() {
-                raise(host, &other, position.extract()?)?;
-            }
-        }
-        let position: u64 = match self.seq.bind(py).get_item(handle)? {
-            Some(position) => position.extract()?,
-            None => 0,
-        };
-        raise(host, handle, position)
+    /// since the last call taken out of the registry and counters, and their readers
+    /// given to their owners' pools.
+    fn drain(&self, py: Python<'_>) {
+        self.storages.get().drain_into(self.order.bind(py).get());
     }
 }
 
@@ -811,28 +662,11 @@ struct Plain<'py> {
     nbytes: u64,
 }
 
-/// `clock[key] = max(clock.get(key, 0), position)`.
-fn raise(clock: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>, position: u64) -> PyResult<()> {
-    let known: u64 = match clock.get_item(key)? {
-        Some(known) => known.extract()?,
-        None => 0,
-    };
-    if known < position {
-        clock.set_item(key, position)?;
-    }
-    Ok(())
-}
-
-/// `counters[index] += nbytes` (or `-=`).
-fn add(counters: &Bound<'_, PyList>, index: usize, nbytes: u64, up: bool) -> PyResult<()> {
-    let now: i64 = counters.get_item(index)?.extract()?;
-    let nbytes = i64::try_from(nbytes)?;
-    counters.set_item(index, if up { now + nbytes } else { now - nbytes })
-}
-
-/// Registers the seam's class in the extension module.
+/// Registers the seam's and the registry's classes in the extension module.
 pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
-    module.add_class::<SimulatedSeam>()
+    module.add_class::<SimulatedSeam>()?;
+    module.add_class::<SimulatedStorages>()?;
+    module.add_class::<ReuseOrder>()
 }
 
 #[cfg(test)]

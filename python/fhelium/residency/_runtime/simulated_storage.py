@@ -4,21 +4,22 @@ Values stay ordinary CPU tensors; `StorageRegistry` records the storages the run
 own copies and buffers created, with their simulated device and pinning, keeps each
 device's allocated and reserved bytes as they are registered and freed, and answers the
 seam's questions about a value's placement from it. A storage it did not create reports
-its real torch placement. A device allocation checks the memory-reuse order
+its real torch placement. Its data (the entries, the counters, the freed queue) is
+native (`fhelium._core.SimulatedStorages`), shared with the runtime's native seam
+calls (docs/concepts/simulation.md#native-calls). A device allocation checks the memory-reuse order
 (docs/concepts/simulation.md#memory-reuse) and records a `SimulatedHazard`.
 """
 
 from __future__ import annotations
 
-import collections
 import mmap
 import threading
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Final, NamedTuple
 
 import torch
 
+from fhelium._core import SimulatedStorages
 from fhelium.residency._runtime._reuse import ReuseOrder
 from fhelium.residency._runtime.base import ValueFacts
 from fhelium.residency._runtime.simulated_streams import SimulatedStream
@@ -27,7 +28,6 @@ from fhelium.values.tensor_resident import TensorResident
 
 __all__ = [
     "SimulatedHazard",
-    "StorageEntry",
     "StorageRegistry",
     "empty_host",
     "page_aligned",
@@ -39,7 +39,6 @@ __all__ = [
 # so that reserved >= allocated holds the way it does on a real device.
 _BLOCK: Final = 512
 
-_new_ref: Final = weakref.ref.__new__
 # A named tuple built without its Python ``__new__`` frame (every measurement is one).
 _new_tuple: Final = tuple.__new__
 
@@ -63,84 +62,23 @@ class SimulatedHazard(NamedTuple):
     nbytes: int
 
 
-class StorageEntry(weakref.ref[torch.UntypedStorage]):
-    """Where one registered storage lives: a weak reference to the storage whose callback
-    reports its death, so the per-device byte counters follow frees without a scan.
-
-    torch keeps a storage's Python object alive for as long as the storage itself (as it
-    does a tensor's), so the reference dies, and the callback runs, exactly when the
-    storage is freed. ``counted`` is whether the entry's bytes are still in its device's
-    counters: a storage registered again replaces its entry and is counted once. An
-    entry stays in the registry, under its key (the storage's address), from its
-    storage's death until the registry takes it out; meanwhile a new storage may be
-    allocated at the same address, so a lookup by key is the storage's entry only when
-    the entry refers to that very storage (`StorageRegistry.entry`).
-    """
-
-    __slots__ = (
-        "code",
-        "counted",
-        "cuda",
-        "device",
-        "key",
-        "nbytes",
-        "owner",
-        "pinned",
-        "reserved",
-    )
-
-    # Plain attributes, set by `make` (see there).
-    # -1 on the host, the CUDA index on a simulated device (`ValueFacts.device_code`).
-    code: int
-    counted: bool
-    cuda: bool
-    device: torch.device
-    key: int
-    nbytes: int
-    # The handle of the stream that allocated it on a simulated device (whose pool its
-    # block goes back to when freed, docs/concepts/simulation.md#memory-reuse), or None.
-    owner: int | None
-    pinned: bool
-    reserved: int
-
-    @classmethod
-    def make(
-        cls,
-        storage: torch.UntypedStorage,
-        callback: Callable[[StorageEntry], object],
-        device: torch.device,
-        pinned: bool,
-        cuda: bool,
-        code: int,
-    ) -> StorageEntry:
-        """The entry of ``storage`` on simulated ``device`` (``cuda``: whether it is a CUDA
-        device, which the caller knows without reading ``device.type``, a slow property;
-        ``code``: -1 on the host, else the device's index).
-
-        Built field by field, without Python ``__new__``/``__init__`` frames: every
-        simulated copy registers one.
-        """
-        entry = _new_ref(cls, storage, callback)
-        entry.key = storage._cdata
-        entry.device = device
-        entry.code = code
-        entry.pinned = pinned
-        entry.cuda = cuda
-        entry.nbytes = nbytes = storage.nbytes()
-        # `reserved_nbytes`, inline.
-        entry.reserved = -(-nbytes // _BLOCK) * _BLOCK
-        entry.counted = False
-        entry.owner = None
-        return entry
-
-
 class StorageRegistry:
     """The storages a `SimulatedRuntime` created, by storage identity, and the live
     simulated bytes of each device.
 
+    Its entries, kept in ``native`` (`SimulatedStorages`), are weak references to the
+    storages whose callback reports their death, so the per-device byte counters follow
+    frees without a scan. torch keeps a storage's Python object alive for as long as the
+    storage itself (as it does a tensor's), so the reference dies, and the callback runs,
+    exactly when the storage is freed. A storage registered again replaces its entry and
+    is counted once. An entry stays under its key (the address of the storage's Python
+    object, which torch keeps while the storage lives) from its storage's death until
+    the registry takes it out; meanwhile a new storage may be allocated at the same
+    address, so a lookup by key is the storage's entry only when the entry refers to
+    that very storage (`SimulatedStorages.find`).
+
     Methods named ``*_locked`` run with ``lock`` (the runtime's) held; the others take it
-    where they change state. Lookups are lock-free: dict lookups are atomic, and an entry
-    found under a live storage's key is that storage's only if it refers to it (`entry`).
+    where they change state. Lookups are lock-free.
 
     Args:
         lock: The runtime's lock.
@@ -149,41 +87,30 @@ class StorageRegistry:
         hazards: The runtime's ``hazards`` list, which allocations append to.
     """
 
-    __slots__ = (
-        "_hazards",
-        "_lock",
-        "_on_free",
-        "_order",
-        "allocated",
-        "devices",
-        "entries",
-        "freed",
-        "reserved",
-    )
+    __slots__ = ("_hazards", "_lock", "_order", "devices", "native")
 
     def __init__(
         self,
         lock: threading.Lock,
         devices: tuple[torch.device, ...],
-        order: ReuseOrder[SimulatedStream],
+        order: ReuseOrder,
         hazards: list[SimulatedHazard],
     ) -> None:
         self._lock = lock
         self._order = order
         self._hazards = hazards
         self.devices = devices
-        self.entries: dict[int, StorageEntry] = {}
-        # Live simulated CUDA bytes per device, allocated and rounded up to the allocator's
-        # block, kept as storages are registered and freed: an allocator reading is O(1).
-        # A freed storage's entry lands in `freed` (its weak reference's callback, which
-        # may run on any thread, only appends) and leaves the registry and the counters
-        # at the next registration or reading.
-        # By device index: hashing a `torch.device` is slow, and a copy updates both twice.
-        self.allocated: list[int] = [0] * len(devices)
-        self.reserved: list[int] = [0] * len(devices)
-        self.freed: collections.deque[StorageEntry] = collections.deque()
-        # Every entry's weak reference callback: one bound method, made once.
-        self._on_free = self.freed.append
+        # Live simulated CUDA bytes per device (by index), allocated and rounded up to the
+        # allocator's block, kept as storages are registered and freed: an allocator
+        # reading is O(1). A freed storage's entry lands in the freed queue (its weak
+        # reference's callback, which may run on any thread, only appends) and leaves the
+        # registry and the counters at the next registration or reading.
+        self.native = SimulatedStorages(len(devices))
+
+    @property
+    def entries(self) -> dict[int, object]:
+        """The entries under their keys (a snapshot): ``{key: weak reference}``."""
+        return self.native.entries()
 
     # --- facts about values -----------------------------------------------------------
     def measure(self, value: TensorResident) -> ValueFacts:
@@ -193,18 +120,17 @@ class StorageRegistry:
             # One tensor, one lookup: the same facts as the general pass below.
             (tensor,) = tensors
             storage = tensor.untyped_storage()
-            # `entry`, inline.
-            entry = self.entries.get(storage._cdata)
+            found = self.native.find(storage)
             size = storage.nbytes()
-            if entry is not None and entry() is storage:
+            if found is not None:
                 # The entry knows its device's code: no `device.type` read (a slow one).
-                code = entry.code
+                code = found[1]
                 return _new_tuple(
                     ValueFacts,
                     (
-                        entry.device,
+                        found[0],
                         code,
-                        bool(size) and code == -1 and entry.pinned,
+                        bool(size) and code == -1 and found[2],
                         tensor.nbytes,
                         size,
                         [(code, storage.data_ptr())] if size else [],
@@ -269,8 +195,8 @@ class StorageRegistry:
         for tensor in value._resident_tensors:
             storage = tensor.untyped_storage()
             if storage.nbytes() > 0:
-                entry = self.entry(storage)
-                device = tensor.device if entry is None else entry.device
+                found = self.native.find(storage)
+                device = tensor.device if found is None else found[0]
                 keys.add((device, storage.data_ptr()))
         return frozenset(keys)
 
@@ -298,20 +224,11 @@ class StorageRegistry:
             raise RuntimeError(f"{device} is not a residency location")
         return PINNED_HOST if pinned else PAGEABLE_HOST
 
-    def entry(self, storage: torch.UntypedStorage) -> StorageEntry | None:
-        """The entry of a live storage, if the runtime registered it. A lock-free read:
-        dict lookups are atomic, and the entry found under the storage's key is its own
-        only if it refers to it (another one is a dead storage's, not yet taken out)."""
-        entry = self.entries.get(storage._cdata)
-        return entry if entry is not None and entry() is storage else None
-
     def facts(self, tensor: torch.Tensor) -> tuple[torch.device, bool]:
         """(simulated device, simulated pinning) of one tensor."""
-        # `entry`, inline.
-        storage = tensor.untyped_storage()
-        entry = self.entries.get(storage._cdata)
-        if entry is not None and entry() is storage:
-            return entry.device, entry.pinned
+        found = self.native.find(tensor.untyped_storage())
+        if found is not None:
+            return found[0], found[2]
         device = tensor.device
         return device, device.type == "cpu" and tensor.is_pinned()
 
@@ -333,11 +250,10 @@ class StorageRegistry:
         """The keys of the registered simulated device storages among ``tensors``'."""
         keys = []
         for tensor in tensors:
-            # `entry`, inline.
             storage = tensor.untyped_storage()
-            entry = self.entries.get(storage._cdata)
-            if entry is not None and entry.cuda and entry() is storage:
-                keys.append(entry.key)
+            found = self.native.find(storage)
+            if found is not None and found[3]:
+                keys.append(id(storage))
         return keys
 
     def bytes_by_device(self, value: TensorResident) -> dict[torch.device, int]:
@@ -374,64 +290,33 @@ class StorageRegistry:
         pinned: bool,
         owner: SimulatedStream | None = None,
     ) -> None:
-        freed = self._on_free
         kind = device.type
         cuda = kind == "cuda"
         code = -1 if kind == "cpu" else (device.index or 0)
         self.drain_freed_locked()
+        handle = None
         if owner is not None:
             # An allocation on `owner` may reuse any block freed to its pool.
             for reader, nbytes in self._order.check(owner):
                 self._hazards.append(SimulatedHazard(device, owner, reader, nbytes))
+            if cuda:
+                handle = self._order.owner(owner)
+        register = self.native.register
         for tensor in tensors:
             storage = tensor.untyped_storage()
             if pinned and storage.nbytes() == 0:
                 # As torch's pinned allocator: zero bytes get no pinned storage, so
                 # an empty tensor stays a plain (pageable) CPU tensor.
                 continue
-            entry = StorageEntry.make(storage, freed, device, pinned, cuda, code)
-            previous = self.entries.get(entry.key)
-            self.entries[entry.key] = entry
-            if previous is not None and previous() is storage:
-                # The same storage again (a view of one already registered): the new
-                # entry replaces it, and its bytes are counted once. (Another storage's
-                # entry is a dead one's, waiting in `freed`: taken out from there.)
-                self.uncount_locked(previous)
-            if cuda:
-                if owner is not None:
-                    entry.owner = self._order.owner(owner)
-                self.allocated[code] += entry.nbytes
-                self.reserved[code] += entry.reserved
-                entry.counted = True
-
-    def uncount_locked(self, entry: StorageEntry) -> None:
-        if entry.counted:
-            entry.counted = False
-            # Only a simulated device's entries are counted: `code` is its index.
-            self.allocated[entry.code] -= entry.nbytes
-            self.reserved[entry.code] -= entry.reserved
+            # The same storage again (a view of one already registered): the new entry
+            # replaces it, and its bytes are counted once.
+            register(storage, device, code, pinned, handle)
 
     def drain_freed_locked(self) -> None:
         """Takes the storages freed since the last call out of the registry and counters;
         the work is one step per storage freed, however many are alive."""
-        freed = self.freed
-        entries = self.entries
-        order = self._order
-        while freed:
-            entry = freed.popleft()
-            if entry.counted:
-                # `uncount_locked`, inline.
-                entry.counted = False
-                self.allocated[entry.code] -= entry.nbytes
-                self.reserved[entry.code] -= entry.reserved
-            # A storage registered again, or a new storage at the same address, has a
-            # newer entry there, which stays.
-            key = entry.key
-            if entries.get(key) is entry:
-                del entries[key]
-                # Its readers go to its owner's pool (none read: nothing to do).
-                if entry.cuda and order.readers:
-                    order.freed(key, entry.nbytes, entry.owner)
+        # Their readers go to their owners' pools.
+        self.native.drain(self._order)
 
     def sample(self, index: int) -> tuple[int, int]:
         """(allocated, reserved) bytes of the simulated device of index ``index``, after
@@ -440,9 +325,8 @@ class StorageRegistry:
         lock = self._lock
         lock.acquire()
         try:
-            if self.freed:
-                self.drain_freed_locked()
-            return self.allocated[index], self.reserved[index]
+            self.drain_freed_locked()
+            return self.native.counters(index)
         finally:
             lock.release()
 

@@ -196,7 +196,7 @@ class SimulatedStreams(SimulatedDevices):
             default._default = True
         self._default_by_device = dict(zip(self._devices, self._default_streams, strict=True))
         self.waits: list[tuple[SimulatedStream, SimulatedEvent]] = []
-        self._order: ReuseOrder[SimulatedStream] = ReuseOrder()
+        self._order = ReuseOrder()
         self._timeline: Timeline | None = None
         self._timing: TimelineClock | None = None
         # The native common case of the hot seam methods (`SimulatedRuntime` sets it).
@@ -434,7 +434,7 @@ class SimulatedStreams(SimulatedDevices):
             # last work (`ReuseOrder.clean`) needs neither that nor the lock.
             event._completed = True
             event._clock = None
-            if stream._handle not in self._order.clean:
+            if not self._order.is_clean(stream):
                 # `with self._lock`, spelled out: the same hold, in half the time.
                 lock = self._lock
                 lock.acquire()
