@@ -224,3 +224,20 @@ def test_a_runtime_whose_order_keeps_its_streams_is_collected() -> None:
     del runtime, stream, value
     gc.collect()
     assert collected() is None
+
+
+def test_a_runtime_with_native_calls_is_collected() -> None:
+    """The exact class holds its native calls' object, which holds the runtime's parts
+    (its copies log reaches its streams, which refer back to it): the collector sees
+    that cycle too, after a copy, an event and a hazard-free read."""
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    stream = runtime.create_stream(DEVICE)
+    source = runtime.pin(ResidentTensor(torch.zeros(4)))
+    copy, _ = runtime.copy_to_cuda_measured(source, DEVICE, stream, non_blocking=True)
+    event = runtime.record_event(stream)
+    assert runtime.event_query(event)
+    assert runtime.copies  # the log refers to the stream
+    collected = weakref.ref(runtime)
+    del runtime, stream, source, copy, event
+    gc.collect()
+    assert collected() is None

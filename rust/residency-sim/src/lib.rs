@@ -16,6 +16,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::{PyTraverseError, PyVisit};
 
 mod registry;
 mod reuse;
@@ -111,6 +112,32 @@ fn part<T: pyo3::PyTypeCheck>(object: &Bound<'_, PyAny>, name: &str) -> PyResult
 
 #[pymethods]
 impl SimulatedSeam {
+    /// The runtime's parts it holds, for the collector: they reach the runtime's streams,
+    /// which refer back to the runtime that holds this seam, so a runtime dropped with
+    /// them is a cycle through this object, collected only if the collector sees these
+    /// references (the cycle is broken by clearing the runtime's own attributes).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(instance) = &self.instance {
+            visit.call(instance)?;
+        }
+        for held in [
+            &self.acquire,
+            &self.release,
+            self.faults.as_any(),
+            self.devices.as_any(),
+            self.indices.as_any(),
+            self.default_streams.as_any(),
+            self.cuda_locations.as_any(),
+            self.copies.as_any(),
+            self.hazards.as_any(),
+            self.storages.as_any(),
+            self.order.as_any(),
+        ] {
+            visit.call(held)?;
+        }
+        Ok(())
+    }
+
     /// The parts of ``runtime``, a `SimulatedRuntime` whose construction is complete,
     /// and ``originals``: its class's own functions, by `NAMES`.
     #[new]
