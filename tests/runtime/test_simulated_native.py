@@ -140,3 +140,59 @@ def test_a_failure_queued_reaches_the_manager_through_the_native_calls() -> None
     with pytest.raises(ResidencyPlanExecutionError) as raised:
         _cycle(runtime)
     assert "injected" in repr(raised.value.__cause__)
+
+
+# Values whose copy the native calls take (a plain one-tensor value on the host) or
+# decline (everything else goes to the Python method): each must come out the same.
+COPIED: dict[str, Callable[[SimulatedRuntime], Any]] = {
+    "pinned": lambda rt: rt.pin(ResidentTensor(torch.arange(8.0))),
+    "pageable": lambda rt: ResidentTensor(torch.arange(8.0)),
+    "parameter": lambda rt: ResidentTensor(torch.nn.Parameter(torch.ones(3))),
+    "requires grad": lambda rt: ResidentTensor(torch.ones(3, requires_grad=True)),
+    "view of a larger storage": lambda rt: ResidentTensor(torch.arange(64.0)[8:12]),
+    "not contiguous": lambda rt: ResidentTensor(torch.arange(16.0).view(4, 4).t()),
+    "empty": lambda rt: ResidentTensor(torch.zeros(0)),
+    "conjugate view": lambda rt: ResidentTensor(torch.ones(2, dtype=torch.complex64).conj()),
+    "int64": lambda rt: ResidentTensor(torch.arange(5)),
+    "on cuda:0": lambda rt: rt.to_device(ResidentTensor(torch.arange(4.0)), 0),
+}
+
+
+def _copied(runtime: SimulatedRuntime, make: Callable[[SimulatedRuntime], Any]) -> dict[str, Any]:
+    value = make(runtime)
+    stream = runtime.create_stream(CUDA0)
+    runtime.calls.clear()
+    copy, facts = runtime.copy_to_cuda_measured(value, CUDA0, stream, non_blocking=True)
+    event = runtime.record_event(stream)
+    tensor = copy.tensor
+    measured = runtime.measure(copy)
+    # The copy's facts are what `measure` says of it (storage keys are addresses: their
+    # number is compared across the two runtimes).
+    assert facts is None or facts == measured
+    return {
+        "facts": None if facts is None else facts._replace(storage_keys=len(facts.storage_keys)),
+        "measured": measured._replace(storage_keys=len(measured.storage_keys)),
+        "placement": runtime.placement(copy),
+        "bytes": tensor.resolve_conj().tolist(),
+        "layout": (tensor.shape, tensor.stride(), tensor.dtype, tensor.is_conj()),
+        "requires_grad": tensor.requires_grad,
+        "leaf": tensor.is_leaf,
+        # (An empty tensor has no memory to share: its address is 0 on both sides.)
+        "shares source": tensor.numel() > 0
+        and tensor.untyped_storage().data_ptr() == value.tensor.untyped_storage().data_ptr(),
+        "calls": dict(runtime.calls),
+        "copies": [(c.destination, c.non_blocking) for c in runtime.copies],
+        "sample": runtime.memory_sample(CUDA0),
+        "event": runtime.event_query(event),
+    }
+
+
+@pytest.mark.parametrize("make", COPIED.values(), ids=list(COPIED))
+def test_a_copy_taken_or_declined_natively_is_the_python_method_s(
+    make: Callable[[SimulatedRuntime], Any],
+) -> None:
+    native = _copied(SimulatedRuntime(1, auto_complete=True), make)
+    python = _copied(PythonPath(1, auto_complete=True), make)
+    assert native == python
+    assert native["placement"] == ON_CUDA0
+    assert not native["shares source"]
