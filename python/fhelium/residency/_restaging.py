@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from fhelium.errors import ResidencyBudgetError, ResidencyPlanError
 from fhelium.residency import _plans
@@ -16,8 +16,19 @@ from fhelium.residency._staging import Shape, Staged
 from fhelium.residency.request import ResidencyRequest
 from fhelium.residency.schedule import ScheduleAwarePolicy, deciding_at, position_after
 
-if TYPE_CHECKING:
-    from fhelium.residency._pipeline import Pipeline
+
+class Pipeline(Protocol):
+    """What a restaging reads and changes of its pipeline (`_pipeline.Pipeline`, which
+    calls these: this module does not import it)."""
+
+    controller: Any
+    staged: dict[int, Staged]
+    streams: dict[Any, tuple[dict[Any, Any], dict[Any, Any]]]
+
+    def streams_of(self, shape: Shape) -> tuple[dict[Any, Any], dict[Any, Any]]: ...
+
+    def forget_reads(self, staged: dict[int, Staged]) -> None: ...
+
 
 __all__ = ["restage", "restage_first"]
 
@@ -41,7 +52,7 @@ def restage_first(
     was; a value discarded since makes the core refuse them). Whether
     the step is staged; None where this does not apply or the search decided
     otherwise (nothing ran: `Pipeline._stage` decides afresh)."""
-    controller: Decider = pipeline.controller  # type: ignore[assignment]
+    controller: Decider = pipeline.controller
     shape = controller.shapes.get(id(request))
     if shape is None or shape.request is not request or shape.needs:
         return None
@@ -178,7 +189,7 @@ def restage(
     (`Decider.restage`). The search's result, and whether the step is staged; None,
     with ``blocking``, when its copies would block the host; errors as `decide_found`
     and `Pipeline._stage`'s run raise them, its holds released."""
-    controller: Decider = pipeline.controller  # type: ignore[assignment]
+    controller: Decider = pipeline.controller
     engine = controller.engine
     (_, _, previous), (_, actions, lowered) = last
     streams = pipeline.streams_of(shape)
