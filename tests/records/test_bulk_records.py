@@ -30,7 +30,7 @@ from fhelium.residency.snapshot import (
     ResidencyValueSnapshot,
 )
 from fhelium.values import ResidentTensor
-from helpers.manager import CUDA0, sim_fixture  # noqa: F401
+from helpers.manager import CUDA0, sim_fixture, stream  # noqa: F401
 
 SPEC = ResidencyValueSpec(
     ResidentTensor, 32, 32, ReplicaMode.REPLICABLE, Recoverability.RECONSTRUCTIBLE
@@ -131,4 +131,65 @@ def test_builder_refuses_a_class_it_cannot_fill(sim: Any) -> None:
     view, _ = manager._engine.core.snapshot_state()
     with pytest.raises(ValueError, match="fields"):
         view.value_entries(manager._engine.core, builder, builder, lambda code: None)
+    manager.close()
+
+
+def test_one_record_call_is_the_validating_constructor_s_record(sim: Any) -> None:
+    builder = bulk_builder(ResidencyActionExplanation)
+    fields = dataclasses.fields(ResidencyActionExplanation)
+    manager, handles = _manager()
+    action = EnsureResident(handles[0], PAGEABLE_HOST)
+    values = {
+        "action": action,
+        "executable": True,
+        "no_op": False,
+        "source": None,
+        "destination": PAGEABLE_HOST,
+        "logical_nbytes": 32,
+        "storage_nbytes": 32,
+        "reason": None,
+    }
+    record = builder(*[values[field.name] for field in fields])
+    _check(record, ResidencyActionExplanation)
+    assert record == ResidencyActionExplanation(**values)
+    # One record's fields, all of them, positionally.
+    with pytest.raises(TypeError, match="fields"):
+        builder(action)
+    with pytest.raises(TypeError):
+        builder(**values)
+    manager.close()
+
+
+def test_lazily_built_records_compare_as_their_plain_records(sim: Any) -> None:
+    # A decision, its explanation and a report are built by one native call each over
+    # private slots: they equal, hash and pickle as the records their public
+    # constructors build, and are frozen.
+    from fhelium.residency import ResidencyController, ResidencyRequest, ResidencyRequirement
+
+    manager, handles = _manager()
+    controller = ResidencyController(manager)
+    request = ResidencyRequest("r", [ResidencyRequirement(handles[0], CUDA0)])
+    decision = controller.decide(request)
+    plain = type(decision)(
+        **{field.name: getattr(decision, field.name) for field in dataclasses.fields(decision)}
+    )
+    assert decision == plain
+    assert hash(decision) == hash(plain)
+    assert pickle.loads(pickle.dumps(decision)) == decision
+    assert decision.evictions == ()
+    assert decision.plan.enter == (EnsureResident(handles[0], CUDA0),)
+    explanation = decision.explanation
+    assert explanation.feasible
+    assert explanation == _rebuilt(explanation)
+    assert pickle.loads(pickle.dumps(explanation)) == explanation
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decision.request = request  # type: ignore[misc]
+    with controller.use(request, consumer_streams={CUDA0: stream(sim, 0)}) as use:
+        pass
+    report = use.report
+    assert report.plan_name == "r"
+    assert report == _rebuilt(report)
+    assert pickle.loads(pickle.dumps(report)) == report
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.plan_name = "s"  # type: ignore[misc]
     manager.close()

@@ -12,7 +12,7 @@ from fhelium.residency import _lowering
 from fhelium.residency._decisions import ResidencyDecision, ResidencyEviction
 from fhelium.residency._locations import location_of
 from fhelium.residency._plans import explanation_of
-from fhelium.residency._records import trusted_builder
+from fhelium.residency._records import bulk_builder, trusted_builder
 from fhelium.residency.plan import (
     DropResident,
     EnsureResident,
@@ -243,29 +243,38 @@ def decided(
     satisfied request's empty plan, the same record every time), and ``identity`` the
     policy's name and ``config_identity`` when known to be fixed (a built-in policy's,
     read once by the decider)."""
-    decision = object.__new__(LazyDecision)
     if identity is None:
         identity = (policy.name, tuple(policy.config_identity))
-    (
-        set_manager_id,
-        set_version,
-        set_explored,
-        set_request,
-        set_policy_name,
-        set_policy_config,
-    ) = _DECISION_SETTERS
-    set_manager_id(decision, manager_id)
-    set_version(decision, state_version)
-    set_explored(decision, explored)
-    set_request(decision, request)
-    set_policy_name(decision, identity[0])
-    set_policy_config(decision, identity[1])
-    init = object.__setattr__
-    init(decision, "_built_plan", plan)
-    init(decision, "_built_evictions", None)
-    init(decision, "_built_explanation", None)
-    init(decision, "_source", source)
-    return decision
+    return _new_decision(  # type: ignore[no-any-return]
+        manager_id,
+        state_version,
+        explored,
+        request,
+        identity[0],
+        identity[1],
+        plan,
+        None,
+        None,
+        source,
+    )
+
+
+# `decided`'s record, its fields and private slots set in one native call, in this order.
+_new_decision = bulk_builder(
+    LazyDecision,
+    [
+        "manager_id",
+        "expected_state_version",
+        "explored_states",
+        "request",
+        "policy_name",
+        "policy_config",
+        "_built_plan",
+        "_built_evictions",
+        "_built_explanation",
+        "_source",
+    ],
+)
 
 
 class _Unchanged:
@@ -301,7 +310,7 @@ class _Unchanged:
         return False
 
     def peaks(self) -> list[tuple[int, int]]:
-        return [(row[0], row[2] + row[3]) for row in self._view.location_rows()]
+        return self._view.charged_peaks()  # type: ignore[no-any-return]
 
     @staticmethod
     def action_entries(actions: tuple[Any, ...], builder: Any, locations: Any) -> tuple[Any, ...]:
@@ -322,15 +331,20 @@ def satisfied(
     feasible explanation with the state's charged bytes as the peaks
     (docs/concepts/controller.md#decide). A pipeline's staged step enters with it: its
     staging made its values resident and held them until its leases were taken."""
-    return decided(
+    if identity is None:
+        identity = (policy.name, tuple(policy.config_identity))
+    # `decided`, with its evictions: its plan reclaims nothing, so it evicts nothing.
+    return _new_decision(  # type: ignore[no-any-return]
         manager_id,
         view.version,
         1,
         request,
-        policy,
-        (None, _Unchanged(view)),
+        identity[0],
+        identity[1],
         plan,
-        identity,
+        (),
+        None,
+        (None, _Unchanged(view)),
     )
 
 

@@ -303,15 +303,18 @@ class _Explanation(_LazyRecord, ResidencyPlanExplanation):
 
     @classmethod
     def _capture(cls, plan: ResidencyPlan, simulation: _core.SimulationView) -> _Explanation:
-        explanation = object.__new__(cls)
         peaks = tuple([(location_of(code), peak) for code, peak in simulation.peaks()])
-        explanation._set(plan.name, plan.reservations, peaks, simulation)
-        init = object.__setattr__
-        # A plan without actions explains none (`_build_actions`, without building).
-        init(explanation, "_actions", None if plan.reclaim or plan.enter or plan.exit else ())
-        init(explanation, "_plan", plan)
-        init(explanation, "_simulation", simulation)
-        return explanation
+        return _new_explanation(  # type: ignore[no-any-return]
+            plan.name,
+            plan.reservations,
+            peaks,
+            simulation.feasible,
+            simulation.reason,
+            # A plan without actions explains none (`_build_actions`, without building).
+            None if plan.reclaim or plan.enter or plan.exit else (),
+            plan,
+            simulation,
+        )
 
     def _set(
         self,
@@ -385,6 +388,23 @@ class _Then:
         # Only handed out as `hook` when there is one.
         assert then is not None
         return then()
+
+
+# `_Explanation._capture`'s record, its fields and private slots set in one native
+# call, in this order.
+_new_explanation = bulk_builder(
+    _Explanation,
+    [
+        "plan_name",
+        "reservations",
+        "predicted_peak_bytes",
+        "feasible",
+        "reason",
+        "_actions",
+        "_plan",
+        "_simulation",
+    ],
+)
 
 
 def enter_scope(
@@ -474,12 +494,9 @@ class _PlanReport(_LazyRecord, ResidencyPlanReport):
     def _capture(
         cls, plan_name: str, run: _core.PlanRun, started: int, completed: int
     ) -> _PlanReport:
-        report = object.__new__(cls)
-        report._set(plan_name, started, completed)
-        init = object.__setattr__
-        init(report, "_built", None)
-        init(report, "_run", run)
-        return report
+        return _new_plan_report(  # type: ignore[no-any-return]
+            plan_name, started, completed, None, run
+        )
 
     def _set(self, plan_name: str, started: int, completed: int) -> None:
         slots = ResidencyPlanReport.__dict__
@@ -501,3 +518,10 @@ class _PlanReport(_LazyRecord, ResidencyPlanReport):
                     gc.enable()
             object.__setattr__(self, "_built", built)
         return built
+
+
+# `_PlanReport._capture`'s record, its fields and private slots set in one native call,
+# in this order.
+_new_plan_report = bulk_builder(
+    _PlanReport, ["plan_name", "started_at_ns", "completed_at_ns", "_built", "_run"]
+)

@@ -20,34 +20,24 @@ R = TypeVar("R")
 
 
 def trusted_builder(cls: type[R]) -> Callable[..., R]:
-    """A positional constructor for frozen slots dataclass ``cls`` that skips checks.
-
-    The body is generated once per class (as dataclasses does for ``__init__``): one
-    slot-descriptor call per field, no loop, no validation.
-    """
-    names = [field.name for field in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
-    for name in names:
-        namespace[f"_set_{name}"] = cls.__dict__[name].__set__
-    body = "".join(f"    _set_{name}(record, {name})\n" for name in names)
-    source = (
-        f"def trusted_{cls.__name__}({', '.join(names)}):\n"
-        f"    record = _new(_cls)\n{body}    return record\n"
-    )
-    # Field names are identifiers taken from the class itself.
-    exec(source, namespace)
-    return cast(Callable[..., R], namespace[f"trusted_{cls.__name__}"])
+    """A positional constructor for frozen slots dataclass ``cls`` that skips checks:
+    the extension's builder (`bulk_builder`) called with one record's fields in
+    declaration order. No record code and no Python frame run per record."""
+    return cast(Callable[..., R], bulk_builder(cls))
 
 
-def bulk_builder(cls: type[Any]) -> _core.RecordBuilder:
-    """The extension's builder for frozen slots dataclass ``cls``.
+def bulk_builder(cls: type[Any], names: list[str] | None = None) -> _core.RecordBuilder:
+    """The extension's builder for frozen slots dataclass ``cls``: its fields in
+    declaration order, or the slots ``names`` (a lazy record subclass's, whose fields
+    are partly properties over private slots).
 
     It fills an instance of a subclass that adds no slots and assigns attributes
     plainly (``cls`` itself refuses every assignment), then gives the instance the
     class ``cls``: the result is the record `trusted_builder` would build, made
     without calling any Python code per record. The subclass never escapes.
     """
-    names = [field.name for field in dataclasses.fields(cls)]
+    if names is None:
+        names = [field.name for field in dataclasses.fields(cls)]
     fill = type(
         f"_{cls.__name__}Fill",
         (cls,),

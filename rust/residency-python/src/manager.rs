@@ -526,6 +526,22 @@ impl StateView {
         )
     }
 
+    /// `(code, used + reserved)` per location in registration order: the peaks the
+    /// core's simulation gives a plan with no action and no reservation on this state
+    /// (docs/concepts/controller.md#steps).
+    fn charged_peaks(&self) -> Vec<(u32, u64)> {
+        self.state
+            .locations
+            .iter()
+            .map(|books| {
+                (
+                    books.location.code(),
+                    books.used_bytes.saturating_add(books.reserved_bytes),
+                )
+            })
+            .collect()
+    }
+
     /// Per location in registration order: `(code, budget | None, used, reserved,
     /// peak_used, peak_charged, value_count, reservation_count, use, hold, pending)`.
     #[allow(clippy::type_complexity)]

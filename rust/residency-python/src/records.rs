@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 
 use pyo3::IntoPyObjectExt;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString, PyTuple, PyType};
@@ -69,6 +69,23 @@ impl RecordBuilder {
     #[getter]
     fn record_class(&self, py: Python<'_>) -> Py<PyType> {
         self.record.clone_ref(py)
+    }
+
+    /// One record from its fields, positionally, in declaration order, unchecked.
+    #[pyo3(signature = (*fields))]
+    fn __call__<'py>(
+        &self,
+        py: Python<'py>,
+        fields: &Bound<'py, PyTuple>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if fields.len() != self.names.len() {
+            return Err(PyTypeError::new_err(format!(
+                "a record of {} fields, given {}",
+                self.names.len(),
+                fields.len()
+            )));
+        }
+        self.build_with(py, fields.iter_borrowed().map(Ok))
     }
 }
 
