@@ -149,3 +149,39 @@ def test_a_staged_step_alive_at_exit_is_abandoned_as_a_lease() -> None:
         step.value(env.layers[1], at=CUDA)
     steps.close()
     env.manager.close()
+
+
+def test_staged_steps_and_uses_take_access_epochs_from_one_counter() -> None:
+    # A staged step records its access epochs natively as it enters, a use through the
+    # controller's own path: both advance the one epoch counter, so the tiered LRU
+    # evicts by the true order of use (docs/concepts/controller.md#access-epochs).
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    stream = runtime.current_stream(torch.device("cuda", 0))
+    with use_runtime(runtime):
+        manager = ResidencyManager({CUDA: 3 * 32, PINNED_HOST: 4 * 32})
+    # Registered first, so a tie of epochs would make it the first victim.
+    late, early, other, new = (
+        manager.adopt(
+            runtime.pin(ResidentTensor(torch.full((8,), float(value)))),
+            at=PINNED_HOST,
+            replica_mode=ReplicaMode.REPLICABLE,
+        )
+        for value in range(4)
+    )
+    controller = ResidencyController(manager)
+
+    def request(handle: Any) -> ResidencyRequest:
+        return ResidencyRequest("r", [ResidencyRequirement(handle, CUDA)])
+
+    consumers = {CUDA: stream}
+    with controller.use(request(early), consumer_streams=consumers):
+        pass
+    steps = [request(late), request(late)]
+    with controller.run(steps, prefetch=1, consumer_streams=consumers) as run:
+        entered = [step._entry is not None for step in run]
+    assert entered == [False, True], "the second step was not entered from its staging"
+    with controller.use(request(other), consumer_streams=consumers):
+        pass
+    (eviction,) = controller.decide(request(new)).evictions
+    assert eviction.action.handle is early
+    manager.close()

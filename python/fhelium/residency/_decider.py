@@ -63,7 +63,6 @@ class Decider:
 
     __slots__ = (
         "_empty_plans",
-        "_epoch",
         "_epochs",
         "_lowered_requests",
         "_metadata",
@@ -72,6 +71,7 @@ class Decider:
         "_native_tiers",
         "_schedule_cache",
         "engine",
+        "epoch_keys",
         "identity",
         "limit",
         "lock",
@@ -101,7 +101,10 @@ class Decider:
         # entries; it has no materialisation, so it is never a candidate and its keys
         # are never compared.
         self._native_keys = self.engine.policy_keys()
-        self._epoch = 0
+        # What a pipeline's staged step records its access epochs in, natively, as it
+        # enters (`Engine.enter_step`): the built-in policies' keys; None for any other
+        # policy, whose steps record by handle (`record_checked`).
+        self.epoch_keys = self._native_keys if self.identity is not None else None
         # The schedule-aware policy's steps as handle indices (see `_schedule_index`).
         self._schedule_cache: tuple[ScheduleAwarePolicy, Any] | None = None
         # Requests as the core reads them, by request object (see `_lowered`).
@@ -162,7 +165,8 @@ class Decider:
         """`record_access` where this process was just checked (a pipeline's staged
         step, whose entry checks it first)."""
         with self.lock:
-            epoch = self._epoch = self._epoch + 1
+            # The counter is kept with the keys (every use takes the next epoch there).
+            epoch = self._native_keys.next_epoch()
             epochs = self._epochs
             resolve = self.engine.resolve
             set_epoch = self._native_keys.set_epoch
@@ -180,22 +184,15 @@ class Decider:
         if callable(observe):
             observe(tuple([requirement.handle for requirement in request.requirements]))
 
-    def record_staged(self, request: ResidencyRequest, entry: Any) -> None:
-        """`record_checked` for a pipeline's staged step, whose leases (``entry``, a
-        `_core.StepEntry`) know its values' indices: a built-in policy reads the epochs
-        only natively, so they are set there in one call."""
-        if self.identity is None:
+    def record_staged(self, request: ResidencyRequest) -> None:
+        """`record_checked` for a pipeline's staged step once it entered: where its
+        entry recorded the epochs natively (``epoch_keys``, a built-in policy, whose
+        epochs are read only there), what is left is the schedule-aware policy's
+        observation."""
+        if self.epoch_keys is None:
             # A Python policy reads the epochs by handle (`_order`).
             self.record_checked(request)
             return
-        # `with self.lock`, spelled out: the same hold, fewer steps (every staged step).
-        lock = self.lock
-        lock.acquire()
-        try:
-            epoch = self._epoch = self._epoch + 1
-            entry.record_epochs(self._native_keys, epoch)
-        finally:
-            lock.release()
         policy = self.policy
         if type(policy) is not DeterministicTieredLRU:
             # The schedule-aware policy (`record_checked`).

@@ -241,10 +241,10 @@ class Engine:
         # (docs/concepts/controller.md#staging): (decision or None, whether the plan
         # ran), or None where, with `blocking`, its copies would block the host.
         self.stage_request: Callable[..., tuple[Any, bool] | None] = core.stage_request
-        # `enter_step(engine, groups, consumers, holds)`: a staged step's entry under one
-        # hold of the gate, after reaping: (state view, a lease per (location, handles)
-        # group, what its CUDA leases leave protected), the staging's hold tokens
-        # released whatever happens.
+        # `enter_step(engine, groups, consumers, holds, keys)`: a staged step's entry
+        # under one hold of the gate, after reaping: (state view, a lease per (location,
+        # handles) group, what its CUDA leases leave protected), the staging's hold
+        # tokens released whatever happens, and the access epochs recorded in `keys`.
         self.enter_step: Callable[..., tuple[_core.StateView, _core.StepEntry, list[int]]] = (
             core.enter_step
         )

@@ -38,6 +38,7 @@ from fhelium.residency.lease import (
 from fhelium.residency.location import ResidencyLocation
 from fhelium.residency.manager import ResidencyManager
 from fhelium.residency.model import ResidencyHandle
+from fhelium.residency.policy import DeterministicTieredLRU
 from fhelium.residency.request import ResidencyRequest, ResidencyRequirement
 from fhelium.residency.schedule import ScheduleAwarePolicy, deciding_at
 from fhelium.residency.snapshot import ResidencyPlanReport
@@ -655,10 +656,14 @@ def enter_staged(
         unscoped.exit_error = None
         # The manager takes the holds out of ``holds`` and releases them, whatever
         # happens. Its leases are one object, released by the use's exit.
-        view, step, use._step_tokens = engine.enter_step(engine, shape.entry, consumers, holds)
-        use._entry = step
         # The plain decider (the pipeline's condition), whose process the gate checked.
         decider: Decider = controller  # type: ignore[assignment]
+        # A built-in policy's access epochs are recorded as the leases are taken.
+        keys = decider.epoch_keys
+        view, step, use._step_tokens = engine.enter_step(
+            engine, shape.entry, consumers, holds, keys
+        )
+        use._entry = step
         identity = decider.identity
         if identity is None:
             # A policy whose identity may change: read now.
@@ -670,7 +675,8 @@ def enter_staged(
                 _Satisfied, (engine.manager_id, view, request, policy, shape, identity)
             )
         use._scope = unscoped
-        decider.record_staged(request, step)
+        if keys is None or type(policy) is not DeterministicTieredLRU:
+            decider.record_staged(request)
     except BaseException:
         use._state = "closed"
         # What `__enter__` unwinds: the leases, then the stand-in scope.

@@ -552,7 +552,9 @@ impl CoreManager {
     /// A staged pipeline step's entry in one hold of the gate: the state view, a lease
     /// per `(location, handles)` group (CUDA ones on `consumers[location]`), then the
     /// staging's hold tokens, taken out of the list `holds`, released (see
-    /// `lifetimes::enter_step`).
+    /// `lifetimes::enter_step`); with `keys`, a built-in policy's, the use's access
+    /// epochs are recorded once its leases are taken.
+    #[allow(clippy::too_many_arguments)] // the step's parts
     fn enter_step(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
@@ -560,8 +562,9 @@ impl CoreManager {
         groups: &Bound<'_, PyTuple>,
         consumers: &Bound<'_, pyo3::types::PyDict>,
         holds: &Bound<'_, pyo3::types::PyList>,
+        keys: Option<PyRef<'_, crate::search::PolicyKeys>>,
     ) -> PyResult<(StateView, Py<crate::step::StepEntry>, Vec<u64>)> {
-        crate::step::enter_step(slf, py, engine, groups, consumers, holds)
+        crate::step::enter_step(slf, py, engine, groups, consumers, holds, keys.as_deref())
     }
 
     /// Scope exit in one call: the exit actions, then the scope's reservations.

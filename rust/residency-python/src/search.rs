@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Deref;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::PyValueError;
@@ -104,6 +105,9 @@ pub struct ScheduleIndex(pub residency_core::ScheduleIndex);
 #[derive(Debug, Default)]
 pub struct PolicyKeys {
     pub(crate) keys: Mutex<KeyStore>,
+    /// The controller's last access epoch: each use takes the next one
+    /// (docs/concepts/controller.md#access-epochs). Changed only with `keys` locked.
+    epoch: AtomicI64,
 }
 
 impl PolicyKeys {
@@ -111,9 +115,12 @@ impl PolicyKeys {
         self.keys.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Sets the last access epoch of each value at `indices` (one lock).
-    pub(crate) fn set_epochs(&self, indices: impl Iterator<Item = u32>, epoch: i64) {
+    /// Takes the next access epoch and sets it as the last access epoch of each value
+    /// at `indices`, under one lock: a use's access record.
+    pub(crate) fn record_use(&self, indices: impl Iterator<Item = u32>) {
         let mut keys = self.lock();
+        let epoch = self.epoch.load(Ordering::Relaxed).saturating_add(1);
+        self.epoch.store(epoch, Ordering::Relaxed);
         for index in indices {
             keys.set_epoch(index, epoch);
         }
@@ -130,6 +137,14 @@ impl PolicyKeys {
     /// Sets the last access epoch of the value at handle index `index`.
     fn set_epoch(&self, index: u32, epoch: i64) {
         self.lock().set_epoch(index, epoch);
+    }
+
+    /// Takes the next access epoch: one use's, for the values it records itself.
+    fn next_epoch(&self) -> i64 {
+        let _keys = self.lock();
+        let epoch = self.epoch.load(Ordering::Relaxed).saturating_add(1);
+        self.epoch.store(epoch, Ordering::Relaxed);
+        epoch
     }
 
     /// Sets the priority and stable key of the value at handle index `index`.

@@ -271,18 +271,6 @@ impl StepEntry {
         .map(Some)
     }
 
-    /// Sets the last access epoch of every value it leases to `epoch` in `keys` (a
-    /// use's access record, for the built-in policies).
-    fn record_epochs(&self, keys: &PolicyKeys, epoch: i64) {
-        let borrows = self.borrows();
-        keys.set_epochs(
-            borrows
-                .iter()
-                .flat_map(|borrow| borrow.indices.iter().copied()),
-            epoch,
-        );
-    }
-
     /// Raises `ResidencyLifetimeClosedError` once the lease at `position` was released.
     fn check(&self, py: Python<'_>, position: usize) -> PyResult<()> {
         self.active(py, position).map(drop)
@@ -410,6 +398,7 @@ pub fn enter_step(
     groups: &Bound<'_, PyTuple>,
     consumers: &Bound<'_, PyDict>,
     holds_list: &Bound<'_, PyList>,
+    keys: Option<&PolicyKeys>,
 ) -> PyResult<(StateView, Py<StepEntry>, Vec<u64>)> {
     let owner = manager;
     let manager = owner.get();
@@ -456,9 +445,19 @@ pub fn enter_step(
             Ok(view)
         })();
         let taken = match taken {
-            Ok(view) => {
-                StepEntry::track(owner, engine, &mut borrows).map(|entry| (view, entry, protecting))
-            }
+            Ok(view) => StepEntry::track(owner, engine, &mut borrows).map(|entry| {
+                // The use's access record, once its leases are all taken: a built-in
+                // policy's epochs (docs/concepts/controller.md#access-epochs).
+                if let Some(keys) = keys {
+                    let borrows = entry.get().borrows();
+                    keys.record_use(
+                        borrows
+                            .iter()
+                            .flat_map(|borrow| borrow.indices.iter().copied()),
+                    );
+                }
+                (view, entry, protecting)
+            }),
             Err(error) => Err(error),
         };
         // Nothing of a failed entry stays: its leases go as they came (no consumer
