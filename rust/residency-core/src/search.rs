@@ -17,6 +17,7 @@
 //! ([`Trail`]) and one path copy of its overlay, and the values blocked and reclaims
 //! active in a branch are links in a shared arena ([`Links`]), truncated on backtrack.
 
+use std::borrow::Cow;
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -1782,9 +1783,12 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                     .resume
                     .as_ref()
                     .map(|resume| Arc::clone(&resume.prefix));
-                resumed
+                let (trial, actions, start, locations) = resumed;
+                (Cow::Owned(trial), actions, start, locations)
             } else {
-                let mut trial = state.clone();
+                // Copied at its first change: a simulation that fails at its first
+                // requirement, or fits it as its last, changes nothing.
+                let mut trial = Cow::Borrowed(state);
                 let mut locations = LocationSet::default();
                 for &(location, nbytes) in self.reservations {
                     if !self.fits(&trial, location, nbytes) {
@@ -1798,7 +1802,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                         ));
                     }
                     locations.insert(location);
-                    let books = Self::books_mut(&mut trial, location);
+                    let books = Self::books_mut(trial.to_mut(), location);
                     books.reserved = books.reserved.saturating_add(nbytes);
                 }
                 (trial, Vec::new(), 0, locations)
@@ -1872,13 +1876,13 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                             stage: "source reconstruction",
                         },
                         &trial.books,
-                        &trial,
+                        &*trial,
                         &actions,
                         &locations,
                     ));
                 }
                 saved = Some(trial.books.clone());
-                let books = Self::books_mut(&mut trial, source);
+                let books = Self::books_mut(trial.to_mut(), source);
                 books.reserved = books.reserved.saturating_add(charge);
                 if source == destination {
                     books.reserved = books.reserved.saturating_sub(charge);
@@ -1892,7 +1896,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                         stage: "materialization",
                     },
                     saved.as_deref().unwrap_or(&trial.books),
-                    &trial,
+                    &*trial,
                     &actions,
                     &locations,
                 ));
@@ -1918,7 +1922,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             if temporary {
                 locations.insert(source);
             }
-            let books = Self::books_mut(&mut trial, destination);
+            let books = Self::books_mut(trial.to_mut(), destination);
             books.used = books.used.saturating_add(charge);
             let projected = match source_mat {
                 Some(mat) => MatInfo {
@@ -1933,14 +1937,14 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                     pending_count: 0,
                 },
             };
-            self.add_mat(&mut trial, value, projected);
+            self.add_mat(trial.to_mut(), value, projected);
             if temporary && source != destination {
-                let books = Self::books_mut(&mut trial, source);
+                let books = Self::books_mut(trial.to_mut(), source);
                 books.reserved = books.reserved.saturating_sub(charge);
             }
             if info.exclusive && !temporary {
-                self.remove_mat(&mut trial, value, source);
-                let books = Self::books_mut(&mut trial, source);
+                self.remove_mat(trial.to_mut(), value, source);
+                let books = Self::books_mut(trial.to_mut(), source);
                 books.used = books.used.saturating_sub(charge);
             }
             actions.push(planned);
