@@ -1876,7 +1876,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                             stage: "source reconstruction",
                         },
                         &trial.books,
-                        &*trial,
+                        &trial,
                         &actions,
                         &locations,
                     ));
@@ -1896,7 +1896,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                         stage: "materialization",
                     },
                     saved.as_deref().unwrap_or(&trial.books),
-                    &*trial,
+                    &trial,
                     &actions,
                     &locations,
                 ));
