@@ -17,6 +17,7 @@
 //! ([`Trail`]) and one path copy of its overlay, and the values blocked and reclaims
 //! active in a branch are links in a shared arena ([`Links`]), truncated on backtrack.
 
+use std::borrow::Cow;
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -1369,6 +1370,47 @@ fn is_permutation(order: &[usize]) -> bool {
     }
 }
 
+/// The books of a resumed simulation: per location any of the three lists names, in
+/// canonical order, the books `before` the failed requirement plus the descendant's
+/// `books` less the `base` books of the simulated state, clamped at zero. Each list is
+/// sorted by location; a location `before` names twice counts its last entry, one the
+/// others name twice counts every entry.
+fn carried_books(before: &[Books], books: &[Books], base: &[Books]) -> Vec<Books> {
+    let mut union = LocationSet::default();
+    for entry in before.iter().chain(books).chain(base) {
+        union.insert(entry.location);
+    }
+    let amounts = |books: &[Books], location: Location| {
+        books
+            .iter()
+            .filter(|entry| entry.location == location)
+            .fold((0i128, 0i128), |(used, reserved), entry| {
+                (
+                    used + i128::from(entry.used),
+                    reserved + i128::from(entry.reserved),
+                )
+            })
+    };
+    let clamp = |amount: i128| u64::try_from(amount.max(0)).unwrap_or(u64::MAX);
+    let mut carried = Vec::with_capacity(union.len() as usize);
+    for location in union.iter() {
+        let (prefix_used, prefix_reserved) = before
+            .iter()
+            .rfind(|entry| entry.location == location)
+            .map_or((0, 0), |entry| {
+                (i128::from(entry.used), i128::from(entry.reserved))
+            });
+        let (used, reserved) = amounts(books, location);
+        let (base_used, base_reserved) = amounts(base, location);
+        carried.push(Books {
+            location,
+            used: clamp(prefix_used + used - base_used),
+            reserved: clamp(prefix_reserved + reserved - base_reserved),
+        });
+    }
+    carried
+}
+
 /// Requirements at or below this many are scanned rather than indexed.
 const SCANNED_REQUIREMENTS: usize = 16;
 
@@ -1712,33 +1754,14 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
         }
         // Carry the descendant's reclaims (differences from the simulated state) over
         // the books the prefix left.
-        let mut books: BTreeMap<Location, (i128, i128)> = BTreeMap::new();
-        for entry in resume.before() {
-            books.insert(
-                entry.location,
-                (i128::from(entry.used), i128::from(entry.reserved)),
-            );
-        }
-        for entry in &state.books {
-            let slot = books.entry(entry.location).or_insert((0, 0));
-            slot.0 += i128::from(entry.used);
-            slot.1 += i128::from(entry.reserved);
-        }
-        for entry in resume.base_books() {
-            let slot = books.entry(entry.location).or_insert((0, 0));
-            slot.0 -= i128::from(entry.used);
-            slot.1 -= i128::from(entry.reserved);
-        }
-        let clamp = |amount: i128| u64::try_from(amount.max(0)).unwrap_or(u64::MAX);
-        let mut trial = state.clone();
-        trial.books = books
-            .into_iter()
-            .map(|(location, (used, reserved))| Books {
-                location,
-                used: clamp(used),
-                reserved: clamp(reserved),
-            })
-            .collect();
+        let books = carried_books(resume.before(), &state.books, resume.base_books());
+        let mut trial = State {
+            changed: state.changed.clone(),
+            books,
+            evictions: state.evictions.clone(),
+            resume: state.resume.clone(),
+            touched: state.touched,
+        };
         for (value, mats) in &resume.prefix.mats {
             trial.changed.insert(*value, Arc::clone(mats));
         }
@@ -1760,9 +1783,12 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                     .resume
                     .as_ref()
                     .map(|resume| Arc::clone(&resume.prefix));
-                resumed
+                let (trial, actions, start, locations) = resumed;
+                (Cow::Owned(trial), actions, start, locations)
             } else {
-                let mut trial = state.clone();
+                // Copied at its first change: a simulation that fails at its first
+                // requirement, or fits it as its last, changes nothing.
+                let mut trial = Cow::Borrowed(state);
                 let mut locations = LocationSet::default();
                 for &(location, nbytes) in self.reservations {
                     if !self.fits(&trial, location, nbytes) {
@@ -1776,7 +1802,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                         ));
                     }
                     locations.insert(location);
-                    let books = Self::books_mut(&mut trial, location);
+                    let books = Self::books_mut(trial.to_mut(), location);
                     books.reserved = books.reserved.saturating_add(nbytes);
                 }
                 (trial, Vec::new(), 0, locations)
@@ -1856,7 +1882,7 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                     ));
                 }
                 saved = Some(trial.books.clone());
-                let books = Self::books_mut(&mut trial, source);
+                let books = Self::books_mut(trial.to_mut(), source);
                 books.reserved = books.reserved.saturating_add(charge);
                 if source == destination {
                     books.reserved = books.reserved.saturating_sub(charge);
@@ -1875,11 +1901,28 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                     &locations,
                 ));
             }
+            let planned = if info.exclusive {
+                Planned::Move {
+                    value,
+                    to: destination,
+                    from: if temporary { None } else { Some(source) },
+                }
+            } else {
+                Planned::Ensure {
+                    value,
+                    location: destination,
+                }
+            };
+            if index + 1 == self.requirements.len() {
+                // The last requirement fits: nothing reads the trial state after it.
+                actions.push(planned);
+                break;
+            }
             locations.insert(destination);
             if temporary {
                 locations.insert(source);
             }
-            let books = Self::books_mut(&mut trial, destination);
+            let books = Self::books_mut(trial.to_mut(), destination);
             books.used = books.used.saturating_add(charge);
             let projected = match source_mat {
                 Some(mat) => MatInfo {
@@ -1894,28 +1937,17 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
                     pending_count: 0,
                 },
             };
-            self.add_mat(&mut trial, value, projected);
+            self.add_mat(trial.to_mut(), value, projected);
             if temporary && source != destination {
-                let books = Self::books_mut(&mut trial, source);
+                let books = Self::books_mut(trial.to_mut(), source);
                 books.reserved = books.reserved.saturating_sub(charge);
             }
-            if info.exclusive {
-                actions.push(Planned::Move {
-                    value,
-                    to: destination,
-                    from: if temporary { None } else { Some(source) },
-                });
-                if !temporary {
-                    self.remove_mat(&mut trial, value, source);
-                    let books = Self::books_mut(&mut trial, source);
-                    books.used = books.used.saturating_sub(charge);
-                }
-            } else {
-                actions.push(Planned::Ensure {
-                    value,
-                    location: destination,
-                });
+            if info.exclusive && !temporary {
+                self.remove_mat(trial.to_mut(), value, source);
+                let books = Self::books_mut(trial.to_mut(), source);
+                books.used = books.used.saturating_sub(charge);
             }
+            actions.push(planned);
         }
         Ok(actions)
     }
@@ -2813,7 +2845,75 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
 
 #[cfg(test)]
 mod tests {
-    use super::is_permutation;
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::{Books, Location, carried_books, is_permutation};
+
+    /// The resumed books as a map keyed by location builds them: `before` inserted,
+    /// then the descendant's books added and the simulated state's taken away.
+    fn carried_by_map(before: &[Books], books: &[Books], base: &[Books]) -> Vec<Books> {
+        let mut map: BTreeMap<Location, (i128, i128)> = BTreeMap::new();
+        for entry in before {
+            map.insert(
+                entry.location,
+                (i128::from(entry.used), i128::from(entry.reserved)),
+            );
+        }
+        for entry in books {
+            let slot = map.entry(entry.location).or_insert((0, 0));
+            slot.0 += i128::from(entry.used);
+            slot.1 += i128::from(entry.reserved);
+        }
+        for entry in base {
+            let slot = map.entry(entry.location).or_insert((0, 0));
+            slot.0 -= i128::from(entry.used);
+            slot.1 -= i128::from(entry.reserved);
+        }
+        let clamp = |amount: i128| u64::try_from(amount.max(0)).unwrap_or(u64::MAX);
+        map.into_iter()
+            .map(|(location, (used, reserved))| Books {
+                location,
+                used: clamp(used),
+                reserved: clamp(reserved),
+            })
+            .collect()
+    }
+
+    fn books() -> impl Strategy<Value = Vec<Books>> {
+        let location = prop_oneof![
+            Just(Location::PageableHost),
+            Just(Location::PinnedHost),
+            (0u8..3).prop_map(Location::Cuda),
+            (0u8..2).prop_map(Location::Disk),
+        ];
+        let amount = prop_oneof![0u64..64, Just(u64::MAX), Just(u64::MAX - 1)];
+        prop::collection::vec((location, amount.clone(), amount), 0..6).prop_map(|entries| {
+            let mut books: Vec<Books> = entries
+                .into_iter()
+                .map(|(location, used, reserved)| Books {
+                    location,
+                    used,
+                    reserved,
+                })
+                .collect();
+            books.sort();
+            books
+        })
+    }
+
+    proptest! {
+        /// The resumed books are the map's, location for location, whatever the lists
+        /// hold (repeated locations included).
+        #[test]
+        fn carried_books_are_the_maps(before in books(), state in books(), base in books()) {
+            prop_assert_eq!(
+                carried_books(&before, &state, &base),
+                carried_by_map(&before, &state, &base)
+            );
+        }
+    }
 
     #[test]
     fn a_permutation_names_each_index_once() {
