@@ -87,14 +87,21 @@ pub struct SimulatedSeam {
 }
 
 /// The last simulated device `SimulatedSeam::index` was given (one object, kept: a
-/// caller names a device with one object), and the last copy's log record, for the
-/// next copy to the same place on the same stream. Nothing is dropped, and no Python
+/// caller names a device with one object), the last copy's log record, for the next
+/// copy to the same place on the same stream, and the streams used lately. Nothing is dropped, and no Python
 /// code runs, while it is locked.
 #[derive(Debug, Default)]
 struct Last {
     device: Option<(Py<PyAny>, usize)>,
     record: Option<Record>,
+    /// The simulated streams used lately, latest first, with their devices and handles
+    /// (set when a stream is made, never changed). The runtime holds every stream it
+    /// made for its whole life: keeping them here keeps nothing longer.
+    streams: Vec<(Py<PyAny>, Py<PyAny>, i64)>,
 }
+
+/// How many streams `Last` keeps: a pipeline step uses two or three.
+const STREAMS: usize = 4;
 
 /// A `SimulatedCopy` the seam logged, and the addresses of its location and stream
 /// (alive while it holds them).
@@ -152,6 +159,10 @@ impl SimulatedSeam {
             }
             if let Some(record) = &last.record {
                 visit.call(&record.record)?;
+            }
+            for (stream, device, _) in &last.streams {
+                visit.call(stream)?;
+                visit.call(device)?;
             }
         }
         for held in [
@@ -301,7 +312,7 @@ impl SimulatedSeam {
         event.setattr(intern!(py, "_time"), py.None())?;
         event.setattr(intern!(py, "_completed"), true)?;
         event.setattr(intern!(py, "_clock"), py.None())?;
-        let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;
+        let (_, handle) = self.stream_of(stream)?;
         let order = self.order.get();
         if !order.is_clean_native(handle) {
             self.locked(py, || {
@@ -395,7 +406,7 @@ impl SimulatedSeam {
         let stream = if stream.is_none() {
             self.default_streams.bind(py).get_item(index)?
         } else if stream.get_type().is(self.classes.stream.bind(py))
-            && stream.getattr(intern!(py, "_device"))?.is(&target)
+            && self.stream_of(stream)?.0.is(&target)
         {
             stream.clone()
         } else {
@@ -508,6 +519,26 @@ impl SimulatedSeam {
         let replaced = self.last().device.replace((held, index));
         drop(replaced);
         Ok(Some(index))
+    }
+
+    /// A simulated stream's device and handle (its ``_device`` and ``_handle``).
+    fn stream_of<'py>(&self, stream: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, i64)> {
+        let py = stream.py();
+        if let Some((_, device, handle)) = self.last().streams.iter().find(|(s, _, _)| stream.is(s))
+        {
+            return Ok((device.bind(py).clone(), *handle));
+        }
+        let device = stream.getattr(intern!(py, "_device"))?;
+        let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;
+        let held = (stream.clone().unbind(), device.clone().unbind(), handle);
+        let dropped = {
+            let streams = &mut self.last().streams;
+            streams.insert(0, held);
+            let kept = STREAMS.min(streams.len());
+            streams.split_off(kept)
+        };
+        drop(dropped);
+        Ok((device, handle))
     }
 
     /// `last`, locked.
@@ -719,7 +750,7 @@ impl SimulatedSeam {
             Some(found) if found.code >= 0 => Some(found.key),
             _ => None,
         };
-        let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;
+        let (_, handle) = self.stream_of(stream)?;
         let order = self.order.get();
         self.locked(py, || {
             self.drain(py)?;
@@ -745,7 +776,9 @@ impl SimulatedSeam {
     /// since the last call taken out of the registry and counters, and their readers
     /// given to their owners' pools.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
-        self.storages.get().drain_into(py, self.order.bind(py).get())
+        self.storages
+            .get()
+            .drain_into(py, self.order.bind(py).get())
     }
 }
 
