@@ -102,7 +102,7 @@ def test_a_device_not_simulated_after_one_that_is_raises_as_before() -> None:
     for runtime in (SimulatedRuntime(1, auto_complete=True), PythonPath(1, auto_complete=True)):
         source = ResidentTensor(torch.ones(4))
         runtime.copy_to_cuda(source, torch.device("cuda", 0), None, non_blocking=True)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="not a simulated CUDA device"):
             runtime.copy_to_cuda(source, torch.device("cuda", 1), None, non_blocking=True)
         assert runtime.memory_sample(torch.device("cuda", 1)) is None
         assert runtime.memory_sample(torch.device("cuda", 0)) is not None
@@ -113,7 +113,7 @@ def test_a_stream_of_another_device_raises_after_the_stream_was_used() -> None:
         source = ResidentTensor(torch.ones(4))
         stream = runtime.create_stream(torch.device("cuda", 1))
         runtime.copy_to_cuda(source, torch.device("cuda", 1), stream, non_blocking=True)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="is on cuda:1, not on cuda:0"):
             runtime.copy_to_cuda(source, torch.device("cuda", 0), stream, non_blocking=True)
 
 
@@ -123,14 +123,18 @@ def _source_changed_in_place(runtime: SimulatedRuntime) -> list[Any]:
     cuda0 = torch.device("cuda", 0)
     tensor = torch.arange(12.0).view(3, 4)
     source = ResidentTensor(tensor)
+
+    def whole_storage_again() -> None:
+        # Its new bytes set: they are not initialised.
+        tensor.resize_(4, 6)[2:].zero_()
+
     changes = [
         lambda: None,
         lambda: tensor.add_(1),
         lambda: setattr(tensor, "data", tensor.data.t()),  # not contiguous now
         lambda: setattr(tensor, "data", tensor.data.t().contiguous()),
         lambda: tensor.untyped_storage().resize_(96),  # more storage than the tensor
-        # The whole storage again (its new bytes set: they are not initialised).
-        lambda: tensor.resize_(4, 6)[2:].zero_(),
+        whole_storage_again,
         lambda: tensor.as_strided_((6, 4), (1, 6)),
     ]
     seen = []
