@@ -12,6 +12,8 @@
 //! first; the binding calls them directly when the runtime's seam methods are its own
 //! (`SimulatedSeam::own`), sparing the Python frames of a pipeline step.
 
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -21,7 +23,7 @@ use pyo3::{PyTraverseError, PyVisit};
 mod registry;
 mod reuse;
 
-pub use registry::{Found, SimulatedStorages, Slot, StorageFreed, Table, key_of};
+pub use registry::{Found, SimulatedStorages, Slot, Table, key_of};
 pub use reuse::{Order, ReuseOrder};
 
 /// The CUDA caching allocator's block: reserved bytes are whole blocks.
@@ -80,6 +82,35 @@ pub struct SimulatedSeam {
     order: Py<ReuseOrder>,
     // Classes and helpers.
     classes: Classes,
+    /// What the last calls found, which the next ones ask for again.
+    last: Mutex<Last>,
+}
+
+/// The last simulated device `SimulatedSeam::index` was given (one object, kept: a
+/// caller names a device with one object), the last copy's log record, for the next
+/// copy to the same place on the same stream, and the streams used lately. Nothing is dropped, and no Python
+/// code runs, while it is locked.
+#[derive(Debug, Default)]
+struct Last {
+    device: Option<(Py<PyAny>, usize)>,
+    record: Option<Record>,
+    /// The simulated streams used lately, latest first, with their devices and handles
+    /// (set when a stream is made, never changed). The runtime holds every stream it
+    /// made for its whole life: keeping them here keeps nothing longer.
+    streams: Vec<(Py<PyAny>, Py<PyAny>, i64)>,
+}
+
+/// How many streams `Last` keeps: a pipeline step uses two or three.
+const STREAMS: usize = 4;
+
+/// A `SimulatedCopy` the seam logged, and the addresses of its location and stream
+/// (alive while it holds them).
+#[derive(Debug)]
+struct Record {
+    record: Py<PyAny>,
+    location: usize,
+    stream: usize,
+    non_blocking: bool,
 }
 
 /// The classes and helpers the seam builds with, read once.
@@ -119,6 +150,20 @@ impl SimulatedSeam {
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         if let Some(instance) = &self.instance {
             visit.call(instance)?;
+        }
+        // Not waited for: the lock is never held while Python code runs (the collector's
+        // included), and a reference not shown keeps its object, which is safe.
+        if let Ok(last) = self.last.try_lock() {
+            if let Some((device, _)) = &last.device {
+                visit.call(device)?;
+            }
+            if let Some(record) = &last.record {
+                visit.call(&record.record)?;
+            }
+            for (stream, device, _) in &last.streams {
+                visit.call(stream)?;
+                visit.call(device)?;
+            }
         }
         for held in [
             &self.acquire,
@@ -200,6 +245,7 @@ impl SimulatedSeam {
             storages: part(&storage, "native")?,
             order: order.cast_into::<ReuseOrder>()?.unbind(),
             classes,
+            last: Mutex::default(),
         })
     }
 
@@ -266,7 +312,7 @@ impl SimulatedSeam {
         event.setattr(intern!(py, "_time"), py.None())?;
         event.setattr(intern!(py, "_completed"), true)?;
         event.setattr(intern!(py, "_clock"), py.None())?;
-        let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;
+        let (_, handle) = self.stream_of(stream)?;
         let order = self.order.get();
         if !order.is_clean_native(handle) {
             self.locked(py, || {
@@ -314,7 +360,7 @@ impl SimulatedSeam {
         };
         self.count(runtime, intern!(py, "memory_sample"))?;
         let sample = self.locked(py, || {
-            self.drain(py);
+            self.drain(py)?;
             Ok(self.storages.get().sample(index))
         })?;
         let Some(sample) = sample else {
@@ -360,7 +406,7 @@ impl SimulatedSeam {
         let stream = if stream.is_none() {
             self.default_streams.bind(py).get_item(index)?
         } else if stream.get_type().is(self.classes.stream.bind(py))
-            && stream.getattr(intern!(py, "_device"))?.is(&target)
+            && self.stream_of(stream)?.0.is(&target)
         {
             stream.clone()
         } else {
@@ -456,13 +502,81 @@ impl SimulatedSeam {
     /// The index of a simulated device given as a `torch.device` (else ``None``).
     fn index(&self, device: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let py = device.py();
+        // The device given last, by identity (a `torch.device` is immutable).
+        if let Some((last, index)) = &self.last().device
+            && device.is(last)
+        {
+            return Ok(Some(*index));
+        }
         if !device.get_type().is(self.classes.device.bind(py)) {
             return Ok(None);
         }
-        match self.indices.bind(py).get_item(device)? {
-            Some(index) => index.extract().map(Some),
-            None => Ok(None),
+        let Some(index) = self.indices.bind(py).get_item(device)? else {
+            return Ok(None);
+        };
+        let index: usize = index.extract()?;
+        let held = device.clone().unbind();
+        let replaced = self.last().device.replace((held, index));
+        drop(replaced);
+        Ok(Some(index))
+    }
+
+    /// A simulated stream's device and handle (its ``_device`` and ``_handle``).
+    fn stream_of<'py>(&self, stream: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, i64)> {
+        let py = stream.py();
+        if let Some((_, device, handle)) = self.last().streams.iter().find(|(s, _, _)| stream.is(s))
+        {
+            return Ok((device.bind(py).clone(), *handle));
         }
+        let device = stream.getattr(intern!(py, "_device"))?;
+        let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;
+        let held = (stream.clone().unbind(), device.clone().unbind(), handle);
+        let dropped = {
+            let streams = &mut self.last().streams;
+            streams.insert(0, held);
+            let kept = STREAMS.min(streams.len());
+            streams.split_off(kept)
+        };
+        drop(dropped);
+        Ok((device, handle))
+    }
+
+    /// `last`, locked.
+    fn last(&self) -> MutexGuard<'_, Last> {
+        self.last.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The `SimulatedCopy` of a copy to `location` on `stream`: the last one logged
+    /// where it records the same (a named tuple is immutable), else a new one.
+    fn record_of<'py>(
+        &self,
+        location: Bound<'py, PyAny>,
+        stream: &Bound<'py, PyAny>,
+        non_blocking: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = stream.py();
+        let (at, on) = (location.as_ptr().addr(), stream.as_ptr().addr());
+        if let Some(last) = &self.last().record
+            && (last.location, last.stream, last.non_blocking) == (at, on, non_blocking)
+        {
+            return Ok(last.record.bind(py).clone());
+        }
+        let record = self.tuple_of(
+            self.classes.copy.bind(py),
+            &[
+                location,
+                stream.clone(),
+                non_blocking.into_pyobject(py)?.to_owned().into_any(),
+            ],
+        )?;
+        let replaced = self.last().record.replace(Record {
+            record: record.clone().unbind(),
+            location: at,
+            stream: on,
+            non_blocking,
+        });
+        drop(replaced);
+        Ok(record)
     }
     /// One call of seam method ``name`` counted in ``runtime.calls`` (read from the
     /// runtime's own dict, where it is kept: a test may set a new counter), as
@@ -509,10 +623,13 @@ impl SimulatedSeam {
         }
         let tensor = value.getattr(intern!(py, "_tensor"))?;
         let kind = tensor.get_type();
-        if !(kind.is(classes.tensor.bind(py)) || kind.is(classes.parameter.bind(py)))
-            || tensor
-                .getattr(intern!(py, "layout"))?
-                .ne(classes.strided.bind(py))?
+        if !(kind.is(classes.tensor.bind(py)) || kind.is(classes.parameter.bind(py))) {
+            return Ok(None);
+        }
+        let layout = tensor.getattr(intern!(py, "layout"))?;
+        let strided = classes.strided.bind(py);
+        // torch hands out one object per layout: compared only where it is another.
+        if (!layout.is(strided) && layout.ne(strided)?)
             || tensor.getattr(intern!(py, "is_quantized"))?.is_truthy()?
             || !tensor.getattr(intern!(py, "is_cpu"))?.is_truthy()?
             || tensor
@@ -589,14 +706,7 @@ impl SimulatedSeam {
                 location
             }
         };
-        let record = self.tuple_of(
-            classes.copy.bind(py),
-            &[
-                location,
-                stream.clone(),
-                non_blocking.into_pyobject(py)?.to_owned().into_any(),
-            ],
-        )?;
+        let record = self.record_of(location, stream, non_blocking)?;
         self.register_copy(&storage, source, &target, index, stream, &record)?;
         Ok(Copied {
             value: copy,
@@ -640,10 +750,10 @@ impl SimulatedSeam {
             Some(found) if found.code >= 0 => Some(found.key),
             _ => None,
         };
-        let handle: i64 = stream.getattr(intern!(py, "_handle"))?.extract()?;
+        let (_, handle) = self.stream_of(stream)?;
         let order = self.order.get();
         self.locked(py, || {
-            self.drain(py);
+            self.drain(py)?;
             // The copy's read of its source and its allocation (`ReuseOrder.copied`).
             if let Some(hazards) = order.copied_native(stream, handle, read) {
                 for (reader, nbytes) in hazards {
@@ -665,8 +775,10 @@ impl SimulatedSeam {
     /// `StorageRegistry.drain_freed_locked`, with the lock held: the storages freed
     /// since the last call taken out of the registry and counters, and their readers
     /// given to their owners' pools.
-    fn drain(&self, py: Python<'_>) {
-        self.storages.get().drain_into(self.order.bind(py).get());
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        self.storages
+            .get()
+            .drain_into(py, self.order.bind(py).get())
     }
 }
 

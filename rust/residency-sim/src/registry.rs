@@ -3,17 +3,17 @@
 //!
 //! [`Table`] holds the entries and the per-device counters (pyo3-free);
 //! [`SimulatedStorages`] owns one, with a weak reference per registered storage whose
-//! callback reports its death into a queue (on any thread), and is what both the
+//! callback reports its death into a queue (on any thread: the callback is the queue's
+//! own `list.append`, which runs no Python code), and is what both the
 //! registry's Python methods and [`crate::SimulatedSeam`] use, under the runtime's lock
 //! where they change it.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
 use pyo3::exceptions::PyIndexError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple, PyWeakrefMethods, PyWeakrefReference};
+use pyo3::types::{PyDict, PyList, PyTuple, PyWeakrefMethods, PyWeakrefReference};
 
 use residency_core::FastMap;
 
@@ -170,30 +170,12 @@ pub struct Found<'py> {
     pub key: u64,
 }
 
-/// The ids of the entries whose storages died, in order.
-type Queue = Arc<Mutex<VecDeque<usize>>>;
-
 /// A storage's key: the address of its Python object. torch keeps a storage's Python
 /// object for as long as the storage lives, and hands out that one object, so the
 /// key names one storage while it lives; a storage made after one died may get the
 /// dead one's key (its entry refers to the dead one: `lookup`).
 pub fn key_of(storage: &Bound<'_, PyAny>) -> u64 {
     storage.as_ptr().addr() as u64
-}
-
-/// Every entry's weak reference callback: reports the reference's death (on whatever
-/// thread frees the storage) by appending its id; nothing else.
-#[pyclass(module = "fhelium._core", frozen)]
-#[derive(Debug)]
-pub struct StorageFreed {
-    queue: Queue,
-}
-
-#[pymethods]
-impl StorageFreed {
-    fn __call__(&self, reference: &Bound<'_, PyAny>) {
-        lock(&self.queue).push_back(reference.as_ptr().addr());
-    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -206,8 +188,12 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[derive(Debug)]
 pub struct SimulatedStorages {
     table: Mutex<Table<Entry>>,
-    queue: Queue,
-    on_free: Py<StorageFreed>,
+    /// The weak references whose storages died, in order (an entry's id is its
+    /// reference's address). Their callback is `on_free`, this list's bound `append`:
+    /// a C function, so a storage's death runs no Python code and only appends, under
+    /// the interpreter's lock, on whatever thread frees it.
+    queue: Py<PyList>,
+    on_free: Py<PyAny>,
 }
 
 #[pymethods]
@@ -215,16 +201,11 @@ impl SimulatedStorages {
     /// An empty registry of ``devices`` simulated devices.
     #[new]
     fn py_new(py: Python<'_>, devices: usize) -> PyResult<Self> {
-        let queue = Queue::default();
+        let queue = PyList::empty(py);
         Ok(Self {
             table: Mutex::new(Table::new(devices)),
-            on_free: Py::new(
-                py,
-                StorageFreed {
-                    queue: queue.clone(),
-                },
-            )?,
-            queue,
+            on_free: queue.getattr(intern!(py, "append"))?.unbind(),
+            queue: queue.unbind(),
         })
     }
 
@@ -259,8 +240,8 @@ impl SimulatedStorages {
     /// Takes the storages freed since the last call out of the entries and counters,
     /// and gives each simulated device storage's readers to its owner's pool in
     /// ``order`` (`ReuseOrder.freed`). With the runtime's lock held.
-    fn drain(&self, order: &Bound<'_, ReuseOrder>) {
-        self.drain_into(order.get());
+    fn drain(&self, order: &Bound<'_, ReuseOrder>) -> PyResult<()> {
+        self.drain_into(order.py(), order.get())
     }
 
     /// ``(allocated, reserved)`` bytes of the simulated device of index ``index``, as
@@ -360,11 +341,17 @@ impl SimulatedStorages {
 
     /// `drain`: one entry at a time, in the order they died, each dropped with the
     /// table unlocked.
-    pub fn drain_into(&self, order: &ReuseOrder) {
+    pub fn drain_into(&self, py: Python<'_>, order: &ReuseOrder) -> PyResult<()> {
+        let queue = self.queue.bind(py);
         loop {
-            let Some(id) = lock(&self.queue).pop_front() else {
-                return;
-            };
+            if queue.is_empty() {
+                return Ok(());
+            }
+            // Taken out before anything is dropped (a drop may free another storage,
+            // whose callback appends to the queue).
+            let reference = queue.get_item(0)?;
+            queue.del_item(0)?;
+            let id = reference.as_ptr().addr();
             let Some((slot, current)) = lock(&self.table).freed(id) else {
                 continue;
             };
@@ -372,6 +359,7 @@ impl SimulatedStorages {
                 order.freed_native(slot.key, slot.nbytes, slot.payload.owner);
             }
             drop(slot);
+            drop(reference);
         }
     }
 
