@@ -2,8 +2,9 @@
 
 The public constructors validate every field, which is right for callers and wasteful
 for the manager's hot paths (reports, handles, snapshot entries), whose fields come
-from the core's invariants. These builders fill the slots directly: one record per
-call here, or many per call in the extension for the records users read in bulk.
+from the core's invariants. These builders fill the slots directly, in the extension:
+one record per call (`trusted_builder`), or many per call for the records users read
+in bulk (`bulk_builder`'s builder handed to the extension's bulk calls).
 """
 
 from __future__ import annotations
