@@ -64,9 +64,10 @@ pub struct SimulatedSeam {
     instance: Option<Py<PyDict>>,
     /// The address of the runtime it belongs to, which holds it.
     runtime: usize,
-    /// The runtime's lock's bound `acquire` and `release`, taken once.
+    /// The runtime's lock's bound `acquire`, `release` and `locked`, taken once.
     acquire: Py<PyAny>,
     release: Py<PyAny>,
+    is_locked: Py<PyAny>,
     faults: Py<PyDict>,
     devices: Py<PyTuple>,
     indices: Py<PyDict>,
@@ -119,6 +120,9 @@ struct Classes {
     device: Py<PyAny>,
     stream: Py<PyAny>,
     event: Py<PyAny>,
+    /// ``(SimulatedEvent,)`` and ``(ResidentTensor,)``: `object_new`'s arguments, made once.
+    event_args: Py<PyTuple>,
+    resident_args: Py<PyTuple>,
     hazard: Py<PyAny>,
     facts: Py<PyAny>,
     copy: Py<PyAny>,
@@ -168,6 +172,7 @@ impl SimulatedSeam {
         for held in [
             &self.acquire,
             &self.release,
+            &self.is_locked,
             self.faults.as_any(),
             self.devices.as_any(),
             self.indices.as_any(),
@@ -203,14 +208,18 @@ impl SimulatedSeam {
         let values = py.import("fhelium.values.tensor_resident")?;
         let builtins = py.import("builtins")?;
         let forward_ad = attr(&values, "_forward_ad")?;
+        let event = attr(&streams, "SimulatedEvent")?;
+        let resident = attr(&values, "ResidentTensor")?;
         let classes = Classes {
             device: attr(&torch, "device")?.unbind(),
             stream: attr(&streams, "SimulatedStream")?.unbind(),
-            event: attr(&streams, "SimulatedEvent")?.unbind(),
+            event_args: PyTuple::new(py, [&event])?.unbind(),
+            resident_args: PyTuple::new(py, [&resident])?.unbind(),
+            event: event.unbind(),
             hazard: attr(&registry, "SimulatedHazard")?.unbind(),
             facts: attr(&base, "ValueFacts")?.unbind(),
             copy: attr(&simulated, "SimulatedCopy")?.unbind(),
-            resident: attr(&values, "ResidentTensor")?.unbind(),
+            resident: resident.unbind(),
             tensor: attr(&torch, "Tensor")?.unbind(),
             parameter: attr(&attr(&torch, "nn")?, "Parameter")?.unbind(),
             strided: attr(&torch, "strided")?.unbind(),
@@ -233,6 +242,7 @@ impl SimulatedSeam {
                 .collect(),
             acquire: attr(&attr(runtime, "_lock")?, "acquire")?.unbind(),
             release: attr(&attr(runtime, "_lock")?, "release")?.unbind(),
+            is_locked: attr(&attr(runtime, "_lock")?, "locked")?.unbind(),
             faults: part(runtime, "_faults")?,
             devices: part(runtime, "_devices")?,
             indices: part(runtime, "_indices")?,
@@ -307,7 +317,7 @@ impl SimulatedSeam {
             .classes
             .object_new
             .bind(py)
-            .call1((self.classes.event.bind(py),))?;
+            .call1(self.classes.event_args.bind(py))?;
         event.setattr(intern!(py, "_stream"), stream)?;
         event.setattr(intern!(py, "_time"), py.None())?;
         event.setattr(intern!(py, "_completed"), true)?;
@@ -315,10 +325,7 @@ impl SimulatedSeam {
         let (_, handle) = self.stream_of(stream)?;
         let order = self.order.get();
         if !order.is_clean_native(handle) {
-            self.locked(py, || {
-                order.drained_native(handle);
-                Ok(())
-            })?;
+            self.serialized(py, || order.drained_native(handle))?;
         }
         Ok(Some(event))
     }
@@ -359,10 +366,16 @@ impl SimulatedSeam {
             return Ok(None);
         };
         self.count(runtime, intern!(py, "memory_sample"))?;
-        let sample = self.locked(py, || {
-            self.drain(py)?;
-            Ok(self.storages.get().sample(index))
-        })?;
+        let storages = self.storages.get();
+        // With no storage freed since the last drain, draining does nothing.
+        let sample = if storages.has_freed(py) {
+            self.locked(py, || {
+                self.drain(py)?;
+                Ok(storages.sample(index))
+            })?
+        } else {
+            self.serialized(py, || storages.sample(index))?
+        };
         let Some(sample) = sample else {
             return Ok(None);
         };
@@ -596,11 +609,22 @@ impl SimulatedSeam {
             counted.call1((calls, (name,)))?;
             return Ok(());
         };
-        let now: u64 = match calls.get_item(name)? {
-            Some(now) => now.extract()?,
-            None => 0,
-        };
-        calls.set_item(name, now + 1)
+        // As `_count_elements`: the value plus one (`PyNumber_Add`), or one.
+        let one = 1_i64.into_pyobject(py)?;
+        match calls.get_item(name)? {
+            Some(now) => calls.set_item(name, now.add(one)?),
+            None => calls.set_item(name, one),
+        }
+    }
+
+    /// `f`, which runs no Python code and keeps the GIL, serialized with every hold of
+    /// the runtime's lock: at once where the lock is free (a thread that takes it now
+    /// acts under it only once it has the GIL, after `f`), else with the lock held.
+    fn serialized<T>(&self, py: Python<'_>, f: impl FnOnce() -> T) -> PyResult<T> {
+        if self.is_locked.bind(py).call0()?.is_truthy()? {
+            return self.locked(py, || Ok(f()));
+        }
+        Ok(f())
     }
 
     /// `f` with the runtime's lock held.
@@ -695,7 +719,7 @@ impl SimulatedSeam {
         let copy = classes
             .object_new
             .bind(py)
-            .call1((classes.resident.bind(py),))?;
+            .call1(classes.resident_args.bind(py))?;
         copy.setattr(intern!(py, "_tensor"), &field)?;
         let storage = field.call_method0(intern!(py, "untyped_storage"))?;
         let location = match self.cuda_locations.bind(py).get_item(index)? {

@@ -363,6 +363,11 @@ impl SimulatedStorages {
         }
     }
 
+    /// Whether a storage was freed since the last `drain_into` (its queue is not empty).
+    pub fn has_freed(&self, py: Python<'_>) -> bool {
+        !self.queue.bind(py).is_empty()
+    }
+
     /// `counters`, for the seam.
     pub fn sample(&self, index: usize) -> Option<(i64, i64)> {
         lock(&self.table).counters(index)
