@@ -68,6 +68,9 @@ pub struct SimulatedSeam {
     acquire: Py<PyAny>,
     release: Py<PyAny>,
     is_locked: Py<PyAny>,
+    /// Whether the interpreter runs with the GIL (`sys._is_gil_enabled()`, true where
+    /// there is no such function): `serialized` may skip a free lock only then.
+    gil: bool,
     faults: Py<PyDict>,
     devices: Py<PyTuple>,
     indices: Py<PyDict>,
@@ -243,6 +246,10 @@ impl SimulatedSeam {
             acquire: attr(&attr(runtime, "_lock")?, "acquire")?.unbind(),
             release: attr(&attr(runtime, "_lock")?, "release")?.unbind(),
             is_locked: attr(&attr(runtime, "_lock")?, "locked")?.unbind(),
+            gil: match py.import("sys")?.getattr_opt("_is_gil_enabled")? {
+                Some(enabled) => enabled.call0()?.is_truthy()?,
+                None => true,
+            },
             faults: part(runtime, "_faults")?,
             devices: part(runtime, "_devices")?,
             indices: part(runtime, "_indices")?,
@@ -621,7 +628,8 @@ impl SimulatedSeam {
     /// the runtime's lock: at once where the lock is free (a thread that takes it now
     /// acts under it only once it has the GIL, after `f`), else with the lock held.
     fn serialized<T>(&self, py: Python<'_>, f: impl FnOnce() -> T) -> PyResult<T> {
-        if self.is_locked.bind(py).call0()?.is_truthy()? {
+        // Without the GIL, another thread may act under the lock at the same time.
+        if !self.gil || self.is_locked.bind(py).call0()?.is_truthy()? {
             return self.locked(py, || Ok(f()));
         }
         Ok(f())
