@@ -1333,8 +1333,12 @@ pub struct Search<'a, P: SearchPolicy, V: ValueTable = SearchValues> {
     memo_budget: u64,
     /// Search steps taken, for the interrupt polls.
     steps: u64,
-    /// A buffer for a value's materialisations while one is added or removed, reused.
-    scratch: Cell<Vec<MatInfo>>,
+}
+
+thread_local! {
+    /// A buffer for a value's materialisations while one is added or removed, reused
+    /// by every search on this thread (a search would otherwise allocate one).
+    static MATS_SCRATCH: Cell<Vec<MatInfo>> = const { Cell::new(Vec::new()) };
 }
 
 /// The prefix of a simulation that failed at its first requirement, shared by every
@@ -1376,36 +1380,39 @@ fn is_permutation(order: &[usize]) -> bool {
 /// sorted by location; a location `before` names twice counts its last entry, one the
 /// others name twice counts every entry.
 fn carried_books(before: &[Books], books: &[Books], base: &[Books]) -> Vec<Books> {
-    let mut union = LocationSet::default();
-    for entry in before.iter().chain(books).chain(base) {
-        union.insert(entry.location);
-    }
-    let amounts = |books: &[Books], location: Location| {
-        books
-            .iter()
-            .filter(|entry| entry.location == location)
-            .fold((0i128, 0i128), |(used, reserved), entry| {
-                (
-                    used + i128::from(entry.used),
-                    reserved + i128::from(entry.reserved),
-                )
-            })
-    };
     let clamp = |amount: i128| u64::try_from(amount.max(0)).unwrap_or(u64::MAX);
-    let mut carried = Vec::with_capacity(union.len() as usize);
-    for location in union.iter() {
-        let (prefix_used, prefix_reserved) = before
-            .iter()
-            .rfind(|entry| entry.location == location)
-            .map_or((0, 0), |entry| {
-                (i128::from(entry.used), i128::from(entry.reserved))
-            });
-        let (used, reserved) = amounts(books, location);
-        let (base_used, base_reserved) = amounts(base, location);
+    // One merge of the three sorted lists: each location's entries are adjacent.
+    let (mut in_before, mut in_books, mut in_base) = (before, books, base);
+    let mut carried = Vec::with_capacity(before.len().max(books.len()).max(base.len()));
+    while let Some(location) = [in_before.first(), in_books.first(), in_base.first()]
+        .into_iter()
+        .flatten()
+        .map(|entry| entry.location)
+        .min()
+    {
+        // The runs of `location`'s entries at the front of a list, and the rest.
+        let split = |list: &[Books]| list.partition_point(|entry| entry.location == location);
+        let (prefix, rest) = in_before.split_at(split(in_before));
+        in_before = rest;
+        let (added, rest) = in_books.split_at(split(in_books));
+        in_books = rest;
+        let (removed, rest) = in_base.split_at(split(in_base));
+        in_base = rest;
+        let (mut used, mut reserved) = prefix.last().map_or((0i128, 0i128), |entry| {
+            (i128::from(entry.used), i128::from(entry.reserved))
+        });
+        for entry in added {
+            used += i128::from(entry.used);
+            reserved += i128::from(entry.reserved);
+        }
+        for entry in removed {
+            used -= i128::from(entry.used);
+            reserved -= i128::from(entry.reserved);
+        }
         carried.push(Books {
             location,
-            used: clamp(prefix_used + used - base_used),
-            reserved: clamp(prefix_reserved + reserved - base_reserved),
+            used: clamp(used),
+            reserved: clamp(reserved),
         });
     }
     carried
@@ -1458,7 +1465,6 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             memo_bytes: 0,
             memo_budget: MEMO_BUDGET_BYTES,
             steps: 0,
-            scratch: Cell::new(Vec::new()),
         }
     }
 
@@ -1589,12 +1595,12 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
 
     /// Edits a value's materialisations in `state` in the reused buffer, then sets them.
     fn edit_mats(&self, state: &mut State, value: usize, edit: impl FnOnce(&mut Vec<MatInfo>)) {
-        let mut mats = self.scratch.take();
+        let mut mats = MATS_SCRATCH.take();
         mats.clear();
         self.extend_mats(state, value, &mut mats);
         edit(&mut mats);
         self.set_mats(state, value, &mats);
-        self.scratch.set(mats);
+        MATS_SCRATCH.set(mats);
     }
 
     fn add_mat(&self, state: &mut State, value: usize, mat: MatInfo) {
