@@ -229,7 +229,11 @@ mod tests {
         if let Some(owned) = own(&mut value) {
             owned.push(3);
         }
-        assert_eq!(Arc::as_ptr(&value), before, "an unshared value is not copied");
+        assert_eq!(
+            Arc::as_ptr(&value),
+            before,
+            "an unshared value is not copied"
+        );
         assert_eq!(*value, vec![1, 2, 3]);
 
         let other = Arc::clone(&value);
@@ -246,7 +250,11 @@ mod tests {
         if let Some(owned) = own(&mut value) {
             owned.push(5);
         }
-        assert_ne!(Arc::as_ptr(&value), copied, "a weakly referenced value is copied");
+        assert_ne!(
+            Arc::as_ptr(&value),
+            copied,
+            "a weakly referenced value is copied"
+        );
         assert_eq!(*value, vec![1, 2, 3, 4, 5]);
         // As with `Arc::make_mut`: the weak reference no longer reaches the value.
         assert!(weak.upgrade().is_none());
