@@ -1380,39 +1380,36 @@ fn is_permutation(order: &[usize]) -> bool {
 /// sorted by location; a location `before` names twice counts its last entry, one the
 /// others name twice counts every entry.
 fn carried_books(before: &[Books], books: &[Books], base: &[Books]) -> Vec<Books> {
+    let mut union = LocationSet::default();
+    for entry in before.iter().chain(books).chain(base) {
+        union.insert(entry.location);
+    }
+    let amounts = |books: &[Books], location: Location| {
+        books
+            .iter()
+            .filter(|entry| entry.location == location)
+            .fold((0i128, 0i128), |(used, reserved), entry| {
+                (
+                    used + i128::from(entry.used),
+                    reserved + i128::from(entry.reserved),
+                )
+            })
+    };
     let clamp = |amount: i128| u64::try_from(amount.max(0)).unwrap_or(u64::MAX);
-    // One merge of the three sorted lists: each location's entries are adjacent.
-    let (mut in_before, mut in_books, mut in_base) = (before, books, base);
-    let mut carried = Vec::with_capacity(before.len().max(books.len()).max(base.len()));
-    while let Some(location) = [in_before.first(), in_books.first(), in_base.first()]
-        .into_iter()
-        .flatten()
-        .map(|entry| entry.location)
-        .min()
-    {
-        // The runs of `location`'s entries at the front of a list, and the rest.
-        let split = |list: &[Books]| list.partition_point(|entry| entry.location == location);
-        let (prefix, rest) = in_before.split_at(split(in_before));
-        in_before = rest;
-        let (added, rest) = in_books.split_at(split(in_books));
-        in_books = rest;
-        let (removed, rest) = in_base.split_at(split(in_base));
-        in_base = rest;
-        let (mut used, mut reserved) = prefix.last().map_or((0i128, 0i128), |entry| {
-            (i128::from(entry.used), i128::from(entry.reserved))
-        });
-        for entry in added {
-            used += i128::from(entry.used);
-            reserved += i128::from(entry.reserved);
-        }
-        for entry in removed {
-            used -= i128::from(entry.used);
-            reserved -= i128::from(entry.reserved);
-        }
+    let mut carried = Vec::with_capacity(union.len() as usize);
+    for location in union.iter() {
+        let (prefix_used, prefix_reserved) = before
+            .iter()
+            .rfind(|entry| entry.location == location)
+            .map_or((0, 0), |entry| {
+                (i128::from(entry.used), i128::from(entry.reserved))
+            });
+        let (used, reserved) = amounts(books, location);
+        let (base_used, base_reserved) = amounts(base, location);
         carried.push(Books {
             location,
-            used: clamp(used),
-            reserved: clamp(reserved),
+            used: clamp(prefix_used + used - base_used),
+            reserved: clamp(prefix_reserved + reserved - base_reserved),
         });
     }
     carried
