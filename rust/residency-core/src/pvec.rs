@@ -29,6 +29,25 @@ impl<T> Node<T> {
     }
 }
 
+/// A shared value made this holder's own, as `Arc::make_mut` makes it for values no
+/// weak reference points to: copied while another holder shares it, else changed in
+/// place. The unshared case, nearly every change, is two loads and the uniqueness
+/// check inline. `None` never happens: a value is unshared here or a fresh copy.
+#[inline]
+pub(crate) fn own<T: Clone>(shared: &mut Arc<T>) -> Option<&mut T> {
+    if Arc::strong_count(shared) != 1 || Arc::weak_count(shared) != 0 {
+        copy_out(shared);
+    }
+    Arc::get_mut(shared)
+}
+
+/// Replaces a shared value with this holder's own copy of it.
+#[cold]
+#[inline(never)]
+fn copy_out<T: Clone>(shared: &mut Arc<T>) {
+    *shared = Arc::new(T::clone(shared));
+}
+
 /// A persistent vector: `push_back`, `pop_back`, reads and in-place changes by index.
 pub struct PVec<T> {
     root: Option<Arc<Node<T>>>,
@@ -117,15 +136,16 @@ impl<T> PVec<T> {
 impl<T: Clone> PVec<T> {
     /// The slot of `index` (below the capacity), with the nodes on its path made this
     /// vector's own (copied where a clone shares them) and missing ones created.
-    fn slot_mut(&mut self, index: usize) -> &mut Option<T> {
+    /// `None` never happens (see [`own`]).
+    fn slot_mut(&mut self, index: usize) -> Option<&mut Option<T>> {
         let depth = self.depth;
-        let mut node = Arc::make_mut(self.root.get_or_insert_with(|| {
+        let mut node = own(self.root.get_or_insert_with(|| {
             Arc::new(if depth == 0 {
                 Node::leaf()
             } else {
                 Node::branch()
             })
-        }));
+        }))?;
         let mut level = depth;
         loop {
             match node {
@@ -138,10 +158,10 @@ impl<T: Clone> PVec<T> {
                                 Node::branch()
                             })
                         });
-                    node = Arc::make_mut(child);
+                    node = own(child)?;
                     level = level.saturating_sub(1);
                 }
-                Node::Leaf(entries) => return &mut entries[index & MASK],
+                Node::Leaf(entries) => return Some(&mut entries[index & MASK]),
             }
         }
     }
@@ -150,7 +170,7 @@ impl<T: Clone> PVec<T> {
         if index >= self.len {
             return None;
         }
-        self.slot_mut(index).as_mut()
+        self.slot_mut(index)?.as_mut()
     }
 
     pub fn push_back(&mut self, value: T) {
@@ -162,13 +182,15 @@ impl<T: Clone> PVec<T> {
             self.depth += 1;
         }
         let index = self.len;
-        *self.slot_mut(index) = Some(value);
-        self.len += 1;
+        if let Some(slot) = self.slot_mut(index) {
+            *slot = Some(value);
+            self.len += 1;
+        }
     }
 
     pub fn pop_back(&mut self) -> Option<T> {
         let index = self.len.checked_sub(1)?;
-        let value = self.slot_mut(index).take();
+        let value = self.slot_mut(index).and_then(Option::take);
         self.len = index;
         if self.len == 0 {
             *self = Self::default();
@@ -196,7 +218,47 @@ impl<T: Clone> std::ops::IndexMut<usize> for PVec<T> {
 
 #[cfg(test)]
 mod tests {
-    use super::PVec;
+    use std::sync::Arc;
+
+    use super::{PVec, own};
+
+    #[test]
+    fn own_changes_an_unshared_value_in_place_and_copies_a_shared_one() {
+        let mut value = Arc::new(vec![1, 2]);
+        let before = Arc::as_ptr(&value);
+        if let Some(owned) = own(&mut value) {
+            owned.push(3);
+        }
+        assert_eq!(
+            Arc::as_ptr(&value),
+            before,
+            "an unshared value is not copied"
+        );
+        assert_eq!(*value, vec![1, 2, 3]);
+
+        let other = Arc::clone(&value);
+        if let Some(owned) = own(&mut value) {
+            owned.push(4);
+        }
+        assert_ne!(Arc::as_ptr(&value), before, "a shared value is copied");
+        assert_eq!(*value, vec![1, 2, 3, 4]);
+        assert_eq!(*other, vec![1, 2, 3], "the other holder keeps its value");
+        assert_eq!(Arc::strong_count(&other), 1);
+
+        let weak = Arc::downgrade(&value);
+        let copied = Arc::as_ptr(&value);
+        if let Some(owned) = own(&mut value) {
+            owned.push(5);
+        }
+        assert_ne!(
+            Arc::as_ptr(&value),
+            copied,
+            "a weakly referenced value is copied"
+        );
+        assert_eq!(*value, vec![1, 2, 3, 4, 5]);
+        // As with `Arc::make_mut`: the weak reference no longer reaches the value.
+        assert!(weak.upgrade().is_none());
+    }
 
     #[test]
     fn matches_a_vector_and_snapshots_keep_their_entries() {

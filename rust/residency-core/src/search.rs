@@ -1333,8 +1333,12 @@ pub struct Search<'a, P: SearchPolicy, V: ValueTable = SearchValues> {
     memo_budget: u64,
     /// Search steps taken, for the interrupt polls.
     steps: u64,
-    /// A buffer for a value's materialisations while one is added or removed, reused.
-    scratch: Cell<Vec<MatInfo>>,
+}
+
+thread_local! {
+    /// A buffer for a value's materialisations while one is added or removed, reused
+    /// by every search on this thread (a search would otherwise allocate one).
+    static MATS_SCRATCH: Cell<Vec<MatInfo>> = const { Cell::new(Vec::new()) };
 }
 
 /// The prefix of a simulation that failed at its first requirement, shared by every
@@ -1458,7 +1462,6 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
             memo_bytes: 0,
             memo_budget: MEMO_BUDGET_BYTES,
             steps: 0,
-            scratch: Cell::new(Vec::new()),
         }
     }
 
@@ -1589,12 +1592,12 @@ impl<'a, P: SearchPolicy, V: ValueTable> Search<'a, P, V> {
 
     /// Edits a value's materialisations in `state` in the reused buffer, then sets them.
     fn edit_mats(&self, state: &mut State, value: usize, edit: impl FnOnce(&mut Vec<MatInfo>)) {
-        let mut mats = self.scratch.take();
+        let mut mats = MATS_SCRATCH.take();
         mats.clear();
         self.extend_mats(state, value, &mut mats);
         edit(&mut mats);
         self.set_mats(state, value, &mats);
-        self.scratch.set(mats);
+        MATS_SCRATCH.set(mats);
     }
 
     fn add_mat(&self, state: &mut State, value: usize, mat: MatInfo) {

@@ -12,7 +12,7 @@ use imbl::{OrdMap, OrdSet};
 
 use crate::error::{CoreError, CoreResult};
 use crate::location::Location;
-use crate::pvec::PVec;
+use crate::pvec::{PVec, own};
 use crate::value::{HandleName, ValueSpec};
 
 /// A value's position in issue order; stable until the manager closes.
@@ -180,6 +180,12 @@ pub struct LocationBooks(Arc<Vec<LocationState>>);
 impl LocationBooks {
     fn push_back(&mut self, books: LocationState) {
         Arc::make_mut(&mut self.0).push(books);
+    }
+
+    /// The books of `location`, made this state's own, if it is registered.
+    fn location_mut(&mut self, location: Location) -> Option<&mut LocationState> {
+        let index = self.0.iter().position(|books| books.location == location)?;
+        own(&mut self.0)?.get_mut(index)
     }
 }
 
@@ -484,7 +490,7 @@ impl State {
         let Some(materialization) = self
             .values
             .get_mut(handle as usize)
-            .map(Arc::make_mut)
+            .and_then(own)
             .and_then(|record| record.materialization_mut(location))
         else {
             return;
@@ -500,8 +506,7 @@ impl State {
         if let Some(kind) = to {
             *count(materialization, kind) += 1;
         }
-        if let Some(index) = self.location_index(location) {
-            let books = &mut self.locations[index];
+        if let Some(books) = self.locations.location_mut(location) {
             if let Some(kind) = from.filter(|_| removes) {
                 let counted = total(books, kind);
                 *counted = counted.saturating_sub(1);
