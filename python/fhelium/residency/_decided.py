@@ -41,17 +41,18 @@ _new_eviction = trusted_builder(ResidencyEviction)
 _new_plan = trusted_builder(ResidencyPlan)
 
 
-# The record's slot setters, for the fields `LazyDecision._set` fills.
+# The fields a decision is built with here (its plan, evictions and explanation are
+# built on demand), and their slot setters, for `LazyDecision._set`.
+_DECISION_FIELDS: Final = (
+    "manager_id",
+    "expected_state_version",
+    "explored_states",
+    "request",
+    "policy_name",
+    "policy_config",
+)
 _DECISION_SETTERS: Final = tuple(
-    ResidencyDecision.__dict__[name].__set__
-    for name in (
-        "manager_id",
-        "expected_state_version",
-        "explored_states",
-        "request",
-        "policy_name",
-        "policy_config",
-    )
+    ResidencyDecision.__dict__[name].__set__ for name in _DECISION_FIELDS
 )
 
 
@@ -262,18 +263,7 @@ def decided(
 # `decided`'s record, its fields and private slots set in one native call, in this order.
 _new_decision = bulk_builder(
     LazyDecision,
-    [
-        "manager_id",
-        "expected_state_version",
-        "explored_states",
-        "request",
-        "policy_name",
-        "policy_config",
-        "_built_plan",
-        "_built_evictions",
-        "_built_explanation",
-        "_source",
-    ],
+    [*_DECISION_FIELDS, "_built_plan", "_built_evictions", "_built_explanation", "_source"],
 )
 
 
