@@ -19,6 +19,7 @@ pub mod objects;
 mod overlay;
 pub mod placement;
 pub mod plan;
+pub mod process;
 pub mod pvec;
 pub mod report;
 pub mod search;

@@ -431,7 +431,7 @@ impl Manager {
             // Truncation is the point: 32 random bits.
             #[allow(clippy::cast_possible_truncation)]
             index_key: uuid::Uuid::new_v4().as_u128() as u32,
-            owner_pid: std::process::id(),
+            owner_pid: crate::process::current_pid(),
             inner: Mutex::new(Inner {
                 state,
                 ..Inner::default()
@@ -457,7 +457,7 @@ impl Manager {
     /// device is touched: the child's copy of the state describes the parent's memory
     /// and files, and a lock held by another parent thread at the fork stays held.
     pub fn check_process(&self) -> CoreResult<()> {
-        let pid = std::process::id();
+        let pid = crate::process::current_pid();
         if pid == self.owner_pid {
             return Ok(());
         }
@@ -551,7 +551,7 @@ impl Manager {
     /// CUDA lease is pending and this thread is in no transition. `false` changes
     /// nothing; the caller then enters the general way, which waits or raises.
     pub fn try_begin_quiet_transition(&self) -> bool {
-        if std::process::id() != self.owner_pid {
+        if crate::process::current_pid() != self.owner_pid {
             return false; // the general way raises
         }
         // Lock order: gate, then inner.

@@ -23,6 +23,14 @@ mod step;
 mod transition;
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// The interpreter's after-fork hook in a child: the core reads the child's process id
+/// on its next check (`residency_core::process`).
+#[pyfunction]
+fn _after_fork_in_child() {
+    residency_core::process::forget_after_fork();
+}
 
 #[pymodule(gil_used = false)]
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -48,5 +56,15 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(plan::lower_records, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;
     module.add_function(wrap_pyfunction!(checksum::checksum, module)?)?;
+    // Registered when the extension is loaded, before any manager can exist (and so
+    // before any other after-fork hook of the library's, which run in registration
+    // order and may check their process).
+    let hook = wrap_pyfunction!(_after_fork_in_child, module)?;
+    let arguments = PyDict::new(module.py());
+    arguments.set_item("after_in_child", hook)?;
+    module
+        .py()
+        .import("os")?
+        .call_method("register_at_fork", (), Some(&arguments))?;
     residency_sim::register(module)
 }
