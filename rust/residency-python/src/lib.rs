@@ -25,6 +25,14 @@ mod transition;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+/// The extension's Rust allocations (the core's state, searches, plans and records)
+/// go to mimalloc rather than the C library's allocator: a pipeline step makes dozens
+/// of small, short-lived allocations, and mimalloc's per-thread free lists serve them
+/// at a fraction of the cost (docs/architecture.md#allocation). Python objects and
+/// tensors keep their own allocators.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The interpreter's after-fork hook in a child: the core reads the child's process id
 /// on its next check (`residency_core::process`).
 #[pyfunction]
