@@ -324,8 +324,9 @@ class _Explanation(_LazyRecord, ResidencyPlanExplanation):
         return actions
 
     def _build_actions(self) -> tuple[ResidencyActionExplanation, ...]:
-        plan: Any = self._plan
-        simulation: Any = self._simulation
+        # Both set when `actions` is left to build (`RecordBuilder.explanation`).
+        plan: ResidencyPlan = self._plan  # type: ignore[assignment]
+        simulation: _core.SimulationView = self._simulation  # type: ignore[assignment]
         ordered = (*plan.reclaim, *plan.enter, *plan.exit)
         collecting = gc.isenabled()
         gc.disable()
