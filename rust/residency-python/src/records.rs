@@ -1,5 +1,7 @@
 //! The records users read in bulk (snapshot value entries, explanation actions),
-//! built here in one call rather than one Python call per record.
+//! built here in one call rather than one Python call per record, and a plan
+//! explanation with its peaks' location records in one call
+//! (`RecordBuilder::explanation`).
 //!
 //! The records are frozen slots dataclasses whose `__setattr__` refuses every
 //! assignment. A `RecordBuilder` therefore fills an instance of a plain-assignment
@@ -38,8 +40,11 @@ pub struct RecordBuilder {
     class_name: Py<PyString>,
     /// The location records `explanation` was given, by code, with the function that
     /// gave them: the glue's shared table gives one record per code for good.
-    locations: Mutex<Option<(Py<PyAny>, Vec<(u32, Py<PyAny>)>)>>,
+    locations: Mutex<Option<(Py<PyAny>, KnownLocations)>>,
 }
+
+/// Location records by code.
+type KnownLocations = Vec<(u32, Py<PyAny>)>;
 
 #[pymethods]
 impl RecordBuilder {
