@@ -437,3 +437,10 @@ class RecordBuilder:
     @property
     def record_class(self) -> type: ...
     def __call__(self, *fields: object) -> Any: ...
+    def explanation(
+        self,
+        location_of: Callable[[int], Any],
+        plan: Any,
+        simulation: Any,
+        peaks: Any = None,
+    ) -> Any: ...

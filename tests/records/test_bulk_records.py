@@ -193,3 +193,103 @@ def test_lazily_built_records_compare_as_their_plain_records(sim: Any) -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.plan_name = "s"  # type: ignore[misc]
     manager.close()
+
+
+class _FakeSimulation:
+    """What `RecordBuilder.explanation` reads off a simulation: ``feasible``,
+    ``reason``, ``peaks()`` (only when no peaks are given) and, once the actions are
+    read, ``action_entries``."""
+
+    def __init__(self, peaks: list[tuple[int, int]] | None) -> None:
+        self.feasible = False
+        self.reason = "over budget"
+        self._peaks = peaks
+        self.entries = 0
+
+    def peaks(self) -> list[tuple[int, int]]:
+        assert self._peaks is not None, "peaks were given: the simulation's are not read"
+        return self._peaks
+
+    def action_entries(self, actions: Any, builder: Any, location_of: Any) -> tuple[Any, ...]:
+        self.entries += 1
+        return ()
+
+
+def test_explanation_builder_is_the_validating_constructor_s_record(sim: Any) -> None:
+    # `RecordBuilder.explanation` builds a decision's or `explain`'s explanation in one
+    # native call: the very record the public constructor builds from the same fields,
+    # its peaks' locations the shared location records, its actions built when read.
+    from fhelium.residency import PINNED_HOST, MemoryReservation
+    from fhelium.residency._plans import explanation_of
+    from fhelium.residency.snapshot import ResidencyPlanExplanation
+
+    manager, handles = _manager()
+    reservation = MemoryReservation(CUDA0, 16, "headroom")
+    empty = ResidencyPlan("empty", reservations=[reservation])
+    for given in (None, [(1, 64), (2, 0)]):
+        simulation = _FakeSimulation(None if given else [(1, 64), (2, 0)])
+        explanation = explanation_of(empty, simulation, given)
+        plain = ResidencyPlanExplanation(
+            "empty", (), (reservation,), ((PINNED_HOST, 64), (CUDA0, 0)), False, "over budget"
+        )
+        assert explanation == plain
+        assert plain == explanation
+        assert hash(explanation) == hash(plain)
+        assert repr(explanation) == repr(plain)
+        assert pickle.loads(pickle.dumps(explanation)) == plain
+        assert type(pickle.loads(pickle.dumps(explanation))) is ResidencyPlanExplanation
+        assert explanation.predicted_peak_bytes[0][0] is PINNED_HOST
+        assert type(explanation.predicted_peak_bytes) is tuple
+        # A plan without actions explains none, without asking the simulation.
+        assert explanation.actions == ()
+        assert simulation.entries == 0
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            explanation.feasible = True  # type: ignore[misc]
+    acting = ResidencyPlan("acting", enter=[EnsureResident(handles[0], CUDA0)])
+    simulation = _FakeSimulation([(1, 64)])
+    explanation = explanation_of(acting, simulation)
+    assert simulation.entries == 0
+    assert explanation.actions == ()
+    assert explanation.actions == ()
+    assert simulation.entries == 1  # built on first read, once
+    manager.close()
+
+
+def test_explanation_builder_asks_each_location_function_for_its_records(sim: Any) -> None:
+    # The builder keeps the location records it was given, per code, for the function
+    # that gave them: another function is asked again.
+    from fhelium.residency import PINNED_HOST
+    from fhelium.residency._locations import location_of
+    from fhelium.residency._plans import _Explanation
+
+    names = [
+        "plan_name",
+        "reservations",
+        "predicted_peak_bytes",
+        "feasible",
+        "reason",
+        "_actions",
+        "_plan",
+        "_simulation",
+    ]
+    builder = bulk_builder(_Explanation, names)
+    plan = ResidencyPlan("p")
+    asked: list[int] = []
+
+    def pageable(code: int) -> Any:
+        asked.append(code)
+        return PAGEABLE_HOST
+
+    first = builder.explanation(location_of, plan, _FakeSimulation([(1, 8)]))
+    assert first.predicted_peak_bytes == ((PINNED_HOST, 8),)
+    other = builder.explanation(pageable, plan, _FakeSimulation([(1, 8), (0, 4)]))
+    assert other.predicted_peak_bytes == ((PAGEABLE_HOST, 8), (PAGEABLE_HOST, 4))
+    assert asked == [1, 0]
+    again = builder.explanation(pageable, plan, _FakeSimulation([(0, 2), (1, 3)]))
+    assert again.predicted_peak_bytes == ((PAGEABLE_HOST, 2), (PAGEABLE_HOST, 3))
+    assert asked == [1, 0]
+    # A builder of another record is refused before anything is built.
+    with pytest.raises(ValueError, match="fields"):
+        bulk_builder(MaterializationSnapshot).explanation(
+            location_of, plan, _FakeSimulation([(1, 8)])
+        )

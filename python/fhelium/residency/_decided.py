@@ -6,7 +6,7 @@ IR and its simulation, whose records are built when they are first read
 from __future__ import annotations
 
 import gc
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from fhelium.residency import _lowering
 from fhelium.residency._decisions import ResidencyDecision, ResidencyEviction
@@ -129,7 +129,7 @@ class LazyDecision(ResidencyDecision):
         evictions = self._built_evictions
         if evictions is None:
             reclaim = self.plan.reclaim
-            source = cast("tuple[Any, Any]", self._source)
+            source: Any = self._source
             # A plan that reclaims nothing evicts nothing.
             evictions = (
                 tuple(
@@ -148,14 +148,23 @@ class LazyDecision(ResidencyDecision):
     def explanation(self) -> ResidencyPlanExplanation:
         explanation = self._built_explanation
         if explanation is None:
-            source = cast("tuple[Any, Any]", self._source)
-            explanation = explanation_of(self.plan, source[1].simulation())
+            source: Any = self._source
+            found = source[1]
+            plan = self._built_plan
+            if plan is None:
+                plan = self.plan
+            if type(found) is _Unchanged:
+                # The state's charged bytes, read off it without a simulation.
+                explanation = explanation_of(plan, found, found[0].charged_peaks())
+            else:
+                explanation = explanation_of(plan, found.simulation())
             object.__setattr__(self, "_built_explanation", explanation)
         return explanation
 
     def _build_plan(self) -> ResidencyPlan:
         # A string type: nothing is built at run time (`tuple[Any, ...]` would be).
-        handle_of, found = cast("tuple[Any, Any]", self._source)
+        source: Any = self._source
+        handle_of, found = source
         request = self.request
         if found.empty:
             # Nothing to do (a request already satisfied): no action to build.
@@ -267,22 +276,20 @@ _new_decision = bulk_builder(
 )
 
 
-class _Unchanged:
+class _Unchanged(tuple[Any]):
     """The core's simulation of a plan with no action and no reservation, read off the
-    state it would run on (``view``): feasible, and each location's peak is its
-    ``used + reserved`` bytes, registered locations in registration order, as the
-    core's simulation reports them. It stands in for the core's decision
-    (`_core.Decided`), and its `SimulationView`, of a decision that `satisfied` builds
-    without a search: no plan IR, no slot, no row."""
+    state it would run on (its one item, a published core state): feasible, and each
+    location's peak is its ``used + reserved`` bytes, registered locations in
+    registration order, as the core's simulation reports them. It stands in for the
+    core's decision (`_core.Decided`), and its `SimulationView`, of a decision that
+    `satisfied` builds without a search: no plan IR, no slot, no row. A tuple, made
+    without running Python code (`_new_unchanged`)."""
 
-    __slots__ = ("_view",)
+    __slots__ = ()
 
     feasible: Final = True
     reason: Final = None
     empty: Final = True
-
-    def __init__(self, view: Any) -> None:
-        self._view = view
 
     def simulation(self) -> _Unchanged:
         return self
@@ -300,11 +307,14 @@ class _Unchanged:
         return False
 
     def peaks(self) -> list[tuple[int, int]]:
-        return self._view.charged_peaks()  # type: ignore[no-any-return]
+        return self[0].charged_peaks()  # type: ignore[no-any-return]
 
     @staticmethod
     def action_entries(actions: tuple[Any, ...], builder: Any, locations: Any) -> tuple[Any, ...]:
         return ()
+
+
+_new_unchanged = tuple.__new__
 
 
 def satisfied(
@@ -334,7 +344,7 @@ def satisfied(
         plan,
         (),
         None,
-        (None, _Unchanged(view)),
+        (None, _new_unchanged(_Unchanged, (view,))),
     )
 
 

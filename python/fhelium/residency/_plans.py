@@ -10,11 +10,12 @@ a report is read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from fhelium.errors import (
     ResidencyPlanExecutionError,
@@ -247,13 +248,6 @@ _EXPLANATION_SETTERS: Final = tuple(
 )
 
 
-def explanation_of(
-    plan: ResidencyPlan, simulation: _core.SimulationView
-) -> ResidencyPlanExplanation:
-    """The explanation of ``plan`` from the core's simulation of it, built lazily."""
-    return _Explanation._capture(plan, simulation)
-
-
 class _LazyRecord:
     """Equality, hashing and pickling for a record subclass that builds a field on
     first access: exactly those of the plain record `_record` with the same fields."""
@@ -303,18 +297,9 @@ class _Explanation(_LazyRecord, ResidencyPlanExplanation):
 
     @classmethod
     def _capture(cls, plan: ResidencyPlan, simulation: _core.SimulationView) -> _Explanation:
-        peaks = tuple([(location_of(code), peak) for code, peak in simulation.peaks()])
-        return _new_explanation(  # type: ignore[no-any-return]
-            plan.name,
-            plan.reservations,
-            peaks,
-            simulation.feasible,
-            simulation.reason,
-            # A plan without actions explains none (`_build_actions`, without building).
-            None if plan.reclaim or plan.enter or plan.exit else (),
-            plan,
-            simulation,
-        )
+        # One native call: the record's fields, its peaks' location records, and its
+        # actions left to `_build_actions` (none for a plan without actions).
+        return explanation_of(plan, simulation)  # type: ignore[no-any-return]
 
     def _set(
         self,
@@ -339,8 +324,9 @@ class _Explanation(_LazyRecord, ResidencyPlanExplanation):
         return actions
 
     def _build_actions(self) -> tuple[ResidencyActionExplanation, ...]:
-        plan = cast(ResidencyPlan, self._plan)
-        simulation = cast("_core.SimulationView", self._simulation)
+        # Both set when `actions` is left to build (`RecordBuilder.explanation`).
+        plan: ResidencyPlan = self._plan  # type: ignore[assignment]
+        simulation: _core.SimulationView = self._simulation  # type: ignore[assignment]
         ordered = (*plan.reclaim, *plan.enter, *plan.exit)
         collecting = gc.isenabled()
         gc.disable()
@@ -391,7 +377,7 @@ class _Then:
 
 
 # `_Explanation._capture`'s record, its fields and private slots set in one native
-# call, in this order.
+# call (`RecordBuilder.explanation`), in this order.
 _new_explanation = bulk_builder(
     _Explanation,
     [
@@ -405,6 +391,11 @@ _new_explanation = bulk_builder(
         "_simulation",
     ],
 )
+
+# `explanation_of(plan, simulation, peaks=None)`: the explanation of ``plan`` from the
+# core's simulation of it, its per-action records built when first read; ``peaks`` are
+# the simulation's ``peaks()`` when already read. One native call, no Python frame.
+explanation_of: Final = functools.partial(_new_explanation.explanation, location_of)
 
 
 def enter_scope(
@@ -508,11 +499,11 @@ class _PlanReport(_LazyRecord, ResidencyPlanReport):
     def transitions(self) -> tuple[ResidencyTransitionReport, ...]:
         built = self._built
         if built is None:
-            run = cast("_core.PlanRun", self._run)
+            run: Any = self._run
             collecting = gc.isenabled()
             gc.disable()
             try:
-                built = cast("tuple[ResidencyTransitionReport, ...]", run.reports())
+                built = run.reports()
             finally:
                 if collecting:
                     gc.enable()

@@ -1,5 +1,7 @@
 //! The records users read in bulk (snapshot value entries, explanation actions),
-//! built here in one call rather than one Python call per record.
+//! built here in one call rather than one Python call per record, and a plan
+//! explanation with its peaks' location records in one call
+//! (`RecordBuilder::explanation`).
 //!
 //! The records are frozen slots dataclasses whose `__setattr__` refuses every
 //! assignment. A `RecordBuilder` therefore fills an instance of a plain-assignment
@@ -13,6 +15,7 @@
 //! built once per call, and repeated strings and byte counts are converted once.
 
 use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
 
 use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -35,7 +38,13 @@ pub struct RecordBuilder {
     fill: Py<PyType>,
     names: Vec<Py<PyString>>,
     class_name: Py<PyString>,
+    /// The location records `explanation` was given, by code, with the function that
+    /// gave them: the glue's shared table gives one record per code for good.
+    locations: Mutex<Option<(Py<PyAny>, KnownLocations)>>,
 }
+
+/// Location records by code.
+type KnownLocations = Vec<(u32, Py<PyAny>)>;
 
 #[pymethods]
 impl RecordBuilder {
@@ -62,6 +71,7 @@ impl RecordBuilder {
                 .map(|name| Ok(PyString::intern(py, name.to_str()?).unbind()))
                 .collect::<PyResult<_>>()?,
             class_name: PyString::intern(py, "__class__").unbind(),
+            locations: Mutex::new(None),
         })
     }
 
@@ -87,9 +97,107 @@ impl RecordBuilder {
         }
         self.build_with(py, fields.iter_borrowed().map(Ok))
     }
+
+    /// A plan explanation (docs/concepts/snapshots.md#plan-explanations) of `plan`
+    /// from `simulation`, in one call: this builder's names are the record's
+    /// `plan_name, reservations, predicted_peak_bytes, feasible, reason` and then the
+    /// lazy record's `_actions, _plan, _simulation`. `peaks` are the simulation's
+    /// `(location code, bytes)` pairs (`simulation.peaks()` when `None`); location
+    /// records come from `location_of(code)`. A plan without actions explains none
+    /// (`_actions` is then the empty tuple, otherwise `None`: built when read).
+    #[pyo3(signature = (location_of, plan, simulation, peaks=None))]
+    fn explanation<'py>(
+        &self,
+        py: Python<'py>,
+        location_of: &Bound<'py, PyAny>,
+        plan: &Bound<'py, PyAny>,
+        simulation: &Bound<'py, PyAny>,
+        peaks: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.expect_fields(EXPLANATION_FIELDS)?;
+        let peaks = match peaks {
+            Some(peaks) => peaks.clone(),
+            None => simulation.call_method0(intern!(py, "peaks"))?,
+        };
+        let mut pairs = Vec::with_capacity(peaks.len().unwrap_or(0));
+        for pair in peaks.try_iter()? {
+            let (code, nbytes): (u32, Bound<'py, PyAny>) = pair?.extract()?;
+            pairs.push(PyTuple::new(
+                py,
+                [self.location(location_of, code)?, nbytes],
+            )?);
+        }
+        let mut acts = false;
+        for phase in [
+            intern!(py, "reclaim"),
+            intern!(py, "enter"),
+            intern!(py, "exit"),
+        ] {
+            if plan.getattr(phase)?.is_truthy()? {
+                acts = true;
+                break;
+            }
+        }
+        let actions = if acts {
+            py.None().into_bound(py)
+        } else {
+            PyTuple::empty(py).into_any()
+        };
+        let fields = [
+            plan.getattr(intern!(py, "name"))?,
+            plan.getattr(intern!(py, "reservations"))?,
+            PyTuple::new(py, pairs)?.into_any(),
+            simulation.getattr(intern!(py, "feasible"))?,
+            simulation.getattr(intern!(py, "reason"))?,
+            actions,
+            plan.clone(),
+            simulation.clone(),
+        ];
+        self.build_with(py, fields.into_iter().map(Ok))
+    }
 }
 
+/// The fields and lazy slots `RecordBuilder::explanation` sets.
+const EXPLANATION_FIELDS: usize = 8;
+
 impl RecordBuilder {
+    /// The location record of `code`, from `location_of` once per code (no lock is
+    /// held while it runs).
+    fn location<'py>(
+        &self,
+        location_of: &Bound<'py, PyAny>,
+        code: u32,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = location_of.py();
+        let lock = || {
+            self.locations
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        if let Some((known_of, known)) = lock().as_ref()
+            && known_of.is(location_of)
+            && let Some((_, location)) = known.iter().find(|(known, _)| *known == code)
+        {
+            return Ok(location.bind(py).clone());
+        }
+        let location = location_of.call1((code,))?;
+        let mut locations = lock();
+        match locations.as_mut() {
+            Some((known_of, known)) if known_of.is(location_of) => {
+                if known.iter().all(|(known, _)| *known != code) {
+                    known.push((code, location.clone().unbind()));
+                }
+            }
+            _ => {
+                *locations = Some((
+                    location_of.clone().unbind(),
+                    vec![(code, location.clone().unbind())],
+                ));
+            }
+        }
+        Ok(location)
+    }
+
     /// Fails unless the record has exactly `count` fields: checked once per bulk call.
     pub fn expect_fields(&self, count: usize) -> PyResult<()> {
         if self.names.len() == count {
