@@ -153,9 +153,29 @@ COPIED: dict[str, Callable[[SimulatedRuntime], Any]] = {
     "not contiguous": lambda rt: ResidentTensor(torch.arange(16.0).view(4, 4).t()),
     "empty": lambda rt: ResidentTensor(torch.zeros(0)),
     "conjugate view": lambda rt: ResidentTensor(torch.ones(2, dtype=torch.complex64).conj()),
+    "complex": lambda rt: ResidentTensor(torch.arange(3.0).mul(1 + 2j)),
+    "conjugate resolved": lambda rt: ResidentTensor(
+        torch.ones(2, dtype=torch.complex128).conj().resolve_conj()
+    ),
+    "conjugate set as data": lambda rt: ResidentTensor(_with_data(_conjugate)),
+    "negative view": lambda rt: ResidentTensor(torch._neg_view(torch.arange(3.0))),
+    "negative imaginary part": lambda rt: ResidentTensor(_conjugate().imag),
+    "float16": lambda rt: ResidentTensor(torch.arange(4, dtype=torch.float16)),
     "int64": lambda rt: ResidentTensor(torch.arange(5)),
     "on cuda:0": lambda rt: rt.to_device(ResidentTensor(torch.arange(4.0)), 0),
 }
+
+
+def _conjugate() -> torch.Tensor:
+    """A lazily conjugated complex tensor over its whole storage."""
+    return torch.arange(3, dtype=torch.float32).mul(1 + 2j).conj()
+
+
+def _with_data(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A complex tensor given ``make()``'s as its data (``.data =``: its lazy bits too)."""
+    tensor = torch.zeros(3, dtype=torch.complex64)
+    tensor.data = make()
+    return tensor
 
 
 def _copied(runtime: SimulatedRuntime, make: Callable[[SimulatedRuntime], Any]) -> dict[str, Any]:
@@ -196,3 +216,37 @@ def test_a_copy_taken_or_declined_natively_is_the_python_method_s(
     assert native == python
     assert native["placement"] == ON_CUDA0
     assert not native["shares source"]
+
+
+# The copies the native calls take: a plain tensor of any dtype without lazy conjugate or
+# negative bits (a tensor's lazy conjugate bit is read only where its dtype is complex).
+TAKEN = {
+    "pinned",
+    "pageable",
+    "parameter",
+    "requires grad",
+    "complex",
+    "conjugate resolved",
+    "int64",
+}
+TAKEN |= {"float16", "on cuda:0"}
+
+
+@pytest.mark.parametrize("name", list(COPIED))
+def test_the_native_calls_take_the_plain_copies_and_decline_the_lazy_ones(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    value = COPIED[name](runtime)
+    declined: list[object] = []
+    python_copy = SimulatedRuntime._to_cuda
+
+    def spy(self: SimulatedRuntime, *args: Any) -> Any:
+        declined.append(args[0])
+        return python_copy(self, *args)
+
+    monkeypatch.setattr(SimulatedRuntime, "_to_cuda", spy)
+    copy, _ = runtime.copy_to_cuda_measured(value, CUDA0, None, non_blocking=False)
+    assert (not declined) == (name in TAKEN)
+    assert copy.tensor.is_conj() == value.tensor.is_conj()
+    assert copy.tensor.is_neg() == value.tensor.is_neg()

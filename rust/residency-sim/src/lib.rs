@@ -138,10 +138,29 @@ struct Classes {
     tuple_new: Py<PyAny>,
     object_new: Py<PyAny>,
     cuda_location: Py<PyAny>,
+    /// torch's dtypes that are not complex (``torch.float32`` first), read once.
+    real_dtypes: Vec<Py<PyAny>>,
 }
 
 fn attr<'py>(object: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyAny>> {
     object.getattr(name)
+}
+
+/// torch's dtypes (the `torch.dtype` objects its module names) that are not complex,
+/// ``torch.float32`` first.
+fn real_dtypes(torch: &Bound<'_, PyModule>) -> PyResult<Vec<Py<PyAny>>> {
+    let py = torch.py();
+    let class = attr(torch, "dtype")?;
+    let mut real = vec![attr(torch, "float32")?.unbind()];
+    for value in torch.dict().values() {
+        if value.get_type().is(&class)
+            && !attr(&value, "is_complex")?.is_truthy()?
+            && !real.iter().any(|known| value.is(known.bind(py)))
+        {
+            real.push(value.unbind());
+        }
+    }
+    Ok(real)
 }
 
 fn part<T: pyo3::PyTypeCheck>(object: &Bound<'_, PyAny>, name: &str) -> PyResult<Py<T>> {
@@ -231,6 +250,7 @@ impl SimulatedSeam {
             tuple_new: attr(&attr(&builtins, "tuple")?, "__new__")?.unbind(),
             object_new: attr(&attr(&builtins, "object")?, "__new__")?.unbind(),
             cuda_location: attr(&simulated, "cuda_location")?.unbind(),
+            real_dtypes: real_dtypes(&torch)?,
         };
         Ok(Self {
             originals: originals.iter().map(Bound::unbind).collect(),
@@ -676,9 +696,14 @@ impl SimulatedSeam {
         let storage = tensor.call_method0(intern!(py, "untyped_storage"))?;
         let nbytes: u64 = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
         let tensor_nbytes: u64 = tensor.getattr(intern!(py, "nbytes"))?.extract()?;
-        if nbytes == 0
-            || tensor_nbytes != nbytes
-            || tensor.call_method0(intern!(py, "is_conj"))?.is_truthy()?
+        if nbytes == 0 || tensor_nbytes != nbytes {
+            return Ok(None);
+        }
+        // torch sets the lazy conjugate bit only on a complex tensor, and keeps it only
+        // while its dtype is complex: a tensor of a dtype known not complex has none.
+        let dtype = tensor.getattr(intern!(py, "dtype"))?;
+        let real = classes.real_dtypes.iter().any(|known| dtype.is(known));
+        if (!real && tensor.call_method0(intern!(py, "is_conj"))?.is_truthy()?)
             || tensor.call_method0(intern!(py, "is_neg"))?.is_truthy()?
         {
             return Ok(None);
