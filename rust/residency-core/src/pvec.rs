@@ -166,24 +166,11 @@ impl<T: Clone> PVec<T> {
         }
     }
 
-    /// The entry at `index`, with the nodes on its path made this vector's own. Below
-    /// the length every node on the path exists (`push_back` made it), so none is
-    /// created here.
     pub fn get_mut(&mut self, index: usize) -> Option<&mut T> {
         if index >= self.len {
             return None;
         }
-        let mut node = own(self.root.as_mut()?)?;
-        let mut level = self.depth;
-        loop {
-            match node {
-                Node::Branch(children) => {
-                    node = own(children[(index >> (BITS * level)) & MASK].as_mut()?)?;
-                    level = level.checked_sub(1)?;
-                }
-                Node::Leaf(entries) => return entries[index & MASK].as_mut(),
-            }
-        }
+        self.slot_mut(index)?.as_mut()
     }
 
     pub fn push_back(&mut self, value: T) {

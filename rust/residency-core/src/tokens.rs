@@ -364,11 +364,6 @@ impl TokenBook {
         self.pending.clone()
     }
 
-    /// The pending lease at `index` of the release order, and its events.
-    pub(crate) fn pending_at(&self, index: usize) -> Option<(u64, Events)> {
-        self.pending.get(index).cloned()
-    }
-
     pub(crate) fn has_pending(&self) -> bool {
         !self.pending.is_empty()
     }

@@ -60,15 +60,6 @@ impl Inner {
         }
     }
 
-    /// `settle_pending` for the lease at `index` of the pending list; whether it left
-    /// the list.
-    fn settle_pending_at(&mut self, index: usize, token: u64, freed: &mut Freed) -> bool {
-        self.settle_pending(token, freed);
-        self.book
-            .pending_at(index)
-            .is_none_or(|(next, _)| next != token)
-    }
-
     /// Releases a pending lease and forgets its events and the transfer it protected.
     fn settle_pending(&mut self, token: u64, freed: &mut Freed) -> bool {
         let released = self.release_pending(token);
@@ -211,22 +202,10 @@ impl Manager {
             }
             Ok(done)
         };
-        // The pending leases in release order, read one at a time (the caller holds the
-        // gate, so only this loop changes the list): a settled lease leaves its place to
-        // the next one.
-        let mut index = 0;
-        loop {
-            // The lock is let go before `complete` runs.
-            let entry = self.inner().book.pending_at(index);
-            let Some((token, events)) = entry else {
-                break;
-            };
-            if all_complete(&events, &mut complete)?
-                && self.inner().settle_pending_at(index, token, freed)
-            {
-                continue;
+        for (token, events) in self.pending_list() {
+            if all_complete(&events, &mut complete)? {
+                self.inner().settle_pending(token, freed);
             }
-            index += 1;
         }
         self.reap_transfers(&mut complete, freed)
     }
