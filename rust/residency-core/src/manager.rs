@@ -1480,8 +1480,9 @@ mod tests {
         assert!(Arc::ptr_eq(&text, &ids.get(3, first)));
         // Another handle on the same slot, and an index issued again with a new name,
         // each get their own text; the slot then knows the latest.
-        let other = HandleName::issue(3 + SHARED_IDS as u32, 7);
-        assert_eq!(&*ids.get(3 + SHARED_IDS as u32, other), other.to_string());
+        let next = 3 + u32::try_from(SHARED_IDS).unwrap_or(u32::MAX);
+        let other = HandleName::issue(next, 7);
+        assert_eq!(&*ids.get(next, other), other.to_string());
         let again = HandleName::issue(3, 7);
         assert_ne!(again, first);
         assert_eq!(&*ids.get(3, again), again.to_string());
