@@ -149,11 +149,69 @@ impl OpenLifetimes {
     }
 }
 
+/// The storage keys of one materialisation: nearly always one, kept inline (an
+/// install then allocates nothing for them).
+#[derive(Debug)]
+enum StorageKeys {
+    One(StorageKey),
+    Many(Vec<StorageKey>),
+}
+
+impl StorageKeys {
+    fn new(keys: &[StorageKey]) -> Self {
+        match *keys {
+            [key] => Self::One(key),
+            _ => Self::Many(keys.to_vec()),
+        }
+    }
+
+    fn as_slice(&self) -> &[StorageKey] {
+        match self {
+            Self::One(key) => std::slice::from_ref(key),
+            Self::Many(keys) => keys,
+        }
+    }
+}
+
+/// How many handles' id strings [`SharedIds`] keeps.
+const SHARED_IDS: usize = 64;
+
+/// The id strings of the handles recent decided plans named, one slot per handle
+/// index modulo [`SHARED_IDS`], each with the name it was written from: a decide that
+/// names a handle again shares its string (no encoding, no allocation), and a slot
+/// whose name differs (another handle, or an index issued again) is written anew.
+#[derive(Debug)]
+struct SharedIds([Option<(HandleName, Arc<str>)>; SHARED_IDS]);
+
+impl Default for SharedIds {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| None))
+    }
+}
+
+impl SharedIds {
+    /// The id string of `name`, the handle at index `handle`.
+    fn get(&mut self, handle: HandleId, name: HandleName) -> Arc<str> {
+        let slot = &mut self.0[handle as usize % SHARED_IDS];
+        match slot {
+            Some((known, text)) if *known == name => Arc::clone(text),
+            _ => {
+                let text = name.to_shared_str();
+                *slot = Some((name, Arc::clone(&text)));
+                text
+            }
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     state: State,
     storage_owners: FastMap<StorageKey, (HandleId, Location)>,
-    materialization_keys: FastMap<(HandleId, Location), Vec<StorageKey>>,
+    materialization_keys: FastMap<(HandleId, Location), StorageKeys>,
+    /// The shared id strings the decided plans' handles carried last (see
+    /// [`SharedIds`]).
+    shared_ids: SharedIds,
     leases: FastMap<u64, LeaseRecord>,
     holds: FastMap<u64, HoldRecord>,
     next_token: u64,
@@ -275,7 +333,7 @@ impl Inner {
     fn remove(&mut self, handle: HandleId, location: Location) {
         if self.state.remove(handle, location).is_some() {
             if let Some(keys) = self.materialization_keys.remove(&(handle, location)) {
-                for key in keys {
+                for &key in keys.as_slice() {
                     if self.storage_owners.get(&key) == Some(&(handle, location)) {
                         self.storage_owners.remove(&key);
                     }
@@ -929,7 +987,7 @@ impl Manager {
         }
         inner
             .materialization_keys
-            .insert((handle, location), keys.to_vec());
+            .insert((handle, location), StorageKeys::new(keys));
         inner.dirty = true;
         Ok(())
     }
@@ -1199,7 +1257,8 @@ impl Manager {
         outcome: &SearchOutcome,
         reservations: Vec<Reservation>,
     ) -> CoreResult<(Plan, Vec<HandleId>)> {
-        let inner = self.inner();
+        let mut guard = self.inner();
+        let inner = &mut *guard;
         // At most one slot per action.
         let actions = outcome.reclaim.len() + outcome.enter.len();
         let mut slots: Vec<HandleId> = Vec::with_capacity(actions);
@@ -1221,9 +1280,10 @@ impl Manager {
                     .ok_or_else(|| CoreError::Internal {
                         message: format!("search value {value} has no record"),
                     })?;
+                let handle_id = inner.shared_ids.get(index, record.handle_id);
                 handles.push(HandleRef {
                     manager_id: Arc::clone(&self.manager_id),
-                    handle_id: record.handle_id.to_shared_str(),
+                    handle_id,
                     type_key: u64::from(record.type_key),
                 });
                 slots.push(index);
@@ -1401,5 +1461,39 @@ impl ValueTable for StateValues {
             .residents(location)
             .map(|handles| handles.iter().map(|&handle| handle as usize).collect())
             .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::{HandleName, SHARED_IDS, SharedIds, StorageKeys};
+
+    #[test]
+    fn a_shared_id_is_the_name_it_was_written_from() {
+        let mut ids = SharedIds::default();
+        let first = HandleName::issue(3, 7);
+        let text = ids.get(3, first);
+        assert_eq!(&*text, first.to_string());
+        // The same handle again shares the string.
+        assert!(Arc::ptr_eq(&text, &ids.get(3, first)));
+        // Another handle on the same slot, and an index issued again with a new name,
+        // each get their own text; the slot then knows the latest.
+        let next = 3 + u32::try_from(SHARED_IDS).unwrap_or(u32::MAX);
+        let other = HandleName::issue(next, 7);
+        assert_eq!(&*ids.get(next, other), other.to_string());
+        let again = HandleName::issue(3, 7);
+        assert_ne!(again, first);
+        assert_eq!(&*ids.get(3, again), again.to_string());
+        assert_eq!(&*ids.get(3, first), first.to_string());
+    }
+
+    #[test]
+    fn storage_keys_keep_every_key_in_order() {
+        assert_eq!(StorageKeys::new(&[]).as_slice(), &[]);
+        assert_eq!(StorageKeys::new(&[(-1, 8)]).as_slice(), &[(-1, 8)]);
+        let keys = [(0, 16), (-1, 8), (0, 4)];
+        assert_eq!(StorageKeys::new(&keys).as_slice(), &keys);
     }
 }

@@ -39,6 +39,8 @@ struct Device {
     recorded: u32,
     /// Recording fails (an ordinary error) from this many recorded on.
     record_fails_after: Option<u32>,
+    /// Recording raises (the runtime's own error) from this many recorded on.
+    record_raises_after: Option<u32>,
     host_wait_fails: bool,
     owners: HashMap<HandleId, u32>,
     /// The host's other steps, in order: `place`, `lookup`, `check_stream`,
@@ -219,6 +221,12 @@ impl LifetimeHost for Fake<'_> {
         {
             return Ok(None);
         }
+        if device
+            .record_raises_after
+            .is_some_and(|after| device.recorded >= after)
+        {
+            return Err(Failure::Device("record raised"));
+        }
         device.recorded += 1;
         device.calls.push(Call::Record(*stream));
         Ok(Some(device.recorded))
@@ -370,6 +378,23 @@ fn a_cuda_lease_without_consumer_streams_synchronises_its_device_and_warns() {
         )
     );
     assert_eq!(LeaseRelease::Released.warning("cuda:1"), None);
+}
+
+#[test]
+fn a_recording_that_raises_lets_the_events_recorded_before_it_go() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let handle = value(&manager, CUDA);
+    let token = manager.acquire(&[handle], CUDA).expect("acquired");
+    // The first two events record and are kept; the third raises: the error is the
+    // runtime's, the kept events go with their ids, and the lease stays active.
+    fake.device.borrow_mut().record_raises_after = Some(2);
+    let released = manager.release_lease_with(&fake, token, CUDA, &[5, 6, 7], false, false);
+    assert_eq!(released, Err(Failure::Device("record raised")));
+    assert_eq!(fake.calls(), vec![Call::Record(5), Call::Record(6)]);
+    assert_eq!((fake.kept(), manager.live_objects()), (0, 0));
+    assert_eq!(fake.device.borrow().freed.objects.len(), 2);
+    assert_eq!(manager.lease_state(token), LeaseState::Active);
 }
 
 #[test]

@@ -225,27 +225,26 @@ impl Manager {
             self.release_token_only(host, lease, token, finalizing)?;
             return Ok(LeaseRelease::DeviceSynchronized);
         }
-        // Every stream was checked against `at` when it joined the lease.
-        let mut events = Vec::with_capacity(streams.len());
+        // Every stream was checked against `at` when it joined the lease. Each event is
+        // kept at its id as it is recorded; a failed recording lets the kept ones go.
+        let mut ids: Vec<ObjectId> = Vec::with_capacity(streams.len());
         for stream in streams {
-            let Some(event) = host.record(stream)? else {
-                drop(events);
+            let recorded = host.record(stream);
+            let Ok(Some(event)) = recorded else {
+                let mut freed = Freed::default();
+                self.inner().book.unref(ids, &mut freed);
+                host.free(&freed);
+                recorded?;
                 for stream in streams {
                     host.synchronize_stream(stream)?;
                 }
                 self.release_token_only(host, lease, token, finalizing)?;
                 return Ok(LeaseRelease::StreamsSynchronized);
             };
-            events.push(event);
+            let id = self.new_object();
+            host.keep(id, event);
+            ids.push(id);
         }
-        let ids: Vec<ObjectId> = events
-            .into_iter()
-            .map(|event| {
-                let id = self.new_object();
-                host.keep(id, event);
-                id
-            })
-            .collect();
         if wait && let Err(error) = ids.iter().try_for_each(|&id| host.wait(id)) {
             let mut freed = Freed::default();
             self.inner().book.unref(ids, &mut freed);
