@@ -357,45 +357,61 @@ def layout_copy(
         RuntimeError: Two fields at one storage address with different storage sizes,
             or what ``allocate``, ``fallback`` or the copy raise.
     """
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return _layout_copy(tensors, device, allocate, fallback, non_blocking, keep)
+    # Already without autograd (an inference under `torch.no_grad()`): no context to enter.
+    return _layout_copy(tensors, device, allocate, fallback, non_blocking, keep)
+
+
+def _layout_copy(
+    tensors: tuple[torch.Tensor, ...],
+    device: torch.device,
+    allocate: Callable[[int], torch.Tensor],
+    fallback: Callable[[torch.Tensor], torch.Tensor],
+    non_blocking: bool,
+    keep: frozenset[int] | None,
+) -> tuple[torch.Tensor, ...]:
+    """`layout_copy`'s copy, autograd off."""
     copies: dict[tuple[torch.device, int], tuple[int, torch.UntypedStorage]] = {}
     result: list[torch.Tensor] = []
-    with torch.no_grad():
-        for position, tensor in enumerate(tensors):
-            if keep is not None and position in keep:
-                result.append(tensor)
-                continue
-            if tensor.layout != torch.strided or tensor.is_quantized:
-                result.append(fallback(tensor))
-                continue
-            storage = tensor.untyped_storage()
-            size = storage.nbytes()
-            if size == 0:
-                field = torch.empty_strided(
-                    tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device
+    for position, tensor in enumerate(tensors):
+        if keep is not None and position in keep:
+            result.append(tensor)
+            continue
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            result.append(fallback(tensor))
+            continue
+        storage = tensor.untyped_storage()
+        size = storage.nbytes()
+        if size == 0:
+            field = torch.empty_strided(
+                tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device
+            )
+        else:
+            key = (tensor.device, storage.data_ptr())
+            known = copies.get(key)
+            if known is None:
+                # The whole storage, storage to storage (one torch call).
+                buffer = allocate(size).untyped_storage()
+                buffer.copy_(storage, non_blocking=non_blocking)
+                known = copies[key] = (size, buffer)
+            elif known[0] != size:
+                raise RuntimeError(
+                    f"two tensors on {key[0]} at storage address {key[1]:#x} report "
+                    f"different storage sizes ({known[0]} and {size})"
                 )
-            else:
-                key = (tensor.device, storage.data_ptr())
-                known = copies.get(key)
-                if known is None:
-                    buffer = allocate(size)
-                    whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-                    buffer.copy_(whole, non_blocking=non_blocking)
-                    known = copies[key] = (size, buffer.untyped_storage())
-                elif known[0] != size:
-                    raise RuntimeError(
-                        f"two tensors on {key[0]} at storage address {key[1]:#x} report "
-                        f"different storage sizes ({known[0]} and {size})"
-                    )
-                field = torch.empty(0, dtype=tensor.dtype, device=device).set_(
-                    known[1], tensor.storage_offset(), tensor.size(), tensor.stride()
-                )
-                # The lazy conjugate and negative bits are part of the view, not the bytes.
-                if tensor.is_conj():
-                    field = field.conj()
-                if tensor.is_neg():
-                    field = field._neg_view()
-            field.requires_grad_(tensor.requires_grad)
-            result.append(field)
+            field = torch.empty(0, dtype=tensor.dtype, device=device).set_(
+                known[1], tensor.storage_offset(), tensor.size(), tensor.stride()
+            )
+            # The lazy conjugate and negative bits are part of the view, not the bytes.
+            if tensor.is_conj():
+                field = field.conj()
+            if tensor.is_neg():
+                field = field._neg_view()
+        if tensor.requires_grad:  # a new tensor does not require grad
+            field.requires_grad_(True)
+        result.append(field)
     return tuple(result)
 
 
