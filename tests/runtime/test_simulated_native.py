@@ -25,7 +25,7 @@ from fhelium.residency import (
     cuda_location,
 )
 from fhelium.residency.simulation import SimulatedRuntime, use_runtime
-from fhelium.values import ResidentTensor
+from fhelium.values import ResidentTensor, TensorBundle
 
 CUDA0 = torch.device("cuda", 0)
 ON_CUDA0 = cuda_location("cuda:0")
@@ -250,3 +250,161 @@ def test_the_native_calls_take_the_plain_copies_and_decline_the_lazy_ones(
     assert (not declined) == (name in TAKEN)
     assert copy.tensor.is_conj() == value.tensor.is_conj()
     assert copy.tensor.is_neg() == value.tensor.is_neg()
+
+
+# Bundles: the native calls take a `TensorBundle` whose fields are each a plain tensor
+# over a whole storage of its own; any other bundle goes to the Python method.
+class Bundle(TensorBundle):
+    """A subclass: never taken natively (its copy is its class's own business)."""
+
+
+def _shared() -> TensorBundle:
+    weight = torch.arange(6.0)
+    return TensorBundle({"weight": weight, "alias": weight})
+
+
+BUNDLES: dict[str, Callable[[SimulatedRuntime], Any]] = {
+    "one field, pinned": lambda rt: rt.pin(TensorBundle({"weight": torch.arange(8.0)})),
+    "two fields, pinned": lambda rt: rt.pin(
+        TensorBundle({"weight": torch.arange(8.0).view(2, 4), "bias": torch.ones(2)})
+    ),
+    "mixed dtypes, pageable": lambda rt: TensorBundle(
+        {"a": torch.arange(4, dtype=torch.int64), "b": torch.ones(3, dtype=torch.float16)}
+    ),
+    "parameters": lambda rt: TensorBundle(
+        {
+            "weight": torch.nn.Parameter(torch.ones(2, 2)),
+            "bias": torch.nn.Parameter(torch.zeros(2), requires_grad=False),
+        }
+    ),
+    "on cuda:0": lambda rt: rt.to_device(
+        TensorBundle({"weight": torch.arange(4.0), "bias": torch.ones(2)}), 0
+    ),
+    "a shared storage": lambda rt: _shared(),
+    "a view": lambda rt: TensorBundle({"w": torch.arange(4.0), "v": torch.arange(64.0)[8:12]}),
+    "an empty field": lambda rt: TensorBundle({"w": torch.arange(4.0), "e": torch.zeros(0)}),
+    "a negative view": lambda rt: TensorBundle(
+        {"w": torch.arange(4.0), "n": torch._neg_view(torch.arange(3.0))}
+    ),
+    "a subclass": lambda rt: Bundle({"w": torch.arange(4.0), "b": torch.ones(2)}),
+}
+BUNDLES_TAKEN = {"one field, pinned", "two fields, pinned", "mixed dtypes, pageable"}
+BUNDLES_TAKEN |= {"parameters", "on cuda:0"}
+
+
+def _bundle_copied(
+    runtime: SimulatedRuntime, make: Callable[[SimulatedRuntime], Any]
+) -> dict[str, Any]:
+    value = make(runtime)
+    stream = runtime.create_stream(CUDA0)
+    runtime.calls.clear()
+    copy, facts = runtime.copy_to_cuda_measured(value, CUDA0, stream, non_blocking=True)
+    event = runtime.record_event(stream)
+    measured = runtime.measure(copy)
+    assert facts is None or facts == measured
+    sources = value._resident_tensors
+    fields = copy._resident_tensors
+    return {
+        "type": type(copy),
+        "names": copy.names,
+        "shares names": copy._names is value._names and copy._index is value._index,
+        "facts": None if facts is None else facts._replace(storage_keys=len(facts.storage_keys)),
+        "measured": measured._replace(storage_keys=len(measured.storage_keys)),
+        "placement": runtime.placement(copy),
+        "bytes": [field.tolist() for field in fields],
+        "layout": [(f.shape, f.stride(), f.dtype, f.is_neg(), type(f)) for f in fields],
+        "requires_grad": [field.requires_grad for field in fields],
+        "leaf": [field.is_leaf for field in fields],
+        "storages": len({f.untyped_storage().data_ptr() for f in fields if f.numel()}),
+        "shares source": any(
+            f.numel() and f.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+            for f, s in zip(fields, sources, strict=True)
+        ),
+        "calls": dict(runtime.calls),
+        "copies": [(c.destination, c.non_blocking) for c in runtime.copies],
+        "sample": runtime.memory_sample(CUDA0),
+        "event": runtime.event_query(event),
+    }
+
+
+@pytest.mark.parametrize("make", BUNDLES.values(), ids=list(BUNDLES))
+def test_a_bundle_copied_natively_or_not_is_the_python_method_s(
+    make: Callable[[SimulatedRuntime], Any],
+) -> None:
+    native = _bundle_copied(SimulatedRuntime(1, auto_complete=True), make)
+    python = _bundle_copied(PythonPath(1, auto_complete=True), make)
+    assert native == python
+    assert native["placement"] == ON_CUDA0
+    assert not native["shares source"]
+
+
+@pytest.mark.parametrize("name", list(BUNDLES))
+def test_the_native_calls_take_the_plain_bundles_only(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = SimulatedRuntime(1, auto_complete=True)
+    value = BUNDLES[name](runtime)
+    declined: list[object] = []
+    python_copy = SimulatedRuntime._to_cuda
+
+    def spy(self: SimulatedRuntime, *args: Any) -> Any:
+        declined.append(args[0])
+        return python_copy(self, *args)
+
+    monkeypatch.setattr(SimulatedRuntime, "_to_cuda", spy)
+    copy, facts = runtime.copy_to_cuda_measured(value, CUDA0, None, non_blocking=False)
+    assert (not declined) == (name in BUNDLES_TAKEN)
+    assert facts == runtime.measure(copy)
+    for field, source in zip(copy._resident_tensors, value._resident_tensors, strict=True):
+        assert torch.equal(field, source)
+
+
+def _bundle_cycle(runtime: SimulatedRuntime) -> dict[str, Any]:
+    """Two-field bundles cycling through a cuda:0 that holds half of them, some read
+    from device copies (a device-to-device copy reads simulated device storages)."""
+    stream = runtime.current_stream(CUDA0)
+    with use_runtime(runtime):
+        manager = ResidencyManager({ON_CUDA0: LAYERS // 2 * 40, PINNED_HOST: 1 << 20})
+    try:
+        layers = [
+            manager.adopt(
+                runtime.pin(
+                    TensorBundle({"weight": torch.full((8,), float(i)), "bias": torch.ones(2)})
+                ),
+                at=PINNED_HOST,
+                replica_mode=ReplicaMode.REPLICABLE,
+            )
+            for i in range(LAYERS)
+        ]
+        requests = [
+            ResidencyRequest(f"step-{s}", [ResidencyRequirement(layers[s % LAYERS], ON_CUDA0)])
+            for s in range(LAYERS * 2)
+        ]
+        read: list[float] = []
+        samples: list[tuple[int, int] | None] = []
+        runtime.calls.clear()
+        controller = ResidencyController(manager)
+        with controller.run(requests, prefetch=1, consumer_streams={ON_CUDA0: stream}) as run:
+            for step in run:
+                value = step.value(step.request.requirements[0].handle, at=ON_CUDA0)
+                read.append(float(value["weight"][0]) + float(value["bias"].sum()))
+                samples.append(runtime.memory_sample(CUDA0))
+        return {
+            "read": read,
+            "samples": samples,
+            "calls": dict(runtime.calls),
+            "copies": [(copy.destination, copy.non_blocking) for copy in runtime.copies],
+            "hazards": list(runtime.hazards),
+            "after": runtime.memory_sample(CUDA0),
+        }
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("auto_complete", [True, False], ids=["auto-complete", "pending"])
+def test_bundles_cycled_natively_are_what_the_python_methods_make(auto_complete: bool) -> None:
+    native = _bundle_cycle(SimulatedRuntime(1, auto_complete=auto_complete))
+    python = _bundle_cycle(PythonPath(1, auto_complete=auto_complete))
+    assert native == python
+    assert native["read"] == [float(step % LAYERS) + 2.0 for step in range(2 * LAYERS)]
+    assert native["calls"]["copy_to_cuda"] >= LAYERS

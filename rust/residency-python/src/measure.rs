@@ -244,7 +244,11 @@ pub(crate) fn copied_facts<'py>(copied: &residency_sim::Copied<'py>) -> Facts<'p
             pinned: Some(false),
             logical: copied.nbytes,
             storage: copied.nbytes,
-            keys: vec![(code, copied.pointer)],
+            keys: copied
+                .pointers
+                .iter()
+                .map(|&pointer| (code, pointer))
+                .collect(),
         },
     }
 }

@@ -126,6 +126,9 @@ struct Classes {
     /// ``(SimulatedEvent,)`` and ``(ResidentTensor,)``: `object_new`'s arguments, made once.
     event_args: Py<PyTuple>,
     resident_args: Py<PyTuple>,
+    /// ``(TensorBundle,)``: `object_new`'s arguments for a bundle's copy.
+    bundle_args: Py<PyTuple>,
+    bundle: Py<PyAny>,
     hazard: Py<PyAny>,
     facts: Py<PyAny>,
     copy: Py<PyAny>,
@@ -232,11 +235,14 @@ impl SimulatedSeam {
         let forward_ad = attr(&values, "_forward_ad")?;
         let event = attr(&streams, "SimulatedEvent")?;
         let resident = attr(&values, "ResidentTensor")?;
+        let bundle = attr(&values, "TensorBundle")?;
         let classes = Classes {
             device: attr(&torch, "device")?.unbind(),
             stream: attr(&streams, "SimulatedStream")?.unbind(),
             event_args: PyTuple::new(py, [&event])?.unbind(),
             resident_args: PyTuple::new(py, [&resident])?.unbind(),
+            bundle_args: PyTuple::new(py, [&bundle])?.unbind(),
+            bundle: bundle.unbind(),
             event: event.unbind(),
             hazard: attr(&registry, "SimulatedHazard")?.unbind(),
             facts: attr(&base, "ValueFacts")?.unbind(),
@@ -286,8 +292,8 @@ impl SimulatedSeam {
         })
     }
 
-    /// `copy_to_cuda` (and `copy_to_cuda_measured`) of a plain one-tensor value
-    /// (`host_copy`'s case) to a simulated device, on a simulated stream of that device
+    /// `copy_to_cuda` (and `copy_to_cuda_measured`) of a plain value (`plains`) to a
+    /// simulated device, on a simulated stream of that device
     /// or its default stream (``None``), with no failure queued and no timeline:
     /// ``(copy, facts)``, counted as ``"copy_to_cuda"``. ``None`` otherwise, having done
     /// nothing.
@@ -305,9 +311,15 @@ impl SimulatedSeam {
         let py = runtime.py();
         let index = copied.index.into_pyobject(py)?.into_any();
         let nbytes = copied.nbytes.into_pyobject(py)?.into_any();
-        let pointer = copied.pointer.into_pyobject(py)?.into_any();
-        let keys = PyList::new(py, [PyTuple::new(py, [index.clone(), pointer])?])?;
-        // One contiguous tensor over its whole storage: its bytes are the storage's.
+        let keys = PyList::empty(py);
+        for &pointer in &copied.pointers {
+            keys.append(PyTuple::new(
+                py,
+                [index.clone(), pointer.into_pyobject(py)?.into_any()],
+            )?)?;
+        }
+        // Contiguous tensors, each over its whole storage of its own: their bytes are
+        // the storages'.
         let facts = self.tuple_of(
             self.classes.facts.bind(py),
             &[
@@ -452,12 +464,20 @@ impl SimulatedSeam {
         } else {
             return Ok(None);
         };
-        let Some(source) = self.plain(value)? else {
+        let Some((bundle, sources)) = self.plains(value)? else {
             return Ok(None);
         };
         self.count(runtime, intern!(py, "copy_to_cuda"))?;
-        self.copy_plain(&source, target, index, &stream, non_blocking)
-            .map(Some)
+        self.copy_plain(
+            value,
+            bundle,
+            &sources,
+            target,
+            index,
+            &stream,
+            non_blocking,
+        )
+        .map(Some)
     }
 
     /// Whether ``runtime``'s seam methods ``names`` are its class's own: none replaced
@@ -663,17 +683,51 @@ impl SimulatedSeam {
         done
     }
 
-    /// `host_copy`'s checks (`fhelium.values.tensor_resident.host_copy`): the tensor of
-    /// a plain `ResidentTensor` on the host, strided, not quantized, contiguous from
-    /// offset 0 over its whole, non-empty storage, without lazy conjugate or negative
-    /// bits, with its storage and their bytes; ``None`` for any other value.
-    fn plain<'py>(&self, value: &Bound<'py, PyAny>) -> PyResult<Option<Plain<'py>>> {
+    /// The plain fields of ``value``, with whether it is a bundle: a `ResidentTensor`
+    /// whose tensor is plain (`plain`), or a `TensorBundle` (that exact class) whose
+    /// every field is plain over a storage of its own (docs/concepts/simulation.md#native-calls);
+    /// ``None`` for any other value.
+    fn plains<'py>(&self, value: &Bound<'py, PyAny>) -> PyResult<Option<(bool, Vec<Plain<'py>>)>> {
         let py = value.py();
         let classes = &self.classes;
-        if !value.get_type().is(classes.resident.bind(py)) {
+        let kind = value.get_type();
+        if kind.is(classes.resident.bind(py)) {
+            let tensor = value.getattr(intern!(py, "_tensor"))?;
+            return Ok(self.plain(tensor)?.map(|plain| (false, vec![plain])));
+        }
+        if !kind.is(classes.bundle.bind(py)) {
             return Ok(None);
         }
-        let tensor = value.getattr(intern!(py, "_tensor"))?;
+        let tensors = value
+            .getattr(intern!(py, "_tensors"))?
+            .cast_into::<PyTuple>()?;
+        let mut plains: Vec<Plain<'py>> = Vec::with_capacity(tensors.len());
+        let mut pointers: Vec<u64> = Vec::with_capacity(tensors.len());
+        for tensor in tensors.iter() {
+            let Some(plain) = self.plain(tensor)? else {
+                return Ok(None);
+            };
+            // Fields sharing a storage keep sharing one in `to`'s copy: not this path.
+            let pointer: u64 = plain
+                .storage
+                .call_method0(intern!(py, "data_ptr"))?
+                .extract()?;
+            if pointers.contains(&pointer) {
+                return Ok(None);
+            }
+            pointers.push(pointer);
+            plains.push(plain);
+        }
+        Ok((!plains.is_empty()).then_some((true, plains)))
+    }
+
+    /// `host_copy`'s checks (`fhelium.values.tensor_resident.host_copy`) of one tensor:
+    /// a plain strided CPU tensor (or parameter), not quantized, contiguous from offset
+    /// 0 over its whole, non-empty storage, without lazy conjugate or negative bits,
+    /// with its storage and their bytes; ``None`` for any other tensor.
+    fn plain<'py>(&self, tensor: Bound<'py, PyAny>) -> PyResult<Option<Plain<'py>>> {
+        let py = tensor.py();
+        let classes = &self.classes;
         let kind = tensor.get_type();
         if !(kind.is(classes.tensor.bind(py)) || kind.is(classes.parameter.bind(py))) {
             return Ok(None);
@@ -715,11 +769,17 @@ impl SimulatedSeam {
         }))
     }
 
-    /// The copy of a checked plain value to device `index` on `stream`, registered
+    /// The copy of a checked plain value (`plains`: a `ResidentTensor`, or with
+    /// `bundle` a `TensorBundle` whose fields have storages of their own) to device
+    /// `index` on `stream`: each field cloned as `to` copies it, the value rebuilt
+    /// around the clones as `_with_resident_tensors` rebuilds it, registered
     /// (`register_copy`), logged, with its facts.
+    #[allow(clippy::too_many_arguments)] // the copy's parts, as `copy_native` has them
     fn copy_plain<'py>(
         &self,
-        source: &Plain<'py>,
+        value: &Bound<'py, PyAny>,
+        bundle: bool,
+        sources: &[Plain<'py>],
         target: Bound<'py, PyAny>,
         index: usize,
         stream: &Bound<'py, PyAny>,
@@ -728,33 +788,55 @@ impl SimulatedSeam {
         let py = target.py();
         let classes = &self.classes;
         // As `to`: detached first where autograd could see the copy.
-        let requires_grad = source
-            .tensor
-            .getattr(intern!(py, "requires_grad"))?
-            .is_truthy()?;
-        let detach = requires_grad
-            || !classes.dual_levels_known
+        let dual = !classes.dual_levels_known
             || classes
                 .forward_ad
                 .bind(py)
                 .getattr(intern!(py, "_current_level"))?
                 .extract::<i64>()?
                 >= 0;
-        let field = if detach {
-            source.tensor.call_method0(intern!(py, "detach"))?
+        let mut fields: Vec<Bound<'py, PyAny>> = Vec::with_capacity(sources.len());
+        let mut storages: Vec<Bound<'py, PyAny>> = Vec::with_capacity(sources.len());
+        let mut pointers: Vec<u64> = Vec::with_capacity(sources.len());
+        let mut nbytes = 0;
+        for source in sources {
+            let requires_grad = source
+                .tensor
+                .getattr(intern!(py, "requires_grad"))?
+                .is_truthy()?;
+            let field = if requires_grad || dual {
+                source.tensor.call_method0(intern!(py, "detach"))?
+            } else {
+                source.tensor.clone()
+            }
+            .call_method0(intern!(py, "clone"))?;
+            if requires_grad {
+                field.call_method1(intern!(py, "requires_grad_"), (true,))?;
+            }
+            let storage = field.call_method0(intern!(py, "untyped_storage"))?;
+            pointers.push(storage.call_method0(intern!(py, "data_ptr"))?.extract()?);
+            storages.push(storage);
+            fields.push(field);
+            nbytes += source.nbytes;
+        }
+        let copy = if bundle {
+            // `_with_resident_tensors`: the names and index shared, the fields new.
+            let copy = classes
+                .object_new
+                .bind(py)
+                .call1(classes.bundle_args.bind(py))?;
+            copy.setattr(intern!(py, "_index"), value.getattr(intern!(py, "_index"))?)?;
+            copy.setattr(intern!(py, "_names"), value.getattr(intern!(py, "_names"))?)?;
+            copy.setattr(intern!(py, "_tensors"), PyTuple::new(py, &fields)?)?;
+            copy
         } else {
-            source.tensor.clone()
-        }
-        .call_method0(intern!(py, "clone"))?;
-        if requires_grad {
-            field.call_method1(intern!(py, "requires_grad_"), (true,))?;
-        }
-        let copy = classes
-            .object_new
-            .bind(py)
-            .call1(classes.resident_args.bind(py))?;
-        copy.setattr(intern!(py, "_tensor"), &field)?;
-        let storage = field.call_method0(intern!(py, "untyped_storage"))?;
+            let copy = classes
+                .object_new
+                .bind(py)
+                .call1(classes.resident_args.bind(py))?;
+            copy.setattr(intern!(py, "_tensor"), &fields[0])?;
+            copy
+        };
         let location = match self.cuda_locations.bind(py).get_item(index)? {
             location if !location.is_none() => location,
             _ => {
@@ -764,13 +846,13 @@ impl SimulatedSeam {
             }
         };
         let record = self.record_of(location, stream, non_blocking)?;
-        self.register_copy(&storage, source, &target, index, stream, &record)?;
+        self.register_copy(&storages, sources, &target, index, stream, &record)?;
         Ok(Copied {
             value: copy,
             device: target,
             index,
-            nbytes: source.nbytes,
-            pointer: storage.call_method0(intern!(py, "data_ptr"))?.extract()?,
+            nbytes,
+            pointers,
         })
     }
 
@@ -793,26 +875,30 @@ impl SimulatedSeam {
     /// `record` logged.
     fn register_copy<'py>(
         &self,
-        storage: &Bound<'py, PyAny>,
-        source: &Plain<'py>,
+        copies: &[Bound<'py, PyAny>],
+        sources: &[Plain<'py>],
         target: &Bound<'py, PyAny>,
         index: usize,
         stream: &Bound<'py, PyAny>,
         record: &Bound<'py, PyAny>,
     ) -> PyResult<()> {
-        let py = storage.py();
+        let py = target.py();
         let storages = self.storages.get();
-        // The source's key, if it is a registered simulated device storage.
-        let read = match storages.lookup(&source.storage)? {
-            Some(found) if found.code >= 0 => Some(found.key),
-            _ => None,
-        };
+        // The sources' keys, where they are registered simulated device storages.
+        let mut reads: Vec<u64> = Vec::new();
+        for source in sources {
+            if let Some(found) = storages.lookup(&source.storage)?
+                && found.code >= 0
+            {
+                reads.push(found.key);
+            }
+        }
         let (_, handle) = self.stream_of(stream)?;
         let order = self.order.get();
         self.locked(py, || {
             self.drain(py)?;
-            // The copy's read of its source and its allocation (`ReuseOrder.copied`).
-            if let Some(hazards) = order.copied_native(stream, handle, read) {
+            // The copy's reads of its sources and its allocation (`ReuseOrder.copied`).
+            if let Some(hazards) = order.copied_native(stream, handle, &reads) {
                 for (reader, nbytes) in hazards {
                     let hazard = self.classes.hazard.bind(py).call1((
                         target,
@@ -824,7 +910,9 @@ impl SimulatedSeam {
                 }
             }
             let code = i64::try_from(index)?;
-            storages.add(storage, target, code, false, source.nbytes, Some(handle))?;
+            for (storage, source) in copies.iter().zip(sources) {
+                storages.add(storage, target, code, false, source.nbytes, Some(handle))?;
+            }
             self.copies.bind(py).append(record)
         })
     }
@@ -840,18 +928,19 @@ impl SimulatedSeam {
 }
 
 /// A copy the seam made for the binding, with its facts: on the simulated device of
-/// `index` (`device`), one contiguous tensor over its whole storage of `nbytes` at
-/// `pointer` (`ValueFacts`: not pinned, `nbytes` logical and storage bytes, one key).
+/// `index` (`device`), contiguous tensors each over a whole storage of its own, of
+/// `nbytes` in all, at `pointers` in field order (`ValueFacts`: not pinned, `nbytes`
+/// logical and storage bytes, a key per storage).
 #[derive(Debug)]
 pub struct Copied<'py> {
     pub value: Bound<'py, PyAny>,
     pub device: Bound<'py, PyAny>,
     pub index: usize,
     pub nbytes: u64,
-    pub pointer: u64,
+    pub pointers: Vec<u64>,
 }
 
-/// A plain one-tensor value's tensor, storage and bytes (`SimulatedSeam::plain`).
+/// A plain tensor's tensor, storage and bytes (`SimulatedSeam::plain`).
 struct Plain<'py> {
     tensor: Bound<'py, PyAny>,
     storage: Bound<'py, PyAny>,

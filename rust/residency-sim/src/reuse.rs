@@ -146,14 +146,21 @@ impl<S> Order<S> {
     /// (with the stream, kept; `None`: host memory, not tracked) and allocates on the
     /// stream. `read` (or `enqueue`) and `check` in one step: `check`'s hazards, `None`
     /// when no stream has a pool to check.
-    pub fn copied(&mut self, handle: i64, source: Option<(u64, S)>) -> Option<Vec<(S, u64)>>
+    pub fn copied(
+        &mut self,
+        handle: i64,
+        sources: &[u64],
+        stream: Option<S>,
+    ) -> Option<Vec<(S, u64)>>
     where
         S: Clone,
     {
         let position = self.enqueue(handle);
-        if let Some((source, stream)) = source {
+        if let Some(stream) = stream {
             self.streams.insert(handle, stream);
-            self.note(source, handle, position);
+            for &source in sources {
+                self.note(source, handle, position);
+            }
         }
         if self.pools.is_empty() {
             None
@@ -350,7 +357,7 @@ impl ReuseOrder {
         source: Option<u64>,
     ) -> PyResult<(i64, Option<Bound<'py, PyList>>)> {
         let handle = handle_of(stream)?;
-        let hazards = self.copied_native(stream, handle, source);
+        let hazards = self.copied_native(stream, handle, source.as_slice());
         Ok((
             handle,
             hazards
@@ -397,10 +404,10 @@ impl ReuseOrder {
         &self,
         stream: &Bound<'_, PyAny>,
         handle: i64,
-        source: Option<u64>,
+        sources: &[u64],
     ) -> Option<Vec<(Stream, u64)>> {
-        let source = source.map(|key| (key, Stream(stream.clone().unbind())));
-        self.lock().copied(handle, source)
+        let stream = (!sources.is_empty()).then(|| Stream(stream.clone().unbind()));
+        self.lock().copied(handle, sources, stream)
     }
 
     /// `drained` of stream `handle`, for the seam.
@@ -436,7 +443,7 @@ mod tests {
         // Stream 1 copies from storage 7, allocated by stream 2; 7 is freed.
         order.read(1, "one", [7]);
         order.freed(7, 512, Some(2));
-        assert_eq!(order.copied(2, None), Some(vec![("one", 512)]));
+        assert_eq!(order.copied(2, &[], None), Some(vec![("one", 512)]));
         // The pool was emptied: the next allocation finds nothing.
         assert_eq!(order.check(2), Vec::new());
     }
@@ -466,6 +473,6 @@ mod tests {
         let mut order: Order<&str> = Order::default();
         order.freed(9, 512, Some(2));
         assert!(!order.has_readers());
-        assert_eq!(order.copied(2, None), None);
+        assert_eq!(order.copied(2, &[], None), None);
     }
 }
