@@ -36,6 +36,7 @@ from fhelium.residency.request import ResidencyRequest
 from fhelium.residency.schedule import (
     ScheduleAwarePolicy,
     deciding_at,
+    observed,
     standing_at,
     tiered_of,
 )
@@ -52,6 +53,8 @@ _I64 = (1 << 63) - 1
 _LOWERED_REQUESTS: Final = 4096
 
 _new_candidate = trusted_builder(ResidencyEvictionCandidate)
+# The schedule-aware policy's own `observe`, taken before anything may replace it.
+_OBSERVE: Final = ScheduleAwarePolicy.observe
 
 
 class Decider:
@@ -184,21 +187,27 @@ class Decider:
         if callable(observe):
             observe(tuple([requirement.handle for requirement in request.requirements]))
 
-    def record_staged(self, request: ResidencyRequest) -> None:
-        """`record_checked` for a pipeline's staged step once it entered: where its
-        entry recorded the epochs natively (``epoch_keys``, a built-in policy, whose
-        epochs are read only there), what is left is the schedule-aware policy's
-        observation."""
+    def record_staged(
+        self, request: ResidencyRequest, used: frozenset[ResidencyHandle[Any]]
+    ) -> None:
+        """`record_checked` for a pipeline's staged step once it entered (``used``: its
+        request's handles): where its entry recorded the epochs natively
+        (``epoch_keys``, a built-in policy, whose epochs are read only there), what is
+        left is the schedule-aware policy's observation."""
         if self.epoch_keys is None:
             # A Python policy reads the epochs by handle (`_order`).
             self.record_checked(request)
             return
         policy = self.policy
         if type(policy) is not DeterministicTieredLRU:
-            # The schedule-aware policy (`record_checked`).
-            policy.observe(  # type: ignore[attr-defined]
-                tuple([requirement.handle for requirement in request.requirements])
-            )
+            # The schedule-aware policy (`record_checked`): its own `observe`, of the
+            # set made once per request, unless its class's was replaced.
+            if ScheduleAwarePolicy.observe is _OBSERVE:
+                observed(policy, used)  # type: ignore[arg-type]
+            else:
+                policy.observe(  # type: ignore[attr-defined]
+                    tuple([requirement.handle for requirement in request.requirements])
+                )
 
     # ------------------------------------------------------------------ decide
 

@@ -130,6 +130,7 @@ class Shape:
         "request",
         "runs",
         "staging",
+        "used",
     )
 
     def __init__(self, request: ResidencyRequest) -> None:
@@ -155,6 +156,8 @@ class Shape:
         self._empty: ResidencyPlan | None = None
         # What its last staging ran (`_decided.staged_run`).
         self.runs = StagedRuns()
+        # Its handles as a set: what the schedule-aware policy observes of its use.
+        self.used = frozenset([requirement.handle for requirement in request.requirements])
 
     @property
     def empty_plan(self) -> ResidencyPlan:

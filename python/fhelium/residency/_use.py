@@ -676,7 +676,7 @@ def enter_staged(
             )
         use._scope = unscoped
         if keys is None or type(policy) is not DeterministicTieredLRU:
-            decider.record_staged(request)
+            decider.record_staged(request, shape.used)
     except BaseException:
         use._state = "closed"
         # What `__enter__` unwinds: the leases, then the stand-in scope.

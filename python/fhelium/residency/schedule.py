@@ -293,14 +293,7 @@ class ScheduleAwarePolicy:
         Raises:
             TypeError: ``handles`` is not iterable, or holds an unhashable object.
         """
-        used = frozenset(handles)
-        with self._lock:
-            position = self._position
-            if position < len(self._steps) and self._steps[position] == used:
-                self._position = self._after(position, 1)
-                return True
-            self._misses += 1
-            return False
+        return observed(self, frozenset(handles))
 
     def next_use(self, handle: ResidencyHandle[Any]) -> int | None:
         """Return the first step at or after `position` requesting ``handle``.
@@ -404,6 +397,21 @@ def standing_at(policy: ScheduleAwarePolicy, position: int) -> Iterator[None]:
     finally:
         with policy._lock:
             policy._position = policy._after(standing, 0)
+
+
+def observed(policy: ScheduleAwarePolicy, used: frozenset[ResidencyHandle[Any]]) -> bool:
+    """`ScheduleAwarePolicy.observe` of a step's handles already as a set (a pipeline's
+    staged step, whose request's set is made once)."""
+    with policy._lock:
+        position = policy._position
+        steps = policy._steps
+        count = len(steps)
+        if position < count and steps[position] == used:
+            # `_after(position, 1)`, inline.
+            policy._position = (position + 1) % count if policy._cyclic else position + 1
+            return True
+        policy._misses += 1
+        return False
 
 
 def deciding_at(policy: ScheduleAwarePolicy, position: int) -> None:

@@ -55,6 +55,7 @@ class Steps:
         "feeder",
         "location",
         "manager",
+        "oversized",
         "pipeline",
         "prefetch",
         "resident",
@@ -102,6 +103,9 @@ class Steps:
         # recording uses fits the device at once, one use keeps them all there.
         self.resident: Any = None
         self.resident_units: frozenset[int] = frozenset()
+        # The recording whose values were found not to fit the budget together: not
+        # summed again after each forward while it is the recording.
+        self.oversized: Any = None
         self.controller = self.make_controller()
 
     def make_controller(self) -> ResidencyController:
@@ -191,11 +195,18 @@ class Steps:
         """Keeps every value the recording uses on the device under one use, when they
         fit the budget together; steps then only put tensors in place."""
         recording = self.schedule.recording
-        if not recording or self.resident is not None or self.budget is None:
+        if (
+            not recording
+            or self.resident is not None
+            or self.budget is None
+            or recording is self.oversized
+        ):
             return
         units = frozenset(unit for key in recording for unit in key)
         values = {id(v): v for unit in units for v in self.unit_values[unit]}
         if sum(v.nbytes for v in values.values()) > self.budget:
+            # The budget and the values' bytes do not change: nor does the answer.
+            self.oversized = recording
             return
         self.stop()
         location = self.location

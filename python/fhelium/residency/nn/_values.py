@@ -23,6 +23,8 @@ from fhelium.values import TensorBundle
 
 __all__ = ["OffloadUnit", "OffloadValue", "adopt_groups", "host_location"]
 
+_make_subclass = torch.Tensor._make_subclass
+
 
 @dataclass(frozen=True)
 class OffloadUnit:
@@ -82,11 +84,15 @@ class OffloadValue:
         is the same bundle)."""
         if bundle is not self.bundle:
             tensors: list[torch.Tensor] = []
-            for tensor, slots in zip(bundle.tensors.values(), self.group.slots, strict=True):
-                if slots[0].is_parameter:
-                    tensors.append(nn.Parameter(tensor, requires_grad=False))
-                else:
+            for tensor, slots in zip(bundle._resident_tensors, self.group.slots, strict=True):
+                if not slots[0].is_parameter:
                     tensors.append(tensor)
+                elif type(tensor) is torch.Tensor:
+                    # What `nn.Parameter(tensor, requires_grad=False)` does for a plain
+                    # tensor, without its frame.
+                    tensors.append(_make_subclass(nn.Parameter, tensor, False))
+                else:
+                    tensors.append(nn.Parameter(tensor, requires_grad=False))
             self.bundle, self.tensors = bundle, tensors
         for tensor, slots in zip(self.tensors, self.group.slots, strict=True):
             for slot in slots:
