@@ -687,13 +687,18 @@ impl SimulatedSeam {
     /// whose tensor is plain (`plain`), or a `TensorBundle` (that exact class) whose
     /// every field is plain over a storage of its own (docs/concepts/simulation.md#native-calls);
     /// ``None`` for any other value.
-    fn plains<'py>(&self, value: &Bound<'py, PyAny>) -> PyResult<Option<(bool, Vec<Plain<'py>>)>> {
+    fn plains<'py>(
+        &self,
+        value: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<(bool, Fields<Plain<'py>>)>> {
         let py = value.py();
         let classes = &self.classes;
         let kind = value.get_type();
         if kind.is(classes.resident.bind(py)) {
             let tensor = value.getattr(intern!(py, "_tensor"))?;
-            return Ok(self.plain(tensor)?.map(|plain| (false, vec![plain])));
+            return Ok(self
+                .plain(tensor)?
+                .map(|plain| (false, smallvec::smallvec![plain])));
         }
         if !kind.is(classes.bundle.bind(py)) {
             return Ok(None);
@@ -701,8 +706,8 @@ impl SimulatedSeam {
         let tensors = value
             .getattr(intern!(py, "_tensors"))?
             .cast_into::<PyTuple>()?;
-        let mut plains: Vec<Plain<'py>> = Vec::with_capacity(tensors.len());
-        let mut pointers: Vec<u64> = Vec::with_capacity(tensors.len());
+        let mut plains: Fields<Plain<'py>> = Fields::with_capacity(tensors.len());
+        let mut pointers: Fields<u64> = Fields::with_capacity(tensors.len());
         for tensor in tensors.iter() {
             let Some(plain) = self.plain(tensor)? else {
                 return Ok(None);
@@ -795,9 +800,9 @@ impl SimulatedSeam {
                 .getattr(intern!(py, "_current_level"))?
                 .extract::<i64>()?
                 >= 0;
-        let mut fields: Vec<Bound<'py, PyAny>> = Vec::with_capacity(sources.len());
-        let mut storages: Vec<Bound<'py, PyAny>> = Vec::with_capacity(sources.len());
-        let mut pointers: Vec<u64> = Vec::with_capacity(sources.len());
+        let mut fields: Fields<Bound<'py, PyAny>> = Fields::with_capacity(sources.len());
+        let mut storages: Fields<Bound<'py, PyAny>> = Fields::with_capacity(sources.len());
+        let mut pointers: Fields<u64> = Fields::with_capacity(sources.len());
         let mut nbytes = 0;
         for source in sources {
             let requires_grad = source
@@ -885,7 +890,7 @@ impl SimulatedSeam {
         let py = target.py();
         let storages = self.storages.get();
         // The sources' keys, where they are registered simulated device storages.
-        let mut reads: Vec<u64> = Vec::new();
+        let mut reads: Fields<u64> = Fields::new();
         for source in sources {
             if let Some(found) = storages.lookup(&source.storage)?
                 && found.code >= 0
@@ -937,8 +942,12 @@ pub struct Copied<'py> {
     pub device: Bound<'py, PyAny>,
     pub index: usize,
     pub nbytes: u64,
-    pub pointers: Vec<u64>,
+    pub pointers: Fields<u64>,
 }
+
+/// A value's fields, or what each of them gives: most values have one, none is on
+/// the heap for it.
+pub type Fields<T> = smallvec::SmallVec<[T; 2]>;
 
 /// A plain tensor's tensor, storage and bytes (`SimulatedSeam::plain`).
 struct Plain<'py> {
