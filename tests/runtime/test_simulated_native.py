@@ -37,16 +37,33 @@ class PythonPath(SimulatedRuntime):
     """The same runtime, without native calls (only the exact class gets them)."""
 
 
-def _cycle(runtime: SimulatedRuntime, passes: int = 2) -> dict[str, Any]:
-    """A pipeline of pinned layers cycling through a cuda:0 that holds half of them;
-    returns what the runtime observed."""
+def _layer(index: int, bundles: bool) -> Any:
+    """Layer ``index``: one tensor of ``index`` (32 bytes), or with ``bundles`` a weight
+    of ``index`` and a bias of ones (40 bytes, two storages)."""
+    weight = torch.full((8,), float(index))
+    if bundles:
+        return TensorBundle({"weight": weight, "bias": torch.ones(2)})
+    return ResidentTensor(weight)
+
+
+def _read(value: Any) -> float:
+    """What a step reads of its layer: the weight's first element plus the bias's sum."""
+    if isinstance(value, TensorBundle):
+        return float(value["weight"][0]) + float(value["bias"].sum())
+    return float(value.tensor[0])
+
+
+def _cycle(runtime: SimulatedRuntime, passes: int = 2, *, bundles: bool = False) -> dict[str, Any]:
+    """A pipeline of pinned layers (`_layer`) cycling through a cuda:0 that holds half of
+    them; returns what the runtime observed."""
     stream = runtime.current_stream(CUDA0)
+    nbytes = 40 if bundles else NBYTES
     with use_runtime(runtime):
-        manager = ResidencyManager({ON_CUDA0: LAYERS // 2 * NBYTES, PINNED_HOST: 1 << 20})
+        manager = ResidencyManager({ON_CUDA0: LAYERS // 2 * nbytes, PINNED_HOST: 1 << 20})
     try:
         layers = [
             manager.adopt(
-                runtime.pin(ResidentTensor(torch.full((8,), float(index)))),
+                runtime.pin(_layer(index, bundles)),
                 at=PINNED_HOST,
                 replica_mode=ReplicaMode.REPLICABLE,
             )
@@ -66,7 +83,7 @@ def _cycle(runtime: SimulatedRuntime, passes: int = 2) -> dict[str, Any]:
             for step in run:
                 value = step.value(step.request.requirements[0].handle, at=ON_CUDA0)
                 assert runtime.placement(value) == ON_CUDA0
-                read.append(float(value.tensor[0]))
+                read.append(_read(value))
                 samples.append(runtime.memory_sample(CUDA0))
         return {
             "read": read,
@@ -179,27 +196,38 @@ def _with_data(make: Callable[[], torch.Tensor]) -> torch.Tensor:
 
 
 def _copied(runtime: SimulatedRuntime, make: Callable[[SimulatedRuntime], Any]) -> dict[str, Any]:
+    """What a copy of ``make(runtime)`` to cuda:0 is and did, field by field."""
     value = make(runtime)
     stream = runtime.create_stream(CUDA0)
     runtime.calls.clear()
     copy, facts = runtime.copy_to_cuda_measured(value, CUDA0, stream, non_blocking=True)
     event = runtime.record_event(stream)
-    tensor = copy.tensor
+    fields = copy._resident_tensors
     measured = runtime.measure(copy)
     # The copy's facts are what `measure` says of it (storage keys are addresses: their
     # number is compared across the two runtimes).
     assert facts is None or facts == measured
+    bundle = isinstance(copy, TensorBundle)
     return {
+        "type": type(copy),
+        "names": copy.names if bundle else None,
+        # A bundle's copy shares its never-mutated names and index with the source.
+        "shares names": bundle and copy._names is value._names and copy._index is value._index,
         "facts": None if facts is None else facts._replace(storage_keys=len(facts.storage_keys)),
         "measured": measured._replace(storage_keys=len(measured.storage_keys)),
         "placement": runtime.placement(copy),
-        "bytes": tensor.resolve_conj().tolist(),
-        "layout": (tensor.shape, tensor.stride(), tensor.dtype, tensor.is_conj()),
-        "requires_grad": tensor.requires_grad,
-        "leaf": tensor.is_leaf,
+        "bytes": [field.resolve_conj().tolist() for field in fields],
+        "layout": [
+            (f.shape, f.stride(), f.dtype, f.is_conj(), f.is_neg(), type(f)) for f in fields
+        ],
+        "requires_grad": [field.requires_grad for field in fields],
+        "leaf": [field.is_leaf for field in fields],
+        "storages": len({f.untyped_storage().data_ptr() for f in fields if f.numel()}),
         # (An empty tensor has no memory to share: its address is 0 on both sides.)
-        "shares source": tensor.numel() > 0
-        and tensor.untyped_storage().data_ptr() == value.tensor.untyped_storage().data_ptr(),
+        "shares source": any(
+            f.numel() > 0 and f.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+            for f, s in zip(fields, value._resident_tensors, strict=True)
+        ),
         "calls": dict(runtime.calls),
         "copies": [(c.destination, c.non_blocking) for c in runtime.copies],
         "sample": runtime.memory_sample(CUDA0),
@@ -232,26 +260,6 @@ TAKEN = {
 TAKEN |= {"float16", "on cuda:0"}
 
 
-@pytest.mark.parametrize("name", list(COPIED))
-def test_the_native_calls_take_the_plain_copies_and_decline_the_lazy_ones(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    runtime = SimulatedRuntime(1, auto_complete=True)
-    value = COPIED[name](runtime)
-    declined: list[object] = []
-    python_copy = SimulatedRuntime._to_cuda
-
-    def spy(self: SimulatedRuntime, *args: Any) -> Any:
-        declined.append(args[0])
-        return python_copy(self, *args)
-
-    monkeypatch.setattr(SimulatedRuntime, "_to_cuda", spy)
-    copy, _ = runtime.copy_to_cuda_measured(value, CUDA0, None, non_blocking=False)
-    assert (not declined) == (name in TAKEN)
-    assert copy.tensor.is_conj() == value.tensor.is_conj()
-    assert copy.tensor.is_neg() == value.tensor.is_neg()
-
-
 # Bundles: the native calls take a `TensorBundle` whose fields are each a plain tensor
 # over a whole storage of its own; any other bundle goes to the Python method.
 class Bundle(TensorBundle):
@@ -277,7 +285,7 @@ BUNDLES: dict[str, Callable[[SimulatedRuntime], Any]] = {
             "bias": torch.nn.Parameter(torch.zeros(2), requires_grad=False),
         }
     ),
-    "on cuda:0": lambda rt: rt.to_device(
+    "bundle on cuda:0": lambda rt: rt.to_device(
         TensorBundle({"weight": torch.arange(4.0), "bias": torch.ones(2)}), 0
     ),
     "a shared storage": lambda rt: _shared(),
@@ -289,61 +297,27 @@ BUNDLES: dict[str, Callable[[SimulatedRuntime], Any]] = {
     "a subclass": lambda rt: Bundle({"w": torch.arange(4.0), "b": torch.ones(2)}),
 }
 BUNDLES_TAKEN = {"one field, pinned", "two fields, pinned", "mixed dtypes, pageable"}
-BUNDLES_TAKEN |= {"parameters", "on cuda:0"}
-
-
-def _bundle_copied(
-    runtime: SimulatedRuntime, make: Callable[[SimulatedRuntime], Any]
-) -> dict[str, Any]:
-    value = make(runtime)
-    stream = runtime.create_stream(CUDA0)
-    runtime.calls.clear()
-    copy, facts = runtime.copy_to_cuda_measured(value, CUDA0, stream, non_blocking=True)
-    event = runtime.record_event(stream)
-    measured = runtime.measure(copy)
-    assert facts is None or facts == measured
-    sources = value._resident_tensors
-    fields = copy._resident_tensors
-    return {
-        "type": type(copy),
-        "names": copy.names,
-        "shares names": copy._names is value._names and copy._index is value._index,
-        "facts": None if facts is None else facts._replace(storage_keys=len(facts.storage_keys)),
-        "measured": measured._replace(storage_keys=len(measured.storage_keys)),
-        "placement": runtime.placement(copy),
-        "bytes": [field.tolist() for field in fields],
-        "layout": [(f.shape, f.stride(), f.dtype, f.is_neg(), type(f)) for f in fields],
-        "requires_grad": [field.requires_grad for field in fields],
-        "leaf": [field.is_leaf for field in fields],
-        "storages": len({f.untyped_storage().data_ptr() for f in fields if f.numel()}),
-        "shares source": any(
-            f.numel() and f.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
-            for f, s in zip(fields, sources, strict=True)
-        ),
-        "calls": dict(runtime.calls),
-        "copies": [(c.destination, c.non_blocking) for c in runtime.copies],
-        "sample": runtime.memory_sample(CUDA0),
-        "event": runtime.event_query(event),
-    }
+BUNDLES_TAKEN |= {"parameters", "bundle on cuda:0"}
 
 
 @pytest.mark.parametrize("make", BUNDLES.values(), ids=list(BUNDLES))
 def test_a_bundle_copied_natively_or_not_is_the_python_method_s(
     make: Callable[[SimulatedRuntime], Any],
 ) -> None:
-    native = _bundle_copied(SimulatedRuntime(1, auto_complete=True), make)
-    python = _bundle_copied(PythonPath(1, auto_complete=True), make)
+    native = _copied(SimulatedRuntime(1, auto_complete=True), make)
+    python = _copied(PythonPath(1, auto_complete=True), make)
     assert native == python
+    assert native["shares names"]
     assert native["placement"] == ON_CUDA0
     assert not native["shares source"]
 
 
-@pytest.mark.parametrize("name", list(BUNDLES))
-def test_the_native_calls_take_the_plain_bundles_only(
+@pytest.mark.parametrize("name", [*COPIED, *BUNDLES])
+def test_the_native_calls_take_the_plain_values_and_decline_the_others(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runtime = SimulatedRuntime(1, auto_complete=True)
-    value = BUNDLES[name](runtime)
+    value = (COPIED.get(name) or BUNDLES[name])(runtime)
     declined: list[object] = []
     python_copy = SimulatedRuntime._to_cuda
 
@@ -353,58 +327,17 @@ def test_the_native_calls_take_the_plain_bundles_only(
 
     monkeypatch.setattr(SimulatedRuntime, "_to_cuda", spy)
     copy, facts = runtime.copy_to_cuda_measured(value, CUDA0, None, non_blocking=False)
-    assert (not declined) == (name in BUNDLES_TAKEN)
+    assert (not declined) == (name in TAKEN or name in BUNDLES_TAKEN)
     assert facts == runtime.measure(copy)
     for field, source in zip(copy._resident_tensors, value._resident_tensors, strict=True):
         assert torch.equal(field, source)
-
-
-def _bundle_cycle(runtime: SimulatedRuntime) -> dict[str, Any]:
-    """Two-field bundles cycling through a cuda:0 that holds half of them, some read
-    from device copies (a device-to-device copy reads simulated device storages)."""
-    stream = runtime.current_stream(CUDA0)
-    with use_runtime(runtime):
-        manager = ResidencyManager({ON_CUDA0: LAYERS // 2 * 40, PINNED_HOST: 1 << 20})
-    try:
-        layers = [
-            manager.adopt(
-                runtime.pin(
-                    TensorBundle({"weight": torch.full((8,), float(i)), "bias": torch.ones(2)})
-                ),
-                at=PINNED_HOST,
-                replica_mode=ReplicaMode.REPLICABLE,
-            )
-            for i in range(LAYERS)
-        ]
-        requests = [
-            ResidencyRequest(f"step-{s}", [ResidencyRequirement(layers[s % LAYERS], ON_CUDA0)])
-            for s in range(LAYERS * 2)
-        ]
-        read: list[float] = []
-        samples: list[tuple[int, int] | None] = []
-        runtime.calls.clear()
-        controller = ResidencyController(manager)
-        with controller.run(requests, prefetch=1, consumer_streams={ON_CUDA0: stream}) as run:
-            for step in run:
-                value = step.value(step.request.requirements[0].handle, at=ON_CUDA0)
-                read.append(float(value["weight"][0]) + float(value["bias"].sum()))
-                samples.append(runtime.memory_sample(CUDA0))
-        return {
-            "read": read,
-            "samples": samples,
-            "calls": dict(runtime.calls),
-            "copies": [(copy.destination, copy.non_blocking) for copy in runtime.copies],
-            "hazards": list(runtime.hazards),
-            "after": runtime.memory_sample(CUDA0),
-        }
-    finally:
-        manager.close()
+        assert (field.is_conj(), field.is_neg()) == (source.is_conj(), source.is_neg())
 
 
 @pytest.mark.parametrize("auto_complete", [True, False], ids=["auto-complete", "pending"])
 def test_bundles_cycled_natively_are_what_the_python_methods_make(auto_complete: bool) -> None:
-    native = _bundle_cycle(SimulatedRuntime(1, auto_complete=auto_complete))
-    python = _bundle_cycle(PythonPath(1, auto_complete=auto_complete))
+    native = _cycle(SimulatedRuntime(1, auto_complete=auto_complete), bundles=True)
+    python = _cycle(PythonPath(1, auto_complete=auto_complete), bundles=True)
     assert native == python
     assert native["read"] == [float(step % LAYERS) + 2.0 for step in range(2 * LAYERS)]
     assert native["calls"]["copy_to_cuda"] >= LAYERS
