@@ -283,8 +283,9 @@ fn in_use(
     }
 }
 
+/// The broken invariant of an index this manager never issued.
 #[cold]
-fn not_issued(handle: HandleId) -> CoreError {
+pub fn not_issued(handle: HandleId) -> CoreError {
     CoreError::Internal {
         message: format!("handle index {handle} is not issued by this manager"),
     }

@@ -10,13 +10,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
+use residency_core::manager::not_issued;
 use residency_core::{HandleId, Manager};
 
 use crate::context::Context;
 use crate::kinds::LifetimeKind;
 use crate::lifetimes::Host;
-use crate::manager::{CoreManager, SimulationView, StateView, Trace, unknown_index};
-use crate::objects::Objects;
+use crate::manager::{CoreManager, SimulationView, StateView, Trace};
+use crate::objects::{Objects, share};
 use crate::plan::PlanIr;
 use crate::plans::PlanRun;
 use crate::records::RecordBuilder;
@@ -292,16 +293,12 @@ impl CoreManager {
         cyclic: bool,
     ) -> PyResult<crate::search::ScheduleIndex> {
         let discards = self.core.discards();
-        let mut resolved = Vec::with_capacity(steps.len());
-        for step in &steps {
-            let mut indices = Vec::with_capacity(step.len());
-            for handle in step {
-                if let Some(index) = self.resolve_live(py, handle)? {
-                    indices.push(index as usize);
-                }
-            }
-            resolved.push(indices);
-        }
+        let resolved = (steps.iter())
+            .map(|step| {
+                let indices = self.resolve_handles(py, step)?.into_iter().flatten();
+                Ok(indices.map(|index| index as usize).collect())
+            })
+            .collect::<PyResult<Vec<Vec<usize>>>>()?;
         Ok(crate::search::ScheduleIndex(
             residency_core::ScheduleIndex::new(&resolved, discards, cyclic),
         ))
@@ -621,17 +618,6 @@ impl CoreManager {
         Self::lift(py, self.core.check_process())
     }
 
-    /// The id of the process that made the manager.
-    #[getter]
-    fn owner_pid(&self) -> u32 {
-        self.core.owner_pid()
-    }
-
-    #[getter]
-    fn version(&self) -> u64 {
-        self.core.version()
-    }
-
     /// The state version after reaping completed CUDA leases, under the gate.
     fn checked_version(&self, py: Python<'_>) -> PyResult<u64> {
         self.core.reaped_version_with(&Host::new(self, py))
@@ -678,27 +664,34 @@ impl CoreManager {
 
     /// The index of a live handle this manager issued (the very object, or one equal
     /// to it); `None` for anything else, which the glue turns into a precise error.
-    fn resolve(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<Option<HandleId>> {
-        let Some((index, discarded)) = self.lookup(py, handle)? else {
-            return Ok(None);
-        };
-        Ok((!discarded).then_some(index))
+    #[pyo3(name = "resolve")]
+    pub(crate) fn resolve_live(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<HandleId>> {
+        Ok(match self.lookup(py, handle)? {
+            Some((index, false)) => Some(index),
+            _ => None,
+        })
     }
 
-    pub(crate) fn handle(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
-        self.objects
-            .handle(py, index)
-            .ok_or_else(|| unknown_index(index))
+    /// The handle at `index`.
+    #[pyo3(name = "handle")]
+    pub(crate) fn handle_object(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
+        let handle = self.objects.handle(index, share(py));
+        handle.ok_or_else(|| crate::errors::to_py_err(py, not_issued(index)))
     }
 
-    pub(crate) fn spec(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
-        self.objects
-            .spec(py, index)
-            .ok_or_else(|| unknown_index(index))
+    /// The spec record of the value at `index`.
+    #[pyo3(name = "spec")]
+    pub(crate) fn spec_object(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
+        let spec = self.objects.spec(index, share(py));
+        spec.ok_or_else(|| crate::errors::to_py_err(py, not_issued(index)))
     }
 
     /// The label a reservation was made with, exactly as given.
     fn label(&self, py: Python<'_>, token: u64) -> Option<Py<PyAny>> {
-        self.objects.label(py, token)
+        self.objects.label(token, share(py))
     }
 }

@@ -231,18 +231,6 @@ impl Context {
         recoverability.is(&self.must_preserve)
     }
 
-    pub(crate) fn new_lease<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.new_lease.bind(py)
-    }
-
-    pub(crate) fn new_hold<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.new_hold.bind(py)
-    }
-
-    pub(crate) fn new_reservation<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.new_reservation.bind(py)
-    }
-
     /// A non-empty tuple of distinct handles, first occurrences kept; the common
     /// single-handle tuple is taken as it is.
     pub(crate) fn normalized_handles<'py>(

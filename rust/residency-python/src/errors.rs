@@ -100,7 +100,6 @@ pub fn to_py_err(py: Python<'_>, err: CoreError) -> PyErr {
         CoreError::SearchUnavailable { handle_id } => {
             python_repr(py, handle_id).map(|handle_id| error::unplaceable(&handle_id))
         }
-        CoreError::InUse { message, .. } | CoreError::Forked { message, .. } => Ok(message.clone()),
         _ => Ok(err.to_string()),
     };
     let message = match message {

@@ -15,12 +15,14 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::{
-    CoreError, Freed, HandleId, LeaseRelease, LifetimeHost, Location, Manager, ObjectId,
+    Admitted, CoreError, Freed, HandleId, LeaseRelease, LifetimeHost, Location, Manager, ObjectId,
+    Refusal,
 };
 
-use crate::errors::to_py_err;
+use crate::errors::{refuse, to_py_err};
 use crate::kinds::LifetimeKind;
 use crate::manager::CoreManager;
+use crate::objects::share;
 
 fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
     let message = CString::new(message.replace('\0', " "))
@@ -47,7 +49,7 @@ impl<'a, 'py> Host<'a, 'py> {
     }
 
     fn event(&self, id: ObjectId) -> Option<Py<PyAny>> {
-        self.manager.objects().object(self.py, id)
+        self.manager.objects().object(id, share(self.py))
     }
 
     /// A `(handles, location)` group: its handles normalised, and its location.
@@ -189,19 +191,14 @@ impl<'py> LifetimeHost for Host<'_, 'py> {
     }
 
     fn synchronize_device(&self, at: Location) -> PyResult<()> {
-        let py = self.py;
-        let device = self
-            .manager
-            .context()
-            .location(py, at)?
-            .getattr(intern!(py, "device"))?;
+        let device = self.manager.context().device(self.py, at)?;
         self.runtime
-            .call_method1(intern!(py, "synchronize_device"), (device,))
+            .call_method1(intern!(self.py, "synchronize_device"), (device,))
             .map(drop)
     }
 
     fn owner(&self, handle: HandleId, at: Location) -> Option<Self::Stream> {
-        let stream = self.manager.objects().stream(self.py, handle, at.code())?;
+        let stream = (self.manager.objects()).stream(handle, at.code(), share(self.py))?;
         Some(stream.into_bound(self.py))
     }
 
@@ -294,7 +291,7 @@ pub fn acquire(
 ) -> PyResult<Py<PyAny>> {
     let handles = &manager.context().normalized_handles(py, handles)?;
     let host = Host::new(manager, py);
-    let build = |admitted: residency_core::Admitted<Bound<'_, PyAny>>| {
+    let build = |admitted: Admitted<Bound<'_, PyAny>>| {
         let streams = match admitted.stream {
             Some(stream) => PyList::new(py, [stream])?,
             None => PyList::empty(py),
@@ -302,7 +299,8 @@ pub fn acquire(
         let token = admitted.token;
         let lease = manager
             .context()
-            .new_lease(py)
+            .new_lease
+            .bind(py)
             .call1((engine, token, handles, at, &streams))?;
         track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
         Ok(lease.unbind())
@@ -312,22 +310,9 @@ pub fn acquire(
         .lease_with(&host, handles.iter(), at, consumer_stream, build)
 }
 
-/// What `acquire` admits under the gate, before any lifetime object is built for it.
-pub(crate) struct Admitted<'py> {
-    /// The lease's token.
-    pub token: u64,
-    /// The location.
-    pub at: Location,
-    /// The handles' indices, in the order of the handles.
-    pub indices: Vec<HandleId>,
-    /// The consumer stream (bound to its device) in a list, or an empty list.
-    pub streams: Bound<'py, PyList>,
-    /// The tokens of the transfers still in flight into the values (CUDA only).
-    pub transfers: Vec<u64>,
-}
-
 /// `acquire`'s admission under the gate the caller holds (`handles` normalised), in
-/// the core's order (`Manager::admit_with`, reaping with `reap`), and its stream list.
+/// the core's order (`Manager::admit_with`, reaping with `reap`), and its stream list:
+/// the consumer stream (bound to its device) in a list, or an empty list.
 pub(crate) fn admit_locked<'py>(
     manager: &CoreManager,
     host: &Host<'_, 'py>,
@@ -335,7 +320,7 @@ pub(crate) fn admit_locked<'py>(
     at: &Bound<'py, PyAny>,
     consumer_stream: Option<&Bound<'py, PyAny>>,
     reap: bool,
-) -> PyResult<Admitted<'py>> {
+) -> PyResult<(Admitted<Bound<'py, PyAny>>, Bound<'py, PyList>)> {
     let py = host.py;
     let core = manager.core();
     let admitted = core.admit_with(host, handles.iter(), at, consumer_stream, reap)?;
@@ -348,13 +333,7 @@ pub(crate) fn admit_locked<'py>(
             None => Ok(PyList::empty(py)),
         },
     )?;
-    Ok(Admitted {
-        token: admitted.token,
-        at: admitted.at,
-        indices: admitted.indices,
-        streams,
-        transfers: admitted.transfers,
-    })
+    Ok((admitted, streams))
 }
 
 /// Holds per group `(handles, location)` of `groups` under the gate the caller holds,
@@ -501,11 +480,13 @@ impl LeaseFinalizer {
         if !manager.core().finalize_tracked_with(&host, self.token) {
             return Ok(());
         }
-        let streams = self.streams.bind(py);
-        let location = self.location.bind(py);
-        let finalize = FINALIZE_LEASE.import(py, "fhelium.residency.lease", "finalize_lease")?;
-        finalize.call1((engine, self.token, location, streams))?;
-        Ok(())
+        finalize_lease(
+            py,
+            engine,
+            self.token,
+            self.location.bind(py),
+            self.streams.bind(py),
+        )
     }
 }
 
@@ -516,7 +497,7 @@ pub(crate) fn finalize_lease(
     engine: &Bound<'_, PyAny>,
     token: u64,
     location: &Bound<'_, PyAny>,
-    streams: &Bound<'_, PyList>,
+    streams: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     let finalize = FINALIZE_LEASE.import(py, "fhelium.residency.lease", "finalize_lease")?;
     finalize.call1((engine, token, location, streams)).map(drop)
@@ -544,7 +525,7 @@ pub fn hold(
     at: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
     let handles = &manager.context().normalized_handles(py, handles)?;
-    let (new_hold, host) = (manager.context().new_hold(py), Host::new(manager, py));
+    let (new_hold, host) = (manager.context().new_hold.bind(py), Host::new(manager, py));
     manager.core().hold_with(&host, handles, at, |token| {
         Ok(new_hold.call1((engine, token, handles, at))?.unbind())
     })
@@ -561,7 +542,7 @@ pub fn reserve(
     label: &Bound<'_, PyString>,
 ) -> PyResult<Py<PyAny>> {
     let (core, host) = (manager.core(), Host::new(manager, py));
-    let new_reservation = manager.context().new_reservation(py);
+    let new_reservation = manager.context().new_reservation.bind(py);
     core.gated(&host, true, true, || {
         let at = host.place(location)?;
         let token = reserve_locked(manager, py, at, nbytes, label)?;
@@ -582,9 +563,14 @@ pub fn reserve_locked(
     label: &Bound<'_, PyString>,
 ) -> PyResult<u64> {
     let Ok(count) = nbytes.extract::<u64>() else {
-        return Err(PyValueError::new_err(format!(
-            "nbytes of {nbytes} bytes exceeds the supported maximum of 2**64 - 1"
-        )));
+        let nbytes = &nbytes.to_string();
+        return Err(refuse(
+            py,
+            Refusal::TooManyBytes {
+                name: "nbytes",
+                nbytes,
+            },
+        ));
     };
     let text = label.to_string_lossy();
     let reserved = manager.core().reserve(at, count, &text);
@@ -619,7 +605,7 @@ pub(crate) fn borrowed_known(
     let (core, host) = (manager.core(), Host::new(manager, py));
     let objects = manager.objects();
     let value = core.borrowed_with(&host, token, handle, location, known, |index, at| {
-        objects.value(py, index, at.code())
+        objects.value(index, at.code(), share(py))
     })?;
     value.ok_or_else(|| {
         let handle_id = handle.getattr(intern!(py, "handle_id"));

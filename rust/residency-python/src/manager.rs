@@ -12,6 +12,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 use residency_core::gate::DEFAULT_POLL;
+use residency_core::manager::not_issued;
 
 use residency_core::{
     CoreError, Freed, HandleId, HandleName, Location, Manager, Simulation, State, StorageKey,
@@ -20,7 +21,8 @@ use residency_core::{
 
 use crate::context::Context;
 use crate::kinds::LifetimeKind;
-use crate::objects::Objects;
+use crate::lifetimes::Host;
+use crate::objects::{Objects, share};
 use crate::records::RecordBuilder;
 use crate::shapes::AdoptedShapes;
 use crate::transition::Transition;
@@ -57,12 +59,6 @@ pub struct CoreManager {
 pub(crate) struct Trace {
     pub(crate) capacity: usize,
     pub(crate) reports: VecDeque<Arc<Transition>>,
-}
-
-pub(crate) fn unknown_index(index: HandleId) -> PyErr {
-    pyo3::exceptions::PyRuntimeError::new_err(format!(
-        "internal error: handle index {index} was not issued by this manager"
-    ))
 }
 
 impl CoreManager {
@@ -104,7 +100,7 @@ impl CoreManager {
         py.detach(move || core.enter(DEFAULT_POLL, check_closed, check_reentrant))
     }
 
-    /// Runs `operation` holding the gate.
+    /// Runs `operation` holding the gate (`Manager::gated`).
     pub(crate) fn with_gate<T>(
         &self,
         py: Python<'_>,
@@ -112,10 +108,9 @@ impl CoreManager {
         check_reentrant: bool,
         operation: impl FnOnce() -> PyResult<T>,
     ) -> PyResult<T> {
-        Self::lift(py, self.enter_core(py, check_closed, check_reentrant))?;
-        let result = operation();
-        self.core.exit();
-        result
+        let host = Host::new(self, py);
+        self.core
+            .gated(&host, check_closed, check_reentrant, operation)
     }
 
     /// The precise error for a handle that does not resolve: another manager's, a
@@ -273,18 +268,6 @@ impl CoreManager {
         result
     }
 
-    /// The index of a live handle of this manager, else `None`.
-    pub(crate) fn resolve_live(
-        &self,
-        py: Python<'_>,
-        handle: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<HandleId>> {
-        Ok(match self.lookup(py, handle)? {
-            Some((index, false)) => Some(index),
-            _ => None,
-        })
-    }
-
     /// The index of each live handle of this manager, else `None`: one core lookup
     /// and one object-store pass for them all.
     pub(crate) fn resolve_handles(
@@ -306,9 +289,8 @@ impl CoreManager {
             .map(|id| id.as_ref().and_then(|id| id.to_str().ok()))
             .collect();
         let found = self.core.lookup_many(texts.iter().copied());
-        let issued = self
-            .objects
-            .handles_at(py, found.iter().map(|entry| entry.map(|(index, _)| index)));
+        let indices = found.iter().map(|entry| entry.map(|(index, _)| index));
+        let issued = self.objects.handles_at(indices, share(py));
         handles
             .iter()
             .zip(found)
@@ -358,12 +340,15 @@ impl CoreManager {
         index: HandleId,
         at: Location,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let value = self.objects.value(py, index, at.code()).ok_or_else(|| {
-            pyo3::exceptions::PyRuntimeError::new_err(format!(
-                "internal error: value {index} has no object at location code {}",
-                at.code()
-            ))
-        })?;
+        let value = self
+            .objects
+            .value(index, at.code(), share(py))
+            .ok_or_else(|| {
+                pyo3::exceptions::PyRuntimeError::new_err(format!(
+                    "internal error: value {index} has no object at location code {}",
+                    at.code()
+                ))
+            })?;
         Ok(value.into_bound(py))
     }
 
@@ -390,14 +375,6 @@ impl CoreManager {
         );
     }
 
-    pub(crate) fn spec_object(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
-        self.spec(py, index)
-    }
-
-    pub(crate) fn handle_object(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
-        self.handle(py, index)
-    }
-
     /// Runs the source's `load()` for a ticket that holds its temporary charge (the
     /// core's driver marks it as a callback, and aborts the ticket if this fails).
     pub(crate) fn load_for<'py>(
@@ -406,7 +383,7 @@ impl CoreManager {
         index: HandleId,
     ) -> PyResult<Bound<'py, PyAny>> {
         let Some(source) = self.objects.source(py, index) else {
-            return Err(unknown_index(index));
+            return Err(to_py_err(py, not_issued(index)));
         };
         source.bind(py).call_method0(pyo3::intern!(py, "load"))
     }
@@ -460,7 +437,7 @@ impl CoreManager {
         let Some((index, discarded)) = self.core.lookup(handle_id.to_str()?) else {
             return Ok(None);
         };
-        let Some(issued) = self.objects.handle(py, index) else {
+        let Some(issued) = self.objects.handle(index, share(py)) else {
             return Ok(None);
         };
         let issued = issued.bind(py);
@@ -490,16 +467,6 @@ impl StateView {
         self.state.version
     }
 
-    #[getter]
-    fn closed(&self) -> bool {
-        self.state.closed
-    }
-
-    #[getter]
-    fn value_count(&self) -> usize {
-        self.state.values.len()
-    }
-
     /// Every value entry in issue order, built by `value_records` with
     /// materialisations built by `materialization_records`; handle and spec objects
     /// come from `manager`, location records from `location_of(code)`.
@@ -513,9 +480,7 @@ impl StateView {
     ) -> PyResult<Bound<'py, PyTuple>> {
         // Handle and spec objects are only ever appended: the view's prefix of them
         // is the one it describes.
-        let objects = manager
-            .objects
-            .handles_and_specs(py, self.state.values.len());
+        let objects = (manager.objects).handles_and_specs(self.state.values.len(), share(py));
         crate::records::value_entries(
             py,
             self.state.values.iter().map(|record| &**record),

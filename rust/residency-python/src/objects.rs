@@ -4,8 +4,8 @@
 //! core change it mirrors, so the two never disagree. The store's lock is never held
 //! while Python code runs.
 //!
-//! The store's methods that forget or keep objects are used as they are; those that
-//! read an object are given here with the interpreter that shares it.
+//! The store's methods are used as they are, those that read an object given `share`
+//! with the interpreter; `source` and `objects` are also given here with it.
 
 use std::ops::Deref;
 
@@ -24,55 +24,14 @@ impl Deref for Objects {
     }
 }
 
-/// A new reference to `object`.
-fn share(py: Python<'_>) -> impl Fn(&Py<PyAny>) -> Py<PyAny> + '_ {
+/// A new reference to `object`, for the store's methods that read one.
+pub(crate) fn share(py: Python<'_>) -> impl Fn(&Py<PyAny>) -> Py<PyAny> + '_ {
     move |object| object.clone_ref(py)
 }
 
 impl Objects {
-    pub fn handle(&self, py: Python<'_>, index: u32) -> Option<Py<PyAny>> {
-        self.0.handle(index, share(py))
-    }
-
-    /// The issued handle objects at `indices`, under one lock.
-    pub fn handles_at(
-        &self,
-        py: Python<'_>,
-        indices: impl IntoIterator<Item = Option<u32>>,
-    ) -> Vec<Option<Py<PyAny>>> {
-        self.0.handles_at(indices, share(py))
-    }
-
-    pub fn spec(&self, py: Python<'_>, index: u32) -> Option<Py<PyAny>> {
-        self.0.spec(index, share(py))
-    }
-
     pub fn source(&self, py: Python<'_>, index: u32) -> Option<Py<PyAny>> {
         self.0.source(index, share(py))
-    }
-
-    /// Handles and specs of the first `count` values, for snapshot entries.
-    pub fn handles_and_specs(&self, py: Python<'_>, count: usize) -> Vec<(Py<PyAny>, Py<PyAny>)> {
-        self.0.handles_and_specs(count, share(py))
-    }
-
-    pub fn value(&self, py: Python<'_>, index: u32, code: u32) -> Option<Py<PyAny>> {
-        self.0.value(index, code, share(py))
-    }
-
-    /// The stream that allocated the materialisation's memory, when the manager
-    /// made the copy.
-    pub fn stream(&self, py: Python<'_>, index: u32, code: u32) -> Option<Py<PyAny>> {
-        self.0.stream(index, code, share(py))
-    }
-
-    pub fn label(&self, py: Python<'_>, token: u64) -> Option<Py<PyAny>> {
-        self.0.label(token, share(py))
-    }
-
-    /// The object at `id`, while the core refers to it.
-    pub fn object(&self, py: Python<'_>, id: ObjectId) -> Option<Py<PyAny>> {
-        self.0.object(id, share(py))
     }
 
     /// The objects at `ids`, under one lock.

@@ -42,6 +42,25 @@ pub(crate) struct Borrow {
     pub active: bool,
 }
 
+impl Borrow {
+    /// What its release or lookup needs.
+    fn taken(&self, py: Python<'_>) -> Taken {
+        Taken {
+            token: self.token,
+            at: self.at,
+            location: self.location.clone_ref(py),
+            streams: self.streams.clone_ref(py),
+        }
+    }
+
+    /// The index of `handle` when it is the very object of one of the handles.
+    fn index_of(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Option<HandleId> {
+        let handles = self.handles.bind(py);
+        let found = handles.iter().position(|candidate| candidate.is(handle))?;
+        self.indices.get(found).copied()
+    }
+}
+
 /// A staged step's leases, one per location of its request in order of first
 /// appearance (the use's groups); built by `CoreManager.enter_step`.
 #[pyclass(frozen, weakref, module = "fhelium._core", name = "StepEntry")]
@@ -108,12 +127,7 @@ impl StepEntry {
                 "this lease of {count} value(s) at {location} was released"
             )));
         }
-        Ok(Taken {
-            token: borrow.token,
-            at: borrow.at,
-            location: borrow.location.clone_ref(py),
-            streams: borrow.streams.clone_ref(py),
-        })
+        Ok(borrow.taken(py))
     }
 
     /// The active borrows, last first (a use unwinds its leases in that order).
@@ -124,17 +138,7 @@ impl StepEntry {
             .enumerate()
             .rev()
             .filter(|(_, borrow)| borrow.active)
-            .map(|(position, borrow)| {
-                (
-                    position,
-                    Taken {
-                        token: borrow.token,
-                        at: borrow.at,
-                        location: borrow.location.clone_ref(py),
-                        streams: borrow.streams.clone_ref(py),
-                    },
-                )
-            })
+            .map(|(position, borrow)| (position, borrow.taken(py)))
             .collect()
     }
 
@@ -190,7 +194,7 @@ impl StepEntry {
                 self.engine.bind(py),
                 taken.token,
                 taken.location.bind(py),
-                taken.streams.bind(py),
+                taken.streams.bind(py).as_any(),
             );
             if let Err(failure) = finalized {
                 error.get_or_insert(failure);
@@ -215,16 +219,7 @@ impl StepEntry {
         let taken = self.active(py, position)?;
         // The request's own handle object, as a requirement holds it: its index is
         // known. Any other (an equal handle) is resolved.
-        let known = {
-            let borrows = self.borrows();
-            borrows.get(position).and_then(|borrow| {
-                let handles = borrow.handles.bind(py);
-                handles
-                    .iter()
-                    .position(|candidate| candidate.is(handle))
-                    .and_then(|found| borrow.indices.get(found).copied())
-            })
-        };
+        let known = (self.borrows().get(position)).and_then(|borrow| borrow.index_of(py, handle));
         let location = taken.location.bind(py);
         lifetimes::borrowed_known(
             self.manager.get(),
@@ -251,9 +246,7 @@ impl StepEntry {
                 if !borrow.location.bind(py).is(at) {
                     return None;
                 }
-                let handles = borrow.handles.bind(py);
-                let found = handles.iter().position(|candidate| candidate.is(handle))?;
-                Some((position, borrow.indices.get(found).copied()?))
+                Some((position, borrow.index_of(py, handle)?))
             })
         };
         let Some((position, index)) = found else {
@@ -426,7 +419,7 @@ pub fn enter_step(
                     .context()
                     .normalized_handles(py, &group.get_item(1)?)?;
                 let stream = consumer_stream(consumers, &at)?;
-                let admitted =
+                let (admitted, streams) =
                     lifetimes::admit_locked(manager, &host, &handles, &at, stream.as_ref(), false)?;
                 if stream.is_some() {
                     protecting.push(admitted.token);
@@ -438,7 +431,7 @@ pub fn enter_step(
                     location: at.unbind(),
                     handles: handles.unbind(),
                     indices: admitted.indices,
-                    streams: admitted.streams.unbind(),
+                    streams: streams.unbind(),
                     active: true,
                 });
             }
