@@ -1,6 +1,7 @@
 //! `CoreManager`'s Python methods: each is one call into the operation modules
 //! (`direct`, `execute`, `plans`, `lifetimes`, `search`), which take the manager's
-//! shared part (`manager`); this module alone sees them all.
+//! shared part (`manager`), or, for a lifetime, into the core with the runtime's part
+//! (`lifetimes::Host`); this module alone sees them all.
 
 // pyo3 extracts sequence arguments as owned vectors.
 #![allow(clippy::needless_pass_by_value)]
@@ -9,13 +10,13 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyString, PyTuple};
+use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::manager::not_issued;
-use residency_core::{HandleId, Manager};
+use residency_core::{Admitted, HandleId, LeaseRelease, Manager};
 
 use crate::context::Context;
 use crate::kinds::LifetimeKind;
-use crate::lifetimes::Host;
+use crate::lifetimes::{Host, LeaseFinalizer};
 use crate::manager::{CoreManager, SimulationView, StateView, Trace};
 use crate::objects::{Objects, share};
 use crate::plan::PlanIr;
@@ -144,7 +145,9 @@ impl CoreManager {
         )
     }
 
-    /// Borrows normalised `handles` at `at`; CUDA needs the consumer stream.
+    /// Borrows the ready materialisations of normalised `handles` at `at`, atomically
+    /// (the core's admission, then the lease object, tracked for its finalizer). A
+    /// CUDA location needs the consumer stream that will read them.
     #[pyo3(signature = (engine, handles, at, consumer_stream=None))]
     fn acquire(
         &self,
@@ -154,10 +157,23 @@ impl CoreManager {
         at: &Bound<'_, PyAny>,
         consumer_stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        crate::lifetimes::acquire(self, py, engine, handles, at, consumer_stream)
+        let handles = &self.context.normalized_handles(py, handles)?;
+        let build = |admitted: Admitted<Bound<'_, PyAny>>| {
+            let streams = match admitted.stream {
+                Some(stream) => PyList::new(py, [stream])?,
+                None => PyList::empty(py),
+            };
+            let token = admitted.token;
+            let new_lease = self.context.new_lease.bind(py);
+            let lease = new_lease.call1((engine, token, handles, at, &streams))?;
+            self.track_lease(py, token, &lease, engine, at, streams.as_any())?;
+            Ok(lease.unbind())
+        };
+        let host = Host::new(self, py);
+        (self.core).lease_with(&host, handles.iter(), at, consumer_stream, build)
     }
 
-    /// Protects the ready materialisations of normalised `handles` at `at`.
+    /// Protects the ready materialisations of normalised `handles` at `at` from removal.
     fn hold(
         &self,
         py: Python<'_>,
@@ -165,11 +181,16 @@ impl CoreManager {
         handles: &Bound<'_, PyAny>,
         at: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        crate::lifetimes::hold(self, py, engine, handles, at)
+        let handles = &self.context.normalized_handles(py, handles)?;
+        let (new_hold, host) = (self.context.new_hold.bind(py), Host::new(self, py));
+        self.core.hold_with(&host, handles, at, |token| {
+            Ok(new_hold.call1((engine, token, handles, at))?.unbind())
+        })
     }
 
-    /// Charges `nbytes` (a non-negative int) of headroom at `location`; `label` is a
-    /// checked non-empty string.
+    /// Charges `nbytes` (a non-negative int) of headroom at `location` until released;
+    /// `label` is a checked non-empty string, the core keeps its UTF-8 form for
+    /// diagnostics.
     fn reserve(
         &self,
         py: Python<'_>,
@@ -178,39 +199,59 @@ impl CoreManager {
         nbytes: &Bound<'_, PyAny>,
         label: &Bound<'_, PyString>,
     ) -> PyResult<Py<PyAny>> {
-        crate::lifetimes::reserve(self, py, engine, location, nbytes, label)
+        let (core, host) = (&self.core, Host::new(self, py));
+        let new_reservation = self.context.new_reservation.bind(py);
+        core.gated(&host, true, true, || {
+            let at = self.context.location_code(py, location)?;
+            let token = crate::lifetimes::reserve_locked(self, py, at, nbytes, label)?;
+            let kind = residency_core::LifetimeKind::Reservation;
+            core.hand_out(&host, kind, token, || {
+                let reservation = new_reservation.call1((engine, token, location, nbytes, label));
+                Ok(reservation?.unbind())
+            })
+        })
     }
 
     /// Releases a hold, a reservation or a host lease, waiting for the gate or
     /// queueing behind a running source callback as needed.
     #[pyo3(signature = (kind, token, finalizing=false))]
-    fn release(
+    pub(crate) fn release(
         &self,
         py: Python<'_>,
         kind: LifetimeKind,
         token: u64,
         finalizing: bool,
     ) -> PyResult<()> {
-        crate::lifetimes::release(self, py, kind, token, finalizing)
+        let host = Host::new(self, py);
+        (self.core).release_token_with(&host, kind.into(), token, finalizing)
     }
 
-    /// Releases a lease at `location`; a CUDA lease records events on `streams`.
-    /// `stacklevel` places the warnings a fallback raises.
+    /// Releases a lease at `location` (the core's rule); a CUDA lease records events on
+    /// `streams`. `stacklevel` places the warnings a fallback raises.
     #[pyo3(signature = (token, location, streams, *, wait, finalizing=false, stacklevel=2))]
     #[allow(clippy::too_many_arguments)]
-    fn release_lease(
+    pub(crate) fn release_lease(
         &self,
         py: Python<'_>,
         token: u64,
         location: &Bound<'_, PyAny>,
-        streams: &Bound<'_, pyo3::types::PyList>,
+        streams: &Bound<'_, PyList>,
         wait: bool,
         finalizing: bool,
         stacklevel: i32,
     ) -> PyResult<()> {
-        crate::lifetimes::release_lease(
-            self, py, token, location, streams, wait, finalizing, stacklevel,
-        )
+        let at = self.context.location_code(py, location)?;
+        let streams: Vec<Bound<'_, PyAny>> = streams.iter().collect();
+        let host = Host::new(self, py);
+        let released =
+            (self.core).release_lease_with(&host, token, at, &streams, wait, finalizing)?;
+        if released == LeaseRelease::Released {
+            return Ok(());
+        }
+        match released.warning(&location.str()?.to_string_lossy()) {
+            Some(message) => crate::lifetimes::warn(py, &message, stacklevel),
+            None => Ok(()),
+        }
     }
 
     /// Releases a host lease at once when the gate is free and nothing is queued;
@@ -219,9 +260,11 @@ impl CoreManager {
         self.release_now(LifetimeKind::Lease, token)
     }
 
-    /// Tracks a lease object built by the glue itself, until it is released; its
+    /// Tracks a lease object built by the glue itself, until it is released, by a weak
+    /// reference whose callback finalizes it if it is collected before its release
+    /// (docs/concepts/lifetimes.md#finalizers; the bookkeeping is the core's): its
     /// finalizer releases `token` at `location` on `streams` through `engine`.
-    fn track_lease(
+    pub(crate) fn track_lease(
         &self,
         py: Python<'_>,
         token: u64,
@@ -230,7 +273,15 @@ impl CoreManager {
         location: &Bound<'_, PyAny>,
         streams: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        crate::lifetimes::track_lease(self, py, engine, token, location, streams, lease)
+        let finalizer = LeaseFinalizer {
+            engine: engine.clone().unbind(),
+            token,
+            location: location.clone().unbind(),
+            streams: streams.clone().unbind(),
+        };
+        let reference = PyWeakrefReference::new_with(lease, Bound::new(py, finalizer)?)?;
+        self.keep_lease(token, reference.into_any().unbind());
+        Ok(())
     }
 
     /// Stops tracking a lease (finalized by its own object, at exit).
@@ -240,7 +291,15 @@ impl CoreManager {
 
     /// The lease objects not yet released that are still alive, oldest first.
     fn live_leases(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
-        crate::lifetimes::live_leases(self, py)
+        let ids = self.core.tracked_leases();
+        let mut live = Vec::new();
+        for reference in self.objects.objects(py, &ids) {
+            let lease = reference.bind(py).call0()?;
+            if !lease.is_none() {
+                live.push(lease.unbind());
+            }
+        }
+        Ok(live)
     }
 
     /// The managed object a lease borrows, while the lease still covers it.
@@ -251,7 +310,7 @@ impl CoreManager {
         handle: &Bound<'_, PyAny>,
         location: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        crate::lifetimes::borrowed(self, py, token, handle, location)
+        crate::lifetimes::borrowed_known(self, py, token, handle, location, None)
     }
 
     /// Closes the manager in the core's order (docs/concepts/lifetimes.md#close); a
@@ -336,7 +395,7 @@ impl CoreManager {
         transfer_streams: Option<&Bound<'_, PyAny>>,
         expected_version: Option<&Bound<'_, PyAny>>,
         asynchronous: bool,
-        hold: Option<(Bound<'_, PyTuple>, Bound<'_, pyo3::types::PyList>)>,
+        hold: Option<(Bound<'_, PyTuple>, Bound<'_, PyList>)>,
         then: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         crate::plans::execute_plan(
@@ -355,15 +414,20 @@ impl CoreManager {
     }
 
     /// Makes `stream`, a consumer stream joining a lease of `handles` at `at`, wait
-    /// for the transfers still in flight into them.
-    fn wait_transfers(
+    /// for the transfers still in flight into them (`ResidencyLease.add_consumer_stream`).
+    pub(crate) fn wait_transfers(
         &self,
         py: Python<'_>,
         handles: &Bound<'_, PyAny>,
         at: &Bound<'_, PyAny>,
         stream: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        crate::lifetimes::wait_transfers(self, py, handles, at, stream)
+        if self.core.transfer_count() == 0 {
+            return Ok(());
+        }
+        self.with_resolved(py, handles, at, true, |host, ids, at| {
+            self.core.wait_transfers_with(host, ids, at, stream)
+        })
     }
 
     /// Host-waits for the pending leases `tokens` (and, with `transfers`, every
@@ -390,7 +454,8 @@ impl CoreManager {
     }
 
     /// Whether bringing `handles` to `at` would block the host on a copy (from disk or
-    /// pageable memory, or to the host). With `disk_deferred`, a read from disk to a
+    /// pageable memory, or to the host; the core's rule,
+    /// docs/concepts/controller.md#staging). Changes nothing. With `disk_deferred`, a read from disk to a
     /// device does not: the disk tier reads it on its I/O thread.
     #[pyo3(signature = (handles, at, *, disk_deferred = false))]
     fn blocks_host(
@@ -400,7 +465,9 @@ impl CoreManager {
         at: &Bound<'_, PyAny>,
         disk_deferred: bool,
     ) -> PyResult<bool> {
-        crate::lifetimes::blocks_host(self, py, handles, at, disk_deferred)
+        self.with_resolved(py, handles, at, false, |host, ids, at| {
+            self.core.blocks_host_with(host, ids, at, disk_deferred)
+        })
     }
 
     /// The pending tokens of the transfers still in flight into `handles` at `at`.
@@ -410,7 +477,12 @@ impl CoreManager {
         handles: &Bound<'_, PyAny>,
         at: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<u64>> {
-        crate::lifetimes::transfers_into(self, py, handles, at)
+        if self.core.transfer_count() == 0 {
+            return Ok(Vec::new());
+        }
+        self.with_resolved(py, handles, at, false, |_, ids, at| {
+            Ok(self.core.transfer_tokens_into(ids, at))
+        })
     }
 
     /// The tokens among `tokens` of leases still pending on their events, after
@@ -518,7 +590,7 @@ impl CoreManager {
         handles: &Bound<'py, PyTuple>,
         actions: &Bound<'py, PyTuple>,
         transfer_streams: Option<&Bound<'py, PyAny>>,
-        hold: (Bound<'py, PyTuple>, Bound<'py, pyo3::types::PyList>),
+        hold: (Bound<'py, PyTuple>, Bound<'py, PyList>),
         native: crate::search::NativeConfig,
         schedule: Option<(PyRef<'py, crate::search::ScheduleIndex>, usize)>,
         then: Option<&Bound<'py, PyAny>>,
@@ -558,7 +630,7 @@ impl CoreManager {
         engine: &Bound<'_, PyAny>,
         groups: &Bound<'_, PyTuple>,
         consumers: &Bound<'_, pyo3::types::PyDict>,
-        holds: &Bound<'_, pyo3::types::PyList>,
+        holds: &Bound<'_, PyList>,
         keys: Option<PyRef<'_, crate::search::PolicyKeys>>,
     ) -> PyResult<(StateView, Py<crate::step::StepEntry>, Vec<u64>)> {
         crate::step::enter_step(slf, py, engine, groups, consumers, holds, keys.as_deref())

@@ -3,9 +3,10 @@
 //!
 //! The rules and their order are the core's (`residency_core::LifetimeHost` and the
 //! `*_with` methods of `Manager`, written in docs/concepts/lifetimes.md): this file
-//! converts the arguments, does the runtime's part for the core (event recording,
-//! queries and waits, synchronisation, stream checks, handle lookups), builds the
-//! lifetime objects handed back and maps the errors.
+//! does the runtime's part for the core (event recording, queries and waits,
+//! synchronisation, stream checks, handle lookups), the admissions under a gate the
+//! caller holds, and the lease finalizer; `CoreManager`'s lifetime methods (`api`)
+//! convert the arguments and build the lifetime objects handed back.
 
 use std::ffi::CString;
 
@@ -13,18 +14,16 @@ use pyo3::exceptions::{PyException, PyRuntimeWarning, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
+use pyo3::types::{PyList, PyString, PyTuple};
 use residency_core::{
-    Admitted, CoreError, Freed, HandleId, LeaseRelease, LifetimeHost, Location, Manager, ObjectId,
-    Refusal,
+    Admitted, CoreError, Freed, HandleId, LifetimeHost, Location, Manager, ObjectId, Refusal,
 };
 
 use crate::errors::{refuse, to_py_err};
-use crate::kinds::LifetimeKind;
 use crate::manager::CoreManager;
 use crate::objects::share;
 
-fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
+pub(crate) fn warn(py: Python<'_>, message: &str, stacklevel: i32) -> PyResult<()> {
     let message = CString::new(message.replace('\0', " "))
         .map_err(|err| PyValueError::new_err(err.to_string()))?;
     PyErr::warn(py, &py.get_type::<PyRuntimeWarning>(), &message, stacklevel)
@@ -236,80 +235,6 @@ pub fn completed_pending(manager: &CoreManager, py: Python<'_>) -> Vec<u64> {
         .completed_pending_with(&Host::new(manager, py))
 }
 
-/// Releases a lease, hold or reservation token (queued behind a source callback
-/// running elsewhere).
-pub fn release(
-    manager: &CoreManager,
-    py: Python<'_>,
-    kind: LifetimeKind,
-    token: u64,
-    finalizing: bool,
-) -> PyResult<()> {
-    let host = Host::new(manager, py);
-    manager
-        .core()
-        .release_token_with(&host, kind.into(), token, finalizing)
-}
-
-/// A lease's release (the core's rule), with its warning raised at `stacklevel`.
-#[allow(clippy::too_many_arguments)]
-pub fn release_lease(
-    manager: &CoreManager,
-    py: Python<'_>,
-    token: u64,
-    location: &Bound<'_, PyAny>,
-    streams: &Bound<'_, PyList>,
-    wait: bool,
-    finalizing: bool,
-    stacklevel: i32,
-) -> PyResult<()> {
-    let at = manager.context().location_code(py, location)?;
-    let streams: Vec<Bound<'_, PyAny>> = streams.iter().collect();
-    let host = Host::new(manager, py);
-    let released = manager
-        .core()
-        .release_lease_with(&host, token, at, &streams, wait, finalizing)?;
-    if released == LeaseRelease::Released {
-        return Ok(());
-    }
-    match released.warning(&location.str()?.to_string_lossy()) {
-        Some(message) => warn(py, &message, stacklevel),
-        None => Ok(()),
-    }
-}
-
-/// Borrows the ready materialisations of `handles` at `at`, atomically (the core's
-/// admission, then the lease object, tracked for its finalizer).
-/// A CUDA location needs the consumer stream that will read them.
-pub fn acquire(
-    manager: &CoreManager,
-    py: Python<'_>,
-    engine: &Bound<'_, PyAny>,
-    handles: &Bound<'_, PyAny>,
-    at: &Bound<'_, PyAny>,
-    consumer_stream: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Py<PyAny>> {
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    let host = Host::new(manager, py);
-    let build = |admitted: Admitted<Bound<'_, PyAny>>| {
-        let streams = match admitted.stream {
-            Some(stream) => PyList::new(py, [stream])?,
-            None => PyList::empty(py),
-        };
-        let token = admitted.token;
-        let lease = manager
-            .context()
-            .new_lease
-            .bind(py)
-            .call1((engine, token, handles, at, &streams))?;
-        track_lease(manager, py, engine, token, at, streams.as_any(), &lease)?;
-        Ok(lease.unbind())
-    };
-    manager
-        .core()
-        .lease_with(&host, handles.iter(), at, consumer_stream, build)
-}
-
 /// `acquire`'s admission under the gate the caller holds (`handles` normalised), in
 /// the core's order (`Manager::admit_with`, reaping with `reap`), and its stream list:
 /// the consumer stream (bound to its device) in a list, or an empty list.
@@ -369,87 +294,6 @@ pub fn blocks_host_locked(
         .blocks_host_groups_with(&host, groups, disk_deferred)
 }
 
-/// `ResidencyLease.add_consumer_stream`'s wait: the joining stream waits for the
-/// transfers still in flight into the lease's values.
-pub fn wait_transfers(
-    manager: &CoreManager,
-    py: Python<'_>,
-    handles: &Bound<'_, PyAny>,
-    at: &Bound<'_, PyAny>,
-    stream: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    let core = manager.core();
-    if core.transfer_count() == 0 {
-        return Ok(());
-    }
-    let handles = manager.context().normalized_handles(py, handles)?;
-    let host = Host::new(manager, py);
-    core.with_resolved(&host, handles, at, true, |ids, at| {
-        core.wait_transfers_with(&host, ids, at, stream)
-    })
-}
-
-/// The pending tokens of the transfers still in flight into `handles` at `at`.
-pub fn transfers_into(
-    manager: &CoreManager,
-    py: Python<'_>,
-    handles: &Bound<'_, PyAny>,
-    at: &Bound<'_, PyAny>,
-) -> PyResult<Vec<u64>> {
-    let core = manager.core();
-    if core.transfer_count() == 0 {
-        return Ok(Vec::new());
-    }
-    let handles = manager.context().normalized_handles(py, handles)?;
-    let host = Host::new(manager, py);
-    core.with_resolved(&host, handles, at, false, |ids, at| {
-        Ok(core.transfer_tokens_into(ids, at))
-    })
-}
-
-/// Whether bringing `handles` to `at` would block the host on a copy (the core's
-/// rule, docs/concepts/controller.md#staging). Changes nothing.
-pub fn blocks_host(
-    manager: &CoreManager,
-    py: Python<'_>,
-    handles: &Bound<'_, PyAny>,
-    at: &Bound<'_, PyAny>,
-    disk_deferred: bool,
-) -> PyResult<bool> {
-    let core = manager.core();
-    let handles = manager.context().normalized_handles(py, handles)?;
-    let host = Host::new(manager, py);
-    core.with_resolved(&host, handles, at, false, |ids, at| {
-        core.blocks_host_with(&host, ids, at, disk_deferred)
-    })
-}
-
-/// Tracks an unreleased lease by a weak reference whose callback finalizes it if it
-/// is collected before its release (docs/concepts/lifetimes.md#finalizers; the
-/// bookkeeping is the core's).
-pub fn track_lease(
-    manager: &CoreManager,
-    py: Python<'_>,
-    engine: &Bound<'_, PyAny>,
-    token: u64,
-    location: &Bound<'_, PyAny>,
-    streams: &Bound<'_, PyAny>,
-    lease: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    let finalizer = Bound::new(
-        py,
-        LeaseFinalizer {
-            engine: engine.clone().unbind(),
-            token,
-            location: location.clone().unbind(),
-            streams: streams.clone().unbind(),
-        },
-    )?;
-    let reference = PyWeakrefReference::new_with(lease, finalizer)?;
-    manager.keep_lease(token, reference.into_any().unbind());
-    Ok(())
-}
-
 /// `fhelium.residency.lease.finalize_lease`, looked up once per process.
 static FINALIZE_LEASE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
@@ -462,10 +306,10 @@ static FINALIZE_LEASE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 #[pyclass(frozen, module = "fhelium._core", name = "LeaseFinalizer")]
 #[derive(Debug)]
 pub struct LeaseFinalizer {
-    engine: Py<PyAny>,
-    token: u64,
-    location: Py<PyAny>,
-    streams: Py<PyAny>,
+    pub(crate) engine: Py<PyAny>,
+    pub(crate) token: u64,
+    pub(crate) location: Py<PyAny>,
+    pub(crate) streams: Py<PyAny>,
 }
 
 #[pymethods]
@@ -503,57 +347,6 @@ pub(crate) fn finalize_lease(
     finalize.call1((engine, token, location, streams)).map(drop)
 }
 
-/// The lease objects not yet released that are still alive, oldest first.
-pub fn live_leases(manager: &CoreManager, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
-    let ids = manager.core().tracked_leases();
-    let mut live = Vec::new();
-    for reference in manager.objects().objects(py, &ids) {
-        let lease = reference.bind(py).call0()?;
-        if !lease.is_none() {
-            live.push(lease.unbind());
-        }
-    }
-    Ok(live)
-}
-
-/// Protects the ready materialisations of `handles` at `at` from removal.
-pub fn hold(
-    manager: &CoreManager,
-    py: Python<'_>,
-    engine: &Bound<'_, PyAny>,
-    handles: &Bound<'_, PyAny>,
-    at: &Bound<'_, PyAny>,
-) -> PyResult<Py<PyAny>> {
-    let handles = &manager.context().normalized_handles(py, handles)?;
-    let (new_hold, host) = (manager.context().new_hold.bind(py), Host::new(manager, py));
-    manager.core().hold_with(&host, handles, at, |token| {
-        Ok(new_hold.call1((engine, token, handles, at))?.unbind())
-    })
-}
-
-/// Charges `nbytes` of headroom at `location` until released. The label is checked by
-/// the caller; the core keeps its UTF-8 form for diagnostics.
-pub fn reserve(
-    manager: &CoreManager,
-    py: Python<'_>,
-    engine: &Bound<'_, PyAny>,
-    location: &Bound<'_, PyAny>,
-    nbytes: &Bound<'_, PyAny>,
-    label: &Bound<'_, PyString>,
-) -> PyResult<Py<PyAny>> {
-    let (core, host) = (manager.core(), Host::new(manager, py));
-    let new_reservation = manager.context().new_reservation.bind(py);
-    core.gated(&host, true, true, || {
-        let at = host.place(location)?;
-        let token = reserve_locked(manager, py, at, nbytes, label)?;
-        let kind = residency_core::LifetimeKind::Reservation;
-        core.hand_out(&host, kind, token, || {
-            let reservation = new_reservation.call1((engine, token, location, nbytes, label));
-            Ok(reservation?.unbind())
-        })
-    })
-}
-
 /// Admits a reservation; the caller holds the gate.
 pub fn reserve_locked(
     manager: &CoreManager,
@@ -581,19 +374,9 @@ pub fn reserve_locked(
     Ok(token)
 }
 
-/// The managed object a lease borrows, while the lease still covers it.
-pub fn borrowed(
-    manager: &CoreManager,
-    py: Python<'_>,
-    token: u64,
-    handle: &Bound<'_, PyAny>,
-    location: &Bound<'_, PyAny>,
-) -> PyResult<Py<PyAny>> {
-    borrowed_known(manager, py, token, handle, location, None)
-}
-
-/// `borrowed`, given the handle's index and the location when the caller knows them
-/// (a step's lease, by the handle's identity).
+/// The managed object a lease borrows, while the lease still covers it, given the
+/// handle's index and the location when the caller knows them (a step's lease, by the
+/// handle's identity).
 pub(crate) fn borrowed_known(
     manager: &CoreManager,
     py: Python<'_>,
@@ -614,4 +397,23 @@ pub(crate) fn borrowed_known(
         let (handle_id, at) = (handle_id.unwrap_or_default(), at.unwrap_or_default());
         to_py_err(py, Manager::no_longer_borrowed(&handle_id, &at))
     })
+}
+
+impl CoreManager {
+    /// Runs `operation` under the gate on `handles` (normalised) resolved in order at
+    /// `at` (`Manager::with_resolved`, reaping first with `reap`).
+    pub(crate) fn with_resolved<T>(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        at: &Bound<'_, PyAny>,
+        reap: bool,
+        operation: impl FnOnce(&Host<'_, '_>, &[HandleId], Location) -> PyResult<T>,
+    ) -> PyResult<T> {
+        let handles = self.context.normalized_handles(py, handles)?;
+        let host = Host::new(self, py);
+        (self.core).with_resolved(&host, handles, at, reap, |ids, at| {
+            operation(&host, ids, at)
+        })
+    }
 }

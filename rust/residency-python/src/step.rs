@@ -160,8 +160,7 @@ impl StepEntry {
     ) -> PyResult<()> {
         let manager = self.manager.get();
         if taken.at.is_cuda() {
-            return lifetimes::release_lease(
-                manager,
+            return manager.release_lease(
                 py,
                 taken.token,
                 taken.location.bind(py),
@@ -174,7 +173,7 @@ impl StepEntry {
         if !finalizing && manager.release_now(LifetimeKind::Lease, taken.token) {
             return Ok(()); // (released at once, and untracked with it)
         }
-        lifetimes::release(manager, py, LifetimeKind::Lease, taken.token, finalizing)
+        manager.release(py, LifetimeKind::Lease, taken.token, finalizing)
     }
 
     /// Finalizes what is still active, as a collected lease is: nothing in a forked
@@ -301,7 +300,7 @@ impl StepEntry {
                 .map(|borrow| borrow.handles.clone_ref(py))
         };
         if let Some(handles) = handles {
-            lifetimes::wait_transfers(manager, py, handles.bind(py).as_any(), location, &bound)?;
+            manager.wait_transfers(py, handles.bind(py).as_any(), location, &bound)?;
         }
         streams.append(bound)
     }
@@ -471,7 +470,7 @@ pub fn enter_step(
         // same reason is its consequence, noted on it.
         for &token in &holds {
             if let (Err(refused), Err(entry)) = (
-                lifetimes::release(manager, py, LifetimeKind::Hold, token, false),
+                manager.release(py, LifetimeKind::Hold, token, false),
                 &entered,
             ) {
                 entry.add_note(
