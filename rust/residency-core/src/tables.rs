@@ -4,9 +4,10 @@
 //!
 //! The bindings fill them with their objects; the bounds and the forgetting are here.
 
+use std::collections::VecDeque;
 use std::collections::hash_map::Entry;
 use std::hash::Hash;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::fasthash::FastMap;
 use crate::plan::ActionKind;
@@ -45,6 +46,59 @@ impl<T> Recent<T> {
             entries.push(entry);
             (entries.len() > self.bound).then(|| entries.remove(0))
         };
+        drop(forgotten);
+    }
+}
+
+/// The newest entries kept, oldest first: beyond the capacity the oldest is
+/// forgotten, and a capacity of 0 keeps none. Shared between threads.
+#[derive(Debug)]
+pub struct Newest<T> {
+    entries: Mutex<VecDeque<T>>,
+    capacity: usize,
+}
+
+impl<T> Newest<T> {
+    pub const fn new(capacity: usize) -> Self {
+        Self {
+            entries: Mutex::new(VecDeque::new()),
+            capacity,
+        }
+    }
+
+    fn entries(&self) -> MutexGuard<'_, VecDeque<T>> {
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps the entry `make` gives (made only when one is kept), forgetting the
+    /// oldest beyond the capacity. A forgotten entry is released after the lock.
+    pub fn keep(&self, make: impl FnOnce() -> T) {
+        if self.capacity == 0 {
+            return;
+        }
+        let forgotten = {
+            let mut entries = self.entries();
+            entries.push_back(make());
+            if entries.len() > self.capacity {
+                entries.pop_front()
+            } else {
+                None
+            }
+        };
+        drop(forgotten);
+    }
+
+    /// The entries, oldest first.
+    pub fn to_vec(&self) -> Vec<T>
+    where
+        T: Clone,
+    {
+        self.entries().iter().cloned().collect()
+    }
+
+    /// Forgets every entry; they are released after the lock.
+    pub fn clear(&self) {
+        let forgotten = std::mem::take(&mut *self.entries());
         drop(forgotten);
     }
 }

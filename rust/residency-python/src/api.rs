@@ -6,24 +6,25 @@
 // pyo3 extracts sequence arguments as owned vectors.
 #![allow(clippy::needless_pass_by_value)]
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::manager::not_issued;
+use residency_core::tables::Newest;
 use residency_core::{Admitted, HandleId, LeaseRelease, Manager};
 
 use crate::context::Context;
+use crate::errors::to_py_err;
 use crate::kinds::LifetimeKind;
 use crate::lifetimes::{Host, LeaseFinalizer};
-use crate::manager::{CoreManager, SimulationView, StateView, Trace};
+use crate::manager::{CoreManager, SimulationView, StateView};
 use crate::objects::{Objects, share};
 use crate::plan::PlanIr;
 use crate::plans::PlanRun;
 use crate::records::RecordBuilder;
 use crate::shapes::AdoptedShapes;
-use crate::transition::{Transition, now_ns, reports};
+use crate::transition::{now_ns, reports};
 
 #[pymethods]
 impl CoreManager {
@@ -58,10 +59,7 @@ impl CoreManager {
                 builder.clone().unbind()
             },
             context,
-            trace: Mutex::new(Trace {
-                capacity: trace_capacity,
-                reports: VecDeque::new(),
-            }),
+            trace: Newest::new(trace_capacity),
             adopted_shapes: AdoptedShapes::default(),
             asynchronous: std::sync::atomic::AtomicBool::new(false),
         })
@@ -368,10 +366,39 @@ impl CoreManager {
         self.core.discards()
     }
 
-    /// The precise error for a handle that does not resolve.
-    #[pyo3(name = "handle_error")]
-    fn handle_error_py(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<PyErr> {
-        self.handle_error(py, handle)
+    /// The precise error for a handle that does not resolve: another manager's, a
+    /// discarded value's, or one this manager never issued.
+    pub(crate) fn handle_error(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+    ) -> PyResult<PyErr> {
+        let manager_id = handle.getattr(pyo3::intern!(py, "manager_id"))?;
+        let handle_id = handle.getattr(pyo3::intern!(py, "handle_id"))?;
+        let own = self.manager_id.bind(py);
+        let message = if manager_id.ne(own)? {
+            format!(
+                "handle {} belongs to manager {}, not {}",
+                handle_id.repr()?,
+                manager_id.repr()?,
+                own.repr()?
+            )
+        } else if self
+            .lookup(py, handle)?
+            .is_some_and(|(_, discarded)| discarded)
+        {
+            format!("Value {} is discarded", handle_id.repr()?)
+        } else {
+            format!(
+                "unknown handle {} (value type {}) for manager {}",
+                handle_id.repr()?,
+                handle
+                    .getattr(pyo3::intern!(py, "value_type"))?
+                    .getattr(pyo3::intern!(py, "__name__"))?,
+                own.repr()?
+            )
+        };
+        Ok(to_py_err(py, residency_core::CoreError::Handle { message }))
     }
 
     /// `execute_actions` in one call: gate, checks, preflight and the "execute"
@@ -621,7 +648,7 @@ impl CoreManager {
     /// A staged pipeline step's entry in one hold of the gate: the state view, a lease
     /// per `(location, handles)` group (CUDA ones on `consumers[location]`), then the
     /// staging's hold tokens, taken out of the list `holds`, released (see
-    /// `lifetimes::enter_step`); with `keys`, a built-in policy's, the use's access
+    /// `step::enter_step`); with `keys`, a built-in policy's, the use's access
     /// epochs are recorded once its leases are taken.
     #[allow(clippy::too_many_arguments)] // the step's parts
     fn enter_step(
@@ -650,10 +677,7 @@ impl CoreManager {
 
     /// The retained transition reports, oldest first.
     fn trace_reports<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let transitions: Vec<Arc<Transition>> = self.with_gate(py, false, false, || {
-            let trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
-            Ok(trace.reports.iter().cloned().collect())
-        })?;
+        let transitions = self.with_gate(py, false, false, || Ok(self.trace.to_vec()))?;
         // Built outside the gate: building allocates, and a collection it triggers may
         // run finalizers that release leases.
         reports(py, self.context().report_builder(py), &transitions)
@@ -662,11 +686,7 @@ impl CoreManager {
     /// Empties the trace; state and version are unchanged.
     fn clear_trace(&self, py: Python<'_>) -> PyResult<()> {
         self.with_gate(py, false, false, || {
-            let released = {
-                let mut trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
-                std::mem::take(&mut trace.reports)
-            };
-            drop(released);
+            self.trace.clear();
             Ok(())
         })
     }
@@ -752,14 +772,14 @@ impl CoreManager {
     #[pyo3(name = "handle")]
     pub(crate) fn handle_object(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
         let handle = self.objects.handle(index, share(py));
-        handle.ok_or_else(|| crate::errors::to_py_err(py, not_issued(index)))
+        handle.ok_or_else(|| to_py_err(py, not_issued(index)))
     }
 
     /// The spec record of the value at `index`.
     #[pyo3(name = "spec")]
     pub(crate) fn spec_object(&self, py: Python<'_>, index: HandleId) -> PyResult<Py<PyAny>> {
         let spec = self.objects.spec(index, share(py));
-        spec.ok_or_else(|| crate::errors::to_py_err(py, not_issued(index)))
+        spec.ok_or_else(|| to_py_err(py, not_issued(index)))
     }
 
     /// The label a reservation was made with, exactly as given.

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 use residency_core::gate::DEFAULT_POLL;
 use residency_core::manager::not_issued;
+use residency_core::tables::Newest;
 
 use residency_core::{
     CoreError, Freed, HandleId, HandleName, Location, Manager, Simulation, State, StorageKey,
@@ -26,8 +27,6 @@ use crate::objects::{Objects, share};
 use crate::records::RecordBuilder;
 use crate::shapes::AdoptedShapes;
 use crate::transition::Transition;
-use std::collections::VecDeque;
-use std::sync::{Mutex, PoisonError};
 
 use crate::errors::to_py_err;
 
@@ -47,18 +46,12 @@ pub struct CoreManager {
     pub(crate) manager_id: Py<PyString>,
     /// The engine's classes, builders and runtime (see `context::Context`).
     pub(crate) context: Context,
-    pub(crate) trace: Mutex<Trace>,
+    /// The retained transition reports: the newest `trace_capacity`, oldest first.
+    pub(crate) trace: Newest<Arc<Transition>>,
     pub(crate) adopted_shapes: AdoptedShapes,
     /// Set while a prefetch runs its plan: CUDA copies of `ensure` actions are
     /// enqueued without waiting for them (docs/concepts/controller.md#prefetch).
     pub(crate) asynchronous: std::sync::atomic::AtomicBool,
-}
-
-/// The retained transition reports: the newest `capacity`, oldest first.
-#[derive(Debug, Default)]
-pub(crate) struct Trace {
-    pub(crate) capacity: usize,
-    pub(crate) reports: VecDeque<Arc<Transition>>,
 }
 
 impl CoreManager {
@@ -111,41 +104,6 @@ impl CoreManager {
         let host = Host::new(self, py);
         self.core
             .gated(&host, check_closed, check_reentrant, operation)
-    }
-
-    /// The precise error for a handle that does not resolve: another manager's, a
-    /// discarded value's, or one this manager never issued.
-    pub(crate) fn handle_error(
-        &self,
-        py: Python<'_>,
-        handle: &Bound<'_, PyAny>,
-    ) -> PyResult<PyErr> {
-        let manager_id = handle.getattr(pyo3::intern!(py, "manager_id"))?;
-        let handle_id = handle.getattr(pyo3::intern!(py, "handle_id"))?;
-        let own = self.manager_id.bind(py);
-        let message = if manager_id.ne(own)? {
-            format!(
-                "handle {} belongs to manager {}, not {}",
-                handle_id.repr()?,
-                manager_id.repr()?,
-                own.repr()?
-            )
-        } else if self
-            .lookup(py, handle)?
-            .is_some_and(|(_, discarded)| discarded)
-        {
-            format!("Value {} is discarded", handle_id.repr()?)
-        } else {
-            format!(
-                "unknown handle {} (value type {}) for manager {}",
-                handle_id.repr()?,
-                handle
-                    .getattr(pyo3::intern!(py, "value_type"))?
-                    .getattr(pyo3::intern!(py, "__name__"))?,
-                own.repr()?
-            )
-        };
-        Ok(to_py_err(py, CoreError::Handle { message }))
     }
 
     /// Releases a lifetime token at once when the gate is free and nothing is queued
@@ -389,19 +347,7 @@ impl CoreManager {
     }
 
     pub(crate) fn record(&self, transition: &Arc<Transition>) {
-        let evicted = {
-            let mut trace = self.trace.lock().unwrap_or_else(PoisonError::into_inner);
-            if trace.capacity == 0 {
-                return;
-            }
-            trace.reports.push_back(Arc::clone(transition));
-            if trace.reports.len() > trace.capacity {
-                trace.reports.pop_front()
-            } else {
-                None
-            }
-        };
-        drop(evicted);
+        self.trace.keep(|| Arc::clone(transition));
     }
 
     pub(crate) fn issue_handle(
