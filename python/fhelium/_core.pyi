@@ -1,6 +1,6 @@
 """Typing for the compiled extension `fhelium._core` (Rust, PyO3)."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Final, final
 
 from typing_extensions import Buffer
@@ -8,7 +8,6 @@ from typing_extensions import Buffer
 __all__ = [
     "__version__",
     "MAX_CUDA_INDEX",
-    "ActionKind",
     "Checksum",
     "CoreManager",
     "Decided",
@@ -28,23 +27,12 @@ __all__ = [
     "StepEntry",
     "TierTable",
     "checksum",
-    "lower_plan",
     "lower_records",
     "measure_tensors",
 ]
 
 __version__: Final[str]
 MAX_CUDA_INDEX: Final[int]
-
-@final
-class ActionKind:
-    """The kind of a residency action; equal to its former integer code."""
-
-    ENSURE: ClassVar[ActionKind]
-    MOVE: ClassVar[ActionKind]
-    DROP: ClassVar[ActionKind]
-    DISCARD: ClassVar[ActionKind]
-    def __int__(self) -> int: ...
 
 @final
 class LifetimeKind:
@@ -67,7 +55,6 @@ class PolicyKeys:
     def set_epoch(self, index: int, epoch: int) -> None: ...
     def next_epoch(self) -> int: ...
     def set_metadata(self, index: int, priority: int, key: str | None = None) -> None: ...
-    def __len__(self) -> int: ...
 
 @final
 class TierTable:
@@ -87,8 +74,6 @@ class LoweredRequest:
         reservations: list[tuple[int, int, str]],
         labels: list[str],
     ) -> LoweredRequest: ...
-    @property
-    def discards(self) -> int: ...
 
 @final
 class Decided:
@@ -120,26 +105,14 @@ class ScheduleIndex:
 
     @property
     def discards(self) -> int: ...
-    @property
-    def cyclic(self) -> bool: ...
-    def __len__(self) -> int: ...
 
-def lower_plan(
-    name: str,
-    handles: list[tuple[str, str, int]],
-    reclaim: list[tuple[ActionKind, int, int, int]],
-    enter: list[tuple[ActionKind, int, int, int]],
-    exit: list[tuple[ActionKind, int, int, int]],
-    reservations: list[tuple[int, int, str]],
-    /,
-) -> PlanIR: ...
 def lower_records(
     name: str,
     reclaim: Iterable[Any],
     enter: Iterable[Any],
     exit: Iterable[Any],
     reservations: Iterable[Any],
-    kinds: dict[type, ActionKind],
+    classes: Sequence[type],
     type_key: Callable[[type], int],
     /,
 ) -> tuple[PlanIR, tuple[Any, ...]]: ...

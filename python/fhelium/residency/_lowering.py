@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from fhelium import _core
-from fhelium._core import ActionKind, LoweredRequest, TierTable
+from fhelium._core import LoweredRequest, TierTable
 from fhelium.residency._locations import disk_code
 from fhelium.residency.location import DiskLocation
 
@@ -23,14 +23,13 @@ if TYPE_CHECKING:
     from fhelium.residency.model import ResidencyHandle
 
 __all__ = [
-    "ACTION_KINDS",
+    "ACTION_CLASSES",
     "U64_MAX",
     "LoweredPlan",
     # The core's forms of a controller's request and of a policy's tiers, which the
     # decider lowers once and keeps.
     "LoweredRequest",
     "TierTable",
-    "action_kind",
     "diagnostic_text",
     "location_code",
     "lower_actions",
@@ -120,20 +119,10 @@ class _Plan(Protocol):
     def reservations(self) -> tuple[_Reservation, ...]: ...
 
 
-# The action record classes and their kinds, registered by `plan` when it defines
-# them: the plan module imports this one, never the other way round.
-ACTION_KINDS: dict[type, ActionKind] = {}
-
-
-def action_kind(action: object) -> ActionKind:
-    """The kind of an action record, subclasses included."""
-    kind = ACTION_KINDS.get(type(action))
-    if kind is not None:
-        return kind
-    for cls, registered in ACTION_KINDS.items():  # a subclass of one of the four
-        if isinstance(action, cls):
-            return registered
-    raise TypeError(f"not a residency action: {action!r}")
+# The action record classes, in the core's kind order (ensure, move, drop, discard),
+# registered by `plan` when it defines them: the plan module imports this one, never
+# the other way round.
+ACTION_CLASSES: list[type] = []
 
 
 class LoweredPlan(NamedTuple):
@@ -161,7 +150,7 @@ def _lower(
     plan_reservations: Iterable[_Reservation],
 ) -> LoweredPlan:
     """One call into the core, which reads the records themselves: action kinds by
-    `ACTION_KINDS` (subclasses included), location records as codes, handles interned
+    `ACTION_CLASSES` (subclasses included), location records as codes, handles interned
     in first-appearance order by their own hash and equality, and every text as
     `diagnostic_text` gives it."""
     ir, handles = _core.lower_records(
@@ -170,7 +159,7 @@ def _lower(
         enter_actions,
         exit_actions,
         plan_reservations,
-        ACTION_KINDS,
+        ACTION_CLASSES,
         type_key,
     )
     return LoweredPlan(ir, handles)

@@ -8,7 +8,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
-from fhelium._core import ActionKind
 from fhelium.residency import _lowering
 from fhelium.residency._validation import (
     require_count,
@@ -293,11 +292,4 @@ def set_lowered(plan: ResidencyPlan, lowered: _lowering.LoweredPlan) -> None:
 
 seal(EnsureResident, MoveResident, DropResident, DiscardValue, MemoryReservation, ResidencyPlan)
 
-_lowering.ACTION_KINDS.update(
-    {
-        EnsureResident: ActionKind.ENSURE,
-        MoveResident: ActionKind.MOVE,
-        DropResident: ActionKind.DROP,
-        DiscardValue: ActionKind.DISCARD,
-    }
-)
+_lowering.ACTION_CLASSES.extend(ACTION_TYPES)

@@ -56,6 +56,9 @@ pub struct KeyStore {
     map: Arc<PolicyKeyMap>,
     lru: Kept<VictimOrder>,
     schedule: Kept<ScheduleOrder>,
+    /// The controller's last access epoch: each use takes the next one
+    /// (docs/concepts/controller.md#access-epochs).
+    epoch: i64,
 }
 
 impl KeyStore {
@@ -96,6 +99,21 @@ impl KeyStore {
     /// Sets the last access epoch of the value at `index`.
     pub fn set_epoch(&mut self, index: u32, epoch: i64) {
         self.update(index, |entry| entry.1 = epoch);
+    }
+
+    /// Takes the next access epoch: one use's.
+    pub fn next_epoch(&mut self) -> i64 {
+        self.epoch = self.epoch.saturating_add(1);
+        self.epoch
+    }
+
+    /// Takes the next access epoch and sets it as the last access epoch of each value
+    /// at `indices`: a use's access record.
+    pub fn record_use(&mut self, indices: impl IntoIterator<Item = u32>) {
+        let epoch = self.next_epoch();
+        for index in indices {
+            self.set_epoch(index, epoch);
+        }
     }
 
     /// Sets the priority and stable key of the value at `index`.

@@ -629,6 +629,29 @@ impl Manager {
         });
     }
 
+    /// The rest of a transition the caller began (the gate entered for it): `operation`;
+    /// when it fails, the transition ends and the gate is let go (its error returned);
+    /// else the transition ends and `after` runs still under the same hold of the gate,
+    /// which is let go after: what must act on exactly the state the operation left,
+    /// with no other thread's operation in between.
+    pub fn transition_then<T, U, E>(
+        &self,
+        operation: impl FnOnce() -> Result<T, E>,
+        after: impl FnOnce(T) -> U,
+    ) -> Result<U, E> {
+        let done = match operation() {
+            Ok(done) => done,
+            Err(error) => {
+                self.end_transition_and_exit();
+                return Err(error);
+            }
+        };
+        self.end_transition();
+        let result = after(done);
+        self.exit();
+        Ok(result)
+    }
+
     pub fn set_callback_active(&self, active: bool) {
         self.gate.set_callback_active(active);
     }

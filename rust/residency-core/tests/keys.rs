@@ -32,6 +32,16 @@ fn keys_are_set_per_value_and_shared_with_a_decide() {
 }
 
 #[test]
+fn each_use_takes_the_next_epoch_for_all_its_values() {
+    let mut store = KeyStore::default();
+    assert_eq!(store.next_epoch(), 1);
+    store.record_use([4, 6]);
+    assert_eq!(store.next_epoch(), 3);
+    let epochs = [4, 6].map(|index| store.keys(index).map(|keys| keys.1));
+    assert_eq!(epochs, [Some(2), Some(2)]);
+}
+
+#[test]
 fn an_order_handed_back_unchanged_is_kept_and_moves_with_its_keys() {
     let mut store = KeyStore::default();
     let (map, mut order) = store.take_order();

@@ -904,6 +904,48 @@ fn blocking_the_host_is_asked_group_by_group_until_one_blocks() {
 }
 
 #[test]
+fn resolved_groups_are_held_in_order_until_one_is_refused_or_not_kept() {
+    let manager = Manager::new(&[]);
+    let (a, b) = (value(&manager, PINNED), value(&manager, CUDA));
+    let mut kept = Vec::new();
+    enter(&manager);
+    let groups = [(PINNED, vec![a]), (CUDA, vec![b])];
+    let held = manager.hold_indices(&groups, |token| {
+        kept.push(token);
+        Ok::<_, Failure>(())
+    });
+    assert_eq!(held, Ok(true));
+    assert_eq!(kept.len(), 2);
+    // `b` is not on the host: that group is refused; the first stays the caller's.
+    let groups = [(PINNED, vec![a]), (PINNED, vec![b]), (CUDA, vec![b])];
+    let refused = manager.hold_indices(&groups, |_| Ok::<_, Failure>(()));
+    // A token not kept goes, and the groups after it are not held.
+    let not_kept = manager.hold_indices(&groups, |_| Err(Failure::Device("the list")));
+    manager.exit();
+    assert_eq!(refused, Ok(false));
+    assert_eq!(not_kept, Err(Failure::Device("the list")));
+    assert_eq!(
+        (counts(&manager, PINNED), counts(&manager, CUDA)),
+        ((0, 2), (0, 1))
+    );
+}
+
+#[test]
+fn blocking_the_host_is_asked_of_resolved_groups_until_one_blocks() {
+    let manager = Manager::new(&[]);
+    let fake = Fake::new(&manager);
+    let (on_device, pinned) = (value(&manager, CUDA), value(&manager, PINNED));
+    enter(&manager);
+    let quiet = [(CUDA, vec![on_device]), (CUDA, vec![pinned])];
+    let quiet = manager.blocks_host_indices(&fake, &quiet, false);
+    let blocking = [(CUDA, vec![pinned]), (PINNED, vec![on_device])];
+    let blocking = manager.blocks_host_indices(&fake, &blocking, false);
+    manager.exit();
+    assert_eq!(quiet, Ok(false));
+    assert_eq!(blocking, Ok(true));
+}
+
+#[test]
 fn the_resolved_operations_read_the_location_then_reap_then_look_up() {
     let manager = Manager::new(&[]);
     let fake = Fake::new(&manager);

@@ -123,6 +123,46 @@ fn the_fast_path_never_waits_for_a_busy_gate() {
     manager.exit();
 }
 
+/// Whether another thread may enter `manager`'s gate now.
+fn free_elsewhere(manager: &Arc<Manager>) -> bool {
+    let other = Arc::clone(manager);
+    thread::spawn(move || {
+        let entered = other.try_enter(false, false).expect("open");
+        if entered {
+            other.exit();
+        }
+        entered
+    })
+    .join()
+    .expect("joined")
+}
+
+#[test]
+fn what_follows_a_transition_runs_under_the_same_hold_of_the_gate() {
+    let manager = Arc::new(manager());
+    enter(&manager);
+    manager.begin_transition();
+    let done = manager.transition_then(
+        || Ok::<_, ()>(1),
+        |one| {
+            // The transition is over (a public operation may begin) and the gate held.
+            let reentered = manager.enter(POLL, false, true);
+            manager.exit();
+            (one + 1, reentered.is_ok(), free_elsewhere(&manager))
+        },
+    );
+    assert_eq!(done, Ok((2, true, false)));
+    assert!(free_elsewhere(&manager));
+    // A failed operation ends the transition and lets the gate go; nothing follows.
+    enter(&manager);
+    manager.begin_transition();
+    let failed = manager.transition_then(|| Err::<(), _>("failed"), |()| unreachable!());
+    assert_eq!(failed, Err("failed"));
+    assert!(free_elsewhere(&manager));
+    assert!(manager.enter(POLL, false, true).is_ok());
+    manager.exit();
+}
+
 #[test]
 fn a_lease_released_active_is_not_a_pending_release() {
     let manager = manager();

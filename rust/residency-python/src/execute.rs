@@ -9,15 +9,15 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError};
+use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use residency_core::messages::cleanup_note;
 use residency_core::report::{AllocatorReadings, TransitionFacts};
 use residency_core::{
-    Action, ActionKind, Copied, CopyRoute, CoreError, Freed, HandleId, HandleSlot, Location,
-    Measured, ObjectId, Place, PlanPhase, PlanRun, Refusal, RunError, TransitionDevice,
+    Action, ActionKind, Copied, CopyRoute, Freed, HandleId, HandleSlot, Location, Measured,
+    ObjectId, Place, Refusal, RunError, TransitionDevice,
 };
 
 use crate::context::Context;
@@ -27,37 +27,16 @@ use crate::manager::CoreManager;
 use crate::measure::{self, Facts};
 use crate::transition::{Transition, now_ns};
 
-fn lift<T>(py: Python<'_>, result: Result<T, CoreError>) -> PyResult<T> {
-    result.map_err(|err| to_py_err(py, err))
-}
-
-/// Allocator figures around a transition that touches a CUDA device.
-struct Sample<'py> {
-    allocated: Bound<'py, PyAny>,
-    reserved: Bound<'py, PyAny>,
-}
-
-impl Sample<'_> {
-    fn unbind(self) -> (Py<PyAny>, Py<PyAny>) {
-        (self.allocated.unbind(), self.reserved.unbind())
-    }
-}
-
-/// Runs `action` as one transition, taking the gate for it: a one-action plan (see
-/// `one_action`).
+/// Runs `action` as one transition, taking the gate for it: a one-action plan, with
+/// no version check or preflight, on the path every plan's actions take (`execute`).
 pub fn run(
     manager: &CoreManager,
     py: Python<'_>,
     action: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
-    one_action(
-        manager,
-        py,
-        action,
-        || action.getattr(intern!(py, "handle")),
-        || read_step(manager, py, action, stream),
-    )
+    let transition = manager.in_transition(py, || execute(manager, py, action, stream, None))?;
+    report(manager, py, &transition)
 }
 
 /// `ensure(handle, at)`, `move(handle, to, from_location)` or `drop(handle, at)`
@@ -114,50 +93,28 @@ pub fn run_direct(
         ActionKind::Move => fields.get(2).copied(),
         _ => None,
     };
-    one_action(
-        manager,
-        py,
-        &action,
-        || Ok((*handle).clone()),
-        || step(manager, py, kind, location, from, stream),
-    )
-}
-
-/// One action record's transition under the gate, as the core's plan runner
-/// performs it: a one-action plan, with no version check or preflight, on the path
-/// every plan's actions take (`residency_core::PlanRun::perform`). The checks run in
-/// the order `execute` runs them: the reap, the handle, then the locations (`step`).
-fn one_action<'py>(
-    manager: &CoreManager,
-    py: Python<'py>,
-    record: &Bound<'py, PyAny>,
-    handle: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
-    step: impl FnOnce() -> PyResult<Step<'py>>,
-) -> PyResult<Py<PyAny>> {
-    let transition = in_transition(manager, py, || {
-        let started = now_ns();
-        let handle = handle()?;
-        let Some(index) = manager.resolve_live(py, &handle)? else {
-            return Err(manager.handle_error(py, &handle)?);
-        };
-        let step = step()?;
-        let mut device = OneAction {
+    let transition = manager.in_transition(py, || {
+        perform(
             manager,
             py,
-            record,
-            step: &step,
-            started,
-        };
-        ran(py, PlanRun::perform_one(&step.action, index, &mut device))
+            &action,
+            || resolve(manager, py, handle),
+            || step(manager, py, kind, location, from, stream),
+        )
     })?;
+    report(manager, py, &transition)
+}
+
+/// The report record of a transition `run` or `run_direct` ran.
+fn report(manager: &CoreManager, py: Python<'_>, transition: &Transition) -> PyResult<Py<PyAny>> {
     Ok(transition
         .report(py, manager.context().report_builder(py))?
         .unbind())
 }
 
-/// Runs `operation` as a transition (an action, `adopt`, `register_source`): the gate
-/// is taken, queued releases applied and completed CUDA leases reaped first, as every
-/// transition does, and the gate is released after.
+/// Runs `operation` as a transition (`adopt`, `register_source`): the gate is taken,
+/// queued releases applied and completed CUDA leases reaped first, as every transition
+/// does (an action's in `perform`), and the gate is released after.
 pub(crate) fn in_transition<T>(
     manager: &CoreManager,
     py: Python<'_>,
@@ -176,45 +133,6 @@ fn ran<T>(py: Python<'_>, result: Result<T, RunError<PyErr>>) -> PyResult<T> {
         Ok(done) => Ok(done),
         Err(RunError::Device(error)) => Err(error),
         Err(RunError::Core(error)) => Err(to_py_err(py, error)),
-    }
-}
-
-/// The device side of a one-action plan: its action was checked before the run.
-struct OneAction<'a, 'py> {
-    manager: &'a CoreManager,
-    py: Python<'py>,
-    record: &'a Bound<'py, PyAny>,
-    step: &'a Step<'py>,
-    started: u64,
-}
-
-impl residency_core::Device for OneAction<'_, '_> {
-    type Done = Arc<Transition>;
-    type Error = PyErr;
-
-    fn perform(
-        &mut self,
-        _phase: PlanPhase,
-        _position: usize,
-        action: &Action,
-        index: Option<HandleId>,
-    ) -> PyResult<Arc<Transition>> {
-        let Some(index) = index else {
-            return Err(PyRuntimeError::new_err(
-                "internal error: a one-action plan without its value",
-            ));
-        };
-        let (manager, py) = (self.manager, self.py);
-        execute_step(
-            manager,
-            py,
-            self.record,
-            index,
-            action,
-            &self.step.location,
-            self.step.stream.as_ref(),
-            self.started,
-        )
     }
 }
 
@@ -288,48 +206,59 @@ pub fn execute(
     stream: Option<&Bound<'_, PyAny>>,
     resolved: Option<HandleId>,
 ) -> PyResult<Arc<Transition>> {
-    crate::lifetimes::reap(manager, py)?;
-    let started = now_ns();
-    let index = if let Some(index) = resolved {
-        index
-    } else {
-        let handle = action.getattr(intern!(py, "handle"))?;
-        let Some(index) = manager.resolve_live(py, &handle)? else {
-            return Err(manager.handle_error(py, &handle)?);
-        };
-        index
-    };
-    let step = read_step(manager, py, action, stream)?;
-    execute_step(
+    perform(
         manager,
         py,
         action,
-        index,
-        &step.action,
-        &step.location,
-        step.stream.as_ref(),
-        started,
+        || match resolved {
+            Some(index) => Ok(index),
+            None => resolve(manager, py, &action.getattr(intern!(py, "handle"))?),
+        },
+        || read_step(manager, py, action, stream),
     )
 }
 
-/// Runs the checked `action` of record `record` on value `index`, with the location
-/// record it names; the caller holds the gate.
-#[allow(clippy::too_many_arguments)] // the checked step's parts
+/// The live value `handle` names, or the error naming it.
+fn resolve(manager: &CoreManager, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<HandleId> {
+    match manager.resolve_live(py, handle)? {
+        Some(index) => Ok(index),
+        None => Err(manager.handle_error(py, handle)?),
+    }
+}
+
+/// Runs action record `record` as a transition, the caller holding the gate, with the
+/// checks in the order every action takes them: the reap, the handle (`index`), then
+/// the locations (`step`).
+fn perform<'py>(
+    manager: &CoreManager,
+    py: Python<'py>,
+    record: &Bound<'py, PyAny>,
+    index: impl FnOnce() -> PyResult<HandleId>,
+    step: impl FnOnce() -> PyResult<Step<'py>>,
+) -> PyResult<Arc<Transition>> {
+    crate::lifetimes::reap(manager, py)?;
+    let started = now_ns();
+    let index = index()?;
+    let step = step()?;
+    execute_step(manager, py, record, index, &step, started)
+}
+
+/// Runs the checked `step` of record `record` on value `index`; the caller holds the
+/// gate.
 fn execute_step<'py>(
     manager: &CoreManager,
     py: Python<'py>,
     record: &Bound<'py, PyAny>,
     index: HandleId,
-    action: &Action,
-    location: &Bound<'py, PyAny>,
-    stream: Option<&Bound<'py, PyAny>>,
+    step: &Step<'py>,
     started: u64,
 ) -> PyResult<Arc<Transition>> {
+    let (action, location) = (&step.action, &step.location);
     let context = manager.context();
     let core = manager.core();
     let asynchronous = manager.asynchronous();
     let telemetry = action.telemetry(asynchronous, || core.materialization_locations(index));
-    let telemetry = lift(py, telemetry)?;
+    let telemetry = CoreManager::lift(py, telemetry)?;
     let device = place(context, py, location, telemetry.device)?
         .map(|place| place.getattr(intern!(py, "device")))
         .transpose()?;
@@ -340,7 +269,7 @@ fn execute_step<'py>(
     let mut runtime = Runtime {
         manager,
         py,
-        stream,
+        stream: step.stream.as_ref(),
     };
     let done = ran(
         py,
@@ -354,12 +283,12 @@ fn execute_step<'py>(
         Some(cuda) if telemetry.readings => sample(context, py, cuda)?,
         _ => None,
     };
-    let spec = lift(py, core.value_spec(index))?;
+    let spec = CoreManager::lift(py, core.value_spec(index))?;
     let allocator = device.map(|device| {
         Box::new(AllocatorReadings {
             device: device.unbind(),
-            before: before.map(Sample::unbind),
-            after: after.map(Sample::unbind),
+            before: before.map(unbind),
+            after: after.map(unbind),
         })
     });
     let transition = Arc::new(Transition::new(TransitionFacts::completed_now(
@@ -392,6 +321,14 @@ fn place<'py>(
     }
 }
 
+/// Allocator figures around a transition that touches a CUDA device: allocated and
+/// reserved bytes.
+type Sample<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>);
+
+fn unbind((allocated, reserved): Sample<'_>) -> (Py<PyAny>, Py<PyAny>) {
+    (allocated.unbind(), reserved.unbind())
+}
+
 /// The allocator's figures on `device`; a runtime that cannot say gives none.
 fn sample<'py>(
     context: &Context,
@@ -413,15 +350,9 @@ fn sample<'py>(
         .and_then(|figures| {
             if figures.is_none() {
                 let none = py.None().into_bound(py);
-                return Ok(Sample {
-                    allocated: none.clone(),
-                    reserved: none,
-                });
+                return Ok((none.clone(), none));
             }
-            Ok(Sample {
-                allocated: measure::item(&figures, 0)?,
-                reserved: measure::item(&figures, 1)?,
-            })
+            Ok((measure::item(&figures, 0)?, measure::item(&figures, 1)?))
         });
     match figures {
         Ok(sample) => Ok(Some(sample)),

@@ -1,9 +1,9 @@
-//! The core's kinds as Python enums, so the glue names them instead of numbering them.
+//! Action records' kinds and location fields, and the core's lifetime kinds as a
+//! Python enum, so the glue names them instead of numbering them.
 //!
-//! Each enum mirrors one core enum; the conversions below match exhaustively, so a
-//! kind added to the core does not compile until it has its Python name here. The
-//! values keep the numbers the glue used before, and `eq_int` lets them compare
-//! equal to those numbers while callers move over.
+//! The enum mirrors the core's; the conversion below matches exhaustively, so a kind
+//! added to the core does not compile until it has its Python name here. `eq_int`
+//! lets its values compare equal to the numbers the glue used before.
 
 use std::borrow::Borrow;
 
@@ -74,49 +74,6 @@ pub(crate) fn locations_of<'py>(
             .transpose()
     };
     Ok((read(location)?, read(from)?))
-}
-
-/// The kind of a residency action.
-#[pyclass(
-    eq,
-    eq_int,
-    frozen,
-    from_py_object,
-    module = "fhelium._core",
-    name = "ActionKind"
-)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PyActionKind {
-    #[pyo3(name = "ENSURE")]
-    Ensure = 0,
-    #[pyo3(name = "MOVE")]
-    Move = 1,
-    #[pyo3(name = "DROP")]
-    Drop = 2,
-    #[pyo3(name = "DISCARD")]
-    Discard = 3,
-}
-
-impl From<ActionKind> for PyActionKind {
-    fn from(kind: ActionKind) -> Self {
-        match kind {
-            ActionKind::Ensure => Self::Ensure,
-            ActionKind::Move => Self::Move,
-            ActionKind::Drop => Self::Drop,
-            ActionKind::Discard => Self::Discard,
-        }
-    }
-}
-
-impl From<PyActionKind> for ActionKind {
-    fn from(kind: PyActionKind) -> Self {
-        match kind {
-            PyActionKind::Ensure => Self::Ensure,
-            PyActionKind::Move => Self::Move,
-            PyActionKind::Drop => Self::Drop,
-            PyActionKind::Discard => Self::Discard,
-        }
-    }
 }
 
 /// Which kind of lifetime a token names, for the one-call release.

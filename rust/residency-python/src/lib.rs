@@ -44,7 +44,6 @@ fn _after_fork_in_child() {
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     module.add("MAX_CUDA_INDEX", u32::from(residency_core::MAX_CUDA_INDEX))?;
-    module.add_class::<kinds::PyActionKind>()?;
     module.add_class::<search::ScheduleIndex>()?;
     module.add_class::<search::PolicyKeys>()?;
     module.add_class::<search::Decided>()?;
@@ -60,7 +59,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<lifetimes::LeaseFinalizer>()?;
     module.add_class::<step::StepEntry>()?;
     module.add_class::<checksum::Checksum>()?;
-    module.add_function(wrap_pyfunction!(plan::lower_plan, module)?)?;
     module.add_function(wrap_pyfunction!(plan::lower_records, module)?)?;
     module.add_function(wrap_pyfunction!(measure::measure_tensors, module)?)?;
     module.add_function(wrap_pyfunction!(checksum::checksum, module)?)?;

@@ -3,8 +3,7 @@
 //! `lower_records` reads the action and reservation records themselves, in one call
 //! per plan: it tells the four action classes apart, turns location records into
 //! codes, and interns handles into the plan's table with the same hash and equality
-//! a Python dict keyed by handle uses. `lower_plan` takes the same plan already
-//! encoded as tuples (the controller's tests and tools build such tables by hand).
+//! a Python dict keyed by handle uses.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -12,7 +11,7 @@ use std::sync::Arc;
 use pyo3::exceptions::{PyAssertionError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyString, PyTuple, PyType};
+use pyo3::types::{PyInt, PyString, PyTuple, PyType};
 use residency_core::tables::{FirstSeen, Identity, Interner};
 use residency_core::{
     Action, ActionKind, HandleRef, HandleSlot, Location, LocationKind, Plan, Refusal, Reservation,
@@ -20,16 +19,17 @@ use residency_core::{
 };
 
 use crate::errors::{refuse, to_py_err};
-use crate::kinds::{PyActionKind, kind_of, locations_of};
+use crate::kinds::{kind_of, locations_of};
 
-/// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent.
-type ActionTuple = (PyActionKind, u32, i64, i64);
+/// `(kind, handle_slot, location_code, from_code)`; codes are -1 where absent. Decoded
+/// once every record is read, so a record's error comes before any code's.
+type ActionTuple = (ActionKind, u32, i64, i64);
 
 fn actions(tuples: Vec<ActionTuple>) -> PyResult<Vec<Action>> {
     tuples
         .into_iter()
         .map(|(kind, slot, code, from)| {
-            Action::decode(kind.into(), HandleSlot(slot), code, from)
+            Action::decode(kind, HandleSlot(slot), code, from)
                 .map_err(|err| PyValueError::new_err(err.to_string()))
         })
         .collect()
@@ -76,73 +76,18 @@ impl PlanIr {
     }
 }
 
-/// Lowers one plan. The glue has already validated every field's type and value.
-#[pyfunction]
-#[pyo3(signature = (name, handles, reclaim, enter, exit, reservations, /))]
-#[allow(clippy::needless_pass_by_value)] // pyo3 extracts owned vectors.
-pub fn lower_plan(
-    py: Python<'_>,
-    name: String,
-    handles: Vec<(String, String, u64)>,
-    reclaim: Vec<ActionTuple>,
-    enter: Vec<ActionTuple>,
-    exit: Vec<ActionTuple>,
-    reservations: Vec<(i64, u64, String)>,
-) -> PyResult<PlanIr> {
-    let handles = handles
-        .into_iter()
-        .map(|(manager_id, handle_id, type_key)| HandleRef {
-            manager_id: Arc::from(manager_id),
-            handle_id: Arc::from(handle_id),
-            type_key,
-        })
-        .collect();
-    build(py, name, handles, reclaim, enter, exit, reservations)
-}
-
-/// The IR from encoded actions and reservations, validated by the core.
-fn build(
-    py: Python<'_>,
-    name: String,
-    handles: Vec<HandleRef>,
-    reclaim: Vec<ActionTuple>,
-    enter: Vec<ActionTuple>,
-    exit: Vec<ActionTuple>,
-    reservations: Vec<(i64, u64, String)>,
-) -> PyResult<PlanIr> {
-    let reservations = reservations
-        .into_iter()
-        .map(|(code, nbytes, label)| {
-            Reservation::decode(code, nbytes, label)
-                .map_err(|err| PyValueError::new_err(err.to_string()))
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    let plan = Plan::new(
-        name,
-        handles,
-        actions(reclaim)?,
-        actions(enter)?,
-        actions(exit)?,
-        reservations,
-    )
-    .map_err(|err| to_py_err(py, err))?;
-    Ok(PlanIr::new(plan))
-}
-
-/// The kinds of the action record classes, in the glue's registration order (see
+/// The action record classes and their kinds, in `ActionKind::ALL` order (see
 /// `kinds::kind_of`).
 struct Kinds<'py> {
     classes: Vec<(Bound<'py, PyAny>, ActionKind)>,
 }
 
 impl<'py> Kinds<'py> {
-    fn new(kinds: &Bound<'py, PyDict>) -> PyResult<Self> {
-        let classes = kinds
-            .iter()
-            .map(|(class, kind)| {
-                let kind: PyActionKind = kind.extract()?;
-                Ok((class.cast_into::<PyType>()?.into_any(), kind.into()))
-            })
+    fn new(classes: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let classes = classes
+            .try_iter()?
+            .zip(ActionKind::ALL)
+            .map(|(class, kind)| Ok((class?.cast_into::<PyType>()?.into_any(), kind)))
             .collect::<PyResult<_>>()?;
         Ok(Self { classes })
     }
@@ -283,7 +228,7 @@ fn encode_actions<'py>(
             Some(from) if !from.is_none() => codes.of(&from)?,
             _ => -1,
         };
-        encoded.push((kind.into(), slot, at, from));
+        encoded.push((kind, slot, at, from));
     }
     Ok(encoded)
 }
@@ -303,11 +248,11 @@ fn saturated(nbytes: &Bound<'_, PyAny>) -> PyResult<u64> {
 }
 
 /// Lowers a plan from its records in one call: `reclaim`, `enter` and `exit` are
-/// iterables of action records, `reservations` of reservation records; `kinds` maps
-/// each action class to its kind and `type_key` gives a value type's process-wide
-/// key. Returns the IR and the handle table (slot order: first appearance).
+/// iterables of action records, `reservations` of reservation records; `classes`
+/// are the action classes in `ActionKind::ALL` order (ensure, move, drop, discard)
+/// and `type_key` gives a value type's process-wide key. Returns the IR and the handle table (slot order: first appearance).
 #[pyfunction]
-#[pyo3(signature = (name, reclaim, enter, exit, reservations, kinds, type_key, /))]
+#[pyo3(signature = (name, reclaim, enter, exit, reservations, classes, type_key, /))]
 #[allow(clippy::too_many_arguments)] // the plan's fields, positionally
 pub fn lower_records<'py>(
     py: Python<'py>,
@@ -316,10 +261,10 @@ pub fn lower_records<'py>(
     enter: &Bound<'py, PyAny>,
     exit: &Bound<'py, PyAny>,
     reservations: &Bound<'py, PyAny>,
-    kinds: &Bound<'py, PyDict>,
+    classes: &Bound<'py, PyAny>,
     type_key: &Bound<'py, PyAny>,
 ) -> PyResult<(PlanIr, Bound<'py, PyTuple>)> {
-    let kinds = Kinds::new(kinds)?;
+    let kinds = Kinds::new(classes)?;
     let mut slots = Slots::default();
     let mut codes = Codes::new();
     let reclaim = encode_actions(reclaim, &kinds, &mut slots, &mut codes)?;
@@ -365,14 +310,22 @@ pub fn lower_records<'py>(
             diagnostic_text(&reservation.getattr(intern!(py, "label"))?)?.into_owned(),
         ));
     }
-    let ir = build(
-        py,
-        diagnostic_text(name)?.into_owned(),
+    let name = diagnostic_text(name)?.into_owned();
+    let reservations = encoded_reservations
+        .into_iter()
+        .map(|(code, nbytes, label)| {
+            Reservation::decode(code, nbytes, label)
+                .map_err(|err| PyValueError::new_err(err.to_string()))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let plan = Plan::new(
+        name,
         handles,
-        reclaim,
-        enter,
-        exit,
-        encoded_reservations,
-    )?;
-    Ok((ir, PyTuple::new(py, slots.items())?))
+        actions(reclaim)?,
+        actions(enter)?,
+        actions(exit)?,
+        reservations,
+    )
+    .map_err(|err| to_py_err(py, err))?;
+    Ok((PlanIr::new(plan), PyTuple::new(py, slots.items())?))
 }

@@ -121,8 +121,7 @@ pub fn execute_plan(
     then: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let operation = || {
-        let mut device = RunSide::new(manager, py, vec![(PlanPhase::Execute, actions.clone())]);
-        device.inputs = Some((ir, handles, transfer_streams, Vec::new()));
+        let mut device = RunSide::executing(manager, py, ir, handles, actions, transfer_streams);
         device.expected_version = expected_version;
         manager.set_asynchronous(asynchronous);
         let result = run.with_run(|core| core.execute(manager.core(), ir.plan(), &mut device));
@@ -156,7 +155,10 @@ fn hold_then(
         // The same groups by handle index (a staging's request, lowered): held without
         // resolving its handle objects; a refusal is raised as the handles' path
         // raises it, by taking that path.
-        Some(indexed) => match hold_indexed(manager, indexed, held) {
+        Some(indexed) => match manager
+            .core()
+            .hold_indices(indexed, |token| held.append(token))
+        {
             Ok(true) => Ok(()),
             Ok(false) => release_held(manager, held, kept)
                 .and_then(|()| crate::lifetimes::hold_locked(manager, py, groups, held)),
@@ -173,25 +175,6 @@ fn hold_then(
         return Err(error);
     }
     Ok(())
-}
-
-/// Holds each `(location, indices)` group in order, appending the tokens to `held`;
-/// `false`, with the tokens taken so far left in `held`, where the core refuses one.
-fn hold_indexed(
-    manager: &CoreManager,
-    groups: &[(Location, Vec<HandleId>)],
-    held: &Bound<'_, PyList>,
-) -> PyResult<bool> {
-    for (at, indices) in groups {
-        let Ok(token) = manager.core().hold(indices, *at) else {
-            return Ok(false);
-        };
-        if let Err(error) = held.append(token) {
-            manager.core().release_hold(token);
-            return Err(error);
-        }
-    }
-    Ok(true)
 }
 
 /// What a pipeline's staging runs again when it decides what its last staging of the
@@ -213,6 +196,7 @@ pub struct Rerun<'a, 'py> {
 /// decision (`None` when a value was discarded since the request was lowered) and
 /// whether its plan ran.
 #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
+#[allow(clippy::result_large_err)] // a stopped staging's outcome, returned at once
 pub fn stage_request(
     manager: &CoreManager,
     py: Python<'_>,
@@ -230,56 +214,56 @@ pub fn stage_request(
     // The request's hold groups by handle index: the lowering is current under this
     // hold of the gate (the decide refuses it otherwise, before anything runs).
     let groups = core.is_current(request, None).then(|| request.groups());
-    if let Some(disk_deferred) = blocking {
-        // Before anything is decided: whether its copies would block the host.
-        let blocks = match &groups {
-            Some(groups) => {
-                let host = crate::lifetimes::Host::new(manager, py);
-                groups.iter().try_fold(false, |blocks, (at, indices)| {
-                    Ok::<_, PyErr>(
-                        blocks || core.blocks_host_with(&host, indices, *at, disk_deferred)?,
-                    )
-                })
+    // Stopped (`Err`): what the call returns, having run no plan.
+    let staged = core.transition_then(
+        || {
+            if let Some(disk_deferred) = blocking {
+                // Before anything is decided: whether its copies would block the host.
+                let blocks = match &groups {
+                    Some(groups) => {
+                        let host = crate::lifetimes::Host::new(manager, py);
+                        core.blocks_host_indices(&host, groups, disk_deferred)
+                    }
+                    None => {
+                        crate::lifetimes::blocks_host_locked(manager, py, hold.0, disk_deferred)
+                    }
+                };
+                match blocks {
+                    Ok(false) => {}
+                    other => return Err(other.map(|_| None)),
+                }
             }
-            None => crate::lifetimes::blocks_host_locked(manager, py, hold.0, disk_deferred),
-        };
-        match blocks {
-            Ok(false) => {}
-            other => {
-                core.end_transition_and_exit();
-                return other.map(|_| None);
+            let decided = match decide_held(manager, py, request, limit, cuda_count, policy) {
+                Ok(Some(decided)) if decided.runs_as(rerun.previous, reclaim) => decided,
+                other => return Err(other.map(|decided| Some((decided, false)))),
+            };
+            let mut device = RunSide::executing(
+                manager,
+                py,
+                rerun.ir,
+                rerun.handles,
+                rerun.actions,
+                transfer_streams,
+            );
+            // The decide reaped under this hold of the gate: nothing to reap, no version
+            // to compare; and it simulated this very plan (the same actions on the same
+            // slots as the plan `rerun` lowered), which the preflight would simulate again.
+            device.reaped = true;
+            device.simulated = decided.preflighted(rerun.ir.plan(), cuda_devices(manager));
+            manager.set_asynchronous(true);
+            let result = run.with_run(|state| state.execute(core, rerun.ir.plan(), &mut device));
+            manager.set_asynchronous(false);
+            match result {
+                Ok(()) => Ok(decided),
+                Err(error) => Err(Err(device.raised(error))),
             }
-        }
-    }
-    let decided = match decide_held(manager, py, request, limit, cuda_count, policy) {
-        Ok(Some(decided)) if decided.runs_as(rerun.previous, reclaim) => decided,
-        other => {
-            core.end_transition_and_exit();
-            return other.map(|decided| Some((decided, false)));
-        }
-    };
-    let mut device = RunSide::new(
-        manager,
-        py,
-        vec![(PlanPhase::Execute, rerun.actions.clone())],
+        },
+        |decided| {
+            hold_then(manager, py, hold, then, groups.as_deref())
+                .map(|()| Some((Some(decided), true)))
+        },
     );
-    device.inputs = Some((rerun.ir, rerun.handles, transfer_streams, Vec::new()));
-    // The decide reaped under this hold of the gate: nothing to reap, no version to
-    // compare; and it simulated this very plan (the same actions on the same slots as
-    // the plan `rerun` lowered), which the preflight would simulate again.
-    device.reaped = true;
-    device.simulated = decided.preflighted(rerun.ir.plan(), cuda_devices(manager));
-    manager.set_asynchronous(true);
-    let result = run.with_run(|state| state.execute(core, rerun.ir.plan(), &mut device));
-    manager.set_asynchronous(false);
-    if let Err(error) = result {
-        core.end_transition_and_exit();
-        return Err(device.raised(error));
-    }
-    core.end_transition();
-    let outcome = hold_then(manager, py, hold, then, groups.as_deref());
-    core.exit();
-    outcome.map(|()| Some((Some(decided), true)))
+    staged.unwrap_or_else(|stopped| stopped)
 }
 
 /// Releases the hold tokens `held` gained past its first `kept` items, and takes them
@@ -306,9 +290,7 @@ pub fn enter_scope(
     then: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let operation = || {
-        let reservations = plan.getattr(intern!(py, "reservations"))?;
-        let reservations: Vec<Bound<'_, PyAny>> =
-            reservations.try_iter()?.collect::<PyResult<_>>()?;
+        let reservations = reservation_records(plan)?;
         let records = vec![
             (
                 PlanPhase::Reclaim,
@@ -352,6 +334,13 @@ pub fn exit_scope(
         let result = run.with_run(|core| core.exit(&mut device));
         result.map_err(|error| device.raised(error))
     })
+}
+
+/// A plan's reservation records, in order.
+fn reservation_records<'py>(plan: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    plan.getattr(intern!(plan.py(), "reservations"))?
+        .try_iter()?
+        .collect()
 }
 
 fn phase_records<'py>(
@@ -407,6 +396,20 @@ impl<'a, 'py> RunSide<'a, 'py> {
             reaped: false,
             simulated: None,
         }
+    }
+
+    /// The device side of `execute_actions`' run (one phase, "execute").
+    fn executing(
+        manager: &'a CoreManager,
+        py: Python<'py>,
+        ir: &'a PlanIr,
+        handles: &'a Bound<'py, PyTuple>,
+        actions: &Bound<'py, PyTuple>,
+        transfer_streams: Option<&'a Bound<'py, PyAny>>,
+    ) -> Self {
+        let mut device = Self::new(manager, py, vec![(PlanPhase::Execute, actions.clone())]);
+        device.inputs = Some((ir, handles, transfer_streams, Vec::new()));
+        device
     }
 
     /// Keeps the validated streams on the run, for a scope's exit.
@@ -484,21 +487,16 @@ impl residency_core::PlanDevice for RunSide<'_, '_> {
         };
         self.streams = read_streams(manager, py, *transfer_streams)?;
         let labels = labels(py, reservations)?;
-        if let Some(slots) = self.simulated.take() {
-            // The staging's decide simulated this very plan (see `stage_request`).
-            return Ok(Inputs {
-                slots,
-                cuda: cuda_devices(manager),
-                labels,
-                simulated: true,
-            });
-        }
-        let slots = resolve(manager, py, ir, handles)?;
+        // The staging's decide simulated this very plan (see `stage_request`).
+        let simulated = self.simulated.take();
         Ok(Inputs {
-            slots,
+            simulated: simulated.is_some(),
+            slots: match simulated {
+                Some(slots) => slots,
+                None => resolve(manager, py, ir, handles)?,
+            },
             cuda: cuda_devices(manager),
             labels,
-            simulated: false,
         })
     }
 
@@ -562,15 +560,7 @@ fn within_gate_after(
     after: impl FnOnce() -> PyResult<Py<PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     manager.enter_transition_gate(py)?;
-    let core = manager.core();
-    if let Err(error) = operation() {
-        core.end_transition_and_exit();
-        return Err(error);
-    }
-    core.end_transition();
-    let result = after();
-    core.exit();
-    result
+    manager.core().transition_then(operation, |()| after())?
 }
 
 /// `expected_state_version` as an index int and as the version the core compares:
@@ -671,10 +661,7 @@ fn read_streams<'py>(
 }
 
 fn cuda_devices(manager: &CoreManager) -> CudaDevices {
-    match manager.context().cuda_count() {
-        0 => CudaDevices::Unavailable,
-        count => CudaDevices::Count(count),
-    }
+    CudaDevices::from_count(manager.context().cuda_count())
 }
 
 /// `explain`: the version check, then the simulation with completed pending leases
@@ -695,10 +682,7 @@ pub fn explain(
                 .check_version(version)
                 .map_err(|error| stale_or(py, Some(&index), error))?;
         }
-        let reservations = plan.getattr(intern!(py, "reservations"))?;
-        let reservations: Vec<Bound<'_, PyAny>> =
-            reservations.try_iter()?.collect::<PyResult<_>>()?;
-        let labels = labels(py, &reservations)?;
+        let labels = labels(py, &reservation_records(plan)?)?;
         let completed = crate::lifetimes::completed_pending(manager, py);
         let slots = resolve(manager, py, ir, handles)?;
         let cuda = cuda_devices(manager);

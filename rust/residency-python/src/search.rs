@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 use std::ops::Deref;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::PyValueError;
@@ -105,9 +104,6 @@ pub struct ScheduleIndex(pub residency_core::ScheduleIndex);
 #[derive(Debug, Default)]
 pub struct PolicyKeys {
     pub(crate) keys: Mutex<KeyStore>,
-    /// The controller's last access epoch: each use takes the next one
-    /// (docs/concepts/controller.md#access-epochs). Changed only with `keys` locked.
-    epoch: AtomicI64,
 }
 
 impl PolicyKeys {
@@ -115,15 +111,9 @@ impl PolicyKeys {
         self.keys.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Takes the next access epoch and sets it as the last access epoch of each value
-    /// at `indices`, under one lock: a use's access record.
+    /// A use's access record under one lock (`KeyStore::record_use`).
     pub(crate) fn record_use(&self, indices: impl Iterator<Item = u32>) {
-        let mut keys = self.lock();
-        let epoch = self.epoch.load(Ordering::Relaxed).saturating_add(1);
-        self.epoch.store(epoch, Ordering::Relaxed);
-        for index in indices {
-            keys.set_epoch(index, epoch);
-        }
+        self.lock().record_use(indices);
     }
 }
 
@@ -141,21 +131,13 @@ impl PolicyKeys {
 
     /// Takes the next access epoch: one use's, for the values it records itself.
     fn next_epoch(&self) -> i64 {
-        let _keys = self.lock();
-        let epoch = self.epoch.load(Ordering::Relaxed).saturating_add(1);
-        self.epoch.store(epoch, Ordering::Relaxed);
-        epoch
+        self.lock().next_epoch()
     }
 
     /// Sets the priority and stable key of the value at handle index `index`.
     #[pyo3(signature = (index, priority, key=None))]
     fn set_metadata(&self, index: u32, priority: i64, key: Option<&str>) {
         self.lock().set_metadata(index, priority, key);
-    }
-
-    /// The values with keys.
-    fn __len__(&self) -> usize {
-        self.lock().len()
     }
 }
 
@@ -165,16 +147,6 @@ impl ScheduleIndex {
     #[getter]
     fn discards(&self) -> u64 {
         self.0.discards
-    }
-
-    /// Whether the schedule repeats: past its last step, its first step comes next.
-    #[getter]
-    fn cyclic(&self) -> bool {
-        self.0.uses.is_cyclic()
-    }
-
-    fn __len__(&self) -> usize {
-        self.0.len
     }
 }
 
@@ -297,12 +269,6 @@ impl LoweredRequest {
         residency_core::LoweredRequest::new(discards, rows, name, reservations, labels)
             .map(Self)
             .map_err(|err| PyValueError::new_err(err.to_string()))
-    }
-
-    /// The manager's discard count when the handles were resolved.
-    #[getter]
-    fn discards(&self) -> u64 {
-        self.0.discards
     }
 }
 

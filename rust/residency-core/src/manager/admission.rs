@@ -226,6 +226,43 @@ impl Manager {
         Ok(false)
     }
 
+    /// `hold_groups_with` for groups already resolved, `(location, indices)` each (a
+    /// staging's lowered request): `Ok(false)` where the core refuses a group's hold,
+    /// the tokens kept until then staying the caller's (who raises the refusal as the
+    /// handles' path words it); a token `keep` refused goes.
+    pub fn hold_indices<E>(
+        &self,
+        groups: &[(Location, Vec<HandleId>)],
+        mut keep: impl FnMut(u64) -> Result<(), E>,
+    ) -> Result<bool, E> {
+        for (at, indices) in groups {
+            let Ok(token) = self.hold(indices, *at) else {
+                return Ok(false);
+            };
+            if let Err(error) = keep(token) {
+                self.release_hold(token);
+                return Err(error);
+            }
+        }
+        Ok(true)
+    }
+
+    /// `blocks_host_groups_with` for groups already resolved, `(location, indices)`
+    /// each. Changes nothing.
+    pub fn blocks_host_indices<H: LifetimeHost>(
+        &self,
+        host: &H,
+        groups: &[(Location, Vec<HandleId>)],
+        disk_deferred: bool,
+    ) -> Result<bool, H::Error> {
+        for (at, indices) in groups {
+            if self.blocks_host_with(host, indices, *at, disk_deferred)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// What lease `token` borrows of `handle` at `place`, under the gate (without the
     /// closed check: a forced close ends what a lease borrows, and this says so): the
     /// handle's index (`known`, else looked up), then, only while the lease covers it,

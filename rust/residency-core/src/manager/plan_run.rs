@@ -269,15 +269,6 @@ impl<T> PlanRun<T> {
         device: &mut D,
     ) -> Result<T, RunError<D::Error>> {
         self.begin(PlanPhase::Execute);
-        Self::perform_one(action, index, device)
-    }
-
-    /// `perform` on a run of its own, which nothing reads after: no run is built.
-    pub fn perform_one<D: Device<Done = T>>(
-        action: &Action,
-        index: HandleId,
-        device: &mut D,
-    ) -> Result<T, RunError<D::Error>> {
         perform(device, PlanPhase::Execute, 0, action, Some(index))
     }
 
