@@ -156,6 +156,23 @@ impl ValueFacts {
         }
     }
 
+    /// The facts of a copy on CUDA device `index` (pageable, as device memory is) of
+    /// `nbytes`, logical and stored, its storages at `pointers`: what measuring a
+    /// simulated runtime's native copy says.
+    pub fn device_copy(index: usize, nbytes: u64, pointers: impl IntoIterator<Item = u64>) -> Self {
+        let code = i64::try_from(index).unwrap_or(Self::ELSEWHERE);
+        Self {
+            device_code: code,
+            pinned: Some(false),
+            logical: nbytes,
+            storage: nbytes,
+            keys: pointers
+                .into_iter()
+                .map(|pointer| (code, pointer))
+                .collect(),
+        }
+    }
+
     /// Whether the value's device is `at`'s: the host for the host locations, the
     /// same index for a CUDA one.
     fn on_device_of(&self, at: Location) -> bool {

@@ -170,3 +170,16 @@ fn a_stored_file_is_in_place_nowhere_in_memory() {
         assert_eq!(stored.misplaced(at), Some(Misplaced::OtherDevice));
     }
 }
+
+#[test]
+fn a_device_copy_is_in_place_on_its_device_only_with_a_key_per_storage() {
+    let copy = ValueFacts::device_copy(1, 64, [100, 200]);
+    assert_eq!(copy.keys, vec![(1, 100), (1, 200)]);
+    assert_eq!((copy.logical, copy.storage), (64, 64));
+    assert_eq!(copy.misplaced(Location::Cuda(1)), None);
+    assert_eq!(
+        copy.misplaced(Location::Cuda(0)),
+        Some(Misplaced::OtherDevice)
+    );
+    assert_eq!(copy.placement(), Ok(Location::Cuda(1)));
+}

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyType};
 use residency_core::placement::PlacementError;
-use residency_core::{Location, Misplacement, Refusal, SourceRefusal, ValueSpec};
+use residency_core::{Location, Refusal, SourceRefusal, ValueSpec};
 
 use crate::errors::{refuse, to_py_err};
 use crate::manager::CoreManager;
@@ -210,15 +210,8 @@ fn placement_of(
         Ok(cuda @ Location::Cuda(_)) => context.location_code(py, &context.location(py, cuda)?),
         Ok(location) => Ok(location),
         Err(PlacementError::Core(err)) => Err(to_py_err(py, err)),
-        Err(PlacementError::Misplaced(why)) => Err(to_py_err(
-            py,
-            Misplacement {
-                why,
-                value: &value.get_type().name()?.to_cow()?,
-                location: "",
-                device: "",
-            }
-            .error(),
-        )),
+        Err(PlacementError::Misplaced(why)) => {
+            Err(crate::measure::misplaced(py, why, value, "", "")?)
+        }
     }
 }

@@ -8,7 +8,9 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::{IntoPyObjectExt, intern};
-use residency_core::{HandleId, Location, Measurement, Misplacement, Refusal, ValueFacts};
+use residency_core::{
+    HandleId, Location, Measurement, Misplaced, Misplacement, Refusal, ValueFacts,
+};
 
 use crate::context::Context;
 use crate::errors::{refuse, to_py_err};
@@ -235,21 +237,14 @@ pub(crate) fn facts_of<'py>(facts: &Bound<'py, PyAny>) -> PyResult<Facts<'py>> {
 /// The facts of a simulated runtime's native copy (`residency_sim::Copied`): what its
 /// `measure` says of the copy.
 pub(crate) fn copied_facts<'py>(copied: &residency_sim::Copied<'py>) -> Facts<'py> {
-    let code = i64::try_from(copied.index).unwrap_or(ValueFacts::ELSEWHERE);
     Facts {
         device: Some(copied.device.clone()),
         first: None,
-        facts: ValueFacts {
-            device_code: code,
-            pinned: Some(false),
-            logical: copied.nbytes,
-            storage: copied.nbytes,
-            keys: copied
-                .pointers
-                .iter()
-                .map(|&pointer| (code, pointer))
-                .collect(),
-        },
+        facts: ValueFacts::device_copy(
+            copied.index,
+            copied.nbytes,
+            copied.pointers.iter().copied(),
+        ),
     }
 }
 
@@ -295,12 +290,25 @@ pub(crate) fn check_measured(
     } else {
         String::new()
     };
+    let location = context.location(py, at)?.str()?;
+    Err(misplaced(py, why, value, &location.to_cow()?, &device)?)
+}
+
+/// The error refusing `value` as misplaced (`why`), naming the location it should be
+/// at and the device it was measured on where the message needs them.
+pub(crate) fn misplaced(
+    py: Python<'_>,
+    why: Misplaced,
+    value: &Bound<'_, PyAny>,
+    location: &str,
+    device: &str,
+) -> PyResult<PyErr> {
     let misplacement = Misplacement {
         why,
         value: &value.get_type().name()?.to_cow()?,
-        location: &context.location(py, at)?.str()?.to_cow()?,
-        device: &device,
+        location,
+        device,
     }
     .error();
-    Err(to_py_err(py, misplacement))
+    Ok(to_py_err(py, misplacement))
 }

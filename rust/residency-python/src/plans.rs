@@ -132,9 +132,10 @@ pub fn execute_plan(
     let Some(hold) = hold else {
         return within_gate_then(manager, py, operation, then, || {});
     };
-    within_gate_after(manager, py, operation, || {
+    manager.enter_transition_gate(py)?;
+    manager.core().transition_then(operation, |()| {
         hold_then(manager, py, hold, then, None).map(|()| py.None())
-    })
+    })?
 }
 
 /// What follows a staging's plan under its hold of the gate: what the plan made
@@ -542,25 +543,14 @@ fn within_gate_then(
         manager.in_transition(py, operation)?;
         return Ok(py.None());
     };
-    within_gate_after(manager, py, operation, || {
+    manager.enter_transition_gate(py)?;
+    manager.core().transition_then(operation, |()| {
         let result = then.call0();
         if result.is_err() {
             undo();
         }
         result.map(Bound::unbind)
-    })
-}
-
-/// `operation` as a transition, then, when it succeeded, `after()` still under the
-/// same hold of the gate (see `within_gate_then`); returns what `after` returned.
-fn within_gate_after(
-    manager: &CoreManager,
-    py: Python<'_>,
-    operation: impl FnOnce() -> PyResult<()>,
-    after: impl FnOnce() -> PyResult<Py<PyAny>>,
-) -> PyResult<Py<PyAny>> {
-    manager.enter_transition_gate(py)?;
-    manager.core().transition_then(operation, |()| after())?
+    })?
 }
 
 /// `expected_state_version` as an index int and as the version the core compares:

@@ -95,7 +95,9 @@ impl RecordBuilder {
                 fields.len()
             )));
         }
-        self.build_with(py, fields.iter_borrowed().map(Ok))
+        self.build_each(py, fields.iter_borrowed(), |record, name, _, field| {
+            record.setattr(name, field)
+        })
     }
 
     /// A plan explanation (docs/concepts/snapshots.md#plan-explanations) of `plan`
@@ -153,7 +155,7 @@ impl RecordBuilder {
             plan.clone(),
             simulation.clone(),
         ];
-        self.build_with(py, fields.into_iter().map(Ok))
+        self.build(py, &fields.each_ref())
     }
 }
 
@@ -216,21 +218,9 @@ impl RecordBuilder {
         py: Python<'py>,
         fields: &[&Bound<'py, PyAny>],
     ) -> PyResult<Bound<'py, PyAny>> {
-        self.build_with(py, fields.iter().map(|field| Ok(*field)))
-    }
-
-    /// One record from fields made one at a time, in declaration order.
-    pub fn build_with<'py, V: IntoPyObject<'py>>(
-        &self,
-        py: Python<'py>,
-        fields: impl IntoIterator<Item = PyResult<V>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let record = self.fill.bind(py).call0()?;
-        for (name, value) in self.names.iter().zip(fields) {
-            record.setattr(name.bind(py), value?)?;
-        }
-        record.setattr(self.class_name.bind(py), self.record.bind(py))?;
-        Ok(record)
+        self.build_each(py, fields, |record, name, _, field| {
+            record.setattr(name, field)
+        })
     }
 
     /// One record from `fields` in declaration order, each set by `set(record, name,
