@@ -472,23 +472,82 @@ impl<'py> TransitionDevice for Runtime<'_, 'py> {
         }))
     }
 
+    /// Host copies are synchronous. A CUDA copy is enqueued on the transfer stream (the
+    /// device's current stream without one) and waited for through an event; if it
+    /// fails, the stream is synchronised before the error propagates, because the copy
+    /// may still be reading its source (docs/concepts/transitions.md).
+    /// With `asynchronous`, a CUDA copy is not waited for: its event comes back with it.
+    /// A CUDA copy also gives back the stream that allocated it, and, from a runtime with
+    /// `copy_to_cuda_measured`, the copy's facts (docs/architecture.md#the-device-seam).
     fn copy(
         &mut self,
-        value: &Made<'py>,
-        from: Location,
-        to: Location,
-        in_flight: bool,
+        made: &Made<'py>,
+        source: Location,
+        at: Location,
+        asynchronous: bool,
     ) -> PyResult<Copied<Made<'py>, Bound<'py, PyAny>>> {
-        let context = self.manager.context();
-        copy_to(
-            context,
-            self.py,
-            &value.value,
-            from,
-            to,
-            self.stream,
-            in_flight,
-        )
+        let (context, py, stream) = (self.manager.context(), self.py, self.stream);
+        let value = &made.value;
+        let runtime = context.runtime.bind(py);
+        let disk = context.disk.bind(py);
+        match CopyRoute::between(source, at) {
+            // Read back: mapped into pageable memory, read into pinned memory, or through
+            // the disk tier's pinned staging ring to a device, a chunk at a time, with the
+            // copies on the transfer stream (docs/concepts/locations-and-budgets.md#disk).
+            CopyRoute::ReadToHost { pinned } => Ok(host(
+                disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?,
+            )),
+            CopyRoute::ReadToCuda => {
+                let (device, copy_stream) = device_stream(context, py, at, stream)?;
+                // The tier waits for its own copies before it raises.
+                let (read, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = disk
+                    .call_method1(
+                        intern!(py, "read_to_cuda"),
+                        (value, &device, &copy_stream, runtime),
+                    )?
+                    .extract()?;
+                Ok(Copied {
+                    event: settle(runtime, event, asynchronous)?,
+                    value: Made {
+                        value: read,
+                        owner: Some(copy_stream),
+                        facts: None,
+                    },
+                })
+            }
+            CopyRoute::Write => Ok(host(disk.call_method1(
+                intern!(py, "write"),
+                (context.location(py, at)?, value, runtime),
+            )?)),
+            CopyRoute::ToPinned => Ok(host(
+                runtime.call_method1(intern!(py, "copy_to_pinned"), (value,))?,
+            )),
+            CopyRoute::ToPageable => Ok(host(
+                runtime.call_method1(intern!(py, "copy_to_pageable"), (value,))?,
+            )),
+            CopyRoute::ToCuda { non_blocking } => {
+                let (device, copy_stream) = device_stream(context, py, at, stream)?;
+                match enqueue_cuda_copy(
+                    context,
+                    py,
+                    value,
+                    &device,
+                    &copy_stream,
+                    non_blocking,
+                    asynchronous,
+                ) {
+                    Ok((copied, facts, event)) => Ok(Copied {
+                        value: Made {
+                            value: copied,
+                            owner: Some(copy_stream),
+                            facts,
+                        },
+                        event,
+                    }),
+                    Err(error) => Err(after_failed_copy(runtime, &device, &copy_stream, error)?),
+                }
+            }
+        }
     }
 
     fn validate(&mut self, index: HandleId, at: Location, value: &Made<'py>) -> PyResult<Measured> {
@@ -552,84 +611,6 @@ fn host(value: Bound<'_, PyAny>) -> Copied<Made<'_>, Bound<'_, PyAny>> {
     Copied {
         value: Made::held(value),
         event: None,
-    }
-}
-
-/// Host copies are synchronous. A CUDA copy is enqueued on the transfer stream (the
-/// device's current stream without one) and waited for through an event; if it
-/// fails, the stream is synchronised before the error propagates, because the copy
-/// may still be reading its source (docs/concepts/transitions.md).
-/// With `asynchronous`, a CUDA copy is not waited for: its event comes back with it.
-/// A CUDA copy also gives back the stream that allocated it, and, from a runtime with
-/// `copy_to_cuda_measured`, the copy's facts (docs/architecture.md#the-device-seam).
-fn copy_to<'py>(
-    context: &Context,
-    py: Python<'py>,
-    value: &Bound<'py, PyAny>,
-    source: Location,
-    at: Location,
-    stream: Option<&Bound<'py, PyAny>>,
-    asynchronous: bool,
-) -> PyResult<Copied<Made<'py>, Bound<'py, PyAny>>> {
-    let runtime = context.runtime.bind(py);
-    let disk = context.disk.bind(py);
-    match CopyRoute::between(source, at) {
-        // Read back: mapped into pageable memory, read into pinned memory, or through
-        // the disk tier's pinned staging ring to a device, a chunk at a time, with the
-        // copies on the transfer stream (docs/concepts/locations-and-budgets.md#disk).
-        CopyRoute::ReadToHost { pinned } => Ok(host(
-            disk.call_method1(intern!(py, "read"), (value, pinned, runtime))?,
-        )),
-        CopyRoute::ReadToCuda => {
-            let (device, copy_stream) = device_stream(context, py, at, stream)?;
-            // The tier waits for its own copies before it raises.
-            let (read, event): (Bound<'py, PyAny>, Bound<'py, PyAny>) = disk
-                .call_method1(
-                    intern!(py, "read_to_cuda"),
-                    (value, &device, &copy_stream, runtime),
-                )?
-                .extract()?;
-            Ok(Copied {
-                event: settle(runtime, event, asynchronous)?,
-                value: Made {
-                    value: read,
-                    owner: Some(copy_stream),
-                    facts: None,
-                },
-            })
-        }
-        CopyRoute::Write => Ok(host(disk.call_method1(
-            intern!(py, "write"),
-            (context.location(py, at)?, value, runtime),
-        )?)),
-        CopyRoute::ToPinned => Ok(host(
-            runtime.call_method1(intern!(py, "copy_to_pinned"), (value,))?,
-        )),
-        CopyRoute::ToPageable => Ok(host(
-            runtime.call_method1(intern!(py, "copy_to_pageable"), (value,))?,
-        )),
-        CopyRoute::ToCuda { non_blocking } => {
-            let (device, copy_stream) = device_stream(context, py, at, stream)?;
-            match enqueue_cuda_copy(
-                context,
-                py,
-                value,
-                &device,
-                &copy_stream,
-                non_blocking,
-                asynchronous,
-            ) {
-                Ok((copied, facts, event)) => Ok(Copied {
-                    value: Made {
-                        value: copied,
-                        owner: Some(copy_stream),
-                        facts,
-                    },
-                    event,
-                }),
-                Err(error) => Err(after_failed_copy(runtime, &device, &copy_stream, error)?),
-            }
-        }
     }
 }
 

@@ -197,7 +197,6 @@ pub struct Rerun<'a, 'py> {
 /// decision (`None` when a value was discarded since the request was lowered) and
 /// whether its plan ran.
 #[allow(clippy::too_many_arguments)] // the call's arguments, as the glue passes them
-#[allow(clippy::result_large_err)] // a stopped staging's outcome, returned at once
 pub fn stage_request(
     manager: &CoreManager,
     py: Python<'_>,
@@ -215,7 +214,9 @@ pub fn stage_request(
     // The request's hold groups by handle index: the lowering is current under this
     // hold of the gate (the decide refuses it otherwise, before anything runs).
     let groups = core.is_current(request, None).then(|| request.groups());
-    // Stopped (`Err`): what the call returns, having run no plan.
+    // What the call returns: set where the staging stops short of its plan (the
+    // operation's `Err` is then `Ok(())`, or else the error to raise) or once it ran.
+    let mut outcome = None;
     let staged = core.transition_then(
         || {
             if let Some(disk_deferred) = blocking {
@@ -231,12 +232,12 @@ pub fn stage_request(
                 };
                 match blocks {
                     Ok(false) => {}
-                    other => return Err(other.map(|_| None)),
+                    other => return Err(other.map(drop)),
                 }
             }
             let decided = match decide_held(manager, py, request, limit, cuda_count, policy) {
                 Ok(Some(decided)) if decided.runs_as(rerun.previous, reclaim) => decided,
-                other => return Err(other.map(|decided| Some((decided, false)))),
+                other => return Err(other.map(|decided| outcome = Some((decided, false)))),
             };
             let mut device = RunSide::executing(
                 manager,
@@ -254,17 +255,14 @@ pub fn stage_request(
             manager.set_asynchronous(true);
             let result = run.with_run(|state| state.execute(core, rerun.ir.plan(), &mut device));
             manager.set_asynchronous(false);
-            match result {
-                Ok(()) => Ok(decided),
-                Err(error) => Err(Err(device.raised(error))),
-            }
+            result.map_err(|error| Err(device.raised(error)))?;
+            outcome = Some((Some(decided), true));
+            Ok(())
         },
-        |decided| {
-            hold_then(manager, py, hold, then, groups.as_deref())
-                .map(|()| Some((Some(decided), true)))
-        },
+        |()| hold_then(manager, py, hold, then, groups.as_deref()),
     );
-    staged.unwrap_or_else(|stopped| stopped)
+    staged.unwrap_or_else(|stopped| stopped)?;
+    Ok(outcome)
 }
 
 /// Releases the hold tokens `held` gained past its first `kept` items, and takes them
