@@ -26,8 +26,8 @@ _KNOWN = ("export.py:172: ._snapshot",)  # the Timeline's (spans, now) read toge
 # Below the engine, which imports them: the plan IR's lowering and the record
 # builders call `_core`'s stateless functions.
 _CORE_LEAVES = {"_engine.py", "_lowering.py", "_records.py"}
-# What other modules may import from `_core`: types only.
-_CORE_TYPES = {"ActionKind"}
+# What other modules may import from `_core` outside `TYPE_CHECKING`: nothing now.
+_CORE_TYPES: frozenset[str] = frozenset()
 
 
 def _modules(*, everywhere: bool = False) -> list[Path]:
