@@ -350,12 +350,16 @@ impl CoreManager {
         cyclic: bool,
     ) -> PyResult<crate::search::ScheduleIndex> {
         let discards = self.core.discards();
-        let resolved = (steps.iter())
-            .map(|step| {
-                let indices = self.resolve_handles(py, step)?.into_iter().flatten();
-                Ok(indices.map(|index| index as usize).collect())
-            })
-            .collect::<PyResult<Vec<Vec<usize>>>>()?;
+        let mut resolved = Vec::with_capacity(steps.len());
+        for step in &steps {
+            let mut indices = Vec::with_capacity(step.len());
+            for handle in step {
+                if let Some(index) = self.resolve_live(py, handle)? {
+                    indices.push(index as usize);
+                }
+            }
+            resolved.push(indices);
+        }
         Ok(crate::search::ScheduleIndex(
             residency_core::ScheduleIndex::new(&resolved, discards, cyclic),
         ))
