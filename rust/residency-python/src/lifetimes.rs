@@ -400,6 +400,19 @@ pub(crate) fn borrowed_known(
 }
 
 impl CoreManager {
+    /// Runs `operation` holding the gate (`Manager::gated`).
+    pub(crate) fn with_gate<T>(
+        &self,
+        py: Python<'_>,
+        check_closed: bool,
+        check_reentrant: bool,
+        operation: impl FnOnce() -> PyResult<T>,
+    ) -> PyResult<T> {
+        let host = Host::new(self, py);
+        self.core
+            .gated(&host, check_closed, check_reentrant, operation)
+    }
+
     /// Runs `operation` under the gate on `handles` (normalised) resolved in order at
     /// `at` (`Manager::with_resolved`, reaping first with `reap`).
     pub(crate) fn with_resolved<T>(

@@ -22,7 +22,6 @@ use residency_core::{
 
 use crate::context::Context;
 use crate::kinds::LifetimeKind;
-use crate::lifetimes::Host;
 use crate::objects::{Objects, share};
 use crate::records::RecordBuilder;
 use crate::shapes::AdoptedShapes;
@@ -91,19 +90,6 @@ impl CoreManager {
         }
         let core = Arc::clone(&self.core);
         py.detach(move || core.enter(DEFAULT_POLL, check_closed, check_reentrant))
-    }
-
-    /// Runs `operation` holding the gate (`Manager::gated`).
-    pub(crate) fn with_gate<T>(
-        &self,
-        py: Python<'_>,
-        check_closed: bool,
-        check_reentrant: bool,
-        operation: impl FnOnce() -> PyResult<T>,
-    ) -> PyResult<T> {
-        let host = Host::new(self, py);
-        self.core
-            .gated(&host, check_closed, check_reentrant, operation)
     }
 
     /// Releases a lifetime token at once when the gate is free and nothing is queued
