@@ -12,57 +12,19 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use crate::fasthash::FastMap;
 use crate::plan::ActionKind;
 
-/// The last few entries remembered, newest last: beyond the bound the oldest is
-/// forgotten. Shared between threads.
+/// The last few entries remembered, oldest first: beyond the bound the oldest is
+/// forgotten, and a bound of 0 keeps none. Shared between threads.
 #[derive(Debug)]
 pub struct Recent<T> {
-    entries: Mutex<Vec<T>>,
+    entries: Mutex<VecDeque<T>>,
     bound: usize,
 }
 
 impl<T> Recent<T> {
     pub const fn new(bound: usize) -> Self {
         Self {
-            entries: Mutex::new(Vec::new()),
-            bound,
-        }
-    }
-
-    /// What `find` reads from the first entry it accepts.
-    #[inline]
-    pub fn find_map<R>(&self, find: impl FnMut(&T) -> Option<R>) -> Option<R> {
-        self.entries
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .find_map(find)
-    }
-
-    /// Remembers `entry`, forgetting the oldest beyond the bound. A forgotten entry
-    /// is released after the lock (releasing an object may run the caller's code).
-    pub fn remember(&self, entry: T) {
-        let forgotten = {
-            let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
-            entries.push(entry);
-            (entries.len() > self.bound).then(|| entries.remove(0))
-        };
-        drop(forgotten);
-    }
-}
-
-/// The newest entries kept, oldest first: beyond the capacity the oldest is
-/// forgotten, and a capacity of 0 keeps none. Shared between threads.
-#[derive(Debug)]
-pub struct Newest<T> {
-    entries: Mutex<VecDeque<T>>,
-    capacity: usize,
-}
-
-impl<T> Newest<T> {
-    pub const fn new(capacity: usize) -> Self {
-        Self {
             entries: Mutex::new(VecDeque::new()),
-            capacity,
+            bound,
         }
     }
 
@@ -70,16 +32,28 @@ impl<T> Newest<T> {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// What `find` reads from the first entry it accepts, oldest first.
+    #[inline]
+    pub fn find_map<R>(&self, find: impl FnMut(&T) -> Option<R>) -> Option<R> {
+        self.entries().iter().find_map(find)
+    }
+
+    /// Remembers `entry` (see `keep`).
+    pub fn remember(&self, entry: T) {
+        self.keep(|| entry);
+    }
+
     /// Keeps the entry `make` gives (made only when one is kept), forgetting the
-    /// oldest beyond the capacity. A forgotten entry is released after the lock.
+    /// oldest beyond the bound. A forgotten entry is released after the lock
+    /// (releasing an object may run the caller's code).
     pub fn keep(&self, make: impl FnOnce() -> T) {
-        if self.capacity == 0 {
+        if self.bound == 0 {
             return;
         }
         let forgotten = {
             let mut entries = self.entries();
             entries.push_back(make());
-            if entries.len() > self.capacity {
+            if entries.len() > self.bound {
                 entries.pop_front()
             } else {
                 None

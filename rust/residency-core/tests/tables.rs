@@ -5,7 +5,7 @@ use std::cell::Cell;
 
 use residency_core::ActionKind;
 use residency_core::tables::{
-    ByCode, CallTable, FirstSeen, Identity, Interner, KEPT_CALLS, Last, Memo, Newest, Recent,
+    ByCode, CallTable, FirstSeen, Identity, Interner, KEPT_CALLS, Last, Memo, Recent,
 };
 
 #[test]
@@ -26,16 +26,16 @@ fn recent_forgets_the_oldest_past_its_bound() {
 }
 
 #[test]
-fn newest_keeps_the_newest_entries_oldest_first() {
-    let newest = Newest::new(2);
+fn recent_keeps_the_newest_entries_oldest_first() {
+    let recent = Recent::new(2);
     for entry in [1, 2, 3] {
-        newest.keep(|| entry);
+        recent.keep(|| entry);
     }
-    assert_eq!(newest.to_vec(), [2, 3]);
-    newest.clear();
-    assert_eq!(newest.to_vec(), Vec::<i32>::new());
+    assert_eq!(recent.to_vec(), [2, 3]);
+    recent.clear();
+    assert_eq!(recent.to_vec(), Vec::<i32>::new());
     // A capacity of 0 keeps nothing, and makes nothing.
-    let none = Newest::new(0);
+    let none = Recent::new(0);
     none.keep(|| -> i32 { unreachable!("nothing is made") });
     assert!(none.to_vec().is_empty());
 }

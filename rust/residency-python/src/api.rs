@@ -11,7 +11,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple, PyWeakrefReference};
 use residency_core::manager::not_issued;
-use residency_core::tables::Newest;
+use residency_core::tables::Recent;
 use residency_core::{Admitted, HandleId, LeaseRelease, Manager};
 
 use crate::context::Context;
@@ -59,7 +59,7 @@ impl CoreManager {
                 builder.clone().unbind()
             },
             context,
-            trace: Newest::new(trace_capacity),
+            trace: Recent::new(trace_capacity),
             adopted_shapes: AdoptedShapes::default(),
             asynchronous: std::sync::atomic::AtomicBool::new(false),
         })

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 use residency_core::gate::DEFAULT_POLL;
 use residency_core::manager::not_issued;
-use residency_core::tables::Newest;
+use residency_core::tables::Recent;
 
 use residency_core::{
     CoreError, Freed, HandleId, HandleName, Location, Manager, Simulation, State, StorageKey,
@@ -46,7 +46,7 @@ pub struct CoreManager {
     /// The engine's classes, builders and runtime (see `context::Context`).
     pub(crate) context: Context,
     /// The retained transition reports: the newest `trace_capacity`, oldest first.
-    pub(crate) trace: Newest<Arc<Transition>>,
+    pub(crate) trace: Recent<Arc<Transition>>,
     pub(crate) adopted_shapes: AdoptedShapes,
     /// Set while a prefetch runs its plan: CUDA copies of `ensure` actions are
     /// enqueued without waiting for them (docs/concepts/controller.md#prefetch).
